@@ -1,0 +1,1 @@
+"""jetlora's wire contract: every message is a msgspec Struct, every name is in `names`."""

@@ -1,0 +1,71 @@
+"""Artifacts in transit (chunks) and at rest (object-store entries)."""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from msgspec import Meta, Struct
+
+from schemas.jobs import JobId
+
+ArtifactKind = Literal["peft", "gguf", "checkpoint"]
+CHUNK_BYTES = 512 * 1024  # data per chunk message: well under NATS's 1 MiB default max_payload
+
+
+class ArtifactMeta(Struct, kw_only=True):
+    """What is recorded about an artifact besides its bytes."""
+
+    base_model: str = ""
+    trainer_version: str = ""
+    summary: str = ""  # hyperparameters, in a line
+    filename: str = ""  # suggested file name when downloaded
+
+
+class Chunk(Struct, kw_only=True):
+    """One piece of an artifact upload (msgpack on the wire). The last one carries the sha256 of the whole."""
+
+    upload: Annotated[str, Meta(pattern=r"^[A-Za-z0-9_-]{1,64}$")]  # one attempt; a retry is a new upload
+    job: JobId
+    kind: ArtifactKind
+    seq: Annotated[int, Meta(ge=0)]
+    data: bytes
+    last: bool = False
+    sha256: str = ""  # hex, on the last chunk
+    size: int = 0  # total bytes, on the last chunk
+    meta: ArtifactMeta | None = None  # on the first chunk
+
+
+class ChunkAck(Struct, kw_only=True):
+    upload: str
+    seq: int
+    ok: bool
+    error: str = ""
+    stored: "ArtifactInfo | None" = None  # on the last chunk's ack
+
+
+class ArtifactInfo(Struct, kw_only=True):
+    """An artifact in the object store."""
+
+    name: str
+    job: str
+    kind: str
+    size: int
+    sha256: str
+    created: str
+    base_model: str = ""
+    trainer_version: str = ""
+    summary: str = ""
+    filename: str = ""
+
+
+class ArtifactQuery(Struct, forbid_unknown_fields=True, kw_only=True):
+    job: JobId | None = None
+    kind: ArtifactKind | None = None
+
+
+class ArtifactList(Struct, tag="artifacts", tag_field="type"):
+    artifacts: list[ArtifactInfo]
+
+
+class Deleted(Struct, tag="deleted", tag_field="type"):
+    names: list[str]

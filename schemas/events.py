@@ -1,0 +1,84 @@
+"""Job events: what the JOBS stream carries, and what the trainer prints on stdout."""
+
+from __future__ import annotations
+
+from msgspec import Struct, field
+
+from schemas.jobs import ArtifactRef, JobRequest, JobState
+
+
+class Progress(Struct, tag="progress", tag_field="type", kw_only=True):
+    """One logging step of training (the fields of both seeds' progress)."""
+
+    job: str = ""
+    step: int
+    steps: int
+    epoch: float = 0.0
+    loss: float | None = None
+    lr: float | None = None
+    grad_norm: float | None = None
+    tokens: int = 0  # real (unpadded) tokens seen so far
+    tokens_per_s: float | None = None
+    elapsed_s: float = 0.0
+    eta_s: float | None = None
+    peak_mib: float | None = None  # CUDA: max allocated; CPU: peak RSS
+    eval_loss: float | None = None
+    message: str = ""
+    ts: float = 0.0
+
+
+class StateChange(Struct, tag="state", tag_field="type", kw_only=True):
+    """A job moved to a new state (agents report these; the scheduler applies them)."""
+
+    job: str
+    state: JobState
+    node: str = ""
+    attempt: int = 0
+    message: str = ""
+    artifacts: list[ArtifactRef] = field(default_factory=list)
+    ts: float = 0.0
+
+
+JobEvent = Progress | StateChange
+
+
+class TrainerSpec(Struct, kw_only=True):
+    """The file the agent writes for `python -m trainer JOB.json`."""
+
+    job: str
+    attempt: int
+    request: "JobRequest"
+    out_dir: str
+    device: str = "cpu"  # "cuda" (the card is chosen by CUDA_VISIBLE_DEVICES) or "cpu"
+    resume_from: str | None = None  # a checkpoint directory
+
+
+# What the trainer subprocess prints, one JSON object per line.
+class Started(Struct, tag="started", tag_field="type", kw_only=True):
+    steps: int
+    examples: int
+    eval_examples: int = 0
+    device: str = "cpu"
+    message: str = ""
+
+
+class Checkpoint(Struct, tag="checkpoint", tag_field="type", kw_only=True):
+    step: int
+    path: str
+
+
+class Finished(Struct, tag="finished", tag_field="type", kw_only=True):
+    """Training ended with an adapter: `trained` ran to the end, `stopped` was asked to stop early."""
+
+    state: str  # "trained" or "stopped"
+    step: int
+    adapter_dir: str
+    gguf_path: str | None = None
+    message: str = ""
+
+
+class Failed(Struct, tag="failed", tag_field="type", kw_only=True):
+    message: str
+
+
+TrainerEvent = Started | Progress | Checkpoint | Finished | Failed

@@ -1,0 +1,98 @@
+"""Write the JSON Schema of every message and an AsyncAPI 3 document of every subject: `jetlora schema`."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import msgspec
+
+from schemas import names
+from schemas.artifacts import ArtifactList, ArtifactQuery, Chunk, ChunkAck, Deleted
+from schemas.events import JobEvent, Progress, StateChange, TrainerEvent, TrainerSpec
+from schemas.jobs import Error, JobList, JobListQuery, JobQuery, JobReply, JobRequest, JobStatus, StoredRequest, SubmitReply
+from schemas.nodes import Assignment, AssignReply, Control, ControlReply, Heartbeat, NodeList
+
+HERE = Path(__file__).parent
+
+MESSAGES = {
+    "JobRequest": JobRequest, "SubmitReply": SubmitReply, "JobQuery": JobQuery, "JobReply": JobReply | Error,
+    "JobListQuery": JobListQuery, "JobList": JobList | Error, "NodeList": NodeList, "Heartbeat": Heartbeat,
+    "Assignment": Assignment, "AssignReply": AssignReply, "Control": Control, "ControlReply": ControlReply,
+    "StateChange": StateChange, "Progress": Progress, "JobEvent": JobEvent, "Chunk": Chunk, "ChunkAck": ChunkAck,
+    "ArtifactQuery": ArtifactQuery, "ArtifactList": ArtifactList | Error, "Deleted": Deleted | Error,
+    "StoredRequest": StoredRequest, "JobStatus": JobStatus, "TrainerSpec": TrainerSpec, "TrainerEvent": TrainerEvent,
+}
+
+# (address, kind, message, reply, who sends, what it is)
+CHANNELS = [
+    (names.SUBMIT, "request", "JobRequest", "SubmitReply", "submitters", "submit a job; the reply is accepted (id) or rejected (field errors)"),
+    (names.GET_JOB, "request", "JobQuery", "JobReply", "submitters", "one job's state"),
+    (names.LIST_JOBS, "request", "JobListQuery", "JobList", "submitters", "jobs, filtered by state or node"),
+    (names.CANCEL, "request", "JobQuery", "JobReply", "submitters", "cancel a job: its trainer is killed"),
+    (names.STOP, "request", "JobQuery", "JobReply", "submitters", "stop a job: it saves its adapter and ends as stopped"),
+    (names.LIST_NODES, "request", None, "NodeList", "operators", "nodes, their devices and what runs there"),
+    (names.heartbeat("{node}"), "publish", "Heartbeat", None, "agents", "an agent is alive; its devices' free memory"),
+    (names.assign("{node}"), "request", "Assignment", "AssignReply", "scheduler", "run this job on that device"),
+    (names.control("{node}"), "request", "Control", "ControlReply", "scheduler", "cancel or stop a running job"),
+    (names.job_state("{job}"), "publish", "StateChange", None, "agents", "the job changed state (JetStream: JOBS stream)"),
+    (names.job_progress("{job}"), "publish", "Progress", None, "agents", "a training step's figures (JetStream: JOBS stream; replayable)"),
+    (names.artifact_upload("{job}"), "request", "Chunk", "ChunkAck", "agents", "one chunk of an artifact (msgpack)"),
+    (names.ARTIFACTS_LIST, "request", "ArtifactQuery", "ArtifactList", "operators", "artifacts in the object store"),
+    (names.ARTIFACTS_DELETE, "request", "ArtifactQuery", "Deleted", "operators", "delete a job's artifacts"),
+]
+
+
+def json_schemas() -> dict:
+    out = {}
+    for name, t in MESSAGES.items():
+        out[name] = msgspec.json.schema(t)
+    return out
+
+
+def asyncapi() -> dict:
+    channels, operations = {}, {}
+    for address, kind, message, reply, who, what in CHANNELS:
+        cid = address.replace(".", "_").replace("{", "").replace("}", "")
+        params = {p: {"description": f"the {p} id"} for p in ("node", "job") if "{" + p + "}" in address}
+        ch = {"address": address, "description": what, "messages": {}}
+        if params:
+            ch["parameters"] = params
+        if message:
+            ch["messages"][message] = {"$ref": f"#/components/messages/{message}"}
+        channels[cid] = ch
+        op = {"action": "send", "channel": {"$ref": f"#/channels/{cid}"}, "summary": f"{who}: {what}"}
+        if message:
+            op["messages"] = [{"$ref": f"#/channels/{cid}/messages/{message}"}]
+        if reply:
+            rid = cid + "_reply"
+            channels[rid] = {"address": None, "description": f"the reply inbox of {address}",
+                             "messages": {reply: {"$ref": f"#/components/messages/{reply}"}}}
+            op["reply"] = {"channel": {"$ref": f"#/channels/{rid}"}}
+        operations[cid] = op
+    messages = {n: {"name": n, "contentType": "application/msgpack" if n == "Chunk" else "application/json",
+                    "payload": {"$ref": f"json/{n}.json"}} for n in MESSAGES}
+    return {"asyncapi": "3.0.0", "info": {"title": "jetlora", "version": "0.1.0",
+                                           "description": "Distributed LoRA fine-tuning over NATS. JetStream: stream "
+                                           f"{names.JOBS_STREAM} ({names.JOBS_STREAM_SUBJECTS[0]}), KV {names.JOBS_KV}, "
+                                           f"object store {names.ARTIFACTS_BUCKET}."},
+            "defaultContentType": "application/json", "channels": channels, "operations": operations,
+            "components": {"messages": messages}}
+
+
+def rendered() -> dict[str, str]:
+    """File name (relative to schemas/) -> content."""
+    files = {f"json/{n}.json": json.dumps(s, indent=2, sort_keys=True) + "\n" for n, s in json_schemas().items()}
+    files["asyncapi.json"] = json.dumps(asyncapi(), indent=2) + "\n"
+    return files
+
+
+def write_all(out: Path | None = None) -> list[Path]:
+    out = out or HERE
+    paths = []
+    for rel, text in rendered().items():
+        p = out / rel
+        p.parent.mkdir(parents=True, exist_ok=True)
+        p.write_text(text)
+        paths.append(p)
+    return paths

@@ -1,0 +1,225 @@
+"""A training job as submitters send it, and as the scheduler keeps it."""
+
+from __future__ import annotations
+
+import re
+from typing import Annotated, Literal
+
+import msgspec
+from msgspec import Meta, Struct, field
+
+NodeId = Annotated[str, Meta(pattern=r"^[A-Za-z0-9_-]{1,128}$", description="one NATS subject token")]
+JobId = NodeId
+
+ATTENTION_AND_MLP = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+class QA(Struct, forbid_unknown_fields=True):
+    """One training example: a question and the answer the adapter should learn."""
+
+    q: Annotated[str, Meta(min_length=1, description="the question (prompt)")]
+    a: Annotated[str, Meta(min_length=1, description="the answer the model should learn")]
+
+
+class LoraConfig(Struct, forbid_unknown_fields=True, kw_only=True):
+    """The adapter's shape."""
+
+    r: Annotated[int, Meta(ge=1, le=1024)] = 16
+    alpha: Annotated[float, Meta(gt=0, le=8192)] = 32.0
+    dropout: Annotated[float, Meta(ge=0, lt=1)] = 0.0
+    target_modules: Annotated[list[Annotated[str, Meta(min_length=1)]], Meta(min_length=1)] = field(
+        default_factory=lambda: list(ATTENTION_AND_MLP)
+    )
+    rslora: bool = False
+
+
+class TrainConfig(Struct, forbid_unknown_fields=True, kw_only=True):
+    """How to train: the usual SFT knobs, with the defaults a user expects."""
+
+    epochs: Annotated[float, Meta(gt=0, le=1000)] = 1.0
+    max_steps: Annotated[int, Meta(ge=0, description="0: as many steps as the epochs take")] = 0
+    learning_rate: Annotated[float, Meta(gt=0, le=1)] = 2e-4
+    lr_scheduler: Literal["linear", "cosine", "constant", "constant_with_warmup"] = "cosine"
+    warmup_steps: Annotated[int, Meta(ge=0, description="wins over warmup_ratio when > 0")] = 0
+    warmup_ratio: Annotated[float, Meta(ge=0, le=1)] = 0.03
+    weight_decay: Annotated[float, Meta(ge=0, le=10)] = 0.0
+    batch_size: Annotated[int, Meta(ge=1, le=4096, description="rows per micro-batch")] = 4
+    grad_accum: Annotated[int, Meta(ge=1, le=4096)] = 1
+    max_seq_length: Annotated[int, Meta(ge=8, le=262144)] = 1024
+    seed: int = 42
+    completions_only: Annotated[bool, Meta(description="the loss covers the answers, not the questions")] = True
+    packing: Annotated[bool, Meta(description="padding-free packing of several examples per row")] = True
+    eval_fraction: Annotated[float, Meta(ge=0, lt=1)] = 0.0
+    eval_steps: Annotated[int, Meta(ge=0, description="0: evaluate at the end only")] = 0
+    save_steps: Annotated[int, Meta(ge=0, description="checkpoint every N steps; 0: never")] = 0
+    logging_steps: Annotated[int, Meta(ge=1)] = 1
+    gradient_checkpointing: bool = False
+    precision: Literal["auto", "bf16", "fp16", "fp32"] = "auto"
+    max_grad_norm: Annotated[float, Meta(ge=0)] = 1.0
+
+
+class JobRequest(Struct, forbid_unknown_fields=True, kw_only=True):
+    """What a submitter publishes on the submit subject."""
+
+    model: Annotated[str, Meta(min_length=1, max_length=200, description="catalog name of the served model")]
+    base_dir: Annotated[str, Meta(min_length=1, description="directory of safetensors weights and config.json, on the node")]
+    data: Annotated[list[QA], Meta(min_length=1, description="question/answer pairs")]
+    served_by: Literal["vllm", "llamacpp"] = "vllm"
+    node: NodeId | None = None
+    gpu_mib: Annotated[int, Meta(ge=0, le=16_777_216, description="GPU memory the job needs; 0: any free GPU")] = 0
+    accelerator: Literal["gpu", "cpu", "any"] = "gpu"
+    priority: Annotated[int, Meta(ge=-100, le=100)] = 0
+    retries: Annotated[int, Meta(ge=0, le=20, description="times the job is re-queued when its node goes away")] = 0
+    lora: LoraConfig = field(default_factory=LoraConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    gguf_type: Literal["f16", "f32", "bf16", "q8_0"] = "f16"
+    label: Annotated[str, Meta(max_length=200)] = ""
+
+
+class FieldError(Struct):
+    """One thing wrong with a request: where, and how to fix it."""
+
+    field: str
+    reason: str
+
+
+class Accepted(Struct, tag="accepted", tag_field="type"):
+    job: str
+
+
+class Rejected(Struct, tag="rejected", tag_field="type"):
+    errors: list[FieldError]
+
+
+SubmitReply = Accepted | Rejected
+
+JobState = Literal["queued", "assigned", "preparing", "running", "uploading", "succeeded", "failed", "cancelled", "stopped"]
+TERMINAL_STATES = frozenset({"succeeded", "failed", "cancelled", "stopped"})
+ACTIVE_STATES = frozenset({"assigned", "preparing", "running", "uploading"})
+
+
+class ArtifactRef(Struct):
+    """Where one of a job's artifacts lies in the object store."""
+
+    kind: str
+    name: str
+    size: int
+    sha256: str
+
+
+class StoredRequest(Struct, kw_only=True):
+    """A submitted job as kept in the jobs KV bucket under `request.<id>`: written once, never changed."""
+
+    id: str
+    request: JobRequest
+    created: float
+    seq: int = 0  # submission order among equal priorities
+
+
+class JobStatus(Struct, kw_only=True):
+    """Where a job stands, kept under `status.<id>`; no key yet means queued since submission."""
+
+    state: JobState = "queued"
+    message: str = ""
+    updated: float = 0.0
+    node: str | None = None
+    device: int | None = None
+    attempt: int = 0  # assignments so far; agents' state events name theirs, so stale ones are ignored
+    retries_used: int = 0  # times the job was re-queued because its node went away
+    artifacts: list[ArtifactRef] = field(default_factory=list)
+    step: int = 0
+    steps: int = 0
+    loss: float | None = None
+    peak_mib: float | None = None
+
+
+class JobSummary(Struct, kw_only=True):
+    """A job in a listing: its record without the training data."""
+
+    id: str
+    label: str
+    model: str
+    state: JobState
+    message: str
+    node: str | None
+    device: int | None
+    priority: int
+    gpu_mib: int
+    created: float
+    updated: float
+    attempt: int
+    step: int
+    steps: int
+    loss: float | None
+    artifacts: list[ArtifactRef]
+
+
+def summarize(stored: StoredRequest, status: JobStatus) -> "JobSummary":
+    req = stored.request
+    return JobSummary(
+        id=stored.id, label=req.label, model=req.model, state=status.state, message=status.message,
+        node=status.node, device=status.device, priority=req.priority, gpu_mib=req.gpu_mib,
+        created=stored.created, updated=status.updated or stored.created, attempt=status.attempt,
+        step=status.step, steps=status.steps, loss=status.loss, artifacts=status.artifacts,
+    )
+
+
+class JobQuery(Struct, forbid_unknown_fields=True):
+    """Ask for one job (get, cancel, stop)."""
+
+    job: JobId
+
+
+class JobListQuery(Struct, forbid_unknown_fields=True, kw_only=True):
+    state: JobState | None = None
+    node: NodeId | None = None
+    limit: Annotated[int, Meta(ge=1, le=100_000)] = 1000
+
+
+class JobReply(Struct, tag="job", tag_field="type"):
+    job: JobSummary
+
+
+class JobList(Struct, tag="jobs", tag_field="type"):
+    jobs: list[JobSummary]
+
+
+class Error(Struct, tag="error", tag_field="type"):
+    """A request that could not be served; `field` names the part of the request at fault."""
+
+    error: str
+    field: str = ""
+
+
+def decode_error_field(err: msgspec.ValidationError) -> FieldError:
+    """msgspec says `... - at `$.train.batch_size``: split that into field and reason."""
+    text = str(err)
+    reason, where = text, ""
+    if " - at `" in text:
+        reason, _, where = text.rpartition(" - at `")
+        where = where.rstrip("`").removeprefix("$").removeprefix(".")
+    named = re.search(r"(?:missing required|unknown) field `([^`]+)`", reason)
+    if named:
+        where = f"{where}.{named.group(1)}" if where else named.group(1)
+    if "unknown field" in reason:
+        reason += "; remove it (see schemas/json/JobRequest.json for the fields)"
+    return FieldError(field=where, reason=reason)
+
+
+def check_request(req: JobRequest) -> list[FieldError]:
+    """Rules that span fields or need more than a type: each error says what to change."""
+    errors = []
+    if not req.base_dir.startswith("/"):
+        errors.append(FieldError("base_dir", f"{req.base_dir!r} is not an absolute path; give the model directory's full path on the node"))
+    if ".." in req.base_dir.split("/"):
+        errors.append(FieldError("base_dir", "must not contain '..'; give the model directory's real path"))
+    t = req.train
+    if t.eval_steps and not t.eval_fraction:
+        errors.append(FieldError("train.eval_steps", "evaluation needs held-out data: set train.eval_fraction (e.g. 0.1) or eval_steps to 0"))
+    if t.eval_fraction and len(req.data) * t.eval_fraction < 1:
+        errors.append(FieldError("train.eval_fraction", f"{t.eval_fraction} of {len(req.data)} examples holds out none; raise it or add data"))
+    if req.accelerator == "cpu" and req.gpu_mib:
+        errors.append(FieldError("gpu_mib", "a CPU job needs no GPU memory: set gpu_mib to 0 or accelerator to 'gpu'"))
+    if len(set(req.lora.target_modules)) != len(req.lora.target_modules):
+        errors.append(FieldError("lora.target_modules", "lists a module twice; name each once"))
+    return errors

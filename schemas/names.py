@@ -1,0 +1,124 @@
+"""Every NATS subject, stream, consumer, KV bucket and object-store bucket jetlora uses.
+
+The subject tree is shaped so that permissions can be written against it:
+
+    jetlora.api.<verb>                  requests from submitters and operators
+    jetlora.node.<node>.heartbeat       an agent's heartbeat (core NATS)
+    jetlora.node.<node>.assign          scheduler -> agent: run this job (request/reply)
+    jetlora.node.<node>.control         scheduler -> agent: cancel / stop-and-save a job
+    jetlora.job.<job>.state             agent -> JOBS stream: the job's state changed
+    jetlora.job.<job>.progress          agent -> JOBS stream: a training event
+    jetlora.artifacts.upload.<job>      agent -> artifact service: one chunk (request/reply)
+    jetlora.artifacts.<verb>            operators' artifact requests
+
+No other module spells a subject: they all call these functions.
+"""
+
+from __future__ import annotations
+
+import base64
+import re
+
+PREFIX = "jetlora"
+
+# JetStream resources
+JOBS_STREAM = "JETLORA_JOBS"  # state and progress events of every job, replayable
+JOBS_KV = "jetlora_jobs"  # one record per job: the scheduler's durable queue
+LEASE_KV = "jetlora_lease"  # the active scheduler's lease
+ARTIFACTS_BUCKET = "jetlora_artifacts"  # object store of adapters and GGUF files
+SCHEDULER_CONSUMER = "jetlora_scheduler_states"  # durable consumer of job states
+
+SCHEDULER_SERVICE = "jetlora-scheduler"  # nats.micro names ($SRV.PING etc.)
+ARTIFACT_SERVICE = "jetlora-artifacts"
+
+_TOKEN = re.compile(r"^[A-Za-z0-9_-]{1,128}$")
+
+
+def check_token(value: str, what: str) -> str:
+    """A node or job id must be one subject token: letters, digits, '_' and '-'."""
+    if not _TOKEN.match(value or ""):
+        raise ValueError(f"{what} {value!r} must be 1-128 letters, digits, '_' or '-' (it becomes a NATS subject token)")
+    return value
+
+
+# requests served by the scheduler (nats.micro group "jetlora.api")
+API_GROUP = f"{PREFIX}.api"
+SUBMIT = f"{API_GROUP}.submit"
+CANCEL = f"{API_GROUP}.cancel"
+STOP = f"{API_GROUP}.stop"
+GET_JOB = f"{API_GROUP}.job"
+LIST_JOBS = f"{API_GROUP}.jobs"
+LIST_NODES = f"{API_GROUP}.nodes"
+
+# requests served by the artifact service (nats.micro group "jetlora.artifacts")
+ARTIFACTS_GROUP = f"{PREFIX}.artifacts"
+ARTIFACTS_LIST = f"{ARTIFACTS_GROUP}.list"
+ARTIFACTS_DELETE = f"{ARTIFACTS_GROUP}.delete"
+ARTIFACTS_UPLOAD_ALL = f"{ARTIFACTS_GROUP}.upload.*"
+
+
+def artifact_upload(job: str) -> str:
+    return f"{ARTIFACTS_GROUP}.upload.{job}"
+
+
+# per node
+def heartbeat(node: str) -> str:
+    return f"{PREFIX}.node.{node}.heartbeat"
+
+
+HEARTBEATS_ALL = f"{PREFIX}.node.*.heartbeat"
+
+
+def assign(node: str) -> str:
+    return f"{PREFIX}.node.{node}.assign"
+
+
+def control(node: str) -> str:
+    return f"{PREFIX}.node.{node}.control"
+
+
+# per job (in the JOBS stream)
+JOBS_STREAM_SUBJECTS = [f"{PREFIX}.job.>"]
+JOB_STATES_ALL = f"{PREFIX}.job.*.state"
+JOB_PROGRESS_ALL = f"{PREFIX}.job.*.progress"
+
+
+def job_state(job: str) -> str:
+    return f"{PREFIX}.job.{job}.state"
+
+
+def job_progress(job: str) -> str:
+    return f"{PREFIX}.job.{job}.progress"
+
+
+def job_events(job: str) -> str:
+    """Both the state and the progress events of one job."""
+    return f"{PREFIX}.job.{job}.*"
+
+
+def job_of_subject(subject: str) -> str:
+    """The job id in a jetlora.job.<job>.* subject."""
+    return subject.split(".")[2]
+
+
+def node_of_subject(subject: str) -> str:
+    """The node id in a jetlora.node.<node>.* subject."""
+    return subject.split(".")[2]
+
+
+def artifact_name(job: str, kind: str) -> str:
+    """The object-store name of one artifact of a job."""
+    return f"{job}/{kind}"
+
+
+# The JetStream object store's own subjects (for the artifact service's streaming writer).
+def object_stream(bucket: str) -> str:
+    return f"OBJ_{bucket}"
+
+
+def object_chunks(bucket: str, nuid: str) -> str:
+    return f"$O.{bucket}.C.{nuid}"
+
+
+def object_meta(bucket: str, name: str) -> str:
+    return f"$O.{bucket}.M.{base64.urlsafe_b64encode(name.encode()).decode()}"

@@ -1,0 +1,90 @@
+"""What node agents tell the scheduler, and what the scheduler tells them."""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from msgspec import Meta, Struct, field
+
+from schemas.jobs import JobRequest, NodeId
+
+CPU_DEVICE = -1  # the index of a node's CPU when it offers it for training
+
+
+class Device(Struct, kw_only=True):
+    """One GPU of a node (or its CPU, index -1, when the node offers it)."""
+
+    index: int
+    kind: Literal["cuda", "cpu"] = "cuda"
+    name: str = ""
+    total_mib: Annotated[int, Meta(ge=0)]
+    free_mib: Annotated[int, Meta(ge=0)]
+    utilization: Annotated[int, Meta(ge=0, le=100)] | None = None
+    jobs: list[str] = field(default_factory=list)  # jetlora jobs running on it
+
+
+class Heartbeat(Struct, kw_only=True):
+    """An agent's periodic word that it is alive, and what its devices have free."""
+
+    node: NodeId
+    agent_version: str
+    devices: list[Device]
+    offers_cpu: bool = False
+    no_gpu_reason: str = ""
+    running: list[str] = field(default_factory=list)
+    finished: list[str] = field(default_factory=list)  # jobs that ended in the last minute
+    interval_s: float = 1.0
+    sent_at: float = 0.0
+    draining: bool = False
+
+
+class Assignment(Struct, kw_only=True):
+    """The scheduler asks a node to run a job on one of its devices."""
+
+    job: str
+    device: int
+    attempt: int
+    request: JobRequest
+    resume_from: str | None = None  # object-store name of a checkpoint
+
+
+class AssignAccepted(Struct, tag="accepted", tag_field="type"):
+    job: str
+
+
+class AssignRefused(Struct, tag="refused", tag_field="type"):
+    job: str
+    reason: str
+
+
+AssignReply = AssignAccepted | AssignRefused
+
+
+class Control(Struct, forbid_unknown_fields=True):
+    """Cancel a job (kill it) or stop it (save what it has learnt and end)."""
+
+    job: str
+    action: Literal["cancel", "stop"]
+
+
+class ControlReply(Struct):
+    job: str
+    ok: bool
+    message: str = ""
+
+
+class NodeInfo(Struct, kw_only=True):
+    """A node as the scheduler sees it."""
+
+    node: str
+    alive: bool
+    last_seen: float
+    agent_version: str
+    devices: list[Device]
+    offers_cpu: bool
+    no_gpu_reason: str
+    running: list[str]
+
+
+class NodeList(Struct, tag="nodes", tag_field="type"):
+    nodes: list[NodeInfo]

@@ -1,0 +1,1 @@
+"""The node agent: heartbeats with its devices, runs assigned jobs' trainers, ships their artifacts."""

@@ -1,0 +1,258 @@
+"""The node agent: heartbeats, takes assignments, runs each job's trainer, reports states, ships artifacts."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import shutil
+import tarfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import msgspec
+from nats.aio.client import Client
+
+from schemas import names
+from schemas.artifacts import ArtifactMeta
+from schemas.events import Checkpoint, Failed, Finished, Progress, Started, StateChange, TrainerSpec
+from schemas.jobs import ArtifactRef
+from schemas.nodes import (CPU_DEVICE, AssignAccepted, AssignRefused, Assignment, Control, ControlReply, Device,
+                           Heartbeat)
+from services import __version__
+from services.agent.devices import DeviceProbe
+from services.agent.runner import DEFAULT_TRAINER, TrainerRun
+from services.artifacts.sender import UploadError, upload_file
+
+log = logging.getLogger("jetlora.agent")
+_enc = msgspec.json.Encoder()
+FINISHED_KEPT_S = 60.0  # how long a finished job stays listed in heartbeats
+
+
+@dataclass
+class AgentConfig:
+    node: str
+    work_dir: Path
+    heartbeat_interval: float = 1.0
+    offer_cpu: bool = False
+    simulate_gpus: str | None = None
+    trainer_command: list[str] = field(default_factory=lambda: list(DEFAULT_TRAINER))
+    keep_job_dirs: bool = False
+
+
+@dataclass
+class RunningJob:
+    assignment: Assignment
+    device: int
+    task: asyncio.Task | None = None
+    trainer: TrainerRun | None = None
+    stop_asked: bool = False
+
+
+class Agent:
+    def __init__(self, nc: Client, config: AgentConfig) -> None:
+        names.check_token(config.node, "node id")
+        self.nc, self.js, self.cfg = nc, nc.jetstream(), config
+        self.probe = DeviceProbe(config.offer_cpu, config.simulate_gpus)
+        self.jobs: dict[str, RunningJob] = {}
+        self.finished: dict[str, float] = {}
+        self.draining = False
+        self.devices: list[Device] = []
+        self.no_gpu_reason = ""
+
+    async def run(self, stop: asyncio.Event) -> None:
+        self.devices, self.no_gpu_reason = self.probe.read()
+        if not self.devices:
+            log.warning("node %s has no device to offer: %s", self.cfg.node, self.no_gpu_reason)
+        subs = [await self.nc.subscribe(names.assign(self.cfg.node), cb=self._on_assign),
+                await self.nc.subscribe(names.control(self.cfg.node), cb=self._on_control)]
+        await self.nc.flush()
+        log.info("agent %s up with %d device(s)", self.cfg.node, len(self.devices))
+        beat = asyncio.create_task(self._heartbeats(stop))
+        await stop.wait()
+        await self._shutdown(subs, beat)
+
+    async def _shutdown(self, subs, beat: asyncio.Task) -> None:
+        """SIGTERM: stop taking work, hand running jobs back to the scheduler, stop heartbeating."""
+        self.draining = True
+        for sub in subs:
+            await sub.unsubscribe()
+        for job_id, run in list(self.jobs.items()):
+            log.warning("shutting down: handing job %s back to the scheduler", job_id)
+            if run.trainer:
+                run.trainer.cancel()
+            if run.task:
+                run.task.cancel()
+            await self._report(run, "queued", f"node {self.cfg.node} shut down while the job ran; handed back to the queue")
+        await self._beat()  # one last heartbeat that says we are draining
+        beat.cancel()
+
+    # --- heartbeats ------------------------------------------------------------------------------
+    def heartbeat(self) -> Heartbeat:
+        devices, self.no_gpu_reason = self.probe.read()
+        on = {}
+        for job_id, run in self.jobs.items():
+            on.setdefault(run.device, []).append(job_id)
+        for d in devices:
+            d.jobs = on.get(d.index, [])
+        self.devices = devices
+        now = time.time()
+        self.finished = {j: t for j, t in self.finished.items() if now - t < FINISHED_KEPT_S}
+        return Heartbeat(node=self.cfg.node, agent_version=__version__, devices=devices, offers_cpu=self.cfg.offer_cpu,
+                         no_gpu_reason=self.no_gpu_reason, running=list(self.jobs), finished=list(self.finished),
+                         interval_s=self.cfg.heartbeat_interval, sent_at=now, draining=self.draining)
+
+    async def _beat(self) -> None:
+        try:
+            await self.nc.publish(names.heartbeat(self.cfg.node), _enc.encode(self.heartbeat()))
+        except Exception as e:  # disconnected: the client buffers and reconnects
+            log.warning("heartbeat not sent: %s", e)
+
+    async def _heartbeats(self, stop: asyncio.Event) -> None:
+        while not stop.is_set():
+            await self._beat()
+            try:
+                await asyncio.wait_for(stop.wait(), self.cfg.heartbeat_interval)
+            except asyncio.TimeoutError:
+                pass
+
+    # --- assignments -----------------------------------------------------------------------------
+    def _refusal(self, a: Assignment) -> str | None:
+        if self.draining:
+            return "the node is shutting down"
+        if a.job in self.jobs:
+            return None  # a repeated assignment of what we already run: accept again
+        dev = next((d for d in self.devices if d.index == a.device), None)
+        if dev is None:
+            return f"no device {a.device} on this node"
+        if any(r.device == a.device for r in self.jobs.values()):
+            return f"device {a.device} is already training another job"
+        if dev.free_mib < a.request.gpu_mib:
+            return f"device {a.device} has {dev.free_mib} MiB free, the job needs {a.request.gpu_mib}"
+        return None
+
+    async def _on_assign(self, msg) -> None:
+        try:
+            a = msgspec.json.decode(msg.data, type=Assignment)
+        except msgspec.DecodeError as e:
+            return await msg.respond(_enc.encode(AssignRefused("", f"the assignment did not decode: {e}")))
+        self.devices, _ = self.probe.read()
+        reason = self._refusal(a)
+        if reason:
+            return await msg.respond(_enc.encode(AssignRefused(a.job, reason)))
+        if a.job not in self.jobs:
+            run = RunningJob(a, a.device)
+            self.jobs[a.job] = run
+            run.task = asyncio.create_task(self._run_job(run))
+        await msg.respond(_enc.encode(AssignAccepted(a.job)))
+
+    async def _on_control(self, msg) -> None:
+        try:
+            c = msgspec.json.decode(msg.data, type=Control)
+        except msgspec.DecodeError as e:
+            return await msg.respond(_enc.encode(ControlReply("", False, f"did not decode: {e}")))
+        run = self.jobs.get(c.job)
+        if run is None:
+            return await msg.respond(_enc.encode(ControlReply(c.job, False, f"job {c.job} is not running on {self.cfg.node}")))
+        if c.action == "cancel":
+            if run.trainer:
+                run.trainer.cancel()
+            elif run.task:
+                run.task.cancel()
+        else:
+            run.stop_asked = True
+            if run.trainer:
+                run.trainer.stop()
+        await msg.respond(_enc.encode(ControlReply(c.job, True, f"{c.action} sent")))
+
+    # --- one job --------------------------------------------------------------------------------
+    async def _report(self, run: RunningJob, state: str, message: str, artifacts: list[ArtifactRef] | None = None) -> None:
+        a = run.assignment
+        ev = StateChange(job=a.job, state=state, node=self.cfg.node, attempt=a.attempt, message=message,
+                         artifacts=artifacts or [], ts=time.time())
+        await self.js.publish(names.job_state(a.job), _enc.encode(ev))
+
+    async def _progress(self, job: str, p: Progress) -> None:
+        p.job, p.ts = job, p.ts or time.time()
+        await self.js.publish(names.job_progress(job), _enc.encode(p))
+
+    async def _run_job(self, run: RunningJob) -> None:
+        a = run.assignment
+        job_dir = self.cfg.work_dir / "jobs" / f"{a.job}-{a.attempt}"
+        try:
+            await self._report(run, "preparing", f"starting the trainer on {self.cfg.node} device {a.device}")
+            result = await self._train(run, job_dir)
+            if isinstance(result, Failed):
+                state = "cancelled" if result.message == "cancelled" else "failed"
+                await self._report(run, state, result.message)
+                return
+            await self._report(run, "uploading", f"{result.message or 'trained'}; storing the artifacts")
+            artifacts = await self._ship(run, result)
+            final = "stopped" if result.state == "stopped" else "succeeded"
+            stored = ", ".join(r.name for r in artifacts)
+            await self._report(run, final, f"{result.message or result.state} at step {result.step}; stored {stored}", artifacts)
+        except asyncio.CancelledError:
+            if not self.draining:
+                await self._report(run, "cancelled", "cancelled before the trainer started")
+        except UploadError as e:
+            await self._report(run, "failed", str(e))
+        except Exception as e:
+            log.exception("job %s failed in the agent", a.job)
+            await self._report(run, "failed", f"the agent failed running the job: {e!r}")
+        finally:
+            self.jobs.pop(a.job, None)
+            self.finished[a.job] = time.time()
+            if not self.cfg.keep_job_dirs:
+                shutil.rmtree(job_dir, ignore_errors=True)
+
+    async def _train(self, run: RunningJob, job_dir: Path) -> Finished | Failed:
+        a = run.assignment
+        gpu = a.device != CPU_DEVICE
+        env = {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True",
+               "CUDA_VISIBLE_DEVICES": str(a.device) if gpu else ""}
+        spec = TrainerSpec(job=a.job, attempt=a.attempt, request=a.request, out_dir=str(job_dir / "out"),
+                           device="cuda" if gpu else "cpu")
+        run.trainer = TrainerRun(spec, job_dir, self.cfg.trainer_command, env)
+        if run.stop_asked:
+            run.trainer.stop()
+
+        async def on_event(ev) -> None:
+            if isinstance(ev, Started):
+                await self._report(run, "running", ev.message or f"training {ev.steps} steps on {ev.device}")
+            elif isinstance(ev, Progress):
+                await self._progress(a.job, ev)
+            elif isinstance(ev, Checkpoint):
+                log.info("job %s checkpoint at step %d", a.job, ev.step)
+
+        return await run.trainer.run(on_event)
+
+    async def _ship(self, run: RunningJob, result: Finished) -> list[ArtifactRef]:
+        """The adapter as tar.gz (and the GGUF when made), uploaded before the job may succeed."""
+        a = run.assignment
+        adapter = Path(result.adapter_dir)
+        tar_path = adapter.parent / "adapter.tar.gz"
+        await asyncio.to_thread(_tar_dir, adapter, tar_path)
+        meta = ArtifactMeta(base_model=a.request.model, trainer_version=__version__, summary=_summary(a),
+                            filename=f"{a.job}-adapter.tar.gz")
+        files = [("peft", tar_path, meta)]
+        if result.gguf_path:
+            files.append(("gguf", Path(result.gguf_path),
+                          msgspec.structs.replace(meta, filename=f"{a.job}-lora-{a.request.gguf_type}.gguf")))
+        refs = []
+        for kind, path, m in files:
+            info = await upload_file(self.nc, a.job, kind, path, m)
+            refs.append(ArtifactRef(kind=kind, name=info.name, size=info.size, sha256=info.sha256))
+        return refs
+
+
+def _tar_dir(src: Path, dest: Path) -> None:
+    with tarfile.open(dest, "w:gz") as tar:
+        for p in sorted(src.rglob("*")):
+            if p.is_file():
+                tar.add(p, arcname=str(p.relative_to(src)))
+
+
+def _summary(a: Assignment) -> str:
+    lo, tr = a.request.lora, a.request.train
+    return (f"r={lo.r} alpha={lo.alpha} dropout={lo.dropout} rslora={lo.rslora} lr={tr.learning_rate} "
+            f"epochs={tr.epochs} max_steps={tr.max_steps} batch={tr.batch_size}x{tr.grad_accum} seq={tr.max_seq_length}")

@@ -1,0 +1,1 @@
+"""Artifacts: chunked uploads into the JetStream object store, and the operators' queries."""

@@ -1,0 +1,71 @@
+"""Fetch an artifact from the object store to disk, verified; unpack adapter archives safely."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import tarfile
+import tempfile
+from pathlib import Path
+
+from nats.aio.client import Client
+from nats.js.errors import NotFoundError
+
+from schemas import names
+from schemas.artifacts import ArtifactInfo
+from services.artifacts.service import info_from_object
+
+
+class DownloadError(Exception):
+    pass
+
+
+def sha256_file(path: str | os.PathLike) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(1 << 20):
+            h.update(block)
+    return h.hexdigest()
+
+
+async def download(nc: Client, job: str, kind: str, output: str | os.PathLike) -> ArtifactInfo:
+    """Stream `job/kind` into `output` (written beside it, then renamed): all or nothing, sha256 checked."""
+    names.check_token(job, "job id")
+    obs = await nc.jetstream().object_store(names.ARTIFACTS_BUCKET)
+    name = names.artifact_name(job, kind)
+    try:
+        obj = await obs.get_info(name)
+    except NotFoundError:
+        raise DownloadError(f"no {kind} artifact for job {job}; `jetlora artifacts ls --job {job}` lists what it has") from None
+    info = info_from_object(obj)
+    if info is None:
+        raise DownloadError(f"{name} is not a jetlora artifact")
+    out = Path(output)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=out.parent, prefix=f".{out.name}.")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            await obs.get(name, writeinto=f)  # writeinto: linear time (nats-py's in-memory get is quadratic)
+        got = sha256_file(tmp)
+        if got != info.sha256:
+            raise DownloadError(f"{name} arrived with sha256 {got}, expected {info.sha256}; try again")
+        os.replace(tmp, out)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return info
+
+
+def safe_extract(archive: str | os.PathLike, dest: str | os.PathLike) -> Path:
+    """Unpack a tar.gz, refusing members that would land outside `dest` or that are links or devices."""
+    dest = Path(dest).resolve()
+    dest.mkdir(parents=True, exist_ok=True)
+    with tarfile.open(archive, "r:gz") as tar:
+        for m in tar.getmembers():
+            target = (dest / m.name).resolve()
+            if m.name.startswith("/") or ".." in Path(m.name).parts or not target.is_relative_to(dest):
+                raise DownloadError(f"archive member {m.name!r} points outside the target directory; refusing it")
+            if not (m.isfile() or m.isdir()):
+                raise DownloadError(f"archive member {m.name!r} is a link or device; refusing it")
+        tar.extractall(dest, filter="data")
+    return dest

@@ -1,0 +1,146 @@
+"""The NATS plumbing every service shares: connecting, JetStream resources, typed requests."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import ssl
+from dataclasses import dataclass
+from typing import TypeVar
+
+import msgspec
+import nats
+from nats.aio.client import Client
+from nats.js.api import KeyValueConfig, ObjectStoreConfig, RetentionPolicy, StorageType, StreamConfig
+from nats.js.errors import BadRequestError, NotFoundError
+
+from schemas import names
+from services.scheduler.lease import LEASE_TTL_S
+
+log = logging.getLogger("jetlora.bus")
+T = TypeVar("T")
+DEFAULT_TIMEOUT = 5.0
+NO_RESPONDER_RETRIES = (0.05, 0.2, 0.5, None)
+
+
+@dataclass
+class BusOptions:
+    """How to reach NATS: what `--nats`, `--creds` and the TLS flags say."""
+
+    url: str | None = None
+    creds: str | None = None
+    user: str | None = None
+    password: str | None = None
+    tls_ca: str | None = None
+    tls_cert: str | None = None
+    tls_key: str | None = None
+    replicas: int = 1
+    name: str = "jetlora"
+
+    @classmethod
+    def add_arguments(cls, parser: argparse.ArgumentParser) -> None:
+        g = parser.add_argument_group("NATS")
+        g.add_argument("--nats", dest="nats_url", default=os.environ.get("NATS_URL"),
+                       help="server URL (env NATS_URL); none: start an embedded nats-server")
+        g.add_argument("--creds", default=os.environ.get("NATS_CREDS"), help="credentials file (env NATS_CREDS)")
+        g.add_argument("--user", default=os.environ.get("NATS_USER"))
+        g.add_argument("--password-file", default=os.environ.get("NATS_PASSWORD_FILE"),
+                       help="file holding the password (env NATS_PASSWORD_FILE); passwords never go on the command line")
+        g.add_argument("--tls-ca", default=os.environ.get("NATS_CA"))
+        g.add_argument("--tls-cert", default=os.environ.get("NATS_CERT"))
+        g.add_argument("--tls-key", default=os.environ.get("NATS_KEY"))
+        g.add_argument("--replicas", type=int, default=int(os.environ.get("JETLORA_REPLICAS", "1")),
+                       help="replicas of jetlora's streams and buckets (3 on a 3-server cluster)")
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace, name: str) -> "BusOptions":
+        password = None
+        if args.password_file:
+            with open(args.password_file) as f:
+                password = f.read().strip()
+        return cls(url=args.nats_url, creds=args.creds, user=args.user, password=password, tls_ca=args.tls_ca,
+                   tls_cert=args.tls_cert, tls_key=args.tls_key, replicas=args.replicas, name=name)
+
+    def tls_context(self) -> ssl.SSLContext | None:
+        if not (self.tls_ca or self.tls_cert):
+            return None
+        ctx = ssl.create_default_context(cafile=self.tls_ca)
+        if self.tls_cert:
+            ctx.load_cert_chain(self.tls_cert, self.tls_key)
+        return ctx
+
+
+async def connect(opts: BusOptions) -> Client:
+    """Connect for a long-lived service: reconnect forever, log connection changes."""
+
+    async def on_error(e):
+        log.warning("NATS error: %s", e)
+
+    async def on_disconnect():
+        log.warning("disconnected from NATS %s; reconnecting", opts.url)
+
+    async def on_reconnect():
+        log.info("reconnected to NATS")
+
+    kwargs = dict(servers=[opts.url], name=opts.name, max_reconnect_attempts=-1, reconnect_time_wait=0.5,
+                  error_cb=on_error, disconnected_cb=on_disconnect, reconnected_cb=on_reconnect,
+                  connect_timeout=5)
+    if opts.creds:
+        kwargs["user_credentials"] = opts.creds
+    if opts.user:
+        kwargs["user"], kwargs["password"] = opts.user, opts.password
+    if (tls := opts.tls_context()) is not None:
+        kwargs["tls"] = tls
+    return await nats.connect(**kwargs)
+
+
+async def ensure_resources(nc: Client, replicas: int = 1) -> None:
+    """Create jetlora's stream, KV buckets and object store where they do not exist yet."""
+    js = nc.jetstream()
+    stream = StreamConfig(name=names.JOBS_STREAM, subjects=names.JOBS_STREAM_SUBJECTS, retention=RetentionPolicy.LIMITS,
+                          storage=StorageType.FILE, max_age=30 * 24 * 3600, max_bytes=4 * 1024**3,
+                          num_replicas=replicas, duplicate_window=120)
+    try:
+        await js.stream_info(names.JOBS_STREAM)
+    except NotFoundError:
+        try:
+            await js.add_stream(stream)
+        except BadRequestError:  # created by another service at the same moment
+            pass
+    for bucket, kw in ((names.JOBS_KV, dict(history=1)), (names.LEASE_KV, dict(history=1, ttl=LEASE_TTL_S))):
+        try:
+            await js.key_value(bucket)
+        except (NotFoundError, BadRequestError):
+            await js.create_key_value(KeyValueConfig(bucket=bucket, replicas=replicas, storage=StorageType.FILE, **kw))
+    try:
+        await js.object_store(names.ARTIFACTS_BUCKET)
+    except (NotFoundError, BadRequestError):
+        await js.create_object_store(names.ARTIFACTS_BUCKET, ObjectStoreConfig(replicas=replicas, storage=StorageType.FILE))
+
+
+class RequestError(Exception):
+    """A request that got no reply, or a reply that did not decode."""
+
+
+async def request(nc: Client, subject: str, message, reply_type: type[T], timeout: float = DEFAULT_TIMEOUT) -> T:
+    """Send a Struct as JSON, decode the reply as reply_type; errors say which subject failed."""
+    payload = message if isinstance(message, (bytes, bytearray)) else msgspec.json.encode(message)
+    try:
+        for pause in NO_RESPONDER_RETRIES:  # a service that just (re)started may not be subscribed yet
+            try:
+                msg = await nc.request(subject, payload, timeout=timeout)
+                break
+            except nats.errors.NoRespondersError:
+                if pause is None:
+                    raise
+                await asyncio.sleep(pause)
+    except nats.errors.NoRespondersError:
+        raise RequestError(f"nothing serves {subject}: is the service running (jetlora up, or jetlora scheduler/artifacts)?") from None
+    except nats.errors.TimeoutError:
+        raise RequestError(f"no reply on {subject} within {timeout}s: the service is busy or down") from None
+    try:
+        return msgspec.json.decode(msg.data, type=reply_type)
+    except msgspec.DecodeError as e:
+        raise RequestError(f"the reply on {subject} did not decode: {e}") from None

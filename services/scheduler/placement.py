@@ -1,0 +1,153 @@
+"""Which device a job can run on: the fleet's free slots, indexed so placement never scans every GPU."""
+
+from __future__ import annotations
+
+import bisect
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+from schemas.nodes import Device, Heartbeat
+
+SlotKey = tuple[str, int]  # (node, device index)
+
+
+@dataclass
+class NodeView:
+    """The last heartbeat of a node and when it came."""
+
+    heartbeat: Heartbeat
+    last_seen: float  # time.monotonic()
+    last_seen_wall: float
+    devices: dict[int, Device] = field(default_factory=dict)
+
+
+class Fleet:
+    """Nodes, their devices, and an index of the free ones by free MiB.
+
+    A device is free when no jetlora job runs on it (by its heartbeat) and the
+    scheduler has not reserved it for a job it assigned. One job per device.
+    """
+
+    def __init__(self) -> None:
+        self.nodes: OrderedDict[str, NodeView] = OrderedDict()  # least recently heard first
+        self.reserved: dict[SlotKey, str] = {}  # slot -> job the scheduler placed there
+        self._free: dict[str, list[tuple[int, str, int]]] = {"cuda": [], "cpu": []}  # sorted (free_mib, node, index)
+        self._indexed: dict[SlotKey, tuple[str, tuple[int, str, int]]] = {}
+
+    # --- the index -------------------------------------------------------------------------
+    def _unindex(self, key: SlotKey) -> None:
+        entry = self._indexed.pop(key, None)
+        if entry:
+            kind, item = entry
+            lst = self._free[kind]
+            i = bisect.bisect_left(lst, item)
+            if i < len(lst) and lst[i] == item:
+                del lst[i]
+
+    def _reindex(self, node: str, dev: Device) -> None:
+        key = (node, dev.index)
+        item = (dev.free_mib, node, dev.index)
+        want = not dev.jobs and key not in self.reserved
+        old = self._indexed.get(key)
+        if old and (not want or old[1] != item):
+            self._unindex(key)
+            old = None
+        if want and not old:
+            bisect.insort(self._free[dev.kind], item)
+            self._indexed[key] = (dev.kind, item)
+
+    # --- what heartbeats and assignments change ---------------------------------------------------
+    def heard(self, hb: Heartbeat, now: float | None = None) -> bool:
+        """Record a heartbeat; True when it may have made room for a queued job."""
+        now = time.monotonic() if now is None else now
+        view = self.nodes.get(hb.node)
+        before = self._free_items(hb.node)
+        if view is None:
+            view = NodeView(hb, now, time.time())
+            self.nodes[hb.node] = view
+        else:
+            view.heartbeat, view.last_seen, view.last_seen_wall = hb, now, time.time()
+            self.nodes.move_to_end(hb.node)
+        seen = set()
+        for dev in hb.devices:
+            view.devices[dev.index] = dev
+            seen.add(dev.index)
+            if hb.draining:
+                self._unindex((hb.node, dev.index))
+            else:
+                self._reindex(hb.node, dev)
+        for gone in set(view.devices) - seen:
+            del view.devices[gone]
+            self._unindex((hb.node, gone))
+        return not self._free_items(hb.node) <= before
+
+    def _free_items(self, node: str) -> set:
+        view = self.nodes.get(node)
+        if not view:
+            return set()
+        return {self._indexed[(node, i)][1] for i in view.devices if (node, i) in self._indexed}
+
+    def forget(self, node: str) -> None:
+        view = self.nodes.pop(node, None)
+        if view:
+            for i in view.devices:
+                self._unindex((node, i))
+
+    def reserve(self, key: SlotKey, job: str) -> None:
+        self.reserved[key] = job
+        self._unindex(key)
+
+    def release(self, key: SlotKey, job: str) -> None:
+        """The job left the slot (ended, failed, re-queued)."""
+        if self.reserved.get(key) == job:
+            del self.reserved[key]
+            view = self.nodes.get(key[0])
+            if view and key[1] in view.devices and not view.heartbeat.draining:
+                self._reindex(key[0], view.devices[key[1]])
+
+    # --- queries -----------------------------------------------------------------------------
+    @staticmethod
+    def kinds(accelerator: str) -> tuple[str, ...]:
+        return {"gpu": ("cuda",), "cpu": ("cpu",), "any": ("cuda", "cpu")}[accelerator]
+
+    def find(self, need_mib: int, accelerator: str, node: str | None = None) -> SlotKey | None:
+        """The free device with the least free memory that still fits (best fit), or None."""
+        kinds = self.kinds(accelerator)
+        if node is not None:
+            view = self.nodes.get(node)
+            if not view:
+                return None
+            fits = [(d.free_mib, d.index) for d in view.devices.values()
+                    if d.kind in kinds and d.free_mib >= need_mib and (node, d.index) in self._indexed]
+            return (node, min(fits)[1]) if fits else None
+        best = None
+        for kind in kinds:
+            lst = self._free[kind]
+            i = bisect.bisect_left(lst, (need_mib, "", -10))
+            if i < len(lst) and (best is None or lst[i] < best):
+                best = lst[i]
+        return (best[1], best[2]) if best else None
+
+    def any_free(self) -> bool:
+        return bool(self._free["cuda"] or self._free["cpu"])
+
+    def largest(self, accelerator: str, node: str | None = None) -> tuple[str, Device] | None:
+        """The device with the most total memory that such a job could use, to say why a job can never fit."""
+        kinds = self.kinds(accelerator)
+        views = [self.nodes[node]] if node in self.nodes else ([] if node else self.nodes.values())
+        best = None
+        for view in views:
+            for d in view.devices.values():
+                if d.kind in kinds and (best is None or d.total_mib > best[1].total_mib):
+                    best = (view.heartbeat.node, d)
+        return best
+
+    def silent_since(self, deadline: float) -> list[str]:
+        """Nodes last heard before `deadline` (monotonic): they stopped answering."""
+        out = []
+        for node, view in self.nodes.items():
+            if view.last_seen >= deadline:
+                break
+            out.append(node)
+        return out

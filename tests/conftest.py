@@ -1,0 +1,204 @@
+"""Fixtures: a real nats-server (the project's own launcher), services in-process or as subprocesses."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import msgspec
+import nats
+import pytest
+from nats.js.errors import NotFoundError
+
+from schemas import names
+from schemas.jobs import JobList, JobListQuery, JobQuery, JobReply, SubmitReply
+from schemas.nodes import NodeList
+from services import bus
+from services.embedded import EmbeddedNats
+
+ROOT = Path(__file__).resolve().parents[1]
+HOLD_TRAINER = f"{sys.executable} {ROOT / 'tests' / 'programs' / 'hold_trainer.py'}"
+
+
+@pytest.fixture(scope="session")
+def nats_server(tmp_path_factory):
+    server = EmbeddedNats(store_dir=tmp_path_factory.mktemp("nats")).start()
+    yield server
+    server.stop()
+
+
+async def reset_resources(nc) -> None:
+    """Each test starts from empty jetlora streams and buckets on the shared server."""
+    js = nc.jetstream()
+    for stream in (names.JOBS_STREAM, f"KV_{names.JOBS_KV}", f"KV_{names.LEASE_KV}", f"OBJ_{names.ARTIFACTS_BUCKET}"):
+        try:
+            await js.delete_stream(stream)
+        except NotFoundError:
+            pass
+    await bus.ensure_resources(nc)
+
+
+@pytest.fixture
+async def nc(nats_server):
+    conn = await nats.connect(nats_server.url)
+    await reset_resources(conn)
+    yield conn
+    await conn.drain()
+
+
+class InProcess:
+    """Services run as tasks on the test's loop, each with its own connection and stop event."""
+
+    def __init__(self, url: str):
+        self.url = url
+        self.running: list[tuple[asyncio.Event, asyncio.Task, object]] = []
+
+    async def start(self, factory):
+        conn = await nats.connect(self.url)
+        stop = asyncio.Event()
+        service = factory(conn)
+        task = asyncio.create_task(service.run(stop))
+        self.running.append((stop, task, conn))
+        return service, stop, task
+
+    async def stop(self, stop, task, hard: bool = False):
+        for entry in list(self.running):
+            if entry[0] is stop:
+                self.running.remove(entry)
+                if hard:
+                    task.cancel()
+                else:
+                    stop.set()
+                try:
+                    await asyncio.wait_for(task, 10)
+                except (asyncio.CancelledError, Exception):
+                    pass
+                await entry[2].close()
+
+    async def close(self):
+        for stop, task, conn in list(self.running):
+            await self.stop(stop, task)
+
+
+@pytest.fixture
+async def services(nats_server, nc):
+    s = InProcess(nats_server.url)
+    yield s
+    await s.close()
+
+
+class Agents:
+    """Agents as real subprocesses (`jetlora agent`), so they can be killed with SIGKILL."""
+
+    def __init__(self, url: str, tmp: Path):
+        self.url, self.tmp = url, tmp
+        self.procs: dict[str, subprocess.Popen] = {}
+
+    def start(self, node: str, gpus: str | None = "24576", offer_cpu: bool = False, trainer: str | None = HOLD_TRAINER,
+              hold_s: float = 0.5, interval: float = 0.25, env: dict | None = None) -> subprocess.Popen:
+        cmd = [sys.executable, "-m", "services.cli", "agent", "--nats", self.url, "--node", node,
+               "--work-dir", str(self.tmp / node), "--heartbeat-interval", str(interval)]
+        if gpus:
+            cmd += ["--simulate-gpus", gpus]
+        if offer_cpu:
+            cmd += ["--offer-cpu"]
+        if trainer:
+            cmd += ["--trainer-command", trainer]
+        proc_env = {**os.environ, "HOLD_S": str(hold_s), "PYTHONPATH": str(ROOT), **(env or {})}
+        log = open(self.tmp / f"agent-{node}.log", "ab")
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=proc_env, stdout=log, stderr=subprocess.STDOUT)
+        self.procs[node] = proc
+        return proc
+
+    def kill(self, node: str) -> None:
+        self.procs[node].send_signal(signal.SIGKILL)
+        self.procs[node].wait()
+
+    def terminate(self, node: str, timeout: float = 15) -> int:
+        proc = self.procs[node]
+        proc.send_signal(signal.SIGTERM)
+        return proc.wait(timeout)
+
+    def log(self, node: str) -> str:
+        return (self.tmp / f"agent-{node}.log").read_text(errors="replace")
+
+    def close(self) -> None:
+        for proc in self.procs.values():
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+
+
+@pytest.fixture
+def agents(nats_server, tmp_path):
+    a = Agents(nats_server.url, tmp_path)
+    yield a
+    a.close()
+
+
+# --- small clients the tests share ---------------------------------------------------------------
+async def submit(nc, request) -> SubmitReply:
+    payload = request if isinstance(request, (bytes, bytearray)) else msgspec.json.encode(request)
+    return await bus.request(nc, names.SUBMIT, payload, SubmitReply)
+
+
+async def get_job(nc, job: str):
+    reply = await bus.request(nc, names.GET_JOB, JobQuery(job), JobReply)
+    return reply.job
+
+
+async def list_jobs(nc, **query):
+    return (await bus.request(nc, names.LIST_JOBS, JobListQuery(**query), JobList)).jobs
+
+
+async def list_nodes(nc):
+    return (await bus.request(nc, names.LIST_NODES, b"{}", NodeList)).nodes
+
+
+async def wait_for(predicate, timeout: float = 20.0, interval: float = 0.05, what: str = "condition"):
+    """Poll an async predicate until it returns something truthy."""
+    deadline = time.monotonic() + timeout
+    last = None
+    while time.monotonic() < deadline:
+        last = await predicate()
+        if last:
+            return last
+        await asyncio.sleep(interval)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}; last: {last!r}")
+
+
+async def wait_state(nc, job: str, states, timeout: float = 30.0):
+    states = {states} if isinstance(states, str) else set(states)
+
+    async def check():
+        j = await get_job(nc, job)
+        return j if j.state in states else None
+
+    return await wait_for(check, timeout, what=f"job {job} in {states}")
+
+
+async def wait_nodes(nc, count: int, timeout: float = 20.0):
+    async def check():
+        try:
+            nodes = [n for n in await list_nodes(nc) if n.alive]
+        except bus.RequestError:
+            return None
+        return nodes if len(nodes) >= count else None
+
+    return await wait_for(check, timeout, what=f"{count} live nodes")
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory):
+    """A 2-layer Llama with a locally trained BPE tokenizer, saved as safetensors."""
+    from trainer.tinymodel import build
+
+    from tests.qa import QA_PAIRS
+
+    texts = [f"{q} {a}" for q, a in QA_PAIRS]
+    return build(tmp_path_factory.mktemp("tiny") / "model", texts, hidden=64, layers=2, vocab_size=400)

@@ -1,0 +1,49 @@
+"""`python -m trainer JOB.json`: train, convert for llama.cpp when asked, print events; exit 0 only with an adapter."""
+
+from __future__ import annotations
+
+import os
+import sys
+import traceback
+
+# Never reach a hub, and keep stderr for what matters: its last lines become the job's error.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import msgspec
+
+from schemas.events import Failed, TrainerSpec
+from trainer.errors import JobError
+from trainer.events import emit
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) != 2:
+        print("usage: python -m trainer JOB.json", file=sys.stderr)
+        return 2
+    try:
+        with open(argv[1], "rb") as f:
+            spec = msgspec.json.decode(f.read(), type=TrainerSpec)
+        from trainer.loop import train  # torch loads here, after the spec is known to be sound
+
+        finished = train(spec)
+        if spec.request.served_by == "llamacpp":
+            from trainer.gguf_export import export_adapter
+
+            finished.gguf_path = str(export_adapter(finished.adapter_dir, spec.request.base_dir,
+                                                    f"{spec.out_dir}/adapter.gguf", spec.request.gguf_type))
+        emit(finished)
+        return 0
+    except (JobError, msgspec.ValidationError) as e:
+        emit(Failed(message=str(e)))
+        return 1
+    except Exception as e:
+        traceback.print_exc()
+        emit(Failed(message=f"the trainer failed: {e!r}"))
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv))

@@ -1,0 +1,193 @@
+"""The training loop, top to bottom: LoRA on the base model, AdamW, a schedule, accumulation, events."""
+
+from __future__ import annotations
+
+import math
+import resource
+import signal
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from accelerate.utils import set_seed
+from peft import LoraConfig, PeftModel, get_peft_model
+from transformers import get_scheduler
+
+from schemas.events import Checkpoint, Finished, Progress, Started, TrainerSpec
+from trainer import data, model as base
+from trainer.errors import JobError
+from trainer.events import emit
+
+
+class StopFlag:
+    """SIGUSR1 from the agent: save what was learnt and end as `stopped`."""
+
+    def __init__(self) -> None:
+        self.asked = False
+        signal.signal(signal.SIGUSR1, self._ask)
+
+    def _ask(self, *_):
+        self.asked = True
+
+
+def peak_mib(device: str) -> float:
+    if device == "cuda":
+        return torch.cuda.max_memory_allocated() / 2**20
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
+
+
+def batch_loss(model, batch: data.Batch, autocast_dtype) -> tuple[torch.Tensor, int]:
+    """Summed cross-entropy over the batch's target tokens, and how many there were."""
+    with torch.autocast(device_type=batch.input_ids.device.type, dtype=autocast_dtype,
+                        enabled=autocast_dtype != torch.float32):
+        logits = model(input_ids=batch.input_ids, position_ids=batch.position_ids,
+                       attention_mask=batch.attention_mask, use_cache=False).logits
+    targets = batch.targets.reshape(-1)
+    loss = torch.nn.functional.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets,
+                                             ignore_index=data.IGNORE, reduction="sum")
+    return loss, int((targets != data.IGNORE).sum())
+
+
+@torch.no_grad()
+def evaluate(model, batches, device, autocast_dtype) -> float | None:
+    if not batches:
+        return None
+    model.eval()
+    total, count = 0.0, 0
+    for b in batches:
+        loss, n = batch_loss(model, b.to(device), autocast_dtype)
+        total, count = total + float(loss), count + n
+    model.train()
+    return total / max(count, 1)
+
+
+def lora_model(model, spec: TrainerSpec):
+    lo = spec.request.lora
+    present = {name.rsplit(".", 1)[-1] for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
+    missing = [t for t in lo.target_modules if t not in present]
+    if missing:
+        raise JobError(f"lora.target_modules {missing} are not linear layers of this model; it has {sorted(present)}")
+    cfg = LoraConfig(r=lo.r, lora_alpha=lo.alpha, lora_dropout=lo.dropout, target_modules=list(lo.target_modules),
+                     use_rslora=lo.rslora, bias="none", task_type="CAUSAL_LM")
+    return get_peft_model(model, cfg)
+
+
+@dataclass
+class Plan:
+    steps: int
+    per_epoch: int
+    warmup: int
+
+
+def plan(n_batches: int, t) -> Plan:
+    per_epoch = max(1, math.ceil(n_batches / t.grad_accum))
+    steps = t.max_steps or max(1, math.ceil(t.epochs * per_epoch))
+    warmup = t.warmup_steps or math.ceil(t.warmup_ratio * steps)
+    return Plan(steps, per_epoch, min(warmup, steps))
+
+
+def save_adapter(model, out: Path) -> Path:
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out, safe_serialization=True)
+    return out
+
+
+def save_checkpoint(model, optimizer, scheduler, out_dir: Path, step: int, epoch: int, batch_in_epoch: int) -> Path:
+    path = out_dir / "checkpoints" / f"step-{step}"
+    save_adapter(model, path / "adapter")
+    torch.save({"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(), "step": step, "epoch": epoch,
+                "batch_in_epoch": batch_in_epoch}, path / "trainer_state.pt")
+    return path
+
+
+def train(spec: TrainerSpec) -> Finished:
+    t = spec.request.train
+    device = spec.device if spec.device == "cpu" or torch.cuda.is_available() else "cpu"
+    set_seed(t.seed)
+    dtype = base.pick_dtype(t.precision, device)
+    tokenizer, model = base.load(spec.request.base_dir, device, dtype)
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+
+    examples = data.encode(tokenizer, spec.request.data, t.max_seq_length, t.completions_only)
+    train_set, eval_set = data.split(examples, t.eval_fraction, t.seed)
+    if not train_set:
+        raise JobError("no training examples are left after the eval split; lower train.eval_fraction")
+    eval_batches = data.make_batches(eval_set, t, pad_id, epoch=0)
+    batches = data.make_batches(train_set, t, pad_id, epoch=0)
+    p = plan(len(batches), t)
+
+    if t.gradient_checkpointing:
+        model.gradient_checkpointing_enable()
+        model.enable_input_require_grads()
+    model = lora_model(model, spec)
+    model.train()
+    params = [q for q in model.parameters() if q.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=t.learning_rate, weight_decay=t.weight_decay)
+    scheduler = get_scheduler(t.lr_scheduler, optimizer, num_warmup_steps=p.warmup, num_training_steps=p.steps)
+    autocast_dtype = dtype if device == "cuda" else torch.float32
+    scaler = torch.amp.GradScaler("cuda") if dtype == torch.float16 else None
+    out_dir = Path(spec.out_dir)
+    stop = StopFlag()
+
+    emit(Started(steps=p.steps, examples=len(train_set), eval_examples=len(eval_set), device=device,
+                 message=f"training {p.steps} steps on {device} ({len(train_set)} examples, {len(batches)} batches/epoch)"))
+    if device == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    start = time.monotonic()
+    step, tokens, epoch = 0, 0, 0
+    window_loss, window_count = 0.0, 0
+    eval_loss = None
+    while step < p.steps and not stop.asked:
+        if epoch > 0:
+            batches = data.make_batches(train_set, t, pad_id, epoch)
+        for first in range(0, len(batches), t.grad_accum):
+            group = [b.to(device) for b in batches[first:first + t.grad_accum]]
+            n_targets = sum(int((b.targets != data.IGNORE).sum()) for b in group)
+            step_loss = 0.0
+            for b in group:  # accumulate: the mean over every target token of the step
+                loss, _ = batch_loss(model, b, autocast_dtype)
+                loss = loss / max(n_targets, 1)
+                (scaler.scale(loss) if scaler else loss).backward()
+                step_loss += float(loss.detach())
+                tokens += b.tokens
+            if not math.isfinite(step_loss):
+                raise JobError(f"the loss became {step_loss} at step {step + 1}; lower train.learning_rate "
+                               f"(now {t.learning_rate}) or check the data")
+            if scaler:
+                scaler.unscale_(optimizer)
+            grad_norm = float(torch.nn.utils.clip_grad_norm_(params, t.max_grad_norm or float("inf")))
+            lr = scheduler.get_last_lr()[0]
+            if scaler:
+                scaler.step(optimizer)
+                scaler.update()
+            else:
+                optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad(set_to_none=True)
+            step += 1
+            window_loss, window_count = window_loss + step_loss, window_count + 1
+
+            if t.eval_steps and eval_batches and step % t.eval_steps == 0:
+                eval_loss = evaluate(model, eval_batches, device, autocast_dtype)
+            if t.save_steps and step % t.save_steps == 0 and step < p.steps:
+                path = save_checkpoint(model, optimizer, scheduler, out_dir, step, epoch, first + len(group))
+                emit(Checkpoint(step=step, path=str(path)))
+            last = step >= p.steps or stop.asked
+            if last and eval_batches:
+                eval_loss = evaluate(model, eval_batches, device, autocast_dtype)
+            if step % t.logging_steps == 0 or last:
+                elapsed = time.monotonic() - start
+                emit(Progress(step=step, steps=p.steps, epoch=epoch + (first + len(group)) / len(batches),
+                              loss=window_loss / window_count, lr=lr, grad_norm=grad_norm, tokens=tokens,
+                              tokens_per_s=tokens / elapsed if elapsed > 0 else None, elapsed_s=elapsed,
+                              eta_s=elapsed / step * (p.steps - step), peak_mib=peak_mib(device), eval_loss=eval_loss))
+                window_loss, window_count = 0.0, 0
+            if last:
+                break
+        epoch += 1
+
+    adapter = save_adapter(model, out_dir / "adapter")
+    state = "stopped" if step < p.steps else "trained"
+    message = f"stopped at step {step} of {p.steps} and saved" if state == "stopped" else f"trained {step} steps"
+    return Finished(state=state, step=step, adapter_dir=str(adapter), message=message)

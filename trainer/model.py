@@ -1,0 +1,45 @@
+"""Load a base model and its tokenizer from a local directory of safetensors: no hub, no pickles, no remote code."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from trainer.errors import JobError
+
+
+def check_model_dir(base_dir: str) -> Path:
+    path = Path(base_dir)
+    if not path.is_dir():
+        raise JobError(f"base_dir {base_dir} is not a directory on this node; copy the model there or fix base_dir")
+    if not (path / "config.json").is_file():
+        raise JobError(f"base_dir {base_dir} has no config.json; point base_dir at a Hugging Face model directory")
+    if not list(path.glob("*.safetensors")):
+        pickles = [p.name for p in path.glob("*.bin")] + [p.name for p in path.glob("*.pt")]
+        hint = (f" (it has {', '.join(pickles[:3])}: pickled weights are never loaded; convert them to safetensors)"
+                if pickles else "")
+        raise JobError(f"base_dir {base_dir} has no .safetensors weights{hint}")
+    config = json.loads((path / "config.json").read_text())
+    if config.get("auto_map"):
+        raise JobError(f"the model in {base_dir} needs its own code (auto_map in config.json); jetlora never runs "
+                       "remote code: use an architecture transformers ships")
+    return path
+
+
+def pick_dtype(precision: str, device: str) -> torch.dtype:
+    if precision == "fp32" or (precision == "auto" and device == "cpu"):
+        return torch.float32
+    if precision == "bf16" or (precision == "auto" and torch.cuda.is_bf16_supported()):
+        return torch.bfloat16
+    return torch.float16
+
+
+def load(base_dir: str, device: str, dtype: torch.dtype):
+    path = check_model_dir(base_dir)
+    tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True, trust_remote_code=False)
+    model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, trust_remote_code=False,
+                                                 use_safetensors=True, dtype=dtype, attn_implementation="sdpa")
+    return tokenizer, model.to(device)
