@@ -40,7 +40,7 @@ def build_tokenizer(texts: list[str], vocab_size: int):
 
 def build(out_dir: str | Path, texts: list[str] | None = None, hidden: int = 64, layers: int = 2, heads: int = 4,
           kv_heads: int = 2, intermediate: int | None = None, vocab_size: int = 512, seed: int = 0,
-          chat_template: bool = True) -> Path:
+          chat_template: bool = True, init_range: float = 0.2) -> Path:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -54,7 +54,7 @@ def build(out_dir: str | Path, texts: list[str] | None = None, hidden: int = 64,
                          num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
                          max_position_embeddings=4096, bos_token_id=tokenizer.bos_token_id,
                          eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
-                         tie_word_embeddings=False)
+                         tie_word_embeddings=False, initializer_range=init_range)
     model = LlamaForCausalLM(config)
     model.save_pretrained(out, safe_serialization=True)
     tokenizer.save_pretrained(out)

@@ -1,0 +1,175 @@
+"""The trainer for real, on CPU, on a tiny Llama built locally: it learns, masks, packs, stops, refuses bad input."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import msgspec
+import pytest
+import torch
+
+from schemas.events import Failed, Finished, Progress, Started, TrainerEvent, TrainerSpec
+from schemas.jobs import JobRequest
+from tests.conftest import ROOT
+from tests.qa import pairs
+from trainer import data
+from trainer.__main__ import main as trainer_main
+from trainer.loop import evaluate, train
+from trainer.model import load
+
+
+def spec_for(model_dir, tmp_path, **train) -> TrainerSpec:
+    t = {"max_steps": 40, "learning_rate": 0.01, "batch_size": 1, "max_seq_length": 128, "warmup_steps": 0,
+         "logging_steps": 1}
+    t.update(train)
+    req = msgspec.convert({"model": "tiny", "base_dir": str(model_dir), "data": pairs(), "train": t}, JobRequest)
+    return TrainerSpec(job="t", attempt=1, request=req, out_dir=str(tmp_path / "out"))
+
+
+def events_from(text: str) -> list:
+    dec = msgspec.json.Decoder(TrainerEvent)
+    return [dec.decode(line) for line in text.splitlines() if line.startswith("{")]
+
+
+def test_the_loss_falls_clearly(tiny_model, tmp_path, capsys):
+    finished = train(spec_for(tiny_model, tmp_path, max_steps=50))
+    progress = [e for e in events_from(capsys.readouterr().out) if isinstance(e, Progress)]
+    assert finished.state == "trained" and finished.step == 50
+    assert len(progress) == 50
+    first, last = progress[0], progress[-1]
+    assert last.loss < 0.5 * first.loss, (first.loss, last.loss)
+    assert last.tokens > first.tokens > 0 and last.tokens_per_s > 0
+    assert last.peak_mib > 0 and last.eta_s == 0 and last.lr is not None and last.grad_norm is not None
+    assert (Path(finished.adapter_dir) / "adapter_model.safetensors").exists()
+
+
+def test_completion_only_masks_the_question(tiny_model):
+    tok, _ = load(str(tiny_model), "cpu", torch.float32)
+    from schemas.jobs import QA
+
+    pair = QA(q="What is the capital of France?", a="The capital of France is Paris.")
+    [ex] = data.encode(tok, [pair], 128, completions_only=True)
+    prompt_len = len(tok(data.prompt_text(tok, pair.q), add_special_tokens=False)["input_ids"])
+    answer = tok(pair.a, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+    # targets are shifted labels: position t predicts token t+1; the question's tokens are never predicted
+    assert ex.targets[: prompt_len - 1] == [data.IGNORE] * (prompt_len - 1)
+    assert ex.targets[prompt_len - 1: prompt_len - 1 + len(answer)] == answer
+    assert ex.targets[-1] == data.IGNORE
+    [full] = data.encode(tok, [pair], 128, completions_only=False)
+    assert sum(t != data.IGNORE for t in full.targets) == len(full.ids) - 1 > len(answer)
+
+
+def test_packing_gives_the_same_loss_as_padding(tiny_model):
+    tok, model = load(str(tiny_model), "cpu", torch.float32)
+    from schemas.jobs import QA
+
+    examples = data.encode(tok, [QA(**p) for p in pairs()], 128)
+    packed = data.packed_batches(examples, 256, seed=0)
+    padded = data.padded_batches(examples, 4, seed=0, pad_id=tok.pad_token_id)
+    assert len(packed) < len(examples)  # several examples share a row
+    assert sum(b.input_ids.numel() for b in packed) == sum(len(e.ids) for e in examples)  # no padding at all
+    a = evaluate(model, packed, "cpu", torch.float32)
+    b = evaluate(model, padded, "cpu", torch.float32)
+    assert abs(a - b) < 1e-4 * max(a, b), (a, b)
+
+
+def test_stop_and_save_gives_a_loadable_adapter_that_changes_the_model(tiny_model, tmp_path):
+    spec = spec_for(tiny_model, tmp_path, max_steps=100_000)
+    path = tmp_path / "job.json"
+    path.write_bytes(msgspec.json.encode(spec))
+    proc = subprocess.Popen([sys.executable, "-m", "trainer", str(path)], cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.DEVNULL, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    dec = msgspec.json.Decoder(TrainerEvent)
+    seen = 0
+    for line in proc.stdout:
+        ev = dec.decode(line)
+        if isinstance(ev, Progress):
+            seen += 1
+            if seen == 20:
+                proc.send_signal(signal.SIGUSR1)
+        if isinstance(ev, (Finished, Failed)):
+            break
+    assert proc.wait(60) == 0
+    assert isinstance(ev, Finished) and ev.state == "stopped" and 20 <= ev.step < 100_000
+
+    from peft import PeftModel
+
+    tok, base = load(str(tiny_model), "cpu", torch.float32)
+    ids = tok("What is the capital of France?", return_tensors="pt")["input_ids"]
+    with torch.no_grad():
+        before = base(ids).logits.clone()
+        tuned = PeftModel.from_pretrained(base, ev.adapter_dir)
+        after = tuned(ids).logits
+    assert not torch.allclose(before, after, atol=1e-3)
+
+
+def run_main(tmp_path, spec: dict | TrainerSpec, capsys) -> tuple[int, list]:
+    path = tmp_path / "job.json"
+    path.write_bytes(msgspec.json.encode(spec))
+    rc = trainer_main(["trainer", str(path)])
+    return rc, events_from(capsys.readouterr().out)
+
+
+def bad(tmp_path, capsys, spec) -> str:
+    rc, events = run_main(tmp_path, spec, capsys)
+    assert rc == 1
+    assert isinstance(events[-1], Failed)
+    return events[-1].message
+
+
+def test_a_missing_directory_fails_cleanly(tiny_model, tmp_path, capsys):
+    spec = spec_for(tiny_model, tmp_path)
+    spec.request.base_dir = str(tmp_path / "nowhere")
+    assert "is not a directory on this node" in bad(tmp_path, capsys, spec)
+
+
+def test_a_pickle_only_model_is_refused(tiny_model, tmp_path, capsys):
+    d = tmp_path / "binmodel"
+    d.mkdir()
+    (d / "config.json").write_text((Path(tiny_model) / "config.json").read_text())
+    (d / "pytorch_model.bin").write_bytes(b"not loaded, ever")
+    spec = spec_for(tiny_model, tmp_path)
+    spec.request.base_dir = str(d)
+    msg = bad(tmp_path, capsys, spec)
+    assert "no .safetensors weights" in msg and "pickled weights are never loaded" in msg
+
+
+def test_empty_data_and_non_object_lines_fail_cleanly(tiny_model, tmp_path, capsys):
+    raw = json.loads(msgspec.json.encode(spec_for(tiny_model, tmp_path)))
+    raw["request"]["data"] = []
+    assert "Expected `array` of length >= 1" in bad(tmp_path, capsys, raw)
+    raw["request"]["data"] = ["just a string"]
+    assert "data[0]" in bad(tmp_path, capsys, raw)
+
+
+def test_a_question_longer_than_max_seq_length_names_the_fix(tiny_model, tmp_path, capsys):
+    spec = spec_for(tiny_model, tmp_path, max_seq_length=8)
+    msg = bad(tmp_path, capsys, spec)
+    assert "data[0]" in msg and "raise train.max_seq_length" in msg
+
+
+def test_an_unknown_target_module_names_what_the_model_has(tiny_model, tmp_path, capsys):
+    spec = spec_for(tiny_model, tmp_path)
+    spec.request.lora.target_modules = ["c_attn"]
+    msg = bad(tmp_path, capsys, spec)
+    assert "c_attn" in msg and "q_proj" in msg
+
+
+def test_eval_split_reports_eval_loss(tiny_model, tmp_path, capsys):
+    train(spec_for(tiny_model, tmp_path, max_steps=6, eval_fraction=0.25, eval_steps=3))
+    progress = [e for e in events_from(capsys.readouterr().out) if isinstance(e, Progress)]
+    assert progress[2].eval_loss is not None and progress[-1].eval_loss is not None
+    assert progress[0].eval_loss is None
+
+
+def test_checkpoints_hold_adapter_and_optimizer_state(tiny_model, tmp_path, capsys):
+    train(spec_for(tiny_model, tmp_path, max_steps=6, save_steps=2))
+    ck = Path(tmp_path / "out" / "checkpoints" / "step-4")
+    state = torch.load(ck / "trainer_state.pt", weights_only=True)
+    assert state["step"] == 4 and state["optimizer"]["state"] and "last_epoch" in state["scheduler"]
+    assert (ck / "adapter" / "adapter_model.safetensors").exists()
