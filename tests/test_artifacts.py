@@ -1,0 +1,188 @@
+"""Chunked uploads into the object store through the real artifact service: whole, verified, never half-written."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import os
+import subprocess
+import sys
+import tarfile
+import time
+
+import msgspec
+import pytest
+
+from schemas import names
+from schemas.artifacts import ArtifactMeta, Chunk, ChunkAck
+from services.artifacts.download import DownloadError, download, safe_extract, sha256_file
+from services.artifacts.sender import UploadError, upload_file
+from services.artifacts.service import ArtifactService
+from tests.conftest import ROOT, wait_for
+
+_ack = msgspec.json.Decoder(ChunkAck)
+
+
+@pytest.fixture
+async def artifact_service(services):
+    svc, *_ = await services.start(lambda c: ArtifactService(c, stall_timeout=1.0))
+    await asyncio.wait_for(svc.ready.wait(), 10)
+    return svc
+
+
+def random_file(path, mib: int):
+    with open(path, "wb") as f:
+        for _ in range(mib):
+            f.write(os.urandom(1 << 20))
+    return path
+
+
+async def object_names(nc) -> list[str]:
+    obs = await nc.jetstream().object_store(names.ARTIFACTS_BUCKET)
+    try:
+        return [o.name for o in await obs.list(ignore_deletes=True)]
+    except Exception:  # nats-py raises NotFoundError for an empty bucket
+        return []
+
+
+async def bucket_messages(nc) -> int:
+    info = await nc.jetstream().stream_info(names.object_stream(names.ARTIFACTS_BUCKET))
+    return info.state.messages
+
+
+async def send(nc, chunk: Chunk) -> ChunkAck:
+    msg = await nc.request(names.artifact_upload(chunk.job), msgspec.msgpack.encode(chunk), timeout=10)
+    return _ack.decode(msg.data)
+
+
+async def in_order(nc, chunks: list[Chunk]) -> list[ChunkAck]:
+    """Send chunks in this order without waiting between them, as a windowed sender does."""
+    tasks = []
+    for chunk in chunks:
+        tasks.append(asyncio.create_task(send(nc, chunk)))
+        await asyncio.sleep(0.01)
+    return await asyncio.gather(*tasks)
+
+
+def chunks_of(data: bytes, size: int, upload="u1", job="j1", kind="peft", sha=None) -> list[Chunk]:
+    pieces = [data[i:i + size] for i in range(0, len(data), size)]
+    out = []
+    for i, p in enumerate(pieces):
+        last = i == len(pieces) - 1
+        out.append(Chunk(upload=upload, job=job, kind=kind, seq=i, data=p, last=last,
+                         sha256=(sha or hashlib.sha256(data).hexdigest()) if last else "",
+                         size=len(data) if last else 0, meta=ArtifactMeta(base_model="tiny") if i == 0 else None))
+    return out
+
+
+async def test_a_50_mb_round_trip_is_byte_exact(nc, artifact_service, tmp_path):
+    src = random_file(tmp_path / "a.bin", 50)
+    info = await upload_file(nc, "job50", "peft", src, ArtifactMeta(base_model="tiny", summary="r=8"))
+    assert info.size == 50 << 20 and info.sha256 == sha256_file(src) and info.name == "job50/peft"
+    got = await download(nc, "job50", "peft", tmp_path / "b.bin")
+    assert got.sha256 == info.sha256 and sha256_file(tmp_path / "b.bin") == info.sha256
+    assert got.base_model == "tiny" and got.summary == "r=8"
+
+
+async def test_duplicate_and_out_of_order_chunks_still_make_one_whole_object(nc, artifact_service):
+    data = os.urandom(10_000)
+    c = chunks_of(data, 2_000)
+    acks = await in_order(nc, [c[0], c[2], c[1], c[1], c[0], c[3], c[4]])
+    assert all(a.ok for a in acks), acks
+    last = acks[-1]
+    assert last.ok and last.stored and last.stored.size == len(data)
+    obs = await nc.jetstream().object_store(names.ARTIFACTS_BUCKET)
+    assert (await obs.get("j1/peft")).data == data
+
+
+async def test_a_missing_chunk_fails_the_upload_and_leaves_nothing(nc, artifact_service):
+    c = chunks_of(os.urandom(10_000), 2_000)
+    first, held, ack = await in_order(nc, [c[0], c[2], msgspec.structs.replace(c[4], seq=40)])
+    assert first.ok and not held.ok  # chunk 2 waited for chunk 1, then failed with the upload
+    assert not ack.ok and "chunk 1 never arrived" in ack.error
+    assert await object_names(nc) == [] and await bucket_messages(nc) == 0
+
+
+async def test_a_corrupted_chunk_fails_the_checksum_and_leaves_nothing(nc, artifact_service):
+    data = os.urandom(10_000)
+    c = chunks_of(data, 5_000)
+    bad = msgspec.structs.replace(c[1], data=b"x" + c[1].data[1:])
+    assert (await send(nc, c[0])).ok
+    ack = await send(nc, bad)
+    assert not ack.ok and "checksum mismatch" in ack.error
+    assert await object_names(nc) == [] and await bucket_messages(nc) == 0
+
+
+async def test_a_sender_that_goes_away_leaves_no_object(nc, artifact_service):
+    c = chunks_of(os.urandom(10_000), 2_000)
+    for chunk in c[:3]:
+        assert (await send(nc, chunk)).ok
+    await wait_for(lambda: asyncio.sleep(0, not artifact_service.uploads), timeout=5, what="the stalled upload to end")
+    ack = await send(nc, c[3])
+    assert not ack.ok and "stalled" in ack.error
+    assert await object_names(nc) == [] and await bucket_messages(nc) == 0
+
+
+async def test_a_killed_sender_process_leaves_no_object(nc, artifact_service, nats_server, tmp_path):
+    src = random_file(tmp_path / "big.bin", 40)
+    code = (f"import asyncio, nats\nfrom services.artifacts.sender import upload_file\n"
+            f"async def m():\n nc = await nats.connect('{nats_server.url}')\n"
+            f" await upload_file(nc, 'killed', 'peft', '{src}', window=1)\nasyncio.run(m())\n")
+    proc = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT)
+    await wait_for(lambda: asyncio.sleep(0, bool(artifact_service.uploads)), timeout=10, what="the upload to start")
+    proc.kill()
+    proc.wait()
+    await wait_for(lambda: asyncio.sleep(0, not artifact_service.uploads), timeout=5, what="the upload to be dropped")
+    assert await object_names(nc) == []
+    await asyncio.sleep(0.2)
+    assert await bucket_messages(nc) == 0
+
+
+async def test_names_from_the_wire_are_never_paths(nc, artifact_service, tmp_path):
+    bad = {"upload": "u", "job": "../../etc", "kind": "peft", "seq": 0, "data": b"x", "last": True}
+    msg = await nc.request(names.artifact_upload("x"), msgspec.msgpack.encode(bad), timeout=5)
+    ack = _ack.decode(msg.data)
+    assert not ack.ok and "job" in ack.error
+    with pytest.raises(ValueError):
+        await download(nc, "../x", "peft", tmp_path / "o")
+    evil = tmp_path / "evil.tar.gz"
+    with tarfile.open(evil, "w:gz") as tar:
+        (tmp_path / "f").write_text("x")
+        tar.add(tmp_path / "f", arcname="../../escaped")
+    with pytest.raises(DownloadError, match="outside the target directory"):
+        safe_extract(evil, tmp_path / "out")
+    assert not (tmp_path.parent / "escaped").exists()
+
+
+async def test_list_and_delete_through_the_service(nc, artifact_service, tmp_path):
+    from schemas.artifacts import ArtifactList, ArtifactQuery, Deleted
+    from services import bus
+
+    src = random_file(tmp_path / "a.bin", 1)
+    await upload_file(nc, "jobA", "peft", src)
+    await upload_file(nc, "jobA", "gguf", src)
+    await upload_file(nc, "jobB", "peft", src)
+    listed = await bus.request(nc, names.ARTIFACTS_LIST, ArtifactQuery(job="jobA"), ArtifactList)
+    assert sorted(a.name for a in listed.artifacts) == ["jobA/gguf", "jobA/peft"]
+    gone = await bus.request(nc, names.ARTIFACTS_DELETE, ArtifactQuery(job="jobA"), Deleted)
+    assert sorted(gone.names) == ["jobA/gguf", "jobA/peft"]
+    assert await object_names(nc) == ["jobB/peft"]
+
+
+async def test_a_1_gb_artifact_keeps_the_service_small(nc, nats_server, tmp_path):
+    """The service in its own process, so its peak RSS is its own."""
+    proc = subprocess.Popen([sys.executable, "-m", "services.cli", "artifacts", "--nats", nats_server.url], cwd=ROOT,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        src = random_file(tmp_path / "g.bin", 1024)
+        t0 = time.monotonic()
+        info = await upload_file(nc, "big", "peft", src, timeout=30)
+        took = time.monotonic() - t0
+        with open(f"/proc/{proc.pid}/status") as f:
+            hwm_mib = next(int(l.split()[1]) for l in f if l.startswith("VmHWM")) / 1024
+        print(f"1 GiB through the artifact service: {1024 / took:.0f} MiB/s, service peak RSS {hwm_mib:.0f} MiB")
+        assert info.size == 1 << 30 and info.sha256 == sha256_file(src)
+        assert hwm_mib < 200, hwm_mib
+    finally:
+        proc.terminate()
+        proc.wait(10)
