@@ -259,6 +259,12 @@ def cmd_schema(args) -> int:
     return EXIT_OK
 
 
+def cmd_demo(args) -> int:
+    from services.demo import run_demo
+
+    return asyncio.run(run_demo(Path(args.out), args.steps))
+
+
 def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="jetlora", description=__doc__)
     ap.add_argument("-v", "--verbose", action="store_true")
@@ -331,6 +337,10 @@ def parser() -> argparse.ArgumentParser:
     a.add_argument("job")
     a.add_argument("--kind", choices=["peft", "gguf", "checkpoint"])
     p.set_defaults(fn=cmd_artifacts)
+    p = sub.add_parser("demo", help="train a LoRA on a small local model end to end, on this machine")
+    p.add_argument("--out", default="demo-out", help="where the model and the downloaded artifacts go")
+    p.add_argument("--steps", type=int, default=300)
+    p.set_defaults(fn=cmd_demo)
     p = sub.add_parser("schema", help="write the JSON Schemas and the AsyncAPI document into schemas/")
     p.add_argument("--out")
     p.set_defaults(fn=cmd_schema)

@@ -190,7 +190,7 @@ class Agent:
             artifacts = await self._ship(run, result)
             final = "stopped" if result.state == "stopped" else "succeeded"
             stored = ", ".join(r.name for r in artifacts)
-            await self._report(run, final, f"{result.message or result.state} at step {result.step}; stored {stored}", artifacts)
+            await self._report(run, final, f"{result.message or result.state}; stored {stored}", artifacts)
         except asyncio.CancelledError:
             if not self.draining:
                 await self._report(run, "cancelled", "cancelled before the trainer started")

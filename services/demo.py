@@ -1,0 +1,87 @@
+"""`jetlora demo`: the whole path on one machine, from an empty state to downloaded artifacts."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import nats
+
+from schemas import names
+from schemas.jobs import Accepted, SubmitReply
+from services import bus
+from services.agent.service import Agent, AgentConfig
+from services.artifacts.download import download, safe_extract
+from services.artifacts.service import ArtifactService
+from services.embedded import EmbeddedNats
+from services.scheduler.service import Scheduler, SchedulerConfig
+from services.watch import watch
+
+ROOT = Path(__file__).resolve().parents[1]
+QA_FILE = ROOT / "deploy" / "demo" / "qa.jsonl"
+
+
+def build_model(out: Path) -> Path:
+    """The demo's base model: a small Llama made here, its tokenizer fitted on the demo's text (no hub)."""
+    if not (out / "model.safetensors").exists():
+        print(f"building a small Llama-architecture model in {out} ...", flush=True)
+        subprocess.run([sys.executable, "-m", "trainer.tinymodel", str(out), "--hidden", "96", "--layers", "2",
+                        "--vocab", "600", "--texts", str(QA_FILE)], check=True, cwd=ROOT, stdout=subprocess.DEVNULL)
+    return out
+
+
+async def run_demo(out_dir: Path, steps: int) -> int:
+    out_dir = out_dir.resolve()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    model = build_model(out_dir / "base-model")
+    data = [json.loads(line) for line in QA_FILE.read_text().splitlines() if line.strip()]
+    server = EmbeddedNats(store_dir=tempfile.mkdtemp(prefix="jetlora-demo-")).start()
+    print(f"embedded NATS at {server.url} (websocket {server.ws_url})", flush=True)
+    stop = asyncio.Event()
+    conns = [await nats.connect(server.url) for _ in range(4)]
+    nc = conns[0]
+    try:
+        await bus.ensure_resources(nc)
+        sched = Scheduler(conns[1], SchedulerConfig())
+        arts = ArtifactService(conns[2])
+        agent = Agent(conns[3], AgentConfig(node="demo-node", work_dir=out_dir / "agent", offer_cpu=True))
+        tasks = [asyncio.create_task(s.run(stop)) for s in (sched, arts, agent)]
+        await asyncio.wait_for(sched.leading.wait(), 15)
+        await asyncio.wait_for(arts.ready.wait(), 15)
+        request = {"model": "demo-tiny-llama", "base_dir": str(model), "data": data, "accelerator": "cpu",
+                   "served_by": "llamacpp", "label": "capitals demo", "lora": {"r": 16, "alpha": 32},
+                   "train": {"max_steps": steps, "learning_rate": 0.01, "batch_size": 2, "max_seq_length": 256,
+                             "logging_steps": 2, "eval_fraction": 0.1, "eval_steps": 25}}
+        await asyncio.sleep(1.5)  # the agent's first heartbeat
+        reply = await bus.request(nc, names.SUBMIT, request, SubmitReply)
+        if not isinstance(reply, Accepted):
+            print(f"the demo job was rejected: {reply.errors}", file=sys.stderr)
+            return 2
+        print(f"submitted job {reply.job} ({len(data)} Q/A pairs, {steps} steps)", flush=True)
+        t0 = time.monotonic()
+        rc = await watch(nc, reply.job)
+        print(f"training and upload took {time.monotonic() - t0:.0f}s", flush=True)
+        if rc:
+            return rc
+        tar = out_dir / f"{reply.job}-adapter.tar.gz"
+        await download(nc, reply.job, "peft", tar)
+        adapter = safe_extract(tar, out_dir / f"{reply.job}-adapter")
+        gguf_path = out_dir / f"{reply.job}-lora-f16.gguf"
+        await download(nc, reply.job, "gguf", gguf_path)
+        print(f"\nPEFT adapter: {adapter}  (PeftModel.from_pretrained(base, '{adapter}'))")
+        print(f"GGUF adapter: {gguf_path}  (llama-server -m BASE.gguf --lora {gguf_path})")
+        print(f"Base model:   {model}")
+        print("For a stack that stays up: `jetlora up`, then `jetlora submit job.json --nats URL` and "
+              "`jetlora watch JOB --nats URL` (the URL is printed at start).")
+        return 0
+    finally:
+        stop.set()
+        await asyncio.sleep(0.5)
+        for c in conns:
+            await c.close()
+        server.stop()
