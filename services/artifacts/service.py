@@ -11,14 +11,13 @@ from dataclasses import dataclass, field
 import msgspec
 import nats.micro
 from nats.aio.client import Client
-from nats.js.api import ObjectMeta, ObjectMetaOptions
 
 from schemas import names
 from schemas.artifacts import (CHUNK_BYTES, ArtifactInfo, ArtifactList, ArtifactMeta, ArtifactQuery, Chunk, ChunkAck,
                                Deleted)
 from schemas.jobs import Error
 from services import __version__
-from services.artifacts.pipe import ChunkPipe, UploadFailed
+from services.artifacts.objwriter import ObjectWriter
 
 log = logging.getLogger("jetlora.artifacts")
 _enc = msgspec.json.Encoder()
@@ -30,15 +29,14 @@ HEADER = "Jetlora-"
 @dataclass
 class Upload:
     chunk0: Chunk
-    pipe: ChunkPipe
-    put: asyncio.Task
-    headers: dict[str, list[str]]
+    writer: ObjectWriter
     expected: int = 0
     size: int = 0
     digest: "hashlib._Hash" = field(default_factory=hashlib.sha256)
     ahead: dict[int, tuple[Chunk, object]] = field(default_factory=dict)
     touched: float = field(default_factory=time.monotonic)
     failed: str = ""
+    aborted: asyncio.Future | None = None
 
 
 def info_from_object(obj) -> ArtifactInfo | None:
@@ -125,14 +123,12 @@ class ArtifactService:
     def _begin(self, chunk: Chunk) -> Upload:
         meta = chunk.meta or ArtifactMeta()
         name = names.artifact_name(chunk.job, chunk.kind)
-        pipe = ChunkPipe(asyncio.get_running_loop())
         headers = {HEADER + k: [v] for k, v in (("Job", chunk.job), ("Kind", chunk.kind), ("Base-Model", meta.base_model),
                                                 ("Trainer-Version", meta.trainer_version), ("Summary", meta.summary),
                                                 ("Filename", meta.filename)) if v}
-        obj_meta = ObjectMeta(name=name, description=f"jetlora {chunk.kind} artifact of job {chunk.job}", headers=headers,
-                              options=ObjectMetaOptions(max_chunk_size=CHUNK_BYTES))
-        put = asyncio.create_task(self.obs.put(name, pipe, meta=obj_meta))
-        up = Upload(chunk0=chunk, pipe=pipe, put=put, headers=headers)
+        writer = ObjectWriter(self.js, names.ARTIFACTS_BUCKET, name, f"jetlora {chunk.kind} artifact of job {chunk.job}",
+                              headers, chunk_size=CHUNK_BYTES)
+        up = Upload(chunk0=chunk, writer=writer)
         self.uploads[chunk.upload] = up
         log.info("upload %s: %s begins", chunk.upload, name)
         return up
@@ -141,18 +137,19 @@ class ArtifactService:
         up.expected += 1
         up.size += len(chunk.data)
         up.digest.update(chunk.data)
-        await up.pipe.feed(chunk.data)
+        try:
+            await up.writer.write(chunk.data)
+        except Exception as e:
+            return await self._fail_reply(up, msg, chunk, f"the object store refused a chunk: {e}")
         if not chunk.last:
             return await self._reply(msg, chunk)
         sha = up.digest.hexdigest()
         if chunk.size != up.size or chunk.sha256 != sha:
             return await self._fail_reply(up, msg, chunk, f"checksum mismatch: the sender says {chunk.size} bytes sha256 "
                                                           f"{chunk.sha256[:12]}…, {up.size} bytes sha256 {sha[:12]}… arrived")
-        # The sha256 is known only now; put() serialises this same headers dict into the meta after EOF.
-        up.headers[HEADER + "Sha256"] = [sha]
-        await up.pipe.finish()
+        up.writer.info.headers[HEADER + "Sha256"] = [sha]
         try:
-            info = await up.put
+            info = await up.writer.commit(up.digest.digest())
         except Exception as e:
             return await self._fail_reply(up, msg, chunk, f"the object store refused the artifact: {e}")
         del self.uploads[chunk.upload]
@@ -165,7 +162,7 @@ class ArtifactService:
         if up.failed:
             return
         up.failed = reason
-        up.pipe.fail(reason)
+        up.aborted = asyncio.ensure_future(up.writer.abort())
         self.uploads.pop(up.chunk0.upload, None)
         self.failed[up.chunk0.upload] = (reason, time.monotonic())
         log.warning("upload %s of %s %s failed: %s; nothing was stored", up.chunk0.upload, up.chunk0.job,
@@ -174,9 +171,9 @@ class ArtifactService:
     async def _fail_reply(self, up: Upload, msg, chunk: Chunk, reason: str) -> None:
         self._fail(up, reason)
         try:
-            await up.put
-        except (UploadFailed, Exception):
-            pass  # put() purged its chunks: no object appears
+            await up.aborted  # its chunks are purged: no object appears
+        except Exception as e:
+            log.warning("upload %s: purging its chunks failed: %s", chunk.upload, e)
         await self._reply(msg, chunk, reason)
         for c, m in up.ahead.values():
             await self._reply(m, c, reason)

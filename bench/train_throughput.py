@@ -1,0 +1,146 @@
+"""Real-token throughput of jetlora's trainer (padding-free packing) against transformers.Trainer + peft
+with the default padding collator: same model, same 2,000 Q/A pairs of varied length, same steps and
+hyperparameters, in one run. Run by hand:  python bench/train_throughput.py [--steps 40]
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import random
+import resource
+import sys
+import tempfile
+import time
+from contextlib import redirect_stdout
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import msgspec  # noqa: E402
+import torch  # noqa: E402
+
+from schemas.events import Progress, TrainerEvent, TrainerSpec  # noqa: E402
+from schemas.jobs import JobRequest  # noqa: E402
+
+WORDS = ("the model learns to answer questions about capitals rivers mountains languages and history of many "
+         "countries with short and long explanations that vary in length from a few words to several sentences").split()
+
+
+def make_pairs(n: int, seed: int = 0) -> list[dict]:
+    """Q/A pairs whose answers range from a few words to a few hundred tokens, like real SFT data."""
+    rng = random.Random(seed)
+    out = []
+    for i in range(n):
+        q = " ".join(rng.choices(WORDS, k=rng.randint(4, 20))) + "?"
+        a = " ".join(rng.choices(WORDS, k=int(rng.paretovariate(1.2) * 8) % 300 + 3)) + "."
+        out.append({"q": f"Question {i}: {q}", "a": a})
+    return out
+
+
+def peak_rss_mib() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def run_jetlora(model_dir, pairs, steps, lr, tokens_per_step, seq) -> dict:
+    from trainer.loop import train
+
+    req = msgspec.convert({"model": "bench", "base_dir": str(model_dir), "data": pairs, "lora": {"r": 16, "alpha": 32},
+                           "train": {"max_steps": steps, "learning_rate": lr, "batch_size": max(1, tokens_per_step // seq),
+                                     "max_seq_length": seq, "logging_steps": 10, "warmup_steps": 0,
+                                     "lr_scheduler": "cosine"}}, JobRequest)
+    out = io.StringIO()
+    with tempfile.TemporaryDirectory() as tmp, redirect_stdout(out):
+        t0 = time.perf_counter()
+        train(TrainerSpec(job="bench", attempt=1, request=req, out_dir=tmp))
+        wall = time.perf_counter() - t0
+    dec = msgspec.json.Decoder(TrainerEvent)
+    progress = [e for e in (dec.decode(l) for l in out.getvalue().splitlines() if l.startswith("{")) if isinstance(e, Progress)]
+    last = progress[-1]
+    return {"tokens_per_s": last.tokens / last.elapsed_s, "tokens": last.tokens, "loss": last.loss, "wall": wall}
+
+
+def run_baseline(model_dir, pairs, steps, lr, batch, seq) -> dict:
+    from peft import LoraConfig, get_peft_model
+    from transformers import (AutoModelForCausalLM, AutoTokenizer, DataCollatorForSeq2Seq, Trainer, TrainerCallback,
+                              TrainingArguments)
+
+    tok = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, local_files_only=True, use_safetensors=True,
+                                                 dtype=torch.float32)
+    model = get_peft_model(model, LoraConfig(r=16, lora_alpha=32, target_modules=[
+        "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"], task_type="CAUSAL_LM"))
+
+    from trainer.data import prompt_text
+
+    rows = []
+    for p in pairs:  # the same tokens and the same completion-only labels as jetlora's
+        prompt = tok(prompt_text(tok, p["q"]), add_special_tokens=False)["input_ids"]
+        answer = tok(p["a"], add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+        ids = (prompt + answer)[:seq]
+        rows.append({"input_ids": ids, "attention_mask": [1] * len(ids), "labels": ([-100] * len(prompt) + answer)[:seq]})
+    real = {"tokens": 0}
+    base_collate = DataCollatorForSeq2Seq(tok, padding=True)
+
+    def collate(features):
+        batch = base_collate(features)
+        real["tokens"] += int(batch["attention_mask"].sum())
+        return batch
+
+    losses = []
+
+    class Losses(TrainerCallback):
+        def on_log(self, args, state, control, logs=None, **kw):
+            if logs and "loss" in logs:
+                losses.append(logs["loss"])
+
+    with tempfile.TemporaryDirectory() as tmp:
+        args = TrainingArguments(output_dir=tmp, per_device_train_batch_size=batch, max_steps=steps, learning_rate=lr,
+                                 lr_scheduler_type="cosine", logging_steps=10, report_to=[], use_cpu=True,
+                                 save_strategy="no", disable_tqdm=True, remove_unused_columns=False, seed=42)
+        trainer = Trainer(model=model, args=args, train_dataset=rows, data_collator=collate, callbacks=[Losses()])
+        t0 = time.perf_counter()
+        trainer.train()
+        wall = time.perf_counter() - t0
+    return {"tokens_per_s": real["tokens"] / wall, "tokens": real["tokens"], "loss": losses[-1], "wall": wall}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--steps", type=int, default=40)
+    ap.add_argument("--batch", type=int, default=8, help="examples per step for the baseline")
+    ap.add_argument("--lr", type=float, default=1e-3)
+    ap.add_argument("--seq", type=int, default=512)
+    args = ap.parse_args()
+    torch.set_num_threads(max(1, torch.get_num_threads()))
+    from trainer.tinymodel import build
+
+    pairs = make_pairs(2000)
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = build(Path(tmp) / "m", [f"{p['q']} {p['a']}" for p in pairs[:500]], hidden=384, layers=8, heads=6,
+                          kv_heads=2, intermediate=1024, vocab_size=8000, init_range=0.02)
+        n_params = sum(t.numel() for t in __import__("safetensors.torch", fromlist=["x"]).load_file(
+            str(model_dir / "model.safetensors")).values())
+        from transformers import AutoTokenizer
+
+        tok = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+        lengths = [len(tok(p["q"] + " " + p["a"])["input_ids"]) + 8 for p in pairs]
+        mean = sum(lengths) / len(lengths)
+        tokens_per_step = int(args.batch * mean)  # jetlora's step holds as many real tokens as the baseline's, on average
+        print(f"model {n_params / 1e6:.1f}M params; 2000 pairs, {min(lengths)}-{max(lengths)} tokens (mean {mean:.0f}); "
+              f"{args.steps} steps, lr {args.lr}, {torch.get_num_threads()} threads")
+        base = run_baseline(model_dir, pairs, args.steps, args.lr, args.batch, args.seq)
+        rss_base = peak_rss_mib()
+        jet = run_jetlora(model_dir, pairs, args.steps, args.lr, tokens_per_step, args.seq)
+        rss_both = peak_rss_mib()
+    print(f"baseline (Trainer + padding collator): {base['tokens_per_s']:8.0f} real tok/s, {base['tokens']} tokens, "
+          f"final loss {base['loss']:.4f}, {base['wall']:.1f}s")
+    print(f"jetlora (padding-free packing):        {jet['tokens_per_s']:8.0f} real tok/s, {jet['tokens']} tokens, "
+          f"final loss {jet['loss']:.4f}, {jet['wall']:.1f}s")
+    print(f"throughput ratio jetlora/baseline: {jet['tokens_per_s'] / base['tokens_per_s']:.2f}x; "
+          f"final loss ratio {jet['loss'] / base['loss']:.3f}; peak RSS baseline {rss_base:.0f} MiB, after both {rss_both:.0f} MiB")
+
+
+if __name__ == "__main__":
+    main()

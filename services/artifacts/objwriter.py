@@ -1,0 +1,73 @@
+"""Write one object into a JetStream object store as chunks arrive: the store's own layout, pipelined acks.
+
+This is what nats-py's ObjectStore.put does (chunks on `$O.<bucket>.C.<nuid>`, then the meta on
+`$O.<bucket>.M.<name>` with a rollup), but fed by the caller chunk by chunk instead of pulling
+from a reader, with up to `window` publishes awaiting their acks. The meta, which is what makes
+the object visible, is published only by commit(); abort() purges the chunks written so far.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+from collections import deque
+from datetime import datetime, timezone
+
+from nats.js import api
+from nats.js.errors import NotFoundError
+from nats.js.kv import MSG_ROLLUP_SUBJECT
+
+from schemas import names
+
+
+class ObjectWriter:
+    def __init__(self, js, bucket: str, name: str, description: str = "", headers: dict | None = None,
+                 chunk_size: int = 128 * 1024, window: int = 16) -> None:
+        self.js, self.bucket, self.name = js, bucket, name
+        self.nuid = js._nc._nuid.next().decode()
+        self.info = api.ObjectInfo(name=name, bucket=bucket, nuid=self.nuid, size=0, chunks=0, description=description,
+                                   headers=headers or {}, options=api.ObjectMetaOptions(max_chunk_size=chunk_size))
+        self.subject = names.object_chunks(bucket, self.nuid)
+        self.window = window
+        self.pending: deque[asyncio.Future] = deque()
+
+    async def write(self, data: bytes) -> None:
+        """Publish one chunk; waits only when `window` chunks are still unacknowledged."""
+        if not data:
+            return
+        self.pending.append(await self.js.publish_async(self.subject, data))
+        self.info.size += len(data)
+        self.info.chunks += 1
+        while len(self.pending) >= self.window:
+            await self.pending.popleft()
+
+    async def _settle(self) -> None:
+        while self.pending:
+            await self.pending.popleft()
+
+    async def commit(self, sha256: bytes) -> api.ObjectInfo:
+        """Make the object visible (replacing one of the same name); raises if any chunk was not stored."""
+        await self._settle()
+        store = await self.js.object_store(self.bucket)
+        try:
+            old = await store.get_info(self.name)
+        except NotFoundError:
+            old = None
+        self.info.mtime = datetime.now(timezone.utc).isoformat()
+        self.info.digest = "SHA-256=" + base64.urlsafe_b64encode(sha256).decode()
+        await self.js.publish(names.object_meta(self.bucket, self.name), json.dumps(self.info.as_dict()).encode(),
+                              headers={api.Header.ROLLUP: MSG_ROLLUP_SUBJECT})
+        if old is not None and not old.deleted and old.nuid != self.nuid:
+            await self.js.purge_stream(names.object_stream(self.bucket), subject=names.object_chunks(self.bucket, old.nuid))
+        return self.info
+
+    async def abort(self) -> None:
+        """Forget the chunks written so far: no object appears."""
+        for fut in self.pending:
+            try:
+                await fut
+            except Exception:
+                pass
+        self.pending.clear()
+        await self.js.purge_stream(names.object_stream(self.bucket), subject=self.subject)
