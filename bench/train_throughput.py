@@ -50,13 +50,14 @@ def run_jetlora(model_dir, pairs, steps, lr, tokens_per_step, seq) -> dict:
                            "train": {"max_steps": steps, "learning_rate": lr, "batch_size": max(1, tokens_per_step // seq),
                                      "max_seq_length": seq, "logging_steps": 10, "warmup_steps": 0,
                                      "lr_scheduler": "cosine"}}, JobRequest)
-    out = io.StringIO()
+    raw = io.BytesIO()
+    out = io.TextIOWrapper(raw, write_through=True)  # the trainer writes events to sys.stdout.buffer
     with tempfile.TemporaryDirectory() as tmp, redirect_stdout(out):
         t0 = time.perf_counter()
         train(TrainerSpec(job="bench", attempt=1, request=req, out_dir=tmp))
         wall = time.perf_counter() - t0
     dec = msgspec.json.Decoder(TrainerEvent)
-    progress = [e for e in (dec.decode(l) for l in out.getvalue().splitlines() if l.startswith("{")) if isinstance(e, Progress)]
+    progress = [e for e in (dec.decode(l) for l in raw.getvalue().decode().splitlines() if l.startswith("{")) if isinstance(e, Progress)]
     last = progress[-1]
     return {"tokens_per_s": last.tokens / last.elapsed_s, "tokens": last.tokens, "loss": last.loss, "wall": wall}
 
@@ -118,7 +119,7 @@ def main() -> None:
 
     pairs = make_pairs(2000)
     with tempfile.TemporaryDirectory() as tmp:
-        model_dir = build(Path(tmp) / "m", [f"{p['q']} {p['a']}" for p in pairs[:500]], hidden=384, layers=8, heads=6,
+        model_dir = build(Path(tmp) / "m", [f"{p['q']} {p['a']}" for p in pairs[:500]], hidden=384, layers=12, heads=6,
                           kv_heads=2, intermediate=1024, vocab_size=8000, init_range=0.02)
         n_params = sum(t.numel() for t in __import__("safetensors.torch", fromlist=["x"]).load_file(
             str(model_dir / "model.safetensors")).values())
