@@ -29,6 +29,8 @@ from services import bus  # noqa: E402
 from services.embedded import EmbeddedNats  # noqa: E402
 
 GPU_MIB = 81920
+SCHED_LOG = "/tmp/jetlora-bench-scheduler.log"
+PROFILE = __import__("os").environ.get("BENCH_PROFILE")  # a py-spy output file: profile the scheduler
 enc = msgspec.json.Encoder()
 dec_assign = msgspec.json.Decoder(Assignment)
 dec_reply = msgspec.json.Decoder(SubmitReply)
@@ -51,6 +53,7 @@ class Fleet:
         self.last_beat: dict[str, float] = {}
         self.assigned_at: dict[str, float] = {}
         self.held: dict[str, str] = {}  # job -> doomed node holding it
+        self.finished: dict[str, list[str]] = {n: [] for n in self.nodes}  # recent, as real agents report them
         self.tasks: set[asyncio.Task] = set()
 
     def heartbeat(self, node: str) -> bytes:
@@ -59,6 +62,7 @@ class Fleet:
                    for i, (job, need) in enumerate((j or (None, 0)) for j in self.nodes[node])]
         running = [j for j, _ in filter(None, self.nodes[node])]
         return enc.encode(Heartbeat(node=node, agent_version="sim", devices=devices, running=running,
+                                    finished=self.finished[node][-16:],
                                     interval_s=self.interval, sent_at=time.time()))
 
     async def beat_forever(self):
@@ -97,6 +101,7 @@ class Fleet:
         await self.report(a, node, "succeeded")
         if self.nodes[node][a.device] and self.nodes[node][a.device][0] == a.job:
             self.nodes[node][a.device] = None
+        self.finished[node].append(a.job)
 
 
 def proc_stats(pid: int) -> tuple[float, float]:
@@ -124,7 +129,7 @@ async def main(n_nodes: int, n_jobs: int, doomed: int, interval: float, misses: 
         await bus.ensure_resources(nc)
         sched = subprocess.Popen([sys.executable, "-m", "services.cli", "scheduler", "--nats", server.url,
                                   "--heartbeat-interval", str(interval), "--misses", str(misses)],
-                                 cwd=ROOT, stdout=subprocess.DEVNULL, stderr=open(Path(tmp) / "sched.log", "w"))
+                                 cwd=ROOT, stdout=subprocess.DEVNULL, stderr=open(SCHED_LOG, "w"))
         fleet = Fleet(nc, n_nodes, 8, doomed, interval)
         await nc.subscribe(names.assign("*"), cb=fleet.on_assign)
 
@@ -141,6 +146,8 @@ async def main(n_nodes: int, n_jobs: int, doomed: int, interval: float, misses: 
             except bus.RequestError:
                 pass
             await asyncio.sleep(0.5)
+        spy = subprocess.Popen(["py-spy", "record", "-p", str(sched.pid), "-o", PROFILE, "-f", "raw", "-r", "50",
+                                "-d", "60"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) if PROFILE else None
         print(f"{n_nodes} agents x 8 GPUs heartbeating every {interval}s; window {interval * misses}s")
 
         floor = []
@@ -209,6 +216,9 @@ async def main(n_nodes: int, n_jobs: int, doomed: int, interval: float, misses: 
         watching.cancel()
         cpu, rss = proc_stats(sched.pid)
         beats.cancel()
+        if spy:
+            spy.send_signal(__import__("signal").SIGINT)
+            spy.wait(30)
         sched.terminate()
         sched.wait(10)
         await nc.close()

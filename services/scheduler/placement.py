@@ -34,6 +34,7 @@ class Fleet:
         self.reserved: dict[SlotKey, str] = {}  # slot -> job the scheduler placed there
         self._free: dict[str, list[tuple[int, str, int]]] = {"cuda": [], "cpu": []}  # sorted (free_mib, node, index)
         self._indexed: dict[SlotKey, tuple[str, tuple[int, str, int]]] = {}
+        self._largest: dict[tuple[str, ...], tuple[str, Device] | None] = {}  # cache; cleared when totals change
 
     # --- the index -------------------------------------------------------------------------
     def _unindex(self, key: SlotKey) -> None:
@@ -71,6 +72,9 @@ class Fleet:
             self.nodes.move_to_end(hb.node)
         seen = set()
         for dev in hb.devices:
+            old = view.devices.get(dev.index)
+            if old is None or old.total_mib != dev.total_mib or old.kind != dev.kind:
+                self._largest.clear()
             view.devices[dev.index] = dev
             seen.add(dev.index)
             if hb.draining:
@@ -78,6 +82,7 @@ class Fleet:
             else:
                 self._reindex(hb.node, dev)
         for gone in set(view.devices) - seen:
+            self._largest.clear()
             del view.devices[gone]
             self._unindex((hb.node, gone))
         return not self._free_items(hb.node) <= before
@@ -91,6 +96,7 @@ class Fleet:
     def forget(self, node: str) -> None:
         view = self.nodes.pop(node, None)
         if view:
+            self._largest.clear()
             for i in view.devices:
                 self._unindex((node, i))
 
@@ -134,8 +140,15 @@ class Fleet:
 
     def largest(self, accelerator: str, node: str | None = None) -> tuple[str, Device] | None:
         """The device with the most total memory that such a job could use, to say why a job can never fit."""
-        kinds = self.kinds(accelerator)
-        views = [self.nodes[node]] if node in self.nodes else ([] if node else self.nodes.values())
+        if node is None:
+            key = self.kinds(accelerator)
+            if key not in self._largest:
+                self._largest[key] = self._scan_largest(key, self.nodes.values())
+            return self._largest[key]
+        return self._scan_largest(self.kinds(accelerator), [self.nodes[node]] if node in self.nodes else [])
+
+    @staticmethod
+    def _scan_largest(kinds, views) -> tuple[str, Device] | None:
         best = None
         for view in views:
             for d in view.devices.values():

@@ -6,7 +6,8 @@ import asyncio
 import logging
 import time
 import uuid
-from dataclasses import dataclass
+from collections import defaultdict
+from dataclasses import dataclass, field
 
 import msgspec
 import nats.micro
@@ -38,6 +39,8 @@ class Job:
     status: JobStatus
     revision: int = 0
     assigned_at: float = 0.0  # monotonic
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)  # one status write at a time, each from the latest
+    suspect: bool = False  # a check that its node lost it is under way
 
     @property
     def slot(self) -> SlotKey | None:
@@ -263,7 +266,9 @@ class Scheduler:
             return Error(f"job {job.stored.id} already ended ({state})", field="job")
         if state == "queued":
             self.queue.discard(job.stored.id)
-            await self._set_state(job, "cancelled", f"{action} asked while queued")
+            if not await self._set_state(job, "cancelled", f"{action} asked while queued",
+                                         when=lambda s: s.state == "queued"):
+                return Error(f"job {job.stored.id} was just placed; ask again", field="job")
         else:
             try:
                 reply = await bus.request(self.nc, names.control(job.status.node), Control(job.stored.id, action),
@@ -299,7 +304,14 @@ class Scheduler:
             job.status, job.revision = msgspec.json.decode(entry.value, type=JobStatus), entry.revision
             return False
 
-    async def _set_state(self, job: Job, state: str, message: str, **changes) -> bool:
+    async def _set_state(self, job: Job, state: str, message: str, when=None, **changes) -> bool:
+        """Change a job's state if `when(status)` holds (checked under the job's lock); False if not written."""
+        async with job.lock:
+            if when is not None and not when(job.status):
+                return False
+            return await self._set_state_locked(job, state, message, **changes)
+
+    async def _set_state_locked(self, job: Job, state: str, message: str, **changes) -> bool:
         was_active = job.status.state in ACTIVE_STATES
         status = msgspec.structs.replace(job.status, state=state, message=message, updated=time.time(), **changes)
         if was_active and state not in ACTIVE_STATES:
@@ -351,7 +363,8 @@ class Scheduler:
         attempt = job.status.attempt + 1
         self.by_node.setdefault(node, set()).add(job.stored.id)
         job.assigned_at = time.monotonic()
-        if not await self._set_state(job, "assigned", f"assigned to {node} device {device}", attempt=attempt):
+        if not await self._set_state(job, "assigned", f"assigned to {node} device {device}", attempt=attempt,
+                                     when=lambda s: s.state == "queued"):
             self.fleet.release((node, device), job.stored.id)
             return
         try:
@@ -361,12 +374,13 @@ class Scheduler:
                                       AssignReply, timeout=self.cfg.assign_timeout)
         except bus.RequestError as e:
             reply = AssignRefused(job.stored.id, str(e))
-        if isinstance(reply, AssignRefused) and job.status.state == "assigned" and job.status.attempt == attempt:
+        if isinstance(reply, AssignRefused):
             log.info("node %s refused job %s: %s; re-queued", node, job.stored.id, reply.reason)
-            await self._requeue(job, f"node {node} refused it ({reply.reason}); waiting for a device")
+            await self._requeue(job, f"node {node} refused it ({reply.reason}); waiting for a device",
+                                when=lambda s: s.state == "assigned" and s.attempt == attempt)
 
-    async def _requeue(self, job: Job, why: str, **changes) -> None:
-        if await self._set_state(job, "queued", why, node=None, device=None, **changes):
+    async def _requeue(self, job: Job, why: str, when=None, **changes) -> None:
+        if await self._set_state(job, "queued", why, when=when, node=None, device=None, **changes):
             self._enqueue(job)
 
     # --- what agents tell ----------------------------------------------------------------------
@@ -391,7 +405,9 @@ class Scheduler:
         running = set(hb.running) | set(hb.finished)
         for job_id in list(self.by_node.get(hb.node, ())):
             job = self.jobs[job_id]
-            if job.status.state in ACTIVE_STATES and job_id not in running and now - job.assigned_at > grace:
+            if (job.status.state in ACTIVE_STATES and job_id not in running and now - job.assigned_at > grace
+                    and not job.suspect):
+                job.suspect = True
                 self._spawn(self._lost(job, f"node {hb.node} is not running it"))
 
     async def _on_progress(self, msg) -> None:
@@ -415,9 +431,17 @@ class Scheduler:
                 log.warning("reading job states: %s", e)
                 await asyncio.sleep(0.2)
                 continue
+            # one job's events in order; different jobs' at once
+            by_job = defaultdict(list)
             for msg in msgs:
-                await self._apply_state(msg)
-                await msg.ack()
+                by_job[names.job_of_subject(msg.subject)].append(msg)
+
+            async def apply_in_order(batch):
+                for m in batch:
+                    await self._apply_state(m)
+                    await m.ack()
+
+            await asyncio.gather(*(apply_in_order(b) for b in by_job.values()))
 
     async def _apply_state(self, msg) -> None:
         try:
@@ -426,13 +450,16 @@ class Scheduler:
             log.warning("ignored a job state on %s that did not decode: %s", msg.subject, e)
             return
         job = self.jobs.get(ev.job)
-        if job is None or ev.attempt != job.status.attempt or job.status.state in TERMINAL_STATES:
-            return  # unknown, from an earlier attempt, or already ended
-        if ev.state == job.status.state and ev.message == job.status.message:
+        if job is None:
             return
+
+        def current(s: JobStatus) -> bool:  # not from an earlier attempt, not after the end, not a repeat
+            return (ev.attempt == s.attempt and s.state not in TERMINAL_STATES
+                    and (ev.state, ev.message) != (s.state, s.message))
+
         if ev.state == "queued":  # the agent handed it back (shutting down) before it could finish
-            return await self._requeue(job, ev.message)
-        await self._set_state(job, ev.state, ev.message, artifacts=ev.artifacts or job.status.artifacts)
+            return await self._requeue(job, ev.message, when=current)
+        await self._set_state(job, ev.state, ev.message, when=current, artifacts=ev.artifacts or job.status.artifacts)
 
     # --- liveness ----------------------------------------------------------------------------
     async def _watch_liveness(self, lost: asyncio.Event, stop: asyncio.Event) -> None:
@@ -448,23 +475,25 @@ class Scheduler:
                 self.fleet.forget(node)
                 self.awaited.pop(node, None)
                 log.warning("node %s stopped answering at %s", node, when)
-                for job_id in list(self.by_node.pop(node, ())):
-                    job = self.jobs[job_id]
-                    if job.status.state in ACTIVE_STATES:
-                        await self._lost(job, f"node {node} stopped answering at {when}")
+                await asyncio.gather(*(self._lost(self.jobs[j], f"node {node} stopped answering at {when}")
+                                       for j in list(self.by_node.pop(node, ()))))
 
     async def _lost(self, job: Job, why: str) -> None:
         """A job whose node is gone (or forgot it): re-queue it while retries last, else fail it."""
-        if job.status.state not in ACTIVE_STATES:
-            return
-        never_ran = job.status.state == "assigned"
-        used = job.status.retries_used
-        if never_ran or used < job.stored.request.retries:
-            used += 0 if never_ran else 1
-            retry = "" if never_ran else f" (retry {used} of {job.stored.request.retries})"
-            await self._requeue(job, f"{why}; re-queued{retry}", retries_used=used)
-        else:
-            await self._set_state(job, "failed", why)
+        async with job.lock:
+            job.suspect = False
+            if job.status.state not in ACTIVE_STATES:
+                return
+            never_ran = job.status.state == "assigned"
+            used = job.status.retries_used
+            if never_ran or used < job.stored.request.retries:
+                used += 0 if never_ran else 1
+                retry = "" if never_ran else f" (retry {used} of {job.stored.request.retries})"
+                if await self._set_state_locked(job, "queued", f"{why}; re-queued{retry}", node=None, device=None,
+                                                retries_used=used):
+                    self._enqueue(job)
+            else:
+                await self._set_state_locked(job, "failed", why)
 
 
 async def _sleep_until(stop: asyncio.Event, seconds: float) -> None:
