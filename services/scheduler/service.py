@@ -28,6 +28,8 @@ from services.scheduler.queue import JobQueue
 from services.scheduler.store import Conflict, JobStore
 
 log = logging.getLogger("jetlora.scheduler")
+REQUEST_CACHE_BYTES = 64 * 2**20  # full requests of queued jobs kept in memory, so placing one needs no KV read
+REQUEST_CACHE_ITEM = 64 * 2**10
 _enc = msgspec.json.Encoder()
 
 
@@ -76,6 +78,8 @@ class Scheduler:
         self.by_node: dict[str, set[str]] = {}
         self.awaited: dict[str, float] = {}  # nodes with jobs at recovery, not heard since: deadline
         self.seq = 0
+        self.full_requests: dict[str, tuple[JobRequest, int]] = {}  # job -> (request with data, its size)
+        self.cached_bytes = 0
         self._wake = asyncio.Event()
         self._tasks: set[asyncio.Task] = set()
         self._submit_slots = asyncio.Semaphore(self.cfg.max_concurrent_submits)
@@ -199,8 +203,18 @@ class Scheduler:
         job = Job(msgspec.structs.replace(stored, request=msgspec.structs.replace(request, data=[])),
                   JobStatus(updated=stored.created, message="waiting for a device"))
         self.jobs[stored.id] = job
+        if len(data) <= REQUEST_CACHE_ITEM and self.cached_bytes + len(data) <= REQUEST_CACHE_BYTES:
+            self.full_requests[stored.id] = (request, len(data))
+            self.cached_bytes += len(data)
         self._enqueue(job)
         return Accepted(stored.id)
+
+    def _full_request_cached(self, job_id: str) -> JobRequest | None:
+        entry = self.full_requests.pop(job_id, None)
+        if entry is None:
+            return None
+        self.cached_bytes -= entry[1]
+        return entry[0]
 
     def _capacity_errors(self, req: JobRequest) -> list[FieldError]:
         """A job no known device could ever hold is refused now rather than queued forever."""
@@ -266,6 +280,7 @@ class Scheduler:
             return Error(f"job {job.stored.id} already ended ({state})", field="job")
         if state == "queued":
             self.queue.discard(job.stored.id)
+            self._full_request_cached(job.stored.id)
             if not await self._set_state(job, "cancelled", f"{action} asked while queued",
                                          when=lambda s: s.state == "queued"):
                 return Error(f"job {job.stored.id} was just placed; ask again", field="job")
@@ -368,9 +383,9 @@ class Scheduler:
             self.fleet.release((node, device), job.stored.id)
             return
         try:
-            full = await self.store.request(job.stored.id)
+            request = self._full_request_cached(job.stored.id) or (await self.store.request(job.stored.id)).request
             reply = await bus.request(self.nc, names.assign(node),
-                                      Assignment(job=job.stored.id, device=device, attempt=attempt, request=full.request),
+                                      Assignment(job=job.stored.id, device=device, attempt=attempt, request=request),
                                       AssignReply, timeout=self.cfg.assign_timeout)
         except bus.RequestError as e:
             reply = AssignRefused(job.stored.id, str(e))
