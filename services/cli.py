@@ -61,12 +61,27 @@ async def _run_artifacts(nc, stop, args) -> None:
     await ArtifactService(nc).run(stop)
 
 
+async def _run_dashboard(nc, stop, args) -> None:
+    from services.dashboard.server import Dashboard
+
+    if not args.ws_url:
+        raise SystemExit("the dashboard needs NATS's websocket URL: --ws ws://HOST:PORT (env NATS_WS_URL); "
+                         "deploy/nats-server.conf shows how to enable the websocket listener")
+    dash = Dashboard(nc, args.ws_url, port=args.port)
+    task = asyncio.create_task(dash.run(stop))
+    await dash.ready.wait()
+    print(f"dashboard: http://127.0.0.1:{dash.port}/", flush=True)
+    await task
+
+
 async def _run_all(nc, stop, args) -> None:
-    """`jetlora up`: scheduler, artifact service and one local agent on one connection and one loop."""
+    """`jetlora up`: scheduler, artifact service, one local agent and the dashboard, on one loop."""
     async with asyncio.TaskGroup() as tg:
         tg.create_task(_run_scheduler(nc, stop, args))
         tg.create_task(_run_artifacts(nc, stop, args))
         tg.create_task(_run_agent(nc, stop, args))
+        if args.ws_url:
+            tg.create_task(_run_dashboard(nc, stop, args))
 
 
 def run_service(args, body) -> int:
@@ -74,6 +89,8 @@ def run_service(args, body) -> int:
     server = embedded_if_needed(opts)
     if server:
         print(f"NATS at {server.url} (websocket {server.ws_url}); other commands: --nats {server.url}", flush=True)
+        if hasattr(args, "ws_url") and not args.ws_url:
+            args.ws_url = server.ws_url
     try:
         asyncio.run(serve(opts, lambda nc, stop: body(nc, stop, args)))
     except KeyboardInterrupt:
@@ -262,7 +279,10 @@ def cmd_schema(args) -> int:
 def cmd_demo(args) -> int:
     from services.demo import run_demo
 
-    return asyncio.run(run_demo(Path(args.out), args.steps))
+    try:
+        return asyncio.run(run_demo(Path(args.out), args.steps, args.keep))
+    except KeyboardInterrupt:
+        return EXIT_OK
 
 
 def parser() -> argparse.ArgumentParser:
@@ -287,13 +307,22 @@ def parser() -> argparse.ArgumentParser:
     def sched_flags(p):
         p.add_argument("--misses", type=int, default=3, help="heartbeats missed before a node counts as gone")
 
-    p = service("up", "embedded NATS + scheduler + artifact service + a local agent")
+    def dashboard_flags(p):
+        p.add_argument("--ws", dest="ws_url", default=os.environ.get("NATS_WS_URL"),
+                       help="NATS websocket URL the page connects to (env NATS_WS_URL)")
+        p.add_argument("--port", type=int, default=8222, help="the dashboard's HTTP port on 127.0.0.1")
+
+    p = service("up", "embedded NATS + scheduler + artifact service + a local agent + the dashboard")
     agent_flags(p)
     sched_flags(p)
+    dashboard_flags(p)
     p.set_defaults(fn=lambda a: run_service(a, _run_all))
     p = service("scheduler", "run the scheduler")
     sched_flags(p)
     p.set_defaults(fn=lambda a: run_service(a, _run_scheduler))
+    p = service("dashboard", "serve the live dashboard page")
+    dashboard_flags(p)
+    p.set_defaults(fn=lambda a: run_service(a, _run_dashboard))
     p = service("agent", "run a node agent")
     agent_flags(p)
     p.set_defaults(fn=lambda a: run_service(a, _run_agent))
@@ -340,6 +369,7 @@ def parser() -> argparse.ArgumentParser:
     p = sub.add_parser("demo", help="train a LoRA on a small local model end to end, on this machine")
     p.add_argument("--out", default="demo-out", help="where the model and the downloaded artifacts go")
     p.add_argument("--steps", type=int, default=300)
+    p.add_argument("--keep", action="store_true", help="keep the stack and the dashboard up after the run")
     p.set_defaults(fn=cmd_demo)
     p = sub.add_parser("schema", help="write the JSON Schemas and the AsyncAPI document into schemas/")
     p.add_argument("--out")

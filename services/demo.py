@@ -18,6 +18,7 @@ from services import bus
 from services.agent.service import Agent, AgentConfig
 from services.artifacts.download import download, safe_extract
 from services.artifacts.service import ArtifactService
+from services.dashboard.server import Dashboard
 from services.embedded import EmbeddedNats
 from services.scheduler.service import Scheduler, SchedulerConfig
 from services.watch import watch
@@ -35,7 +36,7 @@ def build_model(out: Path) -> Path:
     return out
 
 
-async def run_demo(out_dir: Path, steps: int) -> int:
+async def run_demo(out_dir: Path, steps: int, keep: bool = False) -> int:
     out_dir = out_dir.resolve()
     out_dir.mkdir(parents=True, exist_ok=True)
     model = build_model(out_dir / "base-model")
@@ -43,15 +44,17 @@ async def run_demo(out_dir: Path, steps: int) -> int:
     server = EmbeddedNats(store_dir=tempfile.mkdtemp(prefix="jetlora-demo-")).start()
     print(f"embedded NATS at {server.url} (websocket {server.ws_url})", flush=True)
     stop = asyncio.Event()
-    conns = [await nats.connect(server.url) for _ in range(4)]
+    conns = [await nats.connect(server.url) for _ in range(5)]
     nc = conns[0]
     try:
         await bus.ensure_resources(nc)
         sched = Scheduler(conns[1], SchedulerConfig())
         arts = ArtifactService(conns[2])
         agent = Agent(conns[3], AgentConfig(node="demo-node", work_dir=out_dir / "agent", offer_cpu=True))
-        tasks = [asyncio.create_task(s.run(stop)) for s in (sched, arts, agent)]
+        dash = Dashboard(conns[4], server.ws_url, port=0)
+        tasks = [asyncio.create_task(s.run(stop)) for s in (sched, arts, agent, dash)]
         await asyncio.wait_for(sched.leading.wait(), 15)
+        await asyncio.wait_for(dash.ready.wait(), 15)
         await asyncio.wait_for(arts.ready.wait(), 15)
         request = {"model": "demo-tiny-llama", "base_dir": str(model), "data": data, "accelerator": "cpu",
                    "served_by": "llamacpp", "label": "capitals demo", "lora": {"r": 16, "alpha": 32},
@@ -62,7 +65,8 @@ async def run_demo(out_dir: Path, steps: int) -> int:
         if not isinstance(reply, Accepted):
             print(f"the demo job was rejected: {reply.errors}", file=sys.stderr)
             return 2
-        print(f"submitted job {reply.job} ({len(data)} Q/A pairs, {steps} steps)", flush=True)
+        print(f"submitted job {reply.job} ({len(data)} Q/A pairs, {steps} steps); watch it live in a browser: "
+              f"http://127.0.0.1:{dash.port}/?job={reply.job}", flush=True)
         t0 = time.monotonic()
         rc = await watch(nc, reply.job)
         print(f"training and upload took {time.monotonic() - t0:.0f}s", flush=True)
@@ -76,8 +80,15 @@ async def run_demo(out_dir: Path, steps: int) -> int:
         print(f"\nPEFT adapter: {adapter}  (PeftModel.from_pretrained(base, '{adapter}'))")
         print(f"GGUF adapter: {gguf_path}  (llama-server -m BASE.gguf --lora {gguf_path})")
         print(f"Base model:   {model}")
+        print(f"Dashboard:    http://127.0.0.1:{dash.port}/?job={reply.job}"
+              + ("  (serving until Ctrl-C)" if keep else "  (`jetlora demo --keep` keeps it up after the run)"))
         print("For a stack that stays up: `jetlora up`, then `jetlora submit job.json --nats URL` and "
-              "`jetlora watch JOB --nats URL` (the URL is printed at start).")
+              "`jetlora watch JOB --nats URL` (the URL is printed at start).", flush=True)
+        if keep:
+            try:
+                await asyncio.Event().wait()
+            except asyncio.CancelledError:
+                pass
         return 0
     finally:
         stop.set()

@@ -1,0 +1,63 @@
+"""The dashboard in a real headless Chromium: a job's loss curve grows while it trains, replayed from its start."""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+import urllib.request
+
+import pytest
+
+from schemas import names
+from schemas.jobs import Accepted, JobQuery, JobReply
+from services import bus
+from services.artifacts.service import ArtifactService
+from services.dashboard.server import Dashboard
+from services.scheduler.service import Scheduler, SchedulerConfig
+from tests.conftest import submit, wait_for, wait_state
+from tests.qa import pairs
+
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+pytestmark = pytest.mark.skipif(CHROMIUM is None, reason="needs Debian's chromium (deploy/setup.sh installs it)")
+FLAGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-background-networking",
+         "--disable-component-update", "--disable-sync"]
+
+
+async def test_the_loss_curve_grows_while_the_job_trains(nc, services, agents, tiny_model, nats_server):
+    from playwright.async_api import async_playwright
+
+    sched, *_ = await services.start(lambda c: Scheduler(c, SchedulerConfig(heartbeat_interval=0.5)))
+    await services.start(lambda c: ArtifactService(c))
+    dash, *_ = await services.start(lambda c: Dashboard(c, nats_server.ws_url, port=0))
+    await asyncio.wait_for(sched.leading.wait(), 10)
+    await asyncio.wait_for(dash.ready.wait(), 10)
+    agents.start("cpu-node", gpus=None, offer_cpu=True, trainer=None, interval=0.5)
+    reply = await submit(nc, {"model": "tiny", "base_dir": str(tiny_model), "data": pairs(), "accelerator": "cpu",
+                              "label": "browser", "train": {"max_steps": 20000, "learning_rate": 0.005,
+                                                             "batch_size": 1, "max_seq_length": 128}})
+    assert isinstance(reply, Accepted)
+    job = reply.job
+    await wait_state(nc, job, "running", timeout=60)
+    await asyncio.sleep(1.0)  # some steps happen before the page opens: it must replay them
+    base = f"http://127.0.0.1:{dash.port}"
+    page_html = await asyncio.to_thread(lambda: urllib.request.urlopen(base + "/", timeout=5).read().decode())
+    assert "<script src=\"app.js\">" in page_html
+
+    async with async_playwright() as pw:
+        browser = await pw.chromium.launch(executable_path=CHROMIUM, headless=True, args=FLAGS)
+        page = await browser.new_page()
+        await page.goto(f"{base}/?job={job}")
+        await page.wait_for_function("window.jetlora && window.jetlora.points.length > 5", timeout=30_000)
+        first = await page.evaluate("window.jetlora.points.map(p => p.x)")
+        assert first[0] == 1  # replayed from the first step, though the page opened mid-run
+        await asyncio.sleep(1.5)
+        later = await page.evaluate("window.jetlora.points.length")
+        assert later > len(first), (len(first), later)
+        drawn = await page.evaluate("window.jetlora.chart.data.datasets.map(d => d.data.length)")
+        assert drawn[0] >= later and drawn[1] == drawn[0]  # raw points and their moving average are plotted
+        await page.wait_for_function("document.querySelector('#nodes').textContent.includes('cpu-node')", timeout=10_000)
+        await page.wait_for_function(f"document.querySelector('#jobs').textContent.includes('{job}')", timeout=10_000)
+        assert "tok/s" in await page.text_content("#figures") and "peak" in await page.text_content("#figures")
+        await browser.close()
+    await bus.request(nc, names.CANCEL, JobQuery(job), JobReply)
+    await wait_state(nc, job, "cancelled", timeout=20)
