@@ -40,8 +40,17 @@ class BusOptions:
     name: str = "jetlora"
 
     @classmethod
-    def add_arguments(cls, parser: argparse.ArgumentParser) -> None:
+    def add_arguments(cls, parser: argparse.ArgumentParser, repeated: bool = False) -> None:
+        """repeated: on a sub-command of a parser that has them already (they may come after it, too)."""
         g = parser.add_argument_group("NATS")
+        if repeated:
+            add = g.add_argument
+
+            def g_add(*a, **kw):
+                kw["default"] = argparse.SUPPRESS
+                return add(*a, **kw)
+
+            g.add_argument = g_add
         g.add_argument("--nats", dest="nats_url", default=os.environ.get("NATS_URL"),
                        help="server URL (env NATS_URL); none: start an embedded nats-server")
         g.add_argument("--creds", default=os.environ.get("NATS_CREDS"), help="credentials file (env NATS_CREDS)")
@@ -72,8 +81,12 @@ class BusOptions:
         return ctx
 
 
-async def connect(opts: BusOptions) -> Client:
-    """Connect for a long-lived service: reconnect forever, log connection changes."""
+async def _quiet(_error) -> None:
+    pass
+
+
+async def connect(opts: BusOptions, service: bool = True) -> Client:
+    """A service reconnects forever and logs connection changes; a command-line client fails fast."""
 
     async def on_error(e):
         log.warning("NATS error: %s", e)
@@ -87,6 +100,10 @@ async def connect(opts: BusOptions) -> Client:
     kwargs = dict(servers=[opts.url], name=opts.name, max_reconnect_attempts=-1, reconnect_time_wait=0.5,
                   error_cb=on_error, disconnected_cb=on_disconnect, reconnected_cb=on_reconnect,
                   connect_timeout=5)
+    if not service:
+        kwargs.update(allow_reconnect=False, connect_timeout=3, max_reconnect_attempts=1)  # 0 means forever in nats-py
+        kwargs["error_cb"] = _quiet  # the caller reports a failed connect in its own words
+        kwargs.pop("disconnected_cb")
     if opts.creds:
         kwargs["user_credentials"] = opts.creds
     if opts.user:

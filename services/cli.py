@@ -109,7 +109,10 @@ def _client(args, coro_fn):
         return EXIT_UNREACHABLE
 
     async def go():
-        nc = await bus.connect(opts)
+        try:
+            nc = await bus.connect(opts, service=False)
+        except Exception as e:  # nats-py raises NoServersError, OSError or TimeoutError here
+            raise OSError(f"{type(e).__name__} {e}".strip()) from None
         try:
             return await coro_fn(nc)
         finally:
@@ -356,13 +359,20 @@ def parser() -> argparse.ArgumentParser:
     p = client("artifacts", "run the artifact service, or: ls / get / rm")
     p.add_argument("--heartbeat-interval", type=float, default=1.0, help=argparse.SUPPRESS)
     asub = p.add_subparsers(dest="action")
-    a = asub.add_parser("ls")
+
+    def action(name, help_):
+        a = asub.add_parser(name, help=help_)
+        BusOptions.add_arguments(a, repeated=True)
+        a.add_argument("--json", action="store_true", default=argparse.SUPPRESS)
+        return a
+
+    a = action("ls", "list artifacts")
     a.add_argument("--job")
-    a = asub.add_parser("get")
+    a = action("get", "download one, sha256 checked")
     a.add_argument("job")
     a.add_argument("kind", choices=["peft", "gguf", "checkpoint"])
     a.add_argument("-o", "--output", required=True)
-    a = asub.add_parser("rm")
+    a = action("rm", "delete a job's artifacts")
     a.add_argument("job")
     a.add_argument("--kind", choices=["peft", "gguf", "checkpoint"])
     p.set_defaults(fn=cmd_artifacts)
