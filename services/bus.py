@@ -137,6 +137,21 @@ async def ensure_resources(nc: Client, replicas: int = 1) -> None:
         await js.create_object_store(names.ARTIFACTS_BUCKET, ObjectStoreConfig(replicas=replicas, storage=StorageType.FILE))
 
 
+async def publish_durably(js, subject: str, payload: bytes, msg_id: str, give_up_after: float = 300.0):
+    """Publish into JetStream until it is stored, riding out a server restart; msg_id makes retries count once."""
+    deadline = asyncio.get_running_loop().time() + give_up_after
+    pause = 0.1
+    while True:
+        try:
+            return await js.publish(subject, payload, timeout=2.0, headers={"Nats-Msg-Id": msg_id})
+        except (nats.errors.Error, asyncio.TimeoutError) as e:
+            if asyncio.get_running_loop().time() > deadline:
+                raise
+            log.warning("JetStream did not take %s (%s); retrying in %.1fs", subject, type(e).__name__, pause)
+            await asyncio.sleep(pause)
+            pause = min(pause * 2, 2.0)
+
+
 class RequestError(Exception):
     """A request that got no reply, or a reply that did not decode."""
 

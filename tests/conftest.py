@@ -176,7 +176,10 @@ async def wait_state(nc, job: str, states, timeout: float = 30.0):
     states = {states} if isinstance(states, str) else set(states)
 
     async def check():
-        j = await get_job(nc, job)
+        try:
+            j = await get_job(nc, job)
+        except bus.RequestError:  # a scheduler between lives: ask again
+            return None
         return j if j.state in states else None
 
     return await wait_for(check, timeout, what=f"job {job} in {states}")

@@ -20,6 +20,7 @@ from schemas.jobs import ArtifactRef
 from schemas.nodes import (CPU_DEVICE, AssignAccepted, AssignRefused, Assignment, Control, ControlReply, Device,
                            Heartbeat)
 from services import __version__
+from services.bus import publish_durably
 from services.agent.devices import DeviceProbe
 from services.agent.runner import DEFAULT_TRAINER, TrainerRun
 from services.artifacts.sender import UploadError, upload_file
@@ -170,11 +171,12 @@ class Agent:
         a = run.assignment
         ev = StateChange(job=a.job, state=state, node=self.cfg.node, attempt=a.attempt, message=message,
                          artifacts=artifacts or [], ts=time.time())
-        await self.js.publish(names.job_state(a.job), _enc.encode(ev))
+        await publish_durably(self.js, names.job_state(a.job), _enc.encode(ev), f"{a.job}.{a.attempt}.{state}")
 
-    async def _progress(self, job: str, p: Progress) -> None:
-        p.job, p.ts = job, p.ts or time.time()
-        await self.js.publish(names.job_progress(job), _enc.encode(p))
+    async def _progress(self, run: RunningJob, p: Progress) -> None:
+        a = run.assignment
+        p.job, p.ts = a.job, p.ts or time.time()
+        await publish_durably(self.js, names.job_progress(a.job), _enc.encode(p), f"{a.job}.{a.attempt}.p{p.step}")
 
     async def _run_job(self, run: RunningJob) -> None:
         a = run.assignment
@@ -220,7 +222,7 @@ class Agent:
             if isinstance(ev, Started):
                 await self._report(run, "running", ev.message or f"training {ev.steps} steps on {ev.device}")
             elif isinstance(ev, Progress):
-                await self._progress(a.job, ev)
+                await self._progress(run, ev)
             elif isinstance(ev, Checkpoint):
                 log.info("job %s checkpoint at step %d", a.job, ev.step)
 

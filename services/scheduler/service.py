@@ -111,7 +111,8 @@ class Scheduler:
         ]
         states = await self.js.pull_subscribe(
             names.JOB_STATES_ALL, durable=names.SCHEDULER_CONSUMER,
-            config=ConsumerConfig(ack_policy=AckPolicy.EXPLICIT, deliver_policy=DeliverPolicy.ALL, max_ack_pending=10_000))
+            config=ConsumerConfig(ack_policy=AckPolicy.EXPLICIT, deliver_policy=DeliverPolicy.ALL, max_ack_pending=10_000,
+                                  ack_wait=5.0))  # a state not applied (NATS away) comes back within 5 s
         service = await nats.micro.add_service(self.nc, name=names.SCHEDULER_SERVICE, version=__version__,
                                                description="jetlora job scheduler")
         api = service.add_group(name=names.API_GROUP)
@@ -199,7 +200,11 @@ class Scheduler:
             return Rejected(errors)
         self.seq += 1
         stored = StoredRequest(id=uuid.uuid4().hex[:16], request=request, created=time.time(), seq=self.seq)
-        await self.store.add(stored)  # durable before the reply: a crash after it loses nothing
+        try:
+            await self.store.add(stored)  # durable before the reply: a crash after it loses nothing
+        except Exception as e:
+            return Rejected([FieldError("", f"the job could not be stored ({type(e).__name__}: JetStream unavailable?); "
+                                            "nothing was queued: submit it again")])
         job = Job(msgspec.structs.replace(stored, request=msgspec.structs.replace(request, data=[])),
                   JobStatus(updated=stored.created, message="waiting for a device"))
         self.jobs[stored.id] = job
@@ -378,8 +383,15 @@ class Scheduler:
         attempt = job.status.attempt + 1
         self.by_node.setdefault(node, set()).add(job.stored.id)
         job.assigned_at = time.monotonic()
-        if not await self._set_state(job, "assigned", f"assigned to {node} device {device}", attempt=attempt,
-                                     when=lambda s: s.state == "queued"):
+        try:
+            written = await self._set_state(job, "assigned", f"assigned to {node} device {device}", attempt=attempt,
+                                            when=lambda s: s.state == "queued")
+        except Exception as e:  # JetStream away: the job stays queued, the slot free
+            log.warning("could not record the assignment of %s (%s); it stays queued", job.stored.id, e)
+            written = False
+            job.status = msgspec.structs.replace(job.status, node=None, device=None)
+            self._enqueue(job)
+        if not written:
             self.fleet.release((node, device), job.stored.id)
             return
         try:
@@ -453,8 +465,12 @@ class Scheduler:
 
             async def apply_in_order(batch):
                 for m in batch:
-                    await self._apply_state(m)
-                    await m.ack()
+                    try:
+                        await self._apply_state(m)
+                        await m.ack()
+                    except Exception as e:  # not acked: JetStream delivers it again
+                        log.warning("could not apply a job state yet (%s); it will be redelivered", e)
+                        return
 
             await asyncio.gather(*(apply_in_order(b) for b in by_job.values()))
 
@@ -479,9 +495,20 @@ class Scheduler:
     # --- liveness ----------------------------------------------------------------------------
     async def _watch_liveness(self, lost: asyncio.Event, stop: asyncio.Event) -> None:
         tick = min(0.1, self.cfg.heartbeat_interval / 4)
+        cut_off = False
         while not (stop.is_set() or lost.is_set()):
             await _sleep_until(stop, tick)
             now = time.monotonic()
+            if not self.nc.is_connected:  # we hear nobody while we are cut off: that is not their silence
+                cut_off = True
+                continue
+            if cut_off:
+                cut_off = False
+                log.info("reconnected: giving every node a fresh heartbeat window")
+                for view in self.fleet.nodes.values():
+                    view.last_seen = now
+                self.awaited = {n: now + self.cfg.window for n in self.awaited}
+                continue
             gone = self.fleet.silent_since(now - self.cfg.window)
             gone += [n for n, deadline in self.awaited.items() if deadline < now]
             for node in gone:
@@ -490,8 +517,14 @@ class Scheduler:
                 self.fleet.forget(node)
                 self.awaited.pop(node, None)
                 log.warning("node %s stopped answering at %s", node, when)
-                await asyncio.gather(*(self._lost(self.jobs[j], f"node {node} stopped answering at {when}")
-                                       for j in list(self.by_node.pop(node, ()))))
+                jobs = list(self.by_node.pop(node, ()))
+                results = await asyncio.gather(*(self._lost(self.jobs[j], f"node {node} stopped answering at {when}")
+                                                 for j in jobs), return_exceptions=True)
+                for job_id, r in zip(jobs, results):
+                    if isinstance(r, Exception):  # its record could not be written: try again next tick
+                        log.warning("could not record the loss of job %s: %s", job_id, r)
+                        self.by_node.setdefault(node, set()).add(job_id)
+                        self.awaited[node] = now
 
     async def _lost(self, job: Job, why: str) -> None:
         """A job whose node is gone (or forgot it): re-queue it while retries last, else fail it."""

@@ -1,0 +1,145 @@
+"""Faults with real processes: the nats-server itself killed and restarted mid-job, services killed; nothing lost."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import msgspec
+import nats
+import pytest
+from nats.js.api import DeliverPolicy
+
+from schemas import names
+from schemas.events import Progress
+from schemas.jobs import Accepted
+from services import bus
+from services.artifacts.download import download
+from services.artifacts.service import ArtifactService
+from services.embedded import EmbeddedNats
+from services.scheduler.service import Scheduler, SchedulerConfig
+from tests.conftest import Agents, InProcess, submit, wait_state
+from tests.qa import pairs
+
+CFG = SchedulerConfig(heartbeat_interval=0.25, misses=4)
+
+
+@pytest.fixture
+async def own_server(tmp_path):
+    server = EmbeddedNats(store_dir=tmp_path / "nats").start()
+    yield server
+    server.stop()
+
+
+async def progress_steps(nc, job: str) -> list[int]:
+    sub = await nc.jetstream().subscribe(names.job_progress(job), ordered_consumer=True, deliver_policy=DeliverPolicy.ALL)
+    steps = []
+    try:
+        while True:
+            msg = await sub.next_msg(timeout=1.0)
+            steps.append(msgspec.json.decode(msg.data, type=Progress).step)
+    except nats.errors.TimeoutError:
+        pass
+    await sub.unsubscribe()
+    return steps
+
+
+async def test_nats_server_killed_and_restarted_mid_job_loses_nothing(own_server, tmp_path):
+    nc = await nats.connect(own_server.url, max_reconnect_attempts=-1, reconnect_time_wait=0.2)
+    await bus.ensure_resources(nc)
+    services = InProcess(own_server.url)
+    agents = Agents(own_server.url, tmp_path)
+    try:
+        sched, *_ = await services.start(lambda c: Scheduler(c, CFG))
+        arts, *_ = await services.start(lambda c: ArtifactService(c))
+        await asyncio.wait_for(sched.leading.wait(), 10)
+        agents.start("n1", gpus="4096", interval=0.25, hold_s=6.0)
+        await asyncio.sleep(1.0)
+        reply = await submit(nc, {"model": "tiny", "base_dir": "/models/tiny", "data": pairs(2)})
+        assert isinstance(reply, Accepted)
+        await wait_state(nc, reply.job, "running", timeout=20)
+        await asyncio.sleep(1.0)
+
+        own_server.kill()  # SIGKILL: no goodbye to anyone
+        await asyncio.sleep(1.5)
+        own_server.start()  # same port, same JetStream store
+
+        t0 = time.monotonic()
+        job = await wait_state(nc, reply.job, ("succeeded", "failed"), timeout=60)
+        assert job.state == "succeeded", (job.message, agents.log("n1")[-3000:])
+        assert [a.kind for a in job.artifacts] == ["peft"]
+        assert await progress_steps(nc, reply.job) == list(range(1, 11))  # no gap, no duplicate
+        await download(nc, reply.job, "peft", tmp_path / "a.tar.gz")  # whole: its sha256 is checked
+        print(f"recovered and finished {time.monotonic() - t0:.1f}s after the restart")
+    finally:
+        agents.close()
+        await services.close()
+        await nc.close()
+
+
+def service_proc(kind: str, url: str, tmp_path, *extra):
+    import subprocess
+    import sys
+
+    from tests.conftest import ROOT
+
+    return subprocess.Popen([sys.executable, "-m", "services.cli", kind, "--nats", url, *extra], cwd=ROOT,
+                            stdout=subprocess.DEVNULL, stderr=open(tmp_path / f"{kind}.log", "ab"))
+
+
+async def test_the_scheduler_killed_mid_job_loses_nothing_and_assigns_nothing_twice(own_server, tmp_path):
+    nc = await nats.connect(own_server.url)
+    await bus.ensure_resources(nc)
+    services = InProcess(own_server.url)
+    agents = Agents(own_server.url, tmp_path)
+    sched = service_proc("scheduler", own_server.url, tmp_path, "--heartbeat-interval", "0.25")
+    try:
+        await services.start(lambda c: ArtifactService(c))
+        agents.start("n1", gpus="4096,4096", interval=0.25, hold_s=2.0)
+        ids = []
+        for i in range(4):
+            reply = await submit(nc, {"model": "tiny", "base_dir": "/models/tiny", "data": pairs(2), "label": f"j{i}"})
+            ids.append(reply.job)
+        await wait_state(nc, ids[0], "running", timeout=20)
+        sched.kill()
+        sched.wait()
+        await asyncio.sleep(1.0)
+        sched = service_proc("scheduler", own_server.url, tmp_path, "--heartbeat-interval", "0.25")
+        for jid in ids:
+            j = await wait_state(nc, jid, ("succeeded", "failed"), timeout=60)
+            assert j.state == "succeeded", j.message
+        from tests.test_control_plane import states_of
+
+        for jid in ids:
+            assert len([e for e in await states_of(nc, jid) if e.state == "preparing"]) == 1
+    finally:
+        sched.kill()
+        agents.close()
+        await services.close()
+        await nc.close()
+
+
+async def test_the_artifact_service_killed_mid_upload_leaves_no_half_object_and_the_upload_completes(own_server, tmp_path):
+    from services.artifacts.download import sha256_file
+    from services.artifacts.sender import upload_file
+    from tests.test_artifacts import object_names, random_file
+
+    nc = await nats.connect(own_server.url)
+    await bus.ensure_resources(nc)
+    src = random_file(tmp_path / "big.bin", 300)
+    svc = service_proc("artifacts", own_server.url, tmp_path)
+    try:
+        await asyncio.sleep(1.5)
+        upload = asyncio.create_task(upload_file(nc, "resilient", "peft", src, timeout=3))
+        await asyncio.sleep(0.6)
+        assert not upload.done()
+        svc.kill()
+        svc.wait()
+        assert await object_names(nc) == []  # the part that arrived is not an artifact
+        svc = service_proc("artifacts", own_server.url, tmp_path)
+        info = await asyncio.wait_for(upload, 90)
+        assert info.sha256 == sha256_file(src) and await object_names(nc) == ["resilient/peft"]
+        await download(nc, "resilient", "peft", tmp_path / "back.bin")
+    finally:
+        svc.kill()
+        await nc.close()
