@@ -122,3 +122,25 @@ def object_chunks(bucket: str, nuid: str) -> str:
 
 def object_meta(bucket: str, name: str) -> str:
     return f"$O.{bucket}.M.{base64.urlsafe_b64encode(name.encode()).decode()}"
+
+
+# JetStream's own API and storage subjects, for permissions
+JS_API_ALL = "$JS.API.>"
+INBOX_ALL = "_INBOX.>"
+SERVICE_DISCOVERY_ALL = "$SRV.>"
+
+
+def js_api(*parts: str) -> str:
+    return ".".join(("$JS.API",) + parts)
+
+
+def kv_subjects(bucket: str) -> str:
+    return f"$KV.{bucket}.>"
+
+
+def object_subjects(bucket: str) -> str:
+    return f"$O.{bucket}.>"
+
+
+def js_acks(stream: str) -> str:
+    return f"$JS.ACK.{stream}.>"

@@ -84,7 +84,7 @@ async def _run_all(nc, stop, args) -> None:
             tg.create_task(_run_dashboard(nc, stop, args))
 
 
-def run_service(args, body) -> int:
+def run_service(args, body, owns_resources: bool = True) -> int:
     opts = BusOptions.from_args(args, name=f"jetlora-{args.command}")
     server = embedded_if_needed(opts)
     if server:
@@ -92,7 +92,7 @@ def run_service(args, body) -> int:
         if hasattr(args, "ws_url") and not args.ws_url:
             args.ws_url = server.ws_url
     try:
-        asyncio.run(serve(opts, lambda nc, stop: body(nc, stop, args)))
+        asyncio.run(serve(opts, lambda nc, stop: body(nc, stop, args), owns_resources or server is not None))
     except KeyboardInterrupt:
         pass
     finally:
@@ -271,6 +271,20 @@ def cmd_artifacts(args) -> int:
     return _client(args, go)
 
 
+def cmd_permissions(args) -> int:
+    from schemas.permissions import authorization_block, env_var, roles
+
+    nodes = [n for n in args.nodes.split(",") if n]
+    block = authorization_block(nodes)
+    if args.out:
+        Path(args.out).write_text(block)
+        print(f"wrote {args.out}; give nats-server these variables: "
+              + " ".join(env_var(u) for u in roles(nodes)), file=sys.stderr)
+    else:
+        sys.stdout.write(block)
+    return EXIT_OK
+
+
 def cmd_schema(args) -> int:
     from schemas.export import write_all
 
@@ -325,10 +339,10 @@ def parser() -> argparse.ArgumentParser:
     p.set_defaults(fn=lambda a: run_service(a, _run_scheduler))
     p = service("dashboard", "serve the live dashboard page")
     dashboard_flags(p)
-    p.set_defaults(fn=lambda a: run_service(a, _run_dashboard))
+    p.set_defaults(fn=lambda a: run_service(a, _run_dashboard, owns_resources=False))
     p = service("agent", "run a node agent")
     agent_flags(p)
-    p.set_defaults(fn=lambda a: run_service(a, _run_agent))
+    p.set_defaults(fn=lambda a: run_service(a, _run_agent, owns_resources=False))
 
     def client(name, help_):
         p = sub.add_parser(name, help=help_)
@@ -381,6 +395,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--keep", action="store_true", help="keep the stack and the dashboard up after the run")
     p.set_defaults(fn=cmd_demo)
+    p = sub.add_parser("permissions", help="write the per-role users and subject permissions for nats-server")
+    p.add_argument("--nodes", default="", help="agent node ids, comma separated: one user each")
+    p.add_argument("--out")
+    p.set_defaults(fn=cmd_permissions)
     p = sub.add_parser("schema", help="write the JSON Schemas and the AsyncAPI document into schemas/")
     p.add_argument("--out")
     p.set_defaults(fn=cmd_schema)

@@ -39,11 +39,12 @@ class EmbeddedNats:
     """A nats-server with JetStream (and a websocket listener) on free loopback ports."""
 
     def __init__(self, store_dir: str | Path | None = None, port: int | None = None, websocket: bool = True,
-                 max_payload: int = 8 * 1024 * 1024):
+                 max_payload: int = 8 * 1024 * 1024, extra_config: str = "", env: dict[str, str] | None = None):
         self.store_dir = Path(store_dir) if store_dir else Path(tempfile.mkdtemp(prefix="jetlora-nats-"))
         self.port = port or free_port()
         self.ws_port = free_port() if websocket else None
         self.max_payload = max_payload
+        self.extra_config, self.env = extra_config, env
         self.proc: subprocess.Popen | None = None
 
     @property
@@ -61,13 +62,14 @@ class EmbeddedNats:
         ]
         if self.ws_port:
             lines.append(f"websocket {{ host: 127.0.0.1, port: {self.ws_port}, no_tls: true }}")
-        return "\n".join(lines) + "\n"
+        return "\n".join(lines) + "\n" + self.extra_config
 
     def start(self, timeout: float = 10.0) -> "EmbeddedNats":
         self.store_dir.mkdir(parents=True, exist_ok=True)
         conf = self.store_dir / "nats-server.conf"
         conf.write_text(self.config())
         self.proc = subprocess.Popen([server_binary(), "-c", str(conf)], stdout=subprocess.DEVNULL,
+                                     env={**os.environ, **(self.env or {})},
                                      stderr=open(self.store_dir / "nats-server.log", "ab"))
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:

@@ -34,13 +34,15 @@ def embedded_if_needed(opts: BusOptions) -> EmbeddedNats | None:
     return server
 
 
-async def serve(opts: BusOptions, body: Callable[..., Awaitable[None]]) -> None:
-    """Connect, make sure the JetStream resources exist, run body(nc, stop) until a signal, then drain."""
+async def serve(opts: BusOptions, body: Callable[..., Awaitable[None]], owns_resources: bool = True) -> None:
+    """Connect, make sure the JetStream resources exist (services that own them), run body(nc, stop) until a
+    signal, then drain. Agents and the dashboard own none: their credentials may not create streams."""
     stop = asyncio.Event()
     stop_on_signals(stop)
     nc = await connect(opts)
     try:
-        await ensure_resources(nc, opts.replicas)
+        if owns_resources:
+            await ensure_resources(nc, opts.replicas)
         await body(nc, stop)
     finally:
         if not nc.is_closed:

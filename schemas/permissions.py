@@ -1,0 +1,70 @@
+"""Per-role NATS users and their subject permissions, derived from `names` (so they cannot drift from it).
+
+`jetlora permissions --nodes gpu1,gpu2` writes the `authorization` block of a nats-server config.
+Passwords are never written: each user's password is `$JETLORA_<USER>_PASSWORD` in nats-server's
+environment (nats-server expands `$VAR` in its config), so the repository holds none.
+"""
+
+from __future__ import annotations
+
+import json
+
+from schemas import names
+
+JOBS, KV_JOBS, KV_LEASE, OBJ = (names.JOBS_STREAM, f"KV_{names.JOBS_KV}", f"KV_{names.LEASE_KV}",
+                                names.object_stream(names.ARTIFACTS_BUCKET))
+
+
+def _read_stream(stream: str) -> list[str]:
+    """What a client needs to read a stream with an ordered consumer (and info and direct gets)."""
+    return [names.js_api("INFO"), names.js_api("STREAM", "INFO", stream), names.js_api("CONSUMER", "CREATE", stream, ">"),
+            names.js_api("CONSUMER", "CREATE", stream), names.js_api("CONSUMER", "DELETE", stream, ">"),
+            names.js_api("CONSUMER", "INFO", stream, ">"), names.js_api("DIRECT", "GET", stream, ">"),
+            names.js_api("STREAM", "MSG", "GET", stream), names.js_api("STREAM", "NAMES")]
+
+
+def _object_read() -> list[str]:
+    return _read_stream(OBJ)
+
+
+def roles(nodes: list[str]) -> dict[str, dict]:
+    api = [names.SUBMIT, names.GET_JOB, names.LIST_JOBS, names.CANCEL, names.STOP, names.LIST_NODES]
+    watch = _read_stream(JOBS)
+    users = {
+        "scheduler": {"publish": [names.assign("*"), names.control("*"), names.JS_API_ALL, names.kv_subjects(names.JOBS_KV),
+                                  names.kv_subjects(names.LEASE_KV), names.js_acks(JOBS), names.INBOX_ALL,
+                                  names.SERVICE_DISCOVERY_ALL],
+                      "subscribe": [names.API_GROUP + ".>", names.HEARTBEATS_ALL, names.JOB_PROGRESS_ALL, names.INBOX_ALL,
+                                    names.SERVICE_DISCOVERY_ALL]},
+        "artifacts": {"publish": [names.object_subjects(names.ARTIFACTS_BUCKET), names.JS_API_ALL, names.INBOX_ALL,
+                                  names.SERVICE_DISCOVERY_ALL],
+                      "subscribe": [names.ARTIFACTS_GROUP + ".>", names.INBOX_ALL, names.SERVICE_DISCOVERY_ALL]},
+        "submitter": {"publish": api + watch, "subscribe": [names.INBOX_ALL]},
+        "operator": {"publish": api + watch + [names.ARTIFACTS_LIST, names.ARTIFACTS_DELETE] + _object_read()
+                     + [names.js_api("STREAM", "PURGE", OBJ), names.object_subjects(names.ARTIFACTS_BUCKET)],
+                     "subscribe": [names.INBOX_ALL, names.HEARTBEATS_ALL]},
+        "dashboard": {"publish": [names.LIST_JOBS, names.LIST_NODES, names.ARTIFACTS_LIST] + watch + _object_read(),
+                      "subscribe": [names.INBOX_ALL, names.HEARTBEATS_ALL]},
+    }
+    for node in nodes:
+        names.check_token(node, "node id")
+        users[f"agent-{node}"] = {
+            "publish": [names.heartbeat(node), names.JOB_STATES_ALL, names.JOB_PROGRESS_ALL, names.ARTIFACTS_UPLOAD_ALL,
+                        names.js_api("INFO"), names.js_api("STREAM", "INFO", JOBS)],
+            "subscribe": [names.assign(node), names.control(node), names.INBOX_ALL]}
+    return users
+
+
+def env_var(user: str) -> str:
+    return "JETLORA_" + user.upper().replace("-", "_") + "_PASSWORD"
+
+
+def authorization_block(nodes: list[str]) -> str:
+    lines = ["authorization {", "  users = ["]
+    for user, perms in roles(nodes).items():
+        lines.append(f"    {{ user: {json.dumps(user)}, password: ${env_var(user)}, permissions: {{")
+        lines.append(f"        publish: {{ allow: {json.dumps(perms['publish'])} }},")
+        lines.append(f"        subscribe: {{ allow: {json.dumps(perms['subscribe'])} }},")
+        lines.append("        allow_responses: true } }")
+    lines += ["  ]", "}"]
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,125 @@
+"""The deploy permissions on a real nats-server: each role can do its work and nothing more."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+import sys
+
+import nats
+import pytest
+
+from schemas import names
+from schemas.jobs import Accepted
+from schemas.permissions import authorization_block, env_var, roles
+from services import bus
+from services.artifacts.service import ArtifactService
+from services.embedded import EmbeddedNats
+from services.scheduler.service import Scheduler, SchedulerConfig
+from tests.conftest import HOLD_TRAINER, ROOT, submit, wait_state
+from tests.qa import pairs
+
+NODES = ["n1", "n2"]
+
+
+def password(user: str) -> str:
+    return f"pw-{user}"
+
+
+@pytest.fixture
+async def secured(tmp_path):
+    env = {env_var(u): password(u) for u in roles(NODES)}
+    server = EmbeddedNats(store_dir=tmp_path / "nats", extra_config=authorization_block(NODES), env=env).start()
+    yield server
+    server.stop()
+
+
+class Client:
+    """A connection as one role that records the permission violations the server reports."""
+
+    def __init__(self):
+        self.violations: list[str] = []
+        self.nc = None
+
+    async def connect(self, url: str, user: str):
+        async def on_error(e):
+            if "permissions violation" in str(e).lower():
+                self.violations.append(str(e))
+
+        self.nc = await nats.connect(url, user=user, password=password(user), error_cb=on_error, max_reconnect_attempts=1)
+        return self
+
+
+async def as_user(url, user) -> Client:
+    return await Client().connect(url, user)
+
+
+async def test_each_role_does_its_work_under_the_deploy_permissions(secured, tmp_path):
+    sched_c, arts_c, sub_c = [await as_user(secured.url, u) for u in ("scheduler", "artifacts", "submitter")]
+    await bus.ensure_resources(sched_c.nc)
+    stop = asyncio.Event()
+    sched = Scheduler(sched_c.nc, SchedulerConfig(heartbeat_interval=0.25))
+    tasks = [asyncio.create_task(sched.run(stop)), asyncio.create_task(ArtifactService(arts_c.nc).run(stop))]
+    (tmp_path / "pw").write_text(password("agent-n1"))
+    agent_pw = ["--user", "agent-n1", "--password-file", str(tmp_path / "pw")]
+    agent = None
+    try:
+        await asyncio.wait_for(sched.leading.wait(), 10)
+        agent = subprocess.Popen([sys.executable, "-m", "services.cli", "agent", "--nats", secured.url, "--node", "n1",
+                                  "--simulate-gpus", "4096", "--heartbeat-interval", "0.25", "--work-dir",
+                                  str(tmp_path / "n1"), "--trainer-command", HOLD_TRAINER, *agent_pw],
+                                 cwd=ROOT, env={**os.environ, "HOLD_S": "0.3", "PYTHONPATH": str(ROOT)},
+                                 stdout=subprocess.DEVNULL, stderr=open(tmp_path / "agent.log", "w"))
+        reply = await submit(sub_c.nc, {"model": "tiny", "base_dir": "/models/tiny", "data": pairs(2)})
+        assert isinstance(reply, Accepted)
+        job = await wait_state(sub_c.nc, reply.job, ("succeeded", "failed"), timeout=30)
+        assert job.state == "succeeded", (job.message, (tmp_path / "agent.log").read_text()[-2000:])
+        assert [a.kind for a in job.artifacts] == ["peft"]
+        agent.terminate()
+        assert agent.wait(10) == 0
+    finally:
+        if agent and agent.poll() is None:
+            agent.kill()
+        stop.set()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        for c in (sched_c, arts_c, sub_c):
+            await c.nc.close()
+
+
+async def test_what_each_role_must_not_do(secured):
+    sched = await as_user(secured.url, "scheduler")
+    await bus.ensure_resources(sched.nc)
+    heard = []
+
+    async def record(msg):
+        heard.append(msg)
+
+    await sched.nc.subscribe(names.heartbeat("n2"), cb=record)
+    await sched.nc.flush()
+
+    agent = await as_user(secured.url, "agent-n1")
+    await agent.nc.publish(names.heartbeat("n2"), b"{}")  # pretending to be another node
+    await agent.nc.subscribe(names.assign("n2"))  # reading another node's assignments
+    with pytest.raises(Exception):
+        await agent.nc.request(names.ARTIFACTS_DELETE, b'{"job": "x"}', timeout=1)
+    await agent.nc.flush()
+    await asyncio.sleep(0.3)
+    assert heard == []
+    assert len(agent.violations) >= 2, agent.violations
+
+    submitter = await as_user(secured.url, "submitter")
+    await submitter.nc.publish(names.object_meta(names.ARTIFACTS_BUCKET, "x/peft"), b"{}")  # writing the object store
+    await submitter.nc.flush()
+    await asyncio.sleep(0.3)
+    assert submitter.violations
+    info = await sched.nc.jetstream().stream_info(names.object_stream(names.ARTIFACTS_BUCKET))
+    assert info.state.messages == 0
+
+    dashboard = await as_user(secured.url, "dashboard")
+    with pytest.raises(Exception):
+        await dashboard.nc.request(names.SUBMIT, b"{}", timeout=1)
+    await asyncio.sleep(0.3)
+    assert dashboard.violations
+    for c in (sched, agent, submitter, dashboard):
+        await c.nc.close()
