@@ -127,6 +127,7 @@ class JobStatus(Struct, kw_only=True):
     attempt: int = 0  # assignments so far; agents' state events name theirs, so stale ones are ignored
     retries_used: int = 0  # times the job was re-queued because its node went away
     artifacts: list[ArtifactRef] = field(default_factory=list)
+    checkpoint: str | None = None  # object-store name of the latest checkpoint: a re-queued job resumes from it
     step: int = 0
     steps: int = 0
     loss: float | None = None

@@ -50,7 +50,7 @@ def roles(nodes: list[str]) -> dict[str, dict]:
         names.check_token(node, "node id")
         users[f"agent-{node}"] = {
             "publish": [names.heartbeat(node), names.JOB_STATES_ALL, names.JOB_PROGRESS_ALL, names.ARTIFACTS_UPLOAD_ALL,
-                        names.js_api("INFO"), names.js_api("STREAM", "INFO", JOBS)],
+                        names.js_api("INFO"), names.js_api("STREAM", "INFO", JOBS)] + _object_read(),  # checkpoints to resume
             "subscribe": [names.assign(node), names.control(node), names.INBOX_ALL]}
     return users
 

@@ -48,3 +48,39 @@ async def test_a_job_trains_on_a_cpu_agent_and_stores_peft_and_gguf(nc, services
     await download(nc, reply.job, "gguf", tmp_path / "adapter.gguf")
     reader = gguf.GGUFReader(tmp_path / "adapter.gguf")
     assert any(t.name == "blk.0.attn_q.weight.lora_a" for t in reader.tensors)
+
+
+async def test_a_job_whose_node_dies_resumes_on_another_from_its_checkpoint(nc, services, agents, tiny_model):
+    sched, *_ = await services.start(lambda c: Scheduler(c, SchedulerConfig(heartbeat_interval=0.25, misses=4)))
+    await services.start(lambda c: ArtifactService(c))
+    await asyncio.wait_for(sched.leading.wait(), 10)
+    agents.start("first", gpus=None, offer_cpu=True, trainer=None, interval=0.25)
+    train = {"max_steps": 400, "learning_rate": 0.005, "batch_size": 1, "max_seq_length": 128, "save_steps": 20}
+    reply = await submit(nc, {"model": "tiny", "base_dir": str(tiny_model), "data": pairs(), "accelerator": "cpu",
+                              "retries": 1, "train": train})
+    job_id = reply.job
+
+    async def checkpointed():
+        from tests.conftest import get_job
+
+        j = await get_job(nc, job_id)
+        return j if "checkpoint at step" in j.message else None
+
+    from tests.conftest import wait_for
+
+    await wait_for(checkpointed, timeout=90, what="a stored checkpoint")
+    agents.start("second", gpus=None, offer_cpu=True, trainer=None, interval=0.25)
+    await asyncio.sleep(1.0)
+    agents.kill("first")
+    job = await wait_state(nc, job_id, ("succeeded", "failed"), timeout=120)
+    assert job.state == "succeeded", (job.message, agents.log("second")[-2000:])
+    assert job.node == "second" and job.attempt == 2
+
+    events = [ev async for ev in follow(nc, job_id)]
+    second = [e for e in events if isinstance(e, StateChange) and e.attempt == 2]
+    assert any("resuming from checkpoint" in e.message for e in second)
+    assert any("resumed from step" in e.message for e in second if e.state == "running")
+    steps = [e.step for e in events if isinstance(e, Progress)]
+    restart = next(i for i in range(1, len(steps)) if steps[i] <= steps[i - 1])
+    assert steps[restart] > 1  # the second node did not start again from step 0
+    assert steps[-1] == 400

@@ -173,3 +173,17 @@ def test_checkpoints_hold_adapter_and_optimizer_state(tiny_model, tmp_path, caps
     state = torch.load(ck / "trainer_state.pt", weights_only=True)
     assert state["step"] == 4 and state["optimizer"]["state"] and "last_epoch" in state["scheduler"]
     assert (ck / "adapter" / "adapter_model.safetensors").exists()
+
+
+def test_a_run_resumed_from_a_checkpoint_continues_the_same_loss_curve(tiny_model, tmp_path, capsys):
+    train(spec_for(tiny_model, tmp_path / "full", max_steps=12, save_steps=5, grad_accum=2))
+    full = {e.step: e.loss for e in events_from(capsys.readouterr().out) if isinstance(e, Progress)}
+    spec = spec_for(tiny_model, tmp_path / "resumed", max_steps=12, save_steps=5, grad_accum=2)
+    spec.resume_from = str(tmp_path / "full" / "out" / "checkpoints" / "step-5")
+    train(spec)
+    events = events_from(capsys.readouterr().out)
+    assert "resumed from step 5" in events[0].message
+    resumed = {e.step: e.loss for e in events if isinstance(e, Progress)}
+    assert sorted(resumed) == list(range(6, 13))
+    for step, loss in resumed.items():
+        assert abs(loss - full[step]) < 1e-3 * full[step], (step, loss, full[step])

@@ -93,12 +93,29 @@ def save_adapter(model, out: Path) -> Path:
     return out
 
 
-def save_checkpoint(model, optimizer, scheduler, out_dir: Path, step: int, epoch: int, batch_in_epoch: int) -> Path:
+def save_checkpoint(model, optimizer, scheduler, out_dir: Path, step: int, epoch: int, batch_in_epoch: int,
+                    tokens: int) -> Path:
+    """Adapter, optimizer, schedule and data position: enough to go on from here on another node."""
     path = out_dir / "checkpoints" / f"step-{step}"
     save_adapter(model, path / "adapter")
     torch.save({"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(), "step": step, "epoch": epoch,
-                "batch_in_epoch": batch_in_epoch}, path / "trainer_state.pt")
+                "batch_in_epoch": batch_in_epoch, "tokens": tokens}, path / "trainer_state.pt")
     return path
+
+
+def resume(model, optimizer, scheduler, checkpoint: Path) -> dict:
+    """Load a checkpoint written by save_checkpoint (tensors only: weights_only, never arbitrary pickles)."""
+    from peft import set_peft_model_state_dict
+    from safetensors.torch import load_file
+
+    state_file = checkpoint / "trainer_state.pt"
+    if not state_file.is_file():
+        raise JobError(f"checkpoint {checkpoint} has no trainer_state.pt; resubmit the job without resume")
+    set_peft_model_state_dict(model, load_file(str(checkpoint / "adapter" / "adapter_model.safetensors")))
+    state = torch.load(state_file, weights_only=True)
+    optimizer.load_state_dict(state["optimizer"])
+    scheduler.load_state_dict(state["scheduler"])
+    return state
 
 
 def train(spec: TrainerSpec) -> Finished:
@@ -130,18 +147,25 @@ def train(spec: TrainerSpec) -> Finished:
     out_dir = Path(spec.out_dir)
     stop = StopFlag()
 
+    step, tokens, epoch, skip = 0, 0, 0, 0
+    resumed = ""
+    if spec.resume_from:
+        state = resume(model, optimizer, scheduler, Path(spec.resume_from))
+        step, tokens, epoch, skip = state["step"], state.get("tokens", 0), state["epoch"], state["batch_in_epoch"]
+        resumed = f", resumed from step {step}"
     emit(Started(steps=p.steps, examples=len(train_set), eval_examples=len(eval_set), device=device,
-                 message=f"training {p.steps} steps on {device} ({len(train_set)} examples, {len(batches)} batches/epoch)"))
+                 message=f"training {p.steps} steps on {device} ({len(train_set)} examples, "
+                         f"{len(batches)} batches/epoch){resumed}"))
     if device == "cuda":
         torch.cuda.reset_peak_memory_stats()
     start = time.monotonic()
-    step, tokens, epoch = 0, 0, 0
     window_loss, window_count = 0.0, 0
     eval_loss = None
     while step < p.steps and not stop.asked:
         if epoch > 0:
             batches = data.make_batches(train_set, t, pad_id, epoch)
-        for first in range(0, len(batches), t.grad_accum):
+        start, skip = skip, 0  # a resumed run starts mid-epoch, where its checkpoint was
+        for first in range(start, len(batches), t.grad_accum):
             group = [b.to(device) for b in batches[first:first + t.grad_accum]]
             n_targets = sum(int((b.targets != data.IGNORE).sum()) for b in group)
             step_loss = 0.0
@@ -171,7 +195,7 @@ def train(spec: TrainerSpec) -> Finished:
             if t.eval_steps and eval_batches and step % t.eval_steps == 0:
                 eval_loss = evaluate(model, eval_batches, device, autocast_dtype)
             if t.save_steps and step % t.save_steps == 0 and step < p.steps:
-                path = save_checkpoint(model, optimizer, scheduler, out_dir, step, epoch, first + len(group))
+                path = save_checkpoint(model, optimizer, scheduler, out_dir, step, epoch, first + len(group), tokens)
                 emit(Checkpoint(step=step, path=str(path)))
             last = step >= p.steps or stop.asked
             if last and eval_batches:

@@ -23,6 +23,7 @@ from services import __version__
 from services.bus import publish_durably
 from services.agent.devices import DeviceProbe
 from services.agent.runner import DEFAULT_TRAINER, TrainerRun
+from services.artifacts.download import download, safe_extract
 from services.artifacts.sender import UploadError, upload_file
 
 log = logging.getLogger("jetlora.agent")
@@ -48,6 +49,8 @@ class RunningJob:
     task: asyncio.Task | None = None
     trainer: TrainerRun | None = None
     stop_asked: bool = False
+    checkpoint_upload: asyncio.Task | None = None
+    reports: int = 0  # numbers this run's state events, so JetStream's de-duplication keys each one apart
 
 
 class Agent:
@@ -171,7 +174,8 @@ class Agent:
         a = run.assignment
         ev = StateChange(job=a.job, state=state, node=self.cfg.node, attempt=a.attempt, message=message,
                          artifacts=artifacts or [], ts=time.time())
-        await publish_durably(self.js, names.job_state(a.job), _enc.encode(ev), f"{a.job}.{a.attempt}.{state}")
+        run.reports += 1
+        await publish_durably(self.js, names.job_state(a.job), _enc.encode(ev), f"{a.job}.{a.attempt}.s{run.reports}")
 
     async def _progress(self, run: RunningJob, p: Progress) -> None:
         a = run.assignment
@@ -184,6 +188,8 @@ class Agent:
         try:
             await self._report(run, "preparing", f"starting the trainer on {self.cfg.node} device {a.device}")
             result = await self._train(run, job_dir)
+            if run.checkpoint_upload:  # its state event must not come after the job's end
+                await run.checkpoint_upload
             if isinstance(result, Failed):
                 state = "cancelled" if result.message == "cancelled" else "failed"
                 await self._report(run, state, result.message)
@@ -213,7 +219,7 @@ class Agent:
         env = {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True",
                "CUDA_VISIBLE_DEVICES": str(a.device) if gpu else ""}
         spec = TrainerSpec(job=a.job, attempt=a.attempt, request=a.request, out_dir=str(job_dir / "out"),
-                           device="cuda" if gpu else "cpu")
+                           device="cuda" if gpu else "cpu", resume_from=await self._fetch_checkpoint(run, job_dir))
         run.trainer = TrainerRun(spec, job_dir, self.cfg.trainer_command, env)
         if run.stop_asked:
             run.trainer.stop()
@@ -224,9 +230,41 @@ class Agent:
             elif isinstance(ev, Progress):
                 await self._progress(run, ev)
             elif isinstance(ev, Checkpoint):
-                log.info("job %s checkpoint at step %d", a.job, ev.step)
+                if run.checkpoint_upload and not run.checkpoint_upload.done():
+                    log.info("job %s: checkpoint at step %d skipped, the previous one is still uploading", a.job, ev.step)
+                else:
+                    run.checkpoint_upload = asyncio.create_task(self._ship_checkpoint(run, ev))
 
         return await run.trainer.run(on_event)
+
+    async def _fetch_checkpoint(self, run: RunningJob, job_dir: Path) -> str | None:
+        """A re-queued job resumes from the checkpoint its last node stored; None: start from step 0."""
+        a = run.assignment
+        if not a.resume_from:
+            return None
+        archive = job_dir / "resume.tar.gz"
+        try:
+            await download(self.nc, a.job, "checkpoint", archive)
+            where = await asyncio.to_thread(safe_extract, archive, job_dir / "resume")
+        except Exception as e:
+            log.warning("job %s: checkpoint %s could not be fetched (%s); starting from step 0", a.job, a.resume_from, e)
+            return None
+        await self._report(run, "preparing", f"resuming from checkpoint {a.resume_from}")
+        return str(where)
+
+    async def _ship_checkpoint(self, run: RunningJob, ev: Checkpoint) -> None:
+        """Checkpoints go to the object store as they come, so another node can resume if this one goes."""
+        a = run.assignment
+        try:
+            tar_path = Path(ev.path).parent / f"step-{ev.step}.tar.gz"
+            await asyncio.to_thread(_tar_dir, Path(ev.path), tar_path)
+            info = await upload_file(self.nc, a.job, "checkpoint", tar_path,
+                                     ArtifactMeta(base_model=a.request.model, trainer_version=__version__,
+                                                  summary=f"step {ev.step}", filename=f"{a.job}-checkpoint.tar.gz"))
+            await self._report(run, "running", f"checkpoint at step {ev.step} stored",
+                               [ArtifactRef(kind="checkpoint", name=info.name, size=info.size, sha256=info.sha256)])
+        except Exception as e:
+            log.warning("job %s: checkpoint at step %d not stored: %s", a.job, ev.step, e)
 
     async def _ship(self, run: RunningJob, result: Finished) -> list[ArtifactRef]:
         """The adapter as tar.gz (and the GGUF when made), uploaded before the job may succeed."""

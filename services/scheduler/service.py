@@ -397,7 +397,8 @@ class Scheduler:
         try:
             request = self._full_request_cached(job.stored.id) or (await self.store.request(job.stored.id)).request
             reply = await bus.request(self.nc, names.assign(node),
-                                      Assignment(job=job.stored.id, device=device, attempt=attempt, request=request),
+                                      Assignment(job=job.stored.id, device=device, attempt=attempt, request=request,
+                                                 resume_from=job.status.checkpoint),
                                       AssignReply, timeout=self.cfg.assign_timeout)
         except bus.RequestError as e:
             reply = AssignRefused(job.stored.id, str(e))
@@ -490,7 +491,10 @@ class Scheduler:
 
         if ev.state == "queued":  # the agent handed it back (shutting down) before it could finish
             return await self._requeue(job, ev.message, when=current)
-        await self._set_state(job, ev.state, ev.message, when=current, artifacts=ev.artifacts or job.status.artifacts)
+        checkpoints = [a.name for a in ev.artifacts if a.kind == "checkpoint"]
+        artifacts = [a for a in ev.artifacts if a.kind != "checkpoint"] or job.status.artifacts
+        await self._set_state(job, ev.state, ev.message, when=current, artifacts=artifacts,
+                              checkpoint=checkpoints[-1] if checkpoints else job.status.checkpoint)
 
     # --- liveness ----------------------------------------------------------------------------
     async def _watch_liveness(self, lost: asyncio.Event, stop: asyncio.Event) -> None:
