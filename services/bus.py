@@ -52,7 +52,8 @@ class BusOptions:
 
             g.add_argument = g_add
         g.add_argument("--nats", dest="nats_url", default=os.environ.get("NATS_URL"),
-                       help="server URL (env NATS_URL); none: start an embedded nats-server")
+                       help="server URL, or several comma-separated for a cluster (env NATS_URL); "
+                            "none: start an embedded nats-server")
         g.add_argument("--creds", default=os.environ.get("NATS_CREDS"), help="credentials file (env NATS_CREDS)")
         g.add_argument("--user", default=os.environ.get("NATS_USER"))
         g.add_argument("--password-file", default=os.environ.get("NATS_PASSWORD_FILE"),
@@ -97,7 +98,7 @@ async def connect(opts: BusOptions, service: bool = True) -> Client:
     async def on_reconnect():
         log.info("reconnected to NATS")
 
-    kwargs = dict(servers=[opts.url], name=opts.name, max_reconnect_attempts=-1, reconnect_time_wait=0.5,
+    kwargs = dict(servers=[u.strip() for u in opts.url.split(",") if u.strip()], name=opts.name, max_reconnect_attempts=-1, reconnect_time_wait=0.5,
                   error_cb=on_error, disconnected_cb=on_disconnect, reconnected_cb=on_reconnect,
                   connect_timeout=5)
     if not service:
