@@ -19,7 +19,7 @@ from nats.js.errors import BadRequestError, NotFoundError
 from schemas import names
 from services.scheduler.lease import LEASE_TTL_S
 
-log = logging.getLogger("jetlora.bus")
+log = logging.getLogger(__name__)
 T = TypeVar("T")
 DEFAULT_TIMEOUT = 5.0
 NO_RESPONDER_RETRIES = (0.05, 0.2, 0.5, None)

@@ -15,7 +15,7 @@ import msgspec
 
 from schemas.events import Failed, Finished, TrainerEvent, TrainerSpec
 
-log = logging.getLogger("jetlora.agent.runner")
+log = logging.getLogger(__name__)
 STDERR_LINES = 3  # the last lines of stderr become the error when the trainer dies
 DEFAULT_TRAINER = [sys.executable, "-m", "trainer"]
 _decode = msgspec.json.Decoder(TrainerEvent)

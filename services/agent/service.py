@@ -26,7 +26,7 @@ from services.agent.runner import DEFAULT_TRAINER, TrainerRun
 from services.artifacts.download import download, safe_extract
 from services.artifacts.sender import UploadError, upload_file
 
-log = logging.getLogger("jetlora.agent")
+log = logging.getLogger(__name__)
 _enc = msgspec.json.Encoder()
 FINISHED_KEPT_S = 60.0  # how long a finished job stays listed in heartbeats
 

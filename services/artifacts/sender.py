@@ -17,7 +17,7 @@ from nats.aio.client import Client
 from schemas import names
 from schemas.artifacts import CHUNK_BYTES, ArtifactInfo, ArtifactMeta, Chunk, ChunkAck
 
-log = logging.getLogger("jetlora.artifacts.sender")
+log = logging.getLogger(__name__)
 _ack = msgspec.json.Decoder(ChunkAck)
 
 

@@ -19,7 +19,7 @@ from schemas.jobs import Error
 from services import __version__
 from services.artifacts.objwriter import ObjectWriter
 
-log = logging.getLogger("jetlora.artifacts")
+log = logging.getLogger(__name__)
 _enc = msgspec.json.Encoder()
 _chunk = msgspec.msgpack.Decoder(Chunk)
 MAX_AHEAD = 32  # chunks buffered out of order before a gap fails the upload

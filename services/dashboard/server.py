@@ -18,7 +18,7 @@ from nats.js.errors import NotFoundError
 
 from schemas import names
 
-log = logging.getLogger("jetlora.dashboard")
+log = logging.getLogger(__name__)
 STATIC = Path(__file__).parent / "static"
 TYPES = {".html": "text/html; charset=utf-8", ".js": "text/javascript; charset=utf-8", ".json": "application/json"}
 KINDS = {"peft": "tar.gz", "gguf": "gguf", "checkpoint": "tar.gz"}

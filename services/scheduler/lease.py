@@ -8,7 +8,7 @@ import logging
 from nats.js.errors import KeyWrongLastSequenceError, NotFoundError
 from nats.js.kv import KeyValue
 
-log = logging.getLogger("jetlora.scheduler.lease")
+log = logging.getLogger(__name__)
 LEASE_KEY = "scheduler"
 LEASE_TTL_S = 3.0  # the lease bucket's max age: a dead leader's lease is gone this long after its last renewal
 

@@ -27,7 +27,7 @@ from services.scheduler.placement import Fleet, SlotKey
 from services.scheduler.queue import JobQueue
 from services.scheduler.store import Conflict, JobStore
 
-log = logging.getLogger("jetlora.scheduler")
+log = logging.getLogger(__name__)
 REQUEST_CACHE_BYTES = 64 * 2**20  # full requests of queued jobs kept in memory, so placing one needs no KV read
 REQUEST_CACHE_ITEM = 64 * 2**10
 _enc = msgspec.json.Encoder()
