@@ -37,13 +37,18 @@ def events_from(text: str) -> list:
 
 
 def test_the_loss_falls_clearly(tiny_model, tmp_path, capsys):
+    import time
+
+    t0 = time.monotonic()
     finished = train(spec_for(tiny_model, tmp_path, max_steps=50))
+    wall = time.monotonic() - t0
     progress = [e for e in events_from(capsys.readouterr().out) if isinstance(e, Progress)]
     assert finished.state == "trained" and finished.step == 50
     assert len(progress) == 50
     first, last = progress[0], progress[-1]
     assert last.loss < 0.5 * first.loss, (first.loss, last.loss)
-    assert last.tokens > first.tokens > 0 and last.tokens_per_s > 0
+    assert last.tokens > first.tokens > 0 and 0 < last.elapsed_s < wall
+    assert abs(last.tokens_per_s - last.tokens / last.elapsed_s) < 1e-6 * last.tokens_per_s
     assert last.peak_mib > 0 and last.eta_s == 0 and last.lr is not None and last.grad_norm is not None
     assert (Path(finished.adapter_dir) / "adapter_model.safetensors").exists()
 

@@ -164,8 +164,8 @@ def train(spec: TrainerSpec) -> Finished:
     while step < p.steps and not stop.asked:
         if epoch > 0:
             batches = data.make_batches(train_set, t, pad_id, epoch)
-        start, skip = skip, 0  # a resumed run starts mid-epoch, where its checkpoint was
-        for first in range(start, len(batches), t.grad_accum):
+        first_batch, skip = skip, 0  # a resumed run starts mid-epoch, where its checkpoint was
+        for first in range(first_batch, len(batches), t.grad_accum):
             group = [b.to(device) for b in batches[first:first + t.grad_accum]]
             n_targets = sum(int((b.targets != data.IGNORE).sum()) for b in group)
             step_loss = 0.0
