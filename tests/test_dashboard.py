@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import gzip
 import shutil
 import urllib.request
 
@@ -42,6 +43,16 @@ async def test_the_loss_curve_grows_while_the_job_trains(nc, services, agents, t
     base = f"http://127.0.0.1:{dash.port}"
     page_html = await asyncio.to_thread(lambda: urllib.request.urlopen(base + "/", timeout=5).read().decode())
     assert "<script src=\"app.js\">" in page_html
+
+    def fetch_app(encoding):
+        req = urllib.request.Request(base + "/app.js", headers={"Accept-Encoding": encoding} if encoding else {})
+        with urllib.request.urlopen(req, timeout=5) as r:
+            return r.headers.get("Content-Encoding"), r.read()
+
+    plain_enc, plain = await asyncio.to_thread(fetch_app, None)
+    gz_enc, packed = await asyncio.to_thread(fetch_app, "gzip, deflate")
+    assert plain_enc is None and b"wsconnect" in plain  # old clients get it inflated
+    assert gz_enc == "gzip" and gzip.decompress(packed) == plain and len(packed) < len(plain) / 2
 
     async with async_playwright() as pw:
         browser = await pw.chromium.launch(executable_path=CHROMIUM, headless=True, args=FLAGS)
