@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
+from typing import Literal
+
 from msgspec import Struct, field
 
-from schemas.jobs import ArtifactRef, JobRequest, JobState
+from schemas.jobs import ArtifactRef, JobId, JobRequest, JobState, NodeId
 
 
 class Progress(Struct, tag="progress", tag_field="type", kw_only=True):
     """One logging step of training (the fields of both seeds' progress)."""
 
-    job: str = ""
+    job: JobId | None = None  # set by the agent when it publishes
     step: int
     steps: int
     epoch: float = 0.0
@@ -30,9 +32,9 @@ class Progress(Struct, tag="progress", tag_field="type", kw_only=True):
 class StateChange(Struct, tag="state", tag_field="type", kw_only=True):
     """A job moved to a new state (agents report these; the scheduler applies them)."""
 
-    job: str
+    job: JobId
     state: JobState
-    node: str = ""
+    node: NodeId
     attempt: int = 0
     message: str = ""
     artifacts: list[ArtifactRef] = field(default_factory=list)
@@ -45,7 +47,7 @@ JobEvent = Progress | StateChange
 class TrainerSpec(Struct, kw_only=True):
     """The file the agent writes for `python -m trainer JOB.json`."""
 
-    job: str
+    job: JobId
     attempt: int
     request: "JobRequest"
     out_dir: str
@@ -70,7 +72,7 @@ class Checkpoint(Struct, tag="checkpoint", tag_field="type", kw_only=True):
 class Finished(Struct, tag="finished", tag_field="type", kw_only=True):
     """Training ended with an adapter: `trained` ran to the end, `stopped` was asked to stop early."""
 
-    state: str  # "trained" or "stopped"
+    state: Literal["trained", "stopped"]
     step: int
     adapter_dir: str
     gguf_path: str | None = None
@@ -79,6 +81,12 @@ class Finished(Struct, tag="finished", tag_field="type", kw_only=True):
 
 class Failed(Struct, tag="failed", tag_field="type", kw_only=True):
     message: str
+
+
+class Cancelled(Struct, tag="cancelled", tag_field="type", kw_only=True):
+    """Not printed by the trainer: how the agent's runner ends a trainer it killed on request."""
+
+    message: str = "cancelled"
 
 
 TrainerEvent = Started | Progress | Checkpoint | Finished | Failed

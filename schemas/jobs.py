@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-import re
-from typing import Annotated, Literal
+from typing import Annotated, Literal, get_args
 
 import msgspec
 from msgspec import Meta, Struct, field
+
+from schemas.validate import FieldError, parse_all
 
 NodeId = Annotated[str, Meta(pattern=r"^[A-Za-z0-9_-]{1,128}$", description="one NATS subject token")]
 JobId = NodeId
@@ -76,13 +77,6 @@ class JobRequest(Struct, forbid_unknown_fields=True, kw_only=True):
     label: Annotated[str, Meta(max_length=200)] = ""
 
 
-class FieldError(Struct):
-    """One thing wrong with a request: where, and how to fix it."""
-
-    field: str
-    reason: str
-
-
 class Accepted(Struct, tag="accepted", tag_field="type"):
     job: str
 
@@ -93,9 +87,11 @@ class Rejected(Struct, tag="rejected", tag_field="type"):
 
 SubmitReply = Accepted | Rejected
 
-JobState = Literal["queued", "assigned", "preparing", "running", "uploading", "succeeded", "failed", "cancelled", "stopped"]
-TERMINAL_STATES = frozenset({"succeeded", "failed", "cancelled", "stopped"})
-ACTIVE_STATES = frozenset({"assigned", "preparing", "running", "uploading"})
+ActiveState = Literal["assigned", "preparing", "running", "uploading"]  # the job holds a device
+TerminalState = Literal["succeeded", "failed", "cancelled", "stopped"]  # the job ended; nothing changes it again
+JobState = Literal["queued", ActiveState, TerminalState]
+ACTIVE_STATES: frozenset[str] = frozenset(get_args(ActiveState))
+TERMINAL_STATES: frozenset[str] = frozenset(get_args(TerminalState))
 
 
 class ArtifactRef(Struct):
@@ -192,21 +188,6 @@ class Error(Struct, tag="error", tag_field="type"):
     field: str = ""
 
 
-def decode_error_field(err: msgspec.ValidationError) -> FieldError:
-    """msgspec says `... - at `$.train.batch_size``: split that into field and reason."""
-    text = str(err)
-    reason, where = text, ""
-    if " - at `" in text:
-        reason, _, where = text.rpartition(" - at `")
-        where = where.rstrip("`").removeprefix("$").removeprefix(".")
-    named = re.search(r"(?:missing required|unknown) field `([^`]+)`", reason)
-    if named:
-        where = f"{where}.{named.group(1)}" if where else named.group(1)
-    if "unknown field" in reason:
-        reason += "; remove it (see schemas/json/JobRequest.json for the fields)"
-    return FieldError(field=where, reason=reason)
-
-
 def check_request(req: JobRequest) -> list[FieldError]:
     """Rules that span fields or need more than a type: each error says what to change."""
     errors = []
@@ -224,3 +205,12 @@ def check_request(req: JobRequest) -> list[FieldError]:
     if len(set(req.lora.target_modules)) != len(req.lora.target_modules):
         errors.append(FieldError("lora.target_modules", "lists a module twice; name each once"))
     return errors
+
+
+REQUIRED_PLACEHOLDERS = {"model": "-", "base_dir": "/", "data": [{"q": "-", "a": "-"}]}
+
+
+def parse_job_request(data: bytes) -> JobRequest:
+    """A submitted job, or InvalidRequest with every error the schema and the checks find."""
+    return parse_all(data, JobRequest, check_request, REQUIRED_PLACEHOLDERS,
+                     "send a JSON object with model, base_dir and data")

@@ -138,6 +138,16 @@ def kv_subjects(bucket: str) -> str:
     return f"$KV.{bucket}.>"
 
 
+def kv_prefix(bucket: str) -> str:
+    """What precedes a key in the subject of a KV entry."""
+    return f"$KV.{bucket}."
+
+
+def kv_stream(bucket: str) -> str:
+    """The stream that holds a KV bucket."""
+    return f"KV_{bucket}"
+
+
 def object_subjects(bucket: str) -> str:
     return f"$O.{bucket}.>"
 

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import logging
 import os
 import ssl
 from dataclasses import dataclass
-from typing import TypeVar
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
 
 import msgspec
 import nats
@@ -17,12 +19,15 @@ from nats.js.api import KeyValueConfig, ObjectStoreConfig, RetentionPolicy, Stor
 from nats.js.errors import BadRequestError, NotFoundError
 
 from schemas import names
-from services.scheduler.lease import LEASE_TTL_S
+from schemas.jobs import Error
+from schemas.validate import FieldError, InvalidRequest, decoder_for
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+_enc = msgspec.json.Encoder()
 DEFAULT_TIMEOUT = 5.0
 NO_RESPONDER_RETRIES = (0.05, 0.2, 0.5, None)
+LEASE_TTL_S = 3.0  # the lease bucket's max age: a dead leader's lease is gone this long after its last renewal
 
 
 @dataclass
@@ -153,8 +158,22 @@ async def publish_durably(js, subject: str, payload: bytes, msg_id: str, give_up
             pause = min(pause * 2, 2.0)
 
 
+@functools.cache
+def _decoder(reply_type) -> msgspec.json.Decoder:
+    return msgspec.json.Decoder(reply_type)
+
+
 class RequestError(Exception):
     """A request that got no reply, or a reply that did not decode."""
+
+
+class PayloadTooLarge(RequestError):
+    """A request bigger than the server's max_payload: it was never sent."""
+
+    def __init__(self, subject: str, size: int, limit: int) -> None:
+        super().__init__(f"the request on {subject} is {size / 2**20:,.1f} MiB; this NATS server takes at most "
+                         f"{limit / 2**20:,.1f} MiB per message (its max_payload)")
+        self.size, self.limit = size, limit
 
 
 async def request(nc: Client, subject: str, message, reply_type: type[T], timeout: float = DEFAULT_TIMEOUT) -> T:
@@ -169,11 +188,43 @@ async def request(nc: Client, subject: str, message, reply_type: type[T], timeou
                 if pause is None:
                     raise
                 await asyncio.sleep(pause)
+    except nats.errors.MaxPayloadError:
+        raise PayloadTooLarge(subject, len(payload), nc.max_payload) from None
     except nats.errors.NoRespondersError:
         raise RequestError(f"nothing serves {subject}: is the service running (jetlora up, or jetlora scheduler/artifacts)?") from None
     except nats.errors.TimeoutError:
         raise RequestError(f"no reply on {subject} within {timeout}s: the service is busy or down") from None
     try:
-        return msgspec.json.decode(msg.data, type=reply_type)
+        return _decoder(reply_type).decode(msg.data)
     except msgspec.DecodeError as e:
         raise RequestError(f"the reply on {subject} did not decode: {e}") from None
+
+
+def as_error(errors: list[FieldError]) -> Error:
+    """The reply to a request that did not hold: its first error, its field named."""
+    first = errors[0]
+    return Error(first.reason, field=first.field)
+
+
+def handler(serve: Callable[[T], Awaitable[Any]], request_type: type[T] | None = None, *,
+            parse: Callable[[bytes], T] | None = None,
+            invalid: Callable[[list[FieldError]], Any] = as_error) -> Callable[[Any], Awaitable[None]]:
+    """One way to answer a request: decode it (a cached decoder of request_type, or `parse`), answer
+    `invalid(errors)` when it does not hold, else `await serve(request)`, and encode the reply.
+
+    Works for nats.micro endpoints and for plain subscriptions alike (both give .data and .respond)."""
+    decode = parse or decoder_for(request_type)
+    name = getattr(serve, "__qualname__", repr(serve))
+
+    async def answer(msg) -> None:
+        try:
+            reply = await serve(decode(msg.data))
+        except InvalidRequest as e:
+            reply = invalid(e.errors)
+        except Exception as e:  # a fault of ours: the asker still gets an answer, the log the trace
+            log.exception("%s failed on a request", name)
+            reply = Error(f"the service failed on this request ({type(e).__name__}: {e}); see its log")
+        if getattr(msg, "reply", True):  # a plain message published without a reply subject gets none
+            await msg.respond(_enc.encode(reply))
+
+    return answer

@@ -5,26 +5,40 @@ from __future__ import annotations
 import asyncio
 import logging
 
-from nats.js.errors import KeyWrongLastSequenceError, NotFoundError
+from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError
 from nats.js.kv import KeyValue
+
+from services.aio import sleep_unless_stopped
+from services.bus import LEASE_TTL_S
 
 log = logging.getLogger(__name__)
 LEASE_KEY = "scheduler"
-LEASE_TTL_S = 3.0  # the lease bucket's max age: a dead leader's lease is gone this long after its last renewal
 
 
 class Lease:
-    """Take the lease with create(), keep it with update(last=revision); losing a race means standing by."""
+    """Take the lease with create(), keep it with update(last=revision); losing a race means standing by.
+
+    Every call answers True or False: no error of the server's ends the scheduler that holds it."""
 
     def __init__(self, kv: KeyValue, holder: str, ttl: float = LEASE_TTL_S) -> None:
         self.kv, self.holder, self.ttl = kv, holder, ttl
         self.revision = 0
+        self.contended_reads = 0  # creates whose follow-up read found the old lease already expired
 
     async def try_acquire(self) -> bool:
         try:
             self.revision = await self.kv.create(LEASE_KEY, self.holder.encode())
             return True
         except KeyWrongLastSequenceError:
+            return False
+        except KeyNotFoundError:
+            # nats-py's create reads the key after a refused write; the old lease expired in between.
+            # The key is free now: the next try takes it.
+            self.contended_reads += 1
+            log.debug("the lease expired while it was being taken; trying again")
+            return False
+        except Exception as e:  # server away or restarting: stand by and try again
+            log.warning("could not try the scheduler lease (%s: %s); trying again", type(e).__name__, e)
             return False
 
     async def renew(self) -> bool:
@@ -37,8 +51,19 @@ class Lease:
     async def holder_now(self) -> str | None:
         try:
             return (await self.kv.get(LEASE_KEY)).value.decode()
-        except NotFoundError:
+        except KeyNotFoundError:
             return None
+        except Exception as e:
+            log.debug("could not read the lease holder: %s", e)
+            return None
+
+    async def why_lost(self) -> str:
+        """In words, for the log: who holds the lease now that our renewal was refused."""
+        holder = await self.holder_now()
+        if holder and holder != self.holder:
+            return f"scheduler {holder} took the lease over"
+        return (f"the lease lapsed: it was not renewed within {self.ttl:.0f}s (NATS unreachable or restarting?); "
+                "taking it again")
 
     async def release(self) -> None:
         try:
@@ -52,11 +77,8 @@ class Lease:
         while not stop.is_set():
             if await self.try_acquire():
                 return True
-            if not announced:
-                log.info("another scheduler (%s) holds the lease; standing by", await self.holder_now())
+            if not announced and (holder := await self.holder_now()):
+                log.info("another scheduler (%s) holds the lease; standing by", holder)
                 announced = True
-            try:
-                await asyncio.wait_for(stop.wait(), self.ttl / 3)
-            except asyncio.TimeoutError:
-                pass
+            await sleep_unless_stopped(stop, self.ttl / 3)
         return False

@@ -5,41 +5,66 @@ from __future__ import annotations
 import asyncio
 
 import msgspec
-from nats.js.errors import KeyWrongLastSequenceError, NotFoundError
-from nats.js.kv import KeyValue
+from nats.js.api import DeliverPolicy
+from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError
+from nats.js.kv import KV_DEL, KV_OP, KV_PURGE, KeyValue
 
-from schemas.jobs import JobStatus, StoredRequest
+from schemas import names
+from schemas.jobs import JobId, JobStatus, StoredRequest
 
 _enc = msgspec.json.Encoder()
 _dec_req = msgspec.json.Decoder(StoredRequest)
 _dec_status = msgspec.json.Decoder(JobStatus)
+REQUEST, STATUS = "request", "status"
 
 
 class Conflict(Exception):
     """Someone else (another scheduler) wrote the job's status first."""
 
 
-def request_key(job: str) -> str:
-    return f"request.{job}"
+class LoadError(Exception):
+    """The bucket could not be read whole: never taken for an empty one."""
 
 
-def status_key(job: str) -> str:
-    return f"status.{job}"
+def request_key(job: JobId) -> str:
+    return f"{REQUEST}.{job}"
+
+
+def status_key(job: JobId) -> str:
+    return f"{STATUS}.{job}"
 
 
 class JobStore:
-    def __init__(self, kv: KeyValue) -> None:
-        self.kv = kv
+    """Every read and write of a job's keys goes through here."""
+
+    def __init__(self, js, kv: KeyValue) -> None:
+        self.js, self.kv = js, kv
 
     async def add(self, stored: StoredRequest) -> None:
         """Store a new job durably; raises if the id exists."""
         await self.kv.create(request_key(stored.id), _enc.encode(stored))
 
-    async def request(self, job: str) -> StoredRequest:
+    async def request(self, job: JobId) -> StoredRequest:
         entry = await self.kv.get(request_key(job))
         return _dec_req.decode(entry.value)
 
-    async def write_status(self, job: str, status: JobStatus, revision: int) -> int:
+    async def find(self, job: JobId) -> tuple[StoredRequest, JobStatus | None, int] | None:
+        """A job's request, status and status revision; None only when the bucket has no such job."""
+        try:
+            stored = await self.request(job)
+        except KeyNotFoundError:
+            return None
+        status = await self.status(job)
+        return (stored, *status) if status else (stored, None, 0)
+
+    async def status(self, job: JobId) -> tuple[JobStatus, int] | None:
+        try:
+            entry = await self.kv.get(status_key(job))
+        except KeyNotFoundError:
+            return None
+        return _dec_status.decode(entry.value), entry.revision
+
+    async def write_status(self, job: JobId, status: JobStatus, revision: int) -> int:
         """Write the status if nobody wrote it since `revision` (0: never written); the new revision."""
         try:
             if revision == 0:
@@ -48,22 +73,38 @@ class JobStore:
         except KeyWrongLastSequenceError as e:
             raise Conflict(f"job {job}: its status changed elsewhere ({e.description})") from None
 
-    async def load(self) -> tuple[dict[str, StoredRequest], dict[str, tuple[JobStatus, int]]]:
-        """Every job and status in the bucket, read in one pass over its stream (fast for many jobs)."""
+    async def load(self, timeout: float = 60.0) -> tuple[dict[str, StoredRequest], dict[str, tuple[JobStatus, int]]]:
+        """Every job and status in the bucket, read in one pass over its stream.
+
+        The stream's own message count says how much there is, and each delivery says how much is left, so
+        an error or a server still restoring the stream raises LoadError instead of reading as 'no jobs'."""
         requests: dict[str, StoredRequest] = {}
         statuses: dict[str, tuple[JobStatus, int]] = {}
         try:
-            watcher = await self.kv.watchall(ignore_deletes=True)
-        except NotFoundError:
+            info = await self.js.stream_info(names.kv_stream(names.JOBS_KV))
+        except Exception as e:
+            raise LoadError(f"the jobs bucket could not be read ({type(e).__name__}: {e})") from e
+        if info.state.messages == 0:
             return requests, statuses
-        async for entry in watcher:
-            if entry is None:  # the initial values are all delivered
-                break
-            kind, _, job = entry.key.partition(".")
-            if kind == "request":
-                stored = _dec_req.decode(entry.value)
-                requests[job] = msgspec.structs.replace(stored, request=msgspec.structs.replace(stored.request, data=[]))
-            elif kind == "status":
-                statuses[job] = (_dec_status.decode(entry.value), entry.revision)
-        await asyncio.shield(watcher.stop())
-        return requests, statuses
+        sub = await self.js.subscribe(names.kv_subjects(names.JOBS_KV), ordered_consumer=True,
+                                      deliver_policy=DeliverPolicy.LAST_PER_SUBJECT)
+        try:
+            while True:
+                try:
+                    msg = await sub.next_msg(timeout=timeout)
+                except Exception as e:
+                    raise LoadError(f"the jobs bucket stopped delivering after {len(requests)} jobs "
+                                    f"({type(e).__name__}); nothing was concluded from it") from e
+                op = (msg.headers or {}).get(KV_OP)
+                if op not in (KV_DEL, KV_PURGE):
+                    kind, _, job = msg.subject.removeprefix(names.kv_prefix(names.JOBS_KV)).partition(".")
+                    if kind == REQUEST:
+                        stored = _dec_req.decode(msg.data)
+                        requests[job] = msgspec.structs.replace(
+                            stored, request=msgspec.structs.replace(stored.request, data=[]))
+                    elif kind == STATUS:
+                        statuses[job] = (_dec_status.decode(msg.data), msg.metadata.sequence.stream)
+                if msg.metadata.num_pending == 0:
+                    return requests, statuses
+        finally:
+            await asyncio.shield(sub.unsubscribe())

@@ -1,0 +1,139 @@
+"""The scheduler's request endpoints: accept a job, answer queries, cancel or stop one."""
+
+from __future__ import annotations
+
+import functools
+import logging
+import time
+import uuid
+
+import msgspec
+
+from schemas import names
+from schemas.jobs import (TERMINAL_STATES, Accepted, Error, FieldError, JobList, JobListQuery, JobQuery, JobReply,
+                          JobRequest, JobStatus, Rejected, StoredRequest, parse_job_request, summarize)
+from schemas.nodes import Control, ControlReply, NodeInfo, NodeList
+from schemas.validate import InvalidRequest
+from services import bus
+from services.scheduler.core import Job, SchedulerCore
+
+log = logging.getLogger(__name__)
+
+
+class SchedulerApi(SchedulerCore):
+    """jetlora.api.*: every handler takes a typed request and returns its reply (bus.handler does the rest)."""
+
+    def endpoints(self) -> dict[str, object]:
+        """Endpoint name (under names.API_GROUP) -> its handler."""
+        return {
+            "submit": self._submit,
+            "cancel": bus.handler(lambda q: self._end_early(q, "cancel"), JobQuery),
+            "stop": bus.handler(lambda q: self._end_early(q, "stop"), JobQuery),
+            "job": bus.handler(self._get_job, JobQuery),
+            "jobs": bus.handler(self._list_jobs, JobListQuery),
+            "nodes": bus.handler(self._list_nodes, msgspec.Raw),
+        }
+
+    # --- submission ------------------------------------------------------------------------------
+    async def _submit(self, req) -> None:
+        """Submissions are answered concurrently (each awaits a KV write), at most max_concurrent_submits."""
+        await self._submit_slots.acquire()
+        self._spawn(self._submit_one(req))
+
+    @functools.cached_property
+    def _answer_submit(self):
+        return bus.handler(self._accept, parse=self._parse_with_size, invalid=Rejected)
+
+    async def _submit_one(self, req) -> None:
+        try:
+            await self._answer_submit(req)
+        finally:
+            self._submit_slots.release()
+
+    @staticmethod
+    def _parse_with_size(data: bytes) -> tuple[JobRequest, int]:
+        return parse_job_request(data), len(data)
+
+    async def _accept(self, parsed: tuple[JobRequest, int]) -> Accepted | Rejected:
+        request, size = parsed
+        if errors := self._capacity_errors(request):
+            return Rejected(errors)
+        self.seq += 1
+        stored = StoredRequest(id=uuid.uuid4().hex[:16], request=request, created=time.time(), seq=self.seq)
+        try:
+            await self.store.add(stored)  # durable before the reply: a crash after it loses nothing
+        except Exception as e:
+            return Rejected([FieldError("", f"the job could not be stored ({type(e).__name__}: JetStream unavailable?); "
+                                            "nothing was queued: submit it again")])
+        job = Job(msgspec.structs.replace(stored, request=msgspec.structs.replace(request, data=[])),
+                  JobStatus(updated=stored.created, message="waiting for a device"))
+        self.jobs[stored.id] = job
+        self._cache_request(stored.id, request, size)
+        self._enqueue(job)
+        return Accepted(stored.id)
+
+    def _capacity_errors(self, req: JobRequest) -> list[FieldError]:
+        """A job no known device could ever hold is refused now rather than queued forever."""
+        if not self.fleet.nodes or (req.node and req.node not in self.fleet.nodes):
+            return []
+        best = self.fleet.largest(req.accelerator, req.node)
+        where = f"node {req.node}" if req.node else "any known node"
+        if best is None:
+            kind = {"gpu": "a GPU", "cpu": "an offered CPU", "any": "a device"}[req.accelerator]
+            return [FieldError("accelerator", f"{where} has no {kind}; choose another accelerator or node")]
+        node, dev = best
+        if dev.total_mib < req.gpu_mib:
+            return [FieldError("gpu_mib", f"{req.gpu_mib} MiB is more than {where} has: the largest is {node} device "
+                               f"{dev.index} ({dev.name or dev.kind}) with {dev.total_mib} MiB total, {dev.free_mib} MiB free; "
+                               "ask for less or add a bigger GPU")]
+        return []
+
+    # --- queries ---------------------------------------------------------------------------------
+    def _job(self, q: JobQuery) -> Job:
+        job = self.jobs.get(q.job)
+        if job is None:
+            raise InvalidRequest([FieldError("job", f"no job {q.job}; `jetlora jobs` lists them")])
+        return job
+
+    async def _get_job(self, q: JobQuery) -> JobReply:
+        job = self._job(q)
+        return JobReply(summarize(job.stored, job.status))
+
+    async def _list_jobs(self, q: JobListQuery) -> JobList:
+        out = [summarize(j.stored, j.status) for j in self.jobs.values()
+               if (q.state is None or j.status.state == q.state) and (q.node is None or j.status.node == q.node)]
+        return JobList(out[-q.limit:])
+
+    async def _list_nodes(self, _query) -> NodeList:
+        now = time.monotonic()
+        nodes = []
+        for view in self.fleet.nodes.values():
+            hb = view.heartbeat
+            nodes.append(NodeInfo(node=hb.node, alive=now - view.last_seen < self.cfg.window, last_seen=view.last_seen_wall,
+                                  agent_version=hb.agent_version, devices=list(view.devices.values()),
+                                  offers_cpu=hb.offers_cpu, no_gpu_reason=hb.no_gpu_reason, running=hb.running))
+        return NodeList(nodes)
+
+    # --- cancel and stop -------------------------------------------------------------------------
+    async def _end_early(self, q: JobQuery, action: str) -> JobReply | Error:
+        job = self._job(q)
+        state = job.status.state
+        if state in TERMINAL_STATES:
+            return Error(f"job {job.id} already ended ({state})", field="job")
+        if state == "queued":
+            self.queue.discard(job.id)
+            self._full_request_cached(job.id)
+            if not await self._set_state(job, "cancelled", f"{action} asked while queued",
+                                         when=lambda s: s.state == "queued"):
+                return Error(f"job {job.id} was just placed; ask again", field="job")
+        else:
+            try:
+                reply = await bus.request(self.nc, names.control(job.status.node), Control(job.id, action),
+                                          ControlReply, timeout=self.cfg.assign_timeout)
+                if not reply.ok:
+                    return Error(reply.message)
+            except bus.RequestError as e:
+                log.warning("node %s did not answer %s of %s (%s); marking it cancelled", job.status.node, action,
+                            job.id, e)
+                await self._set_state(job, "cancelled", f"{action} asked; node {job.status.node} did not answer")
+        return JobReply(summarize(job.stored, job.status))

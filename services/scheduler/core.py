@@ -1,0 +1,159 @@
+"""What the scheduler holds in memory, and the one way a job's status changes: under its lock, through the store."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import msgspec
+from nats.aio.client import Client
+
+from schemas.jobs import ACTIVE_STATES, JobId, JobRequest, JobState, JobStatus, NodeId, StoredRequest
+from services.scheduler.placement import Fleet, SlotKey
+from services.scheduler.queue import JobQueue
+from services.scheduler.store import Conflict, JobStore
+
+log = logging.getLogger(__name__)
+REQUEST_CACHE_BYTES = 64 * 2**20  # full requests of queued jobs kept in memory, so placing one needs no KV read
+REQUEST_CACHE_ITEM = 64 * 2**10
+
+
+@dataclass
+class Job:
+    """A job as the scheduler holds it: its request without the data, and its status."""
+
+    stored: StoredRequest
+    status: JobStatus
+    revision: int = 0
+    assigned_at: float = 0.0  # monotonic
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)  # one status write at a time, each from the latest
+    suspect: bool = False  # a check that its node lost it is under way
+
+    @property
+    def id(self) -> JobId:
+        return self.stored.id
+
+    @property
+    def slot(self) -> SlotKey | None:
+        s = self.status
+        return (s.node, s.device) if s.node is not None and s.device is not None else None
+
+
+@dataclass
+class SchedulerConfig:
+    heartbeat_interval: float = 1.0
+    misses: int = 3
+    assign_timeout: float = 2.0
+    backfill_window: int = 64
+    max_concurrent_submits: int = 256
+
+    @property
+    def window(self) -> float:
+        return self.heartbeat_interval * self.misses
+
+
+class SchedulerCore:
+    """The scheduler's state: its jobs, queue and fleet, and the writes that change a job."""
+
+    store: JobStore
+
+    def __init__(self, nc: Client, config: SchedulerConfig | None = None) -> None:
+        self.nc, self.js = nc, nc.jetstream()
+        self.cfg = config or SchedulerConfig()
+        self._tasks: set[asyncio.Task] = set()
+        self._reset()
+
+    def _reset(self) -> None:
+        self.jobs: dict[JobId, Job] = {}
+        self.queue = JobQueue()
+        self.fleet = Fleet()
+        self.by_node: dict[NodeId, set[JobId]] = {}
+        self.awaited: dict[NodeId, float] = {}  # nodes with jobs at recovery, not heard since: deadline
+        self.seq = 0
+        self.full_requests: dict[JobId, tuple[JobRequest, int]] = {}  # job -> (request with data, its size)
+        self.cached_bytes = 0
+        self._wake = asyncio.Event()
+        self._submit_slots = asyncio.Semaphore(self.cfg.max_concurrent_submits)
+
+    # --- tasks ---------------------------------------------------------------------------------
+    def _spawn(self, coro) -> None:
+        task = asyncio.create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._task_done)
+
+    def _task_done(self, task: asyncio.Task) -> None:
+        self._tasks.discard(task)
+        if not task.cancelled() and task.exception():
+            log.error("scheduler task failed: %r", task.exception(), exc_info=task.exception())
+
+    # --- jobs in memory --------------------------------------------------------------------------
+    def _adopt(self, stored: StoredRequest, status: JobStatus | None, revision: int) -> Job:
+        """Take a stored job into memory: queue it, or hold its slot until its node is heard from."""
+        now = time.monotonic()
+        job = Job(stored, status or JobStatus(updated=stored.created), revision, assigned_at=now)
+        self.jobs[job.id] = job
+        self.seq = max(self.seq, stored.seq)
+        if job.status.state == "queued":
+            self._enqueue(job)
+        elif job.status.state in ACTIVE_STATES and job.slot:
+            self.fleet.reserve(job.slot, job.id)
+            self.by_node.setdefault(job.status.node, set()).add(job.id)
+            self.awaited.setdefault(job.status.node, now + self.cfg.window)
+        return job
+
+    def _enqueue(self, job: Job) -> None:
+        req = job.stored.request
+        self.queue.push(job.id, req.priority, job.stored.seq, req.node)
+        self._wake.set()
+
+    def _leave_slot(self, job: Job) -> None:
+        if job.slot:
+            self.fleet.release(job.slot, job.id)
+            self.by_node.get(job.status.node, set()).discard(job.id)
+            self._wake.set()
+
+    def _cache_request(self, job_id: JobId, request: JobRequest, size: int) -> None:
+        if size <= REQUEST_CACHE_ITEM and self.cached_bytes + size <= REQUEST_CACHE_BYTES:
+            self.full_requests[job_id] = (request, size)
+            self.cached_bytes += size
+
+    def _full_request_cached(self, job_id: JobId) -> JobRequest | None:
+        entry = self.full_requests.pop(job_id, None)
+        if entry is None:
+            return None
+        self.cached_bytes -= entry[1]
+        return entry[0]
+
+    # --- status writes ---------------------------------------------------------------------------
+    async def _write(self, job: Job, status: JobStatus) -> bool:
+        """Persist a job's new status; on a conflict reload it and report False."""
+        try:
+            job.revision = await self.store.write_status(job.id, status, job.revision)
+            job.status = status
+            return True
+        except Conflict as e:
+            log.warning("%s; reloading it", e)
+            job.status, job.revision = await self.store.status(job.id) or (job.status, job.revision)
+            return False
+
+    async def _set_state(self, job: Job, state: JobState, message: str,
+                         when: Callable[[JobStatus], bool] | None = None, **changes) -> bool:
+        """Change a job's state if `when(status)` holds (checked under the job's lock); False if not written."""
+        async with job.lock:
+            if when is not None and not when(job.status):
+                return False
+            return await self._set_state_locked(job, state, message, **changes)
+
+    async def _set_state_locked(self, job: Job, state: JobState, message: str, **changes) -> bool:
+        was_active = job.status.state in ACTIVE_STATES
+        status = msgspec.structs.replace(job.status, state=state, message=message, updated=time.time(), **changes)
+        if was_active and state not in ACTIVE_STATES:
+            self._leave_slot(job)
+        return await self._write(job, status)
+
+    async def _requeue(self, job: Job, why: str, when=None, **changes) -> None:
+        if await self._set_state(job, "queued", why, when=when, node=None, device=None, **changes):
+            self._enqueue(job)

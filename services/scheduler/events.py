@@ -1,0 +1,97 @@
+"""What agents report of their jobs: progress (kept in memory) and states (applied from a durable consumer)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import defaultdict
+
+import msgspec
+from nats.errors import TimeoutError as NatsTimeout
+
+from schemas import names
+from schemas.events import Progress, StateChange
+from schemas.jobs import ACTIVE_STATES, TERMINAL_STATES, JobStatus
+from services.aio import sleep_unless_stopped
+from services.scheduler.core import Job, SchedulerCore
+
+log = logging.getLogger(__name__)
+_progress = msgspec.json.Decoder(Progress)
+_state = msgspec.json.Decoder(StateChange)
+
+
+class SchedulerEvents(SchedulerCore):
+    async def _on_progress(self, msg) -> None:
+        try:
+            p = _progress.decode(msg.data)
+        except msgspec.DecodeError:
+            return
+        job = self.jobs.get(names.job_of_subject(msg.subject))
+        if job and job.status.state in ACTIVE_STATES:
+            job.status = msgspec.structs.replace(job.status, step=p.step, steps=p.steps,
+                                                 loss=p.loss if p.loss is not None else job.status.loss,
+                                                 peak_mib=p.peak_mib if p.peak_mib is not None else job.status.peak_mib)
+
+    async def _consume_states(self, sub, lost: asyncio.Event, stop: asyncio.Event) -> None:
+        while not (stop.is_set() or lost.is_set()):
+            try:
+                msgs = await sub.fetch(batch=256, timeout=0.5)
+            except (NatsTimeout, asyncio.TimeoutError):  # nothing new (nats-py raises either)
+                continue
+            except Exception as e:
+                log.warning("reading job states: %s: %s; trying again", type(e).__name__, e)
+                await sleep_unless_stopped(stop, 0.2)
+                continue
+            # one job's events in order; different jobs' at once
+            by_job = defaultdict(list)
+            for msg in msgs:
+                by_job[names.job_of_subject(msg.subject)].append(msg)
+            await asyncio.gather(*(self._apply_in_order(batch) for batch in by_job.values()))
+
+    async def _apply_in_order(self, batch) -> None:
+        for m in batch:
+            try:
+                await self._apply_state(m)
+                await m.ack()
+            except Exception as e:  # not acked: JetStream delivers it again (ack_wait), after the ones before it
+                log.warning("could not apply a state of job %s yet (%s: %s); it will be redelivered",
+                            names.job_of_subject(m.subject), type(e).__name__, e)
+                return
+
+    async def _known(self, job_id: str) -> Job | None:
+        """The job, read from the store when memory does not have it; None only when the store has no such job.
+
+        A store that cannot be read raises: the event is then not acknowledged, and comes again."""
+        job = self.jobs.get(job_id)
+        if job is not None:
+            return job
+        found = await self.store.find(job_id)
+        if found is None:
+            return None
+        log.warning("job %s was not in memory but is in the jobs bucket; taking it up", job_id)
+        return self.jobs.get(job_id) or self._adopt(*found)
+
+    async def _apply_state(self, msg) -> None:
+        try:
+            ev = _state.decode(msg.data)
+        except msgspec.DecodeError as e:
+            log.warning("ignored a job state on %s that did not decode: %s", msg.subject, e)
+            return
+        if ev.job != names.job_of_subject(msg.subject):
+            log.warning("ignored a state of job %s sent on %s", ev.job, msg.subject)
+            return
+        job = await self._known(ev.job)
+        if job is None:
+            log.warning("ignored a state of job %s: no such job in the jobs bucket", ev.job)
+            return
+
+        def current(s: JobStatus) -> bool:  # not from an earlier attempt, not after the end, not a repeat
+            return (ev.attempt == s.attempt and s.state not in TERMINAL_STATES
+                    and (ev.state, ev.message) != (s.state, s.message))
+
+        if ev.state == "queued":  # the agent handed it back (shutting down) before it could finish
+            return await self._requeue(job, ev.message, when=current)
+        checkpoints = [a.name for a in ev.artifacts if a.kind == "checkpoint"]
+        artifacts = [a for a in ev.artifacts if a.kind != "checkpoint"] or job.status.artifacts
+        await self._set_state(job, ev.state, ev.message, when=current, artifacts=artifacts,
+                              checkpoint=checkpoints[-1] if checkpoints else job.status.checkpoint)
