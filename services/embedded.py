@@ -12,6 +12,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from services.procs import die_with_parent
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -70,7 +72,8 @@ class EmbeddedNats:
         conf.write_text(self.config())
         self.proc = subprocess.Popen([server_binary(), "-c", str(conf)], stdout=subprocess.DEVNULL,
                                      env={**os.environ, **(self.env or {})},
-                                     stderr=open(self.store_dir / "nats-server.log", "ab"))
+                                     stderr=open(self.store_dir / "nats-server.log", "ab"),
+                                     preexec_fn=die_with_parent(signal.SIGTERM))  # no orphan if we are SIGKILLed
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:

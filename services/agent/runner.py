@@ -13,7 +13,9 @@ from pathlib import Path
 
 import msgspec
 
-from schemas.events import Failed, Finished, TrainerEvent, TrainerSpec
+from schemas.events import Cancelled, Failed, Finished, TrainerEvent, TrainerSpec
+from services.aio import cancel_and_wait
+from services.procs import die_with_parent
 
 log = logging.getLogger(__name__)
 STDERR_LINES = 3  # the last lines of stderr become the error when the trainer dies
@@ -22,7 +24,9 @@ _decode = msgspec.json.Decoder(TrainerEvent)
 
 
 class TrainerRun:
-    """Runs `trainer_command JOB.json` and turns its stdout into events; ends with Finished or Failed."""
+    """Runs `trainer_command JOB.json` and turns its stdout into events; ends with Finished, Failed or Cancelled.
+
+    The trainer never outlives the run: it dies with the agent (parent-death signal) and with this coroutine."""
 
     def __init__(self, spec: TrainerSpec, workdir: Path, command: list[str], env: dict[str, str]) -> None:
         self.spec, self.workdir, self.command, self.env = spec, workdir, command, env
@@ -30,7 +34,7 @@ class TrainerRun:
         self.cancelled = False
         self.stderr_tail: collections.deque[str] = collections.deque(maxlen=STDERR_LINES)
 
-    async def run(self, on_event: Callable[[object], Awaitable[None]]) -> Finished | Failed:
+    async def run(self, on_event: Callable[[object], Awaitable[None]]) -> Finished | Failed | Cancelled:
         self.workdir.mkdir(parents=True, exist_ok=True)
         spec_path = self.workdir / "job.json"
         spec_path.write_bytes(msgspec.json.encode(self.spec))
@@ -39,9 +43,28 @@ class TrainerRun:
                "PYTHONUNBUFFERED": "1"}
         self.proc = await asyncio.create_subprocess_exec(
             *self.command, str(spec_path), stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
-            stdin=asyncio.subprocess.DEVNULL, cwd=self.workdir, env=env, start_new_session=True, limit=2**24)
-        final: Finished | Failed | None = None
+            stdin=asyncio.subprocess.DEVNULL, cwd=self.workdir, env=env, start_new_session=True, limit=2**24,
+            preexec_fn=die_with_parent(signal.SIGKILL))
         stderr_task = asyncio.create_task(self._read_stderr())
+        try:
+            final = await self._read_events(on_event)
+            code = await self.proc.wait()
+            await stderr_task
+        finally:  # cancelled, or failed reading: nothing of the trainer is left running
+            if self.proc.returncode is None:
+                self._signal(signal.SIGKILL)
+                await self.proc.wait()
+            await cancel_and_wait([stderr_task])
+        if self.cancelled:
+            return Cancelled()
+        if final is not None:
+            return final
+        tail = " | ".join(self.stderr_tail)
+        return Failed(message=f"training process exited unexpectedly (exit code {code})" + (f": {tail}" if tail else ""))
+
+    async def _read_events(self, on_event) -> Finished | Failed | None:
+        """Pass the trainer's events on as they come; the final one (Finished or Failed) is returned."""
+        final = None
         async for line in self.proc.stdout:
             line = line.strip()
             if not line.startswith(b"{"):
@@ -55,14 +78,7 @@ class TrainerRun:
                 final = event
             else:
                 await on_event(event)
-        code = await self.proc.wait()
-        await stderr_task
-        if self.cancelled:
-            return Failed(message="cancelled")
-        if final is not None:
-            return final
-        tail = " | ".join(self.stderr_tail)
-        return Failed(message=f"training process exited unexpectedly (exit code {code})" + (f": {tail}" if tail else ""))
+        return final
 
     async def _read_stderr(self) -> None:
         async for line in self.proc.stderr:

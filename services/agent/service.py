@@ -15,11 +15,12 @@ from nats.aio.client import Client
 
 from schemas import names
 from schemas.artifacts import ArtifactMeta
-from schemas.events import Checkpoint, Failed, Finished, Progress, Started, StateChange, TrainerSpec
-from schemas.jobs import ArtifactRef
+from schemas.events import Cancelled, Checkpoint, Failed, Finished, Progress, Started, StateChange, TrainerSpec
+from schemas.jobs import ArtifactRef, JobId, JobState
 from schemas.nodes import (CPU_DEVICE, AssignAccepted, AssignRefused, Assignment, Control, ControlReply, Device,
                            Heartbeat)
-from services import __version__
+from services import __version__, bus
+from services.aio import cancel_and_wait, sleep_unless_stopped
 from services.bus import publish_durably
 from services.agent.devices import DeviceProbe
 from services.agent.runner import DEFAULT_TRAINER, TrainerRun
@@ -68,8 +69,12 @@ class Agent:
         self.devices, self.no_gpu_reason = self.probe.read()
         if not self.devices:
             log.warning("node %s has no device to offer: %s", self.cfg.node, self.no_gpu_reason)
-        subs = [await self.nc.subscribe(names.assign(self.cfg.node), cb=self._on_assign),
-                await self.nc.subscribe(names.control(self.cfg.node), cb=self._on_control)]
+        on_assign = bus.handler(self._on_assign, Assignment,
+                                invalid=lambda errors: AssignRefused("", f"the assignment did not decode: {errors[0].reason}"))
+        on_control = bus.handler(self._on_control, Control,
+                                 invalid=lambda errors: ControlReply("", False, f"did not decode: {errors[0].reason}"))
+        subs = [await self.nc.subscribe(names.assign(self.cfg.node), cb=on_assign),
+                await self.nc.subscribe(names.control(self.cfg.node), cb=on_control)]
         await self.nc.flush()
         log.info("agent %s up with %d device(s)", self.cfg.node, len(self.devices))
         beat = asyncio.create_task(self._heartbeats(stop))
@@ -81,25 +86,24 @@ class Agent:
         self.draining = True
         for sub in subs:
             await sub.unsubscribe()
-        for job_id, run in list(self.jobs.items()):
-            log.warning("shutting down: handing job %s back to the scheduler", job_id)
+        runs = list(self.jobs.values())
+        for run in runs:
+            log.warning("shutting down: handing job %s back to the scheduler", run.assignment.job)
             if run.trainer:
                 run.trainer.cancel()
-            if run.task:
-                run.task.cancel()
+        await cancel_and_wait([run.task for run in runs] + [run.checkpoint_upload for run in runs])
+        for run in runs:
             await self._report(run, "queued", f"node {self.cfg.node} shut down while the job ran; handed back to the queue")
         await self._beat()  # one last heartbeat that says we are draining
-        beat.cancel()
+        await cancel_and_wait([beat])
 
     # --- heartbeats ------------------------------------------------------------------------------
     def heartbeat(self) -> Heartbeat:
         devices, self.no_gpu_reason = self.probe.read()
-        on = {}
+        on: dict[int, list[JobId]] = {}
         for job_id, run in self.jobs.items():
             on.setdefault(run.device, []).append(job_id)
-        for d in devices:
-            d.jobs = on.get(d.index, [])
-        self.devices = devices
+        self.devices = devices = [msgspec.structs.replace(d, jobs=on.get(d.index, [])) for d in devices]
         now = time.time()
         self.finished = {j: t for j, t in self.finished.items() if now - t < FINISHED_KEPT_S}
         return Heartbeat(node=self.cfg.node, agent_version=__version__, devices=devices, offers_cpu=self.cfg.offer_cpu,
@@ -115,10 +119,7 @@ class Agent:
     async def _heartbeats(self, stop: asyncio.Event) -> None:
         while not stop.is_set():
             await self._beat()
-            try:
-                await asyncio.wait_for(stop.wait(), self.cfg.heartbeat_interval)
-            except asyncio.TimeoutError:
-                pass
+            await sleep_unless_stopped(stop, self.cfg.heartbeat_interval)
 
     # --- assignments -----------------------------------------------------------------------------
     def _refusal(self, a: Assignment) -> str | None:
@@ -135,29 +136,21 @@ class Agent:
             return f"device {a.device} has {dev.free_mib} MiB free, the job needs {a.request.gpu_mib}"
         return None
 
-    async def _on_assign(self, msg) -> None:
-        try:
-            a = msgspec.json.decode(msg.data, type=Assignment)
-        except msgspec.DecodeError as e:
-            return await msg.respond(_enc.encode(AssignRefused("", f"the assignment did not decode: {e}")))
+    async def _on_assign(self, a: Assignment) -> AssignAccepted | AssignRefused:
         self.devices, _ = self.probe.read()
         reason = self._refusal(a)
         if reason:
-            return await msg.respond(_enc.encode(AssignRefused(a.job, reason)))
+            return AssignRefused(a.job, reason)
         if a.job not in self.jobs:
             run = RunningJob(a, a.device)
             self.jobs[a.job] = run
             run.task = asyncio.create_task(self._run_job(run))
-        await msg.respond(_enc.encode(AssignAccepted(a.job)))
+        return AssignAccepted(a.job)
 
-    async def _on_control(self, msg) -> None:
-        try:
-            c = msgspec.json.decode(msg.data, type=Control)
-        except msgspec.DecodeError as e:
-            return await msg.respond(_enc.encode(ControlReply("", False, f"did not decode: {e}")))
+    async def _on_control(self, c: Control) -> ControlReply:
         run = self.jobs.get(c.job)
         if run is None:
-            return await msg.respond(_enc.encode(ControlReply(c.job, False, f"job {c.job} is not running on {self.cfg.node}")))
+            return ControlReply(c.job, False, f"job {c.job} is not running on {self.cfg.node}")
         if c.action == "cancel":
             if run.trainer:
                 run.trainer.cancel()
@@ -167,10 +160,10 @@ class Agent:
             run.stop_asked = True
             if run.trainer:
                 run.trainer.stop()
-        await msg.respond(_enc.encode(ControlReply(c.job, True, f"{c.action} sent")))
+        return ControlReply(c.job, True, f"{c.action} sent")
 
     # --- one job --------------------------------------------------------------------------------
-    async def _report(self, run: RunningJob, state: str, message: str, artifacts: list[ArtifactRef] | None = None) -> None:
+    async def _report(self, run: RunningJob, state: JobState, message: str, artifacts: list[ArtifactRef] | None = None) -> None:
         a = run.assignment
         ev = StateChange(job=a.job, state=state, node=self.cfg.node, attempt=a.attempt, message=message,
                          artifacts=artifacts or [], ts=time.time())
@@ -179,7 +172,7 @@ class Agent:
 
     async def _progress(self, run: RunningJob, p: Progress) -> None:
         a = run.assignment
-        p.job, p.ts = a.job, p.ts or time.time()
+        p = msgspec.structs.replace(p, job=a.job, ts=p.ts or time.time())
         await publish_durably(self.js, names.job_progress(a.job), _enc.encode(p), f"{a.job}.{a.attempt}.p{p.step}")
 
     async def _run_job(self, run: RunningJob) -> None:
@@ -190,9 +183,8 @@ class Agent:
             result = await self._train(run, job_dir)
             if run.checkpoint_upload:  # its state event must not come after the job's end
                 await run.checkpoint_upload
-            if isinstance(result, Failed):
-                state = "cancelled" if result.message == "cancelled" else "failed"
-                await self._report(run, state, result.message)
+            if isinstance(result, (Failed, Cancelled)):
+                await self._report(run, "cancelled" if isinstance(result, Cancelled) else "failed", result.message)
                 return
             await self._report(run, "uploading", f"{result.message or 'trained'}; storing the artifacts")
             artifacts = await self._ship(run, result)
@@ -213,7 +205,7 @@ class Agent:
             if not self.cfg.keep_job_dirs:
                 shutil.rmtree(job_dir, ignore_errors=True)
 
-    async def _train(self, run: RunningJob, job_dir: Path) -> Finished | Failed:
+    async def _train(self, run: RunningJob, job_dir: Path) -> Finished | Failed | Cancelled:
         a = run.assignment
         gpu = a.device != CPU_DEVICE
         env = {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True",

@@ -13,7 +13,7 @@ from nats.js.errors import NotFoundError
 
 from schemas import names
 from schemas.artifacts import ArtifactInfo
-from services.artifacts.service import info_from_object
+from services.artifacts.objinfo import info_from_object
 
 
 class DownloadError(Exception):

@@ -17,17 +17,20 @@ from datetime import datetime, timezone
 from nats.js import api
 from nats.js.errors import NotFoundError
 from nats.js.kv import MSG_ROLLUP_SUBJECT
+from nats.nuid import NUID
 
 from schemas import names
+
+_nuid = NUID()
 
 
 class ObjectWriter:
     def __init__(self, js, bucket: str, name: str, description: str = "", headers: dict | None = None,
-                 chunk_size: int = 128 * 1024, window: int = 16) -> None:
+                 window: int = 16) -> None:
         self.js, self.bucket, self.name = js, bucket, name
-        self.nuid = js._nc._nuid.next().decode()
+        self.nuid = _nuid.next().decode()
         self.info = api.ObjectInfo(name=name, bucket=bucket, nuid=self.nuid, size=0, chunks=0, description=description,
-                                   headers=headers or {}, options=api.ObjectMetaOptions(max_chunk_size=chunk_size))
+                                   headers=headers or {}, options=api.ObjectMetaOptions(max_chunk_size=0))
         self.subject = names.object_chunks(bucket, self.nuid)
         self.window = window
         self.pending: deque[asyncio.Future] = deque()
@@ -39,6 +42,7 @@ class ObjectWriter:
         self.pending.append(await self.js.publish_async(self.subject, data))
         self.info.size += len(data)
         self.info.chunks += 1
+        self.info.options.max_chunk_size = max(self.info.options.max_chunk_size, len(data))  # what readers size for
         while len(self.pending) >= self.window:
             await self.pending.popleft()
 

@@ -13,17 +13,18 @@ import nats.micro
 from nats.aio.client import Client
 
 from schemas import names
-from schemas.artifacts import (CHUNK_BYTES, ArtifactInfo, ArtifactList, ArtifactMeta, ArtifactQuery, Chunk, ChunkAck,
+from schemas.artifacts import (ArtifactInfo, ArtifactList, ArtifactMeta, ArtifactQuery, Chunk, ChunkAck,
                                Deleted)
 from schemas.jobs import Error
-from services import __version__
+from services import __version__, bus
+from services.aio import cancel_and_wait, sleep_unless_stopped
+from services.artifacts.objinfo import artifact_headers, info_from_object, sha256_header
 from services.artifacts.objwriter import ObjectWriter
 
 log = logging.getLogger(__name__)
 _enc = msgspec.json.Encoder()
 _chunk = msgspec.msgpack.Decoder(Chunk)
 MAX_AHEAD = 32  # chunks buffered out of order before a gap fails the upload
-HEADER = "Jetlora-"
 
 
 @dataclass
@@ -39,21 +40,6 @@ class Upload:
     aborted: asyncio.Future | None = None
 
 
-def info_from_object(obj) -> ArtifactInfo | None:
-    """An object-store entry as an artifact; None for objects jetlora did not write."""
-    h = obj.headers or {}
-
-    def get(key: str) -> str:
-        v = h.get(HEADER + key, "")
-        return v[0] if isinstance(v, list) and v else (v or "")
-
-    if not get("Job"):
-        return None
-    return ArtifactInfo(name=obj.name, job=get("Job"), kind=get("Kind"), size=obj.size or 0, sha256=get("Sha256"),
-                        created=obj.mtime or "", base_model=get("Base-Model"), trainer_version=get("Trainer-Version"),
-                        summary=get("Summary"), filename=get("Filename"))
-
-
 class ArtifactService:
     def __init__(self, nc: Client, stall_timeout: float = 30.0) -> None:
         self.nc, self.js = nc, nc.jetstream()
@@ -62,6 +48,7 @@ class ArtifactService:
         self.failed: dict[str, tuple[str, float]] = {}  # upload -> reason, kept so late chunks get it
         self.stored = 0
         self.ready = asyncio.Event()
+        self._aborts: set[asyncio.Future] = set()
 
     async def run(self, stop: asyncio.Event) -> None:
         self.obs = await self.js.object_store(names.ARTIFACTS_BUCKET)
@@ -70,8 +57,8 @@ class ArtifactService:
         service = await nats.micro.add_service(self.nc, name=names.ARTIFACT_SERVICE, version=__version__,
                                                description="jetlora artifact store")
         group = service.add_group(name=names.ARTIFACTS_GROUP)
-        await group.add_endpoint(name="list", handler=self._list)
-        await group.add_endpoint(name="delete", handler=self._delete)
+        await group.add_endpoint(name="list", handler=bus.handler(self._list, ArtifactQuery))
+        await group.add_endpoint(name="delete", handler=bus.handler(self._delete, ArtifactQuery))
         reaper = asyncio.create_task(self._reap_stalled(stop))
         await self.nc.flush()
         self.ready.set()
@@ -79,11 +66,12 @@ class ArtifactService:
         try:
             await stop.wait()
         finally:
-            reaper.cancel()
+            await cancel_and_wait([reaper])
             await service.stop()
             await sub.unsubscribe()
             for up in list(self.uploads.values()):
                 self._fail(up, "the artifact service shut down mid-upload; the sender restarts it")
+            await asyncio.gather(*self._aborts, return_exceptions=True)  # purges finish before the service ends
 
     # --- uploads -------------------------------------------------------------------------------
     async def _reply(self, msg, chunk: Chunk, error: str = "", stored: ArtifactInfo | None = None) -> None:
@@ -121,13 +109,10 @@ class ArtifactService:
             await self._take(up, *up.ahead.pop(up.expected))
 
     def _begin(self, chunk: Chunk) -> Upload:
-        meta = chunk.meta or ArtifactMeta()
         name = names.artifact_name(chunk.job, chunk.kind)
-        headers = {HEADER + k: [v] for k, v in (("Job", chunk.job), ("Kind", chunk.kind), ("Base-Model", meta.base_model),
-                                                ("Trainer-Version", meta.trainer_version), ("Summary", meta.summary),
-                                                ("Filename", meta.filename)) if v}
+        headers = artifact_headers(chunk.job, chunk.kind, chunk.meta or ArtifactMeta())
         writer = ObjectWriter(self.js, names.ARTIFACTS_BUCKET, name, f"jetlora {chunk.kind} artifact of job {chunk.job}",
-                              headers, chunk_size=CHUNK_BYTES)
+                              headers)
         up = Upload(chunk0=chunk, writer=writer)
         self.uploads[chunk.upload] = up
         log.info("upload %s: %s begins", chunk.upload, name)
@@ -147,7 +132,8 @@ class ArtifactService:
         if chunk.size != up.size or chunk.sha256 != sha:
             return await self._fail_reply(up, msg, chunk, f"checksum mismatch: the sender says {chunk.size} bytes sha256 "
                                                           f"{chunk.sha256[:12]}…, {up.size} bytes sha256 {sha[:12]}… arrived")
-        up.writer.info.headers[HEADER + "Sha256"] = [sha]
+        key, value = sha256_header(sha)
+        up.writer.info.headers[key] = value
         try:
             info = await up.writer.commit(up.digest.digest())
         except Exception as e:
@@ -163,6 +149,8 @@ class ArtifactService:
             return
         up.failed = reason
         up.aborted = asyncio.ensure_future(up.writer.abort())
+        self._aborts.add(up.aborted)
+        up.aborted.add_done_callback(self._aborts.discard)
         self.uploads.pop(up.chunk0.upload, None)
         self.failed[up.chunk0.upload] = (reason, time.monotonic())
         log.warning("upload %s of %s %s failed: %s; nothing was stored", up.chunk0.upload, up.chunk0.job,
@@ -179,8 +167,7 @@ class ArtifactService:
             await self._reply(m, c, reason)
 
     async def _reap_stalled(self, stop: asyncio.Event) -> None:
-        while not stop.is_set():
-            await asyncio.sleep(min(1.0, self.stall_timeout / 4))
+        while not await sleep_unless_stopped(stop, min(1.0, self.stall_timeout / 4)):
             now = time.monotonic()
             for up in list(self.uploads.values()):
                 if now - up.touched > self.stall_timeout:
@@ -197,22 +184,14 @@ class ArtifactService:
         out = [a for a in map(info_from_object, objects) if a]
         return [a for a in out if (q.job is None or a.job == q.job) and (q.kind is None or a.kind == q.kind)]
 
-    async def _list(self, req) -> None:
-        try:
-            q = msgspec.json.decode(req.data or b"{}", type=ArtifactQuery)
-        except msgspec.DecodeError as e:
-            return await req.respond(_enc.encode(Error(str(e))))
-        await req.respond(_enc.encode(ArtifactList(await self.list_artifacts(q))))
+    async def _list(self, q: ArtifactQuery) -> ArtifactList:
+        return ArtifactList(await self.list_artifacts(q))
 
-    async def _delete(self, req) -> None:
-        try:
-            q = msgspec.json.decode(req.data or b"{}", type=ArtifactQuery)
-        except msgspec.DecodeError as e:
-            return await req.respond(_enc.encode(Error(str(e))))
+    async def _delete(self, q: ArtifactQuery) -> Deleted | Error:
         if q.job is None:
-            return await req.respond(_enc.encode(Error("say which job's artifacts to delete", field="job")))
+            return Error("say which job's artifacts to delete", field="job")
         gone = []
         for a in await self.list_artifacts(q):
             await self.obs.delete(a.name)
             gone.append(a.name)
-        await req.respond(_enc.encode(Deleted(gone)))
+        return Deleted(gone)
