@@ -115,7 +115,8 @@ def main() -> None:
     ap.add_argument("--seq", type=int, default=512)
     args = ap.parse_args()
     torch.set_num_threads(max(1, torch.get_num_threads()))
-    from trainer.tinymodel import build
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "deploy" / "demo"))
+    from tinymodel import build
 
     pairs = make_pairs(2000)
     with tempfile.TemporaryDirectory() as tmp:

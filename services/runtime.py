@@ -13,6 +13,10 @@ from services.embedded import EmbeddedNats, state_dir
 log = logging.getLogger("jetlora")
 
 
+class StartupError(Exception):
+    """A service cannot start (a port taken, a flag missing): the message says what to do."""
+
+
 def setup_logging(verbose: bool = False) -> None:
     logging.basicConfig(level=logging.DEBUG if verbose else logging.INFO,
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")

@@ -1,6 +1,6 @@
 """Build a small Llama-architecture model and tokenizer locally (no hub): for tests, benchmarks and the demo.
 
-    python -m trainer.tinymodel OUT_DIR [--hidden 64 --layers 2 --texts FILE]
+    python deploy/demo/tinymodel.py OUT_DIR [--hidden 64 --layers 2 --texts FILE]
 """
 
 from __future__ import annotations

@@ -4,275 +4,22 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
-import shlex
 import socket
 import sys
 from pathlib import Path
 
-import msgspec
-
-from schemas import names
-from schemas.artifacts import ArtifactList, ArtifactQuery, Deleted
-from schemas.jobs import Accepted, Error, JobList, JobListQuery, JobQuery, JobReply, JobRequest, SubmitReply
-from schemas.nodes import NodeList
 from services import bus
 from services.bus import BusOptions
-from services.runtime import embedded_if_needed, serve, setup_logging
-
-EXIT_OK, EXIT_FAILED, EXIT_REJECTED, EXIT_UNREACHABLE = 0, 1, 2, 3
-
-
-# --- services -------------------------------------------------------------------------------------
-def _scheduler_config(args):
-    from services.scheduler.service import SchedulerConfig
-
-    return SchedulerConfig(heartbeat_interval=args.heartbeat_interval, misses=args.misses)
-
-
-def _agent_config(args):
-    from services.agent.service import AgentConfig
-    from services.embedded import state_dir
-
-    cfg = AgentConfig(node=args.node, work_dir=Path(args.work_dir or state_dir() / "agent" / args.node),
-                      heartbeat_interval=args.heartbeat_interval, offer_cpu=args.offer_cpu,
-                      simulate_gpus=args.simulate_gpus)
-    if args.trainer_command:
-        cfg.trainer_command = shlex.split(args.trainer_command)
-    return cfg
-
-
-async def _run_scheduler(nc, stop, args) -> None:
-    from services.scheduler.service import Scheduler
-
-    await Scheduler(nc, _scheduler_config(args)).run(stop)
-
-
-async def _run_agent(nc, stop, args) -> None:
-    from services.agent.service import Agent
-
-    await Agent(nc, _agent_config(args)).run(stop)
-
-
-async def _run_artifacts(nc, stop, args) -> None:
-    from services.artifacts.service import ArtifactService
-
-    await ArtifactService(nc).run(stop)
-
-
-async def _run_dashboard(nc, stop, args) -> None:
-    from services.dashboard.server import Dashboard
-
-    if not args.ws_url:
-        raise SystemExit("the dashboard needs NATS's websocket URL: --ws ws://HOST:PORT (env NATS_WS_URL); "
-                         "deploy/nats-server.conf shows how to enable the websocket listener")
-    dash = Dashboard(nc, args.ws_url, port=args.port)
-    task = asyncio.create_task(dash.run(stop))
-    await dash.ready.wait()
-    print(f"dashboard: http://127.0.0.1:{dash.port}/", flush=True)
-    await task
-
-
-async def _run_all(nc, stop, args) -> None:
-    """`jetlora up`: scheduler, artifact service, one local agent and the dashboard, on one loop."""
-    async with asyncio.TaskGroup() as tg:
-        tg.create_task(_run_scheduler(nc, stop, args))
-        tg.create_task(_run_artifacts(nc, stop, args))
-        tg.create_task(_run_agent(nc, stop, args))
-        if args.ws_url:
-            tg.create_task(_run_dashboard(nc, stop, args))
-
-
-def run_service(args, body, owns_resources: bool = True) -> int:
-    opts = BusOptions.from_args(args, name=f"jetlora-{args.command}")
-    server = embedded_if_needed(opts)
-    if server:
-        print(f"NATS at {server.url} (websocket {server.ws_url}); other commands: --nats {server.url}", flush=True)
-        if hasattr(args, "ws_url") and not args.ws_url:
-            args.ws_url = server.ws_url
-    try:
-        asyncio.run(serve(opts, lambda nc, stop: body(nc, stop, args), owns_resources or server is not None))
-    except KeyboardInterrupt:
-        pass
-    finally:
-        if server:
-            server.stop()
-    return EXIT_OK
-
-
-# --- clients --------------------------------------------------------------------------------------
-def _client(args, coro_fn):
-    opts = BusOptions.from_args(args, name="jetlora-cli")
-    if not opts.url:
-        print("give --nats URL (or NATS_URL) of the server that `jetlora up` printed", file=sys.stderr)
-        return EXIT_UNREACHABLE
-
-    async def go():
-        try:
-            nc = await bus.connect(opts, service=False)
-        except Exception as e:  # nats-py raises NoServersError, OSError or TimeoutError here
-            raise OSError(f"{type(e).__name__} {e}".strip()) from None
-        try:
-            return await coro_fn(nc)
-        finally:
-            await nc.drain()
-
-    try:
-        return asyncio.run(go())
-    except bus.RequestError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return EXIT_UNREACHABLE
-    except OSError as e:
-        print(f"error: cannot reach NATS at {opts.url}: {e}", file=sys.stderr)
-        return EXIT_UNREACHABLE
-
-
-def _load_job_file(path: str) -> bytes:
-    text = Path(path).read_text()
-    if path.endswith((".yaml", ".yml")):
-        import yaml
-
-        return json.dumps(yaml.safe_load(text)).encode()
-    return text.encode()
-
-
-def _print(obj, as_json: bool, table) -> None:
-    if as_json:
-        sys.stdout.write(msgspec.json.encode(obj).decode() + "\n")
-    else:
-        table(obj)
-
-
-def cmd_submit(args) -> int:
-    payload = _load_job_file(args.job_file)
-
-    async def go(nc):
-        reply = await bus.request(nc, names.SUBMIT, payload, SubmitReply, timeout=args.timeout)
-        if isinstance(reply, Accepted):
-            print(reply.job if not args.json else msgspec.json.encode(reply).decode())
-            return EXIT_OK
-        if args.json:
-            print(msgspec.json.encode(reply).decode())
-        else:
-            for e in reply.errors:
-                print(f"rejected: {e.field or '(request)'}: {e.reason}", file=sys.stderr)
-        return EXIT_REJECTED
-
-    return _client(args, go)
-
-
-def cmd_jobs(args) -> int:
-    async def go(nc):
-        reply = await bus.request(nc, names.LIST_JOBS, JobListQuery(state=args.state, node=args.node), JobList | Error)
-        if isinstance(reply, Error):
-            print(f"error: {reply.error}", file=sys.stderr)
-            return EXIT_FAILED
-        _print(reply, args.json, _jobs_table)
-        return EXIT_OK
-
-    return _client(args, go)
-
-
-def _jobs_table(reply: JobList) -> None:
-    from rich.console import Console
-    from rich.table import Table
-
-    t = Table("job", "state", "node", "dev", "step", "loss", "label", "message")
-    for j in reply.jobs:
-        t.add_row(j.id, j.state, j.node or "", "" if j.device is None else str(j.device), f"{j.step}/{j.steps}",
-                  "" if j.loss is None else f"{j.loss:.4f}", j.label, j.message[:80])
-    Console().print(t)
-
-
-def cmd_job(args) -> int:
-    async def go(nc):
-        reply = await bus.request(nc, names.GET_JOB, JobQuery(args.job), JobReply | Error)
-        if isinstance(reply, Error):
-            print(f"error: {reply.error}", file=sys.stderr)
-            return EXIT_FAILED
-        print(msgspec.json.format(msgspec.json.encode(reply.job)).decode())
-        return EXIT_OK
-
-    return _client(args, go)
-
-
-def cmd_nodes(args) -> int:
-    async def go(nc):
-        reply = await bus.request(nc, names.LIST_NODES, b"{}", NodeList)
-        _print(reply, args.json, _nodes_table)
-        return EXIT_OK
-
-    return _client(args, go)
-
-
-def _nodes_table(reply: NodeList) -> None:
-    from rich.console import Console
-    from rich.table import Table
-
-    t = Table("node", "alive", "device", "free / total MiB", "jobs", "note")
-    for n in reply.nodes:
-        for d in n.devices or [None]:
-            t.add_row(n.node, "yes" if n.alive else "no", "" if d is None else f"{d.index} {d.name}",
-                      "" if d is None else f"{d.free_mib} / {d.total_mib}", "" if d is None else ",".join(d.jobs),
-                      n.no_gpu_reason)
-    Console().print(t)
-
-
-def cmd_control(args) -> int:
-    subject = names.CANCEL if args.command == "cancel" else names.STOP
-
-    async def go(nc):
-        reply = await bus.request(nc, subject, JobQuery(args.job), JobReply | Error)
-        if isinstance(reply, Error):
-            print(f"error: {reply.error}", file=sys.stderr)
-            return EXIT_FAILED
-        print(f"{args.command} asked of job {args.job}: {reply.job.state}")
-        return EXIT_OK
-
-    return _client(args, go)
-
-
-def cmd_watch(args) -> int:
-    from services.watch import watch
-
-    return _client(args, lambda nc: watch(nc, args.job, as_json=args.json))
-
-
-def cmd_artifacts(args) -> int:
-    if args.action is None:
-        return run_service(args, _run_artifacts)
-
-    async def go(nc):
-        if args.action == "ls":
-            reply = await bus.request(nc, names.ARTIFACTS_LIST, ArtifactQuery(job=args.job), ArtifactList | Error)
-            if isinstance(reply, Error):
-                print(f"error: {reply.error}", file=sys.stderr)
-                return EXIT_FAILED
-            _print(reply, args.json, lambda r: [print(f"{a.name}\t{a.size}\t{a.sha256[:16]}\t{a.created}") for a in r.artifacts])
-            return EXIT_OK
-        if args.action == "rm":
-            reply = await bus.request(nc, names.ARTIFACTS_DELETE, ArtifactQuery(job=args.job, kind=args.kind), Deleted | Error)
-            if isinstance(reply, Error):
-                print(f"error: {reply.error}", file=sys.stderr)
-                return EXIT_FAILED
-            print("\n".join(reply.names) or "nothing to delete")
-            return EXIT_OK
-        from services.artifacts.download import DownloadError, download
-
-        try:
-            info = await download(nc, args.job, args.kind, args.output)
-        except DownloadError as e:
-            print(f"error: {e}", file=sys.stderr)
-            return EXIT_FAILED
-        print(f"{args.output}\t{info.size} bytes\tsha256 {info.sha256} verified")
-        return EXIT_OK
-
-    return _client(args, go)
+from services.cli.artifacts import cmd_artifacts
+from services.cli.client import EXIT_OK
+from services.cli.jobs import cmd_control, cmd_job, cmd_jobs, cmd_nodes, cmd_submit, cmd_watch
+from services.cli.serve import run_agent, run_all, run_artifacts, run_dashboard, run_scheduler, run_service
+from services.runtime import setup_logging
 
 
 def cmd_permissions(args) -> int:
-    from schemas.permissions import authorization_block, env_var, roles
+    from services.cli.permissions import authorization_block, env_var, roles
 
     nodes = [n for n in args.nodes.split(",") if n]
     block = authorization_block(nodes)
@@ -294,7 +41,7 @@ def cmd_schema(args) -> int:
 
 
 def cmd_demo(args) -> int:
-    from services.demo import run_demo
+    from services.cli.demo import run_demo
 
     try:
         return asyncio.run(run_demo(Path(args.out), args.steps, args.keep))
@@ -333,16 +80,16 @@ def parser() -> argparse.ArgumentParser:
     agent_flags(p)
     sched_flags(p)
     dashboard_flags(p)
-    p.set_defaults(fn=lambda a: run_service(a, _run_all))
+    p.set_defaults(fn=lambda a: run_service(a, run_all))
     p = service("scheduler", "run the scheduler")
     sched_flags(p)
-    p.set_defaults(fn=lambda a: run_service(a, _run_scheduler))
+    p.set_defaults(fn=lambda a: run_service(a, run_scheduler))
     p = service("dashboard", "serve the live dashboard page")
     dashboard_flags(p)
-    p.set_defaults(fn=lambda a: run_service(a, _run_dashboard, owns_resources=False))
+    p.set_defaults(fn=lambda a: run_service(a, run_dashboard, owns_resources=False))
     p = service("agent", "run a node agent")
     agent_flags(p)
-    p.set_defaults(fn=lambda a: run_service(a, _run_agent, owns_resources=False))
+    p.set_defaults(fn=lambda a: run_service(a, run_agent, owns_resources=False))
 
     def client(name, help_):
         p = sub.add_parser(name, help=help_)
@@ -389,7 +136,7 @@ def parser() -> argparse.ArgumentParser:
     a = action("rm", "delete a job's artifacts")
     a.add_argument("job")
     a.add_argument("--kind", choices=["peft", "gguf", "checkpoint"])
-    p.set_defaults(fn=cmd_artifacts)
+    p.set_defaults(fn=lambda a: cmd_artifacts(a) if a.action else run_service(a, run_artifacts))
     p = sub.add_parser("demo", help="train a LoRA on a small local model end to end, on this machine")
     p.add_argument("--out", default="demo-out", help="where the model and the downloaded artifacts go")
     p.add_argument("--steps", type=int, default=300)
@@ -410,6 +157,3 @@ def main(argv: list[str] | None = None) -> int:
     setup_logging(args.verbose)
     return args.fn(args)
 
-
-if __name__ == "__main__":
-    sys.exit(main())

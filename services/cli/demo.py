@@ -14,6 +14,7 @@ import nats
 
 from schemas import names
 from schemas.jobs import Accepted, SubmitReply
+from schemas.nodes import NodeList
 from services import bus
 from services.agent.service import Agent, AgentConfig
 from services.artifacts.download import download, safe_extract
@@ -21,9 +22,10 @@ from services.artifacts.service import ArtifactService
 from services.dashboard.server import Dashboard
 from services.embedded import EmbeddedNats
 from services.scheduler.service import Scheduler, SchedulerConfig
-from services.watch import watch
+from services.cli.watch import watch
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
+TINY_MODEL = ROOT / "deploy" / "demo" / "tinymodel.py"
 QA_FILE = ROOT / "deploy" / "demo" / "qa.jsonl"
 
 
@@ -31,9 +33,20 @@ def build_model(out: Path) -> Path:
     """The demo's base model: a small Llama made here, its tokenizer fitted on the demo's text (no hub)."""
     if not (out / "model.safetensors").exists():
         print(f"building a small Llama-architecture model in {out} ...", flush=True)
-        subprocess.run([sys.executable, "-m", "trainer.tinymodel", str(out), "--hidden", "96", "--layers", "2",
+        subprocess.run([sys.executable, str(TINY_MODEL), str(out), "--hidden", "96", "--layers", "2",
                         "--vocab", "600", "--texts", str(QA_FILE)], check=True, cwd=ROOT, stdout=subprocess.DEVNULL)
     return out
+
+
+async def wait_for_node(nc, node: str, timeout: float) -> None:
+    """Until the scheduler lists `node` alive (its first heartbeat arrived)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        reply = await bus.request(nc, names.LIST_NODES, b"{}", NodeList)
+        if any(n.node == node and n.alive for n in reply.nodes):
+            return
+        await asyncio.sleep(0.1)
+    raise TimeoutError(f"the demo's agent {node} did not heartbeat within {timeout:.0f}s")
 
 
 async def run_demo(out_dir: Path, steps: int, keep: bool = False) -> int:
@@ -45,6 +58,7 @@ async def run_demo(out_dir: Path, steps: int, keep: bool = False) -> int:
     print(f"embedded NATS at {server.url} (websocket {server.ws_url})", flush=True)
     stop = asyncio.Event()
     conns = [await nats.connect(server.url) for _ in range(5)]
+    tasks: list[asyncio.Task] = []
     nc = conns[0]
     try:
         await bus.ensure_resources(nc)
@@ -52,7 +66,7 @@ async def run_demo(out_dir: Path, steps: int, keep: bool = False) -> int:
         arts = ArtifactService(conns[2])
         agent = Agent(conns[3], AgentConfig(node="demo-node", work_dir=out_dir / "agent", offer_cpu=True))
         dash = Dashboard(conns[4], server.ws_url, port=0)
-        tasks = [asyncio.create_task(s.run(stop)) for s in (sched, arts, agent, dash)]
+        tasks += [asyncio.create_task(s.run(stop)) for s in (sched, arts, agent, dash)]
         await asyncio.wait_for(sched.leading.wait(), 15)
         await asyncio.wait_for(dash.ready.wait(), 15)
         await asyncio.wait_for(arts.ready.wait(), 15)
@@ -60,7 +74,7 @@ async def run_demo(out_dir: Path, steps: int, keep: bool = False) -> int:
                    "served_by": "llamacpp", "label": "capitals demo", "lora": {"r": 16, "alpha": 32},
                    "train": {"max_steps": steps, "learning_rate": 0.01, "batch_size": 2, "max_seq_length": 256,
                              "logging_steps": 2, "eval_fraction": 0.1, "eval_steps": 25}}
-        await asyncio.sleep(1.5)  # the agent's first heartbeat
+        await wait_for_node(nc, "demo-node", timeout=30)
         reply = await bus.request(nc, names.SUBMIT, request, SubmitReply)
         if not isinstance(reply, Accepted):
             print(f"the demo job was rejected: {reply.errors}", file=sys.stderr)
@@ -92,7 +106,7 @@ async def run_demo(out_dir: Path, steps: int, keep: bool = False) -> int:
         return 0
     finally:
         stop.set()
-        await asyncio.sleep(0.5)
+        await asyncio.gather(*tasks, return_exceptions=True)
         for c in conns:
             await c.close()
         server.stop()

@@ -11,8 +11,7 @@ import json
 
 from schemas import names
 
-JOBS, KV_JOBS, KV_LEASE, OBJ = (names.JOBS_STREAM, f"KV_{names.JOBS_KV}", f"KV_{names.LEASE_KV}",
-                                names.object_stream(names.ARTIFACTS_BUCKET))
+JOBS, OBJ = names.JOBS_STREAM, names.object_stream(names.ARTIFACTS_BUCKET)
 
 
 def _read_stream(stream: str) -> list[str]:

@@ -18,6 +18,7 @@ from nats.aio.client import Client
 from nats.js.errors import NotFoundError
 
 from schemas import names
+from services.runtime import StartupError
 
 log = logging.getLogger(__name__)
 STATIC = Path(__file__).parent / "static"
@@ -35,13 +36,25 @@ class Dashboard:
     def __init__(self, nc: Client, ws_url: str, host: str = "127.0.0.1", port: int = 8222) -> None:
         self.nc, self.ws_url, self.host, self.port = nc, ws_url, host, port
         self.ready = asyncio.Event()
+        self._server: asyncio.Server | None = None
 
-    async def run(self, stop: asyncio.Event) -> None:
-        server = await asyncio.start_server(self._handle, self.host, self.port)
-        self.port = server.sockets[0].getsockname()[1]
+    async def start(self) -> None:
+        """Bind the port; raises StartupError, saying what to do, when it is taken."""
+        if self._server is not None:
+            return
+        try:
+            self._server = await asyncio.start_server(self._handle, self.host, self.port)
+        except OSError as e:
+            hint = " (8222 is also nats-server's usual monitoring port)" if self.port == 8222 else ""
+            raise StartupError(f"the dashboard cannot listen on {self.host}:{self.port}{hint}: {e.strerror or e}; "
+                               "pass --port N for another port, or --port 0 for any free one") from None
+        self.port = self._server.sockets[0].getsockname()[1]
         log.info("dashboard at http://%s:%d/ (NATS over %s)", self.host, self.port, self.ws_url)
         self.ready.set()
-        async with server:
+
+    async def run(self, stop: asyncio.Event) -> None:
+        await self.start()
+        async with self._server:
             await stop.wait()
 
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:

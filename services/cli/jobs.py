@@ -1,0 +1,113 @@
+"""Client commands for jobs and nodes: submit, jobs, job, nodes, cancel, stop, watch."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import msgspec
+
+from schemas import names
+from schemas.jobs import Accepted, JobList, JobListQuery, JobQuery, JobReply, SubmitReply
+from schemas.nodes import NodeList
+from services import bus
+from services.cli.client import EXIT_OK, EXIT_REJECTED, CommandFailed, ask, run_client, show
+
+
+def _load_job_file(path: str) -> bytes:
+    text = Path(path).read_text()
+    if path.endswith((".yaml", ".yml")):
+        import yaml
+
+        return json.dumps(yaml.safe_load(text)).encode()
+    return text.encode()
+
+
+def cmd_submit(args) -> int:
+    payload = _load_job_file(args.job_file)
+
+    async def go(nc):
+        try:
+            reply = await bus.request(nc, names.SUBMIT, payload, SubmitReply, timeout=args.timeout)
+        except bus.PayloadTooLarge as e:
+            raise CommandFailed(f"{e}. Send less inline `data` per job (a job's data travels in its submit message), "
+                                "or raise max_payload in the server's config", EXIT_REJECTED) from None
+        if isinstance(reply, Accepted):
+            print(reply.job if not args.json else msgspec.json.encode(reply).decode())
+            return EXIT_OK
+        if args.json:
+            print(msgspec.json.encode(reply).decode())
+        else:
+            for e in reply.errors:
+                print(f"rejected: {e.field or '(request)'}: {e.reason}", file=sys.stderr)
+        return EXIT_REJECTED
+
+    return run_client(args, go)
+
+
+def cmd_jobs(args) -> int:
+    async def go(nc):
+        show(await ask(nc, names.LIST_JOBS, JobListQuery(state=args.state, node=args.node), JobList), args.json,
+             _jobs_table)
+        return EXIT_OK
+
+    return run_client(args, go)
+
+
+def _jobs_table(reply: JobList) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    t = Table("job", "state", "node", "dev", "step", "loss", "label", "message")
+    for j in reply.jobs:
+        t.add_row(j.id, j.state, j.node or "", "" if j.device is None else str(j.device), f"{j.step}/{j.steps}",
+                  "" if j.loss is None else f"{j.loss:.4f}", j.label, j.message[:80])
+    Console().print(t)
+
+
+def cmd_job(args) -> int:
+    async def go(nc):
+        reply = await ask(nc, names.GET_JOB, JobQuery(args.job), JobReply)
+        print(msgspec.json.format(msgspec.json.encode(reply.job)).decode())
+        return EXIT_OK
+
+    return run_client(args, go)
+
+
+def cmd_nodes(args) -> int:
+    async def go(nc):
+        show(await ask(nc, names.LIST_NODES, b"{}", NodeList), args.json, _nodes_table)
+        return EXIT_OK
+
+    return run_client(args, go)
+
+
+def _nodes_table(reply: NodeList) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    t = Table("node", "alive", "device", "free / total MiB", "jobs", "note")
+    for n in reply.nodes:
+        for d in n.devices or [None]:
+            t.add_row(n.node, "yes" if n.alive else "no", "" if d is None else f"{d.index} {d.name}",
+                      "" if d is None else f"{d.free_mib} / {d.total_mib}", "" if d is None else ",".join(d.jobs),
+                      n.no_gpu_reason)
+    Console().print(t)
+
+
+def cmd_control(args) -> int:
+    subject = names.CANCEL if args.command == "cancel" else names.STOP
+
+    async def go(nc):
+        reply = await ask(nc, subject, JobQuery(args.job), JobReply)
+        print(f"{args.command} asked of job {args.job}: {reply.job.state}")
+        return EXIT_OK
+
+    return run_client(args, go)
+
+
+def cmd_watch(args) -> int:
+    from services.cli.watch import watch
+
+    return run_client(args, lambda nc: watch(nc, args.job, as_json=args.json))

@@ -1,0 +1,114 @@
+"""Service commands: up, scheduler, agent, artifacts, dashboard; each runs until SIGTERM, or exits 1 saying why."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import shlex
+import sys
+from pathlib import Path
+
+from services.bus import BusOptions
+from services.cli.client import EXIT_FAILED, EXIT_OK
+from services.runtime import StartupError, embedded_if_needed, serve
+
+log = logging.getLogger(__name__)
+
+
+def _scheduler_config(args):
+    from services.scheduler.service import SchedulerConfig
+
+    return SchedulerConfig(heartbeat_interval=args.heartbeat_interval, misses=args.misses)
+
+
+def _agent_config(args):
+    from services.agent.service import AgentConfig
+    from services.embedded import state_dir
+
+    cfg = AgentConfig(node=args.node, work_dir=Path(args.work_dir or state_dir() / "agent" / args.node),
+                      heartbeat_interval=args.heartbeat_interval, offer_cpu=args.offer_cpu,
+                      simulate_gpus=args.simulate_gpus)
+    if args.trainer_command:
+        cfg.trainer_command = shlex.split(args.trainer_command)
+    return cfg
+
+
+async def run_scheduler(nc, stop, args) -> None:
+    from services.scheduler.service import Scheduler
+
+    await Scheduler(nc, _scheduler_config(args)).run(stop)
+
+
+async def run_agent(nc, stop, args) -> None:
+    from services.agent.service import Agent
+
+    await Agent(nc, _agent_config(args)).run(stop)
+
+
+async def run_artifacts(nc, stop, args) -> None:
+    from services.artifacts.service import ArtifactService
+
+    await ArtifactService(nc).run(stop)
+
+
+async def run_dashboard(nc, stop, args) -> None:
+    from services.dashboard.server import Dashboard
+
+    if not args.ws_url:
+        raise StartupError("the dashboard needs NATS's websocket URL: --ws ws://HOST:PORT (env NATS_WS_URL); "
+                           "deploy/nats-server.conf shows how to enable the websocket listener")
+    dash = Dashboard(nc, args.ws_url, port=args.port)
+    await dash.start()
+    print(f"dashboard: http://127.0.0.1:{dash.port}/", flush=True)
+    await dash.run(stop)
+
+
+async def run_all(nc, stop, args) -> None:
+    """`jetlora up`: scheduler, artifact service, one local agent and the dashboard, on one loop; the dashboard's
+    port is bound first, so a taken port stops `up` before anything else starts."""
+    from services.dashboard.server import Dashboard
+
+    dash = None
+    if args.ws_url:
+        dash = Dashboard(nc, args.ws_url, port=args.port)
+        await dash.start()
+        print(f"dashboard: http://127.0.0.1:{dash.port}/", flush=True)
+    async with asyncio.TaskGroup() as tg:
+        tg.create_task(run_scheduler(nc, stop, args))
+        tg.create_task(run_artifacts(nc, stop, args))
+        tg.create_task(run_agent(nc, stop, args))
+        if dash:
+            tg.create_task(dash.run(stop))
+
+
+def run_service(args, body, owns_resources: bool = True) -> int:
+    """Start the embedded nats-server when no URL is given, run body(nc, stop, args) until a signal; a service
+    that cannot start says why and exits 1, and everything it started is stopped."""
+    opts = BusOptions.from_args(args, name=f"jetlora-{args.command}")
+    server = embedded_if_needed(opts)
+    if server:
+        print(f"NATS at {server.url} (websocket {server.ws_url}); other commands: --nats {server.url}", flush=True)
+        if hasattr(args, "ws_url") and not args.ws_url:
+            args.ws_url = server.ws_url
+    try:
+        asyncio.run(serve(opts, lambda nc, stop: body(nc, stop, args), owns_resources or server is not None))
+        return EXIT_OK
+    except KeyboardInterrupt:
+        return EXIT_OK
+    except Exception as error:
+        for e in _leaves(error):
+            if not isinstance(e, StartupError):
+                log.error("jetlora %s stopped on an error", args.command, exc_info=e)
+            print(f"error: {e}" if isinstance(e, StartupError) else
+                  f"error: jetlora {args.command} stopped: {type(e).__name__}: {e}", file=sys.stderr)
+        return EXIT_FAILED
+    finally:
+        if server:
+            server.stop()
+
+
+def _leaves(error: BaseException) -> list[BaseException]:
+    """The errors inside (nested) exception groups, or the error itself."""
+    if isinstance(error, BaseExceptionGroup):
+        return [leaf for e in error.exceptions for leaf in _leaves(e)]
+    return [error]
