@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 import os
 import signal
 import subprocess
@@ -13,9 +14,12 @@ from pathlib import Path
 import msgspec
 import nats
 import pytest
-from nats.js.errors import NotFoundError
+from nats.js.errors import NoKeysError, NotFoundError
+
+from nats.js.api import DeliverPolicy
 
 from schemas import names
+from schemas.events import Progress, StateChange
 from schemas.jobs import JobList, JobListQuery, JobQuery, JobReply, SubmitReply
 from schemas.nodes import NodeList
 from services import bus
@@ -35,7 +39,8 @@ def nats_server(tmp_path_factory):
 async def reset_resources(nc) -> None:
     """Each test starts from empty jetlora streams and buckets on the shared server."""
     js = nc.jetstream()
-    for stream in (names.JOBS_STREAM, f"KV_{names.JOBS_KV}", f"KV_{names.LEASE_KV}", f"OBJ_{names.ARTIFACTS_BUCKET}"):
+    for stream in (names.JOBS_STREAM, names.kv_stream(names.JOBS_KV), names.kv_stream(names.LEASE_KV),
+                   names.object_stream(names.ARTIFACTS_BUCKET)):
         try:
             await js.delete_stream(stream)
         except NotFoundError:
@@ -196,12 +201,69 @@ async def wait_nodes(nc, count: int, timeout: float = 20.0):
     return await wait_for(check, timeout, what=f"{count} live nodes")
 
 
+async def stream_events(nc, subject: str, decoder: msgspec.json.Decoder) -> list:
+    """Every event on `subject` in the JOBS stream, replayed whole: the stream's own count says when it is all read."""
+    js = nc.jetstream()
+    info = await js.stream_info(names.JOBS_STREAM, subjects_filter=subject)
+    if not sum((info.state.subjects or {}).values()):
+        return []
+    sub = await js.subscribe(subject, ordered_consumer=True, deliver_policy=DeliverPolicy.ALL)
+    out = []
+    try:
+        while True:
+            msg = await sub.next_msg(timeout=10)
+            out.append(decoder.decode(msg.data))
+            if msg.metadata.num_pending == 0:
+                return out
+    finally:
+        await sub.unsubscribe()
+
+
+async def states_of(nc, job_id: str) -> list[StateChange]:
+    return await stream_events(nc, names.job_state(job_id), msgspec.json.Decoder(StateChange))
+
+
+async def progress_steps(nc, job_id: str) -> list[int]:
+    return [p.step for p in await stream_events(nc, names.job_progress(job_id), msgspec.json.Decoder(Progress))]
+
+
+async def kv_keys(nc) -> list[str]:
+    kv = await nc.jetstream().key_value(names.JOBS_KV)
+    try:
+        return await kv.keys()
+    except NoKeysError:  # nats-py's word for an empty bucket
+        return []
+
+
+async def object_names(nc) -> list[str]:
+    obs = await nc.jetstream().object_store(names.ARTIFACTS_BUCKET)
+    try:
+        return [o.name for o in await obs.list(ignore_deletes=True)]
+    except NotFoundError:  # nats-py's word for an empty bucket
+        return []
+
+
+def random_file(path, mib: int):
+    with open(path, "wb") as f:
+        for _ in range(mib):
+            f.write(os.urandom(1 << 20))
+    return path
+
+
+def tinymodel():
+    """deploy/demo/tinymodel.py: builds a small model and tokenizer locally (a script of the demo, not a package)."""
+    spec = importlib.util.spec_from_file_location("tinymodel", ROOT / "deploy" / "demo" / "tinymodel.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory):
     """A 2-layer Llama with a locally trained BPE tokenizer, saved as safetensors."""
-    from trainer.tinymodel import build
-
     from tests.qa import QA_PAIRS
+
+    build = tinymodel().build
 
     texts = [f"{q} {a}" for q, a in QA_PAIRS]
     return build(tmp_path_factory.mktemp("tiny") / "model", texts, hidden=64, layers=2, vocab_size=400)

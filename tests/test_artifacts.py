@@ -18,7 +18,7 @@ from schemas.artifacts import ArtifactMeta, Chunk, ChunkAck
 from services.artifacts.download import DownloadError, download, safe_extract, sha256_file
 from services.artifacts.sender import UploadError, upload_file
 from services.artifacts.service import ArtifactService
-from tests.conftest import ROOT, wait_for
+from tests.conftest import ROOT, object_names, random_file, wait_for
 
 _ack = msgspec.json.Decoder(ChunkAck)
 
@@ -28,21 +28,6 @@ async def artifact_service(services):
     svc, *_ = await services.start(lambda c: ArtifactService(c, stall_timeout=1.0))
     await asyncio.wait_for(svc.ready.wait(), 10)
     return svc
-
-
-def random_file(path, mib: int):
-    with open(path, "wb") as f:
-        for _ in range(mib):
-            f.write(os.urandom(1 << 20))
-    return path
-
-
-async def object_names(nc) -> list[str]:
-    obs = await nc.jetstream().object_store(names.ARTIFACTS_BUCKET)
-    try:
-        return [o.name for o in await obs.list(ignore_deletes=True)]
-    except Exception:  # nats-py raises NotFoundError for an empty bucket
-        return []
 
 
 async def bucket_messages(nc) -> int:

@@ -13,7 +13,7 @@ from services import bus
 from services.artifacts.service import ArtifactService
 from services.embedded import EmbeddedNats, free_port
 from services.scheduler.service import Scheduler, SchedulerConfig
-from tests.conftest import Agents, submit, wait_state
+from tests.conftest import Agents, progress_steps, submit, wait_state
 from tests.qa import pairs
 
 
@@ -66,8 +66,6 @@ async def test_killing_the_stream_leader_mid_job_loses_nothing(cluster, tmp_path
         victim.kill()
         job = await wait_state(nc, reply.job, ("succeeded", "failed"), timeout=90)
         assert job.state == "succeeded", (job.message, agents.log("n1")[-2000:])
-        from tests.test_faults import progress_steps
-
         assert await progress_steps(nc, reply.job) == list(range(1, 11))
         assert (await js.stream_info(names.JOBS_STREAM)).cluster.leader != leader
     finally:

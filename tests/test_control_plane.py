@@ -7,14 +7,12 @@ import time
 
 import msgspec
 import pytest
-from nats.js.api import DeliverPolicy
 
 from schemas import names
-from schemas.events import StateChange
 from schemas.jobs import Accepted, Rejected
 from services.artifacts.service import ArtifactService
 from services.scheduler.service import Scheduler, SchedulerConfig
-from tests.conftest import list_jobs, submit, wait_for, wait_nodes, wait_state
+from tests.conftest import kv_keys, list_jobs, states_of, submit, wait_for, wait_nodes, wait_state
 from tests.qa import pairs
 
 INTERVAL = 0.25
@@ -34,28 +32,6 @@ async def stack(services):
     await services.start(lambda c: ArtifactService(c))
     await asyncio.wait_for(sched.leading.wait(), 10)
     return sched
-
-
-async def kv_keys(nc) -> list[str]:
-    kv = await nc.jetstream().key_value(names.JOBS_KV)
-    try:
-        return await kv.keys()
-    except Exception:  # nats-py raises when the bucket is empty
-        return []
-
-
-async def states_of(nc, job_id: str) -> list[StateChange]:
-    js = nc.jetstream()
-    sub = await js.subscribe(names.job_state(job_id), ordered_consumer=True, deliver_policy=DeliverPolicy.ALL)
-    out = []
-    try:
-        while True:
-            msg = await sub.next_msg(timeout=0.5)
-            out.append(msgspec.json.decode(msg.data, type=StateChange))
-    except Exception:
-        pass
-    await sub.unsubscribe()
-    return out
 
 
 async def test_submit_is_stored_before_the_reply(nc, stack):
@@ -145,12 +121,11 @@ async def test_priority_then_age(nc, stack, agents):
     high = (await submit(nc, job(priority=10))).job
     agents.start("one", gpus="4096", interval=INTERVAL, hold_s=0.2)
     await wait_state(nc, low, "succeeded", timeout=40)
-    order = sorted((await list_jobs(nc)), key=lambda j: (await_states := None) or 0)
     starts = {}
     for jid in (low, old, high):
         evs = await states_of(nc, jid)
         starts[jid] = min(e.ts for e in evs if e.state == "preparing")
-    assert starts[high] < starts[old] < starts[low], order
+    assert starts[high] < starts[old] < starts[low], starts
 
 
 async def test_cancel_a_running_and_a_queued_job(nc, stack, agents):

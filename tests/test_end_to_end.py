@@ -14,7 +14,7 @@ from schemas.jobs import Accepted
 from services.artifacts.download import download, safe_extract
 from services.artifacts.service import ArtifactService
 from services.scheduler.service import Scheduler, SchedulerConfig
-from services.watch import follow
+from services.cli.watch import follow
 from tests.conftest import submit, wait_state
 from tests.qa import pairs
 

@@ -5,20 +5,17 @@ from __future__ import annotations
 import asyncio
 import time
 
-import msgspec
 import nats
 import pytest
-from nats.js.api import DeliverPolicy
 
-from schemas import names
-from schemas.events import Progress
 from schemas.jobs import Accepted
 from services import bus
 from services.artifacts.download import download
 from services.artifacts.service import ArtifactService
 from services.embedded import EmbeddedNats
 from services.scheduler.service import Scheduler, SchedulerConfig
-from tests.conftest import Agents, InProcess, submit, wait_state
+from tests.conftest import (Agents, InProcess, object_names, progress_steps, random_file, states_of, submit,
+                            wait_state)
 from tests.qa import pairs
 
 CFG = SchedulerConfig(heartbeat_interval=0.25, misses=4)
@@ -29,19 +26,6 @@ async def own_server(tmp_path):
     server = EmbeddedNats(store_dir=tmp_path / "nats").start()
     yield server
     server.stop()
-
-
-async def progress_steps(nc, job: str) -> list[int]:
-    sub = await nc.jetstream().subscribe(names.job_progress(job), ordered_consumer=True, deliver_policy=DeliverPolicy.ALL)
-    steps = []
-    try:
-        while True:
-            msg = await sub.next_msg(timeout=1.0)
-            steps.append(msgspec.json.decode(msg.data, type=Progress).step)
-    except nats.errors.TimeoutError:
-        pass
-    await sub.unsubscribe()
-    return steps
 
 
 async def test_nats_server_killed_and_restarted_mid_job_loses_nothing(own_server, tmp_path):
@@ -108,8 +92,6 @@ async def test_the_scheduler_killed_mid_job_loses_nothing_and_assigns_nothing_tw
         for jid in ids:
             j = await wait_state(nc, jid, ("succeeded", "failed"), timeout=60)
             assert j.state == "succeeded", j.message
-        from tests.test_control_plane import states_of
-
         for jid in ids:
             assert len([e for e in await states_of(nc, jid) if e.state == "preparing"]) == 1
     finally:
@@ -122,8 +104,6 @@ async def test_the_scheduler_killed_mid_job_loses_nothing_and_assigns_nothing_tw
 async def test_the_artifact_service_killed_mid_upload_leaves_no_half_object_and_the_upload_completes(own_server, tmp_path):
     from services.artifacts.download import sha256_file
     from services.artifacts.sender import upload_file
-    from tests.test_artifacts import object_names, random_file
-
     nc = await nats.connect(own_server.url)
     await bus.ensure_resources(nc)
     src = random_file(tmp_path / "big.bin", 300)

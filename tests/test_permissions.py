@@ -12,7 +12,7 @@ import pytest
 
 from schemas import names
 from schemas.jobs import Accepted
-from schemas.permissions import authorization_block, env_var, roles
+from services.cli.permissions import authorization_block, env_var, roles
 from services import bus
 from services.artifacts.service import ArtifactService
 from services.embedded import EmbeddedNats
