@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from typing import Annotated, Literal, get_args
 
-import msgspec
 from msgspec import Meta, Struct, field
 
 from schemas.validate import FieldError, parse_all

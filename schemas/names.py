@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import base64
 import re
+from dataclasses import dataclass
 
 PREFIX = "jetlora"
 
@@ -111,20 +112,7 @@ def artifact_name(job: str, kind: str) -> str:
     return f"{job}/{kind}"
 
 
-# The JetStream object store's own subjects (for the artifact service's streaming writer).
-def object_stream(bucket: str) -> str:
-    return f"OBJ_{bucket}"
-
-
-def object_chunks(bucket: str, nuid: str) -> str:
-    return f"$O.{bucket}.C.{nuid}"
-
-
-def object_meta(bucket: str, name: str) -> str:
-    return f"$O.{bucket}.M.{base64.urlsafe_b64encode(name.encode()).decode()}"
-
-
-# JetStream's own API and storage subjects, for permissions
+# JetStream's own API and storage subjects, for the writers and readers that go below nats-py and for permissions
 JS_API_ALL = "$JS.API.>"
 INBOX_ALL = "_INBOX.>"
 SERVICE_DISCOVERY_ALL = "$SRV.>"
@@ -134,22 +122,32 @@ def js_api(*parts: str) -> str:
     return ".".join(("$JS.API",) + parts)
 
 
-def kv_subjects(bucket: str) -> str:
-    return f"$KV.{bucket}.>"
+@dataclass(frozen=True)
+class StoreNames:
+    """The stream behind a KV bucket or an object store, and the subjects its entries live on."""
+
+    stream: str
+    prefix: str  # what precedes a key (KV) or "C.<nuid>" / "M.<name>" (object store) in a subject
+
+    @property
+    def subjects(self) -> str:
+        return self.prefix + ">"
+
+    def chunks(self, nuid: str) -> str:
+        """An object store's chunks of one object."""
+        return f"{self.prefix}C.{nuid}"
+
+    def meta(self, name: str) -> str:
+        """An object store's description of one object (publishing it makes the object visible)."""
+        return f"{self.prefix}M.{base64.urlsafe_b64encode(name.encode()).decode()}"
 
 
-def kv_prefix(bucket: str) -> str:
-    """What precedes a key in the subject of a KV entry."""
-    return f"$KV.{bucket}."
+def kv(bucket: str) -> StoreNames:
+    return StoreNames(stream=f"KV_{bucket}", prefix=f"$KV.{bucket}.")
 
 
-def kv_stream(bucket: str) -> str:
-    """The stream that holds a KV bucket."""
-    return f"KV_{bucket}"
-
-
-def object_subjects(bucket: str) -> str:
-    return f"$O.{bucket}.>"
+def objects(bucket: str) -> StoreNames:
+    return StoreNames(stream=f"OBJ_{bucket}", prefix=f"$O.{bucket}.")
 
 
 def js_acks(stream: str) -> str:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import random
 import shutil
 import signal
 import socket
@@ -15,8 +16,27 @@ from pathlib import Path
 from services.procs import die_with_parent
 
 
+def _ephemeral_floor() -> int:
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
 def free_port() -> int:
-    with socket.socket() as s:
+    """A free loopback port below the kernel's ephemeral range: between our check and the server's bind, no
+    outgoing connection can take it (an ephemeral port from bind(0) can be, and was, on a busy machine)."""
+    high = _ephemeral_floor() - 1
+    rng = random.SystemRandom()
+    for _ in range(200):
+        port = rng.randint(max(1024, high - 12000), high)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+                return port
+            except OSError:
+                continue
+    with socket.socket() as s:  # the low range is crowded: fall back to any free port
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 

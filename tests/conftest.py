@@ -39,8 +39,8 @@ def nats_server(tmp_path_factory):
 async def reset_resources(nc) -> None:
     """Each test starts from empty jetlora streams and buckets on the shared server."""
     js = nc.jetstream()
-    for stream in (names.JOBS_STREAM, names.kv_stream(names.JOBS_KV), names.kv_stream(names.LEASE_KV),
-                   names.object_stream(names.ARTIFACTS_BUCKET)):
+    for stream in (names.JOBS_STREAM, names.kv(names.JOBS_KV).stream, names.kv(names.LEASE_KV).stream,
+                   names.objects(names.ARTIFACTS_BUCKET).stream):
         try:
             await js.delete_stream(stream)
         except NotFoundError:
@@ -256,6 +256,44 @@ def tinymodel():
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+async def run_held_job(nc, agents: "Agents", node: str = "n1", hold_s: float = 5.0, timeout: float = 30.0,
+                       **request) -> str:
+    """Start an agent whose trainer holds for `hold_s`, submit a job to it, return once it runs."""
+    from schemas.jobs import Accepted
+    from tests.qa import pairs
+
+    agents.start(node, gpus="4096", interval=0.25, hold_s=hold_s)
+    await wait_nodes(nc, 1, timeout=timeout)
+    reply = await submit(nc, {"model": "tiny", "base_dir": "/models/tiny", "data": pairs(2), **request})
+    assert isinstance(reply, Accepted), reply
+    await wait_state(nc, reply.job, "running", timeout=timeout)
+    return reply.job
+
+
+async def answering(nc, subject: str, timeout: float = 30.0) -> None:
+    """Until a service answers requests on `subject` (any reply will do)."""
+    async def answers():
+        try:
+            return await bus.request(nc, subject, b"{}", msgspec.Raw, timeout=1)
+        except bus.RequestError:
+            return None
+
+    await wait_for(answers, timeout=timeout, what=f"a service answering {subject}")
+
+
+def spec_for(model_dir, tmp_path, **train):
+    """The trainer's job file for a short run on the tiny model."""
+    from schemas.events import TrainerSpec
+    from schemas.jobs import JobRequest
+    from tests.qa import pairs
+
+    t = {"max_steps": 40, "learning_rate": 0.01, "batch_size": 1, "max_seq_length": 128, "warmup_steps": 0,
+         "logging_steps": 1}
+    t.update(train)
+    req = msgspec.convert({"model": "tiny", "base_dir": str(model_dir), "data": pairs(), "train": t}, JobRequest)
+    return TrainerSpec(job="t", attempt=1, request=req, out_dir=str(tmp_path / "out"))
 
 
 @pytest.fixture(scope="session")

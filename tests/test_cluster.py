@@ -8,13 +8,11 @@ import nats
 import pytest
 
 from schemas import names
-from schemas.jobs import Accepted
 from services import bus
 from services.artifacts.service import ArtifactService
 from services.embedded import EmbeddedNats, free_port
 from services.scheduler.service import Scheduler, SchedulerConfig
-from tests.conftest import Agents, progress_steps, submit, wait_state
-from tests.qa import pairs
+from tests.conftest import Agents, progress_steps, run_held_job, wait_state
 
 
 @pytest.fixture
@@ -56,17 +54,13 @@ async def test_killing_the_stream_leader_mid_job_loses_nothing(cluster, tmp_path
             started.append((stop, asyncio.create_task(svc.run(stop)), conn))
             if isinstance(svc, Scheduler):
                 await asyncio.wait_for(svc.leading.wait(), 20)
-        agents.start("n1", gpus="4096", interval=0.25, hold_s=5.0)
-        await asyncio.sleep(1.0)
-        reply = await submit(nc, {"model": "tiny", "base_dir": "/models/tiny", "data": pairs(2)})
-        assert isinstance(reply, Accepted)
-        await wait_state(nc, reply.job, "running", timeout=30)
+        job_id = await run_held_job(nc, agents, hold_s=5.0)
         leader = (await js.stream_info(names.JOBS_STREAM)).cluster.leader
         victim = next(s for i, s in enumerate(cluster) if f"s{i}" == leader)
         victim.kill()
-        job = await wait_state(nc, reply.job, ("succeeded", "failed"), timeout=90)
+        job = await wait_state(nc, job_id, ("succeeded", "failed"), timeout=90)
         assert job.state == "succeeded", (job.message, agents.log("n1")[-2000:])
-        assert await progress_steps(nc, reply.job) == list(range(1, 11))
+        assert await progress_steps(nc, job_id) == list(range(1, 11))
         assert (await js.stream_info(names.JOBS_STREAM)).cluster.leader != leader
     finally:
         agents.close()

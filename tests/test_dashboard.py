@@ -15,13 +15,17 @@ from services import bus
 from services.artifacts.service import ArtifactService
 from services.dashboard.server import Dashboard
 from services.scheduler.service import Scheduler, SchedulerConfig
-from tests.conftest import submit, wait_for, wait_state
+from tests.conftest import get_job, submit, wait_for, wait_state
 from tests.qa import pairs
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 pytestmark = pytest.mark.skipif(CHROMIUM is None, reason="needs Debian's chromium (deploy/setup.sh installs it)")
 FLAGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-background-networking",
          "--disable-component-update", "--disable-sync"]
+
+
+async def _stepped(nc, job_id: str, steps: int):
+    return (await get_job(nc, job_id)).step >= steps
 
 
 async def test_the_loss_curve_grows_while_the_job_trains(nc, services, agents, tiny_model, nats_server):
@@ -39,7 +43,7 @@ async def test_the_loss_curve_grows_while_the_job_trains(nc, services, agents, t
     assert isinstance(reply, Accepted)
     job = reply.job
     await wait_state(nc, job, "running", timeout=60)
-    await asyncio.sleep(1.0)  # some steps happen before the page opens: it must replay them
+    await wait_for(lambda: _stepped(nc, job, 3), timeout=60, what="a few steps before the page opens")  # to replay
     base = f"http://127.0.0.1:{dash.port}"
     page_html = await asyncio.to_thread(lambda: urllib.request.urlopen(base + "/", timeout=5).read().decode())
     assert "<script src=\"app.js\">" in page_html
@@ -61,9 +65,8 @@ async def test_the_loss_curve_grows_while_the_job_trains(nc, services, agents, t
         await page.wait_for_function("window.jetlora && window.jetlora.points.length > 5", timeout=30_000)
         first = await page.evaluate("window.jetlora.points.map(p => p.x)")
         assert first[0] == 1  # replayed from the first step, though the page opened mid-run
-        await asyncio.sleep(1.5)
+        await page.wait_for_function(f"window.jetlora.points.length > {len(first)}", timeout=60_000)  # it follows
         later = await page.evaluate("window.jetlora.points.length")
-        assert later > len(first), (len(first), later)
         drawn = await page.evaluate("window.jetlora.chart.data.datasets.map(d => d.data.length)")
         assert drawn[0] >= later and drawn[1] == drawn[0]  # raw points and their moving average are plotted
         await page.wait_for_function("document.querySelector('#nodes').textContent.includes('cpu-node')", timeout=10_000)

@@ -5,9 +5,6 @@ from __future__ import annotations
 import asyncio
 
 import gguf
-import msgspec
-import pytest
-from nats.js.api import DeliverPolicy
 
 from schemas.events import Progress, StateChange
 from schemas.jobs import Accepted
@@ -15,7 +12,7 @@ from services.artifacts.download import download, safe_extract
 from services.artifacts.service import ArtifactService
 from services.scheduler.service import Scheduler, SchedulerConfig
 from services.cli.watch import follow
-from tests.conftest import submit, wait_state
+from tests.conftest import submit, wait_nodes, wait_state
 from tests.qa import pairs
 
 
@@ -70,7 +67,7 @@ async def test_a_job_whose_node_dies_resumes_on_another_from_its_checkpoint(nc, 
 
     await wait_for(checkpointed, timeout=90, what="a stored checkpoint")
     agents.start("second", gpus=None, offer_cpu=True, trainer=None, interval=0.25)
-    await asyncio.sleep(1.0)
+    await wait_nodes(nc, 2)
     agents.kill("first")
     job = await wait_state(nc, job_id, ("succeeded", "failed"), timeout=120)
     assert job.state == "succeeded", (job.message, agents.log("second")[-2000:])

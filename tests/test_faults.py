@@ -8,14 +8,14 @@ import time
 import nats
 import pytest
 
-from schemas.jobs import Accepted
+from schemas import names
 from services import bus
 from services.artifacts.download import download
 from services.artifacts.service import ArtifactService
 from services.embedded import EmbeddedNats
 from services.scheduler.service import Scheduler, SchedulerConfig
-from tests.conftest import (Agents, InProcess, object_names, progress_steps, random_file, states_of, submit,
-                            wait_state)
+from tests.conftest import (Agents, InProcess, answering, object_names, progress_steps, random_file, run_held_job,
+                            states_of, submit, wait_for, wait_state)
 from tests.qa import pairs
 
 CFG = SchedulerConfig(heartbeat_interval=0.25, misses=4)
@@ -37,28 +37,33 @@ async def test_nats_server_killed_and_restarted_mid_job_loses_nothing(own_server
         sched, *_ = await services.start(lambda c: Scheduler(c, CFG))
         arts, *_ = await services.start(lambda c: ArtifactService(c))
         await asyncio.wait_for(sched.leading.wait(), 10)
-        agents.start("n1", gpus="4096", interval=0.25, hold_s=6.0)
-        await asyncio.sleep(1.0)
-        reply = await submit(nc, {"model": "tiny", "base_dir": "/models/tiny", "data": pairs(2)})
-        assert isinstance(reply, Accepted)
-        await wait_state(nc, reply.job, "running", timeout=20)
-        await asyncio.sleep(1.0)
+        job_id = await run_held_job(nc, agents, hold_s=6.0)
+        await wait_for(lambda: _at_least(nc, job_id, 3), timeout=20, what="a few steps of progress")  # mid-job
 
         own_server.kill()  # SIGKILL: no goodbye to anyone
-        await asyncio.sleep(1.5)
+        await asyncio.sleep(1.5)  # the fault itself: a server down this long
         own_server.start()  # same port, same JetStream store
 
         t0 = time.monotonic()
-        job = await wait_state(nc, reply.job, ("succeeded", "failed"), timeout=60)
+        job = await wait_state(nc, job_id, ("succeeded", "failed"), timeout=60)
         assert job.state == "succeeded", (job.message, agents.log("n1")[-3000:])
         assert [a.kind for a in job.artifacts] == ["peft"]
-        assert await progress_steps(nc, reply.job) == list(range(1, 11))  # no gap, no duplicate
-        await download(nc, reply.job, "peft", tmp_path / "a.tar.gz")  # whole: its sha256 is checked
+        assert await progress_steps(nc, job_id) == list(range(1, 11))  # no gap, no duplicate
+        await download(nc, job_id, "peft", tmp_path / "a.tar.gz")  # whole: its sha256 is checked
         print(f"recovered and finished {time.monotonic() - t0:.1f}s after the restart")
     finally:
         agents.close()
         await services.close()
         await nc.close()
+
+
+async def _chunks_stored(nc) -> bool:
+    info = await nc.jetstream().stream_info(names.objects(names.ARTIFACTS_BUCKET).stream)
+    return info.state.messages > 0
+
+
+async def _at_least(nc, job_id: str, steps: int) -> bool:
+    return len(await progress_steps(nc, job_id)) >= steps
 
 
 def service_proc(kind: str, url: str, tmp_path, *extra):
@@ -109,9 +114,9 @@ async def test_the_artifact_service_killed_mid_upload_leaves_no_half_object_and_
     src = random_file(tmp_path / "big.bin", 300)
     svc = service_proc("artifacts", own_server.url, tmp_path)
     try:
-        await asyncio.sleep(1.5)
+        await answering(nc, names.ARTIFACTS_LIST)
         upload = asyncio.create_task(upload_file(nc, "resilient", "peft", src, timeout=3))
-        await asyncio.sleep(0.6)
+        await wait_for(lambda: _chunks_stored(nc), timeout=30, what="the upload's first chunks in the store")
         assert not upload.done()
         svc.kill()
         svc.wait()

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file
 
-from tests.test_trainer import spec_for
+from tests.conftest import spec_for
 from trainer.errors import JobError
 from trainer.gguf_export import export_adapter, permute
 from trainer.loop import train

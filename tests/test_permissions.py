@@ -17,7 +17,7 @@ from services import bus
 from services.artifacts.service import ArtifactService
 from services.embedded import EmbeddedNats
 from services.scheduler.service import Scheduler, SchedulerConfig
-from tests.conftest import HOLD_TRAINER, ROOT, submit, wait_state
+from tests.conftest import HOLD_TRAINER, ROOT, submit, wait_for, wait_state
 from tests.qa import pairs
 
 NODES = ["n1", "n2"]
@@ -104,22 +104,20 @@ async def test_what_each_role_must_not_do(secured):
     with pytest.raises(Exception):
         await agent.nc.request(names.ARTIFACTS_DELETE, b'{"job": "x"}', timeout=1)
     await agent.nc.flush()
-    await asyncio.sleep(0.3)
+    await wait_for(lambda: asyncio.sleep(0, len(agent.violations) >= 2), what="the server to refuse both")
+    await sched.nc.flush()
     assert heard == []
-    assert len(agent.violations) >= 2, agent.violations
 
     submitter = await as_user(secured.url, "submitter")
-    await submitter.nc.publish(names.object_meta(names.ARTIFACTS_BUCKET, "x/peft"), b"{}")  # writing the object store
+    await submitter.nc.publish(names.objects(names.ARTIFACTS_BUCKET).meta("x/peft"), b"{}")  # writing the object store
     await submitter.nc.flush()
-    await asyncio.sleep(0.3)
-    assert submitter.violations
-    info = await sched.nc.jetstream().stream_info(names.object_stream(names.ARTIFACTS_BUCKET))
+    await wait_for(lambda: asyncio.sleep(0, bool(submitter.violations)), what="the server to refuse the write")
+    info = await sched.nc.jetstream().stream_info(names.objects(names.ARTIFACTS_BUCKET).stream)
     assert info.state.messages == 0
 
     dashboard = await as_user(secured.url, "dashboard")
     with pytest.raises(Exception):
         await dashboard.nc.request(names.SUBMIT, b"{}", timeout=1)
-    await asyncio.sleep(0.3)
-    assert dashboard.violations
+    await wait_for(lambda: asyncio.sleep(0, bool(dashboard.violations)), what="the server to refuse the submit")
     for c in (sched, agent, submitter, dashboard):
         await c.nc.close()

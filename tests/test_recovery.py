@@ -61,7 +61,7 @@ async def test_loading_an_unreadable_bucket_raises_instead_of_reading_as_empty(n
     js = nc.jetstream()
     store = JobStore(js, await js.key_value(names.JOBS_KV))
     assert await store.load() == ({}, {})  # empty, and the server says so
-    await js.delete_stream(names.kv_stream(names.JOBS_KV))
+    await js.delete_stream(names.kv(names.JOBS_KV).stream)
     with pytest.raises(LoadError, match="could not be read"):
         await store.load()
 

@@ -9,7 +9,6 @@ import asyncio
 import os
 import subprocess
 import sys
-import time
 
 import nats
 import pytest

@@ -10,25 +10,15 @@ import sys
 from pathlib import Path
 
 import msgspec
-import pytest
 import torch
 
-from schemas.events import Failed, Finished, Progress, Started, TrainerEvent, TrainerSpec
-from schemas.jobs import JobRequest
-from tests.conftest import ROOT
+from schemas.events import Failed, Finished, Progress, TrainerEvent, TrainerSpec
+from tests.conftest import ROOT, spec_for
 from tests.qa import pairs
 from trainer import data
 from trainer.__main__ import main as trainer_main
 from trainer.loop import evaluate, train
 from trainer.model import load
-
-
-def spec_for(model_dir, tmp_path, **train) -> TrainerSpec:
-    t = {"max_steps": 40, "learning_rate": 0.01, "batch_size": 1, "max_seq_length": 128, "warmup_steps": 0,
-         "logging_steps": 1}
-    t.update(train)
-    req = msgspec.convert({"model": "tiny", "base_dir": str(model_dir), "data": pairs(), "train": t}, JobRequest)
-    return TrainerSpec(job="t", attempt=1, request=req, out_dir=str(tmp_path / "out"))
 
 
 def events_from(text: str) -> list:

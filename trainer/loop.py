@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 from accelerate.utils import set_seed
-from peft import LoraConfig, PeftModel, get_peft_model
+from peft import LoraConfig, get_peft_model
 from transformers import get_scheduler
 
 from schemas.events import Checkpoint, Finished, Progress, Started, TrainerSpec

@@ -31,7 +31,8 @@ class ObjectWriter:
         self.nuid = _nuid.next().decode()
         self.info = api.ObjectInfo(name=name, bucket=bucket, nuid=self.nuid, size=0, chunks=0, description=description,
                                    headers=headers or {}, options=api.ObjectMetaOptions(max_chunk_size=0))
-        self.subject = names.object_chunks(bucket, self.nuid)
+        self.store = names.objects(bucket)
+        self.subject = self.store.chunks(self.nuid)
         self.window = window
         self.pending: deque[asyncio.Future] = deque()
 
@@ -60,10 +61,10 @@ class ObjectWriter:
             old = None
         self.info.mtime = datetime.now(timezone.utc).isoformat()
         self.info.digest = "SHA-256=" + base64.urlsafe_b64encode(sha256).decode()
-        await self.js.publish(names.object_meta(self.bucket, self.name), json.dumps(self.info.as_dict()).encode(),
+        await self.js.publish(self.store.meta(self.name), json.dumps(self.info.as_dict()).encode(),
                               headers={api.Header.ROLLUP: MSG_ROLLUP_SUBJECT})
         if old is not None and not old.deleted and old.nuid != self.nuid:
-            await self.js.purge_stream(names.object_stream(self.bucket), subject=names.object_chunks(self.bucket, old.nuid))
+            await self.js.purge_stream(self.store.stream, subject=self.store.chunks(old.nuid))
         return self.info
 
     async def abort(self) -> None:
@@ -74,4 +75,4 @@ class ObjectWriter:
             except Exception:
                 pass
         self.pending.clear()
-        await self.js.purge_stream(names.object_stream(self.bucket), subject=self.subject)
+        await self.js.purge_stream(self.store.stream, subject=self.subject)

@@ -105,18 +105,15 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--state")
     p.add_argument("--node")
     p.set_defaults(fn=cmd_jobs)
-    p = client("job", "show one job")
-    p.add_argument("job")
-    p.set_defaults(fn=cmd_job)
     p = client("nodes", "list nodes and their devices")
     p.set_defaults(fn=cmd_nodes)
-    for name, help_ in (("cancel", "cancel a job (kill its trainer)"), ("stop", "stop a job and keep what it learnt")):
+    for name, help_, fn in (("job", "show one job", cmd_job),
+                            ("cancel", "cancel a job (kill its trainer)", cmd_control),
+                            ("stop", "stop a job and keep what it learnt", cmd_control),
+                            ("watch", "follow a job's progress (replayed from its start)", cmd_watch)):
         p = client(name, help_)
         p.add_argument("job")
-        p.set_defaults(fn=cmd_control)
-    p = client("watch", "follow a job's progress (replayed from its start)")
-    p.add_argument("job")
-    p.set_defaults(fn=cmd_watch)
+        p.set_defaults(fn=fn)
     p = client("artifacts", "run the artifact service, or: ls / get / rm")
     p.add_argument("--heartbeat-interval", type=float, default=1.0, help=argparse.SUPPRESS)
     asub = p.add_subparsers(dest="action")

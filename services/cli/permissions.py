@@ -11,7 +11,7 @@ import json
 
 from schemas import names
 
-JOBS, OBJ = names.JOBS_STREAM, names.object_stream(names.ARTIFACTS_BUCKET)
+JOBS, OBJ = names.JOBS_STREAM, names.objects(names.ARTIFACTS_BUCKET).stream
 
 
 def _read_stream(stream: str) -> list[str]:
@@ -30,17 +30,17 @@ def roles(nodes: list[str]) -> dict[str, dict]:
     api = [names.SUBMIT, names.GET_JOB, names.LIST_JOBS, names.CANCEL, names.STOP, names.LIST_NODES]
     watch = _read_stream(JOBS)
     users = {
-        "scheduler": {"publish": [names.assign("*"), names.control("*"), names.JS_API_ALL, names.kv_subjects(names.JOBS_KV),
-                                  names.kv_subjects(names.LEASE_KV), names.js_acks(JOBS), names.INBOX_ALL,
+        "scheduler": {"publish": [names.assign("*"), names.control("*"), names.JS_API_ALL, names.kv(names.JOBS_KV).subjects,
+                                  names.kv(names.LEASE_KV).subjects, names.js_acks(JOBS), names.INBOX_ALL,
                                   names.SERVICE_DISCOVERY_ALL],
                       "subscribe": [names.API_GROUP + ".>", names.HEARTBEATS_ALL, names.JOB_PROGRESS_ALL, names.INBOX_ALL,
                                     names.SERVICE_DISCOVERY_ALL]},
-        "artifacts": {"publish": [names.object_subjects(names.ARTIFACTS_BUCKET), names.JS_API_ALL, names.INBOX_ALL,
+        "artifacts": {"publish": [names.objects(names.ARTIFACTS_BUCKET).subjects, names.JS_API_ALL, names.INBOX_ALL,
                                   names.SERVICE_DISCOVERY_ALL],
                       "subscribe": [names.ARTIFACTS_GROUP + ".>", names.INBOX_ALL, names.SERVICE_DISCOVERY_ALL]},
         "submitter": {"publish": api + watch, "subscribe": [names.INBOX_ALL]},
         "operator": {"publish": api + watch + [names.ARTIFACTS_LIST, names.ARTIFACTS_DELETE] + _object_read()
-                     + [names.js_api("STREAM", "PURGE", OBJ), names.object_subjects(names.ARTIFACTS_BUCKET)],
+                     + [names.js_api("STREAM", "PURGE", OBJ), names.objects(names.ARTIFACTS_BUCKET).subjects],
                      "subscribe": [names.INBOX_ALL, names.HEARTBEATS_ALL]},
         "dashboard": {"publish": [names.LIST_JOBS, names.LIST_NODES, names.ARTIFACTS_LIST] + watch + _object_read(),
                       "subscribe": [names.INBOX_ALL, names.HEARTBEATS_ALL]},

@@ -16,6 +16,7 @@ _enc = msgspec.json.Encoder()
 _dec_req = msgspec.json.Decoder(StoredRequest)
 _dec_status = msgspec.json.Decoder(JobStatus)
 REQUEST, STATUS = "request", "status"
+JOBS = names.kv(names.JOBS_KV)
 
 
 class Conflict(Exception):
@@ -81,12 +82,12 @@ class JobStore:
         requests: dict[str, StoredRequest] = {}
         statuses: dict[str, tuple[JobStatus, int]] = {}
         try:
-            info = await self.js.stream_info(names.kv_stream(names.JOBS_KV))
+            info = await self.js.stream_info(JOBS.stream)
         except Exception as e:
             raise LoadError(f"the jobs bucket could not be read ({type(e).__name__}: {e})") from e
         if info.state.messages == 0:
             return requests, statuses
-        sub = await self.js.subscribe(names.kv_subjects(names.JOBS_KV), ordered_consumer=True,
+        sub = await self.js.subscribe(JOBS.subjects, ordered_consumer=True,
                                       deliver_policy=DeliverPolicy.LAST_PER_SUBJECT)
         try:
             while True:
@@ -97,7 +98,7 @@ class JobStore:
                                     f"({type(e).__name__}); nothing was concluded from it") from e
                 op = (msg.headers or {}).get(KV_OP)
                 if op not in (KV_DEL, KV_PURGE):
-                    kind, _, job = msg.subject.removeprefix(names.kv_prefix(names.JOBS_KV)).partition(".")
+                    kind, _, job = msg.subject.removeprefix(JOBS.prefix).partition(".")
                     if kind == REQUEST:
                         stored = _dec_req.decode(msg.data)
                         requests[job] = msgspec.structs.replace(
