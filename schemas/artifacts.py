@@ -47,7 +47,7 @@ class ArtifactInfo(Struct, kw_only=True):
     """An artifact in the object store."""
 
     name: str
-    job: str
+    job: JobId
     kind: str
     size: int
     sha256: str

@@ -77,7 +77,7 @@ class JobRequest(Struct, forbid_unknown_fields=True, kw_only=True):
 
 
 class Accepted(Struct, tag="accepted", tag_field="type"):
-    job: str
+    job: JobId
 
 
 class Rejected(Struct, tag="rejected", tag_field="type"):
@@ -105,7 +105,7 @@ class ArtifactRef(Struct):
 class StoredRequest(Struct, kw_only=True):
     """A submitted job as kept in the jobs KV bucket under `request.<id>`: written once, never changed."""
 
-    id: str
+    id: JobId
     request: JobRequest
     created: float
     seq: int = 0  # submission order among equal priorities
@@ -117,7 +117,7 @@ class JobStatus(Struct, kw_only=True):
     state: JobState = "queued"
     message: str = ""
     updated: float = 0.0
-    node: str | None = None
+    node: NodeId | None = None
     device: int | None = None
     attempt: int = 0  # assignments so far; agents' state events name theirs, so stale ones are ignored
     retries_used: int = 0  # times the job was re-queued because its node went away
@@ -132,12 +132,12 @@ class JobStatus(Struct, kw_only=True):
 class JobSummary(Struct, kw_only=True):
     """A job in a listing: its record without the training data."""
 
-    id: str
+    id: JobId
     label: str
     model: str
     state: JobState
     message: str
-    node: str | None
+    node: NodeId | None
     device: int | None
     priority: int
     gpu_mib: int

@@ -6,7 +6,7 @@ from typing import Annotated, Literal
 
 from msgspec import Meta, Struct, field
 
-from schemas.jobs import JobRequest, NodeId
+from schemas.jobs import JobId, JobRequest, NodeId
 
 CPU_DEVICE = -1  # the index of a node's CPU when it offers it for training
 
@@ -41,7 +41,7 @@ class Heartbeat(Struct, kw_only=True):
 class Assignment(Struct, kw_only=True):
     """The scheduler asks a node to run a job on one of its devices."""
 
-    job: str
+    job: JobId
     device: int
     attempt: int
     request: JobRequest
@@ -49,11 +49,11 @@ class Assignment(Struct, kw_only=True):
 
 
 class AssignAccepted(Struct, tag="accepted", tag_field="type"):
-    job: str
+    job: JobId
 
 
 class AssignRefused(Struct, tag="refused", tag_field="type"):
-    job: str
+    job: JobId | None  # None: the assignment itself did not decode
     reason: str
 
 
@@ -63,12 +63,12 @@ AssignReply = AssignAccepted | AssignRefused
 class Control(Struct, forbid_unknown_fields=True):
     """Cancel a job (kill it) or stop it (save what it has learnt and end)."""
 
-    job: str
+    job: JobId
     action: Literal["cancel", "stop"]
 
 
 class ControlReply(Struct):
-    job: str
+    job: JobId | None  # None: the request itself did not decode
     ok: bool
     message: str = ""
 
@@ -76,7 +76,7 @@ class ControlReply(Struct):
 class NodeInfo(Struct, kw_only=True):
     """A node as the scheduler sees it."""
 
-    node: str
+    node: NodeId
     alive: bool
     last_seen: float
     agent_version: str

@@ -70,9 +70,9 @@ class Agent:
         if not self.devices:
             log.warning("node %s has no device to offer: %s", self.cfg.node, self.no_gpu_reason)
         on_assign = bus.handler(self._on_assign, Assignment,
-                                invalid=lambda errors: AssignRefused("", f"the assignment did not decode: {errors[0].reason}"))
+                                invalid=lambda errors: AssignRefused(None, f"the assignment did not decode: {errors[0].reason}"))
         on_control = bus.handler(self._on_control, Control,
-                                 invalid=lambda errors: ControlReply("", False, f"did not decode: {errors[0].reason}"))
+                                 invalid=lambda errors: ControlReply(None, False, f"did not decode: {errors[0].reason}"))
         subs = [await self.nc.subscribe(names.assign(self.cfg.node), cb=on_assign),
                 await self.nc.subscribe(names.control(self.cfg.node), cb=on_control)]
         await self.nc.flush()
