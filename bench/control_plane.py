@@ -71,7 +71,7 @@ class Fleet:
             start = time.monotonic()
             for i, node in enumerate(order):
                 if node not in self.silenced:
-                    await self.nc.publish(names.heartbeat(node), self.heartbeat(node))
+                    await self.nc.publish(names.node(node).heartbeat, self.heartbeat(node))
                     self.last_beat[node] = time.monotonic()
                 if i % 50 == 49:  # spread the fleet's beats over the interval
                     await asyncio.sleep(max(0.0, start + self.interval * (i + 1) / len(order) - time.monotonic()))
@@ -90,7 +90,7 @@ class Fleet:
 
     async def report(self, a: Assignment, node: str, state: str):
         ev = StateChange(job=a.job, state=state, node=node, attempt=a.attempt, message=state, ts=time.time())
-        await self.js.publish(names.job_state(a.job), enc.encode(ev))
+        await self.js.publish(names.job(a.job, node).state, enc.encode(ev))
 
     async def run_job(self, node: str, a: Assignment):
         await self.report(a, node, "running")
@@ -131,7 +131,7 @@ async def main(n_nodes: int, n_jobs: int, doomed: int, interval: float, misses: 
                                   "--heartbeat-interval", str(interval), "--misses", str(misses)],
                                  cwd=ROOT, stdout=subprocess.DEVNULL, stderr=open(SCHED_LOG, "w"))
         fleet = Fleet(nc, n_nodes, 8, doomed, interval)
-        await nc.subscribe(names.assign("*"), cb=fleet.on_assign)
+        await nc.subscribe(names.node("*").assign, cb=fleet.on_assign)
 
         async def echo(m):
             await m.respond(m.data)

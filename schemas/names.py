@@ -6,8 +6,8 @@ The subject tree is shaped so that permissions can be written against it:
     jetlora.node.<node>.heartbeat       an agent's heartbeat (core NATS)
     jetlora.node.<node>.assign          scheduler -> agent: run this job (request/reply)
     jetlora.node.<node>.control         scheduler -> agent: cancel / stop-and-save a job
-    jetlora.job.<job>.state             agent -> JOBS stream: the job's state changed
-    jetlora.job.<job>.progress          agent -> JOBS stream: a training event
+    jetlora.job.<job>.<node>.state      agent -> JOBS stream: the job's state changed (on that node)
+    jetlora.job.<job>.<node>.progress   agent -> JOBS stream: a training event (on that node)
     jetlora.artifacts.upload.<job>      agent -> artifact service: one chunk (request/reply)
     jetlora.artifacts.<verb>            operators' artifact requests
 
@@ -19,6 +19,7 @@ from __future__ import annotations
 import base64
 import re
 from dataclasses import dataclass
+from typing import NamedTuple
 
 PREFIX = "jetlora"
 
@@ -27,7 +28,7 @@ JOBS_STREAM = "JETLORA_JOBS"  # state and progress events of every job, replayab
 JOBS_KV = "jetlora_jobs"  # one record per job: the scheduler's durable queue
 LEASE_KV = "jetlora_lease"  # the active scheduler's lease
 ARTIFACTS_BUCKET = "jetlora_artifacts"  # object store of adapters and GGUF files
-SCHEDULER_CONSUMER = "jetlora_scheduler_states"  # durable consumer of job states
+SCHEDULER_CONSUMER = "jetlora_scheduler_states_v2"  # durable consumer of job states (v2: node in the subject)
 
 SCHEDULER_SERVICE = "jetlora-scheduler"  # nats.micro names ($SRV.PING etc.)
 ARTIFACT_SERVICE = "jetlora-artifacts"
@@ -62,49 +63,52 @@ def artifact_upload(job: str) -> str:
     return f"{ARTIFACTS_GROUP}.upload.{job}"
 
 
-# per node
-def heartbeat(node: str) -> str:
-    return f"{PREFIX}.node.{node}.heartbeat"
+class NodeSubjects(NamedTuple):
+    """One node's subjects (every node's, with the wildcard)."""
+
+    heartbeat: str  # agent -> scheduler and dashboards: alive, and each device's free memory (core NATS)
+    assign: str  # scheduler -> agent: run this job on that device (request/reply)
+    control: str  # scheduler -> agent: cancel or stop-and-save a job (request/reply)
 
 
-HEARTBEATS_ALL = f"{PREFIX}.node.*.heartbeat"
+def node(node_id: str = "*") -> NodeSubjects:
+    base = f"{PREFIX}.node.{node_id}"
+    return NodeSubjects(*(f"{base}.{verb}" for verb in NodeSubjects._fields))
 
 
-def assign(node: str) -> str:
-    return f"{PREFIX}.node.{node}.assign"
+class JobSubjects(NamedTuple):
+    """One job's events as one node reports them, in the JOBS stream. The node is in the subject so that an
+    agent's permissions let it speak only for itself, and the scheduler hears whom an event is from."""
+
+    state: str  # the job changed state
+    progress: str  # a training step's figures
 
 
-def control(node: str) -> str:
-    return f"{PREFIX}.node.{node}.control"
+def job(job_id: str = "*", node_id: str = "*") -> JobSubjects:
+    base = f"{PREFIX}.job.{job_id}.{node_id}"
+    return JobSubjects(*(f"{base}.{kind}" for kind in JobSubjects._fields))
 
 
-# per job (in the JOBS stream)
+def job_events(job_id: str) -> str:
+    """Every event of one job, from every node it ran on: what a dashboard subscribes to."""
+    return f"{PREFIX}.job.{job_id}.>"
+
+
+HEARTBEATS_ALL = node().heartbeat
+JOB_STATES_ALL = job().state
+JOB_PROGRESS_ALL = job().progress
 JOBS_STREAM_SUBJECTS = [f"{PREFIX}.job.>"]
-JOB_STATES_ALL = f"{PREFIX}.job.*.state"
-JOB_PROGRESS_ALL = f"{PREFIX}.job.*.progress"
-
-
-def job_state(job: str) -> str:
-    return f"{PREFIX}.job.{job}.state"
-
-
-def job_progress(job: str) -> str:
-    return f"{PREFIX}.job.{job}.progress"
-
-
-def job_events(job: str) -> str:
-    """Both the state and the progress events of one job."""
-    return f"{PREFIX}.job.{job}.*"
-
-
-def job_of_subject(subject: str) -> str:
-    """The job id in a jetlora.job.<job>.* subject."""
-    return subject.split(".")[2]
 
 
 def node_of_subject(subject: str) -> str:
     """The node id in a jetlora.node.<node>.* subject."""
     return subject.split(".")[2]
+
+
+def job_and_node_of_subject(subject: str) -> tuple[str, str]:
+    """The job and node ids in a jetlora.job.<job>.<node>.* subject."""
+    parts = subject.split(".")
+    return parts[2], parts[3]
 
 
 def artifact_name(job: str, kind: str) -> str:

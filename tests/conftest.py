@@ -178,16 +178,22 @@ async def wait_for(predicate, timeout: float = 20.0, interval: float = 0.05, wha
 
 
 async def wait_state(nc, job: str, states, timeout: float = 30.0):
+    """Until the job is in one of `states`; a timeout says where it was last seen."""
     states = {states} if isinstance(states, str) else set(states)
+    seen = []
 
     async def check():
         try:
             j = await get_job(nc, job)
         except bus.RequestError:  # a scheduler between lives: ask again
             return None
+        seen[:] = [f"{j.state} at step {j.step}/{j.steps} on {j.node} (attempt {j.attempt}): {j.message}"]
         return j if j.state in states else None
 
-    return await wait_for(check, timeout, what=f"job {job} in {states}")
+    try:
+        return await wait_for(check, timeout, what=f"job {job} in {states}")
+    except AssertionError as e:
+        raise AssertionError(f"{e}; it was last {seen[0] if seen else 'never seen'}") from None
 
 
 async def wait_nodes(nc, count: int, timeout: float = 20.0):
@@ -220,11 +226,11 @@ async def stream_events(nc, subject: str, decoder: msgspec.json.Decoder) -> list
 
 
 async def states_of(nc, job_id: str) -> list[StateChange]:
-    return await stream_events(nc, names.job_state(job_id), msgspec.json.Decoder(StateChange))
+    return await stream_events(nc, names.job(job_id).state, msgspec.json.Decoder(StateChange))
 
 
 async def progress_steps(nc, job_id: str) -> list[int]:
-    return [p.step for p in await stream_events(nc, names.job_progress(job_id), msgspec.json.Decoder(Progress))]
+    return [p.step for p in await stream_events(nc, names.job(job_id).progress, msgspec.json.Decoder(Progress))]
 
 
 async def kv_keys(nc) -> list[str]:

@@ -95,12 +95,12 @@ async def test_what_each_role_must_not_do(secured):
     async def record(msg):
         heard.append(msg)
 
-    await sched.nc.subscribe(names.heartbeat("n2"), cb=record)
+    await sched.nc.subscribe(names.node("n2").heartbeat, cb=record)
     await sched.nc.flush()
 
     agent = await as_user(secured.url, "agent-n1")
-    await agent.nc.publish(names.heartbeat("n2"), b"{}")  # pretending to be another node
-    await agent.nc.subscribe(names.assign("n2"))  # reading another node's assignments
+    await agent.nc.publish(names.node("n2").heartbeat, b"{}")  # pretending to be another node
+    await agent.nc.subscribe(names.node("n2").assign)  # reading another node's assignments
     with pytest.raises(Exception):
         await agent.nc.request(names.ARTIFACTS_DELETE, b'{"job": "x"}', timeout=1)
     await agent.nc.flush()

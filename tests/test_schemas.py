@@ -13,5 +13,5 @@ def test_every_subject_is_in_the_asyncapi_document():
     doc = export.asyncapi()
     addresses = {c["address"] for c in doc["channels"].values() if c["address"]}
     for subject in (names.SUBMIT, names.CANCEL, names.STOP, names.GET_JOB, names.LIST_JOBS, names.LIST_NODES,
-                    names.ARTIFACTS_LIST, names.ARTIFACTS_DELETE, names.heartbeat("{node}"), names.job_progress("{job}")):
+                    names.ARTIFACTS_LIST, names.ARTIFACTS_DELETE, names.node("{node}").heartbeat, names.job("{job}", "{node}").progress):
         assert subject in addresses

@@ -73,8 +73,8 @@ class Agent:
                                 invalid=lambda errors: AssignRefused(None, f"the assignment did not decode: {errors[0].reason}"))
         on_control = bus.handler(self._on_control, Control,
                                  invalid=lambda errors: ControlReply(None, False, f"did not decode: {errors[0].reason}"))
-        subs = [await self.nc.subscribe(names.assign(self.cfg.node), cb=on_assign),
-                await self.nc.subscribe(names.control(self.cfg.node), cb=on_control)]
+        subs = [await self.nc.subscribe(names.node(self.cfg.node).assign, cb=on_assign),
+                await self.nc.subscribe(names.node(self.cfg.node).control, cb=on_control)]
         await self.nc.flush()
         log.info("agent %s up with %d device(s)", self.cfg.node, len(self.devices))
         beat = asyncio.create_task(self._heartbeats(stop))
@@ -112,7 +112,7 @@ class Agent:
 
     async def _beat(self) -> None:
         try:
-            await self.nc.publish(names.heartbeat(self.cfg.node), _enc.encode(self.heartbeat()))
+            await self.nc.publish(names.node(self.cfg.node).heartbeat, _enc.encode(self.heartbeat()))
         except Exception as e:  # disconnected: the client buffers and reconnects
             log.warning("heartbeat not sent: %s", e)
 
@@ -168,12 +168,12 @@ class Agent:
         ev = StateChange(job=a.job, state=state, node=self.cfg.node, attempt=a.attempt, message=message,
                          artifacts=artifacts or [], ts=time.time())
         run.reports += 1
-        await publish_durably(self.js, names.job_state(a.job), _enc.encode(ev), f"{a.job}.{a.attempt}.s{run.reports}")
+        await publish_durably(self.js, names.job(a.job, self.cfg.node).state, _enc.encode(ev), f"{a.job}.{a.attempt}.s{run.reports}")
 
     async def _progress(self, run: RunningJob, p: Progress) -> None:
         a = run.assignment
         p = msgspec.structs.replace(p, job=a.job, ts=p.ts or time.time())
-        await publish_durably(self.js, names.job_progress(a.job), _enc.encode(p), f"{a.job}.{a.attempt}.p{p.step}")
+        await publish_durably(self.js, names.job(a.job, self.cfg.node).progress, _enc.encode(p), f"{a.job}.{a.attempt}.p{p.step}")
 
     async def _run_job(self, run: RunningJob) -> None:
         a = run.assignment

@@ -30,7 +30,7 @@ def roles(nodes: list[str]) -> dict[str, dict]:
     api = [names.SUBMIT, names.GET_JOB, names.LIST_JOBS, names.CANCEL, names.STOP, names.LIST_NODES]
     watch = _read_stream(JOBS)
     users = {
-        "scheduler": {"publish": [names.assign("*"), names.control("*"), names.JS_API_ALL, names.kv(names.JOBS_KV).subjects,
+        "scheduler": {"publish": [names.node("*").assign, names.node("*").control, names.JS_API_ALL, names.kv(names.JOBS_KV).subjects,
                                   names.kv(names.LEASE_KV).subjects, names.js_acks(JOBS), names.INBOX_ALL,
                                   names.SERVICE_DISCOVERY_ALL],
                       "subscribe": [names.API_GROUP + ".>", names.HEARTBEATS_ALL, names.JOB_PROGRESS_ALL, names.INBOX_ALL,
@@ -48,9 +48,10 @@ def roles(nodes: list[str]) -> dict[str, dict]:
     for node in nodes:
         names.check_token(node, "node id")
         users[f"agent-{node}"] = {
-            "publish": [names.heartbeat(node), names.JOB_STATES_ALL, names.JOB_PROGRESS_ALL, names.ARTIFACTS_UPLOAD_ALL,
+            "publish": [names.node(node).heartbeat, names.job("*", node).state, names.job("*", node).progress,
+                        names.ARTIFACTS_UPLOAD_ALL,
                         names.js_api("INFO"), names.js_api("STREAM", "INFO", JOBS)] + _object_read(),  # checkpoints to resume
-            "subscribe": [names.assign(node), names.control(node), names.INBOX_ALL]}
+            "subscribe": [names.node(node).assign, names.node(node).control, names.INBOX_ALL]}
     return users
 
 

@@ -128,7 +128,7 @@ class SchedulerApi(SchedulerCore):
                 return Error(f"job {job.id} was just placed; ask again", field="job")
         else:
             try:
-                reply = await bus.request(self.nc, names.control(job.status.node), Control(job.id, action),
+                reply = await bus.request(self.nc, names.node(job.status.node).control, Control(job.id, action),
                                           ControlReply, timeout=self.cfg.assign_timeout)
                 if not reply.ok:
                     return Error(reply.message)

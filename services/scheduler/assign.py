@@ -73,7 +73,7 @@ class SchedulerAssign(SchedulerCore):
             return
         try:
             request = self._full_request_cached(job.id) or (await self.store.request(job.id)).request
-            reply = await bus.request(self.nc, names.assign(node),
+            reply = await bus.request(self.nc, names.node(node).assign,
                                       Assignment(job=job.id, device=device, attempt=attempt, request=request,
                                                  resume_from=job.status.checkpoint),
                                       AssignReply, timeout=self.cfg.assign_timeout)

@@ -26,8 +26,9 @@ class SchedulerEvents(SchedulerCore):
             p = _progress.decode(msg.data)
         except msgspec.DecodeError:
             return
-        job = self.jobs.get(names.job_of_subject(msg.subject))
-        if job and job.status.state in ACTIVE_STATES:
+        job_id, node = names.job_and_node_of_subject(msg.subject)
+        job = self.jobs.get(job_id)
+        if job and job.status.state in ACTIVE_STATES and job.status.node == node:  # only from the node that holds it
             job.status = msgspec.structs.replace(job.status, step=p.step, steps=p.steps,
                                                  loss=p.loss if p.loss is not None else job.status.loss,
                                                  peak_mib=p.peak_mib if p.peak_mib is not None else job.status.peak_mib)
@@ -45,7 +46,7 @@ class SchedulerEvents(SchedulerCore):
             # one job's events in order; different jobs' at once
             by_job = defaultdict(list)
             for msg in msgs:
-                by_job[names.job_of_subject(msg.subject)].append(msg)
+                by_job[names.job_and_node_of_subject(msg.subject)[0]].append(msg)
             await asyncio.gather(*(self._apply_in_order(batch) for batch in by_job.values()))
 
     async def _apply_in_order(self, batch) -> None:
@@ -55,7 +56,7 @@ class SchedulerEvents(SchedulerCore):
                 await m.ack()
             except Exception as e:  # not acked: JetStream delivers it again (ack_wait), after the ones before it
                 log.warning("could not apply a state of job %s yet (%s: %s); it will be redelivered",
-                            names.job_of_subject(m.subject), type(e).__name__, e)
+                            names.job_and_node_of_subject(m.subject)[0], type(e).__name__, e)
                 return
 
     async def _known(self, job_id: str) -> Job | None:
@@ -77,12 +78,18 @@ class SchedulerEvents(SchedulerCore):
         except msgspec.DecodeError as e:
             log.warning("ignored a job state on %s that did not decode: %s", msg.subject, e)
             return
-        if ev.job != names.job_of_subject(msg.subject):
-            log.warning("ignored a state of job %s sent on %s", ev.job, msg.subject)
+        job_id, node = names.job_and_node_of_subject(msg.subject)
+        if (ev.job, ev.node) != (job_id, node):
+            log.warning("ignored a state of job %s from node %s sent on %s", ev.job, ev.node, msg.subject)
             return
         job = await self._known(ev.job)
         if job is None:
             log.warning("ignored a state of job %s: no such job in the jobs bucket", ev.job)
+            return
+        if (node, ev.attempt) != (job.status.node, job.status.attempt) and job.status.state not in TERMINAL_STATES:
+            log.warning("ignored %r of job %s from node %s (attempt %d): the job's attempt %d is %s", ev.state, ev.job,
+                        node, ev.attempt, job.status.attempt,
+                        f"on node {job.status.node}" if job.status.node else "not on any node")
             return
 
         def current(s: JobStatus) -> bool:  # not from an earlier attempt, not after the end, not a repeat
