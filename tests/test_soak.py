@@ -23,6 +23,7 @@ DOWN_S = 3.0  # how long the server stays dead: the scheduler's 3 s lease lapses
 pytestmark = pytest.mark.skipif(not ROUNDS, reason="a soak of many server restarts; set JETLORA_SOAK=N to run it")
 
 
+@pytest.mark.timeout(60 + 30 * ROUNDS)
 async def test_nats_server_killed_mid_job_again_and_again_loses_no_job(tmp_path):
     server = EmbeddedNats(store_dir=tmp_path / "nats", websocket=False).start()
     procs = [subprocess.Popen([sys.executable, "-m", "services.cli", kind, "--nats", server.url,
