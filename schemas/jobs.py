@@ -6,10 +6,20 @@ from typing import Annotated, Literal, get_args
 
 from msgspec import Meta, Struct, field
 
-from schemas.validate import FieldError, parse_all
+from schemas.validate import FieldError, parse_all, pattern
 
-NodeId = Annotated[str, Meta(pattern=r"^[A-Za-z0-9_-]{1,128}$", description="one NATS subject token")]
+NodeId = Annotated[str, Meta(pattern=pattern(r"^[A-Za-z0-9_-]{1,128}$", "must be 1-128 letters, digits, '_' or '-' "
+                                             "(it becomes a NATS subject token)"), description="one NATS subject token")]
 JobId = NodeId
+Text = Annotated[str, Meta(pattern=pattern(r"\S", "must have some text, not only spaces"))]
+ABSOLUTE_PATH = pattern(r"^/[^\x00-\x1f\x7f]*[^/\x00-\x1f\x7f][^\x00-\x1f\x7f]*$",
+                        "must be an absolute path below / with no control characters (NUL, newline, tab); "
+                        "give the model directory's full path on the node")
+MODULE_NAME = pattern(r"^[A-Za-z_][A-Za-z0-9_]{0,127}$",
+                      "must be the name of a linear layer, such as q_proj or down_proj (letters, digits, '_')")
+UNEXPORTABLE_TARGETS = {"lm_head", "embed_tokens", "wte", "embed_out"}  # peft saves their tied base weights too
+SEED_MAX = 2**32 - 1  # numpy's and torch's seeds are 32-bit
+STEPS_MAX = 100_000_000
 
 ATTENTION_AND_MLP = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
@@ -17,8 +27,8 @@ ATTENTION_AND_MLP = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_pr
 class QA(Struct, forbid_unknown_fields=True):
     """One training example: a question and the answer the adapter should learn."""
 
-    q: Annotated[str, Meta(min_length=1, description="the question (prompt)")]
-    a: Annotated[str, Meta(min_length=1, description="the answer the model should learn")]
+    q: Annotated[Text, Meta(description="the question (prompt)")]
+    a: Annotated[Text, Meta(description="the answer the model should learn")]
 
 
 class LoraConfig(Struct, forbid_unknown_fields=True, kw_only=True):
@@ -27,7 +37,7 @@ class LoraConfig(Struct, forbid_unknown_fields=True, kw_only=True):
     r: Annotated[int, Meta(ge=1, le=1024)] = 16
     alpha: Annotated[float, Meta(gt=0, le=8192)] = 32.0
     dropout: Annotated[float, Meta(ge=0, lt=1)] = 0.0
-    target_modules: Annotated[list[Annotated[str, Meta(min_length=1)]], Meta(min_length=1)] = field(
+    target_modules: Annotated[list[Annotated[str, Meta(pattern=MODULE_NAME)]], Meta(min_length=1, max_length=64)] = field(
         default_factory=lambda: list(ATTENTION_AND_MLP)
     )
     rslora: bool = False
@@ -37,32 +47,33 @@ class TrainConfig(Struct, forbid_unknown_fields=True, kw_only=True):
     """How to train: the usual SFT knobs, with the defaults a user expects."""
 
     epochs: Annotated[float, Meta(gt=0, le=1000)] = 1.0
-    max_steps: Annotated[int, Meta(ge=0, description="0: as many steps as the epochs take")] = 0
+    max_steps: Annotated[int, Meta(ge=0, le=STEPS_MAX, description="0: as many steps as the epochs take")] = 0
     learning_rate: Annotated[float, Meta(gt=0, le=1)] = 2e-4
     lr_scheduler: Literal["linear", "cosine", "constant", "constant_with_warmup"] = "cosine"
-    warmup_steps: Annotated[int, Meta(ge=0, description="wins over warmup_ratio when > 0")] = 0
+    warmup_steps: Annotated[int, Meta(ge=0, le=STEPS_MAX, description="wins over warmup_ratio when > 0")] = 0
     warmup_ratio: Annotated[float, Meta(ge=0, le=1)] = 0.03
     weight_decay: Annotated[float, Meta(ge=0, le=10)] = 0.0
     batch_size: Annotated[int, Meta(ge=1, le=4096, description="rows per micro-batch")] = 4
     grad_accum: Annotated[int, Meta(ge=1, le=4096)] = 1
     max_seq_length: Annotated[int, Meta(ge=8, le=262144)] = 1024
-    seed: int = 42
+    seed: Annotated[int, Meta(ge=0, le=SEED_MAX)] = 42
     completions_only: Annotated[bool, Meta(description="the loss covers the answers, not the questions")] = True
     packing: Annotated[bool, Meta(description="padding-free packing of several examples per row")] = True
     eval_fraction: Annotated[float, Meta(ge=0, lt=1)] = 0.0
-    eval_steps: Annotated[int, Meta(ge=0, description="0: evaluate at the end only")] = 0
-    save_steps: Annotated[int, Meta(ge=0, description="checkpoint every N steps; 0: never")] = 0
-    logging_steps: Annotated[int, Meta(ge=1)] = 1
+    eval_steps: Annotated[int, Meta(ge=0, le=STEPS_MAX, description="0: evaluate at the end only")] = 0
+    save_steps: Annotated[int, Meta(ge=0, le=STEPS_MAX, description="checkpoint every N steps; 0: never")] = 0
+    logging_steps: Annotated[int, Meta(ge=1, le=STEPS_MAX)] = 1
     gradient_checkpointing: bool = False
     precision: Literal["auto", "bf16", "fp16", "fp32"] = "auto"
-    max_grad_norm: Annotated[float, Meta(ge=0)] = 1.0
+    max_grad_norm: Annotated[float, Meta(ge=0, le=1e4, description="0: no clipping")] = 1.0
 
 
 class JobRequest(Struct, forbid_unknown_fields=True, kw_only=True):
     """What a submitter publishes on the submit subject."""
 
-    model: Annotated[str, Meta(min_length=1, max_length=200, description="catalog name of the served model")]
-    base_dir: Annotated[str, Meta(min_length=1, description="directory of safetensors weights and config.json, on the node")]
+    model: Annotated[Text, Meta(max_length=200, description="catalog name of the served model")]
+    base_dir: Annotated[str, Meta(pattern=ABSOLUTE_PATH, max_length=4096,
+                                  description="directory of safetensors weights and config.json, on the node")]
     data: Annotated[list[QA], Meta(min_length=1, description="question/answer pairs")]
     served_by: Literal["vllm", "llamacpp"] = "vllm"
     node: NodeId | None = None
@@ -74,6 +85,9 @@ class JobRequest(Struct, forbid_unknown_fields=True, kw_only=True):
     train: TrainConfig = field(default_factory=TrainConfig)
     gguf_type: Literal["f16", "f32", "bf16", "q8_0"] = "f16"
     label: Annotated[str, Meta(max_length=200)] = ""
+    idempotency_key: Annotated[str, Meta(min_length=1, max_length=256, description=(
+        "a client's own name for this submission: sent again (a retry after a timeout) within the scheduler's "
+        "window, it returns the first job's id and creates nothing"))] | None = None
 
 
 class Accepted(Struct, tag="accepted", tag_field="type"):
@@ -190,8 +204,6 @@ class Error(Struct, tag="error", tag_field="type"):
 def check_request(req: JobRequest) -> list[FieldError]:
     """Rules that span fields or need more than a type: each error says what to change."""
     errors = []
-    if not req.base_dir.startswith("/"):
-        errors.append(FieldError("base_dir", f"{req.base_dir!r} is not an absolute path; give the model directory's full path on the node"))
     if ".." in req.base_dir.split("/"):
         errors.append(FieldError("base_dir", "must not contain '..'; give the model directory's real path"))
     t = req.train
@@ -201,15 +213,31 @@ def check_request(req: JobRequest) -> list[FieldError]:
         errors.append(FieldError("train.eval_fraction", f"{t.eval_fraction} of {len(req.data)} examples holds out none; raise it or add data"))
     if req.accelerator == "cpu" and req.gpu_mib:
         errors.append(FieldError("gpu_mib", "a CPU job needs no GPU memory: set gpu_mib to 0 or accelerator to 'gpu'"))
-    if len(set(req.lora.target_modules)) != len(req.lora.target_modules):
+    if t.max_steps and t.warmup_steps > t.max_steps:
+        errors.append(FieldError("train.warmup_steps", f"{t.warmup_steps} warmup steps is more than the {t.max_steps} "
+                                                       "steps of the run; lower it or raise train.max_steps"))
+    targets = req.lora.target_modules
+    if len(set(targets)) != len(targets):
         errors.append(FieldError("lora.target_modules", "lists a module twice; name each once"))
+    if unexportable := sorted(UNEXPORTABLE_TARGETS & set(targets)):
+        errors.append(FieldError("lora.target_modules", f"{', '.join(unexportable)}: an adapter on the embeddings or the "
+                                 "output head carries a copy of those base weights, which the GGUF export and vLLM "
+                                 "do not take; train the attention and MLP layers instead"))
     return errors
 
 
-REQUIRED_PLACEHOLDERS = {"model": "-", "base_dir": "/", "data": [{"q": "-", "a": "-"}]}
+REQUIRED_PLACEHOLDERS = {"model": "-", "base_dir": "/-", "data": [{"q": "-", "a": "-"}]}
 
 
 def parse_job_request(data: bytes) -> JobRequest:
     """A submitted job, or InvalidRequest with every error the schema and the checks find."""
     return parse_all(data, JobRequest, check_request, REQUIRED_PLACEHOLDERS,
                      "send a JSON object with model, base_dir and data")
+
+
+class IdempotencyRecord(Struct, kw_only=True):
+    """Kept under `idem.<sha256 of the key>` in the jobs bucket: which job a submitter's key made, from what."""
+
+    job: JobId
+    request_sha256: str  # of the request as decoded, so the same job sent again matches whatever its formatting
+    created: float

@@ -11,6 +11,13 @@ from msgspec import Struct
 
 T = TypeVar("T")
 _json_any = msgspec.json.Decoder()
+_PATTERN_MEANINGS: dict[str, str] = {}  # msgspec's words for a failed pattern -> ours
+
+
+def pattern(regex: str, meaning: str) -> str:
+    """A regex for Meta(pattern=...): the JSON Schema shows the regex, a submitter who misses it reads `meaning`."""
+    _PATTERN_MEANINGS[f"Expected `str` matching regex {regex!r}"] = meaning
+    return regex
 
 
 class FieldError(Struct):
@@ -40,6 +47,7 @@ def field_error(err: msgspec.ValidationError, prefix: str = "") -> FieldError:
         where = f"{where}.{named.group(1)}" if where else named.group(1)
     if "unknown field" in reason:
         reason += "; remove it (see schemas/json/ for the fields)"
+    reason = _PATTERN_MEANINGS.get(reason, reason)
     where = ".".join(p for p in (prefix, where) if p).replace(".[", "[")
     return FieldError(field=where, reason=reason)
 

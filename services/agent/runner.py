@@ -15,7 +15,7 @@ import msgspec
 
 from schemas.events import Cancelled, Failed, Finished, TrainerEvent, TrainerSpec
 from services.aio import cancel_and_wait
-from services.procs import die_with_parent
+from services.procs import die_with_parent, write_pid_file
 
 log = logging.getLogger(__name__)
 STDERR_LINES = 3  # the last lines of stderr become the error when the trainer dies
@@ -45,6 +45,7 @@ class TrainerRun:
             *self.command, str(spec_path), stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
             stdin=asyncio.subprocess.DEVNULL, cwd=self.workdir, env=env, start_new_session=True, limit=2**24,
             preexec_fn=die_with_parent(signal.SIGKILL))
+        pid_file = write_pid_file(self.workdir, self.proc.pid)
         stderr_task = asyncio.create_task(self._read_stderr())
         try:
             final = await self._read_events(on_event)
@@ -55,6 +56,7 @@ class TrainerRun:
                 self._signal(signal.SIGKILL)
                 await self.proc.wait()
             await cancel_and_wait([stderr_task])
+            pid_file.unlink(missing_ok=True)
         if self.cancelled:
             return Cancelled()
         if final is not None:

@@ -26,6 +26,7 @@ from services.agent.devices import DeviceProbe
 from services.agent.runner import DEFAULT_TRAINER, TrainerRun
 from services.artifacts.download import download, safe_extract
 from services.artifacts.sender import UploadError, upload_file
+from services.procs import end_leftovers
 
 log = logging.getLogger(__name__)
 _enc = msgspec.json.Encoder()
@@ -66,6 +67,9 @@ class Agent:
         self.no_gpu_reason = ""
 
     async def run(self, stop: asyncio.Event) -> None:
+        ended = await asyncio.to_thread(end_leftovers, self.cfg.work_dir / "jobs")
+        if ended:  # before any device is offered: a trainer of a killed agent may still hold one
+            log.warning("ended %d trainer(s) a previous agent left running here: pids %s", len(ended), ended)
         self.devices, self.no_gpu_reason = self.probe.read()
         if not self.devices:
             log.warning("node %s has no device to offer: %s", self.cfg.node, self.no_gpu_reason)

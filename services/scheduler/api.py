@@ -16,12 +16,15 @@ from schemas.nodes import Control, ControlReply, NodeInfo, NodeList
 from schemas.validate import InvalidRequest
 from services import bus
 from services.scheduler.core import Job, SchedulerCore
+from services.scheduler.idempotency import IdempotencyKeys
 
 log = logging.getLogger(__name__)
 
 
 class SchedulerApi(SchedulerCore):
     """jetlora.api.*: every handler takes a typed request and returns its reply (bus.handler does the rest)."""
+
+    idempotency: IdempotencyKeys
 
     def endpoints(self) -> dict[str, object]:
         """Endpoint name (under names.API_GROUP) -> its handler."""
@@ -58,8 +61,27 @@ class SchedulerApi(SchedulerCore):
         request, size = parsed
         if errors := self._capacity_errors(request):
             return Rejected(errors)
+        key = request.idempotency_key
+        if key is None:
+            return await self._store_new(request, size)
+        try:
+            async with self.idempotency.lock(key):  # a retry waits for the first try's answer
+                first = await self.idempotency.claim(request, job_id := uuid.uuid4().hex[:16], self._job_exists)
+                if first is not None:
+                    return Accepted(first)  # the same submission again: nothing new is stored
+                reply = await self._store_new(request, size, job_id)
+                if isinstance(reply, Rejected):
+                    await self.idempotency.release(request)
+                return reply
+        finally:
+            self.idempotency.done(key)
+
+    async def _job_exists(self, job_id: str) -> bool:
+        return job_id in self.jobs or await self.store.find(job_id) is not None
+
+    async def _store_new(self, request: JobRequest, size: int, job_id: str | None = None) -> Accepted | Rejected:
         self.seq += 1
-        stored = StoredRequest(id=uuid.uuid4().hex[:16], request=request, created=time.time(), seq=self.seq)
+        stored = StoredRequest(id=job_id or uuid.uuid4().hex[:16], request=request, created=time.time(), seq=self.seq)
         try:
             await self.store.add(stored)  # durable before the reply: a crash after it loses nothing
         except Exception as e:

@@ -49,6 +49,7 @@ class SchedulerConfig:
     assign_timeout: float = 2.0
     backfill_window: int = 64
     max_concurrent_submits: int = 256
+    idempotency_window_s: float = 24 * 3600.0  # a key sent again within this returns its first job
 
     @property
     def window(self) -> float:

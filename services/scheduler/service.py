@@ -17,6 +17,7 @@ from services.scheduler.api import SchedulerApi
 from services.scheduler.assign import SchedulerAssign
 from services.scheduler.core import SchedulerConfig  # noqa: F401  (callers build configs from here)
 from services.scheduler.events import SchedulerEvents
+from services.scheduler.idempotency import IdempotencyKeys
 from services.scheduler.lease import Lease
 from services.scheduler.liveness import SchedulerLiveness
 from services.scheduler.store import JobStore
@@ -35,6 +36,7 @@ class Scheduler(SchedulerApi, SchedulerAssign, SchedulerEvents, SchedulerLivenes
 
     async def run(self, stop: asyncio.Event) -> None:
         self.store = JobStore(self.js, await self.js.key_value(names.JOBS_KV))
+        self.idempotency = IdempotencyKeys(self.store, self.cfg.idempotency_window_s)
         lease = Lease(await self.js.key_value(names.LEASE_KV), self.holder)
         while not stop.is_set():
             if not await lease.wait_for(stop):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import hashlib
 
 import msgspec
 from nats.js.api import DeliverPolicy
@@ -10,12 +11,13 @@ from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError
 from nats.js.kv import KV_DEL, KV_OP, KV_PURGE, KeyValue
 
 from schemas import names
-from schemas.jobs import JobId, JobStatus, StoredRequest
+from schemas.jobs import IdempotencyRecord, JobId, JobStatus, StoredRequest
 
 _enc = msgspec.json.Encoder()
 _dec_req = msgspec.json.Decoder(StoredRequest)
 _dec_status = msgspec.json.Decoder(JobStatus)
-REQUEST, STATUS = "request", "status"
+_dec_idem = msgspec.json.Decoder(IdempotencyRecord)
+REQUEST, STATUS, IDEMPOTENCY = "request", "status", "idem"
 JOBS = names.kv(names.JOBS_KV)
 
 
@@ -33,6 +35,11 @@ def request_key(job: JobId) -> str:
 
 def status_key(job: JobId) -> str:
     return f"{STATUS}.{job}"
+
+
+def idempotency_key(client_key: str) -> str:
+    """A client's key may hold any text; the bucket's key is its digest."""
+    return f"{IDEMPOTENCY}.{hashlib.sha256(client_key.encode()).hexdigest()}"
 
 
 class JobStore:
@@ -73,6 +80,27 @@ class JobStore:
             return await self.kv.update(status_key(job), _enc.encode(status), last=revision)
         except KeyWrongLastSequenceError as e:
             raise Conflict(f"job {job}: its status changed elsewhere ({e.description})") from None
+
+    async def idempotency(self, client_key: str) -> tuple[IdempotencyRecord, int] | None:
+        try:
+            entry = await self.kv.get(idempotency_key(client_key))
+        except KeyNotFoundError:
+            return None
+        return _dec_idem.decode(entry.value), entry.revision
+
+    async def write_idempotency(self, client_key: str, record: IdempotencyRecord, revision: int) -> bool:
+        """Write if nobody wrote it since `revision` (0: never); False when someone did."""
+        try:
+            if revision == 0:
+                await self.kv.create(idempotency_key(client_key), _enc.encode(record))
+            else:
+                await self.kv.update(idempotency_key(client_key), _enc.encode(record), last=revision)
+            return True
+        except KeyWrongLastSequenceError:
+            return False
+
+    async def forget_idempotency(self, client_key: str) -> None:
+        await self.kv.delete(idempotency_key(client_key))
 
     async def load(self, timeout: float = 60.0) -> tuple[dict[str, StoredRequest], dict[str, tuple[JobStatus, int]]]:
         """Every job and status in the bucket, read in one pass over its stream.

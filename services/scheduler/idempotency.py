@@ -1,0 +1,64 @@
+"""Idempotent submission: a key a client sends again gets the job its first submission made, not a second one."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import time
+from collections import defaultdict
+
+import msgspec
+
+from schemas.jobs import FieldError, IdempotencyRecord, JobId, JobRequest
+from schemas.validate import InvalidRequest
+from services.scheduler.store import JobStore
+
+_canonical = msgspec.json.Encoder(order="sorted")
+
+
+def request_digest(request: JobRequest) -> str:
+    return hashlib.sha256(_canonical.encode(request)).hexdigest()
+
+
+class IdempotencyKeys:
+    """Claims keys in the jobs bucket (durable across restarts), one submission of a key at a time."""
+
+    def __init__(self, store: JobStore, window_s: float) -> None:
+        self.store, self.window_s = store, window_s
+        self._locks: defaultdict[str, asyncio.Lock] = defaultdict(asyncio.Lock)
+
+    def lock(self, key: str) -> asyncio.Lock:
+        return self._locks[key]
+
+    async def claim(self, request: JobRequest, job_id: JobId, job_exists) -> JobId | None:
+        """None: the key is now this job's (store it next). A job id: the key's first job, to answer with.
+        Raises InvalidRequest when the key was used for a different request within the window.
+        Call under lock(key)."""
+        key = request.idempotency_key
+        record = IdempotencyRecord(job=job_id, request_sha256=request_digest(request), created=time.time())
+        while True:
+            found = await self.store.idempotency(key)
+            if found is None:
+                if await self.store.write_idempotency(key, record, 0):
+                    return None
+                continue  # another scheduler wrote it first: read it
+            earlier, revision = found
+            fresh = record.created - earlier.created < self.window_s
+            if fresh and await job_exists(earlier.job):
+                if earlier.request_sha256 == record.request_sha256:
+                    return earlier.job
+                raise InvalidRequest([FieldError("idempotency_key", (
+                    f"was used for job {earlier.job}, a different request, {record.created - earlier.created:.0f}s ago; "
+                    "use a new key for a new job"))])
+            # expired, or its job was never stored (a crash between the two writes): the key is free again
+            if await self.store.write_idempotency(key, record, revision):
+                return None
+
+    async def release(self, request: JobRequest) -> None:
+        """The job could not be stored: its key must not point at it."""
+        await self.store.forget_idempotency(request.idempotency_key)
+
+    def done(self, key: str) -> None:
+        lock = self._locks.get(key)
+        if lock is not None and not lock.locked():
+            del self._locks[key]
