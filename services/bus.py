@@ -36,6 +36,7 @@ class BusOptions:
 
     url: str | None = None
     creds: str | None = None
+    nkey: str | None = None  # a file holding an nkey seed
     user: str | None = None
     password: str | None = None
     tls_ca: str | None = None
@@ -60,6 +61,8 @@ class BusOptions:
                        help="server URL, or several comma-separated for a cluster (env NATS_URL); "
                             "none: start an embedded nats-server")
         g.add_argument("--creds", default=os.environ.get("NATS_CREDS"), help="credentials file (env NATS_CREDS)")
+        g.add_argument("--nkey", default=os.environ.get("NATS_NKEY"),
+                       help="file holding this user's nkey seed (env NATS_NKEY); the server lists its public key")
         g.add_argument("--user", default=os.environ.get("NATS_USER"))
         g.add_argument("--password-file", default=os.environ.get("NATS_PASSWORD_FILE"),
                        help="file holding the password (env NATS_PASSWORD_FILE); passwords never go on the command line")
@@ -75,7 +78,7 @@ class BusOptions:
         if args.password_file:
             with open(args.password_file) as f:
                 password = f.read().strip()
-        return cls(url=args.nats_url, creds=args.creds, user=args.user, password=password, tls_ca=args.tls_ca,
+        return cls(url=args.nats_url, creds=args.creds, nkey=args.nkey, user=args.user, password=password, tls_ca=args.tls_ca,
                    tls_cert=args.tls_cert, tls_key=args.tls_key, replicas=args.replicas, name=name)
 
     def tls_context(self) -> ssl.SSLContext | None:
@@ -112,6 +115,8 @@ async def connect(opts: BusOptions, service: bool = True) -> Client:
         kwargs.pop("disconnected_cb")
     if opts.creds:
         kwargs["user_credentials"] = opts.creds
+    if opts.nkey:
+        kwargs["nkeys_seed"] = opts.nkey
     if opts.user:
         kwargs["user"], kwargs["password"] = opts.user, opts.password
     if (tls := opts.tls_context()) is not None:

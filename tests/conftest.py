@@ -105,9 +105,10 @@ class Agents:
         self.procs: dict[str, subprocess.Popen] = {}
 
     def start(self, node: str, gpus: str | None = "24576", offer_cpu: bool = False, trainer: str | None = HOLD_TRAINER,
-              hold_s: float = 0.5, interval: float = 0.25, env: dict | None = None) -> subprocess.Popen:
+              hold_s: float = 0.5, interval: float = 0.25, env: dict | None = None,
+              bus_flags: tuple[str, ...] = ()) -> subprocess.Popen:
         cmd = [sys.executable, "-m", "services.cli", "agent", "--nats", self.url, "--node", node,
-               "--work-dir", str(self.tmp / node), "--heartbeat-interval", str(interval)]
+               "--work-dir", str(self.tmp / node), "--heartbeat-interval", str(interval), *bus_flags]
         if gpus:
             cmd += ["--simulate-gpus", gpus]
         if offer_cpu:
