@@ -6,13 +6,15 @@ import json
 from pathlib import Path
 
 import gguf
+import msgspec
 import numpy as np
 import pytest
 from safetensors.numpy import load_file
 
 from tests.conftest import spec_for
 from trainer.errors import JobError
-from trainer.gguf_export import export_adapter, permute
+from trainer.__main__ import main as trainer_main
+from trainer.gguf_export import check_exportable, export_adapter, permute
 from trainer.loop import train
 
 
@@ -69,3 +71,49 @@ def test_an_architecture_gguf_does_not_know_is_named(tiny_model, adapter, tmp_pa
     (base / "config.json").write_text(json.dumps(config))
     with pytest.raises(JobError, match="made_up_arch"):
         export_adapter(adapter, base, tmp_path / "a.gguf")
+
+
+def base_of_type(tiny_model, tmp_path, model_type: str) -> Path:
+    """The tiny model's config under another model_type (the export reads only the config)."""
+    base = tmp_path / model_type
+    base.mkdir()
+    config = json.loads((Path(tiny_model) / "config.json").read_text())
+    config["model_type"] = model_type
+    (base / "config.json").write_text(json.dumps(config))
+    return base
+
+
+def test_names_and_base_model_are_recorded_as_llama_cpp_records_them(tiny_model, adapter, tmp_path):
+    reader = gguf.GGUFReader(export_adapter(adapter, tiny_model, tmp_path / "a.gguf", name="tiny LoRA j1",
+                                            base_model="tiny"))
+    assert field_value(reader, "general.name") == "tiny LoRA j1"
+    assert int(field_value(reader, "general.base_model.count")) == 1
+    assert field_value(reader, "general.base_model.0.name") == "tiny"
+
+
+@pytest.mark.parametrize("model_type, permuted", [("olmo", True), ("granite", True), ("qwen2", False)])
+def test_q_and_k_are_permuted_for_every_architecture_llama_cpp_permutes(tiny_model, adapter, tmp_path, model_type,
+                                                                        permuted):
+    reader = gguf.GGUFReader(export_adapter(adapter, base_of_type(tiny_model, tmp_path, model_type), tmp_path / "a.gguf",
+                                            "f32"))
+    peft = load_file(str(adapter / "adapter_model.safetensors"))
+    heads = json.loads((Path(tiny_model) / "config.json").read_text())["num_attention_heads"]
+    qb = peft["base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight"]
+    got = np.asarray(next(t for t in reader.tensors if t.name == "blk.0.attn_q.weight.lora_b").data).reshape(qb.shape)
+    assert np.array_equal(got, permute(qb, heads) if permuted else qb)
+
+
+def test_an_unverified_architecture_is_refused_before_training(tiny_model, tmp_path, capsys):
+    check_exportable(tiny_model)  # llama: verified
+    check_exportable(base_of_type(tiny_model, tmp_path, "qwen2"))
+    with pytest.raises(JobError, match="served_by=vllm"):
+        check_exportable(base_of_type(tiny_model, tmp_path, "olmo"))
+
+    spec = spec_for(tiny_model, tmp_path)
+    spec.request.served_by = "llamacpp"
+    spec.request.base_dir = str(base_of_type(tiny_model, tmp_path, "granite"))
+    job_file = tmp_path / "job.json"
+    job_file.write_bytes(msgspec.json.encode(spec))
+    assert trainer_main(["trainer", str(job_file)]) == 1
+    events = [json.loads(line) for line in capsys.readouterr().out.splitlines() if line.startswith("{")]
+    assert [e["type"] for e in events] == ["failed"] and "granite" in events[0]["message"]  # no step was trained

@@ -26,6 +26,10 @@ def main(argv: list[str]) -> int:
     try:
         with open(argv[1], "rb") as f:
             spec = msgspec.json.decode(f.read(), type=TrainerSpec)
+        if spec.request.served_by == "llamacpp":
+            from trainer.gguf_export import check_exportable
+
+            check_exportable(spec.request.base_dir)  # before training, not after it
         from trainer.loop import train  # torch loads here, after the spec is known to be sound
 
         finished = train(spec)
@@ -33,7 +37,9 @@ def main(argv: list[str]) -> int:
             from trainer.gguf_export import export_adapter
 
             finished.gguf_path = str(export_adapter(finished.adapter_dir, spec.request.base_dir,
-                                                    f"{spec.out_dir}/adapter.gguf", spec.request.gguf_type))
+                                                    f"{spec.out_dir}/adapter.gguf", spec.request.gguf_type,
+                                                    name=f"{spec.request.model} LoRA {spec.job}",
+                                                    base_model=spec.request.model))
         emit(finished)
         return 0
     except (JobError, msgspec.ValidationError) as e:

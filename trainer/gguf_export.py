@@ -21,7 +21,16 @@ from trainer.errors import JobError
 
 # Hugging Face model_type values that llama.cpp converts as another architecture
 ALIASES = {"mistral": "llama"}
-PERMUTED_ARCHS = {"llama"}  # convert_hf_to_gguf permutes q/k for these
+# llama.cpp's base-model conversion (convert_hf_to_gguf and its conversion/ package, as vendored by
+# llama-cpp-python 0.3.36) permutes the q/k rows of these architectures, directly or by inheriting
+# LlamaModel's modify_tensors: an adapter's q/k lora_b must be permuted the same way.
+PERMUTED_ARCHS = {"llama", "olmo", "granite", "granitemoe", "granite_swa", "granite_switch", "minicpm", "internlm2",
+                  "arctic", "chameleon", "deepseek", "deci", "llada", "apertus", "arcee", "smollm3", "nanbeige",
+                  "llama4", "cogvlm", "llama-embed", "mistral3"}
+# Architectures whose exported adapter was compared with peft inside llama.cpp (logits within f32 tolerance).
+# Any other is refused before training: an adapter llama.cpp loads without error but computes wrongly is worse
+# than none.
+VERIFIED_ARCHS = {"llama", "qwen2"}
 GGUF_TYPES = {
     "f32": (np.float32, None),
     "f16": (np.float16, None),
@@ -38,6 +47,16 @@ def architecture(config: dict) -> gguf.MODEL_ARCH:
         raise JobError(f"architecture {model_type!r} ({config.get('architectures')}) is not known to the gguf package's "
                        "tensor map, so no GGUF adapter can be written; serve this model with vllm (served_by=vllm)")
     return by_name[name]
+
+
+def check_exportable(base_dir: str | Path) -> None:
+    """Before training: refuse a base whose GGUF adapter export has not been verified against llama.cpp."""
+    config = json.loads((Path(base_dir) / "config.json").read_text())
+    name = gguf.MODEL_ARCH_NAMES[architecture(config)]
+    if name not in VERIFIED_ARCHS:
+        raise JobError(f"a GGUF adapter for architecture {config.get('model_type')!r} ({name}) has not been verified "
+                       f"against llama.cpp (verified: {', '.join(sorted(VERIFIED_ARCHS))}, and mistral as llama); "
+                       "serve this model with vllm (served_by=vllm), which loads the PEFT adapter")
 
 
 def permute(w: np.ndarray, n_head: int) -> np.ndarray:
@@ -61,7 +80,10 @@ def lora_pairs(adapter_dir: Path) -> dict[str, dict[str, np.ndarray]]:
     return pairs
 
 
-def export_adapter(adapter_dir: str | Path, base_dir: str | Path, out_path: str | Path, out_type: str = "f16") -> Path:
+def export_adapter(adapter_dir: str | Path, base_dir: str | Path, out_path: str | Path, out_type: str = "f16",
+                   name: str = "", base_model: str = "") -> Path:
+    """Write the adapter as GGUF; `name` and `base_model` become general.name and general.base_model.0.name,
+    as llama.cpp's own converter records them."""
     adapter_dir, out_path = Path(adapter_dir), Path(out_path)
     config = json.loads((Path(base_dir) / "config.json").read_text())
     peft_config = json.loads((adapter_dir / "adapter_config.json").read_text())
@@ -80,6 +102,10 @@ def export_adapter(adapter_dir: str | Path, base_dir: str | Path, out_path: str 
     writer.add_string(gguf.Keys.General.TYPE, gguf.GGUFType.ADAPTER)
     writer.add_string(gguf.Keys.Adapter.TYPE, "lora")
     writer.add_float32(gguf.Keys.Adapter.LORA_ALPHA, alpha)
+    writer.add_name(name or adapter_dir.name)
+    if base_model:
+        writer.add_base_model_count(1)
+        writer.add_base_model_name(0, base_model)
     for module, ab in sorted(lora_pairs(adapter_dir).items()):
         if set(ab) != {"A", "B"}:
             raise JobError(f"adapter module {module} lacks its lora_{'A' if 'A' not in ab else 'B'} matrix")
