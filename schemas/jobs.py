@@ -11,6 +11,7 @@ from schemas.validate import FieldError, parse_all, pattern
 NodeId = Annotated[str, Meta(pattern=pattern(r"^[A-Za-z0-9_-]{1,128}$", "must be 1-128 letters, digits, '_' or '-' "
                                              "(it becomes a NATS subject token)"), description="one NATS subject token")]
 JobId = NodeId
+TenantId = NodeId
 Text = Annotated[str, Meta(pattern=pattern(r"\S", "must have some text, not only spaces"))]
 ABSOLUTE_PATH = pattern(r"^/[^\x00-\x1f\x7f]*[^/\x00-\x1f\x7f][^\x00-\x1f\x7f]*$",
                         "must be an absolute path below / with no control characters (NUL, newline, tab); "
@@ -123,6 +124,7 @@ class StoredRequest(Struct, kw_only=True):
     request: JobRequest
     created: float
     seq: int = 0  # submission order among equal priorities
+    tenant: TenantId | None = None  # from the subject it was submitted on; None: an admin's submission
 
 
 class JobStatus(Struct, kw_only=True):
@@ -147,6 +149,7 @@ class JobSummary(Struct, kw_only=True):
     """A job in a listing: its record without the training data."""
 
     id: JobId
+    tenant: TenantId | None
     label: str
     model: str
     state: JobState
@@ -167,7 +170,7 @@ class JobSummary(Struct, kw_only=True):
 def summarize(stored: StoredRequest, status: JobStatus) -> "JobSummary":
     req = stored.request
     return JobSummary(
-        id=stored.id, label=req.label, model=req.model, state=status.state, message=status.message,
+        id=stored.id, tenant=stored.tenant, label=req.label, model=req.model, state=status.state, message=status.message,
         node=status.node, device=status.device, priority=req.priority, gpu_mib=req.gpu_mib,
         created=stored.created, updated=status.updated or stored.created, attempt=status.attempt,
         step=status.step, steps=status.steps, loss=status.loss, artifacts=status.artifacts,

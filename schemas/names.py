@@ -52,6 +52,28 @@ GET_JOB = f"{API_GROUP}.job"
 LIST_JOBS = f"{API_GROUP}.jobs"
 LIST_NODES = f"{API_GROUP}.nodes"
 
+
+
+class TenantApi(NamedTuple):
+    """A tenant's own request subjects: what it submits and sees is confined to its jobs."""
+
+    submit: str
+    job: str
+    jobs: str
+    cancel: str
+    stop: str
+
+
+def tenant_api(tenant: str = "*") -> TenantApi:
+    return TenantApi(*(f"{API_GROUP}.{tenant}.{verb}" for verb in TenantApi._fields))
+
+
+def tenant_of_subject(subject: str) -> str | None:
+    """The tenant in a jetlora.api.<tenant>.<verb> subject; None for jetlora.api.<verb> (an admin's)."""
+    parts = subject.split(".")
+    return parts[2] if len(parts) == 4 else None
+
+
 # requests served by the artifact service (nats.micro group "jetlora.artifacts")
 ARTIFACTS_GROUP = f"{PREFIX}.artifacts"
 ARTIFACTS_LIST = f"{ARTIFACTS_GROUP}.list"

@@ -211,11 +211,13 @@ def as_error(errors: list[FieldError]) -> Error:
     return Error(first.reason, field=first.field)
 
 
-def handler(serve: Callable[[T], Awaitable[Any]], request_type: type[T] | None = None, *,
+def handler(serve: Callable[..., Awaitable[Any]], request_type: type[T] | None = None, *,
             parse: Callable[[bytes], T] | None = None,
-            invalid: Callable[[list[FieldError]], Any] = as_error) -> Callable[[Any], Awaitable[None]]:
+            invalid: Callable[[list[FieldError]], Any] = as_error,
+            with_subject: bool = False) -> Callable[[Any], Awaitable[None]]:
     """One way to answer a request: decode it (a cached decoder of request_type, or `parse`), answer
-    `invalid(errors)` when it does not hold, else `await serve(request)`, and encode the reply.
+    `invalid(errors)` when it does not hold, else `await serve(request)` (`serve(request, subject)` with
+    with_subject, for endpoints whose subject carries a token), and encode the reply.
 
     Works for nats.micro endpoints and for plain subscriptions alike (both give .data and .respond)."""
     decode = parse or decoder_for(request_type)
@@ -223,7 +225,8 @@ def handler(serve: Callable[[T], Awaitable[Any]], request_type: type[T] | None =
 
     async def answer(msg) -> None:
         try:
-            reply = await serve(decode(msg.data))
+            request = decode(msg.data)
+            reply = await (serve(request, msg.subject) if with_subject else serve(request))
         except InvalidRequest as e:
             reply = invalid(e.errors)
         except Exception as e:  # a fault of ours: the asker still gets an answer, the log the trace

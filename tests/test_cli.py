@@ -48,6 +48,9 @@ def test_a_job_through_the_cli(up, tmp_path):
     assert "succeeded" in watched.stdout and "10/10" in watched.stdout
     jobs = json.loads(jetlora("jobs", "--nats", up, "--json").stdout)["jobs"]
     assert [(j["id"], j["state"], j["label"]) for j in jobs] == [(job, "succeeded", "from-yaml")]
+    assert json.loads(jetlora("jobs", "--nats", up, "--json", "--tenant", "acme").stdout)["jobs"] == []  # not acme's
+    r = jetlora("job", job, "--nats", up, "--tenant", "acme", check=False)
+    assert r.returncode == 1 and f"no job {job}" in r.stderr
     nodes = json.loads(jetlora("nodes", "--nats", up, "--json").stdout)["nodes"]
     assert nodes[0]["node"] == "box" and nodes[0]["devices"][0]["total_mib"] == 8192
     listed = json.loads(jetlora("artifacts", "ls", "--job", job, "--nats", up, "--json").stdout)["artifacts"]

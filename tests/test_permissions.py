@@ -21,6 +21,7 @@ from tests.conftest import HOLD_TRAINER, ROOT, submit, wait_for, wait_state
 from tests.qa import pairs
 
 NODES = ["n1", "n2"]
+TENANTS = ["acme", "globex"]
 
 
 def password(user: str) -> str:
@@ -29,8 +30,9 @@ def password(user: str) -> str:
 
 @pytest.fixture
 async def secured(tmp_path):
-    env = {env_var(u): password(u) for u in roles(NODES)}
-    server = EmbeddedNats(store_dir=tmp_path / "nats", extra_config=authorization_block(NODES), env=env).start()
+    env = {env_var(u): password(u) for u in roles(NODES, TENANTS)}
+    server = EmbeddedNats(store_dir=tmp_path / "nats", extra_config=authorization_block(NODES, TENANTS),
+                          env=env).start()
     yield server
     server.stop()
 
@@ -120,5 +122,12 @@ async def test_what_each_role_must_not_do(secured):
     with pytest.raises(Exception):
         await dashboard.nc.request(names.SUBMIT, b"{}", timeout=1)
     await wait_for(lambda: asyncio.sleep(0, bool(dashboard.violations)), what="the server to refuse the submit")
-    for c in (sched, agent, submitter, dashboard):
+    acme = await as_user(secured.url, "tenant-acme")
+    with pytest.raises(nats.errors.NoRespondersError):  # allowed (no scheduler runs here to answer it)
+        await acme.nc.request(names.tenant_api("acme").submit, b"{}", timeout=1)
+    for foreign in (names.tenant_api("globex").jobs, names.LIST_JOBS, names.SUBMIT):  # another's, the admin's
+        await acme.nc.publish(foreign, b"{}")
+    await acme.nc.flush()
+    await wait_for(lambda: asyncio.sleep(0, len(acme.violations) >= 3), what="the server to refuse all three")
+    for c in (sched, agent, submitter, dashboard, acme):
         await c.nc.close()

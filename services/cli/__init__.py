@@ -22,11 +22,12 @@ def cmd_permissions(args) -> int:
     from services.cli.permissions import authorization_block, env_var, roles
 
     nodes = [n for n in args.nodes.split(",") if n]
-    block = authorization_block(nodes)
+    tenants = [t for t in args.tenants.split(",") if t]
+    block = authorization_block(nodes, tenants)
     if args.out:
         Path(args.out).write_text(block)
         print(f"wrote {args.out}; give nats-server these variables: "
-              + " ".join(env_var(u) for u in roles(nodes)), file=sys.stderr)
+              + " ".join(env_var(u) for u in roles(nodes, tenants)), file=sys.stderr)
     else:
         sys.stdout.write(block)
     return EXIT_OK
@@ -70,6 +71,10 @@ def parser() -> argparse.ArgumentParser:
 
     def sched_flags(p):
         p.add_argument("--misses", type=int, default=3, help="heartbeats missed before a node counts as gone")
+        p.add_argument("--quota", action="append", default=[], metavar="TENANT=queued:N,devices:M",
+                       help="what one tenant may hold at once (repeat for each tenant)")
+        p.add_argument("--default-quota", default="", metavar="queued:N,devices:M",
+                       help="the quota of tenants without their own --quota (default: none)")
 
     def dashboard_flags(p):
         p.add_argument("--ws", dest="ws_url", default=os.environ.get("NATS_WS_URL"),
@@ -96,6 +101,8 @@ def parser() -> argparse.ArgumentParser:
         BusOptions.add_arguments(p)
         p.add_argument("--json", action="store_true", help="machine-readable output")
         p.add_argument("--timeout", type=float, default=bus.DEFAULT_TIMEOUT)
+        p.add_argument("--tenant", default=os.environ.get("JETLORA_TENANT"),
+                       help="act as this tenant (env JETLORA_TENANT): its own jobs and quota; none: as an admin")
         return p
 
     p = client("submit", "submit a job (JSON or YAML file)")
@@ -141,6 +148,7 @@ def parser() -> argparse.ArgumentParser:
     p.set_defaults(fn=cmd_demo)
     p = sub.add_parser("permissions", help="write the per-role users and subject permissions for nats-server")
     p.add_argument("--nodes", default="", help="agent node ids, comma separated: one user each")
+    p.add_argument("--tenants", default="", help="tenants, comma separated: one user each, confined to its own jobs")
     p.add_argument("--out")
     p.set_defaults(fn=cmd_permissions)
     p = sub.add_parser("schema", help="write the JSON Schemas and the AsyncAPI document into schemas/")

@@ -15,6 +15,14 @@ from services import bus
 from services.cli.client import EXIT_OK, EXIT_REJECTED, CommandFailed, ask, run_client, show
 
 
+def api(args) -> dict[str, str]:
+    """The request subjects this command uses: the tenant's own with --tenant, else an admin's."""
+    if args.tenant:
+        return names.tenant_api(names.check_token(args.tenant, "tenant"))._asdict()
+    return {"submit": names.SUBMIT, "job": names.GET_JOB, "jobs": names.LIST_JOBS, "cancel": names.CANCEL,
+            "stop": names.STOP}
+
+
 def _load_job_file(path: str) -> bytes:
     text = Path(path).read_text()
     if path.endswith((".yaml", ".yml")):
@@ -29,7 +37,7 @@ def cmd_submit(args) -> int:
 
     async def go(nc):
         try:
-            reply = await bus.request(nc, names.SUBMIT, payload, SubmitReply, timeout=args.timeout)
+            reply = await bus.request(nc, api(args)["submit"], payload, SubmitReply, timeout=args.timeout)
         except bus.PayloadTooLarge as e:
             raise CommandFailed(f"{e}. Send less inline `data` per job (a job's data travels in its submit message), "
                                 "or raise max_payload in the server's config", EXIT_REJECTED) from None
@@ -48,7 +56,7 @@ def cmd_submit(args) -> int:
 
 def cmd_jobs(args) -> int:
     async def go(nc):
-        show(await ask(nc, names.LIST_JOBS, JobListQuery(state=args.state, node=args.node), JobList), args.json,
+        show(await ask(nc, api(args)["jobs"], JobListQuery(state=args.state, node=args.node), JobList), args.json,
              _jobs_table)
         return EXIT_OK
 
@@ -68,7 +76,7 @@ def _jobs_table(reply: JobList) -> None:
 
 def cmd_job(args) -> int:
     async def go(nc):
-        reply = await ask(nc, names.GET_JOB, JobQuery(args.job), JobReply)
+        reply = await ask(nc, api(args)["job"], JobQuery(args.job), JobReply)
         print(msgspec.json.format(msgspec.json.encode(reply.job)).decode())
         return EXIT_OK
 
@@ -97,7 +105,7 @@ def _nodes_table(reply: NodeList) -> None:
 
 
 def cmd_control(args) -> int:
-    subject = names.CANCEL if args.command == "cancel" else names.STOP
+    subject = api(args)[args.command]
 
     async def go(nc):
         reply = await ask(nc, subject, JobQuery(args.job), JobReply)

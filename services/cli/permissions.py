@@ -26,8 +26,8 @@ def _object_read() -> list[str]:
     return _read_stream(OBJ)
 
 
-def roles(nodes: list[str]) -> dict[str, dict]:
-    api = [names.SUBMIT, names.GET_JOB, names.LIST_JOBS, names.CANCEL, names.STOP, names.LIST_NODES]
+def roles(nodes: list[str], tenants: list[str] = ()) -> dict[str, dict]:
+    api = [names.SUBMIT, names.GET_JOB, names.LIST_JOBS, names.CANCEL, names.STOP, names.LIST_NODES]  # an admin's
     watch = _read_stream(JOBS)
     users = {
         "scheduler": {"publish": [names.node("*").assign, names.node("*").control, names.JS_API_ALL, names.kv(names.JOBS_KV).subjects,
@@ -45,6 +45,9 @@ def roles(nodes: list[str]) -> dict[str, dict]:
         "dashboard": {"publish": [names.LIST_JOBS, names.LIST_NODES, names.ARTIFACTS_LIST] + watch + _object_read(),
                       "subscribe": [names.INBOX_ALL, names.HEARTBEATS_ALL]},
     }
+    for tenant in tenants:  # its own verbs only: it sees, cancels and stops its own jobs
+        names.check_token(tenant, "tenant")
+        users[f"tenant-{tenant}"] = {"publish": list(names.tenant_api(tenant)), "subscribe": [names.INBOX_ALL]}
     for node in nodes:
         names.check_token(node, "node id")
         users[f"agent-{node}"] = {
@@ -59,9 +62,9 @@ def env_var(user: str) -> str:
     return "JETLORA_" + user.upper().replace("-", "_") + "_PASSWORD"
 
 
-def authorization_block(nodes: list[str]) -> str:
+def authorization_block(nodes: list[str], tenants: list[str] = ()) -> str:
     lines = ["authorization {", "  users = ["]
-    for user, perms in roles(nodes).items():
+    for user, perms in roles(nodes, tenants).items():
         lines.append(f"    {{ user: {json.dumps(user)}, password: ${env_var(user)}, permissions: {{")
         lines.append(f"        publish: {{ allow: {json.dumps(perms['publish'])} }},")
         lines.append(f"        subscribe: {{ allow: {json.dumps(perms['subscribe'])} }},")

@@ -16,9 +16,16 @@ log = logging.getLogger(__name__)
 
 
 def _scheduler_config(args):
+    from services.scheduler.core import TenantQuota
     from services.scheduler.service import SchedulerConfig
 
-    return SchedulerConfig(heartbeat_interval=args.heartbeat_interval, misses=args.misses)
+    try:
+        quotas = {tenant: TenantQuota.parse(limits) for tenant, _, limits in (q.partition("=") for q in args.quota)}
+        default = TenantQuota.parse(args.default_quota)
+    except ValueError as e:
+        raise StartupError(f"--quota/--default-quota: {e}") from None
+    return SchedulerConfig(heartbeat_interval=args.heartbeat_interval, misses=args.misses, quotas=quotas,
+                           default_quota=default)
 
 
 def _agent_config(args):

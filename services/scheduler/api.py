@@ -26,16 +26,20 @@ class SchedulerApi(SchedulerCore):
 
     idempotency: IdempotencyKeys
 
-    def endpoints(self) -> dict[str, object]:
-        """Endpoint name (under names.API_GROUP) -> its handler."""
-        return {
-            "submit": self._submit,
-            "cancel": bus.handler(lambda q: self._end_early(q, "cancel"), JobQuery),
-            "stop": bus.handler(lambda q: self._end_early(q, "stop"), JobQuery),
-            "job": bus.handler(self._get_job, JobQuery),
-            "jobs": bus.handler(self._list_jobs, JobListQuery),
-            "nodes": bus.handler(self._list_nodes, msgspec.Raw),
-        }
+    def endpoints(self) -> list[tuple[str, str, object]]:
+        """(endpoint name, subject under names.API_GROUP, handler): an admin's verbs, which see every job, and
+        each tenant's (jetlora.api.<tenant>.<verb>), which see the tenant's own."""
+        verbs = {"cancel": (JobQuery, lambda q, tenant: self._end_early(q, "cancel", tenant)),
+                 "stop": (JobQuery, lambda q, tenant: self._end_early(q, "stop", tenant)),
+                 "job": (JobQuery, self._get_job),
+                 "jobs": (JobListQuery, self._list_jobs)}
+        out = [("submit", "submit", self._submit), ("tenant-submit", "*.submit", self._submit),
+               ("nodes", "nodes", bus.handler(self._list_nodes, msgspec.Raw))]
+        for verb, (request_type, serve) in verbs.items():
+            answer = bus.handler(lambda q, subject, serve=serve: serve(q, names.tenant_of_subject(subject)),
+                                 request_type, with_subject=True)
+            out += [(verb, verb, answer), (f"tenant-{verb}", f"*.{verb}", answer)]
+        return out
 
     # --- submission ------------------------------------------------------------------------------
     async def _submit(self, req) -> None:
@@ -45,7 +49,7 @@ class SchedulerApi(SchedulerCore):
 
     @functools.cached_property
     def _answer_submit(self):
-        return bus.handler(self._accept, parse=self._parse_with_size, invalid=Rejected)
+        return bus.handler(self._accept, parse=self._parse_with_size, invalid=Rejected, with_subject=True)
 
     async def _submit_one(self, req) -> None:
         try:
@@ -57,31 +61,41 @@ class SchedulerApi(SchedulerCore):
     def _parse_with_size(data: bytes) -> tuple[JobRequest, int]:
         return parse_job_request(data), len(data)
 
-    async def _accept(self, parsed: tuple[JobRequest, int]) -> Accepted | Rejected:
+    async def _accept(self, parsed: tuple[JobRequest, int], subject: str) -> Accepted | Rejected:
         request, size = parsed
-        if errors := self._capacity_errors(request):
+        tenant = names.tenant_of_subject(subject)
+        if errors := self._capacity_errors(request) + self._quota_errors(tenant):
             return Rejected(errors)
-        key = request.idempotency_key
-        if key is None:
-            return await self._store_new(request, size)
+        if request.idempotency_key is None:
+            return await self._store_new(request, size, tenant)
+        key = f"{tenant or ''}/{request.idempotency_key}"  # one tenant's keys are not another's
         try:
             async with self.idempotency.lock(key):  # a retry waits for the first try's answer
-                first = await self.idempotency.claim(request, job_id := uuid.uuid4().hex[:16], self._job_exists)
+                first = await self.idempotency.claim(key, request, job_id := uuid.uuid4().hex[:16], self._job_exists)
                 if first is not None:
                     return Accepted(first)  # the same submission again: nothing new is stored
-                reply = await self._store_new(request, size, job_id)
+                reply = await self._store_new(request, size, tenant, job_id)
                 if isinstance(reply, Rejected):
-                    await self.idempotency.release(request)
+                    await self.idempotency.release(key)
                 return reply
         finally:
             self.idempotency.done(key)
 
+    def _quota_errors(self, tenant: str | None) -> list[FieldError]:
+        limit = self.cfg.quota(tenant).queued
+        if limit is None or (queued := self._tenant_count(tenant, frozenset({"queued"}))) < limit:
+            return []
+        return [FieldError("", f"tenant {tenant} has {queued} jobs waiting for a device, its quota is {limit}; "
+                               "submit again once some have started, or ask an admin to raise the quota")]
+
     async def _job_exists(self, job_id: str) -> bool:
         return job_id in self.jobs or await self.store.find(job_id) is not None
 
-    async def _store_new(self, request: JobRequest, size: int, job_id: str | None = None) -> Accepted | Rejected:
+    async def _store_new(self, request: JobRequest, size: int, tenant: str | None,
+                         job_id: str | None = None) -> Accepted | Rejected:
         self.seq += 1
-        stored = StoredRequest(id=job_id or uuid.uuid4().hex[:16], request=request, created=time.time(), seq=self.seq)
+        stored = StoredRequest(id=job_id or uuid.uuid4().hex[:16], request=request, created=time.time(), seq=self.seq,
+                               tenant=tenant)
         try:
             await self.store.add(stored)  # durable before the reply: a crash after it loses nothing
         except Exception as e:
@@ -111,19 +125,20 @@ class SchedulerApi(SchedulerCore):
         return []
 
     # --- queries ---------------------------------------------------------------------------------
-    def _job(self, q: JobQuery) -> Job:
+    def _job(self, q: JobQuery, tenant: str | None) -> Job:
         job = self.jobs.get(q.job)
-        if job is None:
+        if job is None or (tenant is not None and job.stored.tenant != tenant):  # another tenant's is not there
             raise InvalidRequest([FieldError("job", f"no job {q.job}; `jetlora jobs` lists them")])
         return job
 
-    async def _get_job(self, q: JobQuery) -> JobReply:
-        job = self._job(q)
+    async def _get_job(self, q: JobQuery, tenant: str | None) -> JobReply:
+        job = self._job(q, tenant)
         return JobReply(summarize(job.stored, job.status))
 
-    async def _list_jobs(self, q: JobListQuery) -> JobList:
+    async def _list_jobs(self, q: JobListQuery, tenant: str | None) -> JobList:
         out = [summarize(j.stored, j.status) for j in self.jobs.values()
-               if (q.state is None or j.status.state == q.state) and (q.node is None or j.status.node == q.node)]
+               if (q.state is None or j.status.state == q.state) and (q.node is None or j.status.node == q.node)
+               and (tenant is None or j.stored.tenant == tenant)]
         return JobList(out[-q.limit:])
 
     async def _list_nodes(self, _query) -> NodeList:
@@ -137,8 +152,8 @@ class SchedulerApi(SchedulerCore):
         return NodeList(nodes)
 
     # --- cancel and stop -------------------------------------------------------------------------
-    async def _end_early(self, q: JobQuery, action: str) -> JobReply | Error:
-        job = self._job(q)
+    async def _end_early(self, q: JobQuery, action: str, tenant: str | None) -> JobReply | Error:
+        job = self._job(q, tenant)
         state = job.status.state
         if state in TERMINAL_STATES:
             return Error(f"job {job.id} already ended ({state})", field="job")

@@ -9,6 +9,7 @@ import time
 import msgspec
 
 from schemas import names
+from schemas.jobs import ACTIVE_STATES
 from schemas.nodes import Assignment, AssignRefused, AssignReply
 from services import bus
 from services.aio import wait_first
@@ -34,14 +35,20 @@ class SchedulerAssign(SchedulerCore):
             ender.cancel()
 
     def _place_pass(self) -> None:
+        holding = self._devices_by_tenant()
+
         def fits(node=None):
             def try_place(job_id: str) -> bool:
                 job = self.jobs[job_id]
-                req = job.stored.request
+                req, tenant = job.stored.request, job.stored.tenant
+                limit = self.cfg.quota(tenant).devices
+                if limit is not None and holding.get(tenant, 0) >= limit:
+                    return False  # the tenant holds its quota of devices: the job waits, others pass it
                 slot = self.fleet.find(req.gpu_mib, req.accelerator, node)
                 if slot is None:
                     return False
                 self.fleet.reserve(slot, job_id)
+                holding[tenant] = holding.get(tenant, 0) + 1
                 job.status = msgspec.structs.replace(job.status, node=slot[0], device=slot[1])
                 return True
             return try_place
@@ -54,6 +61,16 @@ class SchedulerAssign(SchedulerCore):
                 self._spawn(self._assign(self.jobs[job_id]))
                 if not self.fleet.any_free():
                     break
+
+    def _devices_by_tenant(self) -> dict[str | None, int]:
+        """Devices each tenant's jobs hold now; counted only when some quota limits devices."""
+        if self.cfg.default_quota.devices is None and all(q.devices is None for q in self.cfg.quotas.values()):
+            return {}
+        holding: dict[str | None, int] = {}
+        for job in self.jobs.values():
+            if job.stored.tenant is not None and job.status.state in ACTIVE_STATES:
+                holding[job.stored.tenant] = holding.get(job.stored.tenant, 0) + 1
+        return holding
 
     async def _assign(self, job: Job) -> None:
         node, device = job.slot

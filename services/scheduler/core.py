@@ -42,6 +42,25 @@ class Job:
         return (s.node, s.device) if s.node is not None and s.device is not None else None
 
 
+@dataclass(frozen=True)
+class TenantQuota:
+    """What one tenant may hold at once; None: no limit."""
+
+    queued: int | None = None  # jobs waiting for a device
+    devices: int | None = None  # devices its running jobs hold
+
+    @classmethod
+    def parse(cls, text: str) -> "TenantQuota":
+        """`queued:10,devices:2` (either may be left out)."""
+        limits = {}
+        for part in filter(None, text.split(",")):
+            key, _, value = part.partition(":")
+            if key not in ("queued", "devices") or not value.isdigit():
+                raise ValueError(f"quota {text!r}: write queued:N,devices:M")
+            limits[key] = int(value)
+        return cls(**limits)
+
+
 @dataclass
 class SchedulerConfig:
     heartbeat_interval: float = 1.0
@@ -50,6 +69,11 @@ class SchedulerConfig:
     backfill_window: int = 64
     max_concurrent_submits: int = 256
     idempotency_window_s: float = 24 * 3600.0  # a key sent again within this returns its first job
+    quotas: dict[str, TenantQuota] = field(default_factory=dict)  # per tenant
+    default_quota: TenantQuota = TenantQuota()  # for tenants not in quotas
+
+    def quota(self, tenant: str | None) -> TenantQuota:
+        return TenantQuota() if tenant is None else self.quotas.get(tenant, self.default_quota)
 
     @property
     def window(self) -> float:
@@ -104,6 +128,9 @@ class SchedulerCore:
             self.by_node.setdefault(job.status.node, set()).add(job.id)
             self.awaited.setdefault(job.status.node, now + self.cfg.window)
         return job
+
+    def _tenant_count(self, tenant: str, states: frozenset[str]) -> int:
+        return sum(1 for j in self.jobs.values() if j.stored.tenant == tenant and j.status.state in states)
 
     def _enqueue(self, job: Job) -> None:
         req = job.stored.request

@@ -30,11 +30,10 @@ class IdempotencyKeys:
     def lock(self, key: str) -> asyncio.Lock:
         return self._locks[key]
 
-    async def claim(self, request: JobRequest, job_id: JobId, job_exists) -> JobId | None:
+    async def claim(self, key: str, request: JobRequest, job_id: JobId, job_exists) -> JobId | None:
         """None: the key is now this job's (store it next). A job id: the key's first job, to answer with.
         Raises InvalidRequest when the key was used for a different request within the window.
         Call under lock(key)."""
-        key = request.idempotency_key
         record = IdempotencyRecord(job=job_id, request_sha256=request_digest(request), created=time.time())
         while True:
             found = await self.store.idempotency(key)
@@ -54,9 +53,9 @@ class IdempotencyKeys:
             if await self.store.write_idempotency(key, record, revision):
                 return None
 
-    async def release(self, request: JobRequest) -> None:
+    async def release(self, key: str) -> None:
         """The job could not be stored: its key must not point at it."""
-        await self.store.forget_idempotency(request.idempotency_key)
+        await self.store.forget_idempotency(key)
 
     def done(self, key: str) -> None:
         lock = self._locks.get(key)

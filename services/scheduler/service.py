@@ -75,8 +75,8 @@ class Scheduler(SchedulerApi, SchedulerAssign, SchedulerEvents, SchedulerLivenes
         service = await nats.micro.add_service(self.nc, name=names.SCHEDULER_SERVICE, version=__version__,
                                                description="jetlora job scheduler")
         api = service.add_group(name=names.API_GROUP)
-        for name, handler in self.endpoints().items():
-            await api.add_endpoint(name=name, handler=handler)
+        for name, subject, handler in self.endpoints():
+            await api.add_endpoint(name=name, subject=subject, handler=handler)
         await self.nc.flush()  # the subscriptions are live on the server before anyone is told we lead
         self.leading.set()
         log.info("scheduler leading: %d jobs known, %d queued", len(self.jobs), len(self.queue))
