@@ -19,6 +19,7 @@ class ArtifactMeta(Struct, kw_only=True):
     trainer_version: str = ""
     summary: str = ""  # hyperparameters, in a line
     filename: str = ""  # suggested file name when downloaded
+    tenant: str = ""  # whose job made it ("": an admin's)
 
 
 class Chunk(Struct, kw_only=True):
@@ -56,6 +57,7 @@ class ArtifactInfo(Struct, kw_only=True):
     trainer_version: str = ""
     summary: str = ""
     filename: str = ""
+    tenant: str = ""
 
 
 class ArtifactQuery(Struct, forbid_unknown_fields=True, kw_only=True):

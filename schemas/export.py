@@ -46,6 +46,10 @@ CHANNELS = [
     (names.artifact_upload("{job}"), "request", "Chunk", "ChunkAck", "agents", "one chunk of an artifact (msgpack)"),
     (names.ARTIFACTS_LIST, "request", "ArtifactQuery", "ArtifactList", "operators", "artifacts in the object store"),
     (names.ARTIFACTS_DELETE, "request", "ArtifactQuery", "Deleted", "operators", "delete a job's artifacts"),
+    (names.tenant_artifacts("{tenant}").list, "request", "ArtifactQuery", "ArtifactList", "a tenant's submitters",
+     "the artifacts of the tenant's jobs"),
+    (names.tenant_artifacts("{tenant}").delete, "request", "ArtifactQuery", "Deleted", "a tenant's submitters",
+     "delete artifacts of one of the tenant's jobs"),
 ]
 
 

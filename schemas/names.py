@@ -64,6 +64,16 @@ class TenantApi(NamedTuple):
     stop: str
 
 
+RESERVED_TENANTS = {"upload"}  # jetlora.artifacts.upload.* carries chunks
+
+
+def check_tenant(value: str) -> str:
+    check_token(value, "tenant")
+    if value in RESERVED_TENANTS:
+        raise ValueError(f"tenant {value!r} is reserved (it would share subjects with {RESERVED_TENANTS}); choose another")
+    return value
+
+
 def tenant_api(tenant: str = "*") -> TenantApi:
     return TenantApi(*(f"{API_GROUP}.{tenant}.{verb}" for verb in TenantApi._fields))
 
@@ -79,6 +89,17 @@ ARTIFACTS_GROUP = f"{PREFIX}.artifacts"
 ARTIFACTS_LIST = f"{ARTIFACTS_GROUP}.list"
 ARTIFACTS_DELETE = f"{ARTIFACTS_GROUP}.delete"
 ARTIFACTS_UPLOAD_ALL = f"{ARTIFACTS_GROUP}.upload.*"
+
+
+class TenantArtifactsApi(NamedTuple):
+    """A tenant's artifact requests: only the artifacts of its own jobs."""
+
+    list: str
+    delete: str
+
+
+def tenant_artifacts(tenant: str = "*") -> TenantArtifactsApi:
+    return TenantArtifactsApi(*(f"{ARTIFACTS_GROUP}.{tenant}.{verb}" for verb in TenantArtifactsApi._fields))
 
 
 def artifact_upload(job: str) -> str:

@@ -6,7 +6,7 @@ from typing import Annotated, Literal
 
 from msgspec import Meta, Struct, field
 
-from schemas.jobs import JobId, JobRequest, NodeId
+from schemas.jobs import JobId, JobRequest, NodeId, TenantId
 
 CPU_DEVICE = -1  # the index of a node's CPU when it offers it for training
 
@@ -46,6 +46,7 @@ class Assignment(Struct, kw_only=True):
     attempt: int
     request: JobRequest
     resume_from: str | None = None  # object-store name of a checkpoint
+    tenant: TenantId | None = None  # whose job it is: its artifacts are recorded as that tenant's
 
 
 class AssignAccepted(Struct, tag="accepted", tag_field="type"):

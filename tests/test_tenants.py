@@ -76,3 +76,26 @@ async def test_an_admin_submission_carries_no_tenant(nc, services):
     await start(services)
     job = (await bus.request(nc, names.SUBMIT, JOB, SubmitReply)).job
     assert [j.tenant for j in await list_jobs(nc) if j.id == job] == [None]
+
+
+async def test_a_tenant_lists_and_deletes_only_its_own_artifacts(nc, services, agents):
+    from schemas.artifacts import ArtifactList, ArtifactQuery, Deleted
+    from services.artifacts.service import ArtifactService
+
+    await start(services)
+    await services.start(lambda c: ArtifactService(c))
+    agents.start("n1", gpus="4096,4096", interval=0.25, hold_s=0.2)
+    await wait_nodes(nc, 1)
+    mine, theirs = (await submit_as(nc, "acme")).job, (await submit_as(nc, "globex")).job
+    for job in (mine, theirs):
+        await wait_state(nc, job, "succeeded", timeout=30)
+
+    async def artifacts_of(tenant, **query):
+        reply = await bus.request(nc, names.tenant_artifacts(tenant).list, ArtifactQuery(**query), ArtifactList)
+        return [(a.job, a.tenant) for a in reply.artifacts]
+
+    assert await artifacts_of("acme") == [(mine, "acme")]
+    assert await artifacts_of("acme", job=theirs) == []
+    gone = await bus.request(nc, names.tenant_artifacts("acme").delete, ArtifactQuery(job=theirs), Deleted)
+    assert gone.names == []  # not acme's to delete
+    assert await artifacts_of("globex") == [(theirs, "globex")]

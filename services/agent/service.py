@@ -255,7 +255,7 @@ class Agent:
             tar_path = Path(ev.path).parent / f"step-{ev.step}.tar.gz"
             await asyncio.to_thread(_tar_dir, Path(ev.path), tar_path)
             info = await upload_file(self.nc, a.job, "checkpoint", tar_path,
-                                     ArtifactMeta(base_model=a.request.model, trainer_version=__version__,
+                                     ArtifactMeta(base_model=a.request.model, trainer_version=__version__, tenant=a.tenant or "",
                                                   summary=f"step {ev.step}", filename=f"{a.job}-checkpoint.tar.gz"))
             await self._report(run, "running", f"checkpoint at step {ev.step} stored",
                                [ArtifactRef(kind="checkpoint", name=info.name, size=info.size, sha256=info.sha256)])
@@ -268,7 +268,7 @@ class Agent:
         adapter = Path(result.adapter_dir)
         tar_path = adapter.parent / "adapter.tar.gz"
         await asyncio.to_thread(_tar_dir, adapter, tar_path)
-        meta = ArtifactMeta(base_model=a.request.model, trainer_version=__version__, summary=_summary(a),
+        meta = ArtifactMeta(base_model=a.request.model, trainer_version=__version__, summary=_summary(a), tenant=a.tenant or "",
                             filename=f"{a.job}-adapter.tar.gz")
         files = [("peft", tar_path, meta)]
         if result.gguf_path:

@@ -57,8 +57,11 @@ class ArtifactService:
         service = await nats.micro.add_service(self.nc, name=names.ARTIFACT_SERVICE, version=__version__,
                                                description="jetlora artifact store")
         group = service.add_group(name=names.ARTIFACTS_GROUP)
-        await group.add_endpoint(name="list", handler=bus.handler(self._list, ArtifactQuery))
-        await group.add_endpoint(name="delete", handler=bus.handler(self._delete, ArtifactQuery))
+        for verb, serve in (("list", self._list), ("delete", self._delete)):  # an admin's, and each tenant's
+            answer = bus.handler(lambda q, subject, serve=serve: serve(q, names.tenant_of_subject(subject)),
+                                 ArtifactQuery, with_subject=True)
+            await group.add_endpoint(name=verb, handler=answer)
+            await group.add_endpoint(name=f"tenant-{verb}", subject=f"*.{verb}", handler=answer)
         reaper = asyncio.create_task(self._reap_stalled(stop))
         await self.nc.flush()
         self.ready.set()
@@ -176,22 +179,24 @@ class ArtifactService:
             self.failed = {k: v for k, v in self.failed.items() if now - v[1] < 600}
 
     # --- operators' requests -------------------------------------------------------------------
-    async def list_artifacts(self, q: ArtifactQuery) -> list[ArtifactInfo]:
+    async def list_artifacts(self, q: ArtifactQuery, tenant: str | None = None) -> list[ArtifactInfo]:
+        """Artifacts matching the query; a tenant's own only, when one asks."""
         try:
             objects = await self.obs.list(ignore_deletes=True)
         except Exception:  # nats-py raises NotFoundError on an empty bucket
             objects = []
         out = [a for a in map(info_from_object, objects) if a]
-        return [a for a in out if (q.job is None or a.job == q.job) and (q.kind is None or a.kind == q.kind)]
+        return [a for a in out if (q.job is None or a.job == q.job) and (q.kind is None or a.kind == q.kind)
+                and (tenant is None or a.tenant == tenant)]
 
-    async def _list(self, q: ArtifactQuery) -> ArtifactList:
-        return ArtifactList(await self.list_artifacts(q))
+    async def _list(self, q: ArtifactQuery, tenant: str | None) -> ArtifactList:
+        return ArtifactList(await self.list_artifacts(q, tenant))
 
-    async def _delete(self, q: ArtifactQuery) -> Deleted | Error:
+    async def _delete(self, q: ArtifactQuery, tenant: str | None) -> Deleted | Error:
         if q.job is None:
             return Error("say which job's artifacts to delete", field="job")
         gone = []
-        for a in await self.list_artifacts(q):
+        for a in await self.list_artifacts(q, tenant):
             await self.obs.delete(a.name)
             gone.append(a.name)
         return Deleted(gone)

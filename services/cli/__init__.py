@@ -129,6 +129,8 @@ def parser() -> argparse.ArgumentParser:
         a = asub.add_parser(name, help=help_)
         BusOptions.add_arguments(a, repeated=True)
         a.add_argument("--json", action="store_true", default=argparse.SUPPRESS)
+        a.add_argument("--tenant", default=os.environ.get("JETLORA_TENANT"),
+                       help="as this tenant (env JETLORA_TENANT): the artifacts of its own jobs")
         return a
 
     a = action("ls", "list artifacts")

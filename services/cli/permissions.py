@@ -46,8 +46,9 @@ def roles(nodes: list[str], tenants: list[str] = ()) -> dict[str, dict]:
                       "subscribe": [names.INBOX_ALL, names.HEARTBEATS_ALL]},
     }
     for tenant in tenants:  # its own verbs only: it sees, cancels and stops its own jobs
-        names.check_token(tenant, "tenant")
-        users[f"tenant-{tenant}"] = {"publish": list(names.tenant_api(tenant)), "subscribe": [names.INBOX_ALL]}
+        names.check_tenant(tenant)
+        users[f"tenant-{tenant}"] = {"publish": list(names.tenant_api(tenant)) + list(names.tenant_artifacts(tenant)),
+                                     "subscribe": [names.INBOX_ALL]}
     for node in nodes:
         names.check_token(node, "node id")
         users[f"agent-{node}"] = {

@@ -92,7 +92,7 @@ class SchedulerAssign(SchedulerCore):
             request = self._full_request_cached(job.id) or (await self.store.request(job.id)).request
             reply = await bus.request(self.nc, names.node(node).assign,
                                       Assignment(job=job.id, device=device, attempt=attempt, request=request,
-                                                 resume_from=job.status.checkpoint),
+                                                 resume_from=job.status.checkpoint, tenant=job.stored.tenant),
                                       AssignReply, timeout=self.cfg.assign_timeout)
         except bus.RequestError as e:
             reply = AssignRefused(job.id, str(e))
