@@ -43,19 +43,18 @@ def check_token(value: str, what: str) -> str:
     return value
 
 
+def _subjects(kind, base: str):
+    """A NamedTuple of subjects: each field's name is the last token under `base`."""
+    return kind(*(f"{base}.{last}" for last in kind._fields))
+
+
 # requests served by the scheduler (nats.micro group "jetlora.api")
 API_GROUP = f"{PREFIX}.api"
-SUBMIT = f"{API_GROUP}.submit"
-CANCEL = f"{API_GROUP}.cancel"
-STOP = f"{API_GROUP}.stop"
-GET_JOB = f"{API_GROUP}.job"
-LIST_JOBS = f"{API_GROUP}.jobs"
-LIST_NODES = f"{API_GROUP}.nodes"
 
 
-
-class TenantApi(NamedTuple):
-    """A tenant's own request subjects: what it submits and sees is confined to its jobs."""
+class JobsApi(NamedTuple):
+    """Requests about jobs: an admin's (jetlora.api.<verb>, every job) or a tenant's (jetlora.api.<tenant>.<verb>,
+    its own jobs only)."""
 
     submit: str
     job: str
@@ -64,6 +63,12 @@ class TenantApi(NamedTuple):
     stop: str
 
 
+def jobs_api(tenant: str | None = None) -> JobsApi:
+    return _subjects(JobsApi, API_GROUP if tenant is None else f"{API_GROUP}.{tenant}")
+
+
+SUBMIT, GET_JOB, LIST_JOBS, CANCEL, STOP = jobs_api()
+LIST_NODES = f"{API_GROUP}.nodes"
 RESERVED_TENANTS = {"upload"}  # jetlora.artifacts.upload.* carries chunks
 
 
@@ -74,10 +79,6 @@ def check_tenant(value: str) -> str:
     return value
 
 
-def tenant_api(tenant: str = "*") -> TenantApi:
-    return TenantApi(*(f"{API_GROUP}.{tenant}.{verb}" for verb in TenantApi._fields))
-
-
 def tenant_of_subject(subject: str) -> str | None:
     """The tenant in a jetlora.api.<tenant>.<verb> subject; None for jetlora.api.<verb> (an admin's)."""
     parts = subject.split(".")
@@ -86,20 +87,21 @@ def tenant_of_subject(subject: str) -> str | None:
 
 # requests served by the artifact service (nats.micro group "jetlora.artifacts")
 ARTIFACTS_GROUP = f"{PREFIX}.artifacts"
-ARTIFACTS_LIST = f"{ARTIFACTS_GROUP}.list"
-ARTIFACTS_DELETE = f"{ARTIFACTS_GROUP}.delete"
 ARTIFACTS_UPLOAD_ALL = f"{ARTIFACTS_GROUP}.upload.*"
 
 
-class TenantArtifactsApi(NamedTuple):
-    """A tenant's artifact requests: only the artifacts of its own jobs."""
+class ArtifactsApi(NamedTuple):
+    """Artifact requests: an admin's (every artifact) or a tenant's (those of its own jobs)."""
 
     list: str
     delete: str
 
 
-def tenant_artifacts(tenant: str = "*") -> TenantArtifactsApi:
-    return TenantArtifactsApi(*(f"{ARTIFACTS_GROUP}.{tenant}.{verb}" for verb in TenantArtifactsApi._fields))
+def artifacts_api(tenant: str | None = None) -> ArtifactsApi:
+    return _subjects(ArtifactsApi, ARTIFACTS_GROUP if tenant is None else f"{ARTIFACTS_GROUP}.{tenant}")
+
+
+ARTIFACTS_LIST, ARTIFACTS_DELETE = artifacts_api()
 
 
 def artifact_upload(job: str) -> str:
@@ -115,8 +117,7 @@ class NodeSubjects(NamedTuple):
 
 
 def node(node_id: str = "*") -> NodeSubjects:
-    base = f"{PREFIX}.node.{node_id}"
-    return NodeSubjects(*(f"{base}.{verb}" for verb in NodeSubjects._fields))
+    return _subjects(NodeSubjects, f"{PREFIX}.node.{node_id}")
 
 
 class JobSubjects(NamedTuple):
@@ -128,8 +129,7 @@ class JobSubjects(NamedTuple):
 
 
 def job(job_id: str = "*", node_id: str = "*") -> JobSubjects:
-    base = f"{PREFIX}.job.{job_id}.{node_id}"
-    return JobSubjects(*(f"{base}.{kind}" for kind in JobSubjects._fields))
+    return _subjects(JobSubjects, f"{PREFIX}.job.{job_id}.{node_id}")
 
 
 def job_events(job_id: str) -> str:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import importlib.util
+import inspect
 import os
 import signal
 import subprocess
@@ -24,6 +25,7 @@ from schemas.jobs import JobList, JobListQuery, JobQuery, JobReply, SubmitReply
 from schemas.nodes import NodeList
 from services import bus
 from services.embedded import EmbeddedNats
+from services.scheduler.core import SchedulerConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 HOLD_TRAINER = f"{sys.executable} {ROOT / 'tests' / 'programs' / 'hold_trainer.py'}"
@@ -97,6 +99,21 @@ async def services(nats_server, nc):
     await s.close()
 
 
+STACK_CONFIG = SchedulerConfig(heartbeat_interval=0.25, misses=3, assign_timeout=2.0)
+
+
+@pytest.fixture
+async def stack(services):
+    """A scheduler (STACK_CONFIG: heartbeats every 0.25 s, 3 missed mean gone) and an artifact service, in-process."""
+    from services.artifacts.service import ArtifactService
+    from services.scheduler.service import Scheduler
+
+    sched, *_ = await services.start(lambda c: Scheduler(c, STACK_CONFIG))
+    await services.start(lambda c: ArtifactService(c))
+    await asyncio.wait_for(sched.leading.wait(), 10)
+    return sched
+
+
 class Agents:
     """Agents as real subprocesses (`jetlora agent`), so they can be killed with SIGKILL."""
 
@@ -167,11 +184,13 @@ async def list_nodes(nc):
 
 
 async def wait_for(predicate, timeout: float = 20.0, interval: float = 0.05, what: str = "condition"):
-    """Poll an async predicate until it returns something truthy."""
+    """Poll a predicate (plain or async) until it returns something truthy."""
     deadline = time.monotonic() + timeout
     last = None
     while time.monotonic() < deadline:
-        last = await predicate()
+        last = predicate()
+        if inspect.isawaitable(last):
+            last = await last
         if last:
             return last
         await asyncio.sleep(interval)

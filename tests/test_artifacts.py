@@ -106,7 +106,7 @@ async def test_a_sender_that_goes_away_leaves_no_object(nc, artifact_service):
     c = chunks_of(os.urandom(10_000), 2_000)
     for chunk in c[:3]:
         assert (await send(nc, chunk)).ok
-    await wait_for(lambda: asyncio.sleep(0, not artifact_service.uploads), timeout=5, what="the stalled upload to end")
+    await wait_for(lambda: not artifact_service.uploads, timeout=5, what="the stalled upload to end")
     ack = await send(nc, c[3])
     assert not ack.ok and "stalled" in ack.error
     assert await object_names(nc) == [] and await bucket_messages(nc) == 0
@@ -118,10 +118,10 @@ async def test_a_killed_sender_process_leaves_no_object(nc, artifact_service, na
             f"async def m():\n nc = await nats.connect('{nats_server.url}')\n"
             f" await upload_file(nc, 'killed', 'peft', '{src}', window=1)\nasyncio.run(m())\n")
     proc = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT)
-    await wait_for(lambda: asyncio.sleep(0, bool(artifact_service.uploads)), timeout=10, what="the upload to start")
+    await wait_for(lambda: bool(artifact_service.uploads), timeout=10, what="the upload to start")
     proc.kill()
     proc.wait()
-    await wait_for(lambda: asyncio.sleep(0, not artifact_service.uploads), timeout=5, what="the upload to be dropped")
+    await wait_for(lambda: not artifact_service.uploads, timeout=5, what="the upload to be dropped")
     assert await object_names(nc) == []
     await wait_for(lambda: _purged(nc), timeout=10, what="the dropped upload's chunks to be purged")
 

@@ -11,27 +11,18 @@ import pytest
 from schemas import names
 from schemas.jobs import Accepted, Rejected
 from services.artifacts.service import ArtifactService
-from services.scheduler.service import Scheduler, SchedulerConfig
-from tests.conftest import kv_keys, list_jobs, states_of, submit, wait_for, wait_nodes, wait_state
+from services.scheduler.service import Scheduler
+from tests.conftest import STACK_CONFIG, kv_keys, list_jobs, states_of, submit, wait_for, wait_nodes, wait_state
 from tests.qa import pairs
 
-INTERVAL = 0.25
-CFG = SchedulerConfig(heartbeat_interval=INTERVAL, misses=3, assign_timeout=2.0)
+INTERVAL = STACK_CONFIG.heartbeat_interval
+CFG = STACK_CONFIG
 
 
 def job(**kw) -> dict:
     base = {"model": "tiny", "base_dir": "/models/tiny", "data": pairs(2), "gpu_mib": 1000}
     base.update(kw)
     return base
-
-
-@pytest.fixture
-async def stack(services):
-    """Scheduler and artifact service in-process."""
-    sched, *_ = await services.start(lambda c: Scheduler(c, CFG))
-    await services.start(lambda c: ArtifactService(c))
-    await asyncio.wait_for(sched.leading.wait(), 10)
-    return sched
 
 
 async def test_submit_is_stored_before_the_reply(nc, stack):
@@ -231,7 +222,7 @@ async def test_two_schedulers_never_double_assign(nc, services, agents):
     s1, *_ = await services.start(lambda c: Scheduler(c, CFG, holder="s1"))
     s2, *_ = await services.start(lambda c: Scheduler(c, CFG, holder="s2"))
     await services.start(lambda c: ArtifactService(c))
-    await wait_for(lambda: asyncio.sleep(0, s1.leading.is_set() or s2.leading.is_set()), what="a leader")
+    await wait_for(lambda: s1.leading.is_set() or s2.leading.is_set(), what="a leader")
     await asyncio.sleep(0.5)
     assert s1.leading.is_set() != s2.leading.is_set()
     for n in ("a", "b"):

@@ -140,7 +140,7 @@ def _nats_servers_under(path: Path) -> list[int]:
 
 
 async def _until_gone(path: Path, timeout: float = 15.0) -> None:
-    await wait_for(lambda: asyncio.sleep(0, not _nats_servers_under(path)), timeout=timeout,
+    await wait_for(lambda: not _nats_servers_under(path), timeout=timeout,
                    what=f"the embedded nats-server under {path} to exit")
 
 

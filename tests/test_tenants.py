@@ -9,14 +9,14 @@ from schemas.jobs import Accepted, Error, JobList, JobListQuery, JobQuery, JobRe
 from services import bus
 from services.scheduler.core import TenantQuota
 from services.scheduler.service import Scheduler, SchedulerConfig
-from tests.conftest import list_jobs, wait_nodes, wait_state
+from tests.conftest import list_jobs, list_nodes, wait_for, wait_nodes, wait_state
 from tests.qa import pairs
 
 JOB = {"model": "tiny", "base_dir": "/models/tiny", "data": pairs(2), "gpu_mib": 1000}
 
 
 async def as_tenant(nc, tenant: str, verb: str, message, reply_type):
-    return await bus.request(nc, getattr(names.tenant_api(tenant), verb), message, reply_type)
+    return await bus.request(nc, getattr(names.jobs_api(tenant), verb), message, reply_type)
 
 
 async def submit_as(nc, tenant: str, **kw) -> SubmitReply:
@@ -57,6 +57,18 @@ async def test_a_tenant_over_its_queued_quota_is_rejected_saying_so(nc, services
     assert isinstance(await submit_as(nc, "acme"), Accepted)  # room again
 
 
+async def heartbeats_with_a_free_device(nc, node: str, count: int) -> None:
+    seen = set()
+
+    async def enough():
+        for n in await list_nodes(nc):
+            if n.node == node and any(not d.jobs for d in n.devices):
+                seen.add(n.last_seen)
+        return len(seen) >= count
+
+    await wait_for(enough, timeout=20, what=f"{count} heartbeats of {node} with a free device")
+
+
 async def test_a_tenant_at_its_device_quota_waits_while_others_run(nc, services, agents):
     await start(services, quotas={"acme": TenantQuota(devices=1)})
     agents.start("n1", gpus="4096,4096,4096", interval=0.25, hold_s=60)
@@ -66,7 +78,7 @@ async def test_a_tenant_at_its_device_quota_waits_while_others_run(nc, services,
     a2 = (await submit_as(nc, "acme")).job
     g1 = (await submit_as(nc, "globex")).job
     await wait_state(nc, g1, "running")  # submitted after a2, placed before it: a2 waits for acme's quota
-    await asyncio.sleep(1.0)  # a window of heartbeats in which a2 must not be placed on the free device
+    await heartbeats_with_a_free_device(nc, "n1", 3)  # placement passes in which a2 must not take that device
     assert (await wait_state(nc, a2, "queued")).node is None
     await as_tenant(nc, "acme", "cancel", JobQuery(a1), JobReply)
     assert (await wait_state(nc, a2, "running", timeout=20)).tenant == "acme"
@@ -91,11 +103,11 @@ async def test_a_tenant_lists_and_deletes_only_its_own_artifacts(nc, services, a
         await wait_state(nc, job, "succeeded", timeout=30)
 
     async def artifacts_of(tenant, **query):
-        reply = await bus.request(nc, names.tenant_artifacts(tenant).list, ArtifactQuery(**query), ArtifactList)
+        reply = await bus.request(nc, names.artifacts_api(tenant).list, ArtifactQuery(**query), ArtifactList)
         return [(a.job, a.tenant) for a in reply.artifacts]
 
     assert await artifacts_of("acme") == [(mine, "acme")]
     assert await artifacts_of("acme", job=theirs) == []
-    gone = await bus.request(nc, names.tenant_artifacts("acme").delete, ArtifactQuery(job=theirs), Deleted)
+    gone = await bus.request(nc, names.artifacts_api("acme").delete, ArtifactQuery(job=theirs), Deleted)
     assert gone.names == []  # not acme's to delete
     assert await artifacts_of("globex") == [(theirs, "globex")]

@@ -8,25 +8,15 @@ import sys
 import time
 
 import msgspec
-import pytest
 
 from schemas import names
 from schemas.events import StateChange
 from schemas.jobs import Accepted, Rejected
-from services.artifacts.service import ArtifactService
 from services.procs import start_time, write_pid_file
 from services.scheduler.service import Scheduler, SchedulerConfig
-from tests.conftest import kv_keys, run_held_job, states_of, submit, wait_for, wait_nodes, wait_state
+from tests.conftest import STACK_CONFIG, kv_keys, run_held_job, states_of, submit, wait_for, wait_nodes, wait_state
 
-CFG = SchedulerConfig(heartbeat_interval=0.25, misses=4)
-
-
-@pytest.fixture
-async def stack(services):
-    sched, *_ = await services.start(lambda c: Scheduler(c, CFG))
-    await services.start(lambda c: ArtifactService(c))
-    await asyncio.wait_for(sched.leading.wait(), 10)
-    return sched
+CFG = STACK_CONFIG
 
 
 async def test_an_event_from_a_node_that_does_not_hold_the_job_changes_nothing(nc, stack, agents):
@@ -49,7 +39,7 @@ async def test_a_sigkilled_agents_trainer_is_gone_within_the_window(nc, stack, a
     assert start_time(pid) is not None
     t0 = time.monotonic()
     agents.kill("doomed")
-    await wait_for(lambda: asyncio.sleep(0, start_time(pid) is None), timeout=CFG.window + 2,
+    await wait_for(lambda: start_time(pid) is None, timeout=CFG.window + 2,
                    what=f"trainer {pid} to die with its agent")
     print(f"trainer gone {time.monotonic() - t0:.2f}s after its agent's SIGKILL")
     await wait_state(nc, job_id, "failed", timeout=10)

@@ -9,8 +9,7 @@ from services.cli.client import EXIT_OK, CommandFailed, ask, run_client, show
 
 def cmd_artifacts(args) -> int:
     tenant = getattr(args, "tenant", None)
-    subjects = (names.tenant_artifacts(names.check_tenant(tenant)) if tenant
-                else names.TenantArtifactsApi(list=names.ARTIFACTS_LIST, delete=names.ARTIFACTS_DELETE))
+    subjects = names.artifacts_api(names.check_tenant(tenant) if tenant else None)
     async def go(nc):
         if args.action == "ls":
             reply = await ask(nc, subjects.list, ArtifactQuery(job=args.job), ArtifactList)

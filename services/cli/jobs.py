@@ -17,10 +17,7 @@ from services.cli.client import EXIT_OK, EXIT_REJECTED, CommandFailed, ask, run_
 
 def api(args) -> dict[str, str]:
     """The request subjects this command uses: the tenant's own with --tenant, else an admin's."""
-    if args.tenant:
-        return names.tenant_api(names.check_tenant(args.tenant))._asdict()
-    return {"submit": names.SUBMIT, "job": names.GET_JOB, "jobs": names.LIST_JOBS, "cancel": names.CANCEL,
-            "stop": names.STOP}
+    return names.jobs_api(names.check_tenant(args.tenant) if args.tenant else None)._asdict()
 
 
 def _load_job_file(path: str) -> bytes:

@@ -47,7 +47,7 @@ def roles(nodes: list[str], tenants: list[str] = ()) -> dict[str, dict]:
     }
     for tenant in tenants:  # its own verbs only: it sees, cancels and stops its own jobs
         names.check_tenant(tenant)
-        users[f"tenant-{tenant}"] = {"publish": list(names.tenant_api(tenant)) + list(names.tenant_artifacts(tenant)),
+        users[f"tenant-{tenant}"] = {"publish": list(names.jobs_api(tenant)) + list(names.artifacts_api(tenant)),
                                      "subscribe": [names.INBOX_ALL]}
     for node in nodes:
         names.check_token(node, "node id")

@@ -22,7 +22,8 @@ log = logging.getLogger(__name__)
 
 
 class SchedulerApi(SchedulerCore):
-    """jetlora.api.*: every handler takes a typed request and returns its reply (bus.handler does the rest)."""
+    """The scheduler's request endpoints: every handler takes a typed request and returns its reply (bus.handler
+    does the rest)."""
 
     idempotency: IdempotencyKeys
 

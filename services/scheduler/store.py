@@ -65,38 +65,42 @@ class JobStore:
         status = await self.status(job)
         return (stored, *status) if status else (stored, None, 0)
 
-    async def status(self, job: JobId) -> tuple[JobStatus, int] | None:
+    async def _read(self, key: str, decoder: msgspec.json.Decoder):
+        """The value under `key` and its revision; None when there is none."""
         try:
-            entry = await self.kv.get(status_key(job))
+            entry = await self.kv.get(key)
         except KeyNotFoundError:
             return None
-        return _dec_status.decode(entry.value), entry.revision
+        return decoder.decode(entry.value), entry.revision
+
+    async def status(self, job: JobId) -> tuple[JobStatus, int] | None:
+        return await self._read(status_key(job), _dec_status)
+
+    async def _write_if_unchanged(self, key: str, value, revision: int) -> int:
+        """Write if nobody wrote the key since `revision` (0: never written); the new revision, or Conflict."""
+        try:
+            if revision == 0:
+                return await self.kv.create(key, _enc.encode(value))
+            return await self.kv.update(key, _enc.encode(value), last=revision)
+        except KeyWrongLastSequenceError as e:
+            raise Conflict(e.description) from None
 
     async def write_status(self, job: JobId, status: JobStatus, revision: int) -> int:
         """Write the status if nobody wrote it since `revision` (0: never written); the new revision."""
         try:
-            if revision == 0:
-                return await self.kv.create(status_key(job), _enc.encode(status))
-            return await self.kv.update(status_key(job), _enc.encode(status), last=revision)
-        except KeyWrongLastSequenceError as e:
-            raise Conflict(f"job {job}: its status changed elsewhere ({e.description})") from None
+            return await self._write_if_unchanged(status_key(job), status, revision)
+        except Conflict as e:
+            raise Conflict(f"job {job}: its status changed elsewhere ({e})") from None
 
     async def idempotency(self, client_key: str) -> tuple[IdempotencyRecord, int] | None:
-        try:
-            entry = await self.kv.get(idempotency_key(client_key))
-        except KeyNotFoundError:
-            return None
-        return _dec_idem.decode(entry.value), entry.revision
+        return await self._read(idempotency_key(client_key), _dec_idem)
 
     async def write_idempotency(self, client_key: str, record: IdempotencyRecord, revision: int) -> bool:
         """Write if nobody wrote it since `revision` (0: never); False when someone did."""
         try:
-            if revision == 0:
-                await self.kv.create(idempotency_key(client_key), _enc.encode(record))
-            else:
-                await self.kv.update(idempotency_key(client_key), _enc.encode(record), last=revision)
+            await self._write_if_unchanged(idempotency_key(client_key), record, revision)
             return True
-        except KeyWrongLastSequenceError:
+        except Conflict:
             return False
 
     async def forget_idempotency(self, client_key: str) -> None:
