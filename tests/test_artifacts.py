@@ -18,7 +18,7 @@ from schemas.artifacts import ArtifactMeta, Chunk, ChunkAck
 from services.artifacts.download import DownloadError, download, safe_extract, sha256_file
 from services.artifacts.sender import upload_file
 from services.artifacts.service import ArtifactService
-from tests.conftest import ROOT, object_names, random_file, wait_for
+from tests.conftest import ROOT, answering, object_names, random_file, wait_for
 
 _ack = msgspec.json.Decoder(ChunkAck)
 
@@ -118,7 +118,7 @@ async def test_a_killed_sender_process_leaves_no_object(nc, artifact_service, na
             f"async def m():\n nc = await nats.connect('{nats_server.url}')\n"
             f" await upload_file(nc, 'killed', 'peft', '{src}', window=1)\nasyncio.run(m())\n")
     proc = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT)
-    await wait_for(lambda: bool(artifact_service.uploads), timeout=10, what="the upload to start")
+    await wait_for(lambda: bool(artifact_service.uploads), timeout=30, what="the upload to start")
     proc.kill()
     proc.wait()
     await wait_for(lambda: not artifact_service.uploads, timeout=5, what="the upload to be dropped")
@@ -163,6 +163,7 @@ async def test_a_1_gb_artifact_keeps_the_service_small(nc, nats_server, tmp_path
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         src = random_file(tmp_path / "g.bin", 1024)
+        await answering(nc, names.ARTIFACTS_LIST)  # its process is up
         t0 = time.monotonic()
         info = await upload_file(nc, "big", "peft", src, timeout=30)
         took = time.monotonic() - t0

@@ -85,6 +85,7 @@ async def test_the_scheduler_killed_mid_job_loses_nothing_and_assigns_nothing_tw
     try:
         await services.start(lambda c: ArtifactService(c))
         agents.start("n1", gpus="4096,4096", interval=0.25, hold_s=2.0)
+        await answering(nc, names.LIST_JOBS)  # the scheduler's process is up (slow to start on a busy machine)
         ids = []
         for i in range(4):
             reply = await submit(nc, {"model": "tiny", "base_dir": "/models/tiny", "data": pairs(2), "label": f"j{i}"})

@@ -15,7 +15,8 @@ import pytest
 
 from schemas.jobs import Accepted
 from services.embedded import EmbeddedNats
-from tests.conftest import ROOT, Agents, get_job, submit, wait_state
+from schemas import names
+from tests.conftest import ROOT, Agents, answering, get_job, submit, wait_state
 from tests.qa import pairs
 
 ROUNDS = int(os.environ.get("JETLORA_SOAK", "0"))
@@ -34,6 +35,7 @@ async def test_nats_server_killed_mid_job_again_and_again_loses_no_job(tmp_path)
     nc = await nats.connect(server.url, max_reconnect_attempts=-1, reconnect_time_wait=0.2)
     outcomes: dict[str, str] = {}
     try:
+        await answering(nc, names.LIST_JOBS)
         for i in range(ROUNDS):
             reply = await submit(nc, {"model": "tiny", "base_dir": "/models/tiny", "data": pairs(2), "label": f"r{i}"})
             assert isinstance(reply, Accepted), reply
