@@ -111,3 +111,11 @@ async def test_a_tenant_lists_and_deletes_only_its_own_artifacts(nc, services, a
     gone = await bus.request(nc, names.artifacts_api("acme").delete, ArtifactQuery(job=theirs), Deleted)
     assert gone.names == []  # not acme's to delete
     assert await artifacts_of("globex") == [(theirs, "globex")]
+
+
+async def test_a_retry_at_the_quota_gets_its_job_not_a_quota_error(nc, services):
+    await start(services, quotas={"acme": TenantQuota(queued=1)})
+    first = await submit_as(nc, "acme", idempotency_key="k1")
+    assert isinstance(first, Accepted)
+    assert await submit_as(nc, "acme", idempotency_key="k1") == first  # the tenant is at its quota now
+    assert isinstance(await submit_as(nc, "acme", idempotency_key="k2"), Rejected)

@@ -65,22 +65,26 @@ class SchedulerApi(SchedulerCore):
     async def _accept(self, parsed: tuple[JobRequest, int], subject: str) -> Accepted | Rejected:
         request, size = parsed
         tenant = names.tenant_of_subject(subject)
-        if errors := self._capacity_errors(request) + self._quota_errors(tenant):
-            return Rejected(errors)
         if request.idempotency_key is None:
-            return await self._store_new(request, size, tenant)
+            return await self._admit(request, size, tenant)
         key = f"{tenant or ''}/{request.idempotency_key}"  # one tenant's keys are not another's
         try:
             async with self.idempotency.lock(key):  # a retry waits for the first try's answer
                 first = await self.idempotency.claim(key, request, job_id := uuid.uuid4().hex[:16], self._job_exists)
                 if first is not None:
                     return Accepted(first)  # the same submission again: nothing new is stored
-                reply = await self._store_new(request, size, tenant, job_id)
+                reply = await self._admit(request, size, tenant, job_id)  # a retry is answered before any quota
                 if isinstance(reply, Rejected):
                     await self.idempotency.release(key)
                 return reply
         finally:
             self.idempotency.done(key)
+
+    async def _admit(self, request: JobRequest, size: int, tenant: str | None,
+                     job_id: str | None = None) -> Accepted | Rejected:
+        if errors := self._capacity_errors(request) + self._quota_errors(tenant):
+            return Rejected(errors)
+        return await self._store_new(request, size, tenant, job_id)
 
     def _quota_errors(self, tenant: str | None) -> list[FieldError]:
         limit = self.cfg.quota(tenant).queued
