@@ -107,13 +107,13 @@ def test_an_unverified_architecture_is_refused_before_training(tiny_model, tmp_p
     check_exportable(tiny_model)  # llama: verified
     check_exportable(base_of_type(tiny_model, tmp_path, "qwen2"))
     with pytest.raises(JobError, match="served_by=vllm"):
-        check_exportable(base_of_type(tiny_model, tmp_path, "olmo"))
+        check_exportable(base_of_type(tiny_model, tmp_path, "internlm2"))
 
     spec = spec_for(tiny_model, tmp_path)
     spec.request.served_by = "llamacpp"
-    spec.request.base_dir = str(base_of_type(tiny_model, tmp_path, "granite"))
+    spec.request.base_dir = str(base_of_type(tiny_model, tmp_path, "minicpm"))
     job_file = tmp_path / "job.json"
     job_file.write_bytes(msgspec.json.encode(spec))
     assert trainer_main(["trainer", str(job_file)]) == 1
     events = [json.loads(line) for line in capsys.readouterr().out.splitlines() if line.startswith("{")]
-    assert [e["type"] for e in events] == ["failed"] and "granite" in events[0]["message"]  # no step was trained
+    assert [e["type"] for e in events] == ["failed"] and "minicpm" in events[0]["message"]  # no step was trained

@@ -22,6 +22,8 @@ reference = get_model_class(get_model_architecture(hparams, ModelType.TEXT))
 
 
 class TinyVocab(reference):
+    model_arch = reference.model_arch
+
     def get_vocab_base_pre(self, tokenizer) -> str:
         return "gpt-2"
 
