@@ -67,6 +67,9 @@ class TrainConfig(Struct, forbid_unknown_fields=True, kw_only=True):
     gradient_checkpointing: bool = False
     precision: Literal["auto", "bf16", "fp16", "fp32"] = "auto"
     max_grad_norm: Annotated[float, Meta(ge=0, le=1e4, description="0: no clipping")] = 1.0
+    loss_chunk_tokens: Annotated[int, Meta(ge=0, le=1_048_576, description=(
+        "the loss goes through the output projection this many tokens at a time, so peak memory does not grow "
+        "with tokens x vocabulary; 0: all tokens at once"))] = 1024
 
 
 class JobRequest(Struct, forbid_unknown_fields=True, kw_only=True):

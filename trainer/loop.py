@@ -16,6 +16,7 @@ from transformers import get_scheduler
 
 from schemas.events import Checkpoint, Finished, Progress, Started, TrainerSpec
 from trainer import data, model as base
+from trainer.chunked_loss import DEFAULT_CHUNK_TOKENS, chunked_cross_entropy
 from trainer.errors import JobError
 from trainer.events import emit
 
@@ -37,26 +38,52 @@ def peak_mib(device: str) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
 
 
-def batch_loss(model, batch: data.Batch, autocast_dtype) -> tuple[torch.Tensor, int]:
-    """Summed cross-entropy over the batch's target tokens, and how many there were."""
+def batch_loss(model, batch: data.Batch, autocast_dtype,
+               chunk_tokens: int = DEFAULT_CHUNK_TOKENS) -> tuple[torch.Tensor, int]:
+    """Summed cross-entropy over the batch's target tokens, and how many there were. With chunk_tokens, through
+    the output projection a chunk at a time (same loss, same gradients, a fraction of the peak memory)."""
+    head = output_head(model) if chunk_tokens else None
+    inputs = dict(input_ids=batch.input_ids, position_ids=batch.position_ids, attention_mask=batch.attention_mask,
+                  use_cache=False)
+    targets = batch.targets.reshape(-1)
     with torch.autocast(device_type=batch.input_ids.device.type, dtype=autocast_dtype,
                         enabled=autocast_dtype != torch.float32):
-        logits = model(input_ids=batch.input_ids, position_ids=batch.position_ids,
-                       attention_mask=batch.attention_mask, use_cache=False).logits
-    targets = batch.targets.reshape(-1)
-    loss = torch.nn.functional.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets,
-                                             ignore_index=data.IGNORE, reduction="sum")
+        out = head.decoder(**inputs).last_hidden_state if head else model(**inputs).logits
+    if head:
+        loss = chunked_cross_entropy(out.reshape(-1, out.shape[-1]), head.weight, targets, chunk_tokens, head.scale)
+    else:
+        loss = torch.nn.functional.cross_entropy(out.float().reshape(-1, out.shape[-1]), targets,
+                                                 ignore_index=data.IGNORE, reduction="sum")
     return loss, int((targets != data.IGNORE).sum())
 
 
+@dataclass
+class OutputHead:
+    decoder: torch.nn.Module  # the model up to its last hidden state
+    weight: torch.Tensor  # the output projection, [vocab, hidden]
+    scale: float  # logits are divided by it (Granite's logits_scaling)
+
+
+def output_head(model) -> OutputHead | None:
+    """The decoder and the plain linear output projection of a causal LM (peft-wrapped or not); None when the
+    logits are more than a linear projection (a bias, soft-capping, a multiplier), and the plain loss is used."""
+    lm = model.get_base_model() if hasattr(model, "get_base_model") else model
+    head, config = lm.get_output_embeddings(), lm.config
+    if not isinstance(head, torch.nn.Linear) or head.bias is not None:
+        return None
+    if getattr(config, "final_logit_softcapping", None) or getattr(config, "logit_scale", None) is not None:
+        return None
+    return OutputHead(lm.get_decoder(), head.weight, float(getattr(config, "logits_scaling", 1.0) or 1.0))
+
+
 @torch.no_grad()
-def evaluate(model, batches, device, autocast_dtype) -> float | None:
+def evaluate(model, batches, device, autocast_dtype, chunk_tokens: int = DEFAULT_CHUNK_TOKENS) -> float | None:
     if not batches:
         return None
     model.eval()
     total, count = 0.0, 0
     for b in batches:
-        loss, n = batch_loss(model, b.to(device), autocast_dtype)
+        loss, n = batch_loss(model, b.to(device), autocast_dtype, chunk_tokens)
         total, count = total + float(loss), count + n
     model.train()
     return total / max(count, 1)
@@ -170,7 +197,7 @@ def train(spec: TrainerSpec) -> Finished:
             n_targets = sum(int((b.targets != data.IGNORE).sum()) for b in group)
             step_loss = 0.0
             for b in group:  # accumulate: the mean over every target token of the step
-                loss, _ = batch_loss(model, b, autocast_dtype)
+                loss, _ = batch_loss(model, b, autocast_dtype, t.loss_chunk_tokens)
                 loss = loss / max(n_targets, 1)
                 (scaler.scale(loss) if scaler else loss).backward()
                 step_loss += float(loss.detach())
@@ -193,13 +220,13 @@ def train(spec: TrainerSpec) -> Finished:
             window_loss, window_count = window_loss + step_loss, window_count + 1
 
             if t.eval_steps and eval_batches and step % t.eval_steps == 0:
-                eval_loss = evaluate(model, eval_batches, device, autocast_dtype)
+                eval_loss = evaluate(model, eval_batches, device, autocast_dtype, t.loss_chunk_tokens)
             if t.save_steps and step % t.save_steps == 0 and step < p.steps:
                 path = save_checkpoint(model, optimizer, scheduler, out_dir, step, epoch, first + len(group), tokens)
                 emit(Checkpoint(step=step, path=str(path)))
             last = step >= p.steps or stop.asked
             if last and eval_batches:
-                eval_loss = evaluate(model, eval_batches, device, autocast_dtype)
+                eval_loss = evaluate(model, eval_batches, device, autocast_dtype, t.loss_chunk_tokens)
             if step % t.logging_steps == 0 or last:
                 elapsed = time.monotonic() - start
                 emit(Progress(step=step, steps=p.steps, epoch=epoch + (first + len(group)) / len(batches),
