@@ -1,6 +1,7 @@
 """Real-token throughput of jetlora's trainer (padding-free packing) against transformers.Trainer + peft
 with the default padding collator: same model, same 2,000 Q/A pairs of varied length, same steps and
-hyperparameters, in one run. Run by hand:  python bench/train_throughput.py [--steps 40]
+hyperparameters, in one run, the sides alternating round by round; the median ratio and its spread are reported.
+Run by hand:  python bench/train_throughput.py [--rounds 4 --steps 20]
 """
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ import argparse
 import io
 import random
 import resource
+import statistics
 import sys
 import tempfile
 import time
@@ -48,7 +50,7 @@ def run_jetlora(model_dir, pairs, steps, lr, tokens_per_step, seq) -> dict:
 
     req = msgspec.convert({"model": "bench", "base_dir": str(model_dir), "data": pairs, "lora": {"r": 16, "alpha": 32},
                            "train": {"max_steps": steps, "learning_rate": lr, "batch_size": max(1, tokens_per_step // seq),
-                                     "max_seq_length": seq, "logging_steps": 10, "warmup_steps": 0,
+                                     "max_seq_length": seq, "logging_steps": min(10, steps), "warmup_steps": 0,
                                      "lr_scheduler": "cosine"}}, JobRequest)
     raw = io.BytesIO()
     out = io.TextIOWrapper(raw, write_through=True)  # the trainer writes events to sys.stdout.buffer
@@ -98,7 +100,7 @@ def run_baseline(model_dir, pairs, steps, lr, batch, seq) -> dict:
 
     with tempfile.TemporaryDirectory() as tmp:
         args = TrainingArguments(output_dir=tmp, per_device_train_batch_size=batch, max_steps=steps, learning_rate=lr,
-                                 lr_scheduler_type="cosine", logging_steps=10, report_to=[], use_cpu=True,
+                                 lr_scheduler_type="cosine", logging_steps=min(10, steps), report_to=[], use_cpu=True,
                                  save_strategy="no", disable_tqdm=True, remove_unused_columns=False, seed=42)
         trainer = Trainer(model=model, args=args, train_dataset=rows, data_collator=collate, callbacks=[Losses()])
         t0 = time.perf_counter()
@@ -109,7 +111,8 @@ def run_baseline(model_dir, pairs, steps, lr, batch, seq) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--steps", type=int, default=40)
+    ap.add_argument("--steps", type=int, default=20, help="steps per side per round")
+    ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--batch", type=int, default=8, help="examples per step for the baseline")
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--seq", type=int, default=512)
@@ -131,17 +134,20 @@ def main() -> None:
         mean = sum(lengths) / len(lengths)
         tokens_per_step = int(args.batch * mean)  # jetlora's step holds as many real tokens as the baseline's, on average
         print(f"model {n_params / 1e6:.1f}M params; 2000 pairs, {min(lengths)}-{max(lengths)} tokens (mean {mean:.0f}); "
-              f"{args.steps} steps, lr {args.lr}, {torch.get_num_threads()} threads")
-        base = run_baseline(model_dir, pairs, args.steps, args.lr, args.batch, args.seq)
-        rss_base = peak_rss_mib()
-        jet = run_jetlora(model_dir, pairs, args.steps, args.lr, tokens_per_step, args.seq)
-        rss_both = peak_rss_mib()
-    print(f"baseline (Trainer + padding collator): {base['tokens_per_s']:8.0f} real tok/s, {base['tokens']} tokens, "
-          f"final loss {base['loss']:.4f}, {base['wall']:.1f}s")
-    print(f"jetlora (padding-free packing):        {jet['tokens_per_s']:8.0f} real tok/s, {jet['tokens']} tokens, "
-          f"final loss {jet['loss']:.4f}, {jet['wall']:.1f}s")
-    print(f"throughput ratio jetlora/baseline: {jet['tokens_per_s'] / base['tokens_per_s']:.2f}x; "
-          f"final loss ratio {jet['loss'] / base['loss']:.3f}; peak RSS baseline {rss_base:.0f} MiB, after both {rss_both:.0f} MiB")
+              f"{args.rounds} rounds of {args.steps} steps, lr {args.lr}, {torch.get_num_threads()} threads")
+        rounds = []
+        for r in range(args.rounds):  # alternate the sides (A B, B A, ...), so background load favours neither
+            sides = [("base", lambda: run_baseline(model_dir, pairs, args.steps, args.lr, args.batch, args.seq)),
+                     ("jet", lambda: run_jetlora(model_dir, pairs, args.steps, args.lr, tokens_per_step, args.seq))]
+            result = {name: run() for name, run in (sides if r % 2 == 0 else sides[::-1])}
+            rounds.append(result)
+            print(f"  round {r + 1}: baseline {result['base']['tokens_per_s']:6.0f} tok/s, jetlora "
+                  f"{result['jet']['tokens_per_s']:6.0f} tok/s: {result['jet']['tokens_per_s'] / result['base']['tokens_per_s']:.2f}x",
+                  flush=True)
+    ratios = sorted(r["jet"]["tokens_per_s"] / r["base"]["tokens_per_s"] for r in rounds)
+    losses = [r["jet"]["loss"] / r["base"]["loss"] for r in rounds]
+    print(f"throughput ratio jetlora/baseline: median {statistics.median(ratios):.2f}x (rounds {ratios[0]:.2f}-"
+          f"{ratios[-1]:.2f}); final loss ratio {statistics.median(losses):.3f}; peak RSS {peak_rss_mib():.0f} MiB")
 
 
 if __name__ == "__main__":
