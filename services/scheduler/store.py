@@ -57,9 +57,10 @@ class JobStore:
         return _dec_req.decode(entry.value)
 
     async def find(self, job: JobId) -> tuple[StoredRequest, JobStatus | None, int] | None:
-        """A job's request, status and status revision; None only when the bucket has no such job."""
+        """A job's request (without its data, as the scheduler holds it), status and status revision; None only
+        when the bucket has no such job."""
         try:
-            stored = await self.request(job)
+            stored = _without_data(await self.request(job))
         except KeyNotFoundError:
             return None
         status = await self.status(job)
@@ -132,12 +133,15 @@ class JobStore:
                 if op not in (KV_DEL, KV_PURGE):
                     kind, _, job = msg.subject.removeprefix(JOBS.prefix).partition(".")
                     if kind == REQUEST:
-                        stored = _dec_req.decode(msg.data)
-                        requests[job] = msgspec.structs.replace(
-                            stored, request=msgspec.structs.replace(stored.request, data=[]))
+                        requests[job] = _without_data(_dec_req.decode(msg.data))
                     elif kind == STATUS:
                         statuses[job] = (_dec_status.decode(msg.data), msg.metadata.sequence.stream)
                 if msg.metadata.num_pending == 0:
                     return requests, statuses
         finally:
             await asyncio.shield(sub.unsubscribe())
+
+
+def _without_data(stored: StoredRequest) -> StoredRequest:
+    """The scheduler keeps requests without their training data: it reads the data only to assign a job."""
+    return msgspec.structs.replace(stored, request=msgspec.structs.replace(stored.request, data=[]))
