@@ -227,13 +227,25 @@ async def wait_nodes(nc, count: int, timeout: float = 20.0):
     return await wait_for(check, timeout, what=f"{count} live nodes")
 
 
-async def stream_events(nc, subject: str, decoder: msgspec.json.Decoder) -> list:
-    """Every event on `subject` in the JOBS stream, replayed whole: the stream's own count says when it is all read."""
+async def stream_events(nc, subject: str, decoder: msgspec.json.Decoder, timeout: float = 30.0) -> list:
+    """Every event on `subject` in the JOBS stream, replayed whole: the stream's own count says when it is all read.
+    JetStream requests that time out (a cluster electing a new leader) are tried again until `timeout`."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            return await _replay(nc, subject, decoder)
+        except (nats.errors.TimeoutError, asyncio.TimeoutError):
+            if time.monotonic() > deadline:
+                raise
+            await asyncio.sleep(0.2)
+
+
+async def _replay(nc, subject: str, decoder: msgspec.json.Decoder) -> list:
     js = nc.jetstream()
     info = await js.stream_info(names.JOBS_STREAM, subjects_filter=subject)
     if not sum((info.state.subjects or {}).values()):
         return []
-    sub = await js.subscribe(subject, ordered_consumer=True, deliver_policy=DeliverPolicy.ALL)
+    sub = await js.subscribe(subject, stream=names.JOBS_STREAM, ordered_consumer=True, deliver_policy=DeliverPolicy.ALL)
     out = []
     try:
         while True:
