@@ -15,7 +15,7 @@ from pathlib import Path
 import msgspec
 import nats
 import pytest
-from nats.js.errors import NoKeysError, NotFoundError
+from nats.js.errors import NoKeysError, NotFoundError, ServerError
 
 from nats.js.api import DeliverPolicy
 
@@ -47,7 +47,14 @@ async def reset_resources(nc) -> None:
             await js.delete_stream(stream)
         except NotFoundError:
             pass
-    await bus.ensure_resources(nc)
+    deadline = time.monotonic() + 30
+    while True:  # a busy server may still be removing the deleted stream's files: "error creating store"
+        try:
+            return await bus.ensure_resources(nc)
+        except ServerError:
+            if time.monotonic() > deadline:
+                raise
+            await asyncio.sleep(0.2)
 
 
 @pytest.fixture
