@@ -47,14 +47,20 @@ async def reset_resources(nc) -> None:
             await js.delete_stream(stream)
         except NotFoundError:
             pass
-    deadline = time.monotonic() + 30
-    while True:  # a busy server may still be removing the deleted stream's files: "error creating store"
+    # a busy server may still be removing the deleted streams' files: "error creating store for stream"
+    await retrying(lambda: bus.ensure_resources(nc), ServerError)
+
+
+async def retrying(attempt, errors, timeout: float = 30.0, interval: float = 0.2):
+    """await attempt() until it does not raise one of `errors`; past `timeout` the last error is raised."""
+    deadline = time.monotonic() + timeout
+    while True:
         try:
-            return await bus.ensure_resources(nc)
-        except ServerError:
+            return await attempt()
+        except errors:
             if time.monotonic() > deadline:
                 raise
-            await asyncio.sleep(0.2)
+            await asyncio.sleep(interval)
 
 
 @pytest.fixture
@@ -237,14 +243,8 @@ async def wait_nodes(nc, count: int, timeout: float = 20.0):
 async def stream_events(nc, subject: str, decoder: msgspec.json.Decoder, timeout: float = 30.0) -> list:
     """Every event on `subject` in the JOBS stream, replayed whole: the stream's own count says when it is all read.
     JetStream requests that time out (a cluster electing a new leader) are tried again until `timeout`."""
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            return await _replay(nc, subject, decoder)
-        except (nats.errors.TimeoutError, asyncio.TimeoutError):
-            if time.monotonic() > deadline:
-                raise
-            await asyncio.sleep(0.2)
+    return await retrying(lambda: _replay(nc, subject, decoder), (nats.errors.TimeoutError, asyncio.TimeoutError),
+                          timeout)
 
 
 async def _replay(nc, subject: str, decoder: msgspec.json.Decoder) -> list:
