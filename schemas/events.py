@@ -41,7 +41,15 @@ class StateChange(Struct, tag="state", tag_field="type", kw_only=True):
     ts: float = 0.0
 
 
-JobEvent = Progress | StateChange
+
+
+class DataFile(Struct, kw_only=True):
+    """A dataset the agent fetched for the trainer: a checked JSON-lines file on local disk."""
+
+    path: str
+    sha256: str
+    format: str
+    rows: int
 
 
 class TrainerSpec(Struct, kw_only=True):
@@ -53,6 +61,19 @@ class TrainerSpec(Struct, kw_only=True):
     out_dir: str
     device: str = "cpu"  # "cuda" (the card is chosen by CUDA_VISIBLE_DEVICES) or "cpu"
     resume_from: str | None = None  # a checkpoint directory
+    dataset: DataFile | None = None  # request.dataset, fetched
+    validation: DataFile | None = None  # request.validation_dataset, fetched
+    token_cache: str | None = None  # where tokenized datasets are kept between jobs; None: in out_dir
+
+
+class Preparing(Struct, tag="preparing", tag_field="type", kw_only=True):
+    """Before the first step: how far the data's preparation is (tokenizing a large file takes minutes)."""
+
+    job: JobId | None = None  # set by the agent when it publishes
+    done: int
+    total: int
+    message: str
+    ts: float = 0.0
 
 
 # What the trainer subprocess prints, one JSON object per line.
@@ -89,4 +110,5 @@ class Cancelled(Struct, tag="cancelled", tag_field="type", kw_only=True):
     message: str = "cancelled"
 
 
-TrainerEvent = Started | Progress | Checkpoint | Finished | Failed
+JobEvent = Progress | StateChange | Preparing
+TrainerEvent = Started | Preparing | Progress | Checkpoint | Finished | Failed

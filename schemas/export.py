@@ -9,7 +9,9 @@ import msgspec
 
 from schemas import names
 from schemas.artifacts import ArtifactList, ArtifactQuery, Chunk, ChunkAck, Deleted
-from schemas.events import JobEvent, Progress, StateChange, TrainerEvent, TrainerSpec
+from schemas.datasets import (DatasetChunk, DatasetChunkAck, DatasetDeleted, DatasetList, DatasetListQuery,
+                              DatasetQuery, DatasetReply)
+from schemas.events import JobEvent, Preparing, Progress, StateChange, TrainerEvent, TrainerSpec
 from schemas.jobs import Error, JobList, JobListQuery, JobQuery, JobReply, JobRequest, JobStatus, StoredRequest, SubmitReply
 from schemas.nodes import Assignment, AssignReply, Control, ControlReply, Heartbeat, NodeList
 
@@ -22,6 +24,9 @@ MESSAGES = {
     "StateChange": StateChange, "Progress": Progress, "JobEvent": JobEvent, "Chunk": Chunk, "ChunkAck": ChunkAck,
     "ArtifactQuery": ArtifactQuery, "ArtifactList": ArtifactList | Error, "Deleted": Deleted | Error,
     "StoredRequest": StoredRequest, "JobStatus": JobStatus, "TrainerSpec": TrainerSpec, "TrainerEvent": TrainerEvent,
+    "Preparing": Preparing, "DatasetChunk": DatasetChunk, "DatasetChunkAck": DatasetChunkAck,
+    "DatasetListQuery": DatasetListQuery, "DatasetList": DatasetList | Error, "DatasetQuery": DatasetQuery,
+    "DatasetReply": DatasetReply | Error, "DatasetDeleted": DatasetDeleted | Error,
 }
 
 # (address, kind, message, reply, who sends, what it is)
@@ -43,6 +48,14 @@ CHANNELS = [
     (names.node("{node}").control, "request", "Control", "ControlReply", "scheduler", "cancel or stop a running job"),
     (names.job("{job}", "{node}").state, "publish", "StateChange", None, "agents", "the job changed state (JetStream: JOBS stream)"),
     (names.job("{job}", "{node}").progress, "publish", "Progress", None, "agents", "a training step's figures (JetStream: JOBS stream; replayable)"),
+    (names.job("{job}", "{node}").preparing, "publish", "Preparing", None, "agents",
+     "tokenizing the job's data, before its first step (JetStream: JOBS stream)"),
+    (names.dataset_upload("{dataset}"), "request", "DatasetChunk", "DatasetChunkAck", "submitters",
+     "one chunk of a dataset upload (msgpack); every row is checked before the dataset is stored"),
+    (names.DATASETS.list, "request", "DatasetListQuery", "DatasetList", "submitters", "datasets in the object store"),
+    (names.DATASETS.show, "request", "DatasetQuery", "DatasetReply", "submitters",
+     "one dataset: format, rows, characters per row, roles seen, the first rows"),
+    (names.DATASETS.delete, "request", "DatasetQuery", "DatasetDeleted", "operators", "delete a dataset"),
     (names.artifact_upload("{job}"), "request", "Chunk", "ChunkAck", "agents", "one chunk of an artifact (msgpack)"),
     (names.ARTIFACTS_LIST, "request", "ArtifactQuery", "ArtifactList", "operators", "artifacts in the object store"),
     (names.ARTIFACTS_DELETE, "request", "ArtifactQuery", "Deleted", "operators", "delete a job's artifacts"),
@@ -64,7 +77,7 @@ def asyncapi() -> dict:
     channels, operations = {}, {}
     for address, kind, message, reply, who, what in CHANNELS:
         cid = address.replace(".", "_").replace("{", "").replace("}", "")
-        params = {p: {"description": f"the {p} id"} for p in ("node", "job") if "{" + p + "}" in address}
+        params = {p: {"description": f"the {p} id"} for p in ("node", "job", "tenant", "dataset") if "{" + p + "}" in address}
         ch = {"address": address, "description": what, "messages": {}}
         if params:
             ch["parameters"] = params

@@ -32,6 +32,19 @@ class QA(Struct, forbid_unknown_fields=True):
     a: Annotated[Text, Meta(description="the answer the model should learn")]
 
 
+DatasetName = NodeId  # it becomes a subject token of the upload
+Sha256 = Annotated[str, Meta(pattern=pattern(r"^[0-9a-f]{64}$", "must be a sha256 in hex: 64 of 0-9a-f"))]
+
+
+class DatasetRef(Struct, forbid_unknown_fields=True, kw_only=True):
+    """A job's data by name: `jetlora datasets ls` lists what there is, `jetlora datasets put` adds one."""
+
+    name: Annotated[DatasetName, Meta(description="the dataset's name, as uploaded with `jetlora datasets put`")]
+    sha256: Annotated[Sha256, Meta(description=(
+        "a pin: the job is refused unless the dataset has this content. The scheduler fills it in at submit, so a "
+        "job always trains on what it was submitted with"))] | None = None
+
+
 class LoraConfig(Struct, forbid_unknown_fields=True, kw_only=True):
     """The adapter's shape."""
 
@@ -78,7 +91,11 @@ class JobRequest(Struct, forbid_unknown_fields=True, kw_only=True):
     model: Annotated[Text, Meta(max_length=200, description="catalog name of the served model")]
     base_dir: Annotated[str, Meta(pattern=ABSOLUTE_PATH, max_length=4096,
                                   description="directory of safetensors weights and config.json, on the node")]
-    data: Annotated[list[QA], Meta(min_length=1, description="question/answer pairs")]
+    data: Annotated[list[QA], Meta(description="question/answer pairs sent inline (small jobs); or name a dataset")] = field(
+        default_factory=list)
+    dataset: Annotated[DatasetRef, Meta(description="the training data, stored once with `jetlora datasets put`")] | None = None
+    validation_dataset: Annotated[DatasetRef, Meta(description=(
+        "held-out data evaluated at train.eval_steps and at the end (instead of train.eval_fraction)"))] | None = None
     served_by: Literal["vllm", "llamacpp"] = "vllm"
     node: NodeId | None = None
     gpu_mib: Annotated[int, Meta(ge=0, le=16_777_216, description="GPU memory the job needs; 0: any free GPU")] = 0
@@ -213,9 +230,18 @@ def check_request(req: JobRequest) -> list[FieldError]:
     if ".." in req.base_dir.split("/"):
         errors.append(FieldError("base_dir", "must not contain '..'; give the model directory's real path"))
     t = req.train
-    if t.eval_steps and not t.eval_fraction:
-        errors.append(FieldError("train.eval_steps", "evaluation needs held-out data: set train.eval_fraction (e.g. 0.1) or eval_steps to 0"))
-    if t.eval_fraction and len(req.data) * t.eval_fraction < 1:
+    if not req.data and req.dataset is None:
+        errors.append(FieldError("data", "the job has no training data: name a dataset ({\"name\": ...}, see "
+                                            "`jetlora datasets ls`) or send Q/A pairs inline in data"))
+    if req.data and req.dataset is not None:
+        errors.append(FieldError("data", "give the training data once: inline data or a dataset, not both"))
+    if t.eval_steps and not t.eval_fraction and req.validation_dataset is None:
+        errors.append(FieldError("train.eval_steps", "evaluation needs held-out data: set train.eval_fraction (e.g. 0.1), "
+                                                     "name a validation_dataset, or set eval_steps to 0"))
+    if t.eval_fraction and req.validation_dataset is not None:
+        errors.append(FieldError("train.eval_fraction", "the job names a validation_dataset: it is the held-out data; "
+                                                        "set eval_fraction to 0"))
+    if t.eval_fraction and req.data and len(req.data) * t.eval_fraction < 1:
         errors.append(FieldError("train.eval_fraction", f"{t.eval_fraction} of {len(req.data)} examples holds out none; raise it or add data"))
     if req.accelerator == "cpu" and req.gpu_mib:
         errors.append(FieldError("gpu_mib", "a CPU job needs no GPU memory: set gpu_mib to 0 or accelerator to 'gpu'"))
@@ -232,13 +258,13 @@ def check_request(req: JobRequest) -> list[FieldError]:
     return errors
 
 
-REQUIRED_PLACEHOLDERS = {"model": "-", "base_dir": "/-", "data": [{"q": "-", "a": "-"}]}
+REQUIRED_PLACEHOLDERS = {"model": "-", "base_dir": "/-", "data": [{"q": "-", "a": "-"}], "dataset": None}
 
 
 def parse_job_request(data: bytes) -> JobRequest:
     """A submitted job, or InvalidRequest with every error the schema and the checks find."""
     return parse_all(data, JobRequest, check_request, REQUIRED_PLACEHOLDERS,
-                     "send a JSON object with model, base_dir and data")
+                     "send a JSON object with model, base_dir and data or dataset")
 
 
 class IdempotencyRecord(Struct, kw_only=True):

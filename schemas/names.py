@@ -8,8 +8,11 @@ The subject tree is shaped so that permissions can be written against it:
     jetlora.node.<node>.control         scheduler -> agent: cancel / stop-and-save a job
     jetlora.job.<job>.<node>.state      agent -> JOBS stream: the job's state changed (on that node)
     jetlora.job.<job>.<node>.progress   agent -> JOBS stream: a training event (on that node)
+    jetlora.job.<job>.<node>.preparing  agent -> JOBS stream: tokenizing the data, before the first step
     jetlora.artifacts.upload.<job>      agent -> artifact service: one chunk (request/reply)
     jetlora.artifacts.<verb>            operators' artifact requests
+    jetlora.datasets.upload.<name>      a client -> artifact service: one chunk of a dataset (request/reply)
+    jetlora.datasets.<verb>             list, show and delete datasets
 
 No other module spells a subject: they all call these functions.
 """
@@ -28,6 +31,7 @@ JOBS_STREAM = "JETLORA_JOBS"  # state and progress events of every job, replayab
 JOBS_KV = "jetlora_jobs"  # one record per job: the scheduler's durable queue
 LEASE_KV = "jetlora_lease"  # the active scheduler's lease
 ARTIFACTS_BUCKET = "jetlora_artifacts"  # object store of adapters and GGUF files
+DATASETS_BUCKET = "jetlora_datasets"  # object store of training data, one object per dataset name
 SCHEDULER_CONSUMER = "jetlora_scheduler_states_v2"  # durable consumer of job states (v2: node in the subject)
 
 SCHEDULER_SERVICE = "jetlora-scheduler"  # nats.micro names ($SRV.PING etc.)
@@ -108,6 +112,26 @@ def artifact_upload(job: str) -> str:
     return f"{ARTIFACTS_GROUP}.upload.{job}"
 
 
+# datasets, also served by the artifact service (nats.micro group "jetlora.datasets")
+DATASETS_GROUP = f"{PREFIX}.datasets"
+DATASETS_UPLOAD_ALL = f"{DATASETS_GROUP}.upload.*"
+
+
+class DatasetsApi(NamedTuple):
+    """Dataset requests: list them, show one (its stats and first rows), delete one."""
+
+    list: str
+    show: str
+    delete: str
+
+
+DATASETS = _subjects(DatasetsApi, DATASETS_GROUP)
+
+
+def dataset_upload(name: str) -> str:
+    return f"{DATASETS_GROUP}.upload.{name}"
+
+
 class NodeSubjects(NamedTuple):
     """One node's subjects (every node's, with the wildcard)."""
 
@@ -126,6 +150,7 @@ class JobSubjects(NamedTuple):
 
     state: str  # the job changed state
     progress: str  # a training step's figures
+    preparing: str  # how far the data's preparation is, before the first step
 
 
 def job(job_id: str = "*", node_id: str = "*") -> JobSubjects:

@@ -1,0 +1,179 @@
+"""Checking a JSON-lines dataset row by row as its bytes stream past: the format, every row, the limits, the stats.
+
+The same check runs in `jetlora datasets put` (before sending) and in the artifact service (before storing),
+so a file with one bad row anywhere is refused whole, with the line numbers of its first bad rows.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import msgspec
+
+from schemas.datasets import (FORMATS, HEAD_CHARS, HEAD_ROWS, ROLES, ROW_TYPES, DatasetLimits, DatasetStats)
+
+_any = msgspec.json.Decoder()
+_decoders = {fmt: msgspec.json.Decoder(t) for fmt, t in ROW_TYPES.items()}
+_SIGNATURES = {"chat": {"messages"}, "qa": {"q", "a"}, "alpaca": {"instruction", "output"}, "text": {"text"}}
+
+
+class DatasetInvalid(Exception):
+    """A file that is not a dataset jetlora can store: what is wrong, where, and how to fix it."""
+
+    def __init__(self, errors: list[str], summary: str = "") -> None:
+        super().__init__(summary or "; ".join(errors))
+        self.errors = errors
+
+
+def detect_format(row: bytes) -> str:
+    """The format a row's keys say; DatasetInvalid when none or more than one fits."""
+    try:
+        obj = _any.decode(row)
+    except msgspec.DecodeError as e:
+        raise DatasetInvalid([f"the first row is not JSON ({e})"]) from None
+    keys = set(obj) if isinstance(obj, dict) else set()
+    fits = [fmt for fmt, needed in _SIGNATURES.items() if needed <= keys]
+    if len(fits) == 1:
+        return fits[0]
+    known = "; ".join(f"{fmt}: {shape}" for fmt, shape in FORMATS.items())
+    if not fits:
+        raise DatasetInvalid([f"the first row's keys {sorted(keys)} fit no format ({known}); fix the rows or "
+                              "say --format"])
+    raise DatasetInvalid([f"the first row fits several formats ({', '.join(fits)}); say which with --format"])
+
+
+def row_error(fmt: str, row) -> str | None:
+    """What is wrong with one decoded row beyond its types, or None."""
+    if fmt == "qa":
+        return None if row.q.strip() and row.a.strip() else "q and a must both have text"
+    if fmt == "alpaca":
+        return None if row.instruction.strip() and row.output.strip() else "instruction and output must both have text"
+    if fmt == "text":
+        return None if row.text.strip() else "text is empty"
+    if not row.messages:
+        return "messages is empty; a conversation needs at least a user and an assistant message"
+    for n, m in enumerate(row.messages, 1):
+        if m.role not in ROLES:
+            return f"message {n} has role {m.role!r}; roles are {', '.join(ROLES)}"
+        if m.weight not in (None, 0, 1):
+            return f"message {n} has weight {m.weight}; a weight is 0 (context only) or 1 (learnt)"
+        if m.weight is not None and m.role != "assistant":
+            return f"message {n} is a {m.role} message with a weight; only assistant messages take one"
+    if not any(m.role == "assistant" and m.weight != 0 for m in row.messages):
+        return "no assistant message to learn (none, or all have weight 0); add one or drop the row"
+    return None
+
+
+def _where(e: msgspec.ValidationError) -> str:
+    text = str(e)
+    reason, _, where = text.rpartition(" - at `")
+    if not reason:
+        return text
+    return f"{where.rstrip('`').removeprefix('$').removeprefix('.') or 'the row'}: {reason}"
+
+
+class DatasetChecker:
+    """Feed it the file's bytes in any pieces; finish() returns the stats or raises DatasetInvalid."""
+
+    def __init__(self, fmt: str = "auto", limits: DatasetLimits | None = None) -> None:
+        self.fmt = None if fmt == "auto" else fmt
+        self.limits = limits or DatasetLimits()
+        self.partial = b""
+        self.line = 0
+        self.rows = 0
+        self.size = 0
+        self.errors: list[str] = []
+        self.bad_rows = 0
+        self.chars = 0
+        self.chars_max = 0
+        self.roles: Counter[str] = Counter()
+        self.turns_trained = 0
+        self.head: list[str] = []
+
+    def feed(self, data: bytes) -> None:
+        self.size += len(data)
+        if self.size > self.limits.max_bytes:
+            self._refuse(f"the file is over {self.limits.max_bytes:,} bytes, the service's limit (max_bytes); "
+                         "split it, or raise the limit (jetlora artifacts --dataset-max-mib)")
+        lines = (self.partial + data).split(b"\n")
+        self.partial = lines.pop()
+        if len(self.partial) > self.limits.max_row_bytes:
+            self._refuse(f"line {self.line + 1:,} is over {self.limits.max_row_bytes:,} bytes, the limit of one row "
+                         "(max_row_bytes); shorten it, or raise the limit (jetlora artifacts --dataset-max-row-kib)")
+        for line in lines:
+            self._row(line)
+
+    def finish(self) -> DatasetStats:
+        if self.partial:
+            self._row(self.partial)
+            self.partial = b""
+        if self.errors:
+            self._refuse_bad_rows()
+        if not self.rows:
+            raise DatasetInvalid(["the file has no rows; a dataset is JSON lines, one example per line"])
+        return DatasetStats(format=self.fmt, rows=self.rows, chars_mean=round(self.chars / self.rows, 1),
+                            chars_max=self.chars_max, roles=dict(self.roles), turns_trained=self.turns_trained,
+                            head=self.head)
+
+    def _row(self, line: bytes) -> None:
+        self.line += 1
+        if len(line) > self.limits.max_row_bytes:
+            self._refuse(f"line {self.line:,} is over {self.limits.max_row_bytes:,} bytes, the limit of one row "
+                         "(max_row_bytes); shorten it, or raise the limit (jetlora artifacts --dataset-max-row-kib)")
+        if not line.strip():
+            return  # blank lines are skipped, by the trainer too
+        if self.fmt is None:
+            self.fmt = detect_format(line)
+        self.rows += 1
+        if self.rows > self.limits.max_rows:
+            self._refuse(f"the file has more than {self.limits.max_rows:,} rows, the service's limit (max_rows); "
+                         "split it, or raise the limit (jetlora artifacts --dataset-max-rows)")
+        try:
+            row = _decoders[self.fmt].decode(line)
+        except msgspec.ValidationError as e:
+            return self._bad(f"{_where(e)}; a {self.fmt} row is {FORMATS[self.fmt]}")
+        except msgspec.DecodeError as e:
+            return self._bad(f"not JSON ({e})")
+        if reason := row_error(self.fmt, row):
+            return self._bad(reason)
+        self._count(row, line)
+
+    def _count(self, row, line: bytes) -> None:
+        if self.fmt == "chat":
+            chars = sum(len(m.content) for m in row.messages)
+            self.roles.update(m.role for m in row.messages)
+            self.turns_trained += sum(1 for m in row.messages if m.role == "assistant" and m.weight != 0)
+        elif self.fmt == "qa":
+            chars = len(row.q) + len(row.a)
+        elif self.fmt == "alpaca":
+            chars = len(row.instruction) + len(row.input) + len(row.output)
+        else:
+            chars = len(row.text)
+        self.chars += chars
+        self.chars_max = max(self.chars_max, chars)
+        if len(self.head) < HEAD_ROWS:
+            self.head.append(line.decode(errors="replace")[:HEAD_CHARS])
+
+    def _bad(self, reason: str) -> None:
+        self.bad_rows += 1
+        if len(self.errors) < self.limits.max_errors:
+            self.errors.append(f"line {self.line:,}: {reason}")
+        if len(self.errors) >= self.limits.max_errors:
+            self._refuse_bad_rows()
+
+    def _refuse_bad_rows(self) -> None:
+        more = " (and maybe more: the check stops there)" if len(self.errors) >= self.limits.max_errors else ""
+        raise DatasetInvalid(self.errors, f"{self.bad_rows} bad row(s){more}, nothing was stored; "
+                                          f"{'; '.join(self.errors)}")
+
+    def _refuse(self, reason: str) -> None:
+        raise DatasetInvalid([reason], f"{reason}; nothing was stored")
+
+
+def check_file(path, fmt: str = "auto", limits: DatasetLimits | None = None, block: int = 1 << 20) -> DatasetStats:
+    """Check a whole file on disk (what `jetlora datasets put` does before sending)."""
+    checker = DatasetChecker(fmt, limits)
+    with open(path, "rb") as f:
+        while data := f.read(block):
+            checker.feed(data)
+    return checker.finish()

@@ -1,0 +1,138 @@
+"""Training data stored once and named by jobs: the four row formats, the upload's chunks, and the dataset API.
+
+A dataset is a JSON-lines file: one example per line, in one of the formats below. Every row is checked
+before anything is stored (`schemas.dataset_check`), so a stored dataset is known to be well formed.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from msgspec import Meta, Struct, field
+
+from schemas.jobs import DatasetName, DatasetRef  # noqa: F401 (a job names its data with a DatasetRef)
+DatasetFormat = Literal["qa", "chat", "alpaca", "text"]
+FORMATS: dict[str, str] = {  # what each format's rows hold, as error messages show it
+    "qa": '{"q": question, "a": answer}',
+    "chat": '{"messages": [{"role": "system"|"user"|"assistant", "content": text, "weight": 0|1 (optional)}, ...]}',
+    "alpaca": '{"instruction": text, "input": text (optional), "output": text}',
+    "text": '{"text": text} (continued pre-training: the loss covers every token)',
+}
+ROLES = ("system", "user", "assistant")
+
+
+# --- rows, one per line, as each format defines them -----------------------------------------------
+class QARow(Struct):
+    q: str
+    a: str
+
+
+class ChatMessage(Struct):
+    role: str
+    content: str
+    weight: int | None = None  # OpenAI's: 0 keeps an assistant turn as context, without learning it
+    name: str | None = None
+
+
+class ChatRow(Struct):
+    messages: list[ChatMessage]
+
+
+class AlpacaRow(Struct):
+    instruction: str
+    output: str
+    input: str = ""
+
+
+class TextRow(Struct):
+    text: str
+
+
+ROW_TYPES: dict[str, type] = {"qa": QARow, "chat": ChatRow, "alpaca": AlpacaRow, "text": TextRow}
+
+
+# --- what is known about a stored dataset ----------------------------------------------------------
+class DatasetLimits(Struct, kw_only=True):
+    """What an upload may be; each limit is named in the error that refuses a file over it."""
+
+    max_bytes: int = 8 * 2**30
+    max_rows: int = 20_000_000
+    max_row_bytes: int = 2 * 2**20
+    max_errors: int = 10  # bad rows reported before the upload is refused
+
+
+class DatasetStats(Struct, kw_only=True):
+    """Token-free figures of a dataset, from the upload's check."""
+
+    format: DatasetFormat
+    rows: int
+    chars_mean: float  # characters of text per row
+    chars_max: int
+    roles: dict[str, int] = field(default_factory=dict)  # chat: messages per role
+    turns_trained: int = 0  # chat: assistant messages the loss covers (weight not 0)
+    head: list[str] = field(default_factory=list)  # the first rows, as uploaded (each cut to HEAD_CHARS)
+
+
+HEAD_ROWS, HEAD_CHARS = 3, 600
+
+
+class DatasetInfo(Struct, kw_only=True):
+    """A dataset in the object store."""
+
+    name: DatasetName
+    sha256: str
+    size: int
+    created: str
+    stats: DatasetStats
+    description: str = ""
+
+
+# --- the upload: chunk messages, as artifacts travel ----------------------------------------------
+class DatasetUpload(Struct, forbid_unknown_fields=True, kw_only=True):
+    """What the first chunk says about the file."""
+
+    format: DatasetFormat | Literal["auto"] = "auto"
+    replace: bool = False  # a dataset of that name is replaced (jobs that pinned the old one then fail)
+    description: Annotated[str, Meta(max_length=1000)] = ""
+
+
+class DatasetChunk(Struct, kw_only=True):
+    """One piece of a dataset upload (msgpack on the wire). The last one carries the sha256 of the whole."""
+
+    upload: Annotated[str, Meta(pattern=r"^[A-Za-z0-9_-]{1,64}$")]
+    name: DatasetName
+    seq: Annotated[int, Meta(ge=0)]
+    data: bytes
+    last: bool = False
+    sha256: str = ""
+    size: int = 0
+    meta: DatasetUpload | None = None  # on the first chunk
+
+
+class DatasetChunkAck(Struct, kw_only=True):
+    upload: str
+    seq: int
+    ok: bool
+    error: str = ""
+    stored: DatasetInfo | None = None  # on the last chunk's ack
+
+
+# --- requests ------------------------------------------------------------------------------------
+class DatasetQuery(Struct, forbid_unknown_fields=True, kw_only=True):
+    name: DatasetName
+
+
+class DatasetListQuery(Struct, forbid_unknown_fields=True, kw_only=True):
+    format: DatasetFormat | None = None
+
+
+class DatasetReply(Struct, tag="dataset", tag_field="type"):
+    dataset: DatasetInfo
+
+
+class DatasetList(Struct, tag="datasets", tag_field="type"):
+    datasets: list[DatasetInfo]
+
+
+class DatasetDeleted(Struct, tag="deleted", tag_field="type"):
+    name: str
