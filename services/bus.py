@@ -142,10 +142,11 @@ async def ensure_resources(nc: Client, replicas: int = 1) -> None:
             await js.key_value(bucket)
         except (NotFoundError, BadRequestError):
             await js.create_key_value(KeyValueConfig(bucket=bucket, replicas=replicas, storage=StorageType.FILE, **kw))
-    try:
-        await js.object_store(names.ARTIFACTS_BUCKET)
-    except (NotFoundError, BadRequestError):
-        await js.create_object_store(names.ARTIFACTS_BUCKET, ObjectStoreConfig(replicas=replicas, storage=StorageType.FILE))
+    for bucket in (names.ARTIFACTS_BUCKET, names.DATASETS_BUCKET):
+        try:
+            await js.object_store(bucket)
+        except (NotFoundError, BadRequestError):
+            await js.create_object_store(bucket, ObjectStoreConfig(replicas=replicas, storage=StorageType.FILE))
 
 
 async def publish_durably(js, subject: str, payload: bytes, msg_id: str, give_up_after: float = 300.0):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import os
 import tarfile
@@ -40,20 +41,25 @@ async def download(nc: Client, job: str, kind: str, output: str | os.PathLike) -
     info = info_from_object(obj)
     if info is None:
         raise DownloadError(f"{name} is not a jetlora artifact")
+    await fetch_object(obs, name, output, info.sha256)
+    return info
+
+
+async def fetch_object(obs, name: str, output: str | os.PathLike, sha256: str) -> None:
+    """Stream one object into `output` (written beside it, then renamed): all or nothing, its sha256 checked."""
     out = Path(output)
     out.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=out.parent, prefix=f".{out.name}.")
     try:
         with os.fdopen(fd, "wb") as f:
             await obs.get(name, writeinto=f)  # writeinto: linear time (nats-py's in-memory get is quadratic)
-        got = sha256_file(tmp)
-        if got != info.sha256:
-            raise DownloadError(f"{name} arrived with sha256 {got}, expected {info.sha256}; try again")
+        got = await asyncio.to_thread(sha256_file, tmp)
+        if got != sha256:
+            raise DownloadError(f"{name} arrived with sha256 {got}, expected {sha256}; try again")
         os.replace(tmp, out)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
-    return info
 
 
 def safe_extract(archive: str | os.PathLike, dest: str | os.PathLike) -> Path:

@@ -1,8 +1,11 @@
-"""How an artifact's description rides on its object-store entry: `Jetlora-*` headers, read back as ArtifactInfo."""
+"""How an artifact's (or a dataset's) description rides on its object-store entry: `Jetlora-*` headers, read back as ArtifactInfo."""
 
 from __future__ import annotations
 
+import msgspec
+
 from schemas.artifacts import ArtifactInfo, ArtifactMeta
+from schemas.datasets import DatasetInfo, DatasetStats
 
 HEADER = "Jetlora-"
 
@@ -30,3 +33,20 @@ def info_from_object(obj) -> ArtifactInfo | None:
     return ArtifactInfo(name=obj.name, job=get("Job"), kind=get("Kind"), size=obj.size or 0, sha256=get("Sha256"),
                         created=obj.mtime or "", base_model=get("Base-Model"), trainer_version=get("Trainer-Version"),
                         summary=get("Summary"), filename=get("Filename"), tenant=get("Tenant"))
+
+
+_stats = msgspec.json.Decoder(DatasetStats)
+
+
+def dataset_headers(sha: str, stats: DatasetStats) -> dict[str, list[str]]:
+    return {HEADER + "Sha256": [sha], HEADER + "Dataset": [msgspec.json.encode(stats).decode()]}
+
+
+def dataset_from_object(obj) -> DatasetInfo | None:
+    """An object-store entry of the datasets bucket as a dataset; None for objects jetlora did not write."""
+    h = obj.headers or {}
+    stats, sha = h.get(HEADER + "Dataset"), h.get(HEADER + "Sha256")
+    if not stats or not sha or getattr(obj, "deleted", False):
+        return None
+    return DatasetInfo(name=obj.name, sha256=sha[0], size=obj.size or 0, created=obj.mtime or "",
+                       stats=_stats.decode(stats[0]), description=obj.description or "")

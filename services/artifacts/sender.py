@@ -1,4 +1,4 @@
-"""Send a file to the artifact service as chunk messages: streamed from disk, a bounded window in flight."""
+"""Send a file (an artifact, a dataset) to the artifact service as chunk messages: streamed from disk, a bounded window in flight."""
 
 from __future__ import annotations
 
@@ -16,23 +16,34 @@ from nats.aio.client import Client
 
 from schemas import names
 from schemas.artifacts import CHUNK_BYTES, ArtifactInfo, ArtifactMeta, Chunk, ChunkAck
+from schemas.datasets import DatasetChunk, DatasetChunkAck, DatasetInfo, DatasetUpload
 
 log = logging.getLogger(__name__)
 _ack = msgspec.json.Decoder(ChunkAck)
+_dataset_ack = msgspec.json.Decoder(DatasetChunkAck)
 
 
 class UploadError(Exception):
     """The artifact service refused the upload or never answered."""
 
 
+class Refusal(UploadError):
+    """The service answered and refused the upload (a bad row, a name taken): sending it again will not help."""
+
+
 async def upload_file(nc: Client, job: str, kind: str, path: str | os.PathLike, meta: ArtifactMeta | None = None,
                       window: int = 8, timeout: float = 15.0, attempts: int = 3,
                       chunk_bytes: int = CHUNK_BYTES) -> ArtifactInfo:
-    """Upload `path`; retried from the start (as a new upload) when the service restarts or stalls."""
+    """Upload an artifact; retried from the start (as a new upload) when the service restarts or stalls."""
+
+    def chunk(upload: str, seq: int, data: bytes, last: bool, sha256: str, size: int) -> Chunk:
+        return Chunk(upload=upload, job=job, kind=kind, seq=seq, data=data, last=last, sha256=sha256, size=size,
+                     meta=meta if seq == 0 else None)
+
     last_error = None
     for attempt in range(1, attempts + 1):
         try:
-            return await _upload_once(nc, job, kind, path, meta, window, timeout, chunk_bytes)
+            return await send_file(nc, names.artifact_upload(job), path, chunk, _ack, window, timeout, chunk_bytes)
         except UploadError as e:
             last_error = e
             log.warning("upload of %s %s failed (attempt %d of %d): %s", job, kind, attempt, attempts, e)
@@ -41,21 +52,49 @@ async def upload_file(nc: Client, job: str, kind: str, path: str | os.PathLike, 
                       "is the artifact service running (jetlora artifacts)?")
 
 
-async def _upload_once(nc, job, kind, path, meta, window, timeout, chunk_bytes) -> ArtifactInfo:
+async def upload_dataset(nc: Client, name: str, path: str | os.PathLike, upload: DatasetUpload | None = None,
+                         window: int = 8, timeout: float = 15.0, attempts: int = 3,
+                         chunk_bytes: int = CHUNK_BYTES) -> DatasetInfo:
+    """Upload a dataset file; the service checks every row before storing it. A refusal (Refusal) is final; a
+    service that went quiet is tried again from the start."""
+    names.check_token(name, "dataset name")
+
+    def chunk(upload_id: str, seq: int, data: bytes, last: bool, sha256: str, size: int) -> DatasetChunk:
+        return DatasetChunk(upload=upload_id, name=name, seq=seq, data=data, last=last, sha256=sha256, size=size,
+                            meta=(upload or DatasetUpload()) if seq == 0 else None)
+
+    for attempt in range(1, attempts + 1):
+        try:
+            return await send_file(nc, names.dataset_upload(name), path, chunk, _dataset_ack, window, timeout,
+                                   chunk_bytes)
+        except Refusal:
+            raise
+        except UploadError as e:
+            if attempt == attempts:
+                raise UploadError(f"could not upload dataset {name} after {attempts} attempts: {e}; is the artifact "
+                                  "service running (jetlora artifacts)?") from None
+            log.warning("upload of dataset %s failed (attempt %d of %d): %s", name, attempt, attempts, e)
+            await asyncio.sleep(min(2.0 * attempt, 5.0))
+    raise AssertionError("unreachable")
+
+
+async def send_file(nc: Client, subject: str, path, make_chunk, ack_decoder, window: int, timeout: float,
+                    chunk_bytes: int):
+    """One attempt: stream `path` as chunks on `subject`, `window` awaiting their acks; returns what the last ack
+    says was stored."""
     upload = uuid.uuid4().hex
-    subject = names.artifact_upload(job)
     digest = hashlib.sha256()
     size = 0
     in_flight: deque[asyncio.Task] = deque()
 
-    async def settle(task: asyncio.Task) -> ChunkAck:
+    async def settle(task: asyncio.Task):
         try:
             msg = await task
         except (nats.errors.TimeoutError, nats.errors.NoRespondersError) as e:
             raise UploadError(f"no acknowledgement from the artifact service ({type(e).__name__})") from None
-        ack = _ack.decode(msg.data)
+        ack = ack_decoder.decode(msg.data)
         if not ack.ok:
-            raise UploadError(ack.error)
+            raise Refusal(ack.error)
         return ack
 
     try:
@@ -67,9 +106,7 @@ async def _upload_once(nc, job, kind, path, meta, window, timeout, chunk_bytes) 
                 last = not following
                 digest.update(data)
                 size += len(data)
-                chunk = Chunk(upload=upload, job=job, kind=kind, seq=seq, data=data, last=last,
-                              sha256=digest.hexdigest() if last else "", size=size if last else 0,
-                              meta=meta if seq == 0 else None)
+                chunk = make_chunk(upload, seq, data, last, digest.hexdigest() if last else "", size if last else 0)
                 wait = timeout * 4 if last else timeout  # the last ack comes once the object is stored
                 in_flight.append(asyncio.create_task(nc.request(subject, msgspec.msgpack.encode(chunk), timeout=wait)))
                 if len(in_flight) >= window:
@@ -81,7 +118,7 @@ async def _upload_once(nc, job, kind, path, meta, window, timeout, chunk_bytes) 
         while in_flight:
             ack = await settle(in_flight.popleft())
         if ack is None or ack.stored is None:
-            raise UploadError("the artifact service acknowledged the last chunk without storing the artifact")
+            raise UploadError("the service acknowledged the last chunk without storing the upload")
         return ack.stored
     finally:
         for task in in_flight:

@@ -1,182 +1,94 @@
-"""The artifact service: assembles chunked uploads into the object store; lists and deletes artifacts."""
+"""The artifact service: assembles chunked uploads into the object store (artifacts and datasets), lists and deletes them."""
 
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import logging
-import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-import msgspec
 import nats.micro
 from nats.aio.client import Client
 
 from schemas import names
 from schemas.artifacts import (ArtifactInfo, ArtifactList, ArtifactMeta, ArtifactQuery, Chunk, ChunkAck,
                                Deleted)
+from schemas.datasets import DatasetLimits
 from schemas.jobs import Error
 from services import __version__, bus
-from services.aio import cancel_and_wait, sleep_unless_stopped
+from services.aio import cancel_and_wait
+from services.artifacts.datasets import DatasetStore
 from services.artifacts.objinfo import artifact_headers, info_from_object, sha256_header
 from services.artifacts.objwriter import ObjectWriter
+from services.artifacts.receiver import ChunkReceiver
 
 log = logging.getLogger(__name__)
-_enc = msgspec.json.Encoder()
-_chunk = msgspec.msgpack.Decoder(Chunk)
-MAX_AHEAD = 32  # chunks buffered out of order before a gap fails the upload
 
 
 @dataclass
-class Upload:
-    chunk0: Chunk
+class ArtifactSink:
+    """One artifact on its way into the artifacts bucket."""
+
     writer: ObjectWriter
-    expected: int = 0
-    size: int = 0
-    digest: "hashlib._Hash" = field(default_factory=hashlib.sha256)
-    ahead: dict[int, tuple[Chunk, object]] = field(default_factory=dict)
-    touched: float = field(default_factory=time.monotonic)
-    failed: str = ""
-    aborted: asyncio.Future | None = None
+    what: str
+
+    def check(self, data: bytes) -> None:
+        pass  # an artifact is whatever the trainer made; its sha256 is what is checked
+
+    async def commit(self, sha256: str, digest: bytes) -> ArtifactInfo:
+        key, value = sha256_header(sha256)
+        self.writer.info.headers[key] = value
+        return info_from_object(await self.writer.commit(digest))
 
 
 class ArtifactService:
-    def __init__(self, nc: Client, stall_timeout: float = 30.0) -> None:
+    """Serves the artifacts bucket (uploads, list, delete) and the datasets bucket (DatasetStore)."""
+
+    def __init__(self, nc: Client, stall_timeout: float = 30.0, dataset_limits: DatasetLimits | None = None) -> None:
         self.nc, self.js = nc, nc.jetstream()
-        self.stall_timeout = stall_timeout
-        self.uploads: dict[str, Upload] = {}
-        self.failed: dict[str, tuple[str, float]] = {}  # upload -> reason, kept so late chunks get it
-        self.stored = 0
+        self.receiver = ChunkReceiver(Chunk, ChunkAck, lambda c: c.job, self._open_sink, stall_timeout)
+        self.datasets = DatasetStore(nc, dataset_limits or DatasetLimits(), stall_timeout)
         self.ready = asyncio.Event()
-        self._aborts: set[asyncio.Future] = set()
+
+    @property
+    def uploads(self) -> dict:
+        return self.receiver.uploads
 
     async def run(self, stop: asyncio.Event) -> None:
         self.obs = await self.js.object_store(names.ARTIFACTS_BUCKET)
-        sub = await self.nc.subscribe(names.ARTIFACTS_UPLOAD_ALL, queue="jetlora-artifacts", cb=self._on_chunk,
-                                      pending_msgs_limit=4096, pending_bytes_limit=256 * 1024 * 1024)
+        limits = dict(pending_msgs_limit=4096, pending_bytes_limit=256 * 1024 * 1024)
+        subs = [await self.nc.subscribe(names.ARTIFACTS_UPLOAD_ALL, queue="jetlora-artifacts", cb=self.receiver.on_chunk,
+                                        **limits),
+                await self.nc.subscribe(names.DATASETS_UPLOAD_ALL, queue="jetlora-datasets",
+                                        cb=self.datasets.receiver.on_chunk, **limits)]
         service = await nats.micro.add_service(self.nc, name=names.ARTIFACT_SERVICE, version=__version__,
-                                               description="jetlora artifact store")
+                                               description="jetlora artifact and dataset store")
         group = service.add_group(name=names.ARTIFACTS_GROUP)
         for verb, serve in (("list", self._list), ("delete", self._delete)):  # an admin's, and each tenant's
             answer = bus.handler(lambda q, subject, serve=serve: serve(q, names.tenant_of_subject(subject)),
                                  ArtifactQuery, with_subject=True)
             await group.add_endpoint(name=verb, handler=answer)
             await group.add_endpoint(name=f"tenant-{verb}", subject=f"*.{verb}", handler=answer)
-        reaper = asyncio.create_task(self._reap_stalled(stop))
+        await self.datasets.add_endpoints(service)
+        reapers = [asyncio.create_task(r.reap_stalled(stop)) for r in (self.receiver, self.datasets.receiver)]
         await self.nc.flush()
         self.ready.set()
-        log.info("artifact service up, bucket %s", names.ARTIFACTS_BUCKET)
+        log.info("artifact service up, buckets %s and %s", names.ARTIFACTS_BUCKET, names.DATASETS_BUCKET)
         try:
             await stop.wait()
         finally:
-            await cancel_and_wait([reaper])
+            await cancel_and_wait(reapers)
             await service.stop()
-            await sub.unsubscribe()
-            for up in list(self.uploads.values()):
-                self._fail(up, "the artifact service shut down mid-upload; the sender restarts it")
-            await asyncio.gather(*self._aborts, return_exceptions=True)  # purges finish before the service ends
+            for sub in subs:
+                await sub.unsubscribe()
+            for receiver in (self.receiver, self.datasets.receiver):
+                await receiver.close()  # purges finish before the service ends
 
-    # --- uploads -------------------------------------------------------------------------------
-    async def _reply(self, msg, chunk: Chunk, error: str = "", stored: ArtifactInfo | None = None) -> None:
-        if msg.reply:
-            await msg.respond(_enc.encode(ChunkAck(upload=chunk.upload, seq=chunk.seq, ok=not error, error=error,
-                                                   stored=stored)))
-
-    async def _on_chunk(self, msg) -> None:
-        try:
-            chunk = _chunk.decode(msg.data)
-        except msgspec.DecodeError as e:
-            if msg.reply:
-                await msg.respond(_enc.encode(ChunkAck(upload="", seq=-1, ok=False, error=f"not a chunk: {e}")))
-            return
-        if chunk.job != msg.subject.rsplit(".", 1)[-1]:
-            return await self._reply(msg, chunk, f"chunk for job {chunk.job} sent on {msg.subject}")
-        if chunk.upload in self.failed:
-            return await self._reply(msg, chunk, self.failed[chunk.upload][0])
-        up = self.uploads.get(chunk.upload)
-        if up is None:
-            if chunk.seq != 0:
-                return await self._reply(msg, chunk, f"upload {chunk.upload} is not known here (the service restarted?); "
-                                                     "restart it from chunk 0")
-            up = self._begin(chunk)
-        up.touched = time.monotonic()
-        if chunk.seq < up.expected:
-            return await self._reply(msg, chunk)  # a duplicate (redelivery): already taken
-        if chunk.seq > up.expected:
-            if chunk.seq - up.expected > MAX_AHEAD or chunk.seq in up.ahead:
-                return await self._fail_reply(up, msg, chunk, f"chunk {up.expected} never arrived (got {chunk.seq})")
-            up.ahead[chunk.seq] = (chunk, msg)
-            return
-        await self._take(up, chunk, msg)
-        while up.expected in up.ahead and not up.failed:
-            await self._take(up, *up.ahead.pop(up.expected))
-
-    def _begin(self, chunk: Chunk) -> Upload:
+    async def _open_sink(self, chunk: Chunk) -> ArtifactSink:
         name = names.artifact_name(chunk.job, chunk.kind)
         headers = artifact_headers(chunk.job, chunk.kind, chunk.meta or ArtifactMeta())
         writer = ObjectWriter(self.js, names.ARTIFACTS_BUCKET, name, f"jetlora {chunk.kind} artifact of job {chunk.job}",
                               headers)
-        up = Upload(chunk0=chunk, writer=writer)
-        self.uploads[chunk.upload] = up
-        log.info("upload %s: %s begins", chunk.upload, name)
-        return up
-
-    async def _take(self, up: Upload, chunk: Chunk, msg) -> None:
-        up.expected += 1
-        up.size += len(chunk.data)
-        up.digest.update(chunk.data)
-        try:
-            await up.writer.write(chunk.data)
-        except Exception as e:
-            return await self._fail_reply(up, msg, chunk, f"the object store refused a chunk: {e}")
-        if not chunk.last:
-            return await self._reply(msg, chunk)
-        sha = up.digest.hexdigest()
-        if chunk.size != up.size or chunk.sha256 != sha:
-            return await self._fail_reply(up, msg, chunk, f"checksum mismatch: the sender says {chunk.size} bytes sha256 "
-                                                          f"{chunk.sha256[:12]}…, {up.size} bytes sha256 {sha[:12]}… arrived")
-        key, value = sha256_header(sha)
-        up.writer.info.headers[key] = value
-        try:
-            info = await up.writer.commit(up.digest.digest())
-        except Exception as e:
-            return await self._fail_reply(up, msg, chunk, f"the object store refused the artifact: {e}")
-        del self.uploads[chunk.upload]
-        self.stored += 1
-        stored = info_from_object(info)
-        log.info("upload %s: stored %s (%d bytes)", chunk.upload, info.name, up.size)
-        await self._reply(msg, chunk, stored=stored)
-
-    def _fail(self, up: Upload, reason: str) -> None:
-        if up.failed:
-            return
-        up.failed = reason
-        up.aborted = asyncio.ensure_future(up.writer.abort())
-        self._aborts.add(up.aborted)
-        up.aborted.add_done_callback(self._aborts.discard)
-        self.uploads.pop(up.chunk0.upload, None)
-        self.failed[up.chunk0.upload] = (reason, time.monotonic())
-        log.warning("upload %s of %s %s failed: %s; nothing was stored", up.chunk0.upload, up.chunk0.job,
-                    up.chunk0.kind, reason)
-
-    async def _fail_reply(self, up: Upload, msg, chunk: Chunk, reason: str) -> None:
-        self._fail(up, reason)
-        try:
-            await up.aborted  # its chunks are purged: no object appears
-        except Exception as e:
-            log.warning("upload %s: purging its chunks failed: %s", chunk.upload, e)
-        await self._reply(msg, chunk, reason)
-        for c, m in up.ahead.values():
-            await self._reply(m, c, reason)
-
-    async def _reap_stalled(self, stop: asyncio.Event) -> None:
-        while not await sleep_unless_stopped(stop, min(1.0, self.stall_timeout / 4)):
-            now = time.monotonic()
-            for up in list(self.uploads.values()):
-                if now - up.touched > self.stall_timeout:
-                    self._fail(up, f"upload stalled at chunk {up.expected} for {self.stall_timeout:.0f}s "
-                                   "(the sender went away); nothing was stored")
-            self.failed = {k: v for k, v in self.failed.items() if now - v[1] < 600}
+        return ArtifactSink(writer, name)
 
     # --- operators' requests -------------------------------------------------------------------
     async def list_artifacts(self, q: ArtifactQuery, tenant: str | None = None) -> list[ArtifactInfo]:

@@ -12,6 +12,7 @@ import json
 from schemas import names
 
 JOBS, OBJ = names.JOBS_STREAM, names.objects(names.ARTIFACTS_BUCKET).stream
+DATA = names.objects(names.DATASETS_BUCKET).stream
 
 
 def _read_stream(stream: str) -> list[str]:
@@ -28,6 +29,7 @@ def _object_read() -> list[str]:
 
 def roles(nodes: list[str], tenants: list[str] = ()) -> dict[str, dict]:
     api = [names.SUBMIT, names.GET_JOB, names.LIST_JOBS, names.CANCEL, names.STOP, names.LIST_NODES]  # an admin's
+    datasets = [names.DATASETS_UPLOAD_ALL, names.DATASETS.list, names.DATASETS.show] + _read_stream(DATA)
     watch = _read_stream(JOBS)
     users = {
         "scheduler": {"publish": [names.node("*").assign, names.node("*").control, names.JS_API_ALL, names.kv(names.JOBS_KV).subjects,
@@ -35,11 +37,13 @@ def roles(nodes: list[str], tenants: list[str] = ()) -> dict[str, dict]:
                                   names.SERVICE_DISCOVERY_ALL],
                       "subscribe": [names.API_GROUP + ".>", names.HEARTBEATS_ALL, names.JOB_PROGRESS_ALL, names.INBOX_ALL,
                                     names.SERVICE_DISCOVERY_ALL]},
-        "artifacts": {"publish": [names.objects(names.ARTIFACTS_BUCKET).subjects, names.JS_API_ALL, names.INBOX_ALL,
-                                  names.SERVICE_DISCOVERY_ALL],
-                      "subscribe": [names.ARTIFACTS_GROUP + ".>", names.INBOX_ALL, names.SERVICE_DISCOVERY_ALL]},
-        "submitter": {"publish": api + watch, "subscribe": [names.INBOX_ALL]},
-        "operator": {"publish": api + watch + [names.ARTIFACTS_LIST, names.ARTIFACTS_DELETE] + _object_read()
+        "artifacts": {"publish": [names.objects(names.ARTIFACTS_BUCKET).subjects, names.objects(names.DATASETS_BUCKET).subjects,
+                                  names.JS_API_ALL, names.INBOX_ALL, names.SERVICE_DISCOVERY_ALL],
+                      "subscribe": [names.ARTIFACTS_GROUP + ".>", names.DATASETS_GROUP + ".>", names.INBOX_ALL,
+                                    names.SERVICE_DISCOVERY_ALL]},
+        "submitter": {"publish": api + watch + datasets, "subscribe": [names.INBOX_ALL]},
+        "operator": {"publish": api + watch + datasets + [names.DATASETS.delete]
+                     + [names.ARTIFACTS_LIST, names.ARTIFACTS_DELETE] + _object_read()
                      + [names.js_api("STREAM", "PURGE", OBJ), names.objects(names.ARTIFACTS_BUCKET).subjects],
                      "subscribe": [names.INBOX_ALL, names.HEARTBEATS_ALL]},
         "dashboard": {"publish": [names.LIST_JOBS, names.LIST_NODES, names.ARTIFACTS_LIST] + watch + _object_read(),
@@ -53,8 +57,9 @@ def roles(nodes: list[str], tenants: list[str] = ()) -> dict[str, dict]:
         names.check_token(node, "node id")
         users[f"agent-{node}"] = {
             "publish": [names.node(node).heartbeat, names.job("*", node).state, names.job("*", node).progress,
-                        names.ARTIFACTS_UPLOAD_ALL,
-                        names.js_api("INFO"), names.js_api("STREAM", "INFO", JOBS)] + _object_read(),  # checkpoints to resume
+                        names.job("*", node).preparing, names.ARTIFACTS_UPLOAD_ALL,
+                        names.js_api("INFO"), names.js_api("STREAM", "INFO", JOBS)]
+                       + _object_read() + _read_stream(DATA),  # checkpoints to resume, datasets to train on
             "subscribe": [names.node(node).assign, names.node(node).control, names.INBOX_ALL]}
     return users
 

@@ -1,0 +1,172 @@
+"""Chunked uploads assembled into object-store entries: in order, sha256-checked, all or nothing.
+
+One receiver serves one kind of upload (artifacts, datasets). What differs between them, where the object goes,
+what is checked on the way and what the last ack says, is a Sink the caller opens for each upload.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import msgspec
+
+from services.aio import sleep_unless_stopped
+from services.artifacts.objwriter import ObjectWriter
+
+log = logging.getLogger(__name__)
+_enc = msgspec.json.Encoder()
+MAX_AHEAD = 32  # chunks buffered out of order before a gap fails the upload
+FAILED_KEPT_S = 600.0  # a failed upload's reason is given to its late chunks this long
+
+
+class Refused(Exception):
+    """A sink refuses the upload: the reason goes back to the sender and nothing is stored."""
+
+
+class Sink(Protocol):
+    writer: ObjectWriter
+    what: str  # for logs: "gguf artifact of job X", "dataset chat-v2"
+
+    def check(self, data: bytes) -> None:
+        """Look at the next bytes before they are stored; raise Refused to refuse the upload."""
+
+    async def commit(self, sha256: str, digest: bytes) -> msgspec.Struct:
+        """Make the object visible; returns what the last chunk's ack carries. Raise Refused to refuse it."""
+
+
+@dataclass
+class Upload:
+    chunk0: msgspec.Struct
+    sink: Sink
+    expected: int = 0
+    size: int = 0
+    digest: "hashlib._Hash" = field(default_factory=hashlib.sha256)
+    ahead: dict[int, tuple[msgspec.Struct, object]] = field(default_factory=dict)
+    touched: float = field(default_factory=time.monotonic)
+    failed: str = ""
+    aborted: asyncio.Future | None = None
+
+
+class ChunkReceiver:
+    """Turns chunk messages (msgpack, each with upload, seq, data, last, sha256, size) into objects."""
+
+    def __init__(self, chunk_type: type, ack_type: type, target: Callable[[msgspec.Struct], str],
+                 open_sink: Callable[[msgspec.Struct], Awaitable[Sink]], stall_timeout: float = 30.0) -> None:
+        self.decoder = msgspec.msgpack.Decoder(chunk_type)
+        self.ack_type, self.target, self.open_sink = ack_type, target, open_sink
+        self.stall_timeout = stall_timeout
+        self.uploads: dict[str, Upload] = {}
+        self.failed: dict[str, tuple[str, float]] = {}  # upload -> reason, kept so late chunks get it
+        self.stored = 0
+        self._aborts: set[asyncio.Future] = set()
+
+    async def _reply(self, msg, chunk, error: str = "", stored: msgspec.Struct | None = None) -> None:
+        if msg.reply:
+            await msg.respond(_enc.encode(self.ack_type(upload=chunk.upload, seq=chunk.seq, ok=not error, error=error,
+                                                        stored=stored)))
+
+    async def on_chunk(self, msg) -> None:
+        try:
+            chunk = self.decoder.decode(msg.data)
+        except msgspec.DecodeError as e:
+            if msg.reply:
+                await msg.respond(_enc.encode(self.ack_type(upload="", seq=-1, ok=False, error=f"not a chunk: {e}")))
+            return
+        if self.target(chunk) != msg.subject.rsplit(".", 1)[-1]:
+            return await self._reply(msg, chunk, f"chunk for {self.target(chunk)} sent on {msg.subject}")
+        if chunk.upload in self.failed:
+            return await self._reply(msg, chunk, self.failed[chunk.upload][0])
+        up = self.uploads.get(chunk.upload)
+        if up is None:
+            if chunk.seq != 0:
+                return await self._reply(msg, chunk, f"upload {chunk.upload} is not known here (the service restarted?); "
+                                                     "restart it from chunk 0")
+            try:
+                up = self.uploads[chunk.upload] = Upload(chunk0=chunk, sink=await self.open_sink(chunk))
+            except Exception as e:
+                reason = str(e) if isinstance(e, Refused) else f"the upload could not begin ({type(e).__name__}: {e})"
+                self.failed[chunk.upload] = (reason, time.monotonic())
+                return await self._reply(msg, chunk, reason)
+            log.info("upload %s: %s begins", chunk.upload, up.sink.what)
+        up.touched = time.monotonic()
+        if chunk.seq < up.expected:
+            return await self._reply(msg, chunk)  # a duplicate (redelivery): already taken
+        if chunk.seq > up.expected:
+            if chunk.seq - up.expected > MAX_AHEAD or chunk.seq in up.ahead:
+                return await self._fail_reply(up, msg, chunk, f"chunk {up.expected} never arrived (got {chunk.seq})")
+            up.ahead[chunk.seq] = (chunk, msg)
+            return
+        await self._take(up, chunk, msg)
+        while up.expected in up.ahead and not up.failed:
+            await self._take(up, *up.ahead.pop(up.expected))
+
+    async def _take(self, up: Upload, chunk, msg) -> None:
+        up.expected += 1
+        up.size += len(chunk.data)
+        up.digest.update(chunk.data)
+        try:
+            up.sink.check(chunk.data)
+            await up.sink.writer.write(chunk.data)
+        except Refused as e:
+            return await self._fail_reply(up, msg, chunk, str(e))
+        except Exception as e:
+            return await self._fail_reply(up, msg, chunk, f"the object store refused a chunk: {e}")
+        if not chunk.last:
+            return await self._reply(msg, chunk)
+        sha = up.digest.hexdigest()
+        if chunk.size != up.size or chunk.sha256 != sha:
+            return await self._fail_reply(up, msg, chunk, f"checksum mismatch: the sender says {chunk.size} bytes sha256 "
+                                                          f"{chunk.sha256[:12]}…, {up.size} bytes sha256 {sha[:12]}… arrived")
+        try:
+            stored = await up.sink.commit(sha, up.digest.digest())
+        except Refused as e:
+            return await self._fail_reply(up, msg, chunk, str(e))
+        except Exception as e:
+            return await self._fail_reply(up, msg, chunk, f"the object store refused the upload: {e}")
+        del self.uploads[chunk.upload]
+        self.stored += 1
+        log.info("upload %s: stored %s (%d bytes)", chunk.upload, up.sink.what, up.size)
+        await self._reply(msg, chunk, stored=stored)
+
+    def fail(self, up: Upload, reason: str) -> None:
+        if up.failed:
+            return
+        up.failed = reason
+        up.aborted = asyncio.ensure_future(up.sink.writer.abort())
+        self._aborts.add(up.aborted)
+        up.aborted.add_done_callback(self._aborts.discard)
+        self.uploads.pop(up.chunk0.upload, None)
+        self.failed[up.chunk0.upload] = (reason, time.monotonic())
+        log.warning("upload %s of %s failed: %s; nothing was stored", up.chunk0.upload, up.sink.what, reason)
+
+    async def _fail_reply(self, up: Upload, msg, chunk, reason: str) -> None:
+        self.fail(up, reason)
+        try:
+            await up.aborted  # its chunks are purged: no object appears
+        except Exception as e:
+            log.warning("upload %s: purging its chunks failed: %s", chunk.upload, e)
+        await self._reply(msg, chunk, reason)
+        for c, m in up.ahead.values():
+            await self._reply(m, c, reason)
+
+    async def reap_stalled(self, stop: asyncio.Event) -> None:
+        """Fail uploads whose sender went quiet, so their chunks do not linger in the store."""
+        while not await sleep_unless_stopped(stop, min(1.0, self.stall_timeout / 4)):
+            now = time.monotonic()
+            for up in list(self.uploads.values()):
+                if now - up.touched > self.stall_timeout:
+                    self.fail(up, f"upload stalled at chunk {up.expected} for {self.stall_timeout:.0f}s "
+                                  "(the sender went away); nothing was stored")
+            self.failed = {k: v for k, v in self.failed.items() if now - v[1] < FAILED_KEPT_S}
+
+    async def close(self) -> None:
+        """Shutting down: every upload under way fails, and its chunks are purged before this returns."""
+        for up in list(self.uploads.values()):
+            self.fail(up, "the service shut down mid-upload; the sender restarts it")
+        await asyncio.gather(*self._aborts, return_exceptions=True)
