@@ -15,13 +15,15 @@ from nats.aio.client import Client
 
 from schemas import names
 from schemas.artifacts import ArtifactMeta
-from schemas.events import Cancelled, Checkpoint, Failed, Finished, Progress, Started, StateChange, TrainerSpec
-from schemas.jobs import ArtifactRef, JobId, JobState
+from schemas.events import (Cancelled, Checkpoint, DataFile, Failed, Finished, Preparing, Progress, Started,
+                            StateChange, TrainerSpec)
+from schemas.jobs import ArtifactRef, DatasetRef, JobId, JobState
 from schemas.nodes import (CPU_DEVICE, AssignAccepted, AssignRefused, Assignment, Control, ControlReply, Device,
                            Heartbeat)
 from services import __version__, bus
 from services.aio import cancel_and_wait, sleep_unless_stopped
 from services.bus import publish_durably
+from services.agent.datasets import DatasetCache, DatasetUnavailable, LocalDataset
 from services.agent.devices import DeviceProbe
 from services.agent.runner import DEFAULT_TRAINER, TrainerRun
 from services.artifacts.download import download, safe_extract
@@ -42,6 +44,7 @@ class AgentConfig:
     simulate_gpus: str | None = None
     trainer_command: list[str] = field(default_factory=lambda: list(DEFAULT_TRAINER))
     keep_job_dirs: bool = False
+    dataset_cache_mib: int = 20480  # datasets (and their tokenized copies) kept for the next job
 
 
 @dataclass
@@ -52,6 +55,7 @@ class RunningJob:
     trainer: TrainerRun | None = None
     stop_asked: bool = False
     checkpoint_upload: asyncio.Task | None = None
+    datasets: list[LocalDataset] = field(default_factory=list)  # held in the cache until the job ends
     reports: int = 0  # numbers this run's state events, so JetStream's de-duplication keys each one apart
 
 
@@ -65,6 +69,7 @@ class Agent:
         self.draining = False
         self.devices: list[Device] = []
         self.no_gpu_reason = ""
+        self.datasets = DatasetCache(self.js, config.work_dir / "datasets", config.dataset_cache_mib * 2**20)
 
     async def run(self, stop: asyncio.Event) -> None:
         ended = await asyncio.to_thread(end_leftovers, self.cfg.work_dir / "jobs")
@@ -198,12 +203,14 @@ class Agent:
         except asyncio.CancelledError:
             if not self.draining:
                 await self._report(run, "cancelled", "cancelled before the trainer started")
-        except UploadError as e:
+        except (UploadError, DatasetUnavailable) as e:
             await self._report(run, "failed", str(e))
         except Exception as e:
             log.exception("job %s failed in the agent", a.job)
             await self._report(run, "failed", f"the agent failed running the job: {e!r}")
         finally:
+            for local in run.datasets:
+                self.datasets.release(local)
             self.jobs.pop(a.job, None)
             self.finished[a.job] = time.time()
             if not self.cfg.keep_job_dirs:
@@ -215,7 +222,10 @@ class Agent:
         env = {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True",
                "CUDA_VISIBLE_DEVICES": str(a.device) if gpu else ""}
         spec = TrainerSpec(job=a.job, attempt=a.attempt, request=a.request, out_dir=str(job_dir / "out"),
-                           device="cuda" if gpu else "cpu", resume_from=await self._fetch_checkpoint(run, job_dir))
+                           device="cuda" if gpu else "cpu", resume_from=await self._fetch_checkpoint(run, job_dir),
+                           dataset=await self._fetch_dataset(run, a.request.dataset),
+                           validation=await self._fetch_dataset(run, a.request.validation_dataset),
+                           token_cache=str(self.datasets.tokens))
         run.trainer = TrainerRun(spec, job_dir, self.cfg.trainer_command, env)
         if run.stop_asked:
             run.trainer.stop()
@@ -225,6 +235,10 @@ class Agent:
                 await self._report(run, "running", ev.message or f"training {ev.steps} steps on {ev.device}")
             elif isinstance(ev, Progress):
                 await self._progress(run, ev)
+            elif isinstance(ev, Preparing):
+                p = msgspec.structs.replace(ev, job=a.job, ts=ev.ts or time.time())
+                await publish_durably(self.js, names.job(a.job, self.cfg.node).preparing, _enc.encode(p),
+                                      f"{a.job}.{a.attempt}.d{ev.done}")
             elif isinstance(ev, Checkpoint):
                 if run.checkpoint_upload and not run.checkpoint_upload.done():
                     log.info("job %s: checkpoint at step %d skipped, the previous one is still uploading", a.job, ev.step)
@@ -232,6 +246,16 @@ class Agent:
                     run.checkpoint_upload = asyncio.create_task(self._ship_checkpoint(run, ev))
 
         return await run.trainer.run(on_event)
+
+    async def _fetch_dataset(self, run: RunningJob, ref: DatasetRef | None) -> DataFile | None:
+        """The job's dataset on local disk, from this node's cache or fetched into it."""
+        if ref is None:
+            return None
+        await self._report(run, "preparing", f"fetching dataset {ref.name}")
+        local = await self.datasets.acquire(ref)
+        run.datasets.append(local)
+        return DataFile(path=str(local.path), sha256=local.info.sha256, format=local.info.stats.format,
+                        rows=local.info.stats.rows)
 
     async def _fetch_checkpoint(self, run: RunningJob, job_dir: Path) -> str | None:
         """A re-queued job resumes from the checkpoint its last node stored; None: start from step 0."""

@@ -13,6 +13,7 @@ from services import bus
 from services.bus import BusOptions
 from services.cli.artifacts import cmd_artifacts
 from services.cli.client import EXIT_OK
+from services.cli.datasets import cmd_datasets
 from services.cli.jobs import cmd_control, cmd_job, cmd_jobs, cmd_nodes, cmd_submit, cmd_watch
 from services.cli.serve import run_agent, run_all, run_artifacts, run_dashboard, run_scheduler, run_service
 from services.runtime import setup_logging
@@ -68,6 +69,8 @@ def parser() -> argparse.ArgumentParser:
         p.add_argument("--simulate-gpus", help="report simulated GPUs of these MiB, e.g. 24576,24576 (tests)")
         p.add_argument("--trainer-command", help="the trainer to run (default: this Python's `-m trainer`); "
                                                   "an engine's Python goes here, e.g. '/opt/vllm/bin/python -m trainer'")
+        p.add_argument("--dataset-cache-mib", type=int, default=20480,
+                       help="disk kept for datasets and their tokenized copies, least recently used evicted first")
 
     def sched_flags(p):
         p.add_argument("--misses", type=int, default=3, help="heartbeats missed before a node counts as gone")
@@ -81,8 +84,14 @@ def parser() -> argparse.ArgumentParser:
                        help="NATS websocket URL the page connects to (env NATS_WS_URL)")
         p.add_argument("--port", type=int, default=8222, help="the dashboard's HTTP port on 127.0.0.1")
 
+    def dataset_limit_flags(p):
+        p.add_argument("--dataset-max-mib", type=int, default=8192, help="the largest dataset file taken")
+        p.add_argument("--dataset-max-rows", type=int, default=20_000_000, help="the most rows in a dataset")
+        p.add_argument("--dataset-max-row-kib", type=int, default=2048, help="the longest row (one JSON line)")
+
     p = service("up", "embedded NATS + scheduler + artifact service + a local agent + the dashboard")
     agent_flags(p)
+    dataset_limit_flags(p)
     sched_flags(p)
     dashboard_flags(p)
     p.set_defaults(fn=lambda a: run_service(a, run_all))
@@ -142,7 +151,33 @@ def parser() -> argparse.ArgumentParser:
     a = action("rm", "delete a job's artifacts")
     a.add_argument("job")
     a.add_argument("--kind", choices=["peft", "gguf", "checkpoint"])
+    dataset_limit_flags(p)
     p.set_defaults(fn=lambda a: cmd_artifacts(a) if a.action else run_service(a, run_artifacts))
+    p = sub.add_parser("datasets", help="training data stored once and named by jobs: put / ls / show / get / rm")
+    BusOptions.add_arguments(p)
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    dsub = p.add_subparsers(dest="action", required=True)
+
+    def dataset_action(name, help_):
+        d = dsub.add_parser(name, help=help_)
+        BusOptions.add_arguments(d, repeated=True)
+        d.add_argument("--json", action="store_true", default=argparse.SUPPRESS)
+        return d
+
+    d = dataset_action("put", "check a JSON-lines file row by row, then upload it")
+    d.add_argument("file")
+    d.add_argument("--name", help="what jobs call it (default: the file's name up to its first dot)")
+    d.add_argument("--format", choices=["auto", "qa", "chat", "alpaca", "text"], default="auto")
+    d.add_argument("--replace", action="store_true", help="replace a dataset of that name")
+    d.add_argument("--description", default="")
+    d = dataset_action("ls", "list datasets")
+    d.add_argument("--format", choices=["qa", "chat", "alpaca", "text"])
+    for verb, help_ in (("show", "its stats and first rows"), ("rm", "delete it"), ("get", "download it, sha256 checked")):
+        d = dataset_action(verb, help_)
+        d.add_argument("name")
+        if verb == "get":
+            d.add_argument("-o", "--output", required=True)
+    p.set_defaults(fn=cmd_datasets)
     p = sub.add_parser("demo", help="train a LoRA on a small local model end to end, on this machine")
     p.add_argument("--out", default="demo-out", help="where the model and the downloaded artifacts go")
     p.add_argument("--steps", type=int, default=300)

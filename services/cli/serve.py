@@ -34,7 +34,7 @@ def _agent_config(args):
 
     cfg = AgentConfig(node=args.node, work_dir=Path(args.work_dir or state_dir() / "agent" / args.node),
                       heartbeat_interval=args.heartbeat_interval, offer_cpu=args.offer_cpu,
-                      simulate_gpus=args.simulate_gpus)
+                      simulate_gpus=args.simulate_gpus, dataset_cache_mib=args.dataset_cache_mib)
     if args.trainer_command:
         cfg.trainer_command = shlex.split(args.trainer_command)
     return cfg
@@ -53,9 +53,12 @@ async def run_agent(nc, stop, args) -> None:
 
 
 async def run_artifacts(nc, stop, args) -> None:
+    from schemas.datasets import DatasetLimits
     from services.artifacts.service import ArtifactService
 
-    await ArtifactService(nc).run(stop)
+    limits = DatasetLimits(max_bytes=args.dataset_max_mib * 2**20, max_rows=args.dataset_max_rows,
+                           max_row_bytes=args.dataset_max_row_kib * 1024)
+    await ArtifactService(nc, dataset_limits=limits).run(stop)
 
 
 async def run_dashboard(nc, stop, args) -> None:

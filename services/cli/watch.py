@@ -9,7 +9,7 @@ from nats.aio.client import Client
 from nats.js.api import DeliverPolicy
 
 from schemas import names
-from schemas.events import JobEvent, Progress, StateChange
+from schemas.events import JobEvent, Preparing, Progress, StateChange
 from schemas.jobs import TERMINAL_STATES
 
 _dec = msgspec.json.Decoder(JobEvent)
@@ -61,6 +61,8 @@ async def watch(nc: Client, job: str, as_json: bool = False) -> int:
             print(msgspec.json.encode(ev).decode(), flush=True)
         elif isinstance(ev, Progress):
             print(("\r" if tty else "") + progress_line(ev), end="" if tty else "\n", flush=True)
+        elif isinstance(ev, Preparing):
+            print(("\r" if tty else "") + ev.message, end="" if tty else "\n", flush=True)
         else:
             print(("\n" if tty else "") + f"{ev.state}: {ev.message}", flush=True)
         last = ev

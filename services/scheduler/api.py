@@ -15,6 +15,7 @@ from schemas.jobs import (TERMINAL_STATES, Accepted, Error, FieldError, JobList,
 from schemas.nodes import Control, ControlReply, NodeInfo, NodeList
 from schemas.validate import InvalidRequest
 from services import bus
+from services.artifacts.datasets import find_dataset
 from services.scheduler.core import Job, SchedulerCore
 from services.scheduler.idempotency import IdempotencyKeys
 
@@ -84,7 +85,37 @@ class SchedulerApi(SchedulerCore):
                      job_id: str | None = None) -> Accepted | Rejected:
         if errors := self._capacity_errors(request) + self._quota_errors(tenant):
             return Rejected(errors)
+        request, errors = await self._pin_datasets(request)
+        if errors:
+            return Rejected(errors)
         return await self._store_new(request, size, tenant, job_id)
+
+    async def _pin_datasets(self, req: JobRequest) -> tuple[JobRequest, list[FieldError]]:
+        """The request with each named dataset pinned to the content it has now; or why a name or pin is wrong."""
+        errors, pinned = [], {}
+        for where in ("dataset", "validation_dataset"):
+            if (ref := getattr(req, where)) is None:
+                continue
+            try:
+                found = await find_dataset(self.js, ref.name)
+            except Exception as e:
+                errors.append(FieldError(where, f"the datasets bucket could not be read ({type(e).__name__}); nothing "
+                                                "was queued: submit again"))
+                continue
+            if found is None:
+                errors.append(FieldError(f"{where}.name", f"no dataset named {ref.name}; `jetlora datasets ls` lists "
+                                                          f"them, `jetlora datasets put FILE --name {ref.name}` adds one"))
+            elif ref.sha256 and ref.sha256 != found.sha256:
+                errors.append(FieldError(f"{where}.sha256", f"dataset {ref.name} now holds sha256 {found.sha256}, not "
+                                                            f"the pinned {ref.sha256} (it was replaced); pin the new one, "
+                                                            "or upload the old file under another name"))
+            else:
+                pinned[where] = msgspec.structs.replace(ref, sha256=found.sha256)
+                fraction = req.train.eval_fraction
+                if where == "dataset" and fraction and found.stats.rows * fraction < 1:
+                    errors.append(FieldError("train.eval_fraction", f"{fraction} of {found.stats.rows} rows holds out "
+                                                                    "none; raise it or name a validation_dataset"))
+        return msgspec.structs.replace(req, **pinned), errors
 
     def _quota_errors(self, tenant: str | None) -> list[FieldError]:
         limit = self.cfg.quota(tenant).queued

@@ -1,0 +1,97 @@
+"""A node's copy of the datasets its jobs train on: fetched once per sha256, kept under a byte budget, least
+recently used evicted first (never one a running job reads)."""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+import msgspec
+
+from schemas import names
+from schemas.datasets import DatasetInfo
+from schemas.jobs import DatasetRef
+from services.artifacts.datasets import find_dataset
+from services.artifacts.download import fetch_object
+
+log = logging.getLogger(__name__)
+_info = msgspec.json.Decoder(DatasetInfo)
+
+
+class DatasetUnavailable(Exception):
+    """The dataset a job names cannot be had as it was submitted: what happened and what to do."""
+
+
+@dataclass
+class LocalDataset:
+    path: Path
+    info: DatasetInfo
+
+
+class DatasetCache:
+    def __init__(self, js, root: Path, budget_bytes: int) -> None:
+        self.js, self.root, self.budget = js, root, budget_bytes
+        self.tokens = root / "tokens"  # the trainer's tokenized copies, one directory per dataset sha256 and tokenizer
+        self.locks: collections.defaultdict[str, asyncio.Lock] = collections.defaultdict(asyncio.Lock)
+        self.in_use: collections.Counter[str] = collections.Counter()
+
+    def _paths(self, sha256: str) -> tuple[Path, Path]:
+        return self.root / f"{sha256}.jsonl", self.root / f"{sha256}.json"
+
+    async def acquire(self, ref: DatasetRef) -> LocalDataset:
+        """The dataset on local disk (fetched if it is not there yet); release() it when the job ends."""
+        if ref.sha256 is None:
+            raise DatasetUnavailable(f"dataset {ref.name} reached the node without its sha256 pin (an old scheduler?); "
+                                     "resubmit the job")
+        async with self.locks[ref.sha256]:  # two jobs on one dataset: one download
+            data, meta = self._paths(ref.sha256)
+            if data.is_file() and meta.is_file():
+                os.utime(data)  # most recently used
+                info = _info.decode(meta.read_bytes())
+            else:
+                info = await self._fetch(ref, data, meta)
+            self.in_use[ref.sha256] += 1
+        await asyncio.to_thread(self._evict)
+        return LocalDataset(data, info)
+
+    def release(self, local: LocalDataset) -> None:
+        self.in_use[local.info.sha256] -= 1
+        if self.in_use[local.info.sha256] <= 0:
+            del self.in_use[local.info.sha256]
+
+    async def _fetch(self, ref: DatasetRef, data: Path, meta: Path) -> DatasetInfo:
+        info = await find_dataset(self.js, ref.name)
+        if info is None:
+            raise DatasetUnavailable(f"dataset {ref.name} was deleted after the job was submitted; upload it again "
+                                     "(`jetlora datasets put`) and resubmit the job")
+        if info.sha256 != ref.sha256:
+            raise DatasetUnavailable(f"dataset {ref.name} was replaced after the job was submitted (it held sha256 "
+                                     f"{ref.sha256[:12]}…, now {info.sha256[:12]}…); resubmit the job to train on the "
+                                     "new content")
+        obs = await self.js.object_store(names.DATASETS_BUCKET)
+        await fetch_object(obs, ref.name, data, info.sha256)
+        meta.write_bytes(msgspec.json.encode(info))
+        log.info("dataset %s (%s, %d bytes) fetched into %s", ref.name, info.sha256[:12], info.size, data)
+        return info
+
+    def _evict(self) -> None:
+        """Remove least recently used datasets until the cache fits its budget; those in use stay."""
+        files = sorted(self.root.glob("*.jsonl"), key=lambda p: p.stat().st_mtime)
+        total = sum(p.stat().st_size for p in files)
+        for p in files:
+            if total <= self.budget:
+                break
+            sha = p.stem
+            if sha in self.in_use:
+                continue
+            total -= p.stat().st_size
+            p.unlink(missing_ok=True)
+            self._paths(sha)[1].unlink(missing_ok=True)
+            for tokenized in self.tokens.glob(f"{sha}-*"):
+                shutil.rmtree(tokenized, ignore_errors=True)
+            log.info("dataset cache: evicted %s to stay under %d MiB", sha[:12], self.budget // 2**20)

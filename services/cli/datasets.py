@@ -1,0 +1,83 @@
+"""Client commands for datasets: put (checked here, then streamed and checked again by the service), ls, show,
+get, rm."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+from schemas import names
+from schemas.dataset_check import DatasetInvalid, check_file
+from schemas.datasets import (DatasetDeleted, DatasetInfo, DatasetList, DatasetListQuery, DatasetQuery, DatasetReply,
+                              DatasetUpload)
+from services.cli.client import EXIT_FAILED, EXIT_OK, EXIT_REJECTED, CommandFailed, ask, run_client, show
+
+
+def describe(d: DatasetInfo) -> list[str]:
+    s = d.stats
+    lines = [f"{d.name}: {s.rows:,} {s.format} rows, {d.size / 2**20:,.1f} MiB, sha256 {d.sha256}, stored {d.created}",
+             f"characters per row: {s.chars_mean:,.0f} on average, {s.chars_max:,} at most"]
+    if s.roles:
+        lines.append("messages by role: " + ", ".join(f"{role} {n:,}" for role, n in sorted(s.roles.items()))
+                     + f"; assistant turns learnt: {s.turns_trained:,}")
+    if d.description:
+        lines.append(f"description: {d.description}")
+    lines += ["first rows:"] + [f"  {row}" for row in s.head]
+    return lines
+
+
+def cmd_datasets(args) -> int:
+    if args.action == "put":
+        name = args.name or Path(args.file).name.split(".")[0]
+        try:
+            names.check_token(name, "dataset name")
+            stats = check_file(args.file, args.format)  # refused here before a byte is sent
+        except ValueError as e:
+            print(f"error: {e}; give one with --name", file=sys.stderr)
+            return EXIT_REJECTED
+        except DatasetInvalid as e:
+            print(f"error: {args.file} is not a dataset jetlora can store; nothing was sent:\n  " + "\n  ".join(e.errors),
+                  file=sys.stderr)
+            return EXIT_REJECTED
+        except OSError as e:
+            print(f"error: cannot read {args.file}: {e}", file=sys.stderr)
+            return EXIT_FAILED
+        print(f"{args.file}: {stats.rows:,} {stats.format} rows, all well formed; uploading as {name}", file=sys.stderr)
+
+    async def go(nc):
+        if args.action == "put":
+            from services.artifacts.sender import Refusal, upload_dataset
+
+            upload = DatasetUpload(format=args.format, replace=args.replace, description=args.description)
+            try:
+                info = await upload_dataset(nc, name, args.file, upload)
+            except Refusal as e:
+                raise CommandFailed(f"the artifact service refused {args.file}: {e}", EXIT_REJECTED) from None
+            show(DatasetReply(info), args.json, lambda r: print("\n".join(describe(r.dataset))))
+        elif args.action == "ls":
+            reply = await ask(nc, names.DATASETS.list, DatasetListQuery(format=args.format), DatasetList)
+            show(reply, args.json, lambda r: [print(f"{d.name}\t{d.stats.format}\t{d.stats.rows}\t{d.size}\t"
+                                                    f"{d.sha256[:16]}\t{d.created}") for d in r.datasets])
+        elif args.action == "show":
+            reply = await ask(nc, names.DATASETS.show, DatasetQuery(name=args.name), DatasetReply)
+            show(reply, args.json, lambda r: print("\n".join(describe(r.dataset))))
+        elif args.action == "rm":
+            reply = await ask(nc, names.DATASETS.delete, DatasetQuery(name=args.name), DatasetDeleted)
+            print(f"deleted {reply.name}")
+        else:
+            await get(nc, args.name, args.output)
+        return EXIT_OK
+
+    return run_client(args, go)
+
+
+async def get(nc, name: str, output: str | os.PathLike) -> None:
+    from services.artifacts.datasets import find_dataset
+    from services.artifacts.download import fetch_object
+
+    info = await find_dataset(nc.jetstream(), names.check_token(name, "dataset name"))
+    if info is None:
+        raise CommandFailed(f"no dataset named {name}; `jetlora datasets ls` lists them")
+    await fetch_object(await nc.jetstream().object_store(names.DATASETS_BUCKET), name, output, info.sha256)
+    print(f"{output}\t{info.size} bytes\tsha256 {info.sha256} verified")
