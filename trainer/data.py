@@ -1,56 +1,75 @@
-"""Q/A pairs to token ids and labels, then to batches: packed without padding, or padded."""
+"""Examples as flat token arrays (in memory, or memory-mapped from the token cache), and batches drawn from them
+on demand: packed without padding, or padded."""
 
 from __future__ import annotations
 
 import random
+from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from trainer.errors import JobError
+from trainer.formats import IGNORE, Example, examples_of, prompt_text, prompt_tokens, render  # noqa: F401
 
-IGNORE = -100
-PLAIN_TEMPLATE = "### Question:\n{q}\n\n### Answer:\n"
+__all__ = ["IGNORE", "Example", "Examples", "Batch", "encode", "split", "make_batches", "prompt_text"]
 
 
 @dataclass
-class Example:
-    ids: list[int]
-    targets: list[int]  # already shifted: targets[t] is the token to predict after ids[t]; IGNORE where none
+class Examples:
+    """Examples back to back: ids[offsets[i]:offsets[i + 1]] is example i (through `rows`, a subset of them)."""
 
+    ids: np.ndarray  # int32
+    targets: np.ndarray  # int32, IGNORE where nothing is predicted
+    offsets: np.ndarray  # int64, one more than the examples
+    rows: np.ndarray | None = None  # which examples this set holds; None: all
 
-def prompt_text(tokenizer, question: str) -> str:
-    """The model's chat template when it has one, else a plain question/answer template."""
-    if getattr(tokenizer, "chat_template", None):
-        return tokenizer.apply_chat_template([{"role": "user", "content": question}], tokenize=False,
-                                             add_generation_prompt=True)
-    return (tokenizer.bos_token or "") + PLAIN_TEMPLATE.format(q=question)
+    @classmethod
+    def of(cls, examples: list[Example]) -> "Examples":
+        lengths = [len(ex.ids) for ex in examples]
+        return cls(np.fromiter((t for ex in examples for t in ex.ids), np.int32, sum(lengths)),
+                   np.fromiter((t for ex in examples for t in ex.targets), np.int32, sum(lengths)),
+                   np.concatenate([[0], np.cumsum(lengths, dtype=np.int64)]))
+
+    def _row(self, i: int) -> int:
+        return int(self.rows[i]) if self.rows is not None else i
+
+    def __len__(self) -> int:
+        return len(self.rows) if self.rows is not None else len(self.offsets) - 1
+
+    def lengths(self) -> np.ndarray:
+        rows = self.rows if self.rows is not None else np.arange(len(self.offsets) - 1)
+        return self.offsets[rows + 1] - self.offsets[rows]
+
+    def __getitem__(self, i: int) -> tuple[np.ndarray, np.ndarray]:
+        r = self._row(i)
+        a, b = self.offsets[r], self.offsets[r + 1]
+        return self.ids[a:b], self.targets[a:b]
+
+    def subset(self, positions: np.ndarray) -> "Examples":
+        rows = self.rows[positions] if self.rows is not None else positions
+        return Examples(self.ids, self.targets, self.offsets, rows)
 
 
 def encode(tokenizer, pairs, max_seq_length: int, completions_only: bool = True) -> list[Example]:
+    """Inline Q/A pairs (a job's `data`) to examples; a question too long for max_seq_length is an error."""
     if tokenizer.eos_token_id is None:
         raise JobError("the tokenizer has no eos token; add one to tokenizer_config.json so answers can end")
+    rendered = [render("qa", pair, tokenizer, completions_only) for pair in pairs]
     out = []
-    for n, pair in enumerate(pairs):
-        prompt = tokenizer(prompt_text(tokenizer, pair.q), add_special_tokens=False)["input_ids"]
-        answer = tokenizer(pair.a, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
-        if len(prompt) >= max_seq_length:
-            raise JobError(f"data[{n}]: the question takes {len(prompt)} tokens with its template, max_seq_length is "
-                           f"{max_seq_length}; raise train.max_seq_length or shorten the question")
-        ids = (prompt + answer)[:max_seq_length]
-        labels = ([IGNORE] * len(prompt) if completions_only else list(prompt)) + answer
-        labels = labels[:max_seq_length]
-        out.append(Example(ids=ids, targets=labels[1:] + [IGNORE]))
+    for n, (r, row) in enumerate(zip(rendered, examples_of(rendered, tokenizer, max_seq_length))):
+        if not row:
+            raise JobError(f"data[{n}]: the question takes {prompt_tokens(tokenizer, r)} tokens with its template, "
+                           f"max_seq_length is {max_seq_length}; raise train.max_seq_length or shorten the question")
+        out += row
     return out
 
 
-def split(examples: list[Example], eval_fraction: float, seed: int) -> tuple[list[Example], list[Example]]:
-    if not eval_fraction:
-        return examples, []
-    order = list(range(len(examples)))
-    random.Random(seed).shuffle(order)
-    n_eval = max(1, int(len(examples) * eval_fraction))
-    return [examples[i] for i in order[n_eval:]], [examples[i] for i in order[:n_eval]]
+def split(examples: Examples, eval_fraction: float, seed: int) -> tuple[Examples, Examples]:
+    order = np.random.default_rng(seed).permutation(len(examples))
+    n_eval = max(1, int(len(examples) * eval_fraction)) if eval_fraction else 0
+    return examples.subset(np.sort(order[n_eval:])), examples.subset(np.sort(order[:n_eval]))
 
 
 @dataclass
@@ -67,56 +86,76 @@ class Batch:
                      self.tokens)
 
 
-def packed_batches(examples: list[Example], tokens_per_batch: int, seed: int) -> list[Batch]:
+class Batches(Sequence):
+    """An epoch's batches as lists of example positions; each Batch's tensors are made when it is taken."""
+
+    def __init__(self, examples: Examples, groups: list[np.ndarray], packed: bool, pad_id: int) -> None:
+        self.examples, self.groups, self.packed, self.pad_id = examples, groups, packed, pad_id
+
+    def __len__(self) -> int:
+        return len(self.groups)
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(len(self)))]
+        rows = [self.examples[int(p)] for p in self.groups[i]]
+        return _pack(rows) if self.packed else _pad(rows, self.pad_id)
+
+
+def _shuffled(n: int, seed: int) -> list[int]:
+    order = list(range(n))
+    random.Random(seed).shuffle(order)
+    return order
+
+
+def packed_batches(examples: Examples | list[Example], tokens_per_batch: int, seed: int) -> Batches:
     """Each batch is one row of whole examples back to back, positions restarting at each one.
 
     transformers sees position ids that restart and no attention mask, and builds a
     block-diagonal causal mask (or the varlen path on flash attention): no example
     attends to another, and no FLOP is spent on padding.
     """
-    order = list(range(len(examples)))
-    random.Random(seed).shuffle(order)
-    batches, row = [], []
-    used = 0
-    for i in order:
-        ex = examples[i]
-        if row and used + len(ex.ids) > tokens_per_batch:
-            batches.append(_pack(row))
+    examples = examples if isinstance(examples, Examples) else Examples.of(examples)
+    lengths = examples.lengths()
+    groups, row, used = [], [], 0
+    for i in _shuffled(len(examples), seed):
+        if row and used + lengths[i] > tokens_per_batch:
+            groups.append(np.array(row))
             row, used = [], 0
-        row.append(ex)
-        used += len(ex.ids)
+        row.append(i)
+        used += int(lengths[i])
     if row:
-        batches.append(_pack(row))
-    return batches
+        groups.append(np.array(row))
+    return Batches(examples, groups, packed=True, pad_id=0)
 
 
-def _pack(row: list[Example]) -> Batch:
-    ids = [t for ex in row for t in ex.ids]
-    targets = [t for ex in row for t in ex.targets]
-    positions = [p for ex in row for p in range(len(ex.ids))]
-    return Batch(torch.tensor([ids]), torch.tensor([targets]), torch.tensor([positions]), None, len(ids))
-
-
-def padded_batches(examples: list[Example], batch_size: int, seed: int, pad_id: int) -> list[Batch]:
+def padded_batches(examples: Examples | list[Example], batch_size: int, seed: int, pad_id: int) -> Batches:
     """The usual way: batch_size examples per batch, right-padded to the longest."""
-    order = list(range(len(examples)))
-    random.Random(seed).shuffle(order)
-    batches = []
-    for start in range(0, len(order), batch_size):
-        group = [examples[i] for i in order[start:start + batch_size]]
-        width = max(len(ex.ids) for ex in group)
-        ids = torch.full((len(group), width), pad_id)
-        targets = torch.full((len(group), width), IGNORE)
-        mask = torch.zeros((len(group), width), dtype=torch.long)
-        for r, ex in enumerate(group):
-            ids[r, :len(ex.ids)] = torch.tensor(ex.ids)
-            targets[r, :len(ex.ids)] = torch.tensor(ex.targets)
-            mask[r, :len(ex.ids)] = 1
-        batches.append(Batch(ids, targets, None, mask, sum(len(ex.ids) for ex in group)))
-    return batches
+    examples = examples if isinstance(examples, Examples) else Examples.of(examples)
+    order = np.array(_shuffled(len(examples), seed), dtype=np.int64)
+    return Batches(examples, [order[s:s + batch_size] for s in range(0, len(order), batch_size)], False, pad_id)
 
 
-def make_batches(examples, train_cfg, pad_id: int, epoch: int) -> list[Batch]:
+def _pack(rows: list[tuple[np.ndarray, np.ndarray]]) -> Batch:
+    ids = torch.from_numpy(np.concatenate([r[0] for r in rows]).astype(np.int64))
+    targets = torch.from_numpy(np.concatenate([r[1] for r in rows]).astype(np.int64))
+    positions = torch.from_numpy(np.concatenate([np.arange(len(r[0])) for r in rows]))
+    return Batch(ids[None], targets[None], positions[None], None, len(ids))
+
+
+def _pad(rows: list[tuple[np.ndarray, np.ndarray]], pad_id: int) -> Batch:
+    width = max(len(r[0]) for r in rows)
+    ids = torch.full((len(rows), width), pad_id)
+    targets = torch.full((len(rows), width), IGNORE)
+    mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for n, (row_ids, row_targets) in enumerate(rows):
+        ids[n, :len(row_ids)] = torch.from_numpy(row_ids.astype(np.int64))
+        targets[n, :len(row_ids)] = torch.from_numpy(row_targets.astype(np.int64))
+        mask[n, :len(row_ids)] = 1
+    return Batch(ids, targets, None, mask, sum(len(r[0]) for r in rows))
+
+
+def make_batches(examples, train_cfg, pad_id: int, epoch: int) -> Batches:
     seed = train_cfg.seed + epoch
     if train_cfg.packing:
         return packed_batches(examples, train_cfg.batch_size * train_cfg.max_seq_length, seed)

@@ -19,6 +19,7 @@ from trainer import data, model as base
 from trainer.chunked_loss import DEFAULT_CHUNK_TOKENS, chunked_cross_entropy
 from trainer.errors import JobError
 from trainer.events import emit
+from trainer.tokenize import job_data
 
 
 class StopFlag:
@@ -153,8 +154,7 @@ def train(spec: TrainerSpec) -> Finished:
     tokenizer, model = base.load(spec.request.base_dir, device, dtype)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
 
-    examples = data.encode(tokenizer, spec.request.data, t.max_seq_length, t.completions_only)
-    train_set, eval_set = data.split(examples, t.eval_fraction, t.seed)
+    train_set, eval_set = job_data(spec, tokenizer)
     if not train_set:
         raise JobError("no training examples are left after the eval split; lower train.eval_fraction")
     eval_batches = data.make_batches(eval_set, t, pad_id, epoch=0)

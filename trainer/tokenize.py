@@ -1,0 +1,143 @@
+"""A dataset file to token arrays on disk, in bounded memory, kept for the next job on the same data.
+
+The file is read a block of rows at a time; ids, targets and offsets are appended to files that are
+memory-mapped for training. The result is kept per dataset sha256, tokenizer, chat template, format, max
+length and loss mask, so a rerun, a resumed job or another job with the same settings skips this step.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+import time
+from array import array
+from collections.abc import Callable
+from pathlib import Path
+
+import msgspec
+import numpy as np
+
+from schemas.events import DataFile, Preparing
+from trainer.data import Examples, encode, split
+from trainer.errors import JobError
+from trainer.events import emit
+from trainer.formats import ROW_OF, examples_of, render
+
+CACHE_VERSION = 1  # raise when what is written changes
+BLOCK_ROWS = 512
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
+
+
+def cache_key(data: DataFile, tokenizer, base_dir: str, max_len: int, completions_only: bool) -> str:
+    h = hashlib.sha256()
+    for name in TOKENIZER_FILES:
+        p = Path(base_dir) / name
+        h.update(name.encode() + (p.read_bytes() if p.is_file() else b"-"))
+    h.update(json.dumps([CACHE_VERSION, data.format, max_len, completions_only, tokenizer.chat_template or ""]).encode())
+    return f"{data.sha256}-{h.hexdigest()[:16]}"
+
+
+def load(directory: Path) -> Examples:
+    def mapped(name, dtype):
+        path = directory / name
+        return np.memmap(path, dtype=dtype, mode="r") if path.stat().st_size else np.zeros(0, dtype)
+
+    return Examples(mapped("ids.bin", np.int32), mapped("targets.bin", np.int32), mapped("offsets.bin", np.int64))
+
+
+def tokenized(data: DataFile, tokenizer, base_dir: str, max_len: int, completions_only: bool, cache: Path,
+              report: Callable[[int, int, str], None]) -> tuple[Examples, dict]:
+    """The dataset's examples, from the cache or tokenized into it; report(done, total, message) along the way."""
+    final = cache / cache_key(data, tokenizer, base_dir, max_len, completions_only)
+    if not (final / "meta.json").is_file():
+        cache.mkdir(parents=True, exist_ok=True)
+        work = Path(tempfile.mkdtemp(dir=cache, prefix=".tokenizing-"))
+        try:
+            meta = _tokenize(data, tokenizer, max_len, completions_only, work, report)
+            (work / "meta.json").write_text(json.dumps(meta))
+            try:
+                os.rename(work, final)  # another job may have made it meanwhile: theirs is as good
+            except OSError:
+                pass
+        finally:
+            shutil.rmtree(work, ignore_errors=True)
+    meta = json.loads((final / "meta.json").read_text())
+    if not meta["examples"]:
+        raise JobError(f"no row of the dataset leaves a token to learn within train.max_seq_length {max_len} "
+                       f"({meta['skipped']:,} rows skipped); raise max_seq_length")
+    return load(final), meta
+
+
+def _tokenize(data: DataFile, tokenizer, max_len: int, completions_only: bool, out: Path,
+              report: Callable[[int, int, str], None]) -> dict:
+    if tokenizer.eos_token is None:
+        raise JobError("the tokenizer has no eos token; add one to tokenizer_config.json so answers can end")
+    decoder = msgspec.json.Decoder(ROW_OF[data.format])
+    rows = skipped = examples = tokens = 0
+    last_report = 0.0
+    with (open(data.path, "rb") as src, open(out / "ids.bin", "wb") as ids_f, open(out / "targets.bin", "wb") as tgt_f,
+          open(out / "offsets.bin", "wb") as off_f):
+        off_f.write(array("q", [0]).tobytes())
+        block = []
+
+        def flush() -> None:
+            nonlocal skipped, examples, tokens
+            rendered = [render(data.format, row, tokenizer, completions_only) for row in block]
+            ends = array("q")
+            for row_examples in examples_of(rendered, tokenizer, max_len):
+                skipped += not row_examples
+                for ex in row_examples:
+                    ids_f.write(np.asarray(ex.ids, np.int32).tobytes())
+                    tgt_f.write(np.asarray(ex.targets, np.int32).tobytes())
+                    tokens += len(ex.ids)
+                    ends.append(tokens)
+            off_f.write(ends.tobytes())
+            examples += len(ends)
+            block.clear()
+
+        for line in src:
+            if not line.strip():
+                continue
+            block.append(decoder.decode(line))
+            rows += 1
+            if len(block) == BLOCK_ROWS:
+                flush()
+                if time.monotonic() - last_report > 1.0:
+                    last_report = time.monotonic()
+                    report(rows, data.rows, f"tokenizing {rows / max(data.rows, 1):.0%} of {_count(data.rows)} rows")
+        flush()
+    report(rows, data.rows, f"tokenized {_count(rows)} rows: {examples:,} examples, {tokens:,} tokens"
+                            + (f", {skipped:,} rows skipped (nothing to learn within max_seq_length)" if skipped else ""))
+    return {"rows": rows, "examples": examples, "tokens": tokens, "skipped": skipped}
+
+
+def _count(n: int) -> str:
+    return f"{n / 1e6:.1f}M" if n >= 1_000_000 else f"{n:,}"
+
+
+def job_data(spec, tokenizer) -> tuple[Examples, Examples]:
+    """A job's training and held-out examples: its inline data, or its datasets, tokenized or from the cache."""
+    t = spec.request.train
+
+    def report(done: int, total: int, message: str) -> None:
+        emit(Preparing(done=done, total=total, message=message))
+
+    def of(data: DataFile) -> Examples:
+        cache = Path(spec.token_cache) if spec.token_cache else Path(spec.out_dir) / "tokens"
+        return tokenized(data, tokenizer, spec.request.base_dir, t.max_seq_length, t.completions_only, cache, report)[0]
+
+    if spec.request.dataset is not None and spec.dataset is None:
+        raise JobError(f"the job names dataset {spec.request.dataset.name}, but the agent did not fetch it; run the "
+                       "trainer through a jetlora agent")
+    if spec.dataset is not None:
+        examples = of(spec.dataset)
+    elif not spec.request.data:
+        raise JobError("the job has no training data: name a dataset or send Q/A pairs in data")
+    else:
+        examples = Examples.of(encode(tokenizer, spec.request.data, t.max_seq_length, t.completions_only))
+    if spec.validation is not None:
+        return examples, of(spec.validation)
+    return split(examples, t.eval_fraction, t.seed)
