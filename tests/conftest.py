@@ -42,7 +42,7 @@ async def reset_resources(nc) -> None:
     """Each test starts from empty jetlora streams and buckets on the shared server."""
     js = nc.jetstream()
     for stream in (names.JOBS_STREAM, names.kv(names.JOBS_KV).stream, names.kv(names.LEASE_KV).stream,
-                   names.objects(names.ARTIFACTS_BUCKET).stream):
+                   names.objects(names.ARTIFACTS_BUCKET).stream, names.objects(names.DATASETS_BUCKET).stream):
         try:
             await js.delete_stream(stream)
         except NotFoundError:

@@ -70,3 +70,27 @@ def test_exit_codes_a_script_can_rely_on(up, tmp_path):
     assert r.returncode == 1 and "no job nosuchjob" in r.stderr
     r = jetlora("jobs", "--nats", "nats://127.0.0.1:1", check=False, timeout=30)
     assert r.returncode == 3 and "cannot reach NATS" in r.stderr
+
+
+def test_datasets_through_the_cli(up, tmp_path):
+    rows = [{"messages": [{"role": "user", "content": p["q"]}, {"role": "assistant", "content": p["a"]}]} for p in pairs(3)]
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text("\n".join(json.dumps(r) for r in rows) + '\n{"messages": [{"role": "bot", "content": "hi"}]}\n')
+    r = jetlora("datasets", "put", str(bad), "--nats", up, check=False)
+    assert r.returncode == 2 and "nothing was sent" in r.stderr and "line 4: message 1 has role 'bot'" in r.stderr
+    good = tmp_path / "chats.jsonl"
+    good.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    put = jetlora("datasets", "put", str(good), "--nats", up)
+    assert put.stdout.startswith("chats: 3 chat rows") and "assistant 3" in put.stdout
+    shown = json.loads(jetlora("datasets", "show", "chats", "--nats", up, "--json").stdout)["dataset"]
+    assert shown["stats"]["rows"] == 3 and shown["size"] == good.stat().st_size
+    job_file = tmp_path / "job.json"
+    job_file.write_text(json.dumps({"model": "tiny", "base_dir": "/models/tiny", "dataset": {"name": "chats"}}))
+    job = jetlora("submit", str(job_file), "--nats", up).stdout.strip()
+    assert "succeeded" in jetlora("watch", job, "--nats", up).stdout
+    out = tmp_path / "back.jsonl"
+    assert "verified" in jetlora("datasets", "get", "chats", "-o", str(out), "--nats", up).stdout
+    assert out.read_bytes() == good.read_bytes()
+    assert jetlora("datasets", "rm", "chats", "--nats", up).stdout.strip() == "deleted chats"
+    r = jetlora("datasets", "show", "chats", "--nats", up, check=False)
+    assert r.returncode == 1 and "no dataset named chats" in r.stderr

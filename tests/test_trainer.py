@@ -137,7 +137,7 @@ def test_a_pickle_only_model_is_refused(tiny_model, tmp_path, capsys):
 def test_empty_data_and_non_object_lines_fail_cleanly(tiny_model, tmp_path, capsys):
     raw = json.loads(msgspec.json.encode(spec_for(tiny_model, tmp_path)))
     raw["request"]["data"] = []
-    assert "Expected `array` of length >= 1" in bad(tmp_path, capsys, raw)
+    assert "the job has no training data" in bad(tmp_path, capsys, raw)
     raw["request"]["data"] = ["just a string"]
     assert "data[0]" in bad(tmp_path, capsys, raw)
 

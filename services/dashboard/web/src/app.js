@@ -127,6 +127,8 @@ async function select(config, nc, js, jobId) {
         state.chart.update("none");
       } else if (ev.type === "state") {
         $("job-state").textContent = `${ev.state}: ${ev.message}`;
+      } else if (ev.type === "preparing") {
+        $("figures").textContent = ev.message;  // tokenizing the data, before the first step
       }
     }
   })();
