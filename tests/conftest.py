@@ -136,9 +136,9 @@ class Agents:
 
     def start(self, node: str, gpus: str | None = "24576", offer_cpu: bool = False, trainer: str | None = HOLD_TRAINER,
               hold_s: float = 0.5, interval: float = 0.25, env: dict | None = None,
-              bus_flags: tuple[str, ...] = ()) -> subprocess.Popen:
+              bus_flags: tuple[str, ...] = (), extra: tuple[str, ...] = ()) -> subprocess.Popen:
         cmd = [sys.executable, "-m", "services.cli", "agent", "--nats", self.url, "--node", node,
-               "--work-dir", str(self.tmp / node), "--heartbeat-interval", str(interval), *bus_flags]
+               "--work-dir", str(self.tmp / node), "--heartbeat-interval", str(interval), *bus_flags, *extra]
         if gpus:
             cmd += ["--simulate-gpus", gpus]
         if offer_cpu:

@@ -193,3 +193,20 @@ async def test_a_50_mib_dataset_goes_through_in_bounded_memory(services, nc, age
     print(f"50 MiB dataset ({n:,} rows): artifact service peak grew {service_growth:.1f} MiB, "
           f"agent {agent_growth:.1f} MiB")
     assert service_growth < 48 and agent_growth < 48, (service_growth, agent_growth)
+
+
+async def test_the_node_cache_keeps_its_budget_evicting_the_least_recently_used(stack, nc, agents, tmp_path):
+    shas = {}
+    for name in ("first", "second", "third"):
+        rows = [{"messages": [{"role": "system", "content": name}] + r["messages"]} for r in chat_rows(2500)]
+        shas[name] = write_rows(tmp_path / f"{name}.jsonl", rows)  # about 0.4 MiB each (two fit in 1 MiB), each its own sha256
+        await upload_dataset(nc, name, tmp_path / f"{name}.jsonl")
+    agent_dir = tmp_path / "n1"
+    agents.start("n1", gpus="4096", hold_s=0.1, extra=("--dataset-cache-mib", "1"))
+    await wait_nodes(nc, 1)
+    for name in ("first", "second", "first", "third"):  # "first" used again: "second" is the least recent
+        reply = await submit(nc, {"model": "tiny", "base_dir": "/models/tiny", "dataset": {"name": name}})
+        await wait_state(nc, reply.job, "succeeded", timeout=60)
+    kept = {p.stem for p in (agent_dir / "datasets").glob("*.jsonl")}
+    assert kept == {shas["first"], shas["third"]}, kept
+    assert agents.log("n1").count("fetched into") == 3  # first, second, third: the second "first" was a hit
