@@ -8,7 +8,8 @@ from msgspec import Meta, Struct
 
 from schemas.jobs import JobId
 
-ArtifactKind = Literal["peft", "gguf", "checkpoint"]
+ArtifactKind = Literal["peft", "gguf", "checkpoint", "tensorboard"]
+KEEP_CHECKPOINTS = 3  # a job's newest checkpoints kept in the store; older ones are deleted as new ones arrive
 CHUNK_BYTES = 512 * 1024  # data per chunk message: well under NATS's 1 MiB default max_payload
 
 
@@ -20,6 +21,7 @@ class ArtifactMeta(Struct, kw_only=True):
     summary: str = ""  # hyperparameters, in a line
     filename: str = ""  # suggested file name when downloaded
     tenant: str = ""  # whose job made it ("": an admin's)
+    step: int | None = None  # a checkpoint's step: each is its own object, <job>/checkpoint-<step>
 
 
 class Chunk(Struct, kw_only=True):
@@ -58,6 +60,7 @@ class ArtifactInfo(Struct, kw_only=True):
     summary: str = ""
     filename: str = ""
     tenant: str = ""
+    step: int | None = None
 
 
 class ArtifactQuery(Struct, forbid_unknown_fields=True, kw_only=True):

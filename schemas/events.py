@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
-from msgspec import Struct, field
+from msgspec import Meta, Struct, field
 
-from schemas.jobs import ArtifactRef, JobId, JobRequest, JobState, NodeId
+from schemas.jobs import ArtifactRef, CheckpointInfo, JobId, JobRequest, JobState, NodeId
 
 
 class Progress(Struct, tag="progress", tag_field="type", kw_only=True):
@@ -39,6 +39,8 @@ class StateChange(Struct, tag="state", tag_field="type", kw_only=True):
     message: str = ""
     artifacts: list[ArtifactRef] = field(default_factory=list)
     ts: float = 0.0
+    paused_by: str | None = None  # with `paused`: who asked (see Control.by)
+    checkpoint: CheckpointInfo | None = None  # a checkpoint was stored: a resumed or re-queued job goes on from it
 
 
 
@@ -91,13 +93,16 @@ class Checkpoint(Struct, tag="checkpoint", tag_field="type", kw_only=True):
 
 
 class Finished(Struct, tag="finished", tag_field="type", kw_only=True):
-    """Training ended with an adapter: `trained` ran to the end, `stopped` was asked to stop early."""
+    """Training ended: `trained` ran to the end (or stopped early on its eval loss), `stopped` was asked to stop
+    and saved its adapter, `paused` saved a checkpoint to go on from (adapter_dir is then that checkpoint's)."""
 
-    state: Literal["trained", "stopped"]
+    state: Literal["trained", "stopped", "paused"]
     step: int
     adapter_dir: str
     gguf_path: str | None = None
     message: str = ""
+    best_step: int | None = None  # keep_best: the step whose adapter this is
+    best_eval_loss: float | None = None
 
 
 class Failed(Struct, tag="failed", tag_field="type", kw_only=True):
@@ -110,5 +115,46 @@ class Cancelled(Struct, tag="cancelled", tag_field="type", kw_only=True):
     message: str = "cancelled"
 
 
-JobEvent = Progress | StateChange | Preparing
-TrainerEvent = Started | Preparing | Progress | Checkpoint | Finished | Failed
+class Sample(Struct):
+    prompt: str
+    answer: str
+
+
+class Samples(Struct, tag="samples", tag_field="type", kw_only=True):
+    """Greedy answers to the job's sample prompts: by the adapter at an evaluation, or once by the base model."""
+
+    job: JobId | None = None  # set by the agent when it publishes
+    step: int
+    model: Literal["adapter", "base"]
+    samples: list[Sample]
+    ts: float = 0.0
+
+
+JobEvent = Progress | StateChange | Preparing | Samples
+TrainerEvent = Started | Preparing | Progress | Samples | Checkpoint | Finished | Failed
+
+
+class EventsQuery(Struct, forbid_unknown_fields=True, kw_only=True):
+    """A page of one job's events, oldest first: those after stream sequence `after` (0: from the start)."""
+
+    job: JobId
+    after: Annotated[int, Meta(ge=0, description="the `next` of the previous page; 0: from the first event")] = 0
+    after_step: Annotated[int, Meta(ge=0, description="leave out progress and samples up to this step")] | None = None
+    limit: Annotated[int, Meta(ge=1, le=1000)] = 100
+
+
+class EventEntry(Struct, kw_only=True):
+    seq: int  # the event's sequence in the JOBS stream
+    event: JobEvent
+
+
+class EventPage(Struct, tag="events", tag_field="type", kw_only=True):
+    job: JobId
+    events: list[EventEntry]
+    next: int  # pass as `after` for the next page
+    more: bool  # whether the stream held more of the job's events when this page was read
+
+
+class CheckpointList(Struct, tag="checkpoints", tag_field="type", kw_only=True):
+    job: JobId
+    checkpoints: list[CheckpointInfo]

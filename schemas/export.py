@@ -11,9 +11,10 @@ from schemas import names
 from schemas.artifacts import ArtifactList, ArtifactQuery, Chunk, ChunkAck, Deleted
 from schemas.datasets import (DatasetChunk, DatasetChunkAck, DatasetDeleted, DatasetList, DatasetListQuery,
                               DatasetQuery, DatasetReply)
-from schemas.events import JobEvent, Preparing, Progress, StateChange, TrainerEvent, TrainerSpec
+from schemas.events import (CheckpointList, EventPage, EventsQuery, JobEvent, Preparing, Progress, Samples, StateChange,
+                            TrainerEvent, TrainerSpec)
 from schemas.jobs import Error, JobList, JobListQuery, JobQuery, JobReply, JobRequest, JobStatus, StoredRequest, SubmitReply
-from schemas.nodes import Assignment, AssignReply, Control, ControlReply, Heartbeat, NodeList
+from schemas.nodes import Assignment, AssignReply, Control, ControlReply, Heartbeat, NodeList, Reclaim, ReclaimReply
 
 HERE = Path(__file__).parent
 
@@ -27,6 +28,8 @@ MESSAGES = {
     "Preparing": Preparing, "DatasetChunk": DatasetChunk, "DatasetChunkAck": DatasetChunkAck,
     "DatasetListQuery": DatasetListQuery, "DatasetList": DatasetList | Error, "DatasetQuery": DatasetQuery,
     "DatasetReply": DatasetReply | Error, "DatasetDeleted": DatasetDeleted | Error,
+    "Samples": Samples, "EventsQuery": EventsQuery, "EventPage": EventPage | Error, "CheckpointList": CheckpointList | Error,
+    "Reclaim": Reclaim, "ReclaimReply": ReclaimReply,
 }
 
 # (address, kind, message, reply, who sends, what it is)
@@ -36,6 +39,13 @@ CHANNELS = [
     (names.LIST_JOBS, "request", "JobListQuery", "JobList", "submitters", "jobs, filtered by state or node"),
     (names.CANCEL, "request", "JobQuery", "JobReply", "submitters", "cancel a job: its trainer is killed"),
     (names.STOP, "request", "JobQuery", "JobReply", "submitters", "stop a job: it saves its adapter and ends as stopped"),
+    (names.PAUSE, "request", "JobQuery", "JobReply", "submitters",
+     "pause a job: it checkpoints and frees its device, keeping its place in the records"),
+    (names.RESUME, "request", "JobQuery", "JobReply", "submitters", "queue a paused job again, to go on from its checkpoint"),
+    (names.EVENTS, "request", "EventsQuery", "EventPage", "submitters",
+     "a job's events a page at a time, from the JOBS stream (pass `next` as `after` for the next page)"),
+    (names.CHECKPOINTS, "request", "JobQuery", "CheckpointList", "submitters",
+     "a job's stored checkpoints: step, train and eval loss, object-store name"),
     (names.LIST_NODES, "request", None, "NodeList", "operators", "nodes, their devices and what runs there"),
     (names.jobs_api("{tenant}").submit, "request", "JobRequest", "SubmitReply", "a tenant's submitters",
      "submit a job as this tenant (its quota applies)"),
@@ -43,13 +53,23 @@ CHANNELS = [
     (names.jobs_api("{tenant}").jobs, "request", "JobListQuery", "JobList", "a tenant's submitters", "the tenant's jobs"),
     (names.jobs_api("{tenant}").cancel, "request", "JobQuery", "JobReply", "a tenant's submitters", "cancel one of the tenant's jobs"),
     (names.jobs_api("{tenant}").stop, "request", "JobQuery", "JobReply", "a tenant's submitters", "stop one of the tenant's jobs"),
+    (names.jobs_api("{tenant}").pause, "request", "JobQuery", "JobReply", "a tenant's submitters", "pause one of the tenant's jobs"),
+    (names.jobs_api("{tenant}").resume, "request", "JobQuery", "JobReply", "a tenant's submitters", "resume one of the tenant's jobs"),
+    (names.jobs_api("{tenant}").events, "request", "EventsQuery", "EventPage", "a tenant's submitters",
+     "a page of one of the tenant's jobs' events"),
+    (names.jobs_api("{tenant}").checkpoints, "request", "JobQuery", "CheckpointList", "a tenant's submitters",
+     "the checkpoints of one of the tenant's jobs"),
     (names.node("{node}").heartbeat, "publish", "Heartbeat", None, "agents", "an agent is alive; its devices' free memory"),
     (names.node("{node}").assign, "request", "Assignment", "AssignReply", "scheduler", "run this job on that device"),
-    (names.node("{node}").control, "request", "Control", "ControlReply", "scheduler", "cancel or stop a running job"),
+    (names.node("{node}").control, "request", "Control", "ControlReply", "scheduler", "cancel, stop or pause a running job"),
+    (names.node("{node}").reclaim, "request", "Reclaim", "ReclaimReply", "serving engines",
+     "a device's serving engine wants memory back (or no longer does): the job there pauses if its priority allows"),
     (names.job("{job}", "{node}").state, "publish", "StateChange", None, "agents", "the job changed state (JetStream: JOBS stream)"),
     (names.job("{job}", "{node}").progress, "publish", "Progress", None, "agents", "a training step's figures (JetStream: JOBS stream; replayable)"),
     (names.job("{job}", "{node}").preparing, "publish", "Preparing", None, "agents",
      "tokenizing the job's data, before its first step (JetStream: JOBS stream)"),
+    (names.job("{job}", "{node}").samples, "publish", "Samples", None, "agents",
+     "the adapter's (or the base model's) greedy answers to the job's sample prompts (JetStream: JOBS stream)"),
     (names.dataset_upload("{dataset}"), "request", "DatasetChunk", "DatasetChunkAck", "submitters",
      "one chunk of a dataset upload (msgpack); every row is checked before the dataset is stored"),
     (names.DATASETS.list, "request", "DatasetListQuery", "DatasetList", "submitters", "datasets in the object store"),

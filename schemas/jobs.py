@@ -83,6 +83,17 @@ class TrainConfig(Struct, forbid_unknown_fields=True, kw_only=True):
     loss_chunk_tokens: Annotated[int, Meta(ge=0, le=1_048_576, description=(
         "the loss goes through the output projection this many tokens at a time, so peak memory does not grow "
         "with tokens x vocabulary; 0: all tokens at once"))] = 1024
+    early_stopping_patience: Annotated[int, Meta(ge=0, le=10_000, description=(
+        "end the run (as succeeded) after this many evaluations in a row without the eval loss improving by "
+        "early_stopping_min_delta; 0: never"))] = 0
+    early_stopping_min_delta: Annotated[float, Meta(ge=0, le=100)] = 0.0
+    keep_best: Annotated[bool, Meta(description=(
+        "the final adapter is the one of the best evaluation, not the last step's; default: true when there is "
+        "held-out data"))] | None = None
+    sample_prompts: Annotated[list[Annotated[str, Meta(min_length=1, max_length=4000)]] | Literal["auto"], Meta(
+        description="prompts answered (greedy) at each evaluation and at the end; auto: the first 3 held-out "
+                    "examples' prompts")] = field(default_factory=list)
+    sample_max_tokens: Annotated[int, Meta(ge=1, le=1024)] = 48
 
 
 class JobRequest(Struct, forbid_unknown_fields=True, kw_only=True):
@@ -123,7 +134,7 @@ SubmitReply = Accepted | Rejected
 
 ActiveState = Literal["assigned", "preparing", "running", "uploading"]  # the job holds a device
 TerminalState = Literal["succeeded", "failed", "cancelled", "stopped"]  # the job ended; nothing changes it again
-JobState = Literal["queued", ActiveState, TerminalState]
+JobState = Literal["queued", "paused", ActiveState, TerminalState]  # paused: holds no device, waits for resume
 ACTIVE_STATES: frozenset[str] = frozenset(get_args(ActiveState))
 TERMINAL_STATES: frozenset[str] = frozenset(get_args(TerminalState))
 
@@ -147,6 +158,16 @@ class StoredRequest(Struct, kw_only=True):
     tenant: TenantId | None = None  # from the subject it was submitted on; None: an admin's submission
 
 
+class CheckpointInfo(Struct, kw_only=True):
+    """A checkpoint of a job: where it is stored, and how the run stood when it was taken."""
+
+    step: int
+    name: str  # object-store name (jetlora artifacts get)
+    loss: float | None = None  # train loss of the steps logged last
+    eval_loss: float | None = None  # the latest evaluation's
+    created: float = 0.0
+
+
 class JobStatus(Struct, kw_only=True):
     """Where a job stands, kept under `status.<id>`; no key yet means queued since submission."""
 
@@ -159,9 +180,12 @@ class JobStatus(Struct, kw_only=True):
     retries_used: int = 0  # times the job was re-queued because its node went away
     artifacts: list[ArtifactRef] = field(default_factory=list)
     checkpoint: str | None = None  # object-store name of the latest checkpoint: a re-queued job resumes from it
+    checkpoints: list[CheckpointInfo] = field(default_factory=list)  # those stored, oldest first
+    paused_by: str | None = None  # "user", or the node and device whose serving engine wanted its memory back
     step: int = 0
     steps: int = 0
     loss: float | None = None
+    eval_loss: float | None = None
     peak_mib: float | None = None
 
 
@@ -185,6 +209,7 @@ class JobSummary(Struct, kw_only=True):
     steps: int
     loss: float | None
     artifacts: list[ArtifactRef]
+    paused_by: str | None = None
 
 
 def summarize(stored: StoredRequest, status: JobStatus) -> "JobSummary":
@@ -193,7 +218,7 @@ def summarize(stored: StoredRequest, status: JobStatus) -> "JobSummary":
         id=stored.id, tenant=stored.tenant, label=req.label, model=req.model, state=status.state, message=status.message,
         node=status.node, device=status.device, priority=req.priority, gpu_mib=req.gpu_mib,
         created=stored.created, updated=status.updated or stored.created, attempt=status.attempt,
-        step=status.step, steps=status.steps, loss=status.loss, artifacts=status.artifacts,
+        step=status.step, steps=status.steps, loss=status.loss, artifacts=status.artifacts, paused_by=status.paused_by,
     )
 
 
@@ -245,6 +270,13 @@ def check_request(req: JobRequest) -> list[FieldError]:
         errors.append(FieldError("train.eval_fraction", f"{t.eval_fraction} of {len(req.data)} examples holds out none; raise it or add data"))
     if req.accelerator == "cpu" and req.gpu_mib:
         errors.append(FieldError("gpu_mib", "a CPU job needs no GPU memory: set gpu_mib to 0 or accelerator to 'gpu'"))
+    held_out = bool(t.eval_fraction or req.validation_dataset)
+    if t.early_stopping_patience and not (held_out and t.eval_steps):
+        errors.append(FieldError("train.early_stopping_patience", "early stopping compares evaluations: set "
+                                 "train.eval_steps and held-out data (train.eval_fraction or validation_dataset)"))
+    if t.keep_best and not held_out:
+        errors.append(FieldError("train.keep_best", "the best adapter is chosen by eval loss: give held-out data "
+                                                    "(train.eval_fraction or validation_dataset) or drop keep_best"))
     if t.max_steps and t.warmup_steps > t.max_steps:
         errors.append(FieldError("train.warmup_steps", f"{t.warmup_steps} warmup steps is more than the {t.max_steps} "
                                                        "steps of the run; lower it or raise train.max_steps"))

@@ -5,10 +5,12 @@ The subject tree is shaped so that permissions can be written against it:
     jetlora.api.<verb>                  requests from submitters and operators
     jetlora.node.<node>.heartbeat       an agent's heartbeat (core NATS)
     jetlora.node.<node>.assign          scheduler -> agent: run this job (request/reply)
-    jetlora.node.<node>.control         scheduler -> agent: cancel / stop-and-save a job
+    jetlora.node.<node>.control         scheduler -> agent: cancel / stop-and-save / pause a job
+    jetlora.node.<node>.reclaim         an engine -> agent: give this device's memory back (pauses its job)
     jetlora.job.<job>.<node>.state      agent -> JOBS stream: the job's state changed (on that node)
     jetlora.job.<job>.<node>.progress   agent -> JOBS stream: a training event (on that node)
     jetlora.job.<job>.<node>.preparing  agent -> JOBS stream: tokenizing the data, before the first step
+    jetlora.job.<job>.<node>.samples    agent -> JOBS stream: the adapter's answers to the sample prompts
     jetlora.artifacts.upload.<job>      agent -> artifact service: one chunk (request/reply)
     jetlora.artifacts.<verb>            operators' artifact requests
     jetlora.datasets.upload.<name>      a client -> artifact service: one chunk of a dataset (request/reply)
@@ -65,13 +67,19 @@ class JobsApi(NamedTuple):
     jobs: str
     cancel: str
     stop: str
+    pause: str  # checkpoint and free the device; the job keeps its place in the records
+    resume: str  # a paused job goes back to the queue, to go on from its checkpoint
+    events: str  # a job's events, a page at a time, from the JOBS stream
+    checkpoints: str  # a job's checkpoints with their losses
 
 
 def jobs_api(tenant: str | None = None) -> JobsApi:
     return _subjects(JobsApi, API_GROUP if tenant is None else f"{API_GROUP}.{tenant}")
 
 
-SUBMIT, GET_JOB, LIST_JOBS, CANCEL, STOP = jobs_api()
+_ADMIN = jobs_api()
+SUBMIT, GET_JOB, LIST_JOBS, CANCEL, STOP = _ADMIN.submit, _ADMIN.job, _ADMIN.jobs, _ADMIN.cancel, _ADMIN.stop
+PAUSE, RESUME, EVENTS, CHECKPOINTS = _ADMIN.pause, _ADMIN.resume, _ADMIN.events, _ADMIN.checkpoints
 LIST_NODES = f"{API_GROUP}.nodes"
 RESERVED_TENANTS = {"upload"}  # jetlora.artifacts.upload.* carries chunks
 
@@ -137,7 +145,8 @@ class NodeSubjects(NamedTuple):
 
     heartbeat: str  # agent -> scheduler and dashboards: alive, and each device's free memory (core NATS)
     assign: str  # scheduler -> agent: run this job on that device (request/reply)
-    control: str  # scheduler -> agent: cancel or stop-and-save a job (request/reply)
+    control: str  # scheduler -> agent: cancel, stop-and-save or pause a job (request/reply)
+    reclaim: str  # a serving engine (or its operator) -> agent: this device's memory is wanted back (request/reply)
 
 
 def node(node_id: str = "*") -> NodeSubjects:
@@ -151,6 +160,7 @@ class JobSubjects(NamedTuple):
     state: str  # the job changed state
     progress: str  # a training step's figures
     preparing: str  # how far the data's preparation is, before the first step
+    samples: str  # what the adapter (and the base model) answer to the sample prompts
 
 
 def job(job_id: str = "*", node_id: str = "*") -> JobSubjects:
@@ -179,9 +189,9 @@ def job_and_node_of_subject(subject: str) -> tuple[str, str]:
     return parts[2], parts[3]
 
 
-def artifact_name(job: str, kind: str) -> str:
-    """The object-store name of one artifact of a job."""
-    return f"{job}/{kind}"
+def artifact_name(job: str, kind: str, step: int | None = None) -> str:
+    """The object-store name of one artifact of a job (checkpoints: one per step)."""
+    return f"{job}/{kind}" if step is None else f"{job}/{kind}-{step}"
 
 
 # JetStream's own API and storage subjects, for the writers and readers that go below nats-py and for permissions

@@ -21,6 +21,7 @@ class Device(Struct, kw_only=True):
     free_mib: Annotated[int, Meta(ge=0)]
     utilization: Annotated[int, Meta(ge=0, le=100)] | None = None
     jobs: list[str] = field(default_factory=list)  # jetlora jobs running on it
+    reclaim_mib: Annotated[int, Meta(ge=0)] = 0  # the serving engine here wants this much back: nothing new is placed
 
 
 class Heartbeat(Struct, kw_only=True):
@@ -62,10 +63,24 @@ AssignReply = AssignAccepted | AssignRefused
 
 
 class Control(Struct, forbid_unknown_fields=True):
-    """Cancel a job (kill it) or stop it (save what it has learnt and end)."""
+    """Cancel a job (kill it), stop it (save what it has learnt and end) or pause it (checkpoint and free the
+    device, to be resumed later)."""
 
     job: JobId
-    action: Literal["cancel", "stop"]
+    action: Literal["cancel", "stop", "pause"]
+    by: str = ""  # a pause's reason, reported back with the paused state: "user", or the engine that wanted memory
+
+
+class Reclaim(Struct, forbid_unknown_fields=True, kw_only=True):
+    """A serving engine wants memory of its device back (mib > 0), or no longer does (mib 0)."""
+
+    device: int
+    mib: Annotated[int, Meta(ge=0, description="MiB the engine wants back; 0: it no longer needs any")]
+
+
+class ReclaimReply(Struct):
+    ok: bool
+    message: str = ""
 
 
 class ControlReply(Struct):

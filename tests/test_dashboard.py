@@ -24,6 +24,9 @@ FLAGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "-
          "--disable-component-update", "--disable-sync"]
 
 
+SAMPLE_PROMPT = "What is the capital of France?"
+
+
 async def _stepped(nc, job_id: str, steps: int):
     return (await get_job(nc, job_id)).step >= steps
 
@@ -39,7 +42,9 @@ async def test_the_loss_curve_grows_while_the_job_trains(nc, services, agents, t
     agents.start("cpu-node", gpus=None, offer_cpu=True, trainer=None, interval=0.5)
     reply = await submit(nc, {"model": "tiny", "base_dir": str(tiny_model), "data": pairs(), "accelerator": "cpu",
                               "label": "browser", "train": {"max_steps": 20000, "learning_rate": 0.005,
-                                                             "batch_size": 1, "max_seq_length": 128}})
+                                                             "batch_size": 1, "max_seq_length": 128,
+                                                             "eval_fraction": 0.25, "eval_steps": 5,
+                                                             "sample_prompts": [SAMPLE_PROMPT], "sample_max_tokens": 8}})
     assert isinstance(reply, Accepted)
     job = reply.job
     await wait_state(nc, job, "running", timeout=60)
@@ -72,6 +77,11 @@ async def test_the_loss_curve_grows_while_the_job_trains(nc, services, agents, t
         await page.wait_for_function("document.querySelector('#nodes').textContent.includes('cpu-node')", timeout=10_000)
         await page.wait_for_function(f"document.querySelector('#jobs').textContent.includes('{job}')", timeout=10_000)
         assert "tok/s" in await page.text_content("#figures") and "peak" in await page.text_content("#figures")
+        # beside the chart: the base model's answer and the adapter's latest, to the job's sample prompt
+        await page.wait_for_function("document.querySelector('#samples').textContent.includes('(step ')", timeout=60_000)
+        rows = await page.evaluate("[...document.querySelectorAll('#samples tr')].map(r => [...r.cells].map(c => c.textContent))")
+        assert rows[0][:2] == ["prompt", "base model"] and rows[1][0] == SAMPLE_PROMPT
+        assert rows[1][1] not in ("", "–") and rows[1][2] not in ("", "–")
         await browser.close()
     await bus.request(nc, names.CANCEL, JobQuery(job), JobReply)
     await wait_state(nc, job, "cancelled", timeout=20)

@@ -6,6 +6,10 @@ import os
 import sys
 import traceback
 
+from trainer.signals import Signals
+
+SIGNALS = Signals()  # first: a stop or pause asked while torch loads is not lost
+
 # Never reach a hub, and keep stderr for what matters: its last lines become the job's error.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
@@ -32,7 +36,7 @@ def main(argv: list[str]) -> int:
             check_exportable(spec.request.base_dir)  # before training, not after it
         from trainer.loop import train  # torch loads here, after the spec is known to be sound
 
-        finished = train(spec)
+        finished = train(spec, SIGNALS)
         if spec.request.served_by == "llamacpp":
             from trainer.gguf_export import export_adapter
 

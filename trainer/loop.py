@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import math
 import resource
-import signal
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,21 +15,15 @@ from transformers import get_scheduler
 
 from schemas.events import Checkpoint, Finished, Progress, Started, TrainerSpec
 from trainer import data, model as base
+from trainer.best import BestEval
+from trainer.checkpoints import resume, save_adapter, save_checkpoint
 from trainer.chunked_loss import DEFAULT_CHUNK_TOKENS, chunked_cross_entropy
 from trainer.errors import JobError
 from trainer.events import emit
+from trainer.samples import sample_prompts, samples_event
+from trainer.signals import Signals
+from trainer.tensorboard_log import TensorBoardLog
 from trainer.tokenize import job_data
-
-
-class StopFlag:
-    """SIGUSR1 from the agent: save what was learnt and end as `stopped`."""
-
-    def __init__(self) -> None:
-        self.asked = False
-        signal.signal(signal.SIGUSR1, self._ask)
-
-    def _ask(self, *_):
-        self.asked = True
 
 
 def peak_mib(device: str) -> float:
@@ -115,38 +108,7 @@ def plan(n_batches: int, t) -> Plan:
     return Plan(steps, per_epoch, min(warmup, steps))
 
 
-def save_adapter(model, out: Path) -> Path:
-    out.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(out, safe_serialization=True)
-    return out
-
-
-def save_checkpoint(model, optimizer, scheduler, out_dir: Path, step: int, epoch: int, batch_in_epoch: int,
-                    tokens: int) -> Path:
-    """Adapter, optimizer, schedule and data position: enough to go on from here on another node."""
-    path = out_dir / "checkpoints" / f"step-{step}"
-    save_adapter(model, path / "adapter")
-    torch.save({"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(), "step": step, "epoch": epoch,
-                "batch_in_epoch": batch_in_epoch, "tokens": tokens}, path / "trainer_state.pt")
-    return path
-
-
-def resume(model, optimizer, scheduler, checkpoint: Path) -> dict:
-    """Load a checkpoint written by save_checkpoint (tensors only: weights_only, never arbitrary pickles)."""
-    from peft import set_peft_model_state_dict
-    from safetensors.torch import load_file
-
-    state_file = checkpoint / "trainer_state.pt"
-    if not state_file.is_file():
-        raise JobError(f"checkpoint {checkpoint} has no trainer_state.pt; resubmit the job without resume")
-    set_peft_model_state_dict(model, load_file(str(checkpoint / "adapter" / "adapter_model.safetensors")))
-    state = torch.load(state_file, weights_only=True)
-    optimizer.load_state_dict(state["optimizer"])
-    scheduler.load_state_dict(state["scheduler"])
-    return state
-
-
-def train(spec: TrainerSpec) -> Finished:
+def train(spec: TrainerSpec, signals: Signals | None = None) -> Finished:
     t = spec.request.train
     device = spec.device if spec.device == "cpu" or torch.cuda.is_available() else "cpu"
     set_seed(t.seed)
@@ -155,7 +117,7 @@ def train(spec: TrainerSpec) -> Finished:
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
 
     train_set, eval_set = job_data(spec, tokenizer)
-    if not train_set:
+    if not len(train_set):
         raise JobError("no training examples are left after the eval split; lower train.eval_fraction")
     eval_batches = data.make_batches(eval_set, t, pad_id, epoch=0)
     batches = data.make_batches(train_set, t, pad_id, epoch=0)
@@ -172,23 +134,35 @@ def train(spec: TrainerSpec) -> Finished:
     autocast_dtype = dtype if device == "cuda" else torch.float32
     scaler = torch.amp.GradScaler("cuda") if dtype == torch.float16 else None
     out_dir = Path(spec.out_dir)
-    stop = StopFlag()
+    signals = signals or Signals()
+    best = BestEval(t.early_stopping_patience, t.early_stopping_min_delta,
+                    keep=bool(eval_batches) if t.keep_best is None else t.keep_best)
+    board = TensorBoardLog(out_dir / "tensorboard")
+    prompts = sample_prompts(t.sample_prompts, tokenizer, eval_set, train_set)
+
+    def publish(event) -> None:
+        emit(event)
+        board.progress(event) if isinstance(event, Progress) else board.samples(event)
 
     step, tokens, epoch, skip = 0, 0, 0, 0
     resumed = ""
     if spec.resume_from:
         state = resume(model, optimizer, scheduler, Path(spec.resume_from))
         step, tokens, epoch, skip = state["step"], state.get("tokens", 0), state["epoch"], state["batch_in_epoch"]
+        best.load(state["best"])
         resumed = f", resumed from step {step}"
     emit(Started(steps=p.steps, examples=len(train_set), eval_examples=len(eval_set), device=device,
                  message=f"training {p.steps} steps on {device} ({len(train_set)} examples, "
                          f"{len(batches)} batches/epoch){resumed}"))
+    if prompts and step == 0:
+        publish(samples_event(model, tokenizer, prompts, device, t.sample_max_tokens, step, base=True))
     if device == "cuda":
         torch.cuda.reset_peak_memory_stats()
     start = time.monotonic()
     window_loss, window_count = 0.0, 0
     eval_loss = None
-    while step < p.steps and not stop.asked:
+    early = ""
+    while step < p.steps and not signals.asked and not early:
         if epoch > 0:
             batches = data.make_batches(train_set, t, pad_id, epoch)
         first_batch, skip = skip, 0  # a resumed run starts mid-epoch, where its checkpoint was
@@ -218,27 +192,50 @@ def train(spec: TrainerSpec) -> Finished:
             optimizer.zero_grad(set_to_none=True)
             step += 1
             window_loss, window_count = window_loss + step_loss, window_count + 1
+            position = (epoch, first + len(group))  # where the next step starts
 
-            if t.eval_steps and eval_batches and step % t.eval_steps == 0:
+            last = step >= p.steps or signals.asked
+            evaluating = eval_batches and ((t.eval_steps and step % t.eval_steps == 0) or last)
+            if evaluating:
                 eval_loss = evaluate(model, eval_batches, device, autocast_dtype, t.loss_chunk_tokens)
-            if t.save_steps and step % t.save_steps == 0 and step < p.steps:
-                path = save_checkpoint(model, optimizer, scheduler, out_dir, step, epoch, first + len(group), tokens)
-                emit(Checkpoint(step=step, path=str(path)))
-            last = step >= p.steps or stop.asked
-            if last and eval_batches:
-                eval_loss = evaluate(model, eval_batches, device, autocast_dtype, t.loss_chunk_tokens)
+                best.observe(step, eval_loss, model)
+                board.evaluation(step, eval_loss)
+                if best.should_stop:
+                    early, last = best.why_stopped(t.early_stopping_min_delta), True
+                if prompts:
+                    publish(samples_event(model, tokenizer, prompts, device, t.sample_max_tokens, step))
             if step % t.logging_steps == 0 or last:
                 elapsed = time.monotonic() - start
-                emit(Progress(step=step, steps=p.steps, epoch=epoch + (first + len(group)) / len(batches),
-                              loss=window_loss / window_count, lr=lr, grad_norm=grad_norm, tokens=tokens,
-                              tokens_per_s=tokens / elapsed if elapsed > 0 else None, elapsed_s=elapsed,
-                              eta_s=elapsed / step * (p.steps - step), peak_mib=peak_mib(device), eval_loss=eval_loss))
+                publish(Progress(step=step, steps=p.steps, epoch=epoch + position[1] / len(batches),
+                                 loss=window_loss / window_count, lr=lr, grad_norm=grad_norm, tokens=tokens,
+                                 tokens_per_s=tokens / elapsed if elapsed > 0 else None, elapsed_s=elapsed,
+                                 eta_s=elapsed / step * (p.steps - step), peak_mib=peak_mib(device),
+                                 eval_loss=eval_loss, message=early))
                 window_loss, window_count = 0.0, 0
+            if (t.save_steps and step % t.save_steps == 0 and not last) or (last and signals.pause):
+                path = save_checkpoint(model, optimizer, scheduler, out_dir, step, *position, tokens, best.state())
+                emit(Checkpoint(step=step, path=str(path)))
             if last:
                 break
-        epoch += 1
+        else:
+            epoch += 1
+    if prompts and not eval_batches:  # what the adapter answers at the end (with evaluations, they already did)
+        publish(samples_event(model, tokenizer, prompts, device, t.sample_max_tokens, step))
+    board.close()
+    return finish(model, out_dir, step, p.steps, signals, best, early)
 
+
+def finish(model, out_dir: Path, step: int, steps: int, signals: Signals, best: BestEval, early: str) -> Finished:
+    """The run's end: paused (its checkpoint is the adapter), stopped, or trained, with the best adapter kept."""
+    if signals.pause:
+        checkpoint = out_dir / "checkpoints" / f"step-{step}"
+        return Finished(state="paused", step=step, adapter_dir=str(checkpoint / "adapter"),
+                        message=f"paused at step {step} of {steps}; resume goes on from there")
+    kept = best.restore(model)
     adapter = save_adapter(model, out_dir / "adapter")
-    state = "stopped" if step < p.steps else "trained"
-    message = f"stopped at step {step} of {p.steps} and saved" if state == "stopped" else f"trained {step} steps"
-    return Finished(state=state, step=step, adapter_dir=str(adapter), message=message)
+    stopped = step < steps and not early
+    message = f"stopped at step {step} of {steps} and saved" if stopped else early or f"trained {step} steps"
+    if kept:
+        message += f"; the adapter is step {best.step}'s, the best eval loss ({best.loss:.4f})"
+    return Finished(state="stopped" if stopped else "trained", step=step, adapter_dir=str(adapter), message=message,
+                    best_step=best.step if kept else None, best_eval_loss=best.loss if kept else None)

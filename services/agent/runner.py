@@ -96,7 +96,17 @@ class TrainerRun:
 
     def stop(self) -> None:
         """Ask the trainer to save what it has learnt and end (it ends as `stopped`)."""
-        self._signal(signal.SIGUSR1, group=False)
+        self._ask(signal.SIGUSR1, "JETLORA_STOP")
+
+    def pause(self) -> None:
+        """Ask the trainer to save a checkpoint and end (it ends as `paused`)."""
+        self._ask(signal.SIGUSR2, "JETLORA_PAUSE")
+
+    def _ask(self, sig: int, env: str) -> None:
+        if self.proc is None:  # not started yet: it starts asked (trainer/signals.py)
+            self.env[env] = "1"
+        else:
+            self._signal(sig, group=False)
 
     def _signal(self, sig: int, group: bool = True) -> None:
         if self.proc and self.proc.returncode is None:

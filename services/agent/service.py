@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import shutil
-import tarfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -14,20 +13,19 @@ import msgspec
 from nats.aio.client import Client
 
 from schemas import names
-from schemas.artifacts import ArtifactMeta
-from schemas.events import (Cancelled, Checkpoint, DataFile, Failed, Finished, Preparing, Progress, Started,
+from schemas.events import (Cancelled, Checkpoint, DataFile, Failed, Finished, Preparing, Progress, Samples, Started,
                             StateChange, TrainerSpec)
-from schemas.jobs import ArtifactRef, DatasetRef, JobId, JobState
+from schemas.jobs import ArtifactRef, CheckpointInfo, DatasetRef, JobId, JobState
 from schemas.nodes import (CPU_DEVICE, AssignAccepted, AssignRefused, Assignment, Control, ControlReply, Device,
-                           Heartbeat)
+                           Heartbeat, Reclaim, ReclaimReply)
 from services import __version__, bus
 from services.aio import cancel_and_wait, sleep_unless_stopped
 from services.bus import publish_durably
 from services.agent.datasets import DatasetCache, DatasetUnavailable, LocalDataset
 from services.agent.devices import DeviceProbe
 from services.agent.runner import DEFAULT_TRAINER, TrainerRun
-from services.artifacts.download import download, safe_extract
-from services.artifacts.sender import UploadError, upload_file
+from services.agent.shipping import fetch_checkpoint, ship_checkpoint, ship_results
+from services.artifacts.sender import UploadError
 from services.procs import end_leftovers
 
 log = logging.getLogger(__name__)
@@ -54,6 +52,8 @@ class RunningJob:
     task: asyncio.Task | None = None
     trainer: TrainerRun | None = None
     stop_asked: bool = False
+    paused_by: str | None = None  # a pause was asked, by this ("user", or a serving engine)
+    last_progress: Progress | None = None
     checkpoint_upload: asyncio.Task | None = None
     datasets: list[LocalDataset] = field(default_factory=list)  # held in the cache until the job ends
     reports: int = 0  # numbers this run's state events, so JetStream's de-duplication keys each one apart
@@ -69,6 +69,7 @@ class Agent:
         self.draining = False
         self.devices: list[Device] = []
         self.no_gpu_reason = ""
+        self.reclaim: dict[int, int] = {}  # device -> MiB its serving engine wants back
         self.datasets = DatasetCache(self.js, config.work_dir / "datasets", config.dataset_cache_mib * 2**20)
 
     async def run(self, stop: asyncio.Event) -> None:
@@ -82,8 +83,11 @@ class Agent:
                                 invalid=lambda errors: AssignRefused(None, f"the assignment did not decode: {errors[0].reason}"))
         on_control = bus.handler(self._on_control, Control,
                                  invalid=lambda errors: ControlReply(None, False, f"did not decode: {errors[0].reason}"))
-        subs = [await self.nc.subscribe(names.node(self.cfg.node).assign, cb=on_assign),
-                await self.nc.subscribe(names.node(self.cfg.node).control, cb=on_control)]
+        on_reclaim = bus.handler(self._on_reclaim, Reclaim)
+        subjects = names.node(self.cfg.node)
+        subs = [await self.nc.subscribe(subjects.assign, cb=on_assign),
+                await self.nc.subscribe(subjects.control, cb=on_control),
+                await self.nc.subscribe(subjects.reclaim, cb=on_reclaim)]
         await self.nc.flush()
         log.info("agent %s up with %d device(s)", self.cfg.node, len(self.devices))
         beat = asyncio.create_task(self._heartbeats(stop))
@@ -112,7 +116,8 @@ class Agent:
         on: dict[int, list[JobId]] = {}
         for job_id, run in self.jobs.items():
             on.setdefault(run.device, []).append(job_id)
-        self.devices = devices = [msgspec.structs.replace(d, jobs=on.get(d.index, [])) for d in devices]
+        self.devices = devices = [msgspec.structs.replace(d, jobs=on.get(d.index, []), reclaim_mib=self.reclaim.get(d.index, 0))
+                                  for d in devices]
         now = time.time()
         self.finished = {j: t for j, t in self.finished.items() if now - t < FINISHED_KEPT_S}
         return Heartbeat(node=self.cfg.node, agent_version=__version__, devices=devices, offers_cpu=self.cfg.offer_cpu,
@@ -141,6 +146,8 @@ class Agent:
             return f"no device {a.device} on this node"
         if any(r.device == a.device for r in self.jobs.values()):
             return f"device {a.device} is already training another job"
+        if self.reclaim.get(a.device):
+            return f"device {a.device}'s serving engine wants {self.reclaim[a.device]} MiB back"
         if dev.free_mib < a.request.gpu_mib:
             return f"device {a.device} has {dev.free_mib} MiB free, the job needs {a.request.gpu_mib}"
         return None
@@ -165,22 +172,41 @@ class Agent:
                 run.trainer.cancel()
             elif run.task:
                 run.task.cancel()
+        elif c.action == "pause":
+            run.paused_by = c.by or "user"
+            if run.trainer:
+                run.trainer.pause()
         else:
             run.stop_asked = True
             if run.trainer:
                 run.trainer.stop()
         return ControlReply(c.job, True, f"{c.action} sent")
 
+    async def _on_reclaim(self, r: Reclaim) -> ReclaimReply:
+        """A serving engine wants its device's memory back (or no longer does): heartbeats say so, and the
+        scheduler pauses the job there if its priority allows."""
+        if all(d.index != r.device for d in self.devices):
+            return ReclaimReply(False, f"no device {r.device} on node {self.cfg.node}")
+        if r.mib:
+            self.reclaim[r.device] = r.mib
+        else:
+            self.reclaim.pop(r.device, None)
+        await self._beat()
+        held = [j for j, run in self.jobs.items() if run.device == r.device]
+        return ReclaimReply(True, f"device {r.device}: {r.mib} MiB wanted back" + (f"; job {held[0]} runs there" if held else ""))
+
     # --- one job --------------------------------------------------------------------------------
-    async def _report(self, run: RunningJob, state: JobState, message: str, artifacts: list[ArtifactRef] | None = None) -> None:
+    async def _report(self, run: RunningJob, state: JobState, message: str, artifacts: list[ArtifactRef] | None = None,
+                      paused_by: str | None = None, checkpoint: CheckpointInfo | None = None) -> None:
         a = run.assignment
         ev = StateChange(job=a.job, state=state, node=self.cfg.node, attempt=a.attempt, message=message,
-                         artifacts=artifacts or [], ts=time.time())
+                         artifacts=artifacts or [], ts=time.time(), paused_by=paused_by, checkpoint=checkpoint)
         run.reports += 1
         await publish_durably(self.js, names.job(a.job, self.cfg.node).state, _enc.encode(ev), f"{a.job}.{a.attempt}.s{run.reports}")
 
     async def _progress(self, run: RunningJob, p: Progress) -> None:
         a = run.assignment
+        run.last_progress = p
         p = msgspec.structs.replace(p, job=a.job, ts=p.ts or time.time())
         await publish_durably(self.js, names.job(a.job, self.cfg.node).progress, _enc.encode(p), f"{a.job}.{a.attempt}.p{p.step}")
 
@@ -195,13 +221,19 @@ class Agent:
             if isinstance(result, (Failed, Cancelled)):
                 await self._report(run, "cancelled" if isinstance(result, Cancelled) else "failed", result.message)
                 return
+            if result.state == "paused":
+                await self._report(run, "paused", result.message or f"paused at step {result.step}",
+                                   paused_by=run.paused_by or "user")
+                return
             await self._report(run, "uploading", f"{result.message or 'trained'}; storing the artifacts")
-            artifacts = await self._ship(run, result)
+            artifacts = await ship_results(self.nc, a, result, job_dir / "out")
             final = "stopped" if result.state == "stopped" else "succeeded"
             stored = ", ".join(r.name for r in artifacts)
             await self._report(run, final, f"{result.message or result.state}; stored {stored}", artifacts)
         except asyncio.CancelledError:
-            if not self.draining:
+            if run.paused_by and not self.draining:
+                await self._report(run, "paused", "paused before the trainer started", paused_by=run.paused_by)
+            elif not self.draining:
                 await self._report(run, "cancelled", "cancelled before the trainer started")
         except (UploadError, DatasetUnavailable) as e:
             await self._report(run, "failed", str(e))
@@ -229,6 +261,8 @@ class Agent:
         run.trainer = TrainerRun(spec, job_dir, self.cfg.trainer_command, env)
         if run.stop_asked:
             run.trainer.stop()
+        if run.paused_by:
+            run.trainer.pause()
 
         async def on_event(ev) -> None:
             if isinstance(ev, Started):
@@ -239,7 +273,13 @@ class Agent:
                 p = msgspec.structs.replace(ev, job=a.job, ts=ev.ts or time.time())
                 await publish_durably(self.js, names.job(a.job, self.cfg.node).preparing, _enc.encode(p),
                                       f"{a.job}.{a.attempt}.d{ev.done}")
+            elif isinstance(ev, Samples):
+                samples = msgspec.structs.replace(ev, job=a.job, ts=ev.ts or time.time())
+                await publish_durably(self.js, names.job(a.job, self.cfg.node).samples, _enc.encode(samples),
+                                      f"{a.job}.{a.attempt}.x{ev.step}{ev.model}")
             elif isinstance(ev, Checkpoint):
+                if run.paused_by and run.checkpoint_upload:  # the pause's checkpoint is what resume needs
+                    await run.checkpoint_upload
                 if run.checkpoint_upload and not run.checkpoint_upload.done():
                     log.info("job %s: checkpoint at step %d skipped, the previous one is still uploading", a.job, ev.step)
                 else:
@@ -258,61 +298,24 @@ class Agent:
                         rows=local.info.stats.rows)
 
     async def _fetch_checkpoint(self, run: RunningJob, job_dir: Path) -> str | None:
-        """A re-queued job resumes from the checkpoint its last node stored; None: start from step 0."""
+        """A re-queued or resumed job goes on from the checkpoint its last node stored; None: from step 0."""
         a = run.assignment
         if not a.resume_from:
             return None
-        archive = job_dir / "resume.tar.gz"
         try:
-            await download(self.nc, a.job, "checkpoint", archive)
-            where = await asyncio.to_thread(safe_extract, archive, job_dir / "resume")
+            where = await fetch_checkpoint(self.nc, a, job_dir)
         except Exception as e:
             log.warning("job %s: checkpoint %s could not be fetched (%s); starting from step 0", a.job, a.resume_from, e)
+            await self._report(run, "preparing", f"checkpoint {a.resume_from} could not be fetched ({e}); "
+                                                 "starting from step 0")
             return None
         await self._report(run, "preparing", f"resuming from checkpoint {a.resume_from}")
         return str(where)
 
     async def _ship_checkpoint(self, run: RunningJob, ev: Checkpoint) -> None:
         """Checkpoints go to the object store as they come, so another node can resume if this one goes."""
-        a = run.assignment
         try:
-            tar_path = Path(ev.path).parent / f"step-{ev.step}.tar.gz"
-            await asyncio.to_thread(_tar_dir, Path(ev.path), tar_path)
-            info = await upload_file(self.nc, a.job, "checkpoint", tar_path,
-                                     ArtifactMeta(base_model=a.request.model, trainer_version=__version__, tenant=a.tenant or "",
-                                                  summary=f"step {ev.step}", filename=f"{a.job}-checkpoint.tar.gz"))
-            await self._report(run, "running", f"checkpoint at step {ev.step} stored",
-                               [ArtifactRef(kind="checkpoint", name=info.name, size=info.size, sha256=info.sha256)])
+            info = await ship_checkpoint(self.nc, run.assignment, ev, run.last_progress)
+            await self._report(run, "running", f"checkpoint at step {ev.step} stored", checkpoint=info)
         except Exception as e:
-            log.warning("job %s: checkpoint at step %d not stored: %s", a.job, ev.step, e)
-
-    async def _ship(self, run: RunningJob, result: Finished) -> list[ArtifactRef]:
-        """The adapter as tar.gz (and the GGUF when made), uploaded before the job may succeed."""
-        a = run.assignment
-        adapter = Path(result.adapter_dir)
-        tar_path = adapter.parent / "adapter.tar.gz"
-        await asyncio.to_thread(_tar_dir, adapter, tar_path)
-        meta = ArtifactMeta(base_model=a.request.model, trainer_version=__version__, summary=_summary(a), tenant=a.tenant or "",
-                            filename=f"{a.job}-adapter.tar.gz")
-        files = [("peft", tar_path, meta)]
-        if result.gguf_path:
-            files.append(("gguf", Path(result.gguf_path),
-                          msgspec.structs.replace(meta, filename=f"{a.job}-lora-{a.request.gguf_type}.gguf")))
-        refs = []
-        for kind, path, m in files:
-            info = await upload_file(self.nc, a.job, kind, path, m)
-            refs.append(ArtifactRef(kind=kind, name=info.name, size=info.size, sha256=info.sha256))
-        return refs
-
-
-def _tar_dir(src: Path, dest: Path) -> None:
-    with tarfile.open(dest, "w:gz") as tar:
-        for p in sorted(src.rglob("*")):
-            if p.is_file():
-                tar.add(p, arcname=str(p.relative_to(src)))
-
-
-def _summary(a: Assignment) -> str:
-    lo, tr = a.request.lora, a.request.train
-    return (f"r={lo.r} alpha={lo.alpha} dropout={lo.dropout} rslora={lo.rslora} lr={tr.learning_rate} "
-            f"epochs={tr.epochs} max_steps={tr.max_steps} batch={tr.batch_size}x{tr.grad_accum} seq={tr.max_seq_length}")
+            log.warning("job %s: checkpoint at step %d not stored: %s", run.assignment.job, ev.step, e)

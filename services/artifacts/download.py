@@ -29,15 +29,36 @@ def sha256_file(path: str | os.PathLike) -> str:
     return h.hexdigest()
 
 
+async def stored_name(obs, job: str, kind: str) -> str:
+    """The object-store name of a job's artifact of `kind`: for checkpoints, the newest one's."""
+    if kind != "checkpoint":
+        return names.artifact_name(job, kind)
+    try:
+        objects = await obs.list(ignore_deletes=True)
+    except NotFoundError:
+        objects = []
+    mine = [a for a in map(info_from_object, objects) if a and a.job == job and a.kind == kind and a.step is not None]
+    if not mine:
+        raise DownloadError(f"no checkpoint for job {job}; `jetlora artifacts ls --job {job}` lists what it has")
+    return max(mine, key=lambda a: a.step).name
+
+
 async def download(nc: Client, job: str, kind: str, output: str | os.PathLike) -> ArtifactInfo:
-    """Stream `job/kind` into `output` (written beside it, then renamed): all or nothing, sha256 checked."""
+    """Stream `job/kind` into `output` (written beside it, then renamed): all or nothing, sha256 checked. For
+    checkpoints, the newest one."""
     names.check_token(job, "job id")
     obs = await nc.jetstream().object_store(names.ARTIFACTS_BUCKET)
-    name = names.artifact_name(job, kind)
+    return await download_named(nc, await stored_name(obs, job, kind), output)
+
+
+async def download_named(nc: Client, name: str, output: str | os.PathLike) -> ArtifactInfo:
+    """Stream the artifact stored under `name` into `output`, sha256 checked."""
+    obs = await nc.jetstream().object_store(names.ARTIFACTS_BUCKET)
     try:
         obj = await obs.get_info(name)
     except NotFoundError:
-        raise DownloadError(f"no {kind} artifact for job {job}; `jetlora artifacts ls --job {job}` lists what it has") from None
+        job = name.split("/", 1)[0]
+        raise DownloadError(f"no artifact {name}; `jetlora artifacts ls --job {job}` lists what it has") from None
     info = info_from_object(obj)
     if info is None:
         raise DownloadError(f"{name} is not a jetlora artifact")

@@ -13,7 +13,8 @@ HEADER = "Jetlora-"
 def artifact_headers(job: str, kind: str, meta: ArtifactMeta) -> dict[str, list[str]]:
     return {HEADER + k: [v] for k, v in (("Job", job), ("Kind", kind), ("Base-Model", meta.base_model),
                                          ("Trainer-Version", meta.trainer_version), ("Summary", meta.summary),
-                                         ("Filename", meta.filename), ("Tenant", meta.tenant)) if v}
+                                         ("Filename", meta.filename), ("Tenant", meta.tenant),
+                                         ("Step", "" if meta.step is None else str(meta.step))) if v}
 
 
 def sha256_header(sha: str) -> tuple[str, list[str]]:
@@ -32,7 +33,8 @@ def info_from_object(obj) -> ArtifactInfo | None:
         return None
     return ArtifactInfo(name=obj.name, job=get("Job"), kind=get("Kind"), size=obj.size or 0, sha256=get("Sha256"),
                         created=obj.mtime or "", base_model=get("Base-Model"), trainer_version=get("Trainer-Version"),
-                        summary=get("Summary"), filename=get("Filename"), tenant=get("Tenant"))
+                        summary=get("Summary"), filename=get("Filename"), tenant=get("Tenant"),
+                        step=int(get("Step")) if get("Step") else None)
 
 
 _stats = msgspec.json.Decoder(DatasetStats)

@@ -4,14 +4,15 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 import nats.micro
 from nats.aio.client import Client
 
 from schemas import names
-from schemas.artifacts import (ArtifactInfo, ArtifactList, ArtifactMeta, ArtifactQuery, Chunk, ChunkAck,
-                               Deleted)
+from schemas.artifacts import (KEEP_CHECKPOINTS, ArtifactInfo, ArtifactList, ArtifactMeta, ArtifactQuery, Chunk,
+                               ChunkAck, Deleted)
 from schemas.datasets import DatasetLimits
 from schemas.jobs import Error
 from services import __version__, bus
@@ -30,6 +31,7 @@ class ArtifactSink:
 
     writer: ObjectWriter
     what: str
+    after_commit: Callable[[ArtifactInfo], Awaitable[None]] | None = None
 
     def check(self, data: bytes) -> None:
         pass  # an artifact is whatever the trainer made; its sha256 is what is checked
@@ -37,7 +39,13 @@ class ArtifactSink:
     async def commit(self, sha256: str, digest: bytes) -> ArtifactInfo:
         key, value = sha256_header(sha256)
         self.writer.info.headers[key] = value
-        return info_from_object(await self.writer.commit(digest))
+        stored = info_from_object(await self.writer.commit(digest))
+        if self.after_commit:
+            try:
+                await self.after_commit(stored)
+            except Exception as e:  # the artifact is stored; tidying up can wait for the next one
+                log.warning("after storing %s: %s", stored.name, e)
+        return stored
 
 
 class ArtifactService:
@@ -84,11 +92,19 @@ class ArtifactService:
                 await receiver.close()  # purges finish before the service ends
 
     async def _open_sink(self, chunk: Chunk) -> ArtifactSink:
-        name = names.artifact_name(chunk.job, chunk.kind)
-        headers = artifact_headers(chunk.job, chunk.kind, chunk.meta or ArtifactMeta())
+        meta = chunk.meta or ArtifactMeta()
+        name = names.artifact_name(chunk.job, chunk.kind, meta.step if chunk.kind == "checkpoint" else None)
+        headers = artifact_headers(chunk.job, chunk.kind, meta)
         writer = ObjectWriter(self.js, names.ARTIFACTS_BUCKET, name, f"jetlora {chunk.kind} artifact of job {chunk.job}",
                               headers)
-        return ArtifactSink(writer, name)
+        return ArtifactSink(writer, name, self._keep_newest_checkpoints if chunk.kind == "checkpoint" else None)
+
+    async def _keep_newest_checkpoints(self, stored: ArtifactInfo) -> None:
+        """A job's checkpoints beyond the newest KEEP_CHECKPOINTS are deleted once a new one is stored."""
+        mine = [a for a in await self.list_artifacts(ArtifactQuery(job=stored.job, kind="checkpoint"))
+                if a.step is not None]
+        for old in sorted(mine, key=lambda a: a.step, reverse=True)[KEEP_CHECKPOINTS:]:
+            await self.obs.delete(old.name)
 
     # --- operators' requests -------------------------------------------------------------------
     async def list_artifacts(self, q: ArtifactQuery, tenant: str | None = None) -> list[ArtifactInfo]:

@@ -14,7 +14,8 @@ from services.bus import BusOptions
 from services.cli.artifacts import cmd_artifacts
 from services.cli.client import EXIT_OK
 from services.cli.datasets import cmd_datasets
-from services.cli.jobs import cmd_control, cmd_job, cmd_jobs, cmd_nodes, cmd_submit, cmd_watch
+from services.cli.jobs import (cmd_checkpoints, cmd_control, cmd_events, cmd_job, cmd_jobs, cmd_nodes, cmd_submit,
+                               cmd_watch)
 from services.cli.serve import run_agent, run_all, run_artifacts, run_dashboard, run_scheduler, run_service
 from services.runtime import setup_logging
 
@@ -126,10 +127,19 @@ def parser() -> argparse.ArgumentParser:
     for name, help_, fn in (("job", "show one job", cmd_job),
                             ("cancel", "cancel a job (kill its trainer)", cmd_control),
                             ("stop", "stop a job and keep what it learnt", cmd_control),
+                            ("pause", "checkpoint a job and free its device; resume goes on from there", cmd_control),
+                            ("resume", "queue a paused job again, to go on from its checkpoint", cmd_control),
+                            ("checkpoints", "a job's stored checkpoints with their losses", cmd_checkpoints),
                             ("watch", "follow a job's progress (replayed from its start)", cmd_watch)):
         p = client(name, help_)
         p.add_argument("job")
         p.set_defaults(fn=fn)
+    p = client("events", "a job's events, a page at a time (through the API, no JetStream consumer)")
+    p.add_argument("job")
+    p.add_argument("--after", type=int, default=0, help="stream sequence to start after (the last page's `next`)")
+    p.add_argument("--after-step", type=int, help="leave out progress and samples up to this step")
+    p.add_argument("--limit", type=int, default=1000, help="events to print at most")
+    p.set_defaults(fn=cmd_events)
     p = client("artifacts", "run the artifact service, or: ls / get / rm")
     p.add_argument("--heartbeat-interval", type=float, default=1.0, help=argparse.SUPPRESS)
     asub = p.add_subparsers(dest="action")
@@ -146,11 +156,11 @@ def parser() -> argparse.ArgumentParser:
     a.add_argument("--job")
     a = action("get", "download one, sha256 checked")
     a.add_argument("job")
-    a.add_argument("kind", choices=["peft", "gguf", "checkpoint"])
+    a.add_argument("kind", choices=["peft", "gguf", "checkpoint", "tensorboard"])
     a.add_argument("-o", "--output", required=True)
     a = action("rm", "delete a job's artifacts")
     a.add_argument("job")
-    a.add_argument("--kind", choices=["peft", "gguf", "checkpoint"])
+    a.add_argument("--kind", choices=["peft", "gguf", "checkpoint", "tensorboard"])
     dataset_limit_flags(p)
     p.set_defaults(fn=lambda a: cmd_artifacts(a) if a.action else run_service(a, run_artifacts))
     p = sub.add_parser("datasets", help="training data stored once and named by jobs: put / ls / show / get / rm")

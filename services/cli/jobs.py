@@ -116,3 +116,41 @@ def cmd_watch(args) -> int:
     from services.cli.watch import watch
 
     return run_client(args, lambda nc: watch(nc, args.job, as_json=args.json))
+
+
+def cmd_events(args) -> int:
+    """A job's events a page at a time through the API (no JetStream consumer needed)."""
+    from schemas.events import EventPage, EventsQuery
+    from services.cli.watch import describe
+
+    async def go(nc):
+        after, left = args.after, args.limit
+        while left > 0:
+            page = await ask(nc, api(args)["events"], EventsQuery(job=args.job, after=after, after_step=args.after_step,
+                                                                  limit=min(left, 1000)), EventPage)
+            for entry in page.events:
+                print(msgspec.json.encode(entry).decode() if args.json else f"{entry.seq:>8}  {describe(entry.event)}")
+            after, left = page.next, left - len(page.events)
+            if not page.more:
+                break
+        if not args.json:
+            print(f"next page: --after {after}", file=sys.stderr)
+        return EXIT_OK
+
+    return run_client(args, go)
+
+
+def cmd_checkpoints(args) -> int:
+    from schemas.events import CheckpointList
+
+    def table(reply: CheckpointList) -> None:
+        for c in reply.checkpoints:
+            loss = "" if c.loss is None else f"loss {c.loss:.4f}"
+            eval_loss = "" if c.eval_loss is None else f"eval {c.eval_loss:.4f}"
+            print(f"step {c.step}\t{loss}\t{eval_loss}\t{c.name}")
+
+    async def go(nc):
+        show(await ask(nc, api(args)["checkpoints"], JobQuery(args.job), CheckpointList), args.json, table)
+        return EXIT_OK
+
+    return run_client(args, go)

@@ -28,7 +28,7 @@ def _object_read() -> list[str]:
 
 
 def roles(nodes: list[str], tenants: list[str] = ()) -> dict[str, dict]:
-    api = [names.SUBMIT, names.GET_JOB, names.LIST_JOBS, names.CANCEL, names.STOP, names.LIST_NODES]  # an admin's
+    api = list(names.jobs_api()) + [names.LIST_NODES]  # an admin's
     datasets = [names.DATASETS_UPLOAD_ALL, names.DATASETS.list, names.DATASETS.show] + _read_stream(DATA)
     watch = _read_stream(JOBS)
     users = {
@@ -42,7 +42,7 @@ def roles(nodes: list[str], tenants: list[str] = ()) -> dict[str, dict]:
                       "subscribe": [names.ARTIFACTS_GROUP + ".>", names.DATASETS_GROUP + ".>", names.INBOX_ALL,
                                     names.SERVICE_DISCOVERY_ALL]},
         "submitter": {"publish": api + watch + datasets, "subscribe": [names.INBOX_ALL]},
-        "operator": {"publish": api + watch + datasets + [names.DATASETS.delete]
+        "operator": {"publish": api + watch + datasets + [names.DATASETS.delete, names.node("*").reclaim]
                      + [names.ARTIFACTS_LIST, names.ARTIFACTS_DELETE] + _object_read()
                      + [names.js_api("STREAM", "PURGE", OBJ), names.objects(names.ARTIFACTS_BUCKET).subjects],
                      "subscribe": [names.INBOX_ALL, names.HEARTBEATS_ALL]},
@@ -57,10 +57,11 @@ def roles(nodes: list[str], tenants: list[str] = ()) -> dict[str, dict]:
         names.check_token(node, "node id")
         users[f"agent-{node}"] = {
             "publish": [names.node(node).heartbeat, names.job("*", node).state, names.job("*", node).progress,
-                        names.job("*", node).preparing, names.ARTIFACTS_UPLOAD_ALL,
+                        names.job("*", node).preparing, names.job("*", node).samples, names.ARTIFACTS_UPLOAD_ALL,
                         names.js_api("INFO"), names.js_api("STREAM", "INFO", JOBS)]
                        + _object_read() + _read_stream(DATA),  # checkpoints to resume, datasets to train on
-            "subscribe": [names.node(node).assign, names.node(node).control, names.INBOX_ALL]}
+            "subscribe": [names.node(node).assign, names.node(node).control, names.node(node).reclaim,
+                          names.INBOX_ALL]}
     return users
 
 

@@ -9,7 +9,7 @@ from nats.aio.client import Client
 from nats.js.api import DeliverPolicy
 
 from schemas import names
-from schemas.events import JobEvent, Preparing, Progress, StateChange
+from schemas.events import JobEvent, Preparing, Progress, Samples, StateChange
 from schemas.jobs import TERMINAL_STATES
 
 _dec = msgspec.json.Decoder(JobEvent)
@@ -33,6 +33,22 @@ def progress_line(p: Progress) -> str:
     if p.peak_mib is not None:
         parts.append(f"peak {p.peak_mib:,.0f} MiB")
     return "  ".join(parts)
+
+
+def samples_lines(ev: Samples) -> str:
+    who = "base model" if ev.model == "base" else f"adapter at step {ev.step}"
+    return "\n".join(f"  [{who}] {s.prompt!r} -> {s.answer.strip()!r}" for s in ev.samples)
+
+
+def describe(ev) -> str:
+    """One event as a line (samples: a line per prompt)."""
+    if isinstance(ev, Progress):
+        return progress_line(ev)
+    if isinstance(ev, Preparing):
+        return ev.message
+    if isinstance(ev, Samples):
+        return "samples:\n" + samples_lines(ev)
+    return f"{ev.state}: {ev.message}"
 
 
 async def follow(nc: Client, job: str):
@@ -64,6 +80,6 @@ async def watch(nc: Client, job: str, as_json: bool = False) -> int:
         elif isinstance(ev, Preparing):
             print(("\r" if tty else "") + ev.message, end="" if tty else "\n", flush=True)
         else:
-            print(("\n" if tty else "") + f"{ev.state}: {ev.message}", flush=True)
+            print(("\n" if tty else "") + describe(ev), flush=True)
         last = ev
     return 0 if isinstance(last, StateChange) and last.state in ("succeeded", "stopped") else 1

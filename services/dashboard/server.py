@@ -18,12 +18,13 @@ from nats.aio.client import Client
 from nats.js.errors import NotFoundError
 
 from schemas import names
+from services.artifacts.download import DownloadError, stored_name
 from services.runtime import StartupError
 
 log = logging.getLogger(__name__)
 STATIC = Path(__file__).parent / "static"
 TYPES = {".html": "text/html; charset=utf-8", ".js": "text/javascript; charset=utf-8", ".json": "application/json"}
-KINDS = {"peft": "tar.gz", "gguf": "gguf", "checkpoint": "tar.gz"}
+KINDS = {"peft": "tar.gz", "gguf": "gguf", "checkpoint": "tar.gz", "tensorboard": "tar.gz"}
 
 
 def page_config(ws_url: str) -> dict:
@@ -98,8 +99,8 @@ class Dashboard:
         obs = await self.nc.jetstream().object_store(names.ARTIFACTS_BUCKET)
         with tempfile.TemporaryFile() as f:
             try:
-                info = await obs.get(names.artifact_name(job, kind), writeinto=f)
-            except NotFoundError:
+                info = await obs.get(await stored_name(obs, job, kind), writeinto=f)
+            except (NotFoundError, DownloadError):
                 return await self._send(writer, 404, f"no {kind} artifact for job {job}".encode(), "text/plain")
             size = f.tell()
             f.seek(0)

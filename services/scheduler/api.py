@@ -12,17 +12,20 @@ import msgspec
 from schemas import names
 from schemas.jobs import (TERMINAL_STATES, Accepted, Error, FieldError, JobList, JobListQuery, JobQuery, JobReply,
                           JobRequest, JobStatus, Rejected, StoredRequest, parse_job_request, summarize)
+from schemas.events import CheckpointList, EventPage, EventsQuery
 from schemas.nodes import Control, ControlReply, NodeInfo, NodeList
 from schemas.validate import InvalidRequest
 from services import bus
 from services.artifacts.datasets import find_dataset
-from services.scheduler.core import Job, SchedulerCore
+from services.scheduler.core import Job
+from services.scheduler.history import events_page
 from services.scheduler.idempotency import IdempotencyKeys
+from services.scheduler.pausing import BY_USER, SchedulerPausing
 
 log = logging.getLogger(__name__)
 
 
-class SchedulerApi(SchedulerCore):
+class SchedulerApi(SchedulerPausing):
     """The scheduler's request endpoints: every handler takes a typed request and returns its reply (bus.handler
     does the rest)."""
 
@@ -34,7 +37,11 @@ class SchedulerApi(SchedulerCore):
         verbs = {"cancel": (JobQuery, lambda q, tenant: self._end_early(q, "cancel", tenant)),
                  "stop": (JobQuery, lambda q, tenant: self._end_early(q, "stop", tenant)),
                  "job": (JobQuery, self._get_job),
-                 "jobs": (JobListQuery, self._list_jobs)}
+                 "jobs": (JobListQuery, self._list_jobs),
+                 "pause": (JobQuery, self._pause_job),
+                 "resume": (JobQuery, self._resume_job),
+                 "events": (EventsQuery, self._job_events),
+                 "checkpoints": (JobQuery, self._job_checkpoints)}
         out = [("submit", "submit", self._submit), ("tenant-submit", "*.submit", self._submit),
                ("nodes", "nodes", bus.handler(self._list_nodes, msgspec.Raw))]
         for verb, (request_type, serve) in verbs.items():
@@ -187,12 +194,39 @@ class SchedulerApi(SchedulerCore):
                                   offers_cpu=hb.offers_cpu, no_gpu_reason=hb.no_gpu_reason, running=hb.running))
         return NodeList(nodes)
 
+    async def _job_events(self, q: EventsQuery, tenant: str | None) -> EventPage:
+        self._job(JobQuery(q.job), tenant)
+        return await events_page(self.js, q)
+
+    async def _job_checkpoints(self, q: JobQuery, tenant: str | None) -> CheckpointList:
+        return CheckpointList(job=q.job, checkpoints=self._job(q, tenant).status.checkpoints)
+
+    # --- pause and resume --------------------------------------------------------------------------
+    async def _pause_job(self, q: JobQuery, tenant: str | None) -> JobReply | Error:
+        job = self._job(q, tenant)
+        if job.status.state == "paused":
+            return Error(f"job {job.id} is already paused; `jetlora resume {job.id}` goes on with it", field="job")
+        return await self._pause(job, BY_USER) or JobReply(summarize(job.stored, job.status))
+
+    async def _resume_job(self, q: JobQuery, tenant: str | None) -> JobReply | Error:
+        job = self._job(q, tenant)
+        where = f"from checkpoint {job.status.checkpoint}" if job.status.checkpoint else "from the start"
+        return await self._resume(job, f"resumed {where}; waiting for a device") or JobReply(summarize(job.stored,
+                                                                                                       job.status))
+
     # --- cancel and stop -------------------------------------------------------------------------
     async def _end_early(self, q: JobQuery, action: str, tenant: str | None) -> JobReply | Error:
         job = self._job(q, tenant)
         state = job.status.state
         if state in TERMINAL_STATES:
             return Error(f"job {job.id} already ended ({state})", field="job")
+        if state == "paused":
+            if action == "stop":
+                return Error(f"job {job.id} is paused: resume it to go on and stop it later, or cancel it (its "
+                             "checkpoints stay in the store)", field="job")
+            self._unpaused(job)
+            await self._set_state(job, "cancelled", "cancelled while paused", when=lambda s: s.state == "paused")
+            return JobReply(summarize(job.stored, job.status))
         if state == "queued":
             self.queue.discard(job.id)
             self._full_request_cached(job.id)

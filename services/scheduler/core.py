@@ -69,6 +69,7 @@ class SchedulerConfig:
     backfill_window: int = 64
     max_concurrent_submits: int = 256
     idempotency_window_s: float = 24 * 3600.0  # a key sent again within this returns its first job
+    reclaim_pause_priority: int = 0  # jobs at or below this priority pause when their device's engine wants memory
     quotas: dict[str, TenantQuota] = field(default_factory=dict)  # per tenant
     default_quota: TenantQuota = TenantQuota()  # for tenants not in quotas
 
@@ -97,6 +98,8 @@ class SchedulerCore:
         self.fleet = Fleet()
         self.by_node: dict[NodeId, set[JobId]] = {}
         self.awaited: dict[NodeId, float] = {}  # nodes with jobs at recovery, not heard since: deadline
+        self.engine_paused: dict[SlotKey, set[JobId]] = {}  # jobs paused for a device's serving engine
+        self.pausing: set[JobId] = set()  # pauses asked of nodes, not yet answered
         self.seq = 0
         self.full_requests: dict[JobId, tuple[JobRequest, int]] = {}  # job -> (request with data, its size)
         self.cached_bytes = 0
@@ -123,6 +126,8 @@ class SchedulerCore:
         self.seq = max(self.seq, stored.seq)
         if job.status.state == "queued":
             self._enqueue(job)
+        elif job.status.state == "paused":
+            self._paused(job)
         elif job.status.state in ACTIVE_STATES and job.slot:
             self.fleet.reserve(job.slot, job.id)
             self.by_node.setdefault(job.status.node, set()).add(job.id)

@@ -13,14 +13,16 @@ from schemas import names
 from schemas.events import Progress, StateChange
 from schemas.jobs import ACTIVE_STATES, TERMINAL_STATES, JobStatus
 from services.aio import sleep_unless_stopped
-from services.scheduler.core import Job, SchedulerCore
+from schemas.artifacts import KEEP_CHECKPOINTS
+from services.scheduler.core import Job
+from services.scheduler.pausing import SchedulerPausing
 
 log = logging.getLogger(__name__)
 _progress = msgspec.json.Decoder(Progress)
 _state = msgspec.json.Decoder(StateChange)
 
 
-class SchedulerEvents(SchedulerCore):
+class SchedulerEvents(SchedulerPausing):
     async def _on_progress(self, msg) -> None:
         try:
             p = _progress.decode(msg.data)
@@ -31,6 +33,7 @@ class SchedulerEvents(SchedulerCore):
         if job and job.status.state in ACTIVE_STATES and job.status.node == node:  # only from the node that holds it
             job.status = msgspec.structs.replace(job.status, step=p.step, steps=p.steps,
                                                  loss=p.loss if p.loss is not None else job.status.loss,
+                                                 eval_loss=p.eval_loss if p.eval_loss is not None else job.status.eval_loss,
                                                  peak_mib=p.peak_mib if p.peak_mib is not None else job.status.peak_mib)
 
     async def _consume_states(self, sub, lost: asyncio.Event, stop: asyncio.Event) -> None:
@@ -98,7 +101,11 @@ class SchedulerEvents(SchedulerCore):
 
         if ev.state == "queued":  # the agent handed it back (shutting down) before it could finish
             return await self._requeue(job, ev.message, when=current)
-        checkpoints = [a.name for a in ev.artifacts if a.kind == "checkpoint"]
-        artifacts = [a for a in ev.artifacts if a.kind != "checkpoint"] or job.status.artifacts
-        await self._set_state(job, ev.state, ev.message, when=current, artifacts=artifacts,
-                              checkpoint=checkpoints[-1] if checkpoints else job.status.checkpoint)
+        changes = {"artifacts": ev.artifacts or job.status.artifacts}
+        if ev.checkpoint is not None:
+            kept = [c for c in job.status.checkpoints if c.step != ev.checkpoint.step] + [ev.checkpoint]
+            changes.update(checkpoint=ev.checkpoint.name, checkpoints=kept[-KEEP_CHECKPOINTS:])
+        if ev.state == "paused":
+            changes["paused_by"] = ev.paused_by or "user"
+        if await self._set_state(job, ev.state, ev.message, when=current, **changes) and ev.state == "paused":
+            self._paused(job)

@@ -11,13 +11,14 @@ from schemas.jobs import ACTIVE_STATES
 from schemas.nodes import Heartbeat
 from schemas.validate import InvalidRequest, decoder_for
 from services.aio import sleep_unless_stopped
-from services.scheduler.core import Job, SchedulerCore
+from services.scheduler.core import Job
+from services.scheduler.pausing import SchedulerPausing
 
 log = logging.getLogger(__name__)
 _heartbeat = decoder_for(Heartbeat)
 
 
-class SchedulerLiveness(SchedulerCore):
+class SchedulerLiveness(SchedulerPausing):
     async def _on_heartbeat(self, msg) -> None:
         try:
             hb = _heartbeat(msg.data)
@@ -31,6 +32,7 @@ class SchedulerLiveness(SchedulerCore):
         if self.fleet.heard(hb):
             self._wake.set()
         self._reconcile(hb)
+        self._react_to_engines(hb)
 
     def _reconcile(self, hb: Heartbeat) -> None:
         """An assignment the node never took up (its reply or our record was lost) goes back to the queue."""

@@ -5,24 +5,16 @@ trainer is tested in test_trainer.py and end to end in test_end_to_end.py.
 """
 
 import os
-import signal
 import sys
 import time
 from pathlib import Path
 
 import msgspec
 
-from schemas.events import Finished, Progress, Started, TrainerSpec
+from schemas.events import Checkpoint, Finished, Progress, Started, TrainerSpec
+from trainer.signals import Signals
 
-stop = False
-
-
-def ask_stop(*_):
-    global stop
-    stop = True
-
-
-signal.signal(signal.SIGUSR1, ask_stop)
+signals = Signals()  # SIGUSR1 stops, SIGUSR2 pauses, as the real trainer's
 spec = msgspec.json.decode(Path(sys.argv[1]).read_bytes(), type=TrainerSpec)
 hold = float(os.environ.get("HOLD_S", "0.5"))
 if os.environ.get("HOLD_CRASH"):
@@ -31,14 +23,23 @@ if os.environ.get("HOLD_CRASH"):
 steps = 10
 print(msgspec.json.encode(Started(steps=steps, examples=len(spec.request.data))).decode(), flush=True)
 step = 0
+if spec.resume_from:  # a resumed job goes on from its checkpoint's step
+    step = int((Path(spec.resume_from) / "step").read_text())
 t0 = time.monotonic()
-while step < steps and not stop:
+while step < steps and not signals.asked:
     time.sleep(hold / steps)
     step += 1
     print(msgspec.json.encode(Progress(step=step, steps=steps, loss=1.0 / step, elapsed_s=time.monotonic() - t0)).decode(),
           flush=True)
+if signals.pause:
+    checkpoint = Path(spec.out_dir) / "checkpoints" / f"step-{step}"
+    checkpoint.mkdir(parents=True, exist_ok=True)
+    (checkpoint / "step").write_text(str(step))
+    print(msgspec.json.encode(Checkpoint(step=step, path=str(checkpoint))).decode(), flush=True)
+    print(msgspec.json.encode(Finished(state="paused", step=step, adapter_dir=str(checkpoint))).decode(), flush=True)
+    sys.exit(0)
 out = Path(spec.out_dir) / "adapter"
 out.mkdir(parents=True, exist_ok=True)
 (out / "adapter_config.json").write_text('{"r": 1}')
-state = "stopped" if stop else "trained"
+state = "stopped" if signals.asked else "trained"
 print(msgspec.json.encode(Finished(state=state, step=step, adapter_dir=str(out))).decode(), flush=True)

@@ -13,7 +13,7 @@ const $ = (id) => document.getElementById(id);
 const fmt = (v, d = 4) => (v === null || v === undefined ? "–" : Number(v).toFixed(d));
 const sub = (template, values) => template.replace(/\{(\w+)\}/g, (_, k) => values[k]);
 
-const state = { nodes: new Map(), jobs: [], selected: null, follow: null, chart: null, points: [] };
+const state = { nodes: new Map(), jobs: [], selected: null, follow: null, chart: null, points: [], samples: {} };
 window.jetlora = state; // for the browser tests and the curious
 
 async function main() {
@@ -99,10 +99,24 @@ function newChart() {
   });
 }
 
+function escape(text) {
+  return text.replace(/[&<>"]/g, (c) => ({ "&": "&amp;", "<": "&lt;", ">": "&gt;", '"': "&quot;" })[c]);
+}
+
+function showSamples() {
+  const { base, adapter } = state.samples;
+  const prompts = (adapter || base).samples.map((s) => s.prompt);
+  const answer = (ev, i) => (ev && ev.samples[i] ? escape(ev.samples[i].answer) : "–");
+  $("samples").querySelector("tbody").innerHTML =
+    `<tr><th>prompt</th><th>base model</th><th>adapter${adapter ? ` (step ${adapter.step})` : ""}</th></tr>` +
+    prompts.map((p, i) => `<tr><td>${escape(p)}</td><td>${answer(base, i)}</td><td>${answer(adapter, i)}</td></tr>`).join("");
+}
+
 async function select(config, nc, js, jobId) {
   if (state.follow) await state.follow.close().catch(() => {});
   state.selected = jobId;
   state.points = [];
+  state.samples = {};
   $("job-title").textContent = `job ${jobId}`;
   newChart();
   const evals = [];
@@ -129,6 +143,9 @@ async function select(config, nc, js, jobId) {
         $("job-state").textContent = `${ev.state}: ${ev.message}`;
       } else if (ev.type === "preparing") {
         $("figures").textContent = ev.message;  // tokenizing the data, before the first step
+      } else if (ev.type === "samples") {
+        state.samples[ev.model] = ev;  // the base model's (once) and the adapter's latest
+        showSamples();
       }
     }
   })();

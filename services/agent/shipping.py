@@ -1,0 +1,78 @@
+"""What a job's run sends to the object store and fetches from it: checkpoints as they come, the adapter, its
+GGUF and its TensorBoard log at the end, and the checkpoint a resumed job goes on from."""
+
+from __future__ import annotations
+
+import asyncio
+import tarfile
+import time
+from pathlib import Path
+
+import msgspec
+from nats.aio.client import Client
+
+from schemas.artifacts import ArtifactMeta
+from schemas.events import Checkpoint, Finished, Progress
+from schemas.jobs import ArtifactRef, CheckpointInfo
+from schemas.nodes import Assignment
+from services import __version__
+from services.artifacts.download import download_named, safe_extract
+from services.artifacts.sender import upload_file
+
+
+def tar_dir(src: Path, dest: Path) -> None:
+    with tarfile.open(dest, "w:gz") as tar:
+        for p in sorted(src.rglob("*")):
+            if p.is_file():
+                tar.add(p, arcname=str(p.relative_to(src)))
+
+
+def summary(a: Assignment) -> str:
+    lo, tr = a.request.lora, a.request.train
+    return (f"r={lo.r} alpha={lo.alpha} dropout={lo.dropout} rslora={lo.rslora} lr={tr.learning_rate} "
+            f"epochs={tr.epochs} max_steps={tr.max_steps} batch={tr.batch_size}x{tr.grad_accum} seq={tr.max_seq_length}")
+
+
+def _meta(a: Assignment, filename: str, **more) -> ArtifactMeta:
+    return ArtifactMeta(base_model=a.request.model, trainer_version=__version__, tenant=a.tenant or "",
+                        filename=filename, **more)
+
+
+async def _upload(nc: Client, a: Assignment, kind: str, path: Path, meta: ArtifactMeta) -> ArtifactRef:
+    info = await upload_file(nc, a.job, kind, path, meta)
+    return ArtifactRef(kind=kind, name=info.name, size=info.size, sha256=info.sha256)
+
+
+async def ship_checkpoint(nc: Client, a: Assignment, ev: Checkpoint, last: Progress | None) -> CheckpointInfo:
+    """A checkpoint as tar.gz, stored as <job>/checkpoint-<step>, with the losses last reported before it."""
+    tar_path = Path(ev.path).parent / f"step-{ev.step}.tar.gz"
+    await asyncio.to_thread(tar_dir, Path(ev.path), tar_path)
+    ref = await _upload(nc, a, "checkpoint", tar_path, _meta(a, f"{a.job}-checkpoint-{ev.step}.tar.gz",
+                                                             summary=f"step {ev.step}", step=ev.step))
+    return CheckpointInfo(step=ev.step, name=ref.name, loss=last.loss if last else None,
+                          eval_loss=last.eval_loss if last else None, created=time.time())
+
+
+async def ship_results(nc: Client, a: Assignment, result: Finished, out_dir: Path) -> list[ArtifactRef]:
+    """The adapter as tar.gz, the GGUF when made and the TensorBoard log, uploaded before the job may succeed."""
+    adapter = Path(result.adapter_dir)
+    tar_path = adapter.parent / "adapter.tar.gz"
+    await asyncio.to_thread(tar_dir, adapter, tar_path)
+    meta = _meta(a, f"{a.job}-adapter.tar.gz", summary=summary(a))
+    files = [("peft", tar_path, meta)]
+    if result.gguf_path:
+        files.append(("gguf", Path(result.gguf_path),
+                      msgspec.structs.replace(meta, filename=f"{a.job}-lora-{a.request.gguf_type}.gguf")))
+    board = out_dir / "tensorboard"
+    if board.is_dir() and any(board.iterdir()):
+        board_tar = out_dir / "tensorboard.tar.gz"
+        await asyncio.to_thread(tar_dir, board, board_tar)
+        files.append(("tensorboard", board_tar, msgspec.structs.replace(meta, filename=f"{a.job}-tensorboard.tar.gz")))
+    return [await _upload(nc, a, kind, path, m) for kind, path, m in files]
+
+
+async def fetch_checkpoint(nc: Client, a: Assignment, job_dir: Path) -> Path:
+    """The checkpoint named in the assignment, unpacked into the job's directory."""
+    archive = job_dir / "resume.tar.gz"
+    await download_named(nc, a.resume_from, archive)
+    return await asyncio.to_thread(safe_extract, archive, job_dir / "resume")

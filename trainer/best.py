@@ -1,0 +1,57 @@
+"""Watching the eval loss: the best adapter so far (kept in memory), and when to stop because it stopped improving."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+def adapter_weights(model) -> dict[str, torch.Tensor]:
+    """The trainable (LoRA) weights, copied to CPU."""
+    return {name: p.detach().to("cpu", copy=True) for name, p in model.named_parameters() if p.requires_grad}
+
+
+@dataclass
+class BestEval:
+    patience: int = 0  # evaluations without improvement before stopping; 0: never stop early
+    min_delta: float = 0.0
+    keep: bool = False  # keep the best adapter's weights, to end with them
+    loss: float | None = None
+    step: int | None = None
+    since: int = 0  # evaluations since the best
+    weights: dict[str, torch.Tensor] | None = field(default=None, repr=False)
+
+    def observe(self, step: int, eval_loss: float, model) -> None:
+        if self.loss is None or eval_loss < self.loss - self.min_delta:
+            self.loss, self.step, self.since = eval_loss, step, 0
+            if self.keep:
+                self.weights = adapter_weights(model)
+        else:
+            self.since += 1
+
+    @property
+    def should_stop(self) -> bool:
+        return bool(self.patience) and self.since >= self.patience
+
+    def why_stopped(self, min_delta: float) -> str:
+        return (f"stopped early: the eval loss did not improve by more than {min_delta:g} for {self.since} "
+                f"evaluations (best {self.loss:.4f} at step {self.step})")
+
+    def restore(self, model) -> bool:
+        """Put the best adapter's weights back into the model; False when there are none to put back."""
+        if not self.keep or self.weights is None:
+            return False
+        named = dict(model.named_parameters())
+        with torch.no_grad():
+            for name, value in self.weights.items():
+                named[name].copy_(value)
+        return True
+
+    def state(self) -> dict:
+        """For a checkpoint (the weights separately, as safetensors)."""
+        return {"loss": self.loss, "step": self.step, "since": self.since, "weights": self.weights}
+
+    def load(self, state: dict) -> None:
+        self.loss, self.step, self.since = state.get("loss"), state.get("step"), state.get("since", 0)
+        self.weights = state.get("weights")

@@ -1,0 +1,50 @@
+"""Saving what a run learnt: the adapter alone, or a checkpoint another node can go on from."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from trainer.errors import JobError
+
+
+def save_adapter(model, out: Path) -> Path:
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out, safe_serialization=True)
+    return out
+
+
+def save_checkpoint(model, optimizer, scheduler, out_dir: Path, step: int, epoch: int, batch_in_epoch: int,
+                    tokens: int, best: dict | None = None) -> Path:
+    """Adapter, optimizer, schedule, data position and the best evaluation so far: enough to go on from here on
+    another node."""
+    from safetensors.torch import save_file
+
+    path = out_dir / "checkpoints" / f"step-{step}"
+    save_adapter(model, path / "adapter")
+    best = dict(best or {})
+    if best.get("weights") is not None:
+        save_file(best.pop("weights"), str(path / "best_adapter.safetensors"))
+    torch.save({"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(), "step": step, "epoch": epoch,
+                "batch_in_epoch": batch_in_epoch, "tokens": tokens, "best": best}, path / "trainer_state.pt")
+    return path
+
+
+def resume(model, optimizer, scheduler, checkpoint: Path) -> dict:
+    """Load a checkpoint written by save_checkpoint (tensors only: weights_only, never arbitrary pickles)."""
+    from peft import set_peft_model_state_dict
+    from safetensors.torch import load_file
+
+    state_file = checkpoint / "trainer_state.pt"
+    if not state_file.is_file():
+        raise JobError(f"checkpoint {checkpoint} has no trainer_state.pt; resubmit the job without resume")
+    set_peft_model_state_dict(model, load_file(str(checkpoint / "adapter" / "adapter_model.safetensors")))
+    state = torch.load(state_file, weights_only=True)
+    optimizer.load_state_dict(state["optimizer"])
+    scheduler.load_state_dict(state["scheduler"])
+    best = state.get("best") or {}
+    if (checkpoint / "best_adapter.safetensors").is_file():
+        best["weights"] = load_file(str(checkpoint / "best_adapter.safetensors"))
+    state["best"] = best
+    return state

@@ -1,0 +1,51 @@
+"""What the adapter answers: greedy completions of a few prompts, by the adapter and once by the base model."""
+
+from __future__ import annotations
+
+import torch
+
+from schemas.events import Sample, Samples
+from trainer.data import Examples
+from trainer.formats import IGNORE, prompt_text
+
+AUTO_PROMPTS = 3
+
+
+def sample_prompts(setting, tokenizer, held_out: Examples, train_set: Examples) -> list[tuple[str, list[int]]]:
+    """(prompt as shown, its token ids with the model's template): the job's own prompts, or with `auto` the
+    first held-out examples' prompts (the training ones when nothing is held out)."""
+    if not setting:
+        return []
+    if setting != "auto":
+        return [(p, tokenizer(prompt_text(tokenizer, p), add_special_tokens=False)["input_ids"]) for p in setting]
+    source = held_out if len(held_out) else train_set
+    out = []
+    for i in range(min(AUTO_PROMPTS, len(source))):
+        ids, targets = source[i]
+        learnt = [n for n, t in enumerate(targets) if t != IGNORE]
+        prompt_ids = [int(t) for t in ids[:learnt[0] + 1]] if learnt else [int(t) for t in ids]
+        out.append((tokenizer.decode(prompt_ids, skip_special_tokens=True).strip(), prompt_ids))
+    return out
+
+
+@torch.no_grad()
+def answers(model, tokenizer, prompts: list[tuple[str, list[int]]], device: str, max_tokens: int) -> list[Sample]:
+    was_training = model.training
+    model.eval()
+    out = []
+    for shown, ids in prompts:
+        inputs = torch.tensor([ids], device=device)
+        generated = model.generate(input_ids=inputs, attention_mask=torch.ones_like(inputs), max_new_tokens=max_tokens,
+                                   do_sample=False, pad_token_id=tokenizer.pad_token_id or tokenizer.eos_token_id,
+                                   eos_token_id=tokenizer.eos_token_id)
+        out.append(Sample(prompt=shown, answer=tokenizer.decode(generated[0, len(ids):], skip_special_tokens=True)))
+    if was_training:
+        model.train()
+    return out
+
+
+def samples_event(model, tokenizer, prompts, device: str, max_tokens: int, step: int, base: bool = False) -> Samples:
+    if base:
+        with model.disable_adapter():
+            return Samples(step=step, model="base", samples=answers(model, tokenizer, prompts, device, max_tokens))
+    return Samples(step=step, model="adapter", samples=answers(model, tokenizer, prompts, device, max_tokens))

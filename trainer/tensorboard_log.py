@@ -1,0 +1,32 @@
+"""Every metric of a run in a TensorBoard event file, so `tensorboard --logdir` works on a downloaded job."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+
+class TensorBoardLog:
+    def __init__(self, log_dir: Path) -> None:
+        from torch.utils.tensorboard import SummaryWriter  # needs the tensorboard package (the train extra)
+
+        self.dir = log_dir
+        self.writer = SummaryWriter(log_dir=str(log_dir))
+
+    def progress(self, p) -> None:
+        for name, value in (("train/loss", p.loss), ("train/learning_rate", p.lr), ("train/grad_norm", p.grad_norm),
+                            ("train/tokens_per_s", p.tokens_per_s), ("train/peak_mib", p.peak_mib),
+                            ("train/epoch", p.epoch)):
+            if value is not None:
+                self.writer.add_scalar(name, value, p.step)
+
+    def evaluation(self, step: int, eval_loss: float) -> None:
+        """At the step it was computed (progress events repeat the latest)."""
+        self.writer.add_scalar("eval/loss", eval_loss, step)
+
+    def samples(self, ev) -> None:
+        text = "\n\n".join(f"**{s.prompt}**\n\n{s.answer}" for s in ev.samples)
+        self.writer.add_text(f"samples/{ev.model}", text, ev.step)
+
+    def close(self) -> Path:
+        self.writer.close()
+        return self.dir
