@@ -103,7 +103,8 @@ def main() -> None:
     for which in ("baseline", "ours", "cached"):
         s, mib = median(which, "seconds"), median(which, "peak_mib")
         ratios = [x["peak_mib"] / b["peak_mib"] for x, b in zip(results[which], results["baseline"])]
-        print(f"{which:9s} {s:7.2f} s  {results[which][0]['tokens'] / s:12,.0f} tok/s  peak {mib:7.1f} MiB  "
+        rate = f"{results[which][0]['tokens'] / s:10,.0f} tok/s" if s > 0.05 else "(memory-mapped)"
+        print(f"{which:9s} {s:7.2f} s  {rate:>16}  peak {mib:7.1f} MiB  "
               f"time x{s / base_s:.2f}  peak x{mib / base_mib:.2f} (rounds {min(ratios):.2f}-{max(ratios):.2f})")
 
 

@@ -31,7 +31,7 @@ async def test_a_job_trains_on_a_cpu_agent_and_stores_peft_and_gguf(nc, services
     assert isinstance(reply, Accepted), reply
     job = await wait_state(nc, reply.job, ("succeeded", "failed"), timeout=300)
     assert job.state == "succeeded", (job.message, agents.log("cpu-node")[-3000:])
-    assert sorted(a.kind for a in job.artifacts) == ["gguf", "peft"]
+    assert sorted(a.kind for a in job.artifacts) == ["gguf", "peft", "tensorboard"]
     assert job.node == "cpu-node" and job.device == -1
 
     # a late subscriber replays the whole run from the stream's start

@@ -172,3 +172,14 @@ async def test_pause_then_resume_on_another_agent_continues_the_same_loss_curve(
     [pause] = [e.message for e in await states_of(nc, reply.job) if e.state == "paused"]
     print(f"{pause}; largest loss difference from the uninterrupted run over 30 steps: {worst:.2e}")
     assert worst < 1e-3, worst
+
+    # its TensorBoard log, downloaded, holds the whole curve: the steps before the pause came with the checkpoint
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from services.artifacts.download import download, safe_extract
+
+    await download(nc, reply.job, "tensorboard", tmp_path / "tb.tar.gz")
+    log = EventAccumulator(str(safe_extract(tmp_path / "tb.tar.gz", tmp_path / "tb")), size_guidance={"scalars": 0})
+    log.Reload()
+    logged = {s.step: s.value for s in log.Scalars("train/loss")}
+    assert sorted(logged) == list(range(1, 31)) and all(abs(logged[s] - resumed[s]) < 1e-5 for s in logged)

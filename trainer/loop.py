@@ -137,7 +137,6 @@ def train(spec: TrainerSpec, signals: Signals | None = None) -> Finished:
     signals = signals or Signals()
     best = BestEval(t.early_stopping_patience, t.early_stopping_min_delta,
                     keep=bool(eval_batches) if t.keep_best is None else t.keep_best)
-    board = TensorBoardLog(out_dir / "tensorboard")
     prompts = sample_prompts(t.sample_prompts, tokenizer, eval_set, train_set)
 
     def publish(event) -> None:
@@ -151,6 +150,7 @@ def train(spec: TrainerSpec, signals: Signals | None = None) -> Finished:
         step, tokens, epoch, skip = state["step"], state.get("tokens", 0), state["epoch"], state["batch_in_epoch"]
         best.load(state["best"])
         resumed = f", resumed from step {step}"
+    board = TensorBoardLog(out_dir / "tensorboard", carried_from=Path(spec.resume_from) if spec.resume_from else None)
     emit(Started(steps=p.steps, examples=len(train_set), eval_examples=len(eval_set), device=device,
                  message=f"training {p.steps} steps on {device} ({len(train_set)} examples, "
                          f"{len(batches)} batches/epoch){resumed}"))
@@ -214,6 +214,7 @@ def train(spec: TrainerSpec, signals: Signals | None = None) -> Finished:
                 window_loss, window_count = 0.0, 0
             if (t.save_steps and step % t.save_steps == 0 and not last) or (last and signals.pause):
                 path = save_checkpoint(model, optimizer, scheduler, out_dir, step, *position, tokens, best.state())
+                board.copy_into(path)
                 emit(Checkpoint(step=step, path=str(path)))
             if last:
                 break

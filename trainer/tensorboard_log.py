@@ -2,15 +2,26 @@
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 
 class TensorBoardLog:
-    def __init__(self, log_dir: Path) -> None:
+    """A resumed run carries on the log its checkpoint holds: TensorBoard reads every event file of the directory,
+    so the steps before the pause and after it make one curve."""
+
+    def __init__(self, log_dir: Path, carried_from: Path | None = None) -> None:
         from torch.utils.tensorboard import SummaryWriter  # needs the tensorboard package (the train extra)
 
         self.dir = log_dir
+        if carried_from is not None and (carried_from / "tensorboard").is_dir():
+            shutil.copytree(carried_from / "tensorboard", log_dir, dirs_exist_ok=True)
         self.writer = SummaryWriter(log_dir=str(log_dir))
+
+    def copy_into(self, checkpoint: Path) -> None:
+        """The log so far goes with a checkpoint, for the run that resumes from it."""
+        self.writer.flush()
+        shutil.copytree(self.dir, checkpoint / "tensorboard", dirs_exist_ok=True)
 
     def progress(self, p) -> None:
         for name, value in (("train/loss", p.loss), ("train/learning_rate", p.lr), ("train/grad_norm", p.grad_norm),

@@ -79,6 +79,8 @@ def parser() -> argparse.ArgumentParser:
                        help="what one tenant may hold at once (repeat for each tenant)")
         p.add_argument("--default-quota", default="", metavar="queued:N,devices:M",
                        help="the quota of tenants without their own --quota (default: none)")
+        p.add_argument("--reclaim-pause-priority", type=int, default=0,
+                       help="jobs at or below this priority pause when their GPU's serving engine wants memory back")
 
     def dashboard_flags(p):
         p.add_argument("--ws", dest="ws_url", default=os.environ.get("NATS_WS_URL"),

@@ -25,7 +25,7 @@ def _scheduler_config(args):
     except ValueError as e:
         raise StartupError(f"--quota/--default-quota: {e}") from None
     return SchedulerConfig(heartbeat_interval=args.heartbeat_interval, misses=args.misses, quotas=quotas,
-                           default_quota=default)
+                           default_quota=default, reclaim_pause_priority=args.reclaim_pause_priority)
 
 
 def _agent_config(args):
