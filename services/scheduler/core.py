@@ -126,8 +126,6 @@ class SchedulerCore:
         self.seq = max(self.seq, stored.seq)
         if job.status.state == "queued":
             self._enqueue(job)
-        elif job.status.state == "paused":
-            self._paused(job)
         elif job.status.state in ACTIVE_STATES and job.slot:
             self.fleet.reserve(job.slot, job.id)
             self.by_node.setdefault(job.status.node, set()).add(job.id)

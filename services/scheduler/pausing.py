@@ -62,6 +62,12 @@ class SchedulerPausing(SchedulerCore):
         return None
 
     # --- which paused jobs wait for which engine ------------------------------------------------
+    def _adopt(self, stored, status, revision: int) -> Job:
+        job = super()._adopt(stored, status, revision)
+        if job.status.state == "paused":
+            self._paused(job)
+        return job
+
     def _paused(self, job: Job) -> None:
         if (slot := engine_slot(job.status.paused_by)) is not None:
             self.engine_paused.setdefault(slot, set()).add(job.id)
