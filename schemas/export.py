@@ -15,6 +15,8 @@ from schemas.events import (CheckpointList, EventPage, EventsQuery, JobEvent, Pr
                             TrainerEvent, TrainerSpec)
 from schemas.jobs import Error, JobList, JobListQuery, JobQuery, JobReply, JobRequest, JobStatus, StoredRequest, SubmitReply
 from schemas.nodes import Assignment, AssignReply, Control, ControlReply, Heartbeat, NodeList, Reclaim, ReclaimReply
+from schemas.registry import (AdapterList, AdapterListQuery, AdapterQuery, AdapterReply, AliasRequest,
+                              NodeAdapterStatus, PromoteRequest, RegisterRequest)
 
 HERE = Path(__file__).parent
 
@@ -30,6 +32,9 @@ MESSAGES = {
     "DatasetReply": DatasetReply | Error, "DatasetDeleted": DatasetDeleted | Error,
     "Samples": Samples, "EventsQuery": EventsQuery, "EventPage": EventPage | Error, "CheckpointList": CheckpointList | Error,
     "Reclaim": Reclaim, "ReclaimReply": ReclaimReply,
+    "RegisterRequest": RegisterRequest, "PromoteRequest": PromoteRequest, "AliasRequest": AliasRequest,
+    "AdapterQuery": AdapterQuery, "AdapterListQuery": AdapterListQuery, "AdapterReply": AdapterReply | Error,
+    "AdapterList": AdapterList | Error, "NodeAdapterStatus": NodeAdapterStatus,
 }
 
 # (address, kind, message, reply, who sends, what it is)
@@ -76,6 +81,17 @@ CHANNELS = [
     (names.DATASETS.show, "request", "DatasetQuery", "DatasetReply", "submitters",
      "one dataset: format, rows, characters per row, roles seen, the first rows"),
     (names.DATASETS.delete, "request", "DatasetQuery", "DatasetDeleted", "operators", "delete a dataset"),
+    (names.ADAPTERS.register, "request", "RegisterRequest", "AdapterReply", "operators",
+     "a succeeded job's adapter as the next version of NAME (promoted if asked)"),
+    (names.ADAPTERS.list, "request", "AdapterListQuery", "AdapterList", "operators",
+     "adapters: their versions, what each serves and what every node's engines loaded"),
+    (names.ADAPTERS.show, "request", "AdapterQuery", "AdapterReply", "operators", "one adapter"),
+    (names.ADAPTERS.promote, "request", "PromoteRequest", "AdapterReply", "operators",
+     "NAME@N becomes what NAME serves (compare-and-set on `expect`); agents load it into their engines"),
+    (names.ADAPTERS.rollback, "request", "AliasRequest", "AdapterReply", "operators", "NAME serves its version before"),
+    (names.ADAPTERS.retire, "request", "AliasRequest", "AdapterReply", "operators", "NAME serves nothing; engines unload it"),
+    (names.adapter_status("{node}"), "publish", "NodeAdapterStatus", None, "agents",
+     "what a node's engine did with an adapter: loading, loaded (with a smoke completion), needs-restart, failed"),
     (names.artifact_upload("{job}"), "request", "Chunk", "ChunkAck", "agents", "one chunk of an artifact (msgpack)"),
     (names.ARTIFACTS_LIST, "request", "ArtifactQuery", "ArtifactList", "operators", "artifacts in the object store"),
     (names.ARTIFACTS_DELETE, "request", "ArtifactQuery", "Deleted", "operators", "delete a job's artifacts"),

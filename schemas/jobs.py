@@ -45,6 +45,13 @@ class DatasetRef(Struct, forbid_unknown_fields=True, kw_only=True):
         "job always trains on what it was submitted with"))] | None = None
 
 
+class RegisterSpec(Struct, forbid_unknown_fields=True, kw_only=True):
+    """Register the job's adapter in the registry when it succeeds (see `jetlora adapters`)."""
+
+    name: Annotated[NodeId, Meta(description="the adapter's name: its versions are NAME@1, NAME@2, ...")]
+    promote: Annotated[bool, Meta(description="make it what NAME serves: engines of its base model load it")] = False
+
+
 class LoraConfig(Struct, forbid_unknown_fields=True, kw_only=True):
     """The adapter's shape."""
 
@@ -116,6 +123,7 @@ class JobRequest(Struct, forbid_unknown_fields=True, kw_only=True):
     lora: LoraConfig = field(default_factory=LoraConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     gguf_type: Literal["f16", "f32", "bf16", "q8_0"] = "f16"
+    register: RegisterSpec | None = None
     label: Annotated[str, Meta(max_length=200)] = ""
     idempotency_key: Annotated[str, Meta(min_length=1, max_length=256, description=(
         "a client's own name for this submission: sent again (a retry after a timeout) within the scheduler's "

@@ -15,6 +15,8 @@ The subject tree is shaped so that permissions can be written against it:
     jetlora.artifacts.<verb>            operators' artifact requests
     jetlora.datasets.upload.<name>      a client -> artifact service: one chunk of a dataset (request/reply)
     jetlora.datasets.<verb>             list, show and delete datasets
+    jetlora.adapters.<verb>             the adapter registry: register, list, show, promote, rollback, retire
+    jetlora.adapters.status.<node>      agent -> anyone: what its engines did with an adapter
 
 No other module spells a subject: they all call these functions.
 """
@@ -34,6 +36,7 @@ JOBS_KV = "jetlora_jobs"  # one record per job: the scheduler's durable queue
 LEASE_KV = "jetlora_lease"  # the active scheduler's lease
 ARTIFACTS_BUCKET = "jetlora_artifacts"  # object store of adapters and GGUF files
 DATASETS_BUCKET = "jetlora_datasets"  # object store of training data, one object per dataset name
+ADAPTERS_KV = "jetlora_adapters"  # the adapter registry: version.<name>.<n>, alias.<name>, node.<name>.<node>
 SCHEDULER_CONSUMER = "jetlora_scheduler_states_v2"  # durable consumer of job states (v2: node in the subject)
 
 SCHEDULER_SERVICE = "jetlora-scheduler"  # nats.micro names ($SRV.PING etc.)
@@ -138,6 +141,39 @@ DATASETS = _subjects(DatasetsApi, DATASETS_GROUP)
 
 def dataset_upload(name: str) -> str:
     return f"{DATASETS_GROUP}.upload.{name}"
+
+
+# the adapter registry (nats.micro group "jetlora.adapters", served beside the scheduler)
+ADAPTERS_GROUP = f"{PREFIX}.adapters"
+ADAPTER_SERVICE = "jetlora-adapters"
+
+
+class AdaptersApi(NamedTuple):
+    register: str
+    list: str
+    show: str
+    promote: str
+    rollback: str
+    retire: str
+
+
+ADAPTERS = _subjects(AdaptersApi, ADAPTERS_GROUP)
+
+
+def adapter_status(node_id: str = "*") -> str:
+    return f"{ADAPTERS_GROUP}.status.{node_id}"
+
+
+def adapter_version_key(name: str, version: int) -> str:
+    return f"version.{name}.{version}"
+
+
+def adapter_alias_key(name: str = "*") -> str:
+    return f"alias.{name}"
+
+
+def adapter_node_key(name: str, node_id: str) -> str:
+    return f"node.{name}.{node_id}"
 
 
 class NodeSubjects(NamedTuple):

@@ -137,7 +137,8 @@ async def ensure_resources(nc: Client, replicas: int = 1) -> None:
             await js.add_stream(stream)
         except BadRequestError:  # created by another service at the same moment
             pass
-    for bucket, kw in ((names.JOBS_KV, dict(history=1)), (names.LEASE_KV, dict(history=1, ttl=LEASE_TTL_S))):
+    for bucket, kw in ((names.JOBS_KV, dict(history=1)), (names.LEASE_KV, dict(history=1, ttl=LEASE_TTL_S)),
+                       (names.ADAPTERS_KV, dict(history=16))):
         try:
             await js.key_value(bucket)
         except (NotFoundError, BadRequestError):

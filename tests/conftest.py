@@ -42,6 +42,7 @@ async def reset_resources(nc) -> None:
     """Each test starts from empty jetlora streams and buckets on the shared server."""
     js = nc.jetstream()
     for stream in (names.JOBS_STREAM, names.kv(names.JOBS_KV).stream, names.kv(names.LEASE_KV).stream,
+                   names.kv(names.ADAPTERS_KV).stream,
                    names.objects(names.ARTIFACTS_BUCKET).stream, names.objects(names.DATASETS_BUCKET).stream):
         try:
             await js.delete_stream(stream)
@@ -117,12 +118,15 @@ STACK_CONFIG = SchedulerConfig(heartbeat_interval=0.25, misses=3, assign_timeout
 
 @pytest.fixture
 async def stack(services):
-    """A scheduler (STACK_CONFIG: heartbeats every 0.25 s, 3 missed mean gone) and an artifact service, in-process."""
+    """A scheduler (STACK_CONFIG: heartbeats every 0.25 s, 3 missed mean gone), an artifact service and the adapter
+    registry, in-process."""
     from services.artifacts.service import ArtifactService
+    from services.registry.service import RegistryService
     from services.scheduler.service import Scheduler
 
     sched, *_ = await services.start(lambda c: Scheduler(c, STACK_CONFIG))
     await services.start(lambda c: ArtifactService(c))
+    await services.start(lambda c: RegistryService(c))
     await asyncio.wait_for(sched.leading.wait(), 10)
     return sched
 

@@ -23,6 +23,8 @@ from services.aio import cancel_and_wait, sleep_unless_stopped
 from services.bus import publish_durably
 from services.agent.datasets import DatasetCache, DatasetUnavailable, LocalDataset
 from services.agent.devices import DeviceProbe
+from services.agent.engines import Engine
+from services.agent.rollout import Rollout
 from services.agent.runner import DEFAULT_TRAINER, TrainerRun
 from services.agent.shipping import fetch_checkpoint, ship_checkpoint, ship_results
 from services.artifacts.sender import UploadError
@@ -43,6 +45,7 @@ class AgentConfig:
     trainer_command: list[str] = field(default_factory=lambda: list(DEFAULT_TRAINER))
     keep_job_dirs: bool = False
     dataset_cache_mib: int = 20480  # datasets (and their tokenized copies) kept for the next job
+    engines: list[Engine] = field(default_factory=list)  # serving engines here: they load the registry's adapters
 
 
 @dataclass
@@ -91,7 +94,9 @@ class Agent:
         await self.nc.flush()
         log.info("agent %s up with %d device(s)", self.cfg.node, len(self.devices))
         beat = asyncio.create_task(self._heartbeats(stop))
+        rollout = asyncio.create_task(Rollout(self.nc, self.cfg.node, self.cfg.engines, self.cfg.work_dir).run(stop))
         await stop.wait()
+        await cancel_and_wait([rollout])
         await self._shutdown(subs, beat)
 
     async def _shutdown(self, subs, beat: asyncio.Task) -> None:

@@ -11,6 +11,7 @@ from pathlib import Path
 
 from services import bus
 from services.bus import BusOptions
+from services.cli.adapters import cmd_adapters
 from services.cli.artifacts import cmd_artifacts
 from services.cli.client import EXIT_OK
 from services.cli.datasets import cmd_datasets
@@ -70,6 +71,15 @@ def parser() -> argparse.ArgumentParser:
         p.add_argument("--simulate-gpus", help="report simulated GPUs of these MiB, e.g. 24576,24576 (tests)")
         p.add_argument("--trainer-command", help="the trainer to run (default: this Python's `-m trainer`); "
                                                   "an engine's Python goes here, e.g. '/opt/vllm/bin/python -m trainer'")
+        p.add_argument("--engine", action="append", default=[e for e in os.environ.get("JETLORA_ENGINES", "").split(";") if e],
+                       help="a serving engine here, which loads the registry's adapters of its model: vllm=URL, "
+                            "vllm-dir=DIR[,URL] (vLLM's filesystem resolver) or llamacpp=DIR[,URL] (repeat; env "
+                            "JETLORA_ENGINES, ';' between)")
+        p.add_argument("--engine-model", action="append", default=[m for m in os.environ.get("JETLORA_ENGINE_MODELS", "").split(";") if m],
+                       help="the base model (catalog name) each --engine serves, in the same order (one: all)")
+        p.add_argument("--engine-max-rank", type=int, default=64, help="the largest LoRA rank the engines take")
+        p.add_argument("--engine-restart", default="", help="llama.cpp: a command that restarts llama-server with the "
+                                                            "placed adapters ($JETLORA_ADAPTER_PATH)")
         p.add_argument("--dataset-cache-mib", type=int, default=20480,
                        help="disk kept for datasets and their tokenized copies, least recently used evicted first")
 
@@ -190,6 +200,25 @@ def parser() -> argparse.ArgumentParser:
         if verb == "get":
             d.add_argument("-o", "--output", required=True)
     p.set_defaults(fn=cmd_datasets)
+    p = sub.add_parser("adapters", help="the adapter registry: ls / show / register / promote / rollback / retire")
+    BusOptions.add_arguments(p)
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    rsub = p.add_subparsers(dest="action", required=True)
+    for verb, help_ in (("ls", "adapters, their versions and what each node loaded"), ("show", "one adapter"),
+                        ("register", "a succeeded job's adapter as NAME's next version"),
+                        ("promote", "NAME@N becomes what NAME serves"), ("rollback", "NAME serves its version before"),
+                        ("retire", "NAME serves nothing; engines unload it")):
+        r = rsub.add_parser(verb, help=help_)
+        BusOptions.add_arguments(r, repeated=True)
+        r.add_argument("--json", action="store_true", default=argparse.SUPPRESS)
+        if verb == "ls":
+            r.add_argument("--base-model")
+        else:
+            r.add_argument("name", help="NAME@N" if verb == "promote" else "NAME")
+        if verb == "register":
+            r.add_argument("job")
+            r.add_argument("--promote", action="store_true")
+    p.set_defaults(fn=cmd_adapters)
     p = sub.add_parser("demo", help="train a LoRA on a small local model end to end, on this machine")
     p.add_argument("--out", default="demo-out", help="where the model and the downloaded artifacts go")
     p.add_argument("--steps", type=int, default=300)

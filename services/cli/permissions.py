@@ -13,6 +13,7 @@ from schemas import names
 
 JOBS, OBJ = names.JOBS_STREAM, names.objects(names.ARTIFACTS_BUCKET).stream
 DATA = names.objects(names.DATASETS_BUCKET).stream
+ADAPTERS = names.kv(names.ADAPTERS_KV)
 
 
 def _read_stream(stream: str) -> list[str]:
@@ -33,16 +34,17 @@ def roles(nodes: list[str], tenants: list[str] = ()) -> dict[str, dict]:
     watch = _read_stream(JOBS)
     users = {
         "scheduler": {"publish": [names.node("*").assign, names.node("*").control, names.JS_API_ALL, names.kv(names.JOBS_KV).subjects,
-                                  names.kv(names.LEASE_KV).subjects, names.js_acks(JOBS), names.INBOX_ALL,
-                                  names.SERVICE_DISCOVERY_ALL],
-                      "subscribe": [names.API_GROUP + ".>", names.HEARTBEATS_ALL, names.JOB_PROGRESS_ALL, names.INBOX_ALL,
-                                    names.SERVICE_DISCOVERY_ALL]},
+                                  names.kv(names.LEASE_KV).subjects, ADAPTERS.subjects, names.js_acks(JOBS),
+                                  names.INBOX_ALL, names.SERVICE_DISCOVERY_ALL],
+                      "subscribe": [names.API_GROUP + ".>", names.ADAPTERS_GROUP + ".>", names.HEARTBEATS_ALL,
+                                    names.JOB_PROGRESS_ALL, names.INBOX_ALL, names.SERVICE_DISCOVERY_ALL]},
         "artifacts": {"publish": [names.objects(names.ARTIFACTS_BUCKET).subjects, names.objects(names.DATASETS_BUCKET).subjects,
                                   names.JS_API_ALL, names.INBOX_ALL, names.SERVICE_DISCOVERY_ALL],
                       "subscribe": [names.ARTIFACTS_GROUP + ".>", names.DATASETS_GROUP + ".>", names.INBOX_ALL,
                                     names.SERVICE_DISCOVERY_ALL]},
-        "submitter": {"publish": api + watch + datasets, "subscribe": [names.INBOX_ALL]},
-        "operator": {"publish": api + watch + datasets + [names.DATASETS.delete, names.node("*").reclaim]
+        "submitter": {"publish": api + watch + datasets + [names.ADAPTERS.list, names.ADAPTERS.show],
+                      "subscribe": [names.INBOX_ALL]},
+        "operator": {"publish": api + watch + datasets + list(names.ADAPTERS) + [names.DATASETS.delete, names.node("*").reclaim]
                      + [names.ARTIFACTS_LIST, names.ARTIFACTS_DELETE] + _object_read()
                      + [names.js_api("STREAM", "PURGE", OBJ), names.objects(names.ARTIFACTS_BUCKET).subjects],
                      "subscribe": [names.INBOX_ALL, names.HEARTBEATS_ALL]},
@@ -59,7 +61,9 @@ def roles(nodes: list[str], tenants: list[str] = ()) -> dict[str, dict]:
             "publish": [names.node(node).heartbeat, names.job("*", node).state, names.job("*", node).progress,
                         names.job("*", node).preparing, names.job("*", node).samples, names.ARTIFACTS_UPLOAD_ALL,
                         names.js_api("INFO"), names.js_api("STREAM", "INFO", JOBS)]
-                       + _object_read() + _read_stream(DATA),  # checkpoints to resume, datasets to train on
+                       + [f"{ADAPTERS.prefix}node.*.{node}", names.adapter_status(node)]  # what its engines loaded
+                       + _object_read() + _read_stream(DATA) + _read_stream(ADAPTERS.stream),  # checkpoints,
+                       # datasets to train on, the registry to follow
             "subscribe": [names.node(node).assign, names.node(node).control, names.node(node).reclaim,
                           names.INBOX_ALL]}
     return users

@@ -34,16 +34,35 @@ def _agent_config(args):
 
     cfg = AgentConfig(node=args.node, work_dir=Path(args.work_dir or state_dir() / "agent" / args.node),
                       heartbeat_interval=args.heartbeat_interval, offer_cpu=args.offer_cpu,
-                      simulate_gpus=args.simulate_gpus, dataset_cache_mib=args.dataset_cache_mib)
+                      simulate_gpus=args.simulate_gpus, dataset_cache_mib=args.dataset_cache_mib,
+                      engines=_engines(args))
     if args.trainer_command:
         cfg.trainer_command = shlex.split(args.trainer_command)
     return cfg
 
 
+def _engines(args) -> list:
+    from services.agent.engines import Engine
+
+    models = args.engine_model
+    if args.engine and len(models) not in (1, len(args.engine)):
+        raise StartupError(f"{len(args.engine)} --engine but {len(models)} --engine-model: give one model for all, "
+                           "or one per engine in the same order")
+    try:
+        return [Engine.parse(spec, models[0] if len(models) == 1 else models[i], args.engine_max_rank, args.engine_restart)
+                for i, spec in enumerate(args.engine)]
+    except ValueError as e:
+        raise StartupError(str(e)) from None
+
+
 async def run_scheduler(nc, stop, args) -> None:
+    """The scheduler, and beside it the adapter registry's endpoints."""
+    from services.registry.service import RegistryService
     from services.scheduler.service import Scheduler
 
-    await Scheduler(nc, _scheduler_config(args)).run(stop)
+    async with asyncio.TaskGroup() as tg:
+        tg.create_task(Scheduler(nc, _scheduler_config(args)).run(stop))
+        tg.create_task(RegistryService(nc).run(stop))
 
 
 async def run_agent(nc, stop, args) -> None:

@@ -159,7 +159,8 @@ class SchedulerApi(SchedulerPausing):
         where = f"node {req.node}" if req.node else "any known node"
         if best is None:
             kind = {"gpu": "a GPU", "cpu": "an offered CPU", "any": "a device"}[req.accelerator]
-            return [FieldError("accelerator", f"{where} has no {kind}; choose another accelerator or node")]
+            lack = f"node {req.node} has no {kind}" if req.node else f"no known node has {kind}"
+            return [FieldError("accelerator", f"{lack}; choose another accelerator or node")]
         node, dev = best
         if dev.total_mib < req.gpu_mib:
             return [FieldError("gpu_mib", f"{req.gpu_mib} MiB is more than {where} has: the largest is {node} device "

@@ -14,6 +14,7 @@ from nats.aio.client import Client
 from schemas.jobs import ACTIVE_STATES, JobId, JobRequest, JobState, JobStatus, NodeId, StoredRequest
 from services.scheduler.placement import Fleet, SlotKey
 from services.scheduler.queue import JobQueue
+from services.registry.store import AdapterRegistry
 from services.scheduler.store import Conflict, JobStore
 
 log = logging.getLogger(__name__)
@@ -85,6 +86,7 @@ class SchedulerCore:
     """The scheduler's state: its jobs, queue and fleet, and the writes that change a job."""
 
     store: JobStore
+    adapters: AdapterRegistry
 
     def __init__(self, nc: Client, config: SchedulerConfig | None = None) -> None:
         self.nc, self.js = nc, nc.jetstream()

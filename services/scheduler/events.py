@@ -14,6 +14,7 @@ from schemas.events import Progress, StateChange
 from schemas.jobs import ACTIVE_STATES, TERMINAL_STATES, JobStatus
 from services.aio import sleep_unless_stopped
 from schemas.artifacts import KEEP_CHECKPOINTS
+from services.registry.service import register_job
 from services.scheduler.core import Job
 from services.scheduler.pausing import SchedulerPausing
 
@@ -107,5 +108,19 @@ class SchedulerEvents(SchedulerPausing):
             changes.update(checkpoint=ev.checkpoint.name, checkpoints=kept[-KEEP_CHECKPOINTS:])
         if ev.state == "paused":
             changes["paused_by"] = ev.paused_by or "user"
-        if await self._set_state(job, ev.state, ev.message, when=current, **changes) and ev.state == "paused":
+        written = await self._set_state(job, ev.state, ev.message, when=current, **changes)
+        if written and ev.state == "paused":
             self._paused(job)
+        if written and ev.state == "succeeded" and (spec := job.stored.request.register) is not None:
+            self._spawn(self._register(job, spec))
+
+    async def _register(self, job: Job, spec) -> None:
+        """A job that asked to be registered: its adapter becomes the next version of its name (promoted if asked);
+        the job's message says how that went."""
+        try:
+            version = await register_job(self.store, self.adapters, spec.name, job.id, spec.promote)
+            note = f"registered as {spec.name}@{version.version}" + (" and promoted" if spec.promote else "")
+        except Exception as e:
+            log.warning("job %s: registering its adapter as %s failed: %s", job.id, spec.name, e)
+            note = f"not registered as {spec.name}: {e}"
+        await self._set_state(job, job.status.state, f"{job.status.message}; {note}")

@@ -13,6 +13,7 @@ from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 from schemas import names
 from services import __version__
 from services.aio import cancel_and_wait, sleep_unless_stopped
+from services.registry.store import AdapterRegistry
 from services.scheduler.api import SchedulerApi
 from services.scheduler.assign import SchedulerAssign
 from services.scheduler.core import SchedulerConfig  # noqa: F401  (callers build configs from here)
@@ -36,6 +37,7 @@ class Scheduler(SchedulerApi, SchedulerAssign, SchedulerEvents, SchedulerLivenes
 
     async def run(self, stop: asyncio.Event) -> None:
         self.store = JobStore(self.js, await self.js.key_value(names.JOBS_KV))
+        self.adapters = AdapterRegistry(await self.js.key_value(names.ADAPTERS_KV))
         self.idempotency = IdempotencyKeys(self.store, self.cfg.idempotency_window_s)
         lease = Lease(await self.js.key_value(names.LEASE_KV), self.holder)
         while not stop.is_set():

@@ -1,0 +1,114 @@
+"""The adapter registry: versions of trained adapters, aliases that point at one of them, and what each node's
+serving engines have loaded. Kept in a KV bucket (names.ADAPTERS_KV); agents watch it and converge to it."""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from msgspec import Meta, Struct, field
+
+from schemas.jobs import JobId, NodeId
+
+AdapterName = Annotated[NodeId, Meta(description="what requests to the engine call it (`\"model\": NAME`)")]
+Version = Annotated[int, Meta(ge=1)]
+
+
+class StoredFile(Struct, kw_only=True):
+    """An artifact an adapter version is made of, as the object store holds it."""
+
+    name: str
+    sha256: str
+    size: int
+
+
+class AdapterVersion(Struct, kw_only=True):
+    """NAME@N: written once, never overwritten."""
+
+    name: AdapterName
+    version: Version
+    job: JobId
+    base_model: str  # the catalog name of the model it was trained on: the engines serving that model load it
+    peft: StoredFile  # tar.gz of the PEFT adapter directory (vLLM)
+    gguf: StoredFile | None = None  # the GGUF LoRA (llama.cpp), when the job made one
+    r: int
+    alpha: float
+    target_modules: list[str]
+    final_loss: float | None = None
+    eval_loss: float | None = None
+    created: float = 0.0
+
+
+class Alias(Struct, kw_only=True):
+    """NAME: the version served now, the versions it pointed at before (newest last), the latest registered."""
+
+    name: AdapterName
+    current: int | None = None
+    history: list[int] = field(default_factory=list)
+    latest: int = 0
+    retired: bool = False
+    updated: float = 0.0
+
+
+class Smoke(Struct, kw_only=True):
+    """A completion through the engine with the adapter's name, right after loading it."""
+
+    latency_ms: float
+    text: str
+
+
+NodeState = Literal["loading", "loaded", "needs-restart", "failed", "unloaded"]
+
+
+class NodeAdapterStatus(Struct, kw_only=True):
+    """What one engine of one node did with an adapter (published by its agent, kept in the registry)."""
+
+    name: AdapterName
+    version: int
+    node: NodeId
+    engine: str  # e.g. "vllm http://127.0.0.1:8000"
+    state: NodeState
+    message: str = ""
+    smoke: Smoke | None = None
+    updated: float = 0.0
+
+
+# --- requests -------------------------------------------------------------------------------------
+class RegisterRequest(Struct, forbid_unknown_fields=True, kw_only=True):
+    """Register a succeeded job's artifacts as the next version of NAME (and promote it, if asked)."""
+
+    name: AdapterName
+    job: JobId
+    promote: bool = False
+
+
+class PromoteRequest(Struct, forbid_unknown_fields=True, kw_only=True):
+    name: AdapterName
+    version: Version
+    expect: Annotated[int, Meta(ge=0, description=(
+        "the version the caller saw as current (0: none); the promote is refused if the alias moved since, so of "
+        "concurrent promotes from one state exactly one wins"))] | None = None
+
+
+class AliasRequest(Struct, forbid_unknown_fields=True, kw_only=True):
+    """Rollback (to the version before) or retire (serve none, engines unload it) NAME."""
+
+    name: AdapterName
+    expect: Annotated[int, Meta(ge=0)] | None = None
+
+
+class AdapterQuery(Struct, forbid_unknown_fields=True, kw_only=True):
+    name: AdapterName
+
+
+class AdapterListQuery(Struct, forbid_unknown_fields=True, kw_only=True):
+    base_model: str | None = None
+
+
+class AdapterReply(Struct, tag="adapter", tag_field="type", kw_only=True):
+    alias: Alias
+    versions: list[AdapterVersion]
+    nodes: list[NodeAdapterStatus]
+
+
+class AdapterList(Struct, tag="adapters", tag_field="type", kw_only=True):
+    adapters: list[AdapterReply]

@@ -1,0 +1,61 @@
+"""Client commands for the adapter registry: ls, show, register, promote, rollback, retire."""
+
+from __future__ import annotations
+
+from schemas import names
+from schemas.registry import (AdapterList, AdapterListQuery, AdapterQuery, AdapterReply, AliasRequest, PromoteRequest,
+                              RegisterRequest)
+from services.cli.client import EXIT_OK, CommandFailed, ask, run_client, show
+
+
+def split_version(text: str) -> tuple[str, int | None]:
+    """NAME@N -> (NAME, N); NAME -> (NAME, None)."""
+    name, _, version = text.partition("@")
+    if version and not version.isdigit():
+        raise CommandFailed(f"{text}: write NAME@N, N a version number")
+    return name, int(version) if version else None
+
+
+def describe(r: AdapterReply) -> list[str]:
+    a = r.alias
+    serving = "retired" if a.retired else (f"serves {a.name}@{a.current}" if a.current else "serves no version yet")
+    lines = [f"{a.name}: {serving}; versions 1-{a.latest}" + (f"; before: {', '.join(map(str, a.history))}"
+                                                              if a.history else "")]
+    for v in r.versions:
+        mark = "*" if v.version == a.current else " "
+        loss = "" if v.final_loss is None else f" loss {v.final_loss:.4f}"
+        loss += "" if v.eval_loss is None else f" eval {v.eval_loss:.4f}"
+        lines.append(f" {mark} @{v.version}  job {v.job}  {v.base_model}  r={v.r} alpha={v.alpha}{loss}  "
+                     f"peft {v.peft.sha256[:12]}" + (f"  gguf {v.gguf.sha256[:12]}" if v.gguf else ""))
+    for n in r.nodes:
+        smoke = f"  ({n.smoke.latency_ms:.0f} ms: {n.smoke.text.strip()[:40]!r})" if n.smoke else ""
+        lines.append(f"   node {n.node} [{n.engine}]: @{n.version} {n.state}  {n.message}{smoke}")
+    return lines
+
+
+def cmd_adapters(args) -> int:
+    async def go(nc):
+        if args.action == "ls":
+            reply = await ask(nc, names.ADAPTERS.list, AdapterListQuery(base_model=args.base_model), AdapterList)
+            show(reply, args.json, lambda r: [print("\n".join(describe(a))) for a in r.adapters])
+            return EXIT_OK
+        if args.action == "register":
+            reply = await ask(nc, names.ADAPTERS.register, RegisterRequest(name=args.name, job=args.job,
+                                                                           promote=args.promote), AdapterReply)
+        elif args.action == "show":
+            reply = await ask(nc, names.ADAPTERS.show, AdapterQuery(name=args.name), AdapterReply)
+        else:
+            name, version = split_version(args.name)
+            current = await ask(nc, names.ADAPTERS.show, AdapterQuery(name=name), AdapterReply)
+            expect = current.alias.current or 0  # what this command saw: a change in between refuses it
+            if args.action == "promote":
+                if version is None:
+                    raise CommandFailed("say which version: jetlora adapters promote NAME@N")
+                request, subject = PromoteRequest(name=name, version=version, expect=expect), names.ADAPTERS.promote
+            else:
+                request, subject = AliasRequest(name=name, expect=expect), getattr(names.ADAPTERS, args.action)
+            reply = await ask(nc, subject, request, AdapterReply)
+        show(reply, args.json, lambda r: print("\n".join(describe(r))))
+        return EXIT_OK
+
+    return run_client(args, go)

@@ -1,0 +1,1 @@
+"""The adapter registry: versions, aliases with promote and rollback, and what the fleet's engines loaded."""

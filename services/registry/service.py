@@ -1,0 +1,127 @@
+"""The registry's request endpoints (jetlora.adapters.*) and the registration of a succeeded job's adapter."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import msgspec
+import nats.micro
+from nats.aio.client import Client
+
+from schemas import names
+from schemas.jobs import Error
+from schemas.registry import (AdapterList, AdapterListQuery, AdapterQuery, AdapterReply, AdapterVersion, Alias,
+                              AliasRequest, PromoteRequest, RegisterRequest, StoredFile)
+from services import __version__, bus
+from services.registry.store import AdapterRegistry, RegistryError
+from services.scheduler.store import JobStore
+
+log = logging.getLogger(__name__)
+
+
+async def register_job(jobs: JobStore, registry: AdapterRegistry, name: str, job_id: str,
+                       promote: bool = False) -> AdapterVersion:
+    """The job's stored artifacts as the next version of `name`; RegistryError says why not."""
+    found = await jobs.find(job_id)
+    if found is None:
+        raise RegistryError(f"no job {job_id}; `jetlora jobs` lists them")
+    stored, status, _ = found
+    if status is None or status.state != "succeeded":
+        raise RegistryError(f"job {job_id} is {status.state if status else 'queued'}; only a succeeded job's adapter "
+                            "is registered")
+    files = {a.kind: StoredFile(name=a.name, sha256=a.sha256, size=a.size) for a in status.artifacts}
+    if "peft" not in files:
+        raise RegistryError(f"job {job_id} stored no PEFT adapter; it cannot be registered")
+    req = stored.request
+    version = await registry.add_version(AdapterVersion(
+        name=name, version=1, job=job_id, base_model=req.model, peft=files["peft"], gguf=files.get("gguf"), r=req.lora.r,
+        alpha=req.lora.alpha, target_modules=list(req.lora.target_modules), final_loss=status.loss,
+        eval_loss=status.eval_loss))
+    if promote:
+        await registry.change_alias(name, lambda a: _promoted(a, version.version), expect=None)
+    log.info("registered %s@%d from job %s%s", name, version.version, job_id, " and promoted it" if promote else "")
+    return version
+
+
+def _promoted(alias: Alias, version: int) -> Alias:
+    history = alias.history + [alias.current] if alias.current is not None and alias.current != version else alias.history
+    return msgspec.structs.replace(alias, current=version, history=history, retired=False)
+
+
+def _rolled_back(alias: Alias) -> Alias:
+    if not alias.history:
+        raise RegistryError(f"{alias.name} has no earlier version to roll back to")
+    return msgspec.structs.replace(alias, current=alias.history[-1], history=alias.history[:-1], retired=False)
+
+
+def _retired(alias: Alias) -> Alias:
+    history = alias.history + [alias.current] if alias.current is not None else alias.history
+    return msgspec.structs.replace(alias, current=None, history=history, retired=True)
+
+
+class RegistryService:
+    """Answers jetlora.adapters.*. Any number may run: every change is a compare-and-set on the bucket."""
+
+    def __init__(self, nc: Client) -> None:
+        self.nc, self.js = nc, nc.jetstream()
+        self.ready = asyncio.Event()
+
+    async def run(self, stop: asyncio.Event) -> None:
+        self.registry = AdapterRegistry(await self.js.key_value(names.ADAPTERS_KV))
+        self.jobs = JobStore(self.js, await self.js.key_value(names.JOBS_KV))
+        service = await nats.micro.add_service(self.nc, name=names.ADAPTER_SERVICE, version=__version__,
+                                               description="jetlora adapter registry")
+        group = service.add_group(name=names.ADAPTERS_GROUP)
+        for verb, request_type, serve in (("register", RegisterRequest, self._register),
+                                          ("list", AdapterListQuery, self._list), ("show", AdapterQuery, self._show),
+                                          ("promote", PromoteRequest, self._promote),
+                                          ("rollback", AliasRequest, self._rollback),
+                                          ("retire", AliasRequest, self._retire)):
+            await group.add_endpoint(name=f"adapters-{verb}", subject=verb, handler=bus.handler(serve, request_type))
+        self.ready.set()
+        try:
+            await stop.wait()
+        finally:
+            await service.stop()
+
+    async def _reply(self, name: str) -> AdapterReply | Error:
+        alias, _ = await self.registry.alias(name)
+        if alias is None:
+            return Error(f"no adapter named {name}; `jetlora adapters ls` lists them", field="name")
+        return AdapterReply(alias=alias, versions=await self.registry.versions(name),
+                            nodes=await self.registry.node_statuses(name))
+
+    async def _register(self, q: RegisterRequest) -> AdapterReply | Error:
+        try:
+            await register_job(self.jobs, self.registry, q.name, q.job, q.promote)
+        except RegistryError as e:
+            return Error(str(e), field="job")
+        return await self._reply(q.name)
+
+    async def _list(self, q: AdapterListQuery) -> AdapterList:
+        out = [await self._reply(a.name) for a in await self.registry.aliases()]
+        return AdapterList([r for r in out if isinstance(r, AdapterReply) and (
+            q.base_model is None or any(v.base_model == q.base_model for v in r.versions))])
+
+    async def _show(self, q: AdapterQuery) -> AdapterReply | Error:
+        return await self._reply(q.name)
+
+    async def _change(self, name: str, change, expect: int | None) -> AdapterReply | Error:
+        try:
+            await self.registry.change_alias(name, change, expect)
+        except RegistryError as e:
+            return Error(str(e), field="name")
+        return await self._reply(name)
+
+    async def _promote(self, q: PromoteRequest) -> AdapterReply | Error:
+        if await self.registry.version(q.name, q.version) is None:
+            return Error(f"no version {q.name}@{q.version}; `jetlora adapters show {q.name}` lists its versions",
+                         field="version")
+        return await self._change(q.name, lambda a: _promoted(a, q.version), q.expect)
+
+    async def _rollback(self, q: AliasRequest) -> AdapterReply | Error:
+        return await self._change(q.name, _rolled_back, q.expect)
+
+    async def _retire(self, q: AliasRequest) -> AdapterReply | Error:
+        return await self._change(q.name, _retired, q.expect)

@@ -1,0 +1,40 @@
+"""An operator's restart command for a llama.cpp server (llama-cpp-python's OpenAI-compatible server), as a test
+uses it: end the server this pid file names, start it again with the base GGUF and, when the agent gives one,
+the adapter ($JETLORA_ADAPTER_PATH), and return once it answers.
+
+    python llama_server.py BASE.gguf PORT PIDFILE
+"""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+base, port, pid_file = sys.argv[1], sys.argv[2], Path(sys.argv[3])
+if pid_file.is_file():
+    try:
+        os.kill(int(pid_file.read_text()), signal.SIGTERM)
+        time.sleep(0.5)  # the port is free once it exits: the wait below checks the new one answers
+    except ProcessLookupError:
+        pass
+cmd = [sys.executable, "-m", "llama_cpp.server", "--model", base, "--port", port, "--host", "127.0.0.1",
+       "--n_ctx", "256", "--verbose", "false"]
+if os.environ.get("JETLORA_ADAPTER_PATH"):
+    cmd += ["--lora_path", os.environ["JETLORA_ADAPTER_PATH"]]
+server = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=open(f"{pid_file}.log", "ab"), start_new_session=True)
+pid_file.write_text(str(server.pid))
+deadline = time.monotonic() + 60
+while time.monotonic() < deadline:
+    if server.poll() is not None:
+        sys.exit(f"llama_cpp.server exited {server.returncode}; see {pid_file}.log")
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=1) as r:
+            json.load(r)
+            sys.exit(0)
+    except OSError:
+        time.sleep(0.2)
+sys.exit("llama_cpp.server did not answer within 60 s")

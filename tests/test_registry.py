@@ -1,0 +1,137 @@
+"""The adapter registry and its rollout (real nats-server, agents as processes): versions never overwritten,
+promote / rollback / retire flip what every node's engine serves, a late agent converges, a corrupted or
+unservable adapter is refused on every node with the reason."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+
+from schemas import names
+from schemas.jobs import Accepted, Error
+from schemas.registry import (AdapterQuery, AdapterReply, AdapterVersion, AliasRequest, PromoteRequest,
+                              RegisterRequest, StoredFile)
+from services import bus
+from services.registry.store import AdapterRegistry
+from tests.conftest import submit, wait_for, wait_nodes, wait_state
+from tests.qa import pairs
+
+
+async def trained(nc, **request) -> str:
+    """A job of the stand-in trainer that succeeded (its artifacts are in the store)."""
+    reply = await submit(nc, {"model": "tiny", "base_dir": "/models/tiny", "data": pairs(1), **request})
+    assert isinstance(reply, Accepted), reply
+    job = await wait_state(nc, reply.job, ("succeeded", "failed"), timeout=60)
+    assert job.state == "succeeded", job.message
+    return reply.job
+
+
+async def show(nc, name: str) -> AdapterReply:
+    return await bus.request(nc, names.ADAPTERS.show, AdapterQuery(name=name), AdapterReply)
+
+
+async def serving(nc, name: str, expected: dict[str, tuple[int, str]]) -> None:
+    """Until each node in `expected` reports (version, state) for the adapter."""
+    async def check():
+        reply = await bus.request(nc, names.ADAPTERS.show, AdapterQuery(name=name), AdapterReply | Error)
+        if isinstance(reply, Error):
+            return False
+        seen = {n.node: (n.version, n.state) for n in reply.nodes}
+        return all(seen.get(node) == want for node, want in expected.items())
+
+    await wait_for(check, timeout=60, what=f"{name} on {expected}")
+
+
+def engine(tmp_path, node: str, model: str = "tiny", *more: str) -> tuple[str, ...]:
+    return ("--engine", f"vllm-dir={tmp_path / ('engine-' + node)}", "--engine-model", model, *more)
+
+
+def placed(tmp_path, node: str, name: str):
+    path = tmp_path / f"engine-{node}" / name / "adapter_config.json"
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+async def test_promote_rollback_and_retire_flip_what_every_node_serves(stack, nc, agents, tmp_path):
+    agents.start("trainer", gpus="4096", hold_s=0.2)
+    await wait_nodes(nc, 1)  # the node with a GPU is known before any job is submitted
+    for node in ("a1", "a2"):
+        agents.start(node, gpus=None, extra=engine(tmp_path, node))
+    agents.start("other", gpus=None, extra=engine(tmp_path, "other", "another-model"))
+    await wait_nodes(nc, 1)
+    first = await trained(nc, register={"name": "support", "promote": True})
+    await serving(nc, "support", {"a1": (1, "loaded"), "a2": (1, "loaded")})
+    assert placed(tmp_path, "a1", "support") == {"r": 1} and placed(tmp_path, "other", "support") is None
+
+    second = await trained(nc)
+    reply = await bus.request(nc, names.ADAPTERS.register, RegisterRequest(name="support", job=second), AdapterReply)
+    assert [v.version for v in reply.versions] == [1, 2] and reply.alias.current == 1  # registered, not promoted
+    assert [v.job for v in reply.versions] == [first, second]
+    await bus.request(nc, names.ADAPTERS.promote, PromoteRequest(name="support", version=2, expect=1), AdapterReply)
+    await serving(nc, "support", {"a1": (2, "loaded"), "a2": (2, "loaded")})
+    agents.start("late", gpus=None, extra=engine(tmp_path, "late"))  # started after the promote: converges
+    await serving(nc, "support", {"late": (2, "loaded")})
+
+    back = await bus.request(nc, names.ADAPTERS.rollback, AliasRequest(name="support"), AdapterReply)
+    assert back.alias.current == 1 and back.alias.history == []
+    await serving(nc, "support", {"a1": (1, "loaded"), "a2": (1, "loaded"), "late": (1, "loaded")})
+    await bus.request(nc, names.ADAPTERS.retire, AliasRequest(name="support"), AdapterReply)
+    await serving(nc, "support", {"a1": (1, "unloaded"), "a2": (1, "unloaded"), "late": (1, "unloaded")})
+    assert all(placed(tmp_path, n, "support") is None for n in ("a1", "a2", "late"))
+    assert "other" not in {n.node for n in (await show(nc, "support")).nodes}  # not its base model
+
+    # an agent that restarts converges without loading anything twice
+    await bus.request(nc, names.ADAPTERS.promote, PromoteRequest(name="support", version=2), AdapterReply)
+    await serving(nc, "support", {"a1": (2, "loaded")})
+    def loads() -> int:
+        return sum(1 for line in agents.log("a1").splitlines() if "support@2 on" in line and ": loading" in line)
+
+    before = loads()
+    agents.terminate("a1")
+    agents.start("a1", gpus=None, extra=engine(tmp_path, "a1"))
+    await wait_for(lambda: agents.log("a1").count("support@2 is served by") == 1, timeout=30,
+                   what="the restarted agent to look at support@2")
+    assert loads() == before == 2 and placed(tmp_path, "a1", "support") == {"r": 1}
+
+
+async def test_versions_are_never_overwritten_and_concurrent_promotes_have_one_winner(stack, nc):
+    registry = AdapterRegistry(await nc.jetstream().key_value(names.ADAPTERS_KV))
+    file = StoredFile(name="j/peft", sha256="0" * 64, size=1)
+    draft = AdapterVersion(name="race", version=1, job="j", base_model="tiny", peft=file, r=8, alpha=16,
+                           target_modules=["q_proj"])
+    made = await asyncio.gather(*(registry.add_version(draft) for _ in range(8)))
+    assert sorted(v.version for v in made) == list(range(1, 9))  # concurrent registrations: each its own number
+    kv = await nc.jetstream().key_value(names.ADAPTERS_KV)
+    from nats.js.errors import KeyWrongLastSequenceError
+
+    with pytest.raises(KeyWrongLastSequenceError):  # a version key is created once, never written again
+        await kv.create(names.adapter_version_key("race", 3), b"{}")
+    promotes = [bus.request(nc, names.ADAPTERS.promote, PromoteRequest(name="race", version=v, expect=0),
+                            AdapterReply | Error) for v in range(1, 9)]
+    replies = await asyncio.gather(*promotes)
+    winners = [r for r in replies if isinstance(r, AdapterReply)]
+    assert len(winners) == 1 and all("another change came first" in r.error or "changed while" in r.error
+                                     for r in replies if isinstance(r, Error))
+    assert (await show(nc, "race")).alias.current == winners[0].alias.current
+
+
+async def test_a_corrupted_or_unservable_adapter_is_refused_on_every_node_with_the_reason(stack, nc, agents, tmp_path):
+    agents.start("trainer", gpus="4096", hold_s=0.2)
+    await wait_nodes(nc, 1)
+    agents.start("a1", gpus=None, extra=engine(tmp_path, "a1"))
+    agents.start("a2", gpus=None, extra=engine(tmp_path, "a2", "tiny", "--engine-max-rank", "8"))
+    await wait_nodes(nc, 1)
+    job = await trained(nc, lora={"r": 4}, register={"name": "broken"})
+    obs = await nc.jetstream().object_store(names.ARTIFACTS_BUCKET)
+    await obs.put(f"{job}/peft", b"not the adapter that was registered")  # the stored bytes no longer match
+    await bus.request(nc, names.ADAPTERS.promote, PromoteRequest(name="broken", version=1), AdapterReply)
+    await serving(nc, "broken", {"a1": (1, "failed"), "a2": (1, "failed")})
+    statuses = {n.node: n.message for n in (await show(nc, "broken")).nodes}
+    assert all("sha256" in m for m in statuses.values()), statuses
+    assert placed(tmp_path, "a1", "broken") is None
+
+    wide = await trained(nc, lora={"r": 16}, register={"name": "wide", "promote": True})
+    await serving(nc, "wide", {"a1": (1, "loaded"), "a2": (1, "failed")})
+    refusal = {n.node: n.message for n in (await show(nc, "wide")).nodes}["a2"]
+    assert "rank 16 is above this engine's max LoRA rank 8" in refusal, (wide, refusal)
