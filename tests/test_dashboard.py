@@ -7,6 +7,7 @@ import gzip
 import shutil
 import urllib.request
 
+import msgspec
 import pytest
 
 from schemas import names
@@ -14,6 +15,7 @@ from schemas.jobs import Accepted, JobQuery, JobReply
 from services import bus
 from services.artifacts.service import ArtifactService
 from services.dashboard.server import Dashboard
+from services.registry.service import RegistryService
 from services.scheduler.service import Scheduler, SchedulerConfig
 from tests.conftest import get_job, submit, wait_for, wait_state
 from tests.qa import pairs
@@ -27,6 +29,19 @@ FLAGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "-
 SAMPLE_PROMPT = "What is the capital of France?"
 
 
+async def promoted_with_a_node_status(nc) -> None:
+    from schemas.registry import AdapterVersion, NodeAdapterStatus, Smoke, StoredFile
+    from services.registry.store import AdapterRegistry
+
+    registry = AdapterRegistry(await nc.jetstream().key_value(names.ADAPTERS_KV))
+    await registry.add_version(AdapterVersion(name="capitals", version=1, job="j1", base_model="tiny", r=8, alpha=16,
+                                              peft=StoredFile(name="j1/peft", sha256="0" * 64, size=1),
+                                              target_modules=["q_proj"]))
+    await registry.change_alias("capitals", lambda a: msgspec.structs.replace(a, current=1), expect=None)
+    await registry.put_node_status(NodeAdapterStatus(name="capitals", version=1, node="edge-1", engine="vllm-dir /x",
+                                                     state="loaded", smoke=Smoke(latency_ms=12.0, text="Paris")))
+
+
 async def _stepped(nc, job_id: str, steps: int):
     return (await get_job(nc, job_id)).step >= steps
 
@@ -37,6 +52,8 @@ async def test_the_loss_curve_grows_while_the_job_trains(nc, services, agents, t
     sched, *_ = await services.start(lambda c: Scheduler(c, SchedulerConfig(heartbeat_interval=0.5)))
     await services.start(lambda c: ArtifactService(c))
     dash, *_ = await services.start(lambda c: Dashboard(c, nats_server.ws_url, port=0))
+    await services.start(lambda c: RegistryService(c))
+    await promoted_with_a_node_status(nc)
     await asyncio.wait_for(sched.leading.wait(), 10)
     await asyncio.wait_for(dash.ready.wait(), 10)
     agents.start("cpu-node", gpus=None, offer_cpu=True, trainer=None, interval=0.5)
@@ -82,6 +99,9 @@ async def test_the_loss_curve_grows_while_the_job_trains(nc, services, agents, t
         rows = await page.evaluate("[...document.querySelectorAll('#samples tr')].map(r => [...r.cells].map(c => c.textContent))")
         assert rows[0][:2] == ["prompt", "base model"] and rows[1][0] == SAMPLE_PROMPT
         assert rows[1][1] not in ("", "–") and rows[1][2] not in ("", "–")
+        # the registry: what each adapter serves and what every node's engine did with it
+        await page.wait_for_function("document.querySelector('#adapters').textContent.includes('edge-1: @1 loaded')",
+                                     timeout=10_000)
         await browser.close()
     await bus.request(nc, names.CANCEL, JobQuery(job), JobReply)
     await wait_state(nc, job, "cancelled", timeout=20)

@@ -6,16 +6,18 @@ from __future__ import annotations
 
 import asyncio
 import json
+import subprocess
+import sys
 
 import pytest
 
 from schemas import names
 from schemas.jobs import Accepted, Error
-from schemas.registry import (AdapterQuery, AdapterReply, AdapterVersion, AliasRequest, PromoteRequest,
+from schemas.registry import (AdapterList, AdapterListQuery, AdapterQuery, AdapterReply, AdapterVersion, AliasRequest, PromoteRequest,
                               RegisterRequest, StoredFile)
 from services import bus
 from services.registry.store import AdapterRegistry
-from tests.conftest import submit, wait_for, wait_nodes, wait_state
+from tests.conftest import ROOT, submit, wait_for, wait_nodes, wait_state
 from tests.qa import pairs
 
 
@@ -53,7 +55,7 @@ def placed(tmp_path, node: str, name: str):
     return json.loads(path.read_text()) if path.is_file() else None
 
 
-async def test_promote_rollback_and_retire_flip_what_every_node_serves(stack, nc, agents, tmp_path):
+async def test_promote_rollback_and_retire_flip_what_every_node_serves(stack, nc, agents, tmp_path, nats_server):
     agents.start("trainer", gpus="4096", hold_s=0.2)
     await wait_nodes(nc, 1)  # the node with a GPU is known before any job is submitted
     for node in ("a1", "a2"):
@@ -72,11 +74,21 @@ async def test_promote_rollback_and_retire_flip_what_every_node_serves(stack, nc
     await serving(nc, "support", {"a1": (2, "loaded"), "a2": (2, "loaded")})
     agents.start("late", gpus=None, extra=engine(tmp_path, "late"))  # started after the promote: converges
     await serving(nc, "support", {"late": (2, "loaded")})
+    listed = await bus.request(nc, names.ADAPTERS.list, AdapterListQuery(base_model="tiny"), AdapterList)
+    assert [a.alias.name for a in listed.adapters] == ["support"]
+    assert (await bus.request(nc, names.ADAPTERS.list, AdapterListQuery(base_model="x"), AdapterList)).adapters == []
+    shown = await asyncio.to_thread(subprocess.run, [sys.executable, "-m", "services.cli", "adapters", "show", "support",
+                                                     "--nats", nats_server.url], cwd=ROOT, capture_output=True, text=True)
+    assert shown.stdout.startswith("support: serves support@2; versions 1-2; before: 1"), shown.stdout + shown.stderr
+    assert "node late [vllm-dir" in shown.stdout and "@2 loaded" in shown.stdout
 
     back = await bus.request(nc, names.ADAPTERS.rollback, AliasRequest(name="support"), AdapterReply)
     assert back.alias.current == 1 and back.alias.history == []
     await serving(nc, "support", {"a1": (1, "loaded"), "a2": (1, "loaded"), "late": (1, "loaded")})
-    await bus.request(nc, names.ADAPTERS.retire, AliasRequest(name="support"), AdapterReply)
+    retired = await asyncio.to_thread(subprocess.run, [sys.executable, "-m", "services.cli", "adapters", "retire",
+                                                       "support", "--nats", nats_server.url], cwd=ROOT,
+                                      capture_output=True, text=True)
+    assert retired.returncode == 0 and retired.stdout.startswith("support: retired"), retired.stdout + retired.stderr
     await serving(nc, "support", {"a1": (1, "unloaded"), "a2": (1, "unloaded"), "late": (1, "unloaded")})
     assert all(placed(tmp_path, n, "support") is None for n in ("a1", "a2", "late"))
     assert "other" not in {n.node for n in (await show(nc, "support")).nodes}  # not its base model

@@ -48,7 +48,8 @@ def roles(nodes: list[str], tenants: list[str] = ()) -> dict[str, dict]:
                      + [names.ARTIFACTS_LIST, names.ARTIFACTS_DELETE] + _object_read()
                      + [names.js_api("STREAM", "PURGE", OBJ), names.objects(names.ARTIFACTS_BUCKET).subjects],
                      "subscribe": [names.INBOX_ALL, names.HEARTBEATS_ALL]},
-        "dashboard": {"publish": [names.LIST_JOBS, names.LIST_NODES, names.ARTIFACTS_LIST] + watch + _object_read(),
+        "dashboard": {"publish": [names.LIST_JOBS, names.LIST_NODES, names.ARTIFACTS_LIST, names.ADAPTERS.list] + watch
+                      + _object_read(),
                       "subscribe": [names.INBOX_ALL, names.HEARTBEATS_ALL]},
     }
     for tenant in tenants:  # its own verbs only: it sees, cancels and stops its own jobs

@@ -101,7 +101,7 @@ class RegistryService:
 
     async def _list(self, q: AdapterListQuery) -> AdapterList:
         out = [await self._reply(a.name) for a in await self.registry.aliases()]
-        return AdapterList([r for r in out if isinstance(r, AdapterReply) and (
+        return AdapterList(adapters=[r for r in out if isinstance(r, AdapterReply) and (
             q.base_model is None or any(v.base_model == q.base_model for v in r.versions))])
 
     async def _show(self, q: AdapterQuery) -> AdapterReply | Error:

@@ -40,6 +40,16 @@ async function main() {
   };
   await refreshJobs();
   setInterval(refreshJobs, 2000);
+  const refreshAdapters = async () => {
+    try {
+      const reply = await nc.request(config.subjects.list_adapters, enc.encode("{}"), { timeout: 3000 });
+      renderAdapters(reply.json().adapters || []);
+    } catch (e) {
+      $("adapters").innerHTML = `<tr><td colspan="4">adapter registry: ${escape(e.message)}</td></tr>`;
+    }
+  };
+  await refreshAdapters();
+  setInterval(refreshAdapters, 2000);
   const wanted = new URLSearchParams(location.search).get("job");
   if (wanted) select(config, nc, js, wanted);
 }
@@ -67,6 +77,14 @@ function renderJobs(config, nc, js) {
   }
   const job = state.jobs.find((j) => j.id === state.selected);
   if (job) renderArtifacts(job);
+}
+
+function renderAdapters(adapters) {
+  $("adapters").innerHTML = adapters.map(({ alias, versions, nodes }) =>
+    `<tr><td>${escape(alias.name)}</td><td>${alias.retired ? "retired" : alias.current ? "@" + alias.current : "–"}</td>` +
+    `<td>${versions.length}</td><td>${nodes.map((n) => escape(`${n.node}: @${n.version} ${n.state}` +
+      (n.smoke ? ` (${Math.round(n.smoke.latency_ms)} ms)` : ""))).join("<br>")}</td></tr>`).join("") ||
+    `<tr><td colspan="4">none registered</td></tr>`;
 }
 
 function renderArtifacts(job) {
