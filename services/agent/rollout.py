@@ -34,6 +34,8 @@ class Rollout:
         # engine label -> adapter name -> [version, sha256] of what that engine serves under the name
         self.loaded: dict[str, dict[str, list]] = json.loads(self.state_file.read_text()) if self.state_file.is_file() else {}
         self.locks: dict[str, asyncio.Lock] = {}
+        self.ready = asyncio.Event()  # the aliases there were at start are converged to
+        self.versions: dict[tuple[str, int], AdapterVersion] = {}  # versions never change: read each once
 
     async def run(self, stop: asyncio.Event) -> None:
         if not self.engines:
@@ -48,8 +50,11 @@ class Rollout:
                     entry = await watcher.updates(timeout=1.0)
                 except (asyncio.TimeoutError, TimeoutError):
                     continue
-                if entry is None or not entry.value:
-                    continue  # the end of the initial values, or a deleted key
+                if entry is None:  # the end of the initial values
+                    self.ready.set()
+                    continue
+                if not entry.value:
+                    continue  # a deleted key
                 await self.converge(_alias.decode(entry.value))
         finally:
             await watcher.stop()
@@ -58,7 +63,10 @@ class Rollout:
         """Each engine of this node serves alias.current under alias.name (or nothing, once retired)."""
         version = None
         if alias.current is not None and not alias.retired:
-            version = await self.registry.version(alias.name, alias.current)
+            key = (alias.name, alias.current)
+            version = self.versions.get(key) or await self.registry.version(*key)
+            if version is not None:
+                self.versions[key] = version
         async with self.locks.setdefault(alias.name, asyncio.Lock()):
             for engine in self.engines:
                 try:

@@ -1,0 +1,161 @@
+"""One promote reaching a fleet: 200 simulated serving nodes, each the real agent's rollout logic (watch the
+registry, fetch the artifact once, check its sha256, place it, report), with a vLLM filesystem-resolver engine
+(placing the directory is the load) in a temporary directory. Measured against one node alone in the same run,
+rounds alternating; each round promotes the other of two versions.
+
+    .venv/bin/python bench/rollout.py [--nodes 200] [--rounds 4] [--artifact-mib 4]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import io
+import os
+import statistics
+import sys
+import tarfile
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import msgspec  # noqa: E402
+import nats  # noqa: E402
+
+from schemas import names  # noqa: E402
+from schemas.registry import AdapterVersion, NodeAdapterStatus, PromoteRequest, StoredFile  # noqa: E402
+from services import bus  # noqa: E402
+from services.agent.engines import Engine  # noqa: E402
+from services.agent.rollout import Rollout  # noqa: E402
+from services.artifacts.sender import upload_file  # noqa: E402
+from services.artifacts.service import ArtifactService  # noqa: E402
+from services.embedded import EmbeddedNats  # noqa: E402
+from services.registry.service import RegistryService  # noqa: E402
+from services.registry.store import AdapterRegistry  # noqa: E402
+
+_status = msgspec.json.Decoder(NodeAdapterStatus)
+
+
+def pct(values, p):
+    values = sorted(values)
+    return values[min(len(values) - 1, int(len(values) * p / 100))]
+
+
+def adapter_tar(path: Path, mib: int) -> Path:
+    with tarfile.open(path, "w:gz", compresslevel=1) as tar:
+        for name, data in (("adapter_config.json", b'{"r": 16, "lora_alpha": 32}'),
+                           ("adapter_model.safetensors", os.urandom(mib * 2**20))):
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    return path
+
+
+class Nodes:
+    """n simulated serving nodes: a connection and a Rollout each."""
+
+    def __init__(self, url: str, prefix: str, n: int, tmp: Path) -> None:
+        self.url, self.names, self.tmp = url, [f"{prefix}{i:03d}" for i in range(n)], tmp
+        self.adapter = self.model = prefix  # each side its own base model: neither loads the other's adapter
+        self.loaded: dict[str, float] = {}
+
+    async def start(self, stop: asyncio.Event) -> None:
+        self.conns, self.rollouts = [], []
+        for node in self.names:
+            nc = await nats.connect(self.url)
+            engine = Engine("vllm-dir", self.model, directory=self.tmp / node / "engine")
+            self.conns.append(nc)
+            self.rollouts.append(Rollout(nc, node, [engine], self.tmp / node))
+        self.tasks = [asyncio.create_task(r.run(stop)) for r in self.rollouts]
+        await asyncio.gather(*(r.ready.wait() for r in self.rollouts))
+
+    def fetched_bytes(self) -> int:
+        return sum(p.stat().st_size for node in self.names for p in (self.tmp / node / "adapters").rglob("*")
+                   if p.is_file() and p.name != "loaded.json")
+
+
+async def promote_and_wait(nc, nodes: Nodes, version: int, listen) -> list[float]:
+    nodes.loaded.clear()
+    listen.target = (nodes, version)
+    t0 = time.monotonic()
+    await bus.request(nc, names.ADAPTERS.promote, PromoteRequest(name=nodes.adapter, version=version), msgspec.Raw)
+    while len(nodes.loaded) < len(nodes.names):
+        await asyncio.sleep(0.01)
+        if time.monotonic() - t0 > 120:
+            raise SystemExit(f"only {len(nodes.loaded)} of {len(nodes.names)} nodes loaded within 120 s")
+    return [t - t0 for t in nodes.loaded.values()]
+
+
+class Listener:
+    target: tuple[Nodes, int] | None = None
+
+    async def on_status(self, msg) -> None:
+        s = _status.decode(msg.data)
+        if (self.target and s.state == "loaded" and s.name == self.target[0].adapter and s.version == self.target[1]
+                and s.node in self.target[0].names):
+            self.target[0].loaded.setdefault(s.node, time.monotonic())
+
+
+async def main(args) -> None:
+    tmp = Path(tempfile.mkdtemp(prefix="jetlora-bench-rollout-"))
+    server = EmbeddedNats(store_dir=tmp / "nats", websocket=False).start()
+    stop = asyncio.Event()
+    try:
+        nc = await nats.connect(server.url)
+        await bus.ensure_resources(nc)
+        service_conns = [await nats.connect(server.url) for _ in range(2)]
+        services = [asyncio.create_task(ArtifactService(service_conns[0]).run(stop)),
+                    asyncio.create_task(RegistryService(service_conns[1]).run(stop))]
+        await asyncio.sleep(0.5)  # the services subscribe
+        registry = AdapterRegistry(await nc.jetstream().key_value(names.ADAPTERS_KV))
+        fleet, alone = Nodes(server.url, "node", args.nodes, tmp), Nodes(server.url, "solo", 1, tmp)
+        for side in (fleet, alone):
+            for v in (1, 2):
+                job = f"{side.adapter}{v}"
+                info = await upload_file(nc, job, "peft", adapter_tar(tmp / f"v{v}.tar.gz", args.artifact_mib))
+                await registry.add_version(AdapterVersion(
+                    name=side.adapter, version=v, job=job, base_model=side.model, r=16, alpha=32,
+                    target_modules=["q_proj", "v_proj"], peft=StoredFile(name=info.name, sha256=info.sha256,
+                                                                         size=info.size)))
+        listen = Listener()
+        await nc.subscribe(names.adapter_status(), cb=listen.on_status)
+        await fleet.start(stop)
+        await alone.start(stop)
+        size = (tmp / "v1.tar.gz").stat().st_size
+        print(f"{args.nodes} nodes, artifacts of {size / 2**20:.1f} MiB, {args.rounds} rounds")
+        fleet_p50, fleet_p99, solo = [], [], []
+        for r in range(args.rounds):
+            version = 1 + r % 2
+            for side in ((fleet, alone) if r % 2 == 0 else (alone, fleet)):
+                times = await promote_and_wait(nc, side, version, listen)
+                if side is fleet:
+                    fleet_p50.append(statistics.median(times))
+                    fleet_p99.append(pct(times, 99))
+                    kind = "fetching it" if r < 2 else "fetched before"
+                    print(f"  round {r + 1}: promote @{version} ({kind}): p50 {fleet_p50[-1] * 1000:.0f} ms, "
+                          f"p99 {fleet_p99[-1] * 1000:.0f} ms")
+                else:
+                    solo.append(times[0])
+        p99 = statistics.median(fleet_p99)
+        print(f"one node alone:  {statistics.median(solo) * 1000:7.0f} ms")
+        print(f"{args.nodes} nodes:      p50 {statistics.median(fleet_p50) * 1000:7.0f} ms   p99 {p99 * 1000:7.0f} ms "
+              f"(rounds {min(fleet_p99) * 1000:.0f}-{max(fleet_p99) * 1000:.0f} ms)   "
+              f"p99 / one node x{p99 / statistics.median(solo):.1f}")
+        fetched = fleet.fetched_bytes()
+        print(f"bytes fetched by the {args.nodes} nodes: {fetched / 2**20:,.0f} MiB = {fetched / size / args.nodes:.2f} "
+              f"x artifact size x nodes (both versions: each node fetches each version once)")
+    finally:
+        stop.set()
+        await asyncio.sleep(0.5)
+        server.stop()
+
+
+if __name__ == "__main__":
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--nodes", type=int, default=200)
+    ap.add_argument("--rounds", type=int, default=4)
+    ap.add_argument("--artifact-mib", type=int, default=4)
+    asyncio.run(main(ap.parse_args()))
