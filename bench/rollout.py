@@ -103,12 +103,13 @@ async def main(args) -> None:
     tmp = Path(tempfile.mkdtemp(prefix="jetlora-bench-rollout-"))
     server = EmbeddedNats(store_dir=tmp / "nats", websocket=False).start()
     stop = asyncio.Event()
+    tasks: list[asyncio.Task] = []
     try:
         nc = await nats.connect(server.url)
         await bus.ensure_resources(nc)
         service_conns = [await nats.connect(server.url) for _ in range(2)]
-        services = [asyncio.create_task(ArtifactService(service_conns[0]).run(stop)),
-                    asyncio.create_task(RegistryService(service_conns[1]).run(stop))]
+        tasks += [asyncio.create_task(ArtifactService(service_conns[0]).run(stop)),
+                  asyncio.create_task(RegistryService(service_conns[1]).run(stop))]
         await asyncio.sleep(0.5)  # the services subscribe
         registry = AdapterRegistry(await nc.jetstream().key_value(names.ADAPTERS_KV))
         fleet, alone = Nodes(server.url, "node", args.nodes, tmp), Nodes(server.url, "solo", 1, tmp)
@@ -124,6 +125,7 @@ async def main(args) -> None:
         await nc.subscribe(names.adapter_status(), cb=listen.on_status)
         await fleet.start(stop)
         await alone.start(stop)
+        tasks += fleet.tasks + alone.tasks
         size = (tmp / "v1.tar.gz").stat().st_size
         print(f"{args.nodes} nodes, artifacts of {size / 2**20:.1f} MiB, {args.rounds} rounds")
         fleet_p50, fleet_p99, solo = [], [], []
@@ -149,7 +151,7 @@ async def main(args) -> None:
               f"x artifact size x nodes (both versions: each node fetches each version once)")
     finally:
         stop.set()
-        await asyncio.sleep(0.5)
+        await asyncio.gather(*tasks, return_exceptions=True)
         server.stop()
 
 
