@@ -1,12 +1,14 @@
 """A real engine: a trained adapter goes live in a llama.cpp server (llama-cpp-python's OpenAI-compatible server)
-through the registry. The agent places the GGUF and runs the operator's restart command, because llama-server
-opens adapter files only at start; its smoke completion then differs from the base model's.
+through the registry. The agent starts the server with the base GGUF (through the operator's restart command),
+then places the adapter's GGUF and runs that command again, because llama-server opens adapter files only at
+start; the completion then differs from the base model's.
 
 Needs `pip install -e .[llamacpp]` (llama-cpp-python with its server; a build of about 7 minutes) and a llama.cpp
 checkout for the base-model converter (LLAMA_CPP_DIR; llama-cpp-python's sdist vendors one)."""
 
 from __future__ import annotations
 
+import asyncio
 import importlib.util
 import json
 import os
@@ -20,7 +22,7 @@ import pytest
 
 from schemas.jobs import Accepted
 from services.embedded import free_port
-from tests.conftest import ROOT, submit, wait_nodes, wait_state
+from tests.conftest import ROOT, get_job, list_nodes, submit, wait_for, wait_state
 from tests.qa import pairs
 from tests.test_registry import serving, show
 
@@ -45,6 +47,21 @@ def completion(url: str) -> tuple[str, list]:
     return choice["text"], choice["logprobs"]["top_logprobs"]
 
 
+async def answers(url: str) -> bool:
+    def ask():
+        try:
+            with urllib.request.urlopen(f"{url}/v1/models", timeout=1):
+                return True
+        except OSError:
+            return False
+
+    return await asyncio.to_thread(ask)
+
+
+async def trainer_known(nc) -> bool:
+    return any(n.node == "trainer" and n.offers_cpu for n in await list_nodes(nc))
+
+
 async def test_a_promoted_adapter_goes_live_in_a_llama_cpp_server(stack, nc, agents, tiny_model, tmp_path):
     base = tmp_path / "base.gguf"
     subprocess.run([sys.executable, str(ROOT / "tests" / "programs" / "convert_base.py"), LLAMA_CPP_DIR,
@@ -53,19 +70,24 @@ async def test_a_promoted_adapter_goes_live_in_a_llama_cpp_server(stack, nc, age
     restart = f"{sys.executable} {ROOT / 'tests' / 'programs' / 'llama_server.py'} {base} {port} {pid_file}"
     url = f"http://127.0.0.1:{port}"
     try:
-        subprocess.run(restart, shell=True, check=True)  # the engine, serving the base model
-        base_text, base_logprobs = completion(url)
-        agents.start("trainer", gpus=None, offer_cpu=True, trainer=None)
-        await wait_nodes(nc, 1)
         agents.start("edge", gpus=None, extra=("--engine", f"llamacpp={tmp_path / 'adapters'},{url}", "--engine-model",
                                                "tiny", "--engine-restart", restart))
+        await wait_for(lambda: answers(url), timeout=90, what="the agent to start llama-server with the base model")
+        base_text, base_logprobs = completion(url)
+        agents.start("trainer", gpus=None, offer_cpu=True, trainer=None)
+        await wait_for(lambda: trainer_known(nc), timeout=30, what="the training node")
         reply = await submit(nc, {"model": "tiny", "base_dir": str(tiny_model), "data": pairs(), "accelerator": "cpu",
                                   "served_by": "llamacpp", "register": {"name": "capitals", "promote": True},
                                   "train": {"max_steps": 40, "learning_rate": 0.01, "batch_size": 1,
                                             "max_seq_length": 128}})
         assert isinstance(reply, Accepted), reply
         job = await wait_state(nc, reply.job, ("succeeded", "failed"), timeout=120)
-        assert job.state == "succeeded" and "registered as capitals@1 and promoted" in job.message, job.message
+        assert job.state == "succeeded", job.message
+
+        async def registered() -> bool:  # the scheduler registers it once the job has succeeded, and says so
+            return "registered as capitals@1 and promoted" in (await get_job(nc, reply.job)).message
+
+        await wait_for(registered, timeout=30, what="the job's registration")
         await serving(nc, "capitals", {"edge": (1, "loaded")})
         [status] = (await show(nc, "capitals")).nodes
         assert "restarted llama-server" in status.message and status.smoke and status.smoke.latency_ms > 0

@@ -108,13 +108,32 @@ async def load(engine: Engine, name: str, local: Path) -> tuple[NodeState, str]:
     if not engine.restart:
         return "needs-restart", (f"placed {target}; llama-server opens adapters only at start: restart it with "
                                  f"--lora {target} (or give the agent --engine-restart)")
-    proc = await asyncio.create_subprocess_shell(engine.restart, env={**os.environ, "JETLORA_ADAPTER": name,
-                                                                      "JETLORA_ADAPTER_PATH": str(target)},
+    await restart(engine, {"JETLORA_ADAPTER": name, "JETLORA_ADAPTER_PATH": str(target)})
+    return "loaded", f"placed {target} and restarted llama-server"
+
+
+async def restart(engine: Engine, env: dict[str, str] | None = None) -> None:
+    """Run the operator's restart command: $JETLORA_ADAPTERS lists every adapter placed for the engine (llama-server
+    takes one --lora each), $JETLORA_ADAPTER(_PATH) the one just placed."""
+    placed = sorted(str(p) for p in engine.directory.glob("*.gguf")) if engine.directory and engine.directory.is_dir() else []
+    proc = await asyncio.create_subprocess_shell(engine.restart, env={**os.environ, "JETLORA_ADAPTERS": " ".join(placed),
+                                                                      **(env or {})},
                                                  stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE)
     _, err = await proc.communicate()
     if proc.returncode:
         raise EngineError(f"the restart command exited {proc.returncode}: {err.decode(errors='replace')[-300:]}")
-    return "loaded", f"placed {target} and restarted llama-server"
+
+
+async def answering(engine: Engine) -> bool:
+    """Whether the engine's HTTP server answers (its model list)."""
+    def ask() -> bool:
+        try:
+            with urllib.request.urlopen(f"{engine.url}/v1/models", timeout=2) as r:
+                return r.status == 200
+        except OSError:
+            return False
+
+    return bool(engine.url) and await asyncio.to_thread(ask)
 
 
 async def unload(engine: Engine, name: str) -> str:

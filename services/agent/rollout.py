@@ -17,7 +17,7 @@ from nats.aio.client import Client
 
 from schemas import names
 from schemas.registry import Alias, AdapterVersion, NodeAdapterStatus, StoredFile
-from services.agent.engines import Engine, load, smoke, unload
+from services.agent.engines import Engine, answering, load, restart, smoke, unload
 from services.artifacts.download import fetch_object, safe_extract
 from services.registry.store import AdapterRegistry
 
@@ -40,6 +40,7 @@ class Rollout:
     async def run(self, stop: asyncio.Event) -> None:
         if not self.engines:
             return
+        await self._start_engines()
         kv = await self.js.key_value(names.ADAPTERS_KV)
         self.registry = AdapterRegistry(kv)
         watcher = await kv.watch(names.adapter_alias_key(), ignore_deletes=True)
@@ -58,6 +59,17 @@ class Rollout:
                 await self.converge(_alias.decode(entry.value))
         finally:
             await watcher.stop()
+
+    async def _start_engines(self) -> None:
+        """An engine with a restart command that does not answer yet is started with it (llama-server, with the
+        adapters placed for it before)."""
+        for engine in self.engines:
+            if engine.restart and engine.url and not await answering(engine):
+                log.info("engine %s does not answer: starting it with %r", engine.label, engine.restart)
+                try:
+                    await restart(engine)
+                except Exception as e:
+                    log.warning("engine %s could not be started: %s", engine.label, e)
 
     async def converge(self, alias: Alias) -> None:
         """Each engine of this node serves alias.current under alias.name (or nothing, once retired)."""

@@ -1,6 +1,7 @@
 """An operator's restart command for a llama.cpp server (llama-cpp-python's OpenAI-compatible server), as a test
 uses it: end the server this pid file names, start it again with the base GGUF and, when the agent gives one,
-the adapter ($JETLORA_ADAPTER_PATH), and return once it answers.
+the adapter placed last ($JETLORA_ADAPTER_PATH; llama-server itself would take each of $JETLORA_ADAPTERS with
+--lora, this server takes one), and return once it answers.
 
     python llama_server.py BASE.gguf PORT PIDFILE
 """
@@ -23,8 +24,9 @@ if pid_file.is_file():
         pass
 cmd = [sys.executable, "-m", "llama_cpp.server", "--model", base, "--port", port, "--host", "127.0.0.1",
        "--n_ctx", "256", "--verbose", "false"]
-if os.environ.get("JETLORA_ADAPTER_PATH"):
-    cmd += ["--lora_path", os.environ["JETLORA_ADAPTER_PATH"]]
+adapter = os.environ.get("JETLORA_ADAPTER_PATH") or os.environ.get("JETLORA_ADAPTERS", "").split(" ")[-1]
+if adapter:
+    cmd += ["--lora_path", adapter]
 server = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=open(f"{pid_file}.log", "ab"), start_new_session=True)
 pid_file.write_text(str(server.pid))
 deadline = time.monotonic() + 60
