@@ -16,10 +16,15 @@ import urllib.request
 from pathlib import Path
 
 base, port, pid_file = sys.argv[1], sys.argv[2], Path(sys.argv[3])
-if pid_file.is_file():
+if pid_file.is_file():  # end the running server, and wait until it has gone (its port is then free)
+    old = int(pid_file.read_text())
     try:
-        os.kill(int(pid_file.read_text()), signal.SIGTERM)
-        time.sleep(0.5)  # the port is free once it exits: the wait below checks the new one answers
+        os.kill(old, signal.SIGTERM)
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            os.kill(old, 0)
+            time.sleep(0.05)
+        os.kill(old, signal.SIGKILL)
     except ProcessLookupError:
         pass
 cmd = [sys.executable, "-m", "llama_cpp.server", "--model", base, "--port", port, "--host", "127.0.0.1",
