@@ -73,8 +73,7 @@ class DatasetCache:
             raise DatasetUnavailable(f"dataset {ref.name} was replaced after the job was submitted (it held sha256 "
                                      f"{ref.sha256[:12]}…, now {info.sha256[:12]}…); resubmit the job to train on the "
                                      "new content")
-        obs = await self.js.object_store(names.DATASETS_BUCKET)
-        await fetch_object(obs, ref.name, data, info.sha256)
+        await fetch_object(self.js, names.DATASETS_BUCKET, ref.name, data, info.sha256)
         meta.write_bytes(msgspec.json.encode(info))
         log.info("dataset %s (%s, %d bytes) fetched into %s", ref.name, info.sha256[:12], info.size, data)
         return info

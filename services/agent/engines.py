@@ -102,7 +102,7 @@ async def load(engine: Engine, name: str, local: Path) -> tuple[NodeState, str]:
                               "VLLM_ALLOW_RUNTIME_LORA_UPDATING=True and --enable-lora")
         return "loaded", "loaded through vLLM's /v1/load_lora_adapter"
     target = _placed(engine, name)
-    await asyncio.to_thread(_place, local, target)
+    await asyncio.to_thread(_place, local, target, engine.model if engine.kind == "vllm-dir" else None)
     if engine.kind == "vllm-dir":
         return "loaded", f"placed in {target} (vLLM's filesystem resolver loads it on first use)"
     if not engine.restart:
@@ -151,12 +151,17 @@ def _placed(engine: Engine, name: str) -> Path:
     return engine.directory / (f"{name}.gguf" if engine.kind == "llamacpp" else name)
 
 
-def _place(src: Path, target: Path) -> None:
-    """Copy beside the target, then rename over it: an engine never sees half an adapter."""
+def _place(src: Path, target: Path, served_model: str | None = None) -> None:
+    """Copy beside the target, then rename over it: an engine never sees half an adapter. For vLLM's filesystem
+    resolver, the adapter's base_model_name_or_path becomes the model vLLM serves (it loads only a match)."""
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = target.with_name(f".{target.name}.new")
     _remove(tmp)
     (shutil.copytree if src.is_dir() else shutil.copyfile)(src, tmp)
+    if served_model is not None and (config := tmp / "adapter_config.json").is_file():
+        settings = json.loads(config.read_text())
+        settings["base_model_name_or_path"] = served_model
+        config.write_text(json.dumps(settings, indent=2))
     old = target.with_name(f".{target.name}.old")
     _remove(old)
     if target.exists():

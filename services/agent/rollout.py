@@ -117,10 +117,9 @@ class Rollout:
         target = self.root / file.sha256 / ("adapter.gguf" if gguf else "peft")
         if target.exists():
             return target
-        obs = await self.js.object_store(names.ARTIFACTS_BUCKET)
         download = target.parent / ("adapter.gguf" if gguf else "peft.tar.gz")
         try:
-            await fetch_object(obs, file.name, download, file.sha256)  # a corrupted artifact fails here
+            await fetch_object(self.js, names.ARTIFACTS_BUCKET, file.name, download, file.sha256)  # corrupted: refused
         except Exception as e:
             raise RuntimeError(f"refused {file.name}: {e}") from None
         if not gguf:

@@ -62,18 +62,29 @@ async def download_named(nc: Client, name: str, output: str | os.PathLike) -> Ar
     info = info_from_object(obj)
     if info is None:
         raise DownloadError(f"{name} is not a jetlora artifact")
-    await fetch_object(obs, name, output, info.sha256)
+    await fetch_object(nc.jetstream(), names.ARTIFACTS_BUCKET, name, output, info.sha256)
     return info
 
 
-async def fetch_object(obs, name: str, output: str | os.PathLike, sha256: str) -> None:
-    """Stream one object into `output` (written beside it, then renamed): all or nothing, its sha256 checked."""
+SMALL_OBJECT_CHUNKS = 8  # objects of up to this many chunks are read with one stream lookup a chunk, no consumer
+
+
+async def fetch_object(js, bucket: str, name: str, output: str | os.PathLike, sha256: str) -> None:
+    """Stream one object into `output` (written beside it, then renamed): all or nothing, its sha256 checked.
+
+    A small object (an adapter, say, fetched by a whole fleet at once) is read chunk by chunk with next-by-subject
+    lookups, which spares the server a consumer per reader; a large one through nats-py's ordered consumer."""
+    obs = await js.object_store(bucket)
+    info = await obs.get_info(name)
     out = Path(output)
     out.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=out.parent, prefix=f".{out.name}.")
     try:
         with os.fdopen(fd, "wb") as f:
-            await obs.get(name, writeinto=f)  # writeinto: linear time (nats-py's in-memory get is quadratic)
+            if info.chunks <= SMALL_OBJECT_CHUNKS:
+                await _read_chunks(js, bucket, info, f)
+            else:
+                await obs.get(name, writeinto=f)  # writeinto: linear time (nats-py's in-memory get is quadratic)
         got = await asyncio.to_thread(sha256_file, tmp)
         if got != sha256:
             raise DownloadError(f"{name} arrived with sha256 {got}, expected {sha256}; try again")
@@ -81,6 +92,18 @@ async def fetch_object(obs, name: str, output: str | os.PathLike, sha256: str) -
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+async def _read_chunks(js, bucket: str, info, f) -> None:
+    store = names.objects(bucket)
+    subject, seq = store.chunks(info.nuid), 0
+    for n in range(info.chunks or 0):
+        try:
+            msg = await js.get_msg(store.stream, seq=seq + 1, subject=subject, next=True, direct=True)
+        except NotFoundError:
+            raise DownloadError(f"{info.name} has {n} of its {info.chunks} chunks in the store; it is damaged") from None
+        f.write(msg.data)
+        seq = msg.seq
 
 
 def safe_extract(archive: str | os.PathLike, dest: str | os.PathLike) -> Path:

@@ -79,5 +79,5 @@ async def get(nc, name: str, output: str | os.PathLike) -> None:
     info = await find_dataset(nc.jetstream(), names.check_token(name, "dataset name"))
     if info is None:
         raise CommandFailed(f"no dataset named {name}; `jetlora datasets ls` lists them")
-    await fetch_object(await nc.jetstream().object_store(names.DATASETS_BUCKET), name, output, info.sha256)
+    await fetch_object(nc.jetstream(), names.DATASETS_BUCKET, name, output, info.sha256)
     print(f"{output}\t{info.size} bytes\tsha256 {info.sha256} verified")

@@ -21,6 +21,7 @@ def _read_stream(stream: str) -> list[str]:
     return [names.js_api("INFO"), names.js_api("STREAM", "INFO", stream), names.js_api("CONSUMER", "CREATE", stream, ">"),
             names.js_api("CONSUMER", "CREATE", stream), names.js_api("CONSUMER", "DELETE", stream, ">"),
             names.js_api("CONSUMER", "INFO", stream, ">"), names.js_api("DIRECT", "GET", stream, ">"),
+            names.js_api("DIRECT", "GET", stream),
             names.js_api("STREAM", "MSG", "GET", stream), names.js_api("STREAM", "NAMES")]
 
 
