@@ -157,10 +157,14 @@ def _place(src: Path, target: Path, served_model: str | None = None) -> None:
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = target.with_name(f".{target.name}.new")
     _remove(tmp)
-    (shutil.copytree if src.is_dir() else shutil.copyfile)(src, tmp)
+    if src.is_dir():
+        shutil.copytree(src, tmp, copy_function=_link_or_copy)
+    else:
+        _link_or_copy(src, tmp)
     if served_model is not None and (config := tmp / "adapter_config.json").is_file():
         settings = json.loads(config.read_text())
         settings["base_model_name_or_path"] = served_model
+        config.unlink()  # a link to the node's cached copy: write a file of its own
         config.write_text(json.dumps(settings, indent=2))
     old = target.with_name(f".{target.name}.old")
     _remove(old)
@@ -168,6 +172,14 @@ def _place(src: Path, target: Path, served_model: str | None = None) -> None:
         os.rename(target, old)
     os.rename(tmp, target)
     _remove(old)
+
+
+def _link_or_copy(src, dst) -> None:
+    """A hard link to the node's cached copy where the file system allows it (no bytes copied), else a copy."""
+    try:
+        os.link(src, dst)
+    except OSError:
+        shutil.copy2(src, dst)
 
 
 def _remove(path: Path) -> None:
