@@ -118,6 +118,9 @@ class JobRequest(Struct, forbid_unknown_fields=True, kw_only=True):
     node: NodeId | None = None
     gpu_mib: Annotated[int, Meta(ge=0, le=16_777_216, description="GPU memory the job needs; 0: any free GPU")] = 0
     accelerator: Literal["gpu", "cpu", "any"] = "gpu"
+    quantization: Annotated[Literal["none", "nf4"], Meta(description=(
+        "nf4: the base model is loaded in 4 bits (bitsandbytes, QLoRA), a quarter of its bf16 memory; GPU only. "
+        "The adapter still applies to the full-precision base (its GGUF too)"))] = "none"
     priority: Annotated[int, Meta(ge=-100, le=100)] = 0
     retries: Annotated[int, Meta(ge=0, le=20, description="times the job is re-queued when its node goes away")] = 0
     lora: LoraConfig = field(default_factory=LoraConfig)
@@ -276,6 +279,9 @@ def check_request(req: JobRequest) -> list[FieldError]:
                                                         "set eval_fraction to 0"))
     if t.eval_fraction and req.data and len(req.data) * t.eval_fraction < 1:
         errors.append(FieldError("train.eval_fraction", f"{t.eval_fraction} of {len(req.data)} examples holds out none; raise it or add data"))
+    if req.quantization == "nf4" and req.accelerator != "gpu":
+        errors.append(FieldError("quantization", "nf4 loads the base model with bitsandbytes, which needs a GPU: set "
+                                                 "accelerator to 'gpu', or quantization to 'none' to train on a CPU"))
     if req.accelerator == "cpu" and req.gpu_mib:
         errors.append(FieldError("gpu_mib", "a CPU job needs no GPU memory: set gpu_mib to 0 or accelerator to 'gpu'"))
     held_out = bool(t.eval_fraction or req.validation_dataset)

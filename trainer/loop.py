@@ -113,7 +113,7 @@ def train(spec: TrainerSpec, signals: Signals | None = None) -> Finished:
     device = spec.device if spec.device == "cpu" or torch.cuda.is_available() else "cpu"
     set_seed(t.seed)
     dtype = base.pick_dtype(t.precision, device)
-    tokenizer, model = base.load(spec.request.base_dir, device, dtype)
+    tokenizer, model = base.load(spec.request.base_dir, device, dtype, spec.request.quantization)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
 
     train_set, eval_set = job_data(spec, tokenizer)

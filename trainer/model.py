@@ -37,9 +37,34 @@ def pick_dtype(precision: str, device: str) -> torch.dtype:
     return torch.float16
 
 
-def load(base_dir: str, device: str, dtype: torch.dtype):
+def load(base_dir: str, device: str, dtype: torch.dtype, quantization: str = "none"):
     path = check_model_dir(base_dir)
     tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True, trust_remote_code=False)
+    if quantization == "nf4":
+        return tokenizer, load_nf4(path, device, dtype)
     model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, trust_remote_code=False,
                                                  use_safetensors=True, dtype=dtype, attn_implementation="sdpa")
     return tokenizer, model.to(device)
+
+
+def load_nf4(path: Path, device: str, dtype: torch.dtype):
+    """QLoRA's base: 4-bit NormalFloat weights with double quantization, computing in `dtype`; the LoRA weights
+    stay in full precision."""
+    if device != "cuda":
+        raise JobError("quantization nf4 needs a CUDA GPU (bitsandbytes); this job was given a CPU: resubmit with "
+                       "accelerator 'gpu', or quantization 'none'")
+    try:
+        import bitsandbytes  # noqa: F401
+    except ImportError:
+        raise JobError("quantization nf4 needs the bitsandbytes package on this node: pip install -e '.[qlora]' "
+                       "in the trainer's environment") from None
+    from peft import prepare_model_for_kbit_training
+    from transformers import BitsAndBytesConfig
+
+    quant = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+                               bnb_4bit_compute_dtype=dtype if dtype != torch.float32 else torch.bfloat16)
+    model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, trust_remote_code=False,
+                                                 use_safetensors=True, dtype=quant.bnb_4bit_compute_dtype,
+                                                 quantization_config=quant, device_map={"": 0},
+                                                 attn_implementation="sdpa")
+    return prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)

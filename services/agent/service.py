@@ -151,6 +151,8 @@ class Agent:
             return f"no device {a.device} on this node"
         if any(r.device == a.device for r in self.jobs.values()):
             return f"device {a.device} is already training another job"
+        if a.request.quantization == "nf4" and dev.kind != "cuda":
+            return f"device {a.device} is a CPU; nf4 (4-bit) training needs a GPU"
         if self.reclaim.get(a.device):
             return f"device {a.device}'s serving engine wants {self.reclaim[a.device]} MiB back"
         if dev.free_mib < a.request.gpu_mib:

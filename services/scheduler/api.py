@@ -160,6 +160,9 @@ class SchedulerApi(SchedulerPausing):
         if best is None:
             kind = {"gpu": "a GPU", "cpu": "an offered CPU", "any": "a device"}[req.accelerator]
             lack = f"node {req.node} has no {kind}" if req.node else f"no known node has {kind}"
+            if req.quantization == "nf4":  # the field the submitter chose for the GPU
+                return [FieldError("quantization", f"nf4 needs a GPU and {lack}; add a GPU node, or set "
+                                                   "quantization to 'none' and accelerator to 'cpu'")]
             return [FieldError("accelerator", f"{lack}; choose another accelerator or node")]
         node, dev = best
         if dev.total_mib < req.gpu_mib:
