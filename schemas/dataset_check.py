@@ -98,8 +98,7 @@ class DatasetChecker:
         lines = (self.partial + data).split(b"\n")
         self.partial = lines.pop()
         if len(self.partial) > self.limits.max_row_bytes:
-            self._refuse(f"line {self.line + 1:,} is over {self.limits.max_row_bytes:,} bytes, the limit of one row "
-                         "(max_row_bytes); shorten it, or raise the limit (jetlora artifacts --dataset-max-row-kib)")
+            self._refuse_long_row(self.line + 1)
         for line in lines:
             self._row(line)
 
@@ -118,8 +117,7 @@ class DatasetChecker:
     def _row(self, line: bytes) -> None:
         self.line += 1
         if len(line) > self.limits.max_row_bytes:
-            self._refuse(f"line {self.line:,} is over {self.limits.max_row_bytes:,} bytes, the limit of one row "
-                         "(max_row_bytes); shorten it, or raise the limit (jetlora artifacts --dataset-max-row-kib)")
+            self._refuse_long_row(self.line)
         if not line.strip():
             return  # blank lines are skipped, by the trainer too
         if self.fmt is None:
@@ -165,6 +163,10 @@ class DatasetChecker:
         more = " (and maybe more: the check stops there)" if len(self.errors) >= self.limits.max_errors else ""
         raise DatasetInvalid(self.errors, f"{self.bad_rows} bad row(s){more}, nothing was stored; "
                                           f"{'; '.join(self.errors)}")
+
+    def _refuse_long_row(self, line: int) -> None:
+        self._refuse(f"line {line:,} is over {self.limits.max_row_bytes:,} bytes, the limit of one row "
+                     "(max_row_bytes); shorten it, or raise the limit (jetlora artifacts --dataset-max-row-kib)")
 
     def _refuse(self, reason: str) -> None:
         raise DatasetInvalid([reason], f"{reason}; nothing was stored")

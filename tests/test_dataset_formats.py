@@ -92,11 +92,14 @@ def rows_of(fmt: str) -> list[dict]:
                           {"role": "assistant", "content": a}]} for q, a in QA_PAIRS]
 
 
+def data_file(path: Path, fmt: str, rows: list[dict]) -> DataFile:
+    """Rows written as a JSON-lines dataset, described as the agent describes a fetched one."""
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return DataFile(path=str(path), sha256=hashlib.sha256(path.read_bytes()).hexdigest(), format=fmt, rows=len(rows))
+
+
 def dataset_file(tmp_path: Path, fmt: str) -> DataFile:
-    path = tmp_path / f"{fmt}.jsonl"
-    path.write_text("\n".join(json.dumps(r) for r in rows_of(fmt)) + "\n")
-    return DataFile(path=str(path), sha256=hashlib.sha256(path.read_bytes()).hexdigest(), format=fmt,
-                    rows=len(QA_PAIRS))
+    return data_file(tmp_path / f"{fmt}.jsonl", fmt, rows_of(fmt))
 
 
 def dataset_spec(tiny_model, tmp_path, fmt: str, **train):

@@ -3,15 +3,13 @@ adapter kept, samples by the base model and the adapter, and a TensorBoard log t
 
 from __future__ import annotations
 
-import hashlib
-import json
-
 import msgspec
 import torch
 
 from schemas.events import DataFile, Progress, Samples
 from schemas.jobs import DatasetRef
 from tests.conftest import spec_for
+from tests.test_dataset_formats import data_file
 from tests.qa import QA_PAIRS
 from tests.test_trainer import events_from
 from trainer import data
@@ -25,12 +23,9 @@ PROMPT = "What is the capital of France?"
 def misleading_validation(tmp_path) -> DataFile:
     """The training questions with each answer moved to the next question: the better the adapter learns the
     training set, the worse it does here, so its eval loss falls at first and then rises."""
-    path = tmp_path / "misleading.jsonl"
     answers = [a for _, a in QA_PAIRS]
-    path.write_text("".join(json.dumps({"q": q, "a": answers[(i + 1) % len(answers)]}) + "\n"
-                            for i, (q, _) in enumerate(QA_PAIRS)))
-    return DataFile(path=str(path), sha256=hashlib.sha256(path.read_bytes()).hexdigest(), format="qa",
-                    rows=len(QA_PAIRS))
+    return data_file(tmp_path / "misleading.jsonl", "qa",
+                     [{"q": q, "a": answers[(i + 1) % len(answers)]} for i, (q, _) in enumerate(QA_PAIRS)])
 
 
 def test_early_stopping_ends_on_a_rising_eval_loss_and_keeps_the_best_steps_adapter(tiny_model, tmp_path, capsys):

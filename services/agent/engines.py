@@ -49,9 +49,8 @@ class Engine:
         return cls(kind, model, url=url.rstrip("/"), directory=Path(directory), max_rank=max_rank, restart=restart)
 
     def refusal(self, v: AdapterVersion) -> str | None:
-        """Why this engine cannot serve the adapter, or None."""
-        if v.base_model != self.model:
-            return f"it was trained on {v.base_model}; this engine serves {self.model}"
+        """Why this engine cannot serve an adapter of its base model, or None (an adapter of another base model is
+        never offered to it)."""
         if v.r > self.max_rank:
             return f"its rank {v.r} is above this engine's max LoRA rank {self.max_rank} (vLLM --max-lora-rank)"
         if unknown := sorted(set(v.target_modules) - self.modules):

@@ -85,8 +85,9 @@ class RegistryService:
         finally:
             await service.stop()
 
-    async def _reply(self, name: str) -> AdapterReply | Error:
-        alias, _ = await self.registry.alias(name)
+    async def _reply(self, name: str, alias: Alias | None = None) -> AdapterReply | Error:
+        if alias is None:
+            alias, _ = await self.registry.alias(name)
         if alias is None:
             return Error(f"no adapter named {name}; `jetlora adapters ls` lists them", field="name")
         return AdapterReply(alias=alias, versions=await self.registry.versions(name),
@@ -100,7 +101,7 @@ class RegistryService:
         return await self._reply(q.name)
 
     async def _list(self, q: AdapterListQuery) -> AdapterList:
-        out = [await self._reply(a.name) for a in await self.registry.aliases()]
+        out = [await self._reply(a.name, a) for a in await self.registry.aliases()]
         return AdapterList(adapters=[r for r in out if isinstance(r, AdapterReply) and (
             q.base_model is None or any(v.base_model == q.base_model for v in r.versions))])
 
