@@ -118,6 +118,9 @@ class JobRequest(Struct, forbid_unknown_fields=True, kw_only=True):
     node: NodeId | None = None
     gpu_mib: Annotated[int, Meta(ge=0, le=16_777_216, description="GPU memory the job needs; 0: any free GPU")] = 0
     accelerator: Literal["gpu", "cpu", "any"] = "gpu"
+    devices: Annotated[int, Meta(ge=1, le=16, description=(
+        "GPUs of one node the job trains on at once, one rank each, gpu_mib free on every one; each rank takes "
+        "its share of train.batch_size x devices examples a step"))] = 1
     quantization: Annotated[Literal["none", "nf4"], Meta(description=(
         "nf4: the base model is loaded in 4 bits (bitsandbytes, QLoRA), a quarter of its bf16 memory; GPU only. "
         "The adapter still applies to the full-precision base (its GGUF too)"))] = "none"
@@ -186,7 +189,8 @@ class JobStatus(Struct, kw_only=True):
     message: str = ""
     updated: float = 0.0
     node: NodeId | None = None
-    device: int | None = None
+    device: int | None = None  # the job's first (rank 0's) device
+    devices: list[int] = field(default_factory=list)  # all of them, for a job on several; else empty
     attempt: int = 0  # assignments so far; agents' state events name theirs, so stale ones are ignored
     retries_used: int = 0  # times the job was re-queued because its node went away
     artifacts: list[ArtifactRef] = field(default_factory=list)
@@ -221,6 +225,7 @@ class JobSummary(Struct, kw_only=True):
     loss: float | None
     artifacts: list[ArtifactRef]
     paused_by: str | None = None
+    devices: list[int] = field(default_factory=list)  # a job on several devices: all of them
 
 
 def summarize(stored: StoredRequest, status: JobStatus) -> "JobSummary":
@@ -230,6 +235,7 @@ def summarize(stored: StoredRequest, status: JobStatus) -> "JobSummary":
         node=status.node, device=status.device, priority=req.priority, gpu_mib=req.gpu_mib,
         created=stored.created, updated=status.updated or stored.created, attempt=status.attempt,
         step=status.step, steps=status.steps, loss=status.loss, artifacts=status.artifacts, paused_by=status.paused_by,
+        devices=status.devices,
     )
 
 
@@ -282,6 +288,9 @@ def check_request(req: JobRequest) -> list[FieldError]:
     if req.quantization == "nf4" and req.accelerator != "gpu":
         errors.append(FieldError("quantization", "nf4 loads the base model with bitsandbytes, which needs a GPU: set "
                                                  "accelerator to 'gpu', or quantization to 'none' to train on a CPU"))
+    if req.devices > 1 and req.accelerator != "gpu":
+        errors.append(FieldError("devices", "a job on several devices runs one rank per GPU of a node (a node offers "
+                                            "its CPU as one device): set accelerator to 'gpu', or devices to 1"))
     if req.accelerator == "cpu" and req.gpu_mib:
         errors.append(FieldError("gpu_mib", "a CPU job needs no GPU memory: set gpu_mib to 0 or accelerator to 'gpu'"))
     held_out = bool(t.eval_fraction or req.validation_dataset)

@@ -44,10 +44,16 @@ class Assignment(Struct, kw_only=True):
 
     job: JobId
     device: int
+    devices: list[int] = field(default_factory=list)  # a job on several devices: all of them, rank order
     attempt: int
     request: JobRequest
     resume_from: str | None = None  # object-store name of a checkpoint
     tenant: TenantId | None = None  # whose job it is: its artifacts are recorded as that tenant's
+
+    @property
+    def ranks(self) -> list[int]:
+        """The devices the job's ranks run on, rank 0's first."""
+        return self.devices or [self.device]
 
 
 class AssignAccepted(Struct, tag="accepted", tag_field="type"):

@@ -37,7 +37,7 @@ def main(argv: list[str]) -> int:
         from trainer.loop import train  # torch loads here, after the spec is known to be sound
 
         finished = train(spec, SIGNALS)
-        if spec.request.served_by == "llamacpp":
+        if spec.request.served_by == "llamacpp" and os.environ.get("RANK", "0") == "0":
             from trainer.gguf_export import export_adapter
 
             finished.gguf_path = str(export_adapter(finished.adapter_dir, spec.request.base_dir,

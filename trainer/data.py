@@ -99,7 +99,16 @@ class Batches(Sequence):
         if isinstance(i, slice):
             return [self[j] for j in range(*i.indices(len(self)))]
         rows = [self.examples[int(p)] for p in self.groups[i]]
+        if not rows:
+            return None  # a rank's share of a batch too small to go round
         return _pack(rows) if self.packed else _pad(rows, self.pad_id)
+
+    def shard(self, rank: int, ranks: int) -> "Batches":
+        """This rank's contiguous share of every batch: the ranks' shares together are the whole batch."""
+        if ranks == 1:
+            return self
+        share = [g[len(g) * rank // ranks: len(g) * (rank + 1) // ranks] for g in self.groups]
+        return Batches(self.examples, share, self.packed, self.pad_id)
 
 
 def _shuffled(n: int, seed: int) -> list[int]:
@@ -155,8 +164,11 @@ def _pad(rows: list[tuple[np.ndarray, np.ndarray]], pad_id: int) -> Batch:
     return Batch(ids, targets, None, mask, sum(len(r[0]) for r in rows))
 
 
-def make_batches(examples, train_cfg, pad_id: int, epoch: int) -> Batches:
+def make_batches(examples, train_cfg, pad_id: int, epoch: int, rank: int = 0, ranks: int = 1) -> Batches:
+    """An epoch's batches; with several ranks each takes its share of batches `ranks` times batch_size, so a
+    step sees the same examples as one process with that batch would."""
     seed = train_cfg.seed + epoch
+    size = train_cfg.batch_size * ranks
     if train_cfg.packing:
-        return packed_batches(examples, train_cfg.batch_size * train_cfg.max_seq_length, seed)
-    return padded_batches(examples, train_cfg.batch_size, seed, pad_id)
+        return packed_batches(examples, size * train_cfg.max_seq_length, seed).shard(rank, ranks)
+    return padded_batches(examples, size, seed, pad_id).shard(rank, ranks)

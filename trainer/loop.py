@@ -18,11 +18,12 @@ from trainer import data, model as base
 from trainer.best import BestEval
 from trainer.checkpoints import resume, save_adapter, save_checkpoint
 from trainer.chunked_loss import DEFAULT_CHUNK_TOKENS, chunked_cross_entropy
+from trainer.distributed import World
 from trainer.errors import JobError
-from trainer.events import emit
+from trainer.events import emit, mute
 from trainer.samples import sample_prompts, samples_event
 from trainer.signals import Signals
-from trainer.tensorboard_log import TensorBoardLog
+from trainer.tensorboard_log import NoLog, TensorBoardLog
 from trainer.tokenize import job_data
 
 
@@ -71,15 +72,18 @@ def output_head(model) -> OutputHead | None:
 
 
 @torch.no_grad()
-def evaluate(model, batches, device, autocast_dtype, chunk_tokens: int = DEFAULT_CHUNK_TOKENS) -> float | None:
+def evaluate(model, batches, device, autocast_dtype, chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
+             world: World = World()) -> float | None:
+    """The mean loss per target token over the held-out batches (each rank's share of them, added up)."""
     if not batches:
         return None
     model.eval()
     total, count = 0.0, 0
-    for b in batches:
+    for b in filter(None, batches):
         loss, n = batch_loss(model, b.to(device), autocast_dtype, chunk_tokens)
         total, count = total + float(loss), count + n
     model.train()
+    total, count = world.sum(total, count)
     return total / max(count, 1)
 
 
@@ -108,19 +112,34 @@ def plan(n_batches: int, t) -> Plan:
     return Plan(steps, per_epoch, min(warmup, steps))
 
 
+def agree(signals: Signals, world: World) -> bool:
+    """Whether to end after this step, the same on every rank: a stop or pause asked of one rank is asked of all."""
+    if world.size > 1:
+        asked, pause = world.sum(float(signals.asked), float(signals.pause))
+        signals.asked, signals.pause = asked > 0, pause > 0
+    return signals.asked
+
+
 def train(spec: TrainerSpec, signals: Signals | None = None) -> Finished:
     t = spec.request.train
     device = spec.device if spec.device == "cpu" or torch.cuda.is_available() else "cpu"
+    world = World.from_env(device)
+    if not world.main:
+        mute()
     set_seed(t.seed)
     dtype = base.pick_dtype(t.precision, device)
     tokenizer, model = base.load(spec.request.base_dir, device, dtype, spec.request.quantization)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
 
+    if not world.main:  # rank 0 tokenizes into the node's cache; the others read it from there
+        world.barrier()
     train_set, eval_set = job_data(spec, tokenizer)
+    if world.main:
+        world.barrier()
     if not len(train_set):
         raise JobError("no training examples are left after the eval split; lower train.eval_fraction")
-    eval_batches = data.make_batches(eval_set, t, pad_id, epoch=0)
-    batches = data.make_batches(train_set, t, pad_id, epoch=0)
+    eval_batches = data.make_batches(eval_set, t, pad_id, 0, world.rank, world.size)
+    batches = data.make_batches(train_set, t, pad_id, 0, world.rank, world.size)
     p = plan(len(batches), t)
 
     if t.gradient_checkpointing:
@@ -129,6 +148,7 @@ def train(spec: TrainerSpec, signals: Signals | None = None) -> Finished:
     model = lora_model(model, spec)
     model.train()
     params = [q for q in model.parameters() if q.requires_grad]
+    world.same_start(params)
     optimizer = torch.optim.AdamW(params, lr=t.learning_rate, weight_decay=t.weight_decay)
     scheduler = get_scheduler(t.lr_scheduler, optimizer, num_warmup_steps=p.warmup, num_training_steps=p.steps)
     autocast_dtype = dtype if device == "cuda" else torch.float32
@@ -150,32 +170,37 @@ def train(spec: TrainerSpec, signals: Signals | None = None) -> Finished:
         step, tokens, epoch, skip = state["step"], state.get("tokens", 0), state["epoch"], state["batch_in_epoch"]
         best.load(state["best"])
         resumed = f", resumed from step {step}"
-    board = TensorBoardLog(out_dir / "tensorboard", carried_from=Path(spec.resume_from) if spec.resume_from else None)
-    emit(Started(steps=p.steps, examples=len(train_set), eval_examples=len(eval_set), device=device,
-                 message=f"training {p.steps} steps on {device} ({len(train_set)} examples, "
+    board = (TensorBoardLog(out_dir / "tensorboard", carried_from=Path(spec.resume_from) if spec.resume_from else None)
+             if world.main else NoLog())
+    on = f"{world.size} x {device}" if world.size > 1 else device
+    emit(Started(steps=p.steps, examples=len(train_set), eval_examples=len(eval_set), device=on,
+                 message=f"training {p.steps} steps on {on} ({len(train_set)} examples, "
                          f"{len(batches)} batches/epoch){resumed}"))
-    if prompts and step == 0:
+    if prompts and step == 0 and world.main:
         publish(samples_event(model, tokenizer, prompts, device, t.sample_max_tokens, step, base=True))
     if device == "cuda":
         torch.cuda.reset_peak_memory_stats()
     start = time.monotonic()
     window_loss, window_count = 0.0, 0
-    eval_loss = None
+    eval_loss, paused = None, None
     early = ""
-    while step < p.steps and not signals.asked and not early:
+    while step < p.steps and not agree(signals, world) and not early:
         if epoch > 0:
-            batches = data.make_batches(train_set, t, pad_id, epoch)
+            batches = data.make_batches(train_set, t, pad_id, epoch, world.rank, world.size)
         first_batch, skip = skip, 0  # a resumed run starts mid-epoch, where its checkpoint was
         for first in range(first_batch, len(batches), t.grad_accum):
-            group = [b.to(device) for b in batches[first:first + t.grad_accum]]
-            n_targets = sum(int((b.targets != data.IGNORE).sum()) for b in group)
-            step_loss = 0.0
-            for b in group:  # accumulate: the mean over every target token of the step
+            group = [b.to(device) for b in batches[first:first + t.grad_accum] if b is not None]
+            n_targets, = world.sum(sum(int((b.targets != data.IGNORE).sum()) for b in group))
+            step_loss, step_tokens = 0.0, 0
+            for b in group:  # accumulate: the mean over every target token of the step, on every rank
                 loss, _ = batch_loss(model, b, autocast_dtype, t.loss_chunk_tokens)
                 loss = loss / max(n_targets, 1)
                 (scaler.scale(loss) if scaler else loss).backward()
                 step_loss += float(loss.detach())
-                tokens += b.tokens
+                step_tokens += b.tokens
+            step_loss, step_tokens = world.sum(step_loss, step_tokens)
+            tokens += int(step_tokens)
+            world.sum_grads(params)
             if not math.isfinite(step_loss):
                 raise JobError(f"the loss became {step_loss} at step {step + 1}; lower train.learning_rate "
                                f"(now {t.learning_rate}) or check the data")
@@ -194,15 +219,15 @@ def train(spec: TrainerSpec, signals: Signals | None = None) -> Finished:
             window_loss, window_count = window_loss + step_loss, window_count + 1
             position = (epoch, first + len(group))  # where the next step starts
 
-            last = step >= p.steps or signals.asked
+            last = agree(signals, world) or step >= p.steps
             evaluating = eval_batches and ((t.eval_steps and step % t.eval_steps == 0) or last)
             if evaluating:
-                eval_loss = evaluate(model, eval_batches, device, autocast_dtype, t.loss_chunk_tokens)
+                eval_loss = evaluate(model, eval_batches, device, autocast_dtype, t.loss_chunk_tokens, world)
                 best.observe(step, eval_loss, model)
                 board.evaluation(step, eval_loss)
                 if best.should_stop:
                     early, last = best.why_stopped(t.early_stopping_min_delta), True
-                if prompts:
+                if prompts and world.main:
                     publish(samples_event(model, tokenizer, prompts, device, t.sample_max_tokens, step))
             if step % t.logging_steps == 0 or last:
                 elapsed = time.monotonic() - start
@@ -212,7 +237,8 @@ def train(spec: TrainerSpec, signals: Signals | None = None) -> Finished:
                                  eta_s=elapsed / step * (p.steps - step), peak_mib=peak_mib(device),
                                  eval_loss=eval_loss, message=early))
                 window_loss, window_count = 0.0, 0
-            if (t.save_steps and step % t.save_steps == 0 and not last) or (last and signals.pause):
+            paused = last and signals.pause  # as the ranks agreed it: a signal coming later is for no step
+            if world.main and ((t.save_steps and step % t.save_steps == 0 and not last) or paused):
                 path = save_checkpoint(model, optimizer, scheduler, out_dir, step, *position, tokens, best.state())
                 board.copy_into(path)
                 emit(Checkpoint(step=step, path=str(path)))
@@ -220,20 +246,24 @@ def train(spec: TrainerSpec, signals: Signals | None = None) -> Finished:
                 break
         else:
             epoch += 1
-    if prompts and not eval_batches:  # what the adapter answers at the end (with evaluations, they already did)
+    if prompts and not eval_batches and world.main:  # what the adapter answers at the end (evaluations did already)
         publish(samples_event(model, tokenizer, prompts, device, t.sample_max_tokens, step))
     board.close()
-    return finish(model, out_dir, step, p.steps, signals, best, early)
+    paused = signals.pause if paused is None else paused
+    finished = finish(model, out_dir, step, p.steps, paused, best, early, save=world.main)
+    world.close()
+    return finished
 
 
-def finish(model, out_dir: Path, step: int, steps: int, signals: Signals, best: BestEval, early: str) -> Finished:
+def finish(model, out_dir: Path, step: int, steps: int, paused: bool, best: BestEval, early: str,
+           save: bool = True) -> Finished:
     """The run's end: paused (its checkpoint is the adapter), stopped, or trained, with the best adapter kept."""
-    if signals.pause:
+    if paused:
         checkpoint = out_dir / "checkpoints" / f"step-{step}"
         return Finished(state="paused", step=step, adapter_dir=str(checkpoint / "adapter"),
                         message=f"paused at step {step} of {steps}; resume goes on from there")
     kept = best.restore(model)
-    adapter = save_adapter(model, out_dir / "adapter")
+    adapter = save_adapter(model, out_dir / "adapter") if save else out_dir / "adapter"
     stopped = step < steps and not early
     message = f"stopped at step {step} of {steps} and saved" if stopped else early or f"trained {step} steps"
     if kept:

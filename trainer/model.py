@@ -65,6 +65,7 @@ def load_nf4(path: Path, device: str, dtype: torch.dtype):
                                bnb_4bit_compute_dtype=dtype if dtype != torch.float32 else torch.bfloat16)
     model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, trust_remote_code=False,
                                                  use_safetensors=True, dtype=quant.bnb_4bit_compute_dtype,
-                                                 quantization_config=quant, device_map={"": 0},
+                                                 quantization_config=quant,
+                                                 device_map={"": torch.cuda.current_device()},
                                                  attn_implementation="sdpa")
     return prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)

@@ -1,4 +1,5 @@
-"""One trainer subprocess: start it in its own process group, read its events, cancel or stop it."""
+"""One job's trainer: its process (one per rank on several devices) in a process group of its own; read its
+events, cancel, stop or pause it, and end it all when any rank dies."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import collections
 import logging
 import os
 import signal
+import socket
 import sys
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -19,6 +21,7 @@ from services.procs import die_with_parent, write_pid_file
 
 log = logging.getLogger(__name__)
 STDERR_LINES = 3  # the last lines of stderr become the error when the trainer dies
+RANKS_END_S = 30.0  # after rank 0 finished, how long the other ranks may take to exit before they are killed
 DEFAULT_TRAINER = [sys.executable, "-m", "trainer"]
 _decode = msgspec.json.Decoder(TrainerEvent)
 
@@ -28,10 +31,13 @@ class TrainerRun:
 
     The trainer never outlives the run: it dies with the agent (parent-death signal) and with this coroutine."""
 
-    def __init__(self, spec: TrainerSpec, workdir: Path, command: list[str], env: dict[str, str]) -> None:
-        self.spec, self.workdir, self.command, self.env = spec, workdir, command, env
-        self.proc: asyncio.subprocess.Process | None = None
+    def __init__(self, spec: TrainerSpec, workdir: Path, command: list[str], env: dict[str, str],
+                 ranks: int = 1) -> None:
+        self.spec, self.workdir, self.command, self.env, self.ranks = spec, workdir, command, env, ranks
+        self.proc: asyncio.subprocess.Process | None = None  # rank 0: it speaks for the job
+        self.others: list[asyncio.subprocess.Process] = []  # ranks 1..N-1
         self.cancelled = False
+        self.rank_died: str | None = None
         self.stderr_tail: collections.deque[str] = collections.deque(maxlen=STDERR_LINES)
 
     async def run(self, on_event: Callable[[object], Awaitable[None]]) -> Finished | Failed | Cancelled:
@@ -41,28 +47,65 @@ class TrainerRun:
         root = str(Path(__file__).resolve().parents[2])  # so `-m trainer` finds the trainer package
         env = {**os.environ, **self.env, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])),
                "PYTHONUNBUFFERED": "1"}
-        self.proc = await asyncio.create_subprocess_exec(
-            *self.command, str(spec_path), stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
-            stdin=asyncio.subprocess.DEVNULL, cwd=self.workdir, env=env, start_new_session=True, limit=2**24,
-            preexec_fn=die_with_parent(signal.SIGKILL))
+        if self.ranks > 1:
+            env.update(rank_env(self.ranks))
+        self.proc = await self._start(spec_path, env, 0)
         pid_file = write_pid_file(self.workdir, self.proc.pid)
-        stderr_task = asyncio.create_task(self._read_stderr())
+        tasks = [asyncio.create_task(self._read_stderr(self.proc, 0))]
         try:
+            for rank in range(1, self.ranks):
+                self.others.append(await self._start(spec_path, env, rank))
+                tasks.append(asyncio.create_task(self._read_stderr(self.others[-1], rank)))
+            tasks += [asyncio.create_task(self._watch(proc, rank)) for rank, proc in enumerate(self.others, 1)]
             final = await self._read_events(on_event)
             code = await self.proc.wait()
-            await stderr_task
+            if isinstance(final, Finished) and self.others:
+                await self._others_end()
         finally:  # cancelled, or failed reading: nothing of the trainer is left running
-            if self.proc.returncode is None:
-                self._signal(signal.SIGKILL)
-                await self.proc.wait()
-            await cancel_and_wait([stderr_task])
+            await self._end_all()
+            await cancel_and_wait(tasks)
             pid_file.unlink(missing_ok=True)
         if self.cancelled:
             return Cancelled()
+        if self.rank_died:
+            return Failed(message=self.rank_died)
         if final is not None:
             return final
         tail = " | ".join(self.stderr_tail)
         return Failed(message=f"training process exited unexpectedly (exit code {code})" + (f": {tail}" if tail else ""))
+
+    async def _start(self, spec_path: Path, env: dict[str, str], rank: int) -> asyncio.subprocess.Process:
+        """Rank 0 leads a new process group; the other ranks join it, so one signal reaches them all."""
+        group = 0 if rank == 0 else self.proc.pid
+        return await asyncio.create_subprocess_exec(
+            *self.command, str(spec_path), stdout=asyncio.subprocess.PIPE if rank == 0 else asyncio.subprocess.DEVNULL,
+            stderr=asyncio.subprocess.PIPE, stdin=asyncio.subprocess.DEVNULL, cwd=self.workdir,
+            env={**env, "RANK": str(rank), "LOCAL_RANK": str(rank)} if self.ranks > 1 else env, limit=2**24,
+            preexec_fn=die_with_parent(signal.SIGKILL), process_group=group)
+
+    async def _watch(self, proc: asyncio.subprocess.Process, rank: int) -> None:
+        """A rank that dies takes the job with it: the rest would wait for it in their next collective."""
+        code = await proc.wait()
+        if code != 0 and not self.cancelled and self.rank_died is None:
+            how = f"was killed by signal {-code}" if code < 0 else f"exited with code {code}"
+            tail = " | ".join(t for t in self.stderr_tail if t.startswith(f"[rank {rank}]")) if code > 0 else ""
+            self.rank_died = (f"rank {rank} of {self.ranks} {how}, so the job's other ranks were ended"
+                              + (f": {tail}" if tail else "") + "; resubmit it, or resume it from its last checkpoint")
+            log.warning("job %s: %s", self.spec.job, self.rank_died)
+            self._signal(signal.SIGKILL)
+
+    async def _others_end(self) -> None:
+        try:
+            await asyncio.wait_for(asyncio.gather(*(p.wait() for p in self.others)), RANKS_END_S)
+        except asyncio.TimeoutError:
+            log.warning("job %s: ranks 1-%d had not exited %.0f s after rank 0 finished; killing them",
+                        self.spec.job, self.ranks - 1, RANKS_END_S)
+
+    async def _end_all(self) -> None:
+        if any(p.returncode is None for p in [self.proc, *self.others]):
+            self._signal(signal.SIGKILL)
+            for p in [self.proc, *self.others]:
+                await p.wait()
 
     async def _read_events(self, on_event) -> Finished | Failed | None:
         """Pass the trainer's events on as they come; the final one (Finished or Failed) is returned."""
@@ -82,12 +125,12 @@ class TrainerRun:
                 await on_event(event)
         return final
 
-    async def _read_stderr(self) -> None:
-        async for line in self.proc.stderr:
+    async def _read_stderr(self, proc: asyncio.subprocess.Process, rank: int) -> None:
+        async for line in proc.stderr:
             text = line.decode(errors="replace").rstrip()
             if text:
-                self.stderr_tail.append(text)
-                log.debug("trainer %s: %s", self.spec.job, text)
+                self.stderr_tail.append(text if self.ranks == 1 else f"[rank {rank}] {text}")
+                log.debug("trainer %s rank %d: %s", self.spec.job, rank, text)
 
     def cancel(self) -> None:
         """Kill the trainer's whole process group (its data loaders and compilers too)."""
@@ -105,15 +148,26 @@ class TrainerRun:
     def _ask(self, sig: int, env: str) -> None:
         if self.proc is None:  # not started yet: it starts asked (trainer/signals.py)
             self.env[env] = "1"
-        else:
-            self._signal(sig, group=False)
+        else:  # every rank: they agree at the end of each step to end after the same one
+            for proc in [self.proc, *self.others]:
+                if proc.returncode is None:
+                    try:
+                        os.kill(proc.pid, sig)
+                    except ProcessLookupError:
+                        pass
 
-    def _signal(self, sig: int, group: bool = True) -> None:
-        if self.proc and self.proc.returncode is None:
+    def _signal(self, sig: int) -> None:
+        """The whole process group: every rank, and their data loaders and compilers."""
+        if any(p.returncode is None for p in [self.proc, *self.others] if p):
             try:
-                if group:
-                    os.killpg(self.proc.pid, sig)
-                else:
-                    os.kill(self.proc.pid, sig)
+                os.killpg(self.proc.pid, sig)
             except ProcessLookupError:
                 pass
+
+
+def rank_env(ranks: int) -> dict[str, str]:
+    """What torch.distributed needs to gather a job's ranks on this node (each rank adds its RANK)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    return {"WORLD_SIZE": str(ranks), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}

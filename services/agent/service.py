@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import shutil
 import time
 from dataclasses import dataclass, field
@@ -51,7 +52,7 @@ class AgentConfig:
 @dataclass
 class RunningJob:
     assignment: Assignment
-    device: int
+    devices: list[int]  # one rank on each, rank 0's first
     task: asyncio.Task | None = None
     trainer: TrainerRun | None = None
     stop_asked: bool = False
@@ -120,7 +121,8 @@ class Agent:
         devices, self.no_gpu_reason = self.probe.read()
         on: dict[int, list[JobId]] = {}
         for job_id, run in self.jobs.items():
-            on.setdefault(run.device, []).append(job_id)
+            for index in run.devices:
+                on.setdefault(index, []).append(job_id)
         self.devices = devices = [msgspec.structs.replace(d, jobs=on.get(d.index, []), reclaim_mib=self.reclaim.get(d.index, 0))
                                   for d in devices]
         now = time.time()
@@ -146,17 +148,27 @@ class Agent:
             return "the node is shutting down"
         if a.job in self.jobs:
             return None  # a repeated assignment of what we already run: accept again
-        dev = next((d for d in self.devices if d.index == a.device), None)
+        if len(set(a.ranks)) != len(a.ranks) or len(a.ranks) != a.request.devices:
+            return f"the job asks for {a.request.devices} devices and was given {a.ranks}"
+        for index in a.ranks:
+            if reason := self._device_refusal(a, index):
+                return reason
+        return None
+
+    def _device_refusal(self, a: Assignment, index: int) -> str | None:
+        dev = next((d for d in self.devices if d.index == index), None)
         if dev is None:
-            return f"no device {a.device} on this node"
-        if any(r.device == a.device for r in self.jobs.values()):
-            return f"device {a.device} is already training another job"
+            return f"no device {index} on this node"
+        if any(index in r.devices for r in self.jobs.values()):
+            return f"device {index} is already training another job"
         if a.request.quantization == "nf4" and dev.kind != "cuda":
-            return f"device {a.device} is a CPU; nf4 (4-bit) training needs a GPU"
-        if self.reclaim.get(a.device):
-            return f"device {a.device}'s serving engine wants {self.reclaim[a.device]} MiB back"
+            return f"device {index} is a CPU; nf4 (4-bit) training needs a GPU"
+        if len(a.ranks) > 1 and dev.kind != "cuda":
+            return f"device {index} is a CPU; a job on several devices runs one rank per GPU"
+        if self.reclaim.get(index):
+            return f"device {index}'s serving engine wants {self.reclaim[index]} MiB back"
         if dev.free_mib < a.request.gpu_mib:
-            return f"device {a.device} has {dev.free_mib} MiB free, the job needs {a.request.gpu_mib}"
+            return f"device {index} has {dev.free_mib} MiB free, the job needs {a.request.gpu_mib}"
         return None
 
     async def _on_assign(self, a: Assignment) -> AssignAccepted | AssignRefused:
@@ -165,7 +177,7 @@ class Agent:
         if reason:
             return AssignRefused(a.job, reason)
         if a.job not in self.jobs:
-            run = RunningJob(a, a.device)
+            run = RunningJob(a, a.ranks)
             self.jobs[a.job] = run
             run.task = asyncio.create_task(self._run_job(run))
         return AssignAccepted(a.job)
@@ -199,7 +211,7 @@ class Agent:
         else:
             self.reclaim.pop(r.device, None)
         await self._beat()
-        held = [j for j, run in self.jobs.items() if run.device == r.device]
+        held = [j for j, run in self.jobs.items() if r.device in run.devices]
         return ReclaimReply(True, f"device {r.device}: {r.mib} MiB wanted back" + (f"; job {held[0]} runs there" if held else ""))
 
     # --- one job --------------------------------------------------------------------------------
@@ -221,7 +233,8 @@ class Agent:
         a = run.assignment
         job_dir = self.cfg.work_dir / "jobs" / f"{a.job}-{a.attempt}"
         try:
-            await self._report(run, "preparing", f"starting the trainer on {self.cfg.node} device {a.device}")
+            on = (f"devices {', '.join(map(str, run.devices))}" if len(run.devices) > 1 else f"device {a.device}")
+            await self._report(run, "preparing", f"starting the trainer on {self.cfg.node} {on}")
             result = await self._train(run, job_dir)
             if run.checkpoint_upload:  # its state event must not come after the job's end
                 await run.checkpoint_upload
@@ -259,13 +272,15 @@ class Agent:
         a = run.assignment
         gpu = a.device != CPU_DEVICE
         env = {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True",
-               "CUDA_VISIBLE_DEVICES": str(a.device) if gpu else ""}
+               "CUDA_VISIBLE_DEVICES": ",".join(map(str, run.devices)) if gpu else ""}
+        if len(run.devices) > 1 and "OMP_NUM_THREADS" not in os.environ:  # ranks share the node's cores
+            env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // len(run.devices)))
         spec = TrainerSpec(job=a.job, attempt=a.attempt, request=a.request, out_dir=str(job_dir / "out"),
                            device="cuda" if gpu else "cpu", resume_from=await self._fetch_checkpoint(run, job_dir),
                            dataset=await self._fetch_dataset(run, a.request.dataset),
                            validation=await self._fetch_dataset(run, a.request.validation_dataset),
                            token_cache=str(self.datasets.tokens))
-        run.trainer = TrainerRun(spec, job_dir, self.cfg.trainer_command, env)
+        run.trainer = TrainerRun(spec, job_dir, self.cfg.trainer_command, env, ranks=len(run.devices))
         if run.stop_asked:
             run.trainer.stop()
         if run.paused_by:

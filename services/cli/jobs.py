@@ -60,13 +60,18 @@ def cmd_jobs(args) -> int:
     return run_client(args, go)
 
 
+def where(j) -> str:
+    """The devices a job holds, as the table shows them."""
+    return ",".join(map(str, j.devices)) if j.devices else "" if j.device is None else str(j.device)
+
+
 def _jobs_table(reply: JobList) -> None:
     from rich.console import Console
     from rich.table import Table
 
     t = Table("job", "state", "node", "dev", "step", "loss", "label", "message")
     for j in reply.jobs:
-        t.add_row(j.id, j.state, j.node or "", "" if j.device is None else str(j.device), f"{j.step}/{j.steps}",
+        t.add_row(j.id, j.state, j.node or "", where(j), f"{j.step}/{j.steps}",
                   "" if j.loss is None else f"{j.loss:.4f}", j.label, j.message[:80])
     Console().print(t)
 

@@ -169,6 +169,12 @@ class SchedulerApi(SchedulerPausing):
             return [FieldError("gpu_mib", f"{req.gpu_mib} MiB is more than {where} has: the largest is {node} device "
                                f"{dev.index} ({dev.name or dev.kind}) with {dev.total_mib} MiB total, {dev.free_mib} MiB free; "
                                "ask for less or add a bigger GPU")]
+        if req.devices > 1:
+            most, name = self.fleet.most_devices(req.gpu_mib, req.accelerator, req.node)
+            if most < req.devices:
+                has = f"{name} has {most}" if name else "none has one"
+                return [FieldError("devices", f"{req.devices} devices with {req.gpu_mib} MiB each must be on one node, "
+                                              f"and of {where} {has}; ask for fewer devices or less gpu_mib")]
         return []
 
     # --- queries ---------------------------------------------------------------------------------

@@ -13,7 +13,7 @@ from schemas.jobs import ACTIVE_STATES
 from schemas.nodes import Assignment, AssignRefused, AssignReply
 from services import bus
 from services.aio import wait_first
-from services.scheduler.core import Job, SchedulerCore
+from services.scheduler.core import UNPLACED, Job, SchedulerCore
 
 log = logging.getLogger(__name__)
 
@@ -36,20 +36,38 @@ class SchedulerAssign(SchedulerCore):
 
     def _place_pass(self) -> None:
         holding = self._devices_by_tenant()
+        held = self.gang_holds = {n: j for n, j in self.gang_holds.items()
+                                  if j in self.queue and n in self.fleet.nodes and not self.fleet.nodes[n].heartbeat.draining}
+
+        def kept_from(job_id: str, priority: int) -> set[str]:
+            """Nodes kept for a waiting multi-device job this one may not pass (it has no higher priority)."""
+            return {n for n, j in held.items() if j != job_id and self.jobs[j].stored.request.priority >= priority}
 
         def fits(node=None):
             def try_place(job_id: str) -> bool:
                 job = self.jobs[job_id]
                 req, tenant = job.stored.request, job.stored.tenant
                 limit = self.cfg.quota(tenant).devices
-                if limit is not None and holding.get(tenant, 0) >= limit:
+                if limit is not None and holding.get(tenant, 0) + req.devices > limit:
                     return False  # the tenant holds its quota of devices: the job waits, others pass it
-                slot = self.fleet.find(req.gpu_mib, req.accelerator, node)
-                if slot is None:
+                kept = kept_from(job_id, req.priority)
+                if node is not None and node in kept:
                     return False
-                self.fleet.reserve(slot, job_id)
-                holding[tenant] = holding.get(tenant, 0) + 1
-                job.status = msgspec.structs.replace(job.status, node=slot[0], device=slot[1])
+                if req.devices == 1:
+                    slot = self.fleet.find(req.gpu_mib, req.accelerator, node, kept)
+                    slots = [slot] if slot else None
+                else:
+                    slots = self.fleet.find_gang(req.gpu_mib, req.accelerator, req.devices, node, kept)
+                    if slots is None:
+                        self._keep_for_gang(job_id, node, kept)
+                if not slots:
+                    return False
+                for slot in slots:
+                    self.fleet.reserve(slot, job_id)
+                held.pop(next((n for n, j in held.items() if j == job_id), None), None)
+                holding[tenant] = holding.get(tenant, 0) + len(slots)
+                job.status = msgspec.structs.replace(job.status, node=slots[0][0], device=slots[0][1],
+                                                     devices=[i for _, i in slots] if len(slots) > 1 else [])
                 return True
             return try_place
 
@@ -62,6 +80,19 @@ class SchedulerAssign(SchedulerCore):
                 if not self.fleet.any_free():
                     break
 
+    def _keep_for_gang(self, job_id: str, node: str | None, kept: set[str]) -> None:
+        """A multi-device job that does not fit yet has a node kept for it: jobs behind it in the queue are
+        placed elsewhere, so devices freeing there one by one add up to its gang instead of going to small jobs
+        forever."""
+        if job_id in self.gang_holds.values():
+            return
+        req = self.jobs[job_id].stored.request
+        home = node if node is not None else self.fleet.gang_home(req.gpu_mib, req.accelerator, req.devices,
+                                                                  kept | set(self.gang_holds))
+        if home is not None and home not in self.gang_holds:
+            self.gang_holds[home] = job_id
+            log.info("node %s is kept for job %s, which needs %d devices there", home, job_id, req.devices)
+
     def _devices_by_tenant(self) -> dict[str | None, int]:
         """Devices each tenant's jobs hold now; counted only when some quota limits devices."""
         if self.cfg.default_quota.devices is None and all(q.devices is None for q in self.cfg.quotas.values()):
@@ -69,29 +100,32 @@ class SchedulerAssign(SchedulerCore):
         holding: dict[str | None, int] = {}
         for job in self.jobs.values():
             if job.stored.tenant is not None and job.status.state in ACTIVE_STATES:
-                holding[job.stored.tenant] = holding.get(job.stored.tenant, 0) + 1
+                holding[job.stored.tenant] = holding.get(job.stored.tenant, 0) + max(1, len(job.status.devices))
         return holding
 
     async def _assign(self, job: Job) -> None:
-        node, device = job.slot
+        slots = job.slots
+        node, device = slots[0]
         attempt = job.status.attempt + 1
         self.by_node.setdefault(node, set()).add(job.id)
         job.assigned_at = time.monotonic()
         try:
-            written = await self._set_state(job, "assigned", f"assigned to {node} device {device}", attempt=attempt,
+            where = f"devices {', '.join(str(i) for _, i in slots)}" if len(slots) > 1 else f"device {device}"
+            written = await self._set_state(job, "assigned", f"assigned to {node} {where}", attempt=attempt,
                                             when=lambda s: s.state == "queued")
         except Exception as e:  # JetStream away: the job stays queued, the slot free
             log.warning("could not record the assignment of %s (%s); it stays queued", job.id, e)
             written = False
-            job.status = msgspec.structs.replace(job.status, node=None, device=None)
+            job.status = msgspec.structs.replace(job.status, **UNPLACED)
             self._enqueue(job)
         if not written:
-            self.fleet.release((node, device), job.id)
+            for slot in slots:
+                self.fleet.release(slot, job.id)
             return
         try:
             request = self._full_request_cached(job.id) or (await self.store.request(job.id)).request
             reply = await bus.request(self.nc, names.node(node).assign,
-                                      Assignment(job=job.id, device=device, attempt=attempt, request=request,
+                                      Assignment(job=job.id, device=device, devices=job.status.devices, attempt=attempt, request=request,
                                                  resume_from=job.status.checkpoint, tenant=job.stored.tenant),
                                       AssignReply, timeout=self.cfg.assign_timeout)
         except bus.RequestError as e:

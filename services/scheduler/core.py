@@ -20,6 +20,7 @@ from services.scheduler.store import Conflict, JobStore
 log = logging.getLogger(__name__)
 REQUEST_CACHE_BYTES = 64 * 2**20  # full requests of queued jobs kept in memory, so placing one needs no KV read
 REQUEST_CACHE_ITEM = 64 * 2**10
+UNPLACED = dict(node=None, device=None, devices=[])  # a job's status fields when it holds no device
 
 
 @dataclass
@@ -38,9 +39,12 @@ class Job:
         return self.stored.id
 
     @property
-    def slot(self) -> SlotKey | None:
+    def slots(self) -> list[SlotKey]:
+        """The devices the job holds: none, one, or all of a multi-device job's."""
         s = self.status
-        return (s.node, s.device) if s.node is not None and s.device is not None else None
+        if s.node is None or s.device is None:
+            return []
+        return [(s.node, d) for d in s.devices or [s.device]]
 
 
 @dataclass(frozen=True)
@@ -100,6 +104,7 @@ class SchedulerCore:
         self.fleet = Fleet()
         self.by_node: dict[NodeId, set[JobId]] = {}
         self.awaited: dict[NodeId, float] = {}  # nodes with jobs at recovery, not heard since: deadline
+        self.gang_holds: dict[NodeId, JobId] = {}  # nodes kept for a waiting multi-device job
         self.engine_paused: dict[SlotKey, set[JobId]] = {}  # jobs paused for a device's serving engine
         self.pausing: set[JobId] = set()  # pauses asked of nodes, not yet answered
         self.seq = 0
@@ -128,8 +133,9 @@ class SchedulerCore:
         self.seq = max(self.seq, stored.seq)
         if job.status.state == "queued":
             self._enqueue(job)
-        elif job.status.state in ACTIVE_STATES and job.slot:
-            self.fleet.reserve(job.slot, job.id)
+        elif job.status.state in ACTIVE_STATES and job.slots:
+            for slot in job.slots:
+                self.fleet.reserve(slot, job.id)
             self.by_node.setdefault(job.status.node, set()).add(job.id)
             self.awaited.setdefault(job.status.node, now + self.cfg.window)
         return job
@@ -143,8 +149,9 @@ class SchedulerCore:
         self._wake.set()
 
     def _leave_slot(self, job: Job) -> None:
-        if job.slot:
-            self.fleet.release(job.slot, job.id)
+        if job.slots:
+            for slot in job.slots:
+                self.fleet.release(slot, job.id)
             self.by_node.get(job.status.node, set()).discard(job.id)
             self._wake.set()
 
@@ -188,5 +195,5 @@ class SchedulerCore:
         return await self._write(job, status)
 
     async def _requeue(self, job: Job, why: str, when=None, **changes) -> None:
-        if await self._set_state(job, "queued", why, when=when, node=None, device=None, **changes):
+        if await self._set_state(job, "queued", why, when=when, **UNPLACED, **changes):
             self._enqueue(job)

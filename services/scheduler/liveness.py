@@ -11,7 +11,7 @@ from schemas.jobs import ACTIVE_STATES
 from schemas.nodes import Heartbeat
 from schemas.validate import InvalidRequest, decoder_for
 from services.aio import sleep_unless_stopped
-from services.scheduler.core import Job
+from services.scheduler.core import UNPLACED, Job
 from services.scheduler.pausing import SchedulerPausing
 
 log = logging.getLogger(__name__)
@@ -93,7 +93,7 @@ class SchedulerLiveness(SchedulerPausing):
             if never_ran or used < job.stored.request.retries:
                 used += 0 if never_ran else 1
                 retry = "" if never_ran else f" (retry {used} of {job.stored.request.retries})"
-                if await self._set_state_locked(job, "queued", f"{why}; re-queued{retry}", node=None, device=None,
+                if await self._set_state_locked(job, "queued", f"{why}; re-queued{retry}", **UNPLACED,
                                                 retries_used=used):
                     self._enqueue(job)
             else:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import bisect
 import time
 from collections import OrderedDict
+from collections.abc import Container
 from dataclasses import dataclass, field
 
 from schemas.nodes import Device, Heartbeat
@@ -117,23 +118,65 @@ class Fleet:
     def kinds(accelerator: str) -> tuple[str, ...]:
         return {"gpu": ("cuda",), "cpu": ("cpu",), "any": ("cuda", "cpu")}[accelerator]
 
-    def find(self, need_mib: int, accelerator: str, node: str | None = None) -> SlotKey | None:
-        """The free device with the least free memory that still fits (best fit), or None."""
+    def find(self, need_mib: int, accelerator: str, node: str | None = None,
+             held: Container[str] = ()) -> SlotKey | None:
+        """The free device with the least free memory that still fits (best fit), or None; nodes in `held` are
+        kept for a multi-device job that waits for them."""
         kinds = self.kinds(accelerator)
         if node is not None:
-            view = self.nodes.get(node)
-            if not view:
-                return None
-            fits = [(d.free_mib, d.index) for d in view.devices.values()
-                    if d.kind in kinds and d.free_mib >= need_mib and (node, d.index) in self._indexed]
-            return (node, min(fits)[1]) if fits else None
+            fits = self._fitting(node, need_mib, kinds)
+            return (node, fits[0][1]) if fits else None
         best = None
         for kind in kinds:
             lst = self._free[kind]
             i = bisect.bisect_left(lst, (need_mib, "", -10))
+            while i < len(lst) and lst[i][1] in held:
+                i += 1
             if i < len(lst) and (best is None or lst[i] < best):
                 best = lst[i]
         return (best[1], best[2]) if best else None
+
+    def _fitting(self, node: str, need_mib: int, kinds) -> list[tuple[int, int]]:
+        """(free MiB, index) of the node's free devices that fit, least free first."""
+        view = self.nodes.get(node)
+        if not view:
+            return []
+        return sorted((d.free_mib, d.index) for d in view.devices.values()
+                      if d.kind in kinds and d.free_mib >= need_mib and (node, d.index) in self._indexed)
+
+    def find_gang(self, need_mib: int, accelerator: str, count: int, node: str | None = None,
+                  held: Container[str] = ()) -> list[SlotKey] | None:
+        """`count` free devices of one node, each with need_mib free (the best-fitting node), or None: a job on
+        several devices is placed whole or not at all."""
+        kinds, best = self.kinds(accelerator), None
+        for name in [node] if node is not None else [n for n in self.nodes if n not in held]:
+            fits = self._fitting(name, need_mib, kinds)[:count]
+            if len(fits) == count and (best is None or sum(f for f, _ in fits) < best[0]):
+                best = (sum(f for f, _ in fits), [(name, i) for _, i in fits])
+        return best[1] if best else None
+
+    def most_devices(self, need_mib: int, accelerator: str, node: str | None = None) -> tuple[int, str | None]:
+        """The most devices with need_mib total memory one node has (whether free or not), and that node."""
+        kinds, best = self.kinds(accelerator), (0, None)
+        for name in [node] if node is not None else list(self.nodes):
+            if (view := self.nodes.get(name)) is not None:
+                count = sum(1 for d in view.devices.values() if d.kind in kinds and d.total_mib >= need_mib)
+                best = max(best, (count, name), key=lambda b: b[0])
+        return best
+
+    def gang_home(self, need_mib: int, accelerator: str, count: int, held: Container[str] = ()) -> str | None:
+        """The node a waiting multi-device job should have kept for it: one with enough devices big enough, and
+        the most of them free already; None when no node has them."""
+        kinds, best = self.kinds(accelerator), None
+        for name, view in self.nodes.items():
+            if name in held or view.heartbeat.draining:
+                continue
+            able = [d for d in view.devices.values() if d.kind in kinds and d.total_mib >= need_mib]
+            if len(able) >= count:
+                ready = len(self._fitting(name, need_mib, kinds))
+                if best is None or ready > best[0]:
+                    best = (ready, name)
+        return best[1] if best else None
 
     def any_free(self) -> bool:
         return bool(self._free["cuda"] or self._free["cpu"])
