@@ -7,6 +7,7 @@ from typing import Annotated, Literal
 from msgspec import Meta, Struct, field
 
 from schemas.jobs import JobId, JobRequest, NodeId, TenantId
+from schemas.memory import ModelShape
 
 CPU_DEVICE = -1  # the index of a node's CPU when it offers it for training
 
@@ -37,6 +38,7 @@ class Heartbeat(Struct, kw_only=True):
     interval_s: float = 1.0
     sent_at: float = 0.0
     draining: bool = False
+    models: list[ModelShape] = field(default_factory=list)  # base models here, to size `gpu_mib: 0` jobs by
 
 
 class Assignment(Struct, kw_only=True):

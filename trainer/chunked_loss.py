@@ -46,7 +46,8 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
             grad_logits[~kept] = 0.0
             grad_logits *= grad_total / ctx.scale
             if grad_hidden is not None:
-                grad_hidden[start:start + ctx.chunk] = (grad_logits @ weight.float()).to(hidden.dtype)
+                # in the weight's dtype: an fp32 copy of a bf16 [vocab x hidden] projection would cost 2 GB at 8B
+                grad_hidden[start:start + ctx.chunk] = (grad_logits.to(weight.dtype) @ weight).to(hidden.dtype)
             if grad_weight is not None:
                 grad_weight += grad_logits.T @ h.float()
         return grad_hidden, None if grad_weight is None else grad_weight.to(weight.dtype), None, None, None

@@ -25,6 +25,7 @@ from services.bus import publish_durably
 from services.agent.datasets import DatasetCache, DatasetUnavailable, LocalDataset
 from services.agent.devices import DeviceProbe
 from services.agent.engines import Engine
+from services.agent.models import read_shapes
 from services.agent.rollout import Rollout
 from services.agent.runner import DEFAULT_TRAINER, TrainerRun
 from services.agent.shipping import fetch_checkpoint, ship_checkpoint, ship_results
@@ -47,6 +48,7 @@ class AgentConfig:
     keep_job_dirs: bool = False
     dataset_cache_mib: int = 20480  # datasets (and their tokenized copies) kept for the next job
     engines: list[Engine] = field(default_factory=list)  # serving engines here: they load the registry's adapters
+    models: list[str] = field(default_factory=list)  # base model directories here, advertised with their shapes
 
 
 @dataclass
@@ -75,6 +77,7 @@ class Agent:
         self.no_gpu_reason = ""
         self.reclaim: dict[int, int] = {}  # device -> MiB its serving engine wants back
         self.datasets = DatasetCache(self.js, config.work_dir / "datasets", config.dataset_cache_mib * 2**20)
+        self.models = read_shapes(config.models)
 
     async def run(self, stop: asyncio.Event) -> None:
         ended = await asyncio.to_thread(end_leftovers, self.cfg.work_dir / "jobs")
@@ -129,7 +132,8 @@ class Agent:
         self.finished = {j: t for j, t in self.finished.items() if now - t < FINISHED_KEPT_S}
         return Heartbeat(node=self.cfg.node, agent_version=__version__, devices=devices, offers_cpu=self.cfg.offer_cpu,
                          no_gpu_reason=self.no_gpu_reason, running=list(self.jobs), finished=list(self.finished),
-                         interval_s=self.cfg.heartbeat_interval, sent_at=now, draining=self.draining)
+                         interval_s=self.cfg.heartbeat_interval, sent_at=now, draining=self.draining,
+                         models=self.models)
 
     async def _beat(self) -> None:
         try:

@@ -80,6 +80,9 @@ def parser() -> argparse.ArgumentParser:
         p.add_argument("--engine-max-rank", type=int, default=64, help="the largest LoRA rank the engines take")
         p.add_argument("--engine-restart", default="", help="llama.cpp: a command that restarts llama-server with the "
                                                             "placed adapters ($JETLORA_ADAPTER_PATH)")
+        p.add_argument("--model", action="append", default=[m for m in os.environ.get("JETLORA_MODELS", "").split(":") if m],
+                       help="a base model directory on this node (repeat; or JETLORA_MODELS=DIR:DIR): its shape goes "
+                            "into heartbeats, so jobs with gpu_mib 0 are sized for it")
         p.add_argument("--dataset-cache-mib", type=int, default=20480,
                        help="disk kept for datasets and their tokenized copies, least recently used evicted first")
 

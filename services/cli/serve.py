@@ -35,7 +35,7 @@ def _agent_config(args):
     cfg = AgentConfig(node=args.node, work_dir=Path(args.work_dir or state_dir() / "agent" / args.node),
                       heartbeat_interval=args.heartbeat_interval, offer_cpu=args.offer_cpu,
                       simulate_gpus=args.simulate_gpus, dataset_cache_mib=args.dataset_cache_mib,
-                      engines=_engines(args))
+                      engines=_engines(args), models=args.model)
     if args.trainer_command:
         cfg.trainer_command = shlex.split(args.trainer_command)
     return cfg

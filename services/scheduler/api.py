@@ -17,6 +17,7 @@ from schemas.nodes import Control, ControlReply, NodeInfo, NodeList
 from schemas.validate import InvalidRequest
 from services import bus
 from services.artifacts.datasets import find_dataset
+from services.scheduler import sizing
 from services.scheduler.core import Job
 from services.scheduler.history import events_page
 from services.scheduler.idempotency import IdempotencyKeys
@@ -92,6 +93,9 @@ class SchedulerApi(SchedulerPausing):
                      job_id: str | None = None) -> Accepted | Rejected:
         if errors := self._capacity_errors(request) + self._quota_errors(tenant):
             return Rejected(errors)
+        request, errors = sizing.size(self.fleet, request, self._held_mib)
+        if errors:
+            return Rejected(errors)
         request, errors = await self._pin_datasets(request)
         if errors:
             return Rejected(errors)
@@ -150,6 +154,11 @@ class SchedulerApi(SchedulerPausing):
         self._cache_request(stored.id, request, size)
         self._enqueue(job)
         return Accepted(stored.id)
+
+    def _held_mib(self, slot) -> int:
+        """What the jetlora job on a device was placed for (it gives that back when it ends)."""
+        job = self.jobs.get(self.fleet.reserved.get(slot, ""))
+        return job.stored.request.gpu_mib if job else 0
 
     def _capacity_errors(self, req: JobRequest) -> list[FieldError]:
         """A job no known device could ever hold is refused now rather than queued forever."""
