@@ -1,6 +1,7 @@
-"""Peak memory and speed of one training step on a model with a 128k vocabulary: the plain loss (every token's
-logits at once) against the chunked loss. Each measurement runs in its own process, so its peak RSS is its own;
-the sides alternate in rounds (A B A B ...) and the medians are reported. Run by hand:
+"""Peak memory and speed of one training step on a model with a 128k vocabulary: transformers.Trainer + peft (the
+baseline), jetlora's plain loss (every token's logits at once) and its chunked loss, at the same batch. Each
+measurement runs in its own process, so its peak RSS is its own; the sides alternate in rounds (A B C, C B A, ...)
+and the medians are reported. Run by hand:
 
     python bench/train_memory.py [--rounds 3 --tokens 4096 --vocab 128256]
 """
@@ -46,6 +47,43 @@ def one_step(chunk_tokens: int, tokens: int, vocab: int, hidden: int) -> dict:
     return {"loss": float(loss) / n, "step_mib": peak - before, "tokens_per_s": tokens / took}
 
 
+def trainer_step(tokens: int, vocab: int, hidden: int) -> dict:
+    """In a fresh process: the same model and LoRA, one step of transformers.Trainer on the same tokens."""
+    import tempfile
+
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainerCallback, TrainingArguments
+
+    torch.manual_seed(0)
+    torch.set_num_threads(2)
+    config = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=hidden * 2, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=tokens)
+    model = get_peft_model(LlamaForCausalLM(config), LoraConfig(r=8, target_modules=["q_proj", "v_proj"]))
+    ids = torch.randint(0, vocab, (tokens,))
+    rows = [{"input_ids": ids, "labels": ids.clone()}]
+    timing, losses = {}, []
+
+    class Clock(TrainerCallback):
+        def on_step_begin(self, *a, **kw):
+            timing["before"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+            timing["t0"] = time.perf_counter()
+
+        def on_step_end(self, *a, **kw):
+            timing["took"] = time.perf_counter() - timing["t0"]
+
+        def on_log(self, args, state, control, logs=None, **kw):
+            if logs and "loss" in logs:
+                losses.append(logs["loss"])
+
+    with tempfile.TemporaryDirectory() as tmp:
+        args = TrainingArguments(output_dir=tmp, per_device_train_batch_size=1, max_steps=1, report_to=[], use_cpu=True,
+                                 save_strategy="no", disable_tqdm=True, logging_steps=1, learning_rate=1e-4)
+        Trainer(model=model, args=args, train_dataset=rows, callbacks=[Clock()]).train()
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    return {"loss": losses[-1], "step_mib": peak - timing["before"], "tokens_per_s": tokens / timing["took"]}
+
+
 def measure(chunk_tokens: int, args) -> dict:
     out = subprocess.run([sys.executable, __file__, "--one", str(chunk_tokens), "--tokens", str(args.tokens),
                           "--vocab", str(args.vocab), "--hidden", str(args.hidden)],
@@ -63,9 +101,12 @@ def main() -> None:
     ap.add_argument("--one", type=int, default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.one is not None:
-        print(json.dumps(one_step(args.one, args.tokens, args.vocab, args.hidden)))
+        step = trainer_step if args.one < 0 else one_step
+        print(json.dumps(step(args.tokens, args.vocab, args.hidden) if args.one < 0 else
+                         one_step(args.one, args.tokens, args.vocab, args.hidden)))
         return
-    sides = {"plain loss (all logits)": 0, f"chunked loss ({args.chunk} tokens)": args.chunk}
+    sides = {"transformers.Trainer + peft": -1, "plain loss (all logits)": 0,
+             f"chunked loss ({args.chunk} tokens)": args.chunk}
     runs = {name: [] for name in sides}
     for r in range(args.rounds):  # alternate, so background load favours neither side
         for name, chunk in (sides.items() if r % 2 == 0 else reversed(sides.items())):
@@ -77,10 +118,11 @@ def main() -> None:
         spread = [round(r["step_mib"]) for r in results]
         print(f"  {name:34s} step peak {med[name]['step_mib']:8,.0f} MiB (runs {spread})  "
               f"{med[name]['tokens_per_s']:8,.0f} tok/s  loss {med[name]['loss']:.5f}")
-    plain, chunked = (med[name] for name in sides)
-    print(f"chunked / plain: peak {chunked['step_mib'] / plain['step_mib']:.2f}x, "
-          f"tokens/s {chunked['tokens_per_s'] / plain['tokens_per_s']:.2f}x, "
-          f"loss difference {abs(chunked['loss'] - plain['loss']):.1e}")
+    baseline, plain, chunked = (med[name] for name in sides)
+    for name, other in (("Trainer + peft", baseline), ("plain", plain)):
+        print(f"chunked / {name}: peak {chunked['step_mib'] / other['step_mib']:.2f}x, "
+              f"tokens/s {chunked['tokens_per_s'] / other['tokens_per_s']:.2f}x, "
+              f"loss difference {abs(chunked['loss'] - other['loss']):.1e}")
 
 
 if __name__ == "__main__":

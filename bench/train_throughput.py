@@ -1,7 +1,10 @@
 """Real-token throughput of jetlora's trainer (padding-free packing) against transformers.Trainer + peft
 with the default padding collator: same model, same 2,000 Q/A pairs of varied length, same steps and
 hyperparameters, in one run, the sides alternating round by round; the median ratio and its spread are reported.
-Run by hand:  python bench/train_throughput.py [--rounds 4 --steps 20]
+Then a job on 2 ranks (1 thread each, gloo) against 1 rank with 1 thread on the same examples per step, both
+started as the agent starts them, alternating the same way. Run by hand:
+
+    python bench/train_throughput.py [--rounds 4 --steps 20 --rank-rounds 4]
 """
 
 from __future__ import annotations
@@ -64,6 +67,31 @@ def run_jetlora(model_dir, pairs, steps, lr, tokens_per_step, seq) -> dict:
     return {"tokens_per_s": last.tokens / last.elapsed_s, "tokens": last.tokens, "loss": last.loss, "wall": wall}
 
 
+def run_ranks(model_dir, pairs, steps, lr, examples_per_step, seq, ranks: int) -> dict:
+    """The trainer as the agent runs it: `ranks` processes of one thread each, each with its share of the step."""
+    import asyncio
+
+    from services.agent.runner import DEFAULT_TRAINER, TrainerRun
+
+    req = msgspec.convert({"model": "bench", "base_dir": str(model_dir), "data": pairs, "lora": {"r": 16, "alpha": 32},
+                           "devices": ranks, "train": {"max_steps": steps, "learning_rate": lr, "packing": False,
+                                                       "batch_size": examples_per_step // ranks, "max_seq_length": seq,
+                                                       "logging_steps": 1, "warmup_steps": 0}}, JobRequest)
+    progress = []
+
+    async def on_event(ev) -> None:
+        if isinstance(ev, Progress):
+            progress.append(ev)
+
+    with tempfile.TemporaryDirectory() as tmp:
+        spec = TrainerSpec(job="bench", attempt=1, request=req, out_dir=f"{tmp}/out", device="cpu")
+        result = asyncio.run(TrainerRun(spec, Path(tmp), DEFAULT_TRAINER, {"OMP_NUM_THREADS": "1"}, ranks).run(on_event))
+    if not progress:
+        raise RuntimeError(f"the {ranks}-rank run failed: {getattr(result, 'message', result)}")
+    first, last = progress[0], progress[-1]  # from the first step's end: process start and loading left out
+    return {"tokens_per_s": (last.tokens - first.tokens) / (last.elapsed_s - first.elapsed_s), "loss": last.loss}
+
+
 def run_baseline(model_dir, pairs, steps, lr, batch, seq) -> dict:
     from peft import LoraConfig, get_peft_model
     from transformers import (AutoModelForCausalLM, AutoTokenizer, DataCollatorForSeq2Seq, Trainer, TrainerCallback,
@@ -112,10 +140,11 @@ def run_baseline(model_dir, pairs, steps, lr, batch, seq) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--steps", type=int, default=20, help="steps per side per round")
-    ap.add_argument("--rounds", type=int, default=4)
+    ap.add_argument("--rounds", type=int, default=4, help="rounds against transformers.Trainer (0: skip)")
     ap.add_argument("--batch", type=int, default=8, help="examples per step for the baseline")
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--seq", type=int, default=512)
+    ap.add_argument("--rank-rounds", type=int, default=4, help="rounds of 2 ranks against 1 (0: skip)")
     args = ap.parse_args()
     torch.set_num_threads(max(1, torch.get_num_threads()))
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "deploy" / "demo"))
@@ -144,10 +173,26 @@ def main() -> None:
             print(f"  round {r + 1}: baseline {result['base']['tokens_per_s']:6.0f} tok/s, jetlora "
                   f"{result['jet']['tokens_per_s']:6.0f} tok/s: {result['jet']['tokens_per_s'] / result['base']['tokens_per_s']:.2f}x",
                   flush=True)
-    ratios = sorted(r["jet"]["tokens_per_s"] / r["base"]["tokens_per_s"] for r in rounds)
-    losses = [r["jet"]["loss"] / r["base"]["loss"] for r in rounds]
-    print(f"throughput ratio jetlora/baseline: median {statistics.median(ratios):.2f}x (rounds {ratios[0]:.2f}-"
-          f"{ratios[-1]:.2f}); final loss ratio {statistics.median(losses):.3f}; peak RSS {peak_rss_mib():.0f} MiB")
+        ratios = sorted(r["jet"]["tokens_per_s"] / r["base"]["tokens_per_s"] for r in rounds) or [float("nan")]
+        losses = [r["jet"]["loss"] / r["base"]["loss"] for r in rounds] or [float("nan")]
+        print(f"throughput ratio jetlora/baseline: median {statistics.median(ratios):.2f}x (rounds {ratios[0]:.2f}-"
+              f"{ratios[-1]:.2f}); final loss ratio {statistics.median(losses):.3f}; peak RSS {peak_rss_mib():.0f} MiB")
+        if args.rank_rounds:
+            compare_ranks(model_dir, pairs, args)
+
+
+def compare_ranks(model_dir, pairs, args) -> None:
+    print(f"2 ranks x 1 thread against 1 rank x 1 thread, {args.batch} examples a step, {args.rank_rounds} rounds:")
+    rounds = []
+    for r in range(args.rank_rounds):
+        sides = [(n, lambda n=n: run_ranks(model_dir, pairs, args.steps, args.lr, args.batch, args.seq, n)) for n in (1, 2)]
+        result = {n: run() for n, run in (sides if r % 2 == 0 else sides[::-1])}
+        rounds.append(result)
+        print(f"  round {r + 1}: 1 rank {result[1]['tokens_per_s']:6.0f} tok/s, 2 ranks {result[2]['tokens_per_s']:6.0f} "
+              f"tok/s: {result[2]['tokens_per_s'] / result[1]['tokens_per_s']:.2f}x "
+              f"(final loss {result[1]['loss']:.4f} / {result[2]['loss']:.4f})", flush=True)
+    ratios = sorted(r[2]["tokens_per_s"] / r[1]["tokens_per_s"] for r in rounds)
+    print(f"2 ranks / 1 rank: median {statistics.median(ratios):.2f}x (rounds {ratios[0]:.2f}-{ratios[-1]:.2f})")
 
 
 if __name__ == "__main__":

@@ -217,7 +217,7 @@ def train(spec: TrainerSpec, signals: Signals | None = None) -> Finished:
             optimizer.zero_grad(set_to_none=True)
             step += 1
             window_loss, window_count = window_loss + step_loss, window_count + 1
-            position = (epoch, first + len(group))  # where the next step starts
+            position = (epoch, min(first + t.grad_accum, len(batches)))  # where the next step starts
 
             last = agree(signals, world) or step >= p.steps
             evaluating = eval_batches and ((t.eval_steps and step % t.eval_steps == 0) or last)
