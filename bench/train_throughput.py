@@ -173,10 +173,12 @@ def main() -> None:
             print(f"  round {r + 1}: baseline {result['base']['tokens_per_s']:6.0f} tok/s, jetlora "
                   f"{result['jet']['tokens_per_s']:6.0f} tok/s: {result['jet']['tokens_per_s'] / result['base']['tokens_per_s']:.2f}x",
                   flush=True)
-        ratios = sorted(r["jet"]["tokens_per_s"] / r["base"]["tokens_per_s"] for r in rounds) or [float("nan")]
-        losses = [r["jet"]["loss"] / r["base"]["loss"] for r in rounds] or [float("nan")]
-        print(f"throughput ratio jetlora/baseline: median {statistics.median(ratios):.2f}x (rounds {ratios[0]:.2f}-"
-              f"{ratios[-1]:.2f}); final loss ratio {statistics.median(losses):.3f}; peak RSS {peak_rss_mib():.0f} MiB")
+        if rounds:
+            ratios = sorted(r["jet"]["tokens_per_s"] / r["base"]["tokens_per_s"] for r in rounds)
+            losses = [r["jet"]["loss"] / r["base"]["loss"] for r in rounds]
+            print(f"throughput ratio jetlora/baseline: median {statistics.median(ratios):.2f}x (rounds "
+                  f"{ratios[0]:.2f}-{ratios[-1]:.2f}); final loss ratio {statistics.median(losses):.3f}; peak RSS "
+                  f"{peak_rss_mib():.0f} MiB")
         if args.rank_rounds:
             compare_ranks(model_dir, pairs, args)
 

@@ -1,7 +1,7 @@
 """Preparing a chat dataset for training: the streamed, memory-mapped token cache against tokenizing it all in
 memory (what the trainer did with inline data), in the same run.
 
-    .venv/bin/python bench/datasets.py [--rows 40000] [--rounds 3]
+    .venv/bin/python bench/dataset_prep.py [--rows 40000] [--rounds 3]
 
 Each side runs in its own process (so each peak RSS is its own), alternating A B A B; the medians and the
 ratio ours/baseline are printed, with the spread over rounds. A third line shows a cached dataset's load.
