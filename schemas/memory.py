@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 from typing import Annotated
 
+import msgspec
 from msgspec import Meta, Struct
 
 MIB = 2**20
@@ -20,6 +21,7 @@ NF4_BYTES = 0.5 + 4 / 64 + 1 / 256  # 4-bit weights, an fp32 scale per 64 (doubl
 CUDA_CONTEXT_MIB = 600  # the CUDA context and cuBLAS workspaces: outside max_memory_allocated, inside the card
 ALLOCATOR_MARGIN = 1.10  # the caching allocator's fragmentation
 ADAM_BYTES = 4 + 4 + 8  # a LoRA weight in fp32, its gradient, AdamW's two moments
+MLP = ("gate_proj", "up_proj", "down_proj")
 
 
 class ModelShape(Struct, kw_only=True, omit_defaults=True):
@@ -59,12 +61,14 @@ class ModelShape(Struct, kw_only=True, omit_defaults=True):
         return {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h),
                 "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}
 
+    def linear_params(self) -> int:
+        """Parameters of the decoder layers' linear layers (each expert's MLP counted): what nf4 quantizes."""
+        per_layer = sum(a * b * (self.experts if name in MLP else 1) for name, (a, b) in self.linear_dims().items())
+        return self.layers * per_layer
+
     def counted_params(self, tied: bool) -> int:
-        dims = self.linear_dims()
-        attention = sum(a * b for name, (a, b) in dims.items() if name.endswith(("q_proj", "k_proj", "v_proj", "o_proj")))
-        mlp = sum(a * b for name, (a, b) in dims.items() if name in ("gate_proj", "up_proj", "down_proj"))
-        per_layer = attention + mlp * self.experts + 2 * self.hidden
-        return self.vocab * self.hidden * (1 if tied else 2) + self.layers * per_layer + self.hidden
+        norms = self.layers * 2 * self.hidden + self.hidden
+        return self.linear_params() + norms + self.vocab * self.hidden * (1 if tied else 2)
 
 
 class Estimate(Struct, kw_only=True):
@@ -90,9 +94,8 @@ def estimate(shape: ModelShape, request, device: str = "cuda") -> Estimate:
     act = 4 if device == "cpu" or t.precision == "fp32" else 2  # bytes per activation value
     weight_bytes = 4 if device == "cpu" or t.precision == "fp32" else DTYPE_BYTES.get(shape.dtype, 2)
     dims = shape.linear_dims()
-    linear = shape.layers * sum(a * b for name, (a, b) in dims.items()) + (shape.experts - 1) * shape.layers * sum(
-        a * b for name, (a, b) in dims.items() if name in ("gate_proj", "up_proj", "down_proj"))
-    if request.quantization == "nf4":
+    if request.quantization == "nf4":  # the embeddings, output projection and norms stay in bf16
+        linear = shape.linear_params()
         weights = linear * NF4_BYTES + max(shape.params - linear, 0) * 2
     else:
         weights = shape.params * weight_bytes
@@ -133,8 +136,6 @@ def estimate(shape: ModelShape, request, device: str = "cuda") -> Estimate:
 def what_would_fit(shape: ModelShape, request, free_mib: int) -> list[str]:
     """Changes to the request that bring its estimate under free_mib, each with its new estimate, most useful
     first; the scheduler's refusal names them."""
-    import msgspec
-
     t, options = request.train, []
 
     def train(**changes):

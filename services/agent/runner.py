@@ -21,6 +21,7 @@ from services.procs import die_with_parent, write_pid_file
 
 log = logging.getLogger(__name__)
 STDERR_LINES = 3  # the last lines of stderr become the error when the trainer dies
+STDERR_WAIT_S = 5.0  # how long an exited trainer's stderr is read on (a grandchild may hold it open)
 RANKS_END_S = 30.0  # after rank 0 finished, how long the other ranks may take to exit before they are killed
 DEFAULT_TRAINER = [sys.executable, "-m", "trainer"]
 _decode = msgspec.json.Decoder(TrainerEvent)
@@ -51,14 +52,17 @@ class TrainerRun:
             env.update(rank_env(self.ranks))
         self.proc = await self._start(spec_path, env, 0)
         pid_file = write_pid_file(self.workdir, self.proc.pid)
-        tasks = [asyncio.create_task(self._read_stderr(self.proc, 0))]
+        readers = [asyncio.create_task(self._read_stderr(self.proc, 0))]
+        tasks = list(readers)
         try:
             for rank in range(1, self.ranks):
                 self.others.append(await self._start(spec_path, env, rank))
-                tasks.append(asyncio.create_task(self._read_stderr(self.others[-1], rank)))
-            tasks += [asyncio.create_task(self._watch(proc, rank)) for rank, proc in enumerate(self.others, 1)]
+                readers.append(asyncio.create_task(self._read_stderr(self.others[-1], rank)))
+            tasks += readers[1:] + [asyncio.create_task(self._watch(proc, readers[rank], rank))
+                                    for rank, proc in enumerate(self.others, 1)]
             final = await self._read_events(on_event)
             code = await self.proc.wait()
+            await asyncio.wait([readers[0]], timeout=STDERR_WAIT_S)  # its last words, for the error
             if isinstance(final, Finished) and self.others:
                 await self._others_end()
         finally:  # cancelled, or failed reading: nothing of the trainer is left running
@@ -83,9 +87,10 @@ class TrainerRun:
             env={**env, "RANK": str(rank), "LOCAL_RANK": str(rank)} if self.ranks > 1 else env, limit=2**24,
             preexec_fn=die_with_parent(signal.SIGKILL), process_group=group)
 
-    async def _watch(self, proc: asyncio.subprocess.Process, rank: int) -> None:
+    async def _watch(self, proc: asyncio.subprocess.Process, stderr: asyncio.Task, rank: int) -> None:
         """A rank that dies takes the job with it: the rest would wait for it in their next collective."""
         code = await proc.wait()
+        await asyncio.wait([stderr], timeout=STDERR_WAIT_S)
         if code != 0 and not self.cancelled and self.rank_died is None:
             how = f"was killed by signal {-code}" if code < 0 else f"exited with code {code}"
             tail = " | ".join(t for t in self.stderr_tail if t.startswith(f"[rank {rank}]")) if code > 0 else ""
