@@ -79,3 +79,23 @@ async def test_an_auto_sized_job_is_placed_by_its_estimate_or_refused_with_what_
 
 async def _queued(nc, job: str) -> bool:
     return (await get_job(nc, job)).state == "queued"
+
+
+def test_the_estimate_command_reads_the_model_here_and_says_what_would_fit(tmp_path, capsys):
+    from schemas.memory import Estimate
+    from services.cli import main
+
+    big = tmp_path / "llama-3-8b"
+    big.mkdir()
+    (big / "config.json").write_text(json.dumps(LLAMA_3_8B))
+    job = {"model": "llama", "base_dir": "/models/elsewhere", "data": pairs(2),
+           "train": {"batch_size": 4, "max_seq_length": 4096}}
+    (tmp_path / "job.json").write_text(json.dumps(job))
+    assert main(["estimate", str(tmp_path / "job.json"), "--model-dir", str(big), "--json"]) == 0
+    printed = msgspec.json.decode(capsys.readouterr().out, type=Estimate)
+    assert printed == estimate(read_shape(str(big)), msgspec.convert(job, JobRequest))
+    assert main(["estimate", str(tmp_path / "job.json"), "--model-dir", str(big), "--free", "24576"]) == 0
+    out = capsys.readouterr().out
+    assert f"~{printed.mib:,} MiB per device" in out and "both: ~" in out and "(still too much)" in out, out
+    assert main(["estimate", str(tmp_path / "job.json")]) == 2  # /models/elsewhere is not on this machine
+    assert "give --model-dir" in capsys.readouterr().err

@@ -15,6 +15,7 @@ from services.cli.adapters import cmd_adapters
 from services.cli.artifacts import cmd_artifacts
 from services.cli.client import EXIT_OK
 from services.cli.datasets import cmd_datasets
+from services.cli.estimate import cmd_estimate
 from services.cli.jobs import (cmd_checkpoints, cmd_control, cmd_events, cmd_job, cmd_jobs, cmd_nodes, cmd_submit,
                                cmd_watch)
 from services.cli.serve import run_agent, run_all, run_artifacts, run_dashboard, run_scheduler, run_service
@@ -227,6 +228,12 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--keep", action="store_true", help="keep the stack and the dashboard up after the run")
     p.set_defaults(fn=cmd_demo)
+    p = sub.add_parser("estimate", help="a job's predicted peak GPU memory, from its model's config.json")
+    p.add_argument("job_file")
+    p.add_argument("--model-dir", help="where the job's base model is on this machine (default: its base_dir)")
+    p.add_argument("--free", type=int, default=0, help="MiB a device has: say what would fit when the job needs more")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.set_defaults(fn=cmd_estimate)
     p = sub.add_parser("permissions", help="write the per-role users and subject permissions for nats-server")
     p.add_argument("--nodes", default="", help="agent node ids, comma separated: one user each")
     p.add_argument("--tenants", default="", help="tenants, comma separated: one user each, confined to its own jobs")

@@ -1,0 +1,35 @@
+"""`jetlora estimate JOB`: the job's predicted peak GPU memory, from its model's config on this machine, before
+submitting it (the scheduler sizes `gpu_mib: 0` jobs the same way)."""
+
+from __future__ import annotations
+
+import sys
+
+import msgspec
+
+from schemas.jobs import parse_job_request
+from schemas.memory import estimate, what_would_fit
+from schemas.validate import InvalidRequest
+from services.agent.models import read_shape
+from services.cli.client import EXIT_OK, EXIT_REJECTED
+from services.cli.jobs import _load_job_file
+
+
+def cmd_estimate(args) -> int:
+    try:
+        request = parse_job_request(_load_job_file(args.job_file))
+        shape = read_shape(args.model_dir or request.base_dir)
+    except (InvalidRequest, ValueError) as e:
+        print(f"{args.job_file}: {e}" + ("" if args.model_dir else "; give --model-dir where the model is on this "
+                                                                   "machine"), file=sys.stderr)
+        return EXIT_REJECTED
+    need = estimate(shape, request)
+    if args.json:
+        print(msgspec.json.encode(need).decode())
+        return EXIT_OK
+    print(f"~{need.mib:,} MiB per device: {need.why()}")
+    if args.free and need.mib > args.free:
+        print(f"more than {args.free:,} MiB; what would fit:")
+        for fix in what_would_fit(shape, request, args.free):
+            print(f"  {fix}")
+    return EXIT_OK
