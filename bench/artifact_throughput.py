@@ -1,6 +1,7 @@
-"""MB/s of a 1 GB artifact through jetlora's chunked path (agent sender -> artifact service -> object store)
-against nats-py's own ObjectStore.put of the same file, on one embedded server, in one run.
-Run by hand:  python bench/artifact_throughput.py [--mib 1024]
+"""MiB/s of an artifact through jetlora's chunked path (agent sender -> artifact service -> object store)
+against nats-py's own ObjectStore.put of the same file, on one embedded server, in one run: the sides alternate
+round by round (A B, B A, ...) so background load favours neither, and the median ratio and its spread are
+reported. Run by hand:  python bench/artifact_throughput.py [--mib 256 --rounds 4]
 """
 
 from __future__ import annotations
@@ -8,6 +9,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -17,6 +19,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+import msgspec  # noqa: E402
 import nats  # noqa: E402
 
 from schemas import names  # noqa: E402
@@ -30,7 +33,21 @@ def peak_rss_mib(pid: int) -> float:
         return next(int(line.split()[1]) for line in f if line.startswith("VmHWM")) / 1024
 
 
-async def main(mib: int) -> None:
+async def answering(nc) -> None:
+    """Until the artifact service answers its list requests (it has started)."""
+    from services import bus
+
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            await bus.request(nc, names.ARTIFACTS_LIST, b"{}", msgspec.Raw, timeout=1)
+            return
+        except bus.RequestError:
+            if time.monotonic() > deadline:
+                raise
+
+
+async def main(mib: int, rounds: int) -> None:
     with tempfile.TemporaryDirectory() as tmp, EmbeddedNats(store_dir=Path(tmp) / "nats") as server:
         src = Path(tmp) / "artifact.bin"
         with open(src, "wb") as f:
@@ -40,29 +57,48 @@ async def main(mib: int) -> None:
         await ensure_resources(nc)
         service = subprocess.Popen([sys.executable, "-m", "services.cli", "artifacts", "--nats", server.url],
                                    cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        await asyncio.sleep(2.0)
         try:
+            await answering(nc)
             obs = await nc.jetstream().object_store(names.ARTIFACTS_BUCKET)
-            t0 = time.perf_counter()
-            with open(src, "rb") as f:
-                await obs.put("direct", f)
-            direct = mib / (time.perf_counter() - t0)
-            await obs.delete("direct")
-            t0 = time.perf_counter()
-            await upload_file(nc, "bench", "peft", src, timeout=60)
-            chunked = mib / (time.perf_counter() - t0)
+
+            async def direct(r: int) -> float:
+                t0 = time.perf_counter()
+                with open(src, "rb") as f:
+                    await obs.put(f"direct-{r}", f)
+                took = time.perf_counter() - t0
+                await obs.delete(f"direct-{r}")
+                return mib / took
+
+            async def chunked(r: int) -> float:
+                t0 = time.perf_counter()
+                await upload_file(nc, f"bench{r}", "peft", src, timeout=60)
+                took = time.perf_counter() - t0
+                await obs.delete(names.artifact_name(f"bench{r}", "peft"))
+                return mib / took
+
+            results = []
+            for r in range(rounds):
+                sides = [("direct", direct), ("chunked", chunked)]
+                results.append({name: await side(r) for name, side in (sides if r % 2 == 0 else sides[::-1])})
+                print(f"  round {r + 1}: direct {results[-1]['direct']:6.1f} MiB/s, chunked "
+                      f"{results[-1]['chunked']:6.1f} MiB/s", flush=True)
             rss = peak_rss_mib(service.pid)
         finally:
             service.terminate()
             service.wait(10)
             await nc.close()
-    print(f"{mib} MiB artifact on one embedded nats-server")
-    print(f"nats-py ObjectStore.put (baseline): {direct:6.1f} MiB/s")
-    print(f"jetlora chunked upload:             {chunked:6.1f} MiB/s")
-    print(f"ratio chunked/direct: {chunked / direct:.2f}; artifact service peak RSS {rss:.0f} MiB")
+    ratios = sorted(r["chunked"] / r["direct"] for r in results)
+    median = lambda side: statistics.median(r[side] for r in results)  # noqa: E731
+    print(f"{mib} MiB artifact on one embedded nats-server, {rounds} rounds")
+    print(f"nats-py ObjectStore.put (baseline): {median('direct'):6.1f} MiB/s (median)")
+    print(f"jetlora chunked upload:             {median('chunked'):6.1f} MiB/s (median)")
+    print(f"ratio chunked/direct: median {statistics.median(ratios):.2f} ({ratios[0]:.2f}-{ratios[-1]:.2f}); "
+          f"artifact service peak RSS {rss:.0f} MiB")
 
 
 if __name__ == "__main__":
     ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--mib", type=int, default=1024)
-    asyncio.run(main(ap.parse_args().mib))
+    ap.add_argument("--mib", type=int, default=256)
+    ap.add_argument("--rounds", type=int, default=4)
+    args = ap.parse_args()
+    asyncio.run(main(args.mib, args.rounds))
