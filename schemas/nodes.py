@@ -12,6 +12,11 @@ from schemas.memory import ModelShape
 CPU_DEVICE = -1  # the index of a node's CPU when it offers it for training
 
 
+def on_devices(indices: list[int]) -> str:
+    """How messages name where a job runs: "device 0", or "devices 0, 1"."""
+    return f"devices {', '.join(map(str, indices))}" if len(indices) > 1 else f"device {indices[0]}"
+
+
 class Device(Struct, kw_only=True):
     """One GPU of a node (or its CPU, index -1, when the node offers it)."""
 

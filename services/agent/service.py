@@ -18,7 +18,7 @@ from schemas.events import (Cancelled, Checkpoint, DataFile, Failed, Finished, P
                             StateChange, TrainerSpec)
 from schemas.jobs import ArtifactRef, CheckpointInfo, DatasetRef, JobId, JobState
 from schemas.nodes import (CPU_DEVICE, AssignAccepted, AssignRefused, Assignment, Control, ControlReply, Device,
-                           Heartbeat, Reclaim, ReclaimReply)
+                           Heartbeat, Reclaim, ReclaimReply, on_devices)
 from services import __version__, bus
 from services.aio import cancel_and_wait, sleep_unless_stopped
 from services.bus import publish_durably
@@ -237,8 +237,7 @@ class Agent:
         a = run.assignment
         job_dir = self.cfg.work_dir / "jobs" / f"{a.job}-{a.attempt}"
         try:
-            on = (f"devices {', '.join(map(str, run.devices))}" if len(run.devices) > 1 else f"device {a.device}")
-            await self._report(run, "preparing", f"starting the trainer on {self.cfg.node} {on}")
+            await self._report(run, "preparing", f"starting the trainer on {self.cfg.node} {on_devices(run.devices)}")
             result = await self._train(run, job_dir)
             if run.checkpoint_upload:  # its state event must not come after the job's end
                 await run.checkpoint_upload

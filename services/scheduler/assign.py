@@ -10,7 +10,7 @@ import msgspec
 
 from schemas import names
 from schemas.jobs import ACTIVE_STATES
-from schemas.nodes import Assignment, AssignRefused, AssignReply
+from schemas.nodes import Assignment, AssignRefused, AssignReply, on_devices
 from services import bus
 from services.aio import wait_first
 from services.scheduler.core import UNPLACED, Job, SchedulerCore
@@ -110,9 +110,8 @@ class SchedulerAssign(SchedulerCore):
         self.by_node.setdefault(node, set()).add(job.id)
         job.assigned_at = time.monotonic()
         try:
-            where = f"devices {', '.join(str(i) for _, i in slots)}" if len(slots) > 1 else f"device {device}"
-            written = await self._set_state(job, "assigned", f"assigned to {node} {where}", attempt=attempt,
-                                            when=lambda s: s.state == "queued")
+            written = await self._set_state(job, "assigned", f"assigned to {node} {on_devices([i for _, i in slots])}",
+                                            attempt=attempt, when=lambda s: s.state == "queued")
         except Exception as e:  # JetStream away: the job stays queued, the slot free
             log.warning("could not record the assignment of %s (%s); it stays queued", job.id, e)
             written = False
