@@ -164,7 +164,7 @@ def adapter_status(node_id: str = "*") -> str:
     return f"{ADAPTERS_GROUP}.status.{node_id}"
 
 
-def adapter_version_key(name: str, version: int) -> str:
+def adapter_version_key(name: str, version: int | str) -> str:
     return f"version.{name}.{version}"
 
 
@@ -250,6 +250,11 @@ class StoreNames:
     @property
     def subjects(self) -> str:
         return self.prefix + ">"
+
+    @property
+    def metas(self) -> str:
+        """An object store's descriptions of all its objects."""
+        return self.prefix + "M.>"
 
     def chunks(self, nuid: str) -> str:
         """An object store's chunks of one object."""

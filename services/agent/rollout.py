@@ -19,6 +19,7 @@ from schemas import names
 from schemas.registry import Alias, AdapterVersion, NodeAdapterStatus, StoredFile
 from services.agent.engines import Engine, answering, load, restart, smoke, unload
 from services.artifacts.download import fetch_object, safe_extract
+from services.aio import sleep_unless_stopped
 from services.registry.store import AdapterRegistry
 
 log = logging.getLogger(__name__)
@@ -38,13 +39,28 @@ class Rollout:
         self.versions: dict[tuple[str, int], AdapterVersion] = {}  # versions never change: read each once
 
     async def run(self, stop: asyncio.Event) -> None:
+        """Follow the aliases until `stop`; a watch the server breaks (a restart, a limit) is opened again."""
         if not self.engines:
             return
         await self._start_engines()
+        log.info("rollout: %s follow the adapter registry", ", ".join(e.label for e in self.engines))
+        pause = 0.5
+        while not stop.is_set():
+            began = time.monotonic()
+            try:
+                await self._follow(stop)
+            except Exception as e:
+                if time.monotonic() - began > 60:  # it had worked for a while: a fresh failure
+                    pause = 0.5
+                log.warning("rollout: following the adapter registry failed (%s: %s); trying again in %.1fs",
+                            type(e).__name__, e, pause)
+                await sleep_unless_stopped(stop, pause)
+                pause = min(pause * 2, 30.0)
+
+    async def _follow(self, stop: asyncio.Event) -> None:
         kv = await self.js.key_value(names.ADAPTERS_KV)
         self.registry = AdapterRegistry(kv)
         watcher = await kv.watch(names.adapter_alias_key(), ignore_deletes=True)
-        log.info("rollout: %s follow the adapter registry", ", ".join(e.label for e in self.engines))
         try:
             while not stop.is_set():
                 try:

@@ -17,6 +17,7 @@ from services import bus
 from services.artifacts.objinfo import dataset_from_object, dataset_headers
 from services.artifacts.objwriter import ObjectWriter
 from services.artifacts.receiver import ChunkReceiver, Refused
+from services.streamview import object_view
 
 log = logging.getLogger(__name__)
 
@@ -57,6 +58,7 @@ class DatasetStore:
     def __init__(self, nc: Client, limits: DatasetLimits, stall_timeout: float = 30.0) -> None:
         self.nc, self.js, self.limits = nc, nc.jetstream(), limits
         self.receiver = ChunkReceiver(DatasetChunk, DatasetChunkAck, lambda c: c.name, self._open_sink, stall_timeout)
+        self.objects = object_view(self.js, names.DATASETS_BUCKET)  # followed while the artifact service runs
 
     async def add_endpoints(self, service) -> None:
         group = service.add_group(name=names.DATASETS_GROUP)
@@ -74,12 +76,7 @@ class DatasetStore:
         return DatasetSink(writer, DatasetChecker(upload.format, self.limits), f"dataset {chunk.name}")
 
     async def _list(self, q: DatasetListQuery) -> DatasetList:
-        obs = await self.js.object_store(names.DATASETS_BUCKET)
-        try:
-            objects = await obs.list(ignore_deletes=True)
-        except NotFoundError:  # nats-py's answer for an empty bucket
-            objects = []
-        found = [d for d in map(dataset_from_object, objects) if d]
+        found = [d for d in map(dataset_from_object, (await self.objects.snapshot()).values()) if d]
         return DatasetList([d for d in found if q.format is None or d.stats.format == q.format])
 
     async def _show(self, q: DatasetQuery) -> DatasetReply | Error:

@@ -21,6 +21,7 @@ from services.artifacts.datasets import DatasetStore
 from services.artifacts.objinfo import artifact_headers, info_from_object, sha256_header
 from services.artifacts.objwriter import ObjectWriter
 from services.artifacts.receiver import ChunkReceiver
+from services.streamview import object_view
 
 log = logging.getLogger(__name__)
 
@@ -55,6 +56,7 @@ class ArtifactService:
         self.nc, self.js = nc, nc.jetstream()
         self.receiver = ChunkReceiver(Chunk, ChunkAck, lambda c: c.job, self._open_sink, stall_timeout)
         self.datasets = DatasetStore(nc, dataset_limits or DatasetLimits(), stall_timeout)
+        self.objects = object_view(self.js, names.ARTIFACTS_BUCKET)
         self.ready = asyncio.Event()
 
     @property
@@ -63,6 +65,7 @@ class ArtifactService:
 
     async def run(self, stop: asyncio.Event) -> None:
         self.obs = await self.js.object_store(names.ARTIFACTS_BUCKET)
+        views = [asyncio.create_task(v.run(stop)) for v in (self.objects, self.datasets.objects)]
         limits = dict(pending_msgs_limit=4096, pending_bytes_limit=256 * 1024 * 1024)
         subs = [await self.nc.subscribe(names.ARTIFACTS_UPLOAD_ALL, queue="jetlora-artifacts", cb=self.receiver.on_chunk,
                                         **limits),
@@ -84,7 +87,7 @@ class ArtifactService:
         try:
             await stop.wait()
         finally:
-            await cancel_and_wait(reapers)
+            await cancel_and_wait(reapers + views)
             await service.stop()
             for sub in subs:
                 await sub.unsubscribe()
@@ -109,11 +112,7 @@ class ArtifactService:
     # --- operators' requests -------------------------------------------------------------------
     async def list_artifacts(self, q: ArtifactQuery, tenant: str | None = None) -> list[ArtifactInfo]:
         """Artifacts matching the query; a tenant's own only, when one asks."""
-        try:
-            objects = await self.obs.list(ignore_deletes=True)
-        except Exception:  # nats-py raises NotFoundError on an empty bucket
-            objects = []
-        out = [a for a in map(info_from_object, objects) if a]
+        out = [a for a in map(info_from_object, (await self.objects.snapshot()).values()) if a]
         return [a for a in out if (q.job is None or a.job == q.job) and (q.kind is None or a.kind == q.kind)
                 and (tenant is None or a.tenant == tenant)]
 

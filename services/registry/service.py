@@ -14,7 +14,8 @@ from schemas.jobs import Error
 from schemas.registry import (AdapterList, AdapterListQuery, AdapterQuery, AdapterReply, AdapterVersion, Alias,
                               AliasRequest, PromoteRequest, RegisterRequest, StoredFile)
 from services import __version__, bus
-from services.registry.store import AdapterRegistry, RegistryError
+from services.aio import cancel_and_wait
+from services.registry.store import AdapterRegistry, RegistryError, registry_view
 from services.scheduler.store import JobStore
 
 log = logging.getLogger(__name__)
@@ -68,8 +69,16 @@ class RegistryService:
         self.ready = asyncio.Event()
 
     async def run(self, stop: asyncio.Event) -> None:
-        self.registry = AdapterRegistry(await self.js.key_value(names.ADAPTERS_KV))
+        view = registry_view(self.js)
+        self.registry = AdapterRegistry(await self.js.key_value(names.ADAPTERS_KV), view)
         self.jobs = JobStore(self.js, await self.js.key_value(names.JOBS_KV))
+        following = asyncio.create_task(view.run(stop), name="registry-view")
+        try:
+            await self._serve(stop)
+        finally:
+            await cancel_and_wait([following])
+
+    async def _serve(self, stop: asyncio.Event) -> None:
         service = await nats.micro.add_service(self.nc, name=names.ADAPTER_SERVICE, version=__version__,
                                                description="jetlora adapter registry")
         group = service.add_group(name=names.ADAPTERS_GROUP)
@@ -85,13 +94,11 @@ class RegistryService:
         finally:
             await service.stop()
 
-    async def _reply(self, name: str, alias: Alias | None = None) -> AdapterReply | Error:
-        if alias is None:
-            alias, _ = await self.registry.alias(name)
-        if alias is None:
+    async def _reply(self, name: str) -> AdapterReply | Error:
+        found = (await self.registry.adapters(only=name)).get(name)
+        if found is None:
             return Error(f"no adapter named {name}; `jetlora adapters ls` lists them", field="name")
-        return AdapterReply(alias=alias, versions=await self.registry.versions(name),
-                            nodes=await self.registry.node_statuses(name))
+        return found
 
     async def _register(self, q: RegisterRequest) -> AdapterReply | Error:
         try:
@@ -101,9 +108,8 @@ class RegistryService:
         return await self._reply(q.name)
 
     async def _list(self, q: AdapterListQuery) -> AdapterList:
-        out = [await self._reply(a.name, a) for a in await self.registry.aliases()]
-        return AdapterList(adapters=[r for r in out if isinstance(r, AdapterReply) and (
-            q.base_model is None or any(v.base_model == q.base_model for v in r.versions))])
+        return AdapterList(adapters=[r for r in (await self.registry.adapters()).values() if
+                                     q.base_model is None or any(v.base_model == q.base_model for v in r.versions)])
 
     async def _show(self, q: AdapterQuery) -> AdapterReply | Error:
         return await self._reply(q.name)

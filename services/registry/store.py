@@ -7,10 +7,11 @@ import asyncio
 import time
 
 import msgspec
-from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError, NoKeysError
+from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError
 
 from schemas import names
-from schemas.registry import Alias, AdapterVersion, NodeAdapterStatus
+from schemas.registry import AdapterReply, AdapterVersion, Alias, NodeAdapterStatus
+from services.streamview import LatestView, kv_view
 
 _version = msgspec.json.Decoder(AdapterVersion)
 _alias = msgspec.json.Decoder(Alias)
@@ -27,25 +28,18 @@ class Moved(RegistryError):
     """The alias is not where the caller expected: another change came first."""
 
 
-async def read_all(kv, pattern: str) -> dict[str, bytes]:
-    """The current value of every key matching `pattern` (a snapshot, through a watcher that stops at its end)."""
-    try:
-        watcher = await kv.watch(pattern, ignore_deletes=True)
-    except NoKeysError:
-        return {}
-    out = {}
-    try:
-        while (entry := await watcher.updates(timeout=5.0)) is not None:
-            if entry.value:
-                out[entry.key] = entry.value
-    finally:
-        await watcher.stop()
-    return out
+def registry_view(js) -> LatestView:
+    """Every alias, version and node status of the registry, decoded, kept current by one consumer."""
+    decoders = {"alias": _alias, "version": _version, "node": _status}
+    return kv_view(js, names.ADAPTERS_KV, lambda key, data: decoders[key.partition(".")[0]].decode(data))
 
 
 class AdapterRegistry:
-    def __init__(self, kv) -> None:
-        self.kv = kv
+    """Reads one key by a direct lookup; reads that span keys (aliases, versions, node statuses) come from `view`,
+    which only a service that answers them runs (the registry service)."""
+
+    def __init__(self, kv, view: LatestView | None = None) -> None:
+        self.kv, self.view = kv, view
 
     # --- reading ---------------------------------------------------------------------------------
     async def alias(self, name: str) -> tuple[Alias | None, int]:
@@ -62,17 +56,25 @@ class AdapterRegistry:
             return None
         return _version.decode(entry.value)
 
-    async def versions(self, name: str) -> list[AdapterVersion]:
-        found = await read_all(self.kv, names.adapter_version_key(name, "*"))
-        return sorted((_version.decode(v) for v in found.values()), key=lambda v: v.version)
-
-    async def aliases(self) -> list[Alias]:
-        return sorted((_alias.decode(v) for v in (await read_all(self.kv, names.adapter_alias_key())).values()),
-                      key=lambda a: a.name)
-
-    async def node_statuses(self, name: str) -> list[NodeAdapterStatus]:
-        found = await read_all(self.kv, names.adapter_node_key(name, "*"))
-        return sorted((_status.decode(v) for v in found.values()), key=lambda s: s.node)
+    async def adapters(self, only: str | None = None) -> dict[str, AdapterReply]:
+        """Each adapter (or just `only`) with its versions and node statuses, as of this request, in one pass."""
+        if self.view is None:
+            raise RuntimeError("this AdapterRegistry has no view: only the registry service lists adapters")
+        aliases: dict[str, Alias] = {}
+        versions: dict[str, list[AdapterVersion]] = {}
+        nodes: dict[str, list[NodeAdapterStatus]] = {}
+        for key, value in (await self.view.snapshot()).items():
+            kind, _, rest = key.partition(".")
+            name = rest.partition(".")[0]
+            if only is not None and name != only:
+                continue
+            if kind == "alias":
+                aliases[name] = value
+            else:
+                (versions if kind == "version" else nodes).setdefault(name, []).append(value)
+        return {name: AdapterReply(alias=alias, versions=sorted(versions.get(name, []), key=lambda v: v.version),
+                                   nodes=sorted(nodes.get(name, []), key=lambda s: s.node))
+                for name, alias in sorted(aliases.items())}
 
     # --- writing ---------------------------------------------------------------------------------
     async def add_version(self, draft: AdapterVersion) -> AdapterVersion:
