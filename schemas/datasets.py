@@ -10,7 +10,7 @@ from typing import Annotated, Literal
 
 from msgspec import Meta, Struct, field
 
-from schemas.jobs import DatasetName, DatasetRef  # noqa: F401 (a job names its data with a DatasetRef)
+from schemas.jobs import DatasetName, DatasetRef, TenantId  # noqa: F401 (a job names its data with a DatasetRef)
 DatasetFormat = Literal["qa", "chat", "alpaca", "text"]
 FORMATS: dict[str, str] = {  # what each format's rows hold, as error messages show it
     "qa": '{"q": question, "a": answer}',
@@ -85,6 +85,7 @@ class DatasetInfo(Struct, kw_only=True):
     created: str
     stats: DatasetStats
     description: str = ""
+    tenants: list[TenantId] = field(default_factory=list)  # the tenants an admin shared it with (their jobs may use it)
 
 
 # --- the upload: chunk messages, as artifacts travel ----------------------------------------------
@@ -94,6 +95,7 @@ class DatasetUpload(Struct, forbid_unknown_fields=True, kw_only=True):
     format: DatasetFormat | Literal["auto"] = "auto"
     replace: bool = False  # a dataset of that name is replaced (jobs that pinned the old one then fail)
     description: Annotated[str, Meta(max_length=1000)] = ""
+    share: list[TenantId] = field(default_factory=list)  # tenants whose jobs may train on it; none: admins' only
 
 
 class DatasetChunk(Struct, kw_only=True):

@@ -13,6 +13,11 @@ NodeId = Annotated[str, Meta(pattern=pattern(r"^[A-Za-z0-9_-]{1,128}$", "must be
 JobId = NodeId
 TenantId = NodeId
 Text = Annotated[str, Meta(pattern=pattern(r"\S", "must have some text, not only spaces"))]
+_CONTROLS = "\x00-\x1f\x7f-\x9f\u2028\u2029\u202a-\u202e\u2066-\u2069"  # and the bidi overrides
+OneLine = Annotated[str, Meta(pattern=pattern(f"^[^{_CONTROLS}]*\\Z", "must be one line of printable text: no control "
+                                              "characters (newlines, tabs, escape sequences, bidi overrides)"))]
+Name = Annotated[str, Meta(pattern=pattern(f"^(?=.*\\S)[^{_CONTROLS}]*\\Z", "must be one line of printable text, not "
+                                           "only spaces: no control characters (newlines, tabs, escape sequences)"))]
 ABSOLUTE_PATH = pattern(r"^/[^\x00-\x1f\x7f]*[^/\x00-\x1f\x7f][^\x00-\x1f\x7f]*$",
                         "must be an absolute path below / with no control characters (NUL, newline, tab); "
                         "give the model directory's full path on the node")
@@ -106,7 +111,7 @@ class TrainConfig(Struct, forbid_unknown_fields=True, kw_only=True):
 class JobRequest(Struct, forbid_unknown_fields=True, kw_only=True):
     """What a submitter publishes on the submit subject."""
 
-    model: Annotated[Text, Meta(max_length=200, description="catalog name of the served model")]
+    model: Annotated[Name, Meta(max_length=200, description="catalog name of the served model")]
     base_dir: Annotated[str, Meta(pattern=ABSOLUTE_PATH, max_length=4096,
                                   description="directory of safetensors weights and config.json, on the node")]
     data: Annotated[list[QA], Meta(description="question/answer pairs sent inline (small jobs); or name a dataset")] = field(
@@ -130,8 +135,8 @@ class JobRequest(Struct, forbid_unknown_fields=True, kw_only=True):
     train: TrainConfig = field(default_factory=TrainConfig)
     gguf_type: Literal["f16", "f32", "bf16", "q8_0"] = "f16"
     register: RegisterSpec | None = None
-    label: Annotated[str, Meta(max_length=200)] = ""
-    idempotency_key: Annotated[str, Meta(min_length=1, max_length=256, description=(
+    label: Annotated[OneLine, Meta(max_length=200)] = ""
+    idempotency_key: Annotated[OneLine, Meta(min_length=1, max_length=256, description=(
         "a client's own name for this submission: sent again (a retry after a timeout) within the scheduler's "
         "window, it returns the first job's id and creates nothing"))] | None = None
 

@@ -233,6 +233,15 @@ def artifact_name(job: str, kind: str, step: int | None = None) -> str:
 # JetStream's own API and storage subjects, for the writers and readers that go below nats-py and for permissions
 JS_API_ALL = "$JS.API.>"
 INBOX_ALL = "_INBOX.>"
+
+
+def inbox(user: str) -> str:
+    """A user's own inbox prefix: the replies to its requests arrive under it, and only it may subscribe there."""
+    return f"_INBOX.{user}"
+
+
+def inbox_all(user: str) -> str:
+    return inbox(user) + ".>"
 SERVICE_DISCOVERY_ALL = "$SRV.>"
 
 

@@ -7,7 +7,7 @@ from typing import Annotated, Literal
 
 from msgspec import Meta, Struct, field
 
-from schemas.jobs import JobId, NodeId
+from schemas.jobs import JobId, NodeId, TenantId
 
 AdapterName = Annotated[NodeId, Meta(description="what requests to the engine call it (`\"model\": NAME`)")]
 Version = Annotated[int, Meta(ge=1)]
@@ -47,6 +47,7 @@ class Alias(Struct, kw_only=True):
     latest: int = 0
     retired: bool = False
     updated: float = 0.0
+    tenant: TenantId | None = None  # whose name it is: the first registration claims it (None: an admin's)
 
 
 class Smoke(Struct, kw_only=True):

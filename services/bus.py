@@ -8,6 +8,7 @@ import functools
 import logging
 import os
 import ssl
+import urllib.parse
 from dataclasses import dataclass
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
@@ -90,6 +91,18 @@ class BusOptions:
         return ctx
 
 
+def redacted(url: str | None) -> str:
+    """The server URL(s) as a log may show them: a password in one is replaced by ***."""
+    shown = []
+    for one in (url or "").split(","):
+        parts = urllib.parse.urlsplit(one.strip())
+        if parts.password is not None:
+            host = parts.netloc.rpartition("@")[2]
+            parts = parts._replace(netloc=f"{parts.username}:***@{host}")
+        shown.append(parts.geturl())
+    return ",".join(shown)
+
+
 async def _quiet(_error) -> None:
     pass
 
@@ -101,7 +114,7 @@ async def connect(opts: BusOptions, service: bool = True) -> Client:
         log.warning("NATS error: %s", e)
 
     async def on_disconnect():
-        log.warning("disconnected from NATS %s; reconnecting", opts.url)
+        log.warning("disconnected from NATS %s; reconnecting", redacted(opts.url))
 
     async def on_reconnect():
         log.info("reconnected to NATS")
@@ -119,6 +132,7 @@ async def connect(opts: BusOptions, service: bool = True) -> Client:
         kwargs["nkeys_seed"] = opts.nkey
     if opts.user:
         kwargs["user"], kwargs["password"] = opts.user, opts.password
+        kwargs["inbox_prefix"] = names.inbox(opts.user)  # the only replies its permissions let it read
     if (tls := opts.tls_context()) is not None:
         kwargs["tls"] = tls
     return await nats.connect(**kwargs)

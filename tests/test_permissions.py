@@ -44,12 +44,13 @@ class Client:
         self.violations: list[str] = []
         self.nc = None
 
-    async def connect(self, url: str, user: str):
+    async def connect(self, url: str, user: str, inbox: str | None = None):
         async def on_error(e):
             if "permissions violation" in str(e).lower():
                 self.violations.append(str(e))
 
-        self.nc = await nats.connect(url, user=user, password=password(user), error_cb=on_error, max_reconnect_attempts=1)
+        self.nc = await nats.connect(url, user=user, password=password(user), error_cb=on_error, max_reconnect_attempts=1,
+                                     inbox_prefix=inbox or names.inbox(user))
         return self
 
 

@@ -38,6 +38,7 @@ class DatasetSink:
     writer: ObjectWriter
     checker: DatasetChecker
     what: str
+    tenants: list[str]
 
     def check(self, data: bytes) -> None:
         try:
@@ -50,7 +51,7 @@ class DatasetSink:
             stats = self.checker.finish()
         except DatasetInvalid as e:
             raise Refused(str(e)) from None
-        self.writer.info.headers.update(dataset_headers(sha256, stats))
+        self.writer.info.headers.update(dataset_headers(sha256, stats, self.tenants))
         return dataset_from_object(await self.writer.commit(digest))
 
 
@@ -73,7 +74,7 @@ class DatasetStore:
                           f"{old.sha256[:12]}…); choose another --name, or pass --replace (jobs that pinned the old "
                           "one will then fail)")
         writer = ObjectWriter(self.js, names.DATASETS_BUCKET, chunk.name, upload.description)
-        return DatasetSink(writer, DatasetChecker(upload.format, self.limits), f"dataset {chunk.name}")
+        return DatasetSink(writer, DatasetChecker(upload.format, self.limits), f"dataset {chunk.name}", upload.share)
 
     async def _list(self, q: DatasetListQuery) -> DatasetList:
         found = [d for d in map(dataset_from_object, (await self.objects.snapshot()).values()) if d]

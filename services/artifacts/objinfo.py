@@ -40,8 +40,9 @@ def info_from_object(obj) -> ArtifactInfo | None:
 _stats = msgspec.json.Decoder(DatasetStats)
 
 
-def dataset_headers(sha: str, stats: DatasetStats) -> dict[str, list[str]]:
-    return {HEADER + "Sha256": [sha], HEADER + "Dataset": [msgspec.json.encode(stats).decode()]}
+def dataset_headers(sha: str, stats: DatasetStats, tenants: list[str]) -> dict[str, list[str]]:
+    return {HEADER + "Sha256": [sha], HEADER + "Dataset": [msgspec.json.encode(stats).decode()],
+            HEADER + "Tenants": [",".join(tenants)]}
 
 
 def dataset_from_object(obj) -> DatasetInfo | None:
@@ -51,4 +52,5 @@ def dataset_from_object(obj) -> DatasetInfo | None:
     if not stats or not sha or getattr(obj, "deleted", False):
         return None
     return DatasetInfo(name=obj.name, sha256=sha[0], size=obj.size or 0, created=obj.mtime or "",
-                       stats=_stats.decode(stats[0]), description=obj.description or "")
+                       stats=_stats.decode(stats[0]), description=obj.description or "",
+                       tenants=[t for t in (h.get(HEADER + "Tenants") or [""])[0].split(",") if t])

@@ -195,6 +195,7 @@ def parser() -> argparse.ArgumentParser:
     d.add_argument("--name", help="what jobs call it (default: the file's name up to its first dot)")
     d.add_argument("--format", choices=["auto", "qa", "chat", "alpaca", "text"], default="auto")
     d.add_argument("--replace", action="store_true", help="replace a dataset of that name")
+    d.add_argument("--share", metavar="TENANT,...", help="tenants whose jobs may train on it (default: admins' only)")
     d.add_argument("--description", default="")
     d = dataset_action("ls", "list datasets")
     d.add_argument("--format", choices=["qa", "chat", "alpaca", "text"])

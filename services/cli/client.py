@@ -60,7 +60,7 @@ def run_client(args, body: Callable[[Client], Awaitable[int]]) -> int:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_UNREACHABLE
     except OSError as e:
-        print(f"error: cannot reach NATS at {opts.url}: {e}", file=sys.stderr)
+        print(f"error: cannot reach NATS at {bus.redacted(opts.url)}: {e}", file=sys.stderr)
         return EXIT_UNREACHABLE
 
 

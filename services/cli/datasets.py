@@ -49,7 +49,8 @@ def cmd_datasets(args) -> int:
         if args.action == "put":
             from services.artifacts.sender import Refusal, upload_dataset
 
-            upload = DatasetUpload(format=args.format, replace=args.replace, description=args.description)
+            upload = DatasetUpload(format=args.format, replace=args.replace, description=args.description,
+                                   share=[t for t in (args.share or "").split(",") if t])
             try:
                 info = await upload_dataset(nc, name, args.file, upload)
             except Refusal as e:

@@ -11,6 +11,7 @@ import msgspec
 from schemas import names
 from schemas.jobs import Accepted, JobList, JobListQuery, JobQuery, JobReply, SubmitReply
 from schemas.nodes import NodeList
+from services.cli.printable import cell, printable
 from services import bus
 from services.cli.client import EXIT_OK, EXIT_REJECTED, CommandFailed, ask, run_client, show
 
@@ -45,7 +46,7 @@ def cmd_submit(args) -> int:
             print(msgspec.json.encode(reply).decode())
         else:
             for e in reply.errors:
-                print(f"rejected: {e.field or '(request)'}: {e.reason}", file=sys.stderr)
+                print(f"rejected: {e.field or '(request)'}: {printable(e.reason)}", file=sys.stderr)
         return EXIT_REJECTED
 
     return run_client(args, go)
@@ -72,7 +73,7 @@ def _jobs_table(reply: JobList) -> None:
     t = Table("job", "state", "node", "dev", "step", "loss", "label", "message")
     for j in reply.jobs:
         t.add_row(j.id, j.state, j.node or "", where(j), f"{j.step}/{j.steps}",
-                  "" if j.loss is None else f"{j.loss:.4f}", j.label, j.message[:80])
+                  "" if j.loss is None else f"{j.loss:.4f}", cell(j.label), cell(j.message[:80]))
     Console().print(t)
 
 
@@ -102,7 +103,7 @@ def _nodes_table(reply: NodeList) -> None:
         for d in n.devices or [None]:
             t.add_row(n.node, "yes" if n.alive else "no", "" if d is None else f"{d.index} {d.name}",
                       "" if d is None else f"{d.free_mib} / {d.total_mib}", "" if d is None else ",".join(d.jobs),
-                      n.no_gpu_reason)
+                      cell(n.no_gpu_reason))
     Console().print(t)
 
 

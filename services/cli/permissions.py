@@ -38,25 +38,25 @@ def roles(nodes: list[str], tenants: list[str] = ()) -> dict[str, dict]:
                                   names.kv(names.LEASE_KV).subjects, ADAPTERS.subjects, names.js_acks(JOBS),
                                   names.INBOX_ALL, names.SERVICE_DISCOVERY_ALL],
                       "subscribe": [names.API_GROUP + ".>", names.ADAPTERS_GROUP + ".>", names.HEARTBEATS_ALL,
-                                    names.JOB_PROGRESS_ALL, names.INBOX_ALL, names.SERVICE_DISCOVERY_ALL]},
+                                    names.JOB_PROGRESS_ALL, names.SERVICE_DISCOVERY_ALL]},
         "artifacts": {"publish": [names.objects(names.ARTIFACTS_BUCKET).subjects, names.objects(names.DATASETS_BUCKET).subjects,
                                   names.JS_API_ALL, names.INBOX_ALL, names.SERVICE_DISCOVERY_ALL],
-                      "subscribe": [names.ARTIFACTS_GROUP + ".>", names.DATASETS_GROUP + ".>", names.INBOX_ALL,
+                      "subscribe": [names.ARTIFACTS_GROUP + ".>", names.DATASETS_GROUP + ".>",
                                     names.SERVICE_DISCOVERY_ALL]},
         "submitter": {"publish": api + watch + datasets + [names.ADAPTERS.list, names.ADAPTERS.show],
-                      "subscribe": [names.INBOX_ALL]},
+                      "subscribe": []},
         "operator": {"publish": api + watch + datasets + list(names.ADAPTERS) + [names.DATASETS.delete, names.node("*").reclaim]
                      + [names.ARTIFACTS_LIST, names.ARTIFACTS_DELETE] + _object_read()
                      + [names.js_api("STREAM", "PURGE", OBJ), names.objects(names.ARTIFACTS_BUCKET).subjects],
-                     "subscribe": [names.INBOX_ALL, names.HEARTBEATS_ALL]},
+                     "subscribe": [names.HEARTBEATS_ALL]},
         "dashboard": {"publish": [names.LIST_JOBS, names.LIST_NODES, names.ARTIFACTS_LIST, names.ADAPTERS.list] + watch
                       + _object_read(),
-                      "subscribe": [names.INBOX_ALL, names.HEARTBEATS_ALL]},
+                      "subscribe": [names.HEARTBEATS_ALL]},
     }
     for tenant in tenants:  # its own verbs only: it sees, cancels and stops its own jobs
         names.check_tenant(tenant)
         users[f"tenant-{tenant}"] = {"publish": list(names.jobs_api(tenant)) + list(names.artifacts_api(tenant)),
-                                     "subscribe": [names.INBOX_ALL]}
+                                     "subscribe": []}
     for node in nodes:
         names.check_token(node, "node id")
         users[f"agent-{node}"] = {
@@ -66,9 +66,20 @@ def roles(nodes: list[str], tenants: list[str] = ()) -> dict[str, dict]:
                        + [f"{ADAPTERS.prefix}node.*.{node}", names.adapter_status(node)]  # what its engines loaded
                        + _object_read() + _read_stream(DATA) + _read_stream(ADAPTERS.stream),  # checkpoints,
                        # datasets to train on, the registry to follow
-            "subscribe": [names.node(node).assign, names.node(node).control, names.node(node).reclaim,
-                          names.INBOX_ALL]}
+            "subscribe": [names.node(node).assign, names.node(node).control, names.node(node).reclaim]}
+    for user, perms in users.items():  # replies come to each user's own inbox, which no other user may read
+        perms["subscribe"].append(names.inbox_all(user))
+        if user != "scheduler":
+            perms["deny_publish"] = _scheduler_consumer()
     return users
+
+
+def _scheduler_consumer() -> list[str]:
+    """The scheduler's durable consumer of job states: nobody else may create, change, delete, read or ack it."""
+    consumer = names.SCHEDULER_CONSUMER
+    return [names.js_api("CONSUMER", "*", JOBS, consumer), names.js_api("CONSUMER", "*", JOBS, consumer, ">"),
+            names.js_api("CONSUMER", "*", "*", JOBS, consumer), names.js_api("CONSUMER", "MSG", "NEXT", JOBS, consumer),
+            names.js_acks(JOBS)]
 
 
 def env_var(user: str) -> str:
@@ -79,7 +90,8 @@ def authorization_block(nodes: list[str], tenants: list[str] = ()) -> str:
     lines = ["authorization {", "  users = ["]
     for user, perms in roles(nodes, tenants).items():
         lines.append(f"    {{ user: {json.dumps(user)}, password: ${env_var(user)}, permissions: {{")
-        lines.append(f"        publish: {{ allow: {json.dumps(perms['publish'])} }},")
+        deny = f", deny: {json.dumps(perms['deny_publish'])}" if perms.get("deny_publish") else ""
+        lines.append(f"        publish: {{ allow: {json.dumps(perms['publish'])}{deny} }},")
         lines.append(f"        subscribe: {{ allow: {json.dumps(perms['subscribe'])} }},")
         lines.append("        allow_responses: true } }")
     lines += ["  ]", "}"]

@@ -11,6 +11,7 @@ from nats.js.api import DeliverPolicy
 from schemas import names
 from schemas.events import JobEvent, Preparing, Progress, Samples, StateChange
 from schemas.jobs import TERMINAL_STATES
+from services.cli.printable import printable
 
 _dec = msgspec.json.Decoder(JobEvent)
 
@@ -45,10 +46,10 @@ def describe(ev) -> str:
     if isinstance(ev, Progress):
         return progress_line(ev)
     if isinstance(ev, Preparing):
-        return ev.message
+        return printable(ev.message)
     if isinstance(ev, Samples):
-        return "samples:\n" + samples_lines(ev)
-    return f"{ev.state}: {ev.message}"
+        return "samples:\n" + printable(samples_lines(ev), one_line=False)
+    return f"{ev.state}: {printable(ev.message)}"
 
 
 async def follow(nc: Client, job: str):

@@ -77,11 +77,15 @@ class AdapterRegistry:
                 for name, alias in sorted(aliases.items())}
 
     # --- writing ---------------------------------------------------------------------------------
-    async def add_version(self, draft: AdapterVersion) -> AdapterVersion:
-        """Store the draft as the next version of its name; the number is taken from the alias by CAS."""
+    async def add_version(self, draft: AdapterVersion, tenant: str | None = None) -> AdapterVersion:
+        """Store the draft as the next version of its name; the number is taken from the alias by CAS. A tenant's
+        registration claims a free name, and is refused under a name another tenant (or an admin) holds."""
         for _ in range(CAS_ATTEMPTS):
             alias, revision = await self.alias(draft.name)
-            alias = alias or Alias(name=draft.name)
+            if alias is not None and tenant is not None and alias.tenant != tenant:
+                raise RegistryError(f"the adapter name {draft.name} belongs to another tenant; register under "
+                                    "another name")
+            alias = alias or Alias(name=draft.name, tenant=tenant)
             number = alias.latest + 1
             if not await self._put_alias(msgspec.structs.replace(alias, latest=number, updated=time.time()), revision):
                 continue

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import functools
 import logging
 import time
@@ -91,18 +93,44 @@ class SchedulerApi(SchedulerPausing):
 
     async def _admit(self, request: JobRequest, size: int, tenant: str | None,
                      job_id: str | None = None) -> Accepted | Rejected:
-        if errors := self._capacity_errors(request) + self._quota_errors(tenant):
-            return Rejected(errors)
-        request, errors = sizing.size(self.fleet, request, self._held_mib)
-        if errors:
-            return Rejected(errors)
-        request, errors = await self._pin_datasets(request)
-        if errors:
-            return Rejected(errors)
-        return await self._store_new(request, size, tenant, job_id)
+        """Check, then store: for a tenant with a queued quota one submission at a time, so that concurrent
+        submissions cannot all pass the count before any of them is stored."""
+        async with self._quota_turn(tenant):
+            if errors := self._capacity_errors(request) + self._quota_errors(tenant):
+                return Rejected(errors)
+            request, errors = sizing.size(self.fleet, request, self._held_mib)
+            if errors:
+                return Rejected(errors)
+            errors = await self._ownership_errors(request, tenant)
+            if errors:
+                return Rejected(errors)
+            request, errors = await self._pin_datasets(request, tenant)
+            if errors:
+                return Rejected(errors)
+            return await self._store_new(request, size, tenant, job_id)
 
-    async def _pin_datasets(self, req: JobRequest) -> tuple[JobRequest, list[FieldError]]:
-        """The request with each named dataset pinned to the content it has now; or why a name or pin is wrong."""
+    def _quota_turn(self, tenant: str | None):
+        if tenant is None or self.cfg.quota(tenant).queued is None:
+            return contextlib.nullcontext()
+        return self._quota_locks.setdefault(tenant, asyncio.Lock())
+
+    async def _ownership_errors(self, req: JobRequest, tenant: str | None) -> list[FieldError]:
+        """A tenant registers only under an adapter name that is free or already its own."""
+        if req.register is None or tenant is None:
+            return []
+        try:
+            alias, _ = await self.adapters.alias(req.register.name)
+        except Exception as e:
+            return [FieldError("register.name", f"the adapter registry could not be read ({type(e).__name__}); "
+                                                "nothing was queued: submit again")]
+        if alias is not None and alias.tenant != tenant:
+            return [FieldError("register.name", f"the adapter name {req.register.name} belongs to another tenant; "
+                                                "choose another name")]
+        return []
+
+    async def _pin_datasets(self, req: JobRequest, tenant: str | None) -> tuple[JobRequest, list[FieldError]]:
+        """The request with each named dataset pinned to the content it has now; or why a name or pin is wrong.
+        A tenant sees only the datasets an admin shared with it: another's is 'no dataset' to it."""
         errors, pinned = [], {}
         for where in ("dataset", "validation_dataset"):
             if (ref := getattr(req, where)) is None:
@@ -113,9 +141,11 @@ class SchedulerApi(SchedulerPausing):
                 errors.append(FieldError(where, f"the datasets bucket could not be read ({type(e).__name__}); nothing "
                                                 "was queued: submit again"))
                 continue
-            if found is None:
-                errors.append(FieldError(f"{where}.name", f"no dataset named {ref.name}; `jetlora datasets ls` lists "
-                                                          f"them, `jetlora datasets put FILE --name {ref.name}` adds one"))
+            if found is None or (tenant is not None and tenant not in found.tenants):
+                fix = (f"an admin shares one with `jetlora datasets put FILE --name {ref.name} --share {tenant}`"
+                       if tenant is not None else f"`jetlora datasets ls` lists them, `jetlora datasets put FILE --name "
+                                                  f"{ref.name}` adds one")
+                errors.append(FieldError(f"{where}.name", f"no dataset named {ref.name}; {fix}"))
             elif ref.sha256 and ref.sha256 != found.sha256:
                 errors.append(FieldError(f"{where}.sha256", f"dataset {ref.name} now holds sha256 {found.sha256}, not "
                                                             f"the pinned {ref.sha256} (it was replaced); pin the new one, "

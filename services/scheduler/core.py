@@ -112,6 +112,7 @@ class SchedulerCore:
         self.cached_bytes = 0
         self._wake = asyncio.Event()
         self._submit_slots = asyncio.Semaphore(self.cfg.max_concurrent_submits)
+        self._quota_locks: dict[str, asyncio.Lock] = {}  # a tenant's submissions counted one at a time
 
     # --- tasks ---------------------------------------------------------------------------------
     def _spawn(self, coro) -> None:
