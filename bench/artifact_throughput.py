@@ -24,6 +24,7 @@ import nats  # noqa: E402
 
 from schemas import names  # noqa: E402
 from services.artifacts.sender import upload_file  # noqa: E402
+from tests.conftest import running_on  # noqa: E402
 from services.bus import ensure_resources  # noqa: E402
 from services.embedded import EmbeddedNats  # noqa: E402
 
@@ -70,8 +71,9 @@ async def main(mib: int, rounds: int) -> None:
                 return mib / took
 
             async def chunked(r: int) -> float:
+                await running_on(nc, f"bench{r}")
                 t0 = time.perf_counter()
-                await upload_file(nc, f"bench{r}", "peft", src, timeout=60)
+                await upload_file(nc, "n1", f"bench{r}", "peft", src, timeout=60)
                 took = time.perf_counter() - t0
                 await obs.delete(names.artifact_name(f"bench{r}", "peft"))
                 return mib / took

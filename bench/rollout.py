@@ -31,6 +31,7 @@ from services import bus  # noqa: E402
 from services.agent.engines import Engine  # noqa: E402
 from services.agent.rollout import Rollout  # noqa: E402
 from services.artifacts.sender import upload_file  # noqa: E402
+from tests.conftest import running_on  # noqa: E402
 from services.artifacts.service import ArtifactService  # noqa: E402
 from services.embedded import EmbeddedNats  # noqa: E402
 from services.registry.service import RegistryService  # noqa: E402
@@ -116,7 +117,8 @@ async def main(args) -> None:
         for side in (fleet, alone):
             for v in (1, 2):
                 job = f"{side.adapter}{v}"
-                info = await upload_file(nc, job, "peft", adapter_tar(tmp / f"v{v}.tar.gz", args.artifact_mib))
+                await running_on(nc, job)
+                info = await upload_file(nc, "n1", job, "peft", adapter_tar(tmp / f"v{v}.tar.gz", args.artifact_mib))
                 await registry.add_version(AdapterVersion(
                     name=side.adapter, version=v, job=job, base_model=side.model, r=16, alpha=32,
                     target_modules=["q_proj", "v_proj"], peft=StoredFile(name=info.name, sha256=info.sha256,

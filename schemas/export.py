@@ -92,7 +92,7 @@ CHANNELS = [
     (names.ADAPTERS.retire, "request", "AliasRequest", "AdapterReply", "operators", "NAME serves nothing; engines unload it"),
     (names.adapter_status("{node}"), "publish", "NodeAdapterStatus", None, "agents",
      "what a node's engine did with an adapter: loading, loaded (with a smoke completion), needs-restart, failed"),
-    (names.artifact_upload("{job}"), "request", "Chunk", "ChunkAck", "agents", "one chunk of an artifact (msgpack)"),
+    (names.artifact_upload("{node}", "{job}"), "request", "Chunk", "ChunkAck", "agents", "one chunk of an artifact (msgpack)"),
     (names.ARTIFACTS_LIST, "request", "ArtifactQuery", "ArtifactList", "operators", "artifacts in the object store"),
     (names.ARTIFACTS_DELETE, "request", "ArtifactQuery", "Deleted", "operators", "delete a job's artifacts"),
     (names.artifacts_api("{tenant}").list, "request", "ArtifactQuery", "ArtifactList", "a tenant's submitters",

@@ -11,7 +11,7 @@ The subject tree is shaped so that permissions can be written against it:
     jetlora.job.<job>.<node>.progress   agent -> JOBS stream: a training event (on that node)
     jetlora.job.<job>.<node>.preparing  agent -> JOBS stream: tokenizing the data, before the first step
     jetlora.job.<job>.<node>.samples    agent -> JOBS stream: the adapter's answers to the sample prompts
-    jetlora.artifacts.upload.<job>      agent -> artifact service: one chunk (request/reply)
+    jetlora.artifacts.upload.<node>.<job>  agent -> artifact service: one chunk (request/reply)
     jetlora.artifacts.<verb>            operators' artifact requests
     jetlora.datasets.upload.<name>      a client -> artifact service: one chunk of a dataset (request/reply)
     jetlora.datasets.<verb>             list, show and delete datasets
@@ -102,7 +102,7 @@ def tenant_of_subject(subject: str) -> str | None:
 
 # requests served by the artifact service (nats.micro group "jetlora.artifacts")
 ARTIFACTS_GROUP = f"{PREFIX}.artifacts"
-ARTIFACTS_UPLOAD_ALL = f"{ARTIFACTS_GROUP}.upload.*"
+ARTIFACTS_UPLOAD_ALL = f"{ARTIFACTS_GROUP}.upload.*.*"
 
 
 class ArtifactsApi(NamedTuple):
@@ -119,8 +119,15 @@ def artifacts_api(tenant: str | None = None) -> ArtifactsApi:
 ARTIFACTS_LIST, ARTIFACTS_DELETE = artifacts_api()
 
 
-def artifact_upload(job: str) -> str:
-    return f"{ARTIFACTS_GROUP}.upload.{job}"
+def artifact_upload(node_id: str, job: str) -> str:
+    """Where a node sends the chunks of a job's artifact: the node is in the subject, so permissions let an agent
+    upload only as itself, and the artifact service checks that it holds the job's current attempt."""
+    return f"{ARTIFACTS_GROUP}.upload.{node_id}.{job}"
+
+
+def uploader_of_subject(subject: str) -> str:
+    """The node in a jetlora.artifacts.upload.<node>.<job> subject."""
+    return subject.split(".")[3]
 
 
 # datasets, also served by the artifact service (nats.micro group "jetlora.datasets")

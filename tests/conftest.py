@@ -354,3 +354,15 @@ def tiny_model(tmp_path_factory):
 
     texts = [f"{q} {a}" for q, a in QA_PAIRS]
     return build(tmp_path_factory.mktemp("tiny") / "model", texts, hidden=64, layers=2, vocab_size=400)
+
+
+async def running_on(nc, job: str, node: str = "n1", attempt: int = 1, tenant: str | None = None) -> None:
+    """A job record that says `node` runs the job's attempt `attempt`: what the artifact service checks an
+    upload against (written straight into the jobs bucket, as the scheduler would)."""
+    from schemas.jobs import JobRequest, JobStatus, StoredRequest
+    from services.scheduler.store import JobStore
+
+    store = JobStore(nc.jetstream(), await nc.jetstream().key_value(names.JOBS_KV))
+    request = JobRequest(model="tiny", base_dir="/models/tiny")
+    await store.add(StoredRequest(id=job, request=request, created=time.time(), tenant=tenant))
+    await store.write_status(job, JobStatus(state="running", node=node, attempt=attempt), 0)

@@ -18,7 +18,7 @@ from schemas.artifacts import ArtifactMeta, Chunk, ChunkAck
 from services.artifacts.download import DownloadError, download, safe_extract, sha256_file
 from services.artifacts.sender import upload_file
 from services.artifacts.service import ArtifactService
-from tests.conftest import ROOT, answering, object_names, random_file, wait_for
+from tests.conftest import ROOT, answering, object_names, random_file, running_on, wait_for
 
 _ack = msgspec.json.Decoder(ChunkAck)
 
@@ -27,6 +27,7 @@ _ack = msgspec.json.Decoder(ChunkAck)
 async def artifact_service(services):
     svc, *_ = await services.start(lambda c: ArtifactService(c, stall_timeout=1.0))
     await asyncio.wait_for(svc.ready.wait(), 10)
+    await running_on(svc.nc, "j1")  # the job the chunks below belong to, running on n1
     return svc
 
 
@@ -40,7 +41,7 @@ async def _purged(nc) -> bool:
 
 
 async def send(nc, chunk: Chunk) -> ChunkAck:
-    msg = await nc.request(names.artifact_upload(chunk.job), msgspec.msgpack.encode(chunk), timeout=10)
+    msg = await nc.request(names.artifact_upload("n1", chunk.job), msgspec.msgpack.encode(chunk), timeout=10)
     return _ack.decode(msg.data)
 
 
@@ -60,13 +61,14 @@ def chunks_of(data: bytes, size: int, upload="u1", job="j1", kind="peft", sha=No
         last = i == len(pieces) - 1
         out.append(Chunk(upload=upload, job=job, kind=kind, seq=i, data=p, last=last,
                          sha256=(sha or hashlib.sha256(data).hexdigest()) if last else "",
-                         size=len(data) if last else 0, meta=ArtifactMeta(base_model="tiny") if i == 0 else None))
+                         size=len(data) if last else 0, meta=ArtifactMeta(base_model="tiny", attempt=1) if i == 0 else None))
     return out
 
 
 async def test_a_50_mb_round_trip_is_byte_exact(nc, artifact_service, tmp_path):
     src = random_file(tmp_path / "a.bin", 50)
-    info = await upload_file(nc, "job50", "peft", src, ArtifactMeta(base_model="tiny", summary="r=8"))
+    await running_on(nc, "job50")
+    info = await upload_file(nc, "n1", "job50", "peft", src, ArtifactMeta(base_model="tiny", summary="r=8"))
     assert info.size == 50 << 20 and info.sha256 == sha256_file(src) and info.name == "job50/peft"
     got = await download(nc, "job50", "peft", tmp_path / "b.bin")
     assert got.sha256 == info.sha256 and sha256_file(tmp_path / "b.bin") == info.sha256
@@ -116,7 +118,8 @@ async def test_a_killed_sender_process_leaves_no_object(nc, artifact_service, na
     src = random_file(tmp_path / "big.bin", 40)
     code = (f"import asyncio, nats\nfrom services.artifacts.sender import upload_file\n"
             f"async def m():\n nc = await nats.connect('{nats_server.url}')\n"
-            f" await upload_file(nc, 'killed', 'peft', '{src}', window=1)\nasyncio.run(m())\n")
+            f" await upload_file(nc, 'n1', 'killed', 'peft', '{src}', window=1)\nasyncio.run(m())\n")
+    await running_on(nc, "killed")
     proc = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT)
     await wait_for(lambda: bool(artifact_service.uploads), timeout=30, what="the upload to start")
     proc.kill()
@@ -128,7 +131,7 @@ async def test_a_killed_sender_process_leaves_no_object(nc, artifact_service, na
 
 async def test_names_from_the_wire_are_never_paths(nc, artifact_service, tmp_path):
     bad = {"upload": "u", "job": "../../etc", "kind": "peft", "seq": 0, "data": b"x", "last": True}
-    msg = await nc.request(names.artifact_upload("x"), msgspec.msgpack.encode(bad), timeout=5)
+    msg = await nc.request(names.artifact_upload("n1", "x"), msgspec.msgpack.encode(bad), timeout=5)
     ack = _ack.decode(msg.data)
     assert not ack.ok and "job" in ack.error
     with pytest.raises(ValueError):
@@ -147,9 +150,11 @@ async def test_list_and_delete_through_the_service(nc, artifact_service, tmp_pat
     from services import bus
 
     src = random_file(tmp_path / "a.bin", 1)
-    await upload_file(nc, "jobA", "peft", src)
-    await upload_file(nc, "jobA", "gguf", src)
-    await upload_file(nc, "jobB", "peft", src)
+    for job in ("jobA", "jobB"):
+        await running_on(nc, job)
+    await upload_file(nc, "n1", "jobA", "peft", src)
+    await upload_file(nc, "n1", "jobA", "gguf", src)
+    await upload_file(nc, "n1", "jobB", "peft", src)
     listed = await bus.request(nc, names.ARTIFACTS_LIST, ArtifactQuery(job="jobA"), ArtifactList)
     assert sorted(a.name for a in listed.artifacts) == ["jobA/gguf", "jobA/peft"]
     gone = await bus.request(nc, names.ARTIFACTS_DELETE, ArtifactQuery(job="jobA"), Deleted)
@@ -165,7 +170,8 @@ async def test_a_1_gb_artifact_keeps_the_service_small(nc, nats_server, tmp_path
         src = random_file(tmp_path / "g.bin", 1024)
         await answering(nc, names.ARTIFACTS_LIST)  # its process is up
         t0 = time.monotonic()
-        info = await upload_file(nc, "big", "peft", src, timeout=30)
+        await running_on(nc, "big")
+        info = await upload_file(nc, "n1", "big", "peft", src, timeout=30)
         took = time.monotonic() - t0
         with open(f"/proc/{proc.pid}/status") as f:
             hwm_mib = next(int(l.split()[1]) for l in f if l.startswith("VmHWM")) / 1024

@@ -108,7 +108,7 @@ def test_garbage_never_crashes_stalls_or_stores(stack, subject, payload):
 @given(payload=garbage)
 def test_garbage_chunks_are_refused(stack, payload):
     loop, nc, _ = stack
-    msg = loop.run_until_complete(nc.request(names.artifact_upload("fuzz"), payload, timeout=5))
+    msg = loop.run_until_complete(nc.request(names.artifact_upload("fuzz", "fuzz"), payload, timeout=5))
     assert not msgspec.json.decode(msg.data, type=ChunkAck).ok
     tried["chunks"] += 1
 

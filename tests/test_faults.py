@@ -14,7 +14,7 @@ from services.artifacts.download import download
 from services.artifacts.service import ArtifactService
 from services.embedded import EmbeddedNats
 from services.scheduler.service import Scheduler, SchedulerConfig
-from tests.conftest import (Agents, InProcess, answering, object_names, progress_steps, random_file, run_held_job,
+from tests.conftest import (Agents, InProcess, answering, object_names, progress_steps, random_file, run_held_job, running_on,
                             states_of, submit, wait_for, wait_state)
 from tests.qa import pairs
 
@@ -116,7 +116,8 @@ async def test_the_artifact_service_killed_mid_upload_leaves_no_half_object_and_
     svc = service_proc("artifacts", own_server.url, tmp_path)
     try:
         await answering(nc, names.ARTIFACTS_LIST)
-        upload = asyncio.create_task(upload_file(nc, "resilient", "peft", src, timeout=3))
+        await running_on(nc, "resilient")
+        upload = asyncio.create_task(upload_file(nc, "n1", "resilient", "peft", src, timeout=3))
         await wait_for(lambda: _chunks_stored(nc), timeout=30, what="the upload's first chunks in the store")
         assert not upload.done()
         svc.kill()

@@ -249,7 +249,7 @@ class Agent:
                                    paused_by=run.paused_by or "user")
                 return
             await self._report(run, "uploading", f"{result.message or 'trained'}; storing the artifacts")
-            artifacts = await ship_results(self.nc, a, result, job_dir / "out")
+            artifacts = await ship_results(self.nc, self.cfg.node, a, result, job_dir / "out")
             final = "stopped" if result.state == "stopped" else "succeeded"
             stored = ", ".join(r.name for r in artifacts)
             await self._report(run, final, f"{result.message or result.state}; stored {stored}", artifacts)
@@ -340,7 +340,7 @@ class Agent:
     async def _ship_checkpoint(self, run: RunningJob, ev: Checkpoint) -> None:
         """Checkpoints go to the object store as they come, so another node can resume if this one goes."""
         try:
-            info = await ship_checkpoint(self.nc, run.assignment, ev, run.last_progress)
+            info = await ship_checkpoint(self.nc, self.cfg.node, run.assignment, ev, run.last_progress)
             await self._report(run, "running", f"checkpoint at step {ev.step} stored", checkpoint=info)
         except Exception as e:
             log.warning("job %s: checkpoint at step %d not stored: %s", run.assignment.job, ev.step, e)

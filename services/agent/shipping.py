@@ -35,25 +35,25 @@ def summary(a: Assignment) -> str:
 
 def _meta(a: Assignment, filename: str, **more) -> ArtifactMeta:
     return ArtifactMeta(base_model=a.request.model, trainer_version=__version__, tenant=a.tenant or "",
-                        filename=filename, **more)
+                        filename=filename, attempt=a.attempt, **more)
 
 
-async def _upload(nc: Client, a: Assignment, kind: str, path: Path, meta: ArtifactMeta) -> ArtifactRef:
-    info = await upload_file(nc, a.job, kind, path, meta)
+async def _upload(nc: Client, node: str, a: Assignment, kind: str, path: Path, meta: ArtifactMeta) -> ArtifactRef:
+    info = await upload_file(nc, node, a.job, kind, path, meta)
     return ArtifactRef(kind=kind, name=info.name, size=info.size, sha256=info.sha256)
 
 
-async def ship_checkpoint(nc: Client, a: Assignment, ev: Checkpoint, last: Progress | None) -> CheckpointInfo:
+async def ship_checkpoint(nc: Client, node: str, a: Assignment, ev: Checkpoint, last: Progress | None) -> CheckpointInfo:
     """A checkpoint as tar.gz, stored as <job>/checkpoint-<step>, with the losses last reported before it."""
     tar_path = Path(ev.path).parent / f"step-{ev.step}.tar.gz"
     await asyncio.to_thread(tar_dir, Path(ev.path), tar_path)
-    ref = await _upload(nc, a, "checkpoint", tar_path, _meta(a, f"{a.job}-checkpoint-{ev.step}.tar.gz",
+    ref = await _upload(nc, node, a, "checkpoint", tar_path, _meta(a, f"{a.job}-checkpoint-{ev.step}.tar.gz",
                                                              summary=f"step {ev.step}", step=ev.step))
     return CheckpointInfo(step=ev.step, name=ref.name, loss=last.loss if last else None,
                           eval_loss=last.eval_loss if last else None, created=time.time())
 
 
-async def ship_results(nc: Client, a: Assignment, result: Finished, out_dir: Path) -> list[ArtifactRef]:
+async def ship_results(nc: Client, node: str, a: Assignment, result: Finished, out_dir: Path) -> list[ArtifactRef]:
     """The adapter as tar.gz, the GGUF when made and the TensorBoard log, uploaded before the job may succeed."""
     adapter = Path(result.adapter_dir)
     tar_path = adapter.parent / "adapter.tar.gz"
@@ -68,7 +68,7 @@ async def ship_results(nc: Client, a: Assignment, result: Finished, out_dir: Pat
         board_tar = out_dir / "tensorboard.tar.gz"
         await asyncio.to_thread(tar_dir, board, board_tar)
         files.append(("tensorboard", board_tar, msgspec.structs.replace(meta, filename=f"{a.job}-tensorboard.tar.gz")))
-    return [await _upload(nc, a, kind, path, m) for kind, path, m in files]
+    return [await _upload(nc, node, a, kind, path, m) for kind, path, m in files]
 
 
 async def fetch_checkpoint(nc: Client, a: Assignment, job_dir: Path) -> Path:

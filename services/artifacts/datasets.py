@@ -67,7 +67,7 @@ class DatasetStore:
                                    ("delete", DatasetQuery, self._delete)):
             await group.add_endpoint(name=f"datasets-{verb}", subject=verb, handler=bus.handler(serve, query))
 
-    async def _open_sink(self, chunk: DatasetChunk) -> DatasetSink:
+    async def _open_sink(self, chunk: DatasetChunk, _subject: str) -> DatasetSink:
         upload = chunk.meta or DatasetUpload()
         if not upload.replace and (old := await find_dataset(self.js, chunk.name)) is not None:
             raise Refused(f"a dataset named {chunk.name} exists ({old.stats.rows:,} {old.stats.format} rows, sha256 "

@@ -57,7 +57,8 @@ class ChunkReceiver:
     """Turns chunk messages (msgpack, each with upload, seq, data, last, sha256, size) into objects."""
 
     def __init__(self, chunk_type: type, ack_type: type, target: Callable[[msgspec.Struct], str],
-                 open_sink: Callable[[msgspec.Struct], Awaitable[Sink]], stall_timeout: float = 30.0) -> None:
+                 open_sink: Callable[[msgspec.Struct, str], Awaitable[Sink]], stall_timeout: float = 30.0) -> None:
+        """open_sink(first chunk, its subject) -> where the upload goes; raises Refused to refuse it."""
         self.decoder = msgspec.msgpack.Decoder(chunk_type)
         self.ack_type, self.target, self.open_sink = ack_type, target, open_sink
         self.stall_timeout = stall_timeout
@@ -88,7 +89,7 @@ class ChunkReceiver:
                 return await self._reply(msg, chunk, f"upload {chunk.upload} is not known here (the service restarted?); "
                                                      "restart it from chunk 0")
             try:
-                up = self.uploads[chunk.upload] = Upload(chunk0=chunk, sink=await self.open_sink(chunk))
+                up = self.uploads[chunk.upload] = Upload(chunk0=chunk, sink=await self.open_sink(chunk, msg.subject))
             except Exception as e:
                 reason = str(e) if isinstance(e, Refused) else f"the upload could not begin ({type(e).__name__}: {e})"
                 self.failed[chunk.upload] = (reason, time.monotonic())

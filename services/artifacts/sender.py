@@ -31,10 +31,11 @@ class Refusal(UploadError):
     """The service answered and refused the upload (a bad row, a name taken): sending it again will not help."""
 
 
-async def upload_file(nc: Client, job: str, kind: str, path: str | os.PathLike, meta: ArtifactMeta | None = None,
+async def upload_file(nc: Client, node: str, job: str, kind: str, path: str | os.PathLike, meta: ArtifactMeta | None = None,
                       window: int = 8, timeout: float = 15.0, attempts: int = 3,
                       chunk_bytes: int = CHUNK_BYTES) -> ArtifactInfo:
-    """Upload an artifact; retried from the start (as a new upload) when the service restarts or stalls."""
+    """Upload an artifact of a job this node runs; retried from the start (as a new upload) when the service
+    restarts or stalls, never when it refuses."""
 
     def chunk(upload: str, seq: int, data: bytes, last: bool, sha256: str, size: int) -> Chunk:
         return Chunk(upload=upload, job=job, kind=kind, seq=seq, data=data, last=last, sha256=sha256, size=size,
@@ -43,7 +44,7 @@ async def upload_file(nc: Client, job: str, kind: str, path: str | os.PathLike, 
     last_error = None
     for attempt in range(1, attempts + 1):
         try:
-            return await send_file(nc, names.artifact_upload(job), path, chunk, _ack, window, timeout, chunk_bytes)
+            return await send_file(nc, names.artifact_upload(node, job), path, chunk, _ack, window, timeout, chunk_bytes)
         except UploadError as e:
             last_error = e
             log.warning("upload of %s %s failed (attempt %d of %d): %s", job, kind, attempt, attempts, e)

@@ -7,6 +7,7 @@ import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
+import msgspec
 import nats.micro
 from nats.aio.client import Client
 
@@ -20,7 +21,8 @@ from services.aio import cancel_and_wait
 from services.artifacts.datasets import DatasetStore
 from services.artifacts.objinfo import artifact_headers, info_from_object, sha256_header
 from services.artifacts.objwriter import ObjectWriter
-from services.artifacts.receiver import ChunkReceiver
+from services.artifacts.receiver import ChunkReceiver, Refused
+from services.scheduler.store import JobStore
 from services.streamview import object_view
 
 log = logging.getLogger(__name__)
@@ -65,6 +67,7 @@ class ArtifactService:
 
     async def run(self, stop: asyncio.Event) -> None:
         self.obs = await self.js.object_store(names.ARTIFACTS_BUCKET)
+        self.jobs = JobStore(self.js, await self.js.key_value(names.JOBS_KV))
         views = [asyncio.create_task(v.run(stop)) for v in (self.objects, self.datasets.objects)]
         limits = dict(pending_msgs_limit=4096, pending_bytes_limit=256 * 1024 * 1024)
         subs = [await self.nc.subscribe(names.ARTIFACTS_UPLOAD_ALL, queue="jetlora-artifacts", cb=self.receiver.on_chunk,
@@ -94,13 +97,31 @@ class ArtifactService:
             for receiver in (self.receiver, self.datasets.receiver):
                 await receiver.close()  # purges finish before the service ends
 
-    async def _open_sink(self, chunk: Chunk) -> ArtifactSink:
-        meta = chunk.meta or ArtifactMeta()
+    async def _open_sink(self, chunk: Chunk, subject: str) -> ArtifactSink:
+        meta = await self._checked_meta(chunk, names.uploader_of_subject(subject))
         name = names.artifact_name(chunk.job, chunk.kind, meta.step if chunk.kind == "checkpoint" else None)
         headers = artifact_headers(chunk.job, chunk.kind, meta)
         writer = ObjectWriter(self.js, names.ARTIFACTS_BUCKET, name, f"jetlora {chunk.kind} artifact of job {chunk.job}",
                               headers)
         return ArtifactSink(writer, name, self._keep_newest_checkpoints if chunk.kind == "checkpoint" else None)
+
+    async def _checked_meta(self, chunk: Chunk, node: str) -> ArtifactMeta:
+        """The upload's description, bound to the job's record: only the node that holds the job's current
+        attempt may upload for it, and the tenant is the job's, whatever the uploader says."""
+        meta = chunk.meta or ArtifactMeta()
+        found = await self.jobs.find(chunk.job)
+        if found is None:
+            raise Refused(f"no job {chunk.job}: artifacts are stored only for jobs the scheduler knows")
+        stored, status, _ = found
+        if status is None or status.node != node or (meta.attempt and meta.attempt != status.attempt):
+            held = f"attempt {status.attempt} on {status.node}" if status and status.node else "no attempt running"
+            log.warning("refused a %s upload for job %s from node %s (attempt %d): the job has %s", chunk.kind,
+                        chunk.job, node, meta.attempt, held)
+            raise Refused(f"job {chunk.job} has {held}, not attempt {meta.attempt} on {node}: only the node running "
+                          "the job's current attempt stores its artifacts")
+        if chunk.kind == "checkpoint" and meta.step is None:
+            raise Refused("a checkpoint's first chunk must say its step (meta.step)")
+        return msgspec.structs.replace(meta, tenant=stored.tenant or "", attempt=status.attempt)
 
     async def _keep_newest_checkpoints(self, stored: ArtifactInfo) -> None:
         """A job's checkpoints beyond the newest KEEP_CHECKPOINTS are deleted once a new one is stored."""

@@ -61,7 +61,7 @@ def roles(nodes: list[str], tenants: list[str] = ()) -> dict[str, dict]:
         names.check_token(node, "node id")
         users[f"agent-{node}"] = {
             "publish": [names.node(node).heartbeat, names.job("*", node).state, names.job("*", node).progress,
-                        names.job("*", node).preparing, names.job("*", node).samples, names.ARTIFACTS_UPLOAD_ALL,
+                        names.job("*", node).preparing, names.job("*", node).samples, names.artifact_upload(node, "*"),
                         names.js_api("INFO"), names.js_api("STREAM", "INFO", JOBS)]
                        + [f"{ADAPTERS.prefix}node.*.{node}", names.adapter_status(node)]  # what its engines loaded
                        + _object_read() + _read_stream(DATA) + _read_stream(ADAPTERS.stream),  # checkpoints,
