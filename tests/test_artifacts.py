@@ -181,3 +181,49 @@ async def test_a_1_gb_artifact_keeps_the_service_small(nc, nats_server, tmp_path
     finally:
         proc.terminate()
         proc.wait(10)
+
+
+def _rss_mib(pid: int, field: str = "VmRSS") -> float:
+    with open(f"/proc/{pid}/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith(field)) / 1024
+
+
+async def test_chunks_flooded_ahead_of_a_gap_are_refused_and_their_memory_given_back(nc, nats_server):
+    """Two uploads send 24 chunks of 4 MiB each after a chunk that never comes: the service holds at most its
+    per-upload limit out of order, refuses the rest naming the limit, and its memory falls back afterwards."""
+    proc = subprocess.Popen([sys.executable, "-m", "services.cli", "artifacts", "--nats", nats_server.url], cwd=ROOT,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        await answering(nc, names.ARTIFACTS_LIST)
+        before = _rss_mib(proc.pid)
+        piece = os.urandom(4 << 20)
+        replies = await nc.subscribe(nc.new_inbox() + ".flood")
+        for upload in ("f1", "f2"):
+            await running_on(nc, upload)
+            first = Chunk(upload=upload, job=upload, kind="peft", seq=0, data=b"x", meta=ArtifactMeta(attempt=1))
+            assert (await send_as(nc, "n1", first)).ok
+            for seq in range(2, 26):  # chunk 1 never comes; each sent as soon as the server has the one before
+                chunk = Chunk(upload=upload, job=upload, kind="peft", seq=seq, data=piece)
+                await nc.publish(names.artifact_upload("n1", upload), msgspec.msgpack.encode(chunk),
+                                 reply=replies.subject)
+                await nc.flush()
+        acks = [_ack.decode((await replies.next_msg(timeout=60)).data) for _ in range(48)]
+        await replies.unsubscribe()
+        during = _rss_mib(proc.pid, "VmHWM")
+        refused = [a for a in acks if not a.ok]
+        assert len(refused) == len(acks)  # the first refusal answers the chunks it held, too
+        assert any("64 MiB one upload may hold out of order" in a.error for a in refused), refused[0].error
+        await wait_for(lambda: _rss_mib(proc.pid) < before + 80, timeout=20, what="the service's memory to fall back")
+        after = _rss_mib(proc.pid)
+        print(f"artifact service RSS: {before:.0f} MiB before, peak {during:.0f} MiB, {after:.0f} MiB after "
+              f"(48 x 4 MiB flooded)")
+        assert during < before + 150, (before, during)  # 192 MiB were sent: at most the limit was held
+        assert await object_names(nc) == []
+    finally:
+        proc.terminate()
+        proc.wait(10)
+
+
+async def send_as(nc, node: str, chunk: Chunk, timeout: float = 10) -> ChunkAck:
+    msg = await nc.request(names.artifact_upload(node, chunk.job), msgspec.msgpack.encode(chunk), timeout=timeout)
+    return _ack.decode(msg.data)

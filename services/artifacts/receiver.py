@@ -22,6 +22,8 @@ from services.artifacts.objwriter import ObjectWriter
 log = logging.getLogger(__name__)
 _enc = msgspec.json.Encoder()
 MAX_AHEAD = 32  # chunks buffered out of order before a gap fails the upload
+AHEAD_MIB_PER_UPLOAD = 64  # bytes one upload may hold out of order (a sender's window is 8 chunks of 512 KiB)
+AHEAD_MIB_TOTAL = 256  # and all uploads together: beyond it, the upload that asks for more is refused
 FAILED_KEPT_S = 600.0  # a failed upload's reason is given to its late chunks this long
 
 
@@ -48,6 +50,8 @@ class Upload:
     size: int = 0
     digest: "hashlib._Hash" = field(default_factory=hashlib.sha256)
     ahead: dict[int, tuple[msgspec.Struct, object]] = field(default_factory=dict)
+    ahead_bytes: int = 0
+    held: list = field(default_factory=list)  # a failed upload's out-of-order chunks, still to be answered
     touched: float = field(default_factory=time.monotonic)
     failed: str = ""
     aborted: asyncio.Future | None = None
@@ -57,7 +61,8 @@ class ChunkReceiver:
     """Turns chunk messages (msgpack, each with upload, seq, data, last, sha256, size) into objects."""
 
     def __init__(self, chunk_type: type, ack_type: type, target: Callable[[msgspec.Struct], str],
-                 open_sink: Callable[[msgspec.Struct, str], Awaitable[Sink]], stall_timeout: float = 30.0) -> None:
+                 open_sink: Callable[[msgspec.Struct, str], Awaitable[Sink]], stall_timeout: float = 30.0,
+                 ahead_mib_per_upload: int = AHEAD_MIB_PER_UPLOAD, ahead_mib_total: int = AHEAD_MIB_TOTAL) -> None:
         """open_sink(first chunk, its subject) -> where the upload goes; raises Refused to refuse it."""
         self.decoder = msgspec.msgpack.Decoder(chunk_type)
         self.ack_type, self.target, self.open_sink = ack_type, target, open_sink
@@ -65,6 +70,8 @@ class ChunkReceiver:
         self.uploads: dict[str, Upload] = {}
         self.failed: dict[str, tuple[str, float]] = {}  # upload -> reason, kept so late chunks get it
         self.stored = 0
+        self.ahead_limit, self.ahead_total_limit = ahead_mib_per_upload << 20, ahead_mib_total << 20
+        self.ahead_bytes = 0  # held out of order by all uploads
         self._aborts: set[asyncio.Future] = set()
 
     async def _reply(self, msg, chunk, error: str = "", stored: msgspec.Struct | None = None) -> None:
@@ -79,6 +86,7 @@ class ChunkReceiver:
             if msg.reply:
                 await msg.respond(_enc.encode(self.ack_type(upload="", seq=-1, ok=False, error=f"not a chunk: {e}")))
             return
+        msg.data = b""  # decoded: the chunk holds its own copy, and a chunk kept out of order should not hold two
         if self.target(chunk) != msg.subject.rsplit(".", 1)[-1]:
             return await self._reply(msg, chunk, f"chunk for {self.target(chunk)} sent on {msg.subject}")
         if chunk.upload in self.failed:
@@ -101,11 +109,31 @@ class ChunkReceiver:
         if chunk.seq > up.expected:
             if chunk.seq - up.expected > MAX_AHEAD or chunk.seq in up.ahead:
                 return await self._fail_reply(up, msg, chunk, f"chunk {up.expected} never arrived (got {chunk.seq})")
+            if (over := self._over_ahead_limit(up, len(chunk.data))):
+                return await self._fail_reply(up, msg, chunk, over)
             up.ahead[chunk.seq] = (chunk, msg)
+            up.ahead_bytes += len(chunk.data)
+            self.ahead_bytes += len(chunk.data)
             return
         await self._take(up, chunk, msg)
         while up.expected in up.ahead and not up.failed:
-            await self._take(up, *up.ahead.pop(up.expected))
+            await self._take(up, *self._release(up, up.expected))
+
+    def _over_ahead_limit(self, up: Upload, size: int) -> str:
+        """Why `size` more bytes out of order is too much (or ''): memory is bounded whatever senders do."""
+        if up.ahead_bytes + size > self.ahead_limit:
+            return (f"chunk {up.expected} never arrived and the chunks after it exceed the {self.ahead_limit >> 20} MiB "
+                    "one upload may hold out of order; send fewer chunks ahead (a smaller window)")
+        if self.ahead_bytes + size > self.ahead_total_limit:
+            return (f"the service holds {self.ahead_bytes >> 20} MiB of chunks out of order for all uploads, its limit is "
+                    f"{self.ahead_total_limit >> 20} MiB; retry the upload")
+        return ""
+
+    def _release(self, up: Upload, seq: int) -> tuple:
+        chunk, msg = up.ahead.pop(seq)
+        up.ahead_bytes -= len(chunk.data)
+        self.ahead_bytes -= len(chunk.data)
+        return chunk, msg
 
     async def _take(self, up: Upload, chunk, msg) -> None:
         up.expected += 1
@@ -139,6 +167,7 @@ class ChunkReceiver:
         if up.failed:
             return
         up.failed = reason
+        up.held = [self._release(up, seq) for seq in list(up.ahead)]  # their memory goes back now
         up.aborted = asyncio.ensure_future(up.sink.writer.abort())
         self._aborts.add(up.aborted)
         up.aborted.add_done_callback(self._aborts.discard)
@@ -153,7 +182,8 @@ class ChunkReceiver:
         except Exception as e:
             log.warning("upload %s: purging its chunks failed: %s", chunk.upload, e)
         await self._reply(msg, chunk, reason)
-        for c, m in up.ahead.values():
+        held, up.held = up.held, []
+        for c, m in held:
             await self._reply(m, c, reason)
 
     async def reap_stalled(self, stop: asyncio.Event) -> None:
