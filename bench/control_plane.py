@@ -90,7 +90,7 @@ class Fleet:
 
     async def report(self, a: Assignment, node: str, state: str):
         ev = StateChange(job=a.job, state=state, node=node, attempt=a.attempt, message=state, ts=time.time())
-        await self.js.publish(names.job(a.job, node).state, enc.encode(ev))
+        await self.js.publish(names.job(a.job, node, names.tenant_token(a.tenant)).state, enc.encode(ev))
 
     async def run_job(self, node: str, a: Assignment):
         await self.report(a, node, "running")

@@ -146,6 +146,7 @@ class EventsQuery(Struct, forbid_unknown_fields=True, kw_only=True):
 class EventEntry(Struct, kw_only=True):
     seq: int  # the event's sequence in the JOBS stream
     event: JobEvent
+    node: str = ""  # who sent it: a node that held one of the job's attempts (no one else's events are shown)
 
 
 class EventPage(Struct, tag="events", tag_field="type", kw_only=True):

@@ -7,10 +7,12 @@ The subject tree is shaped so that permissions can be written against it:
     jetlora.node.<node>.assign          scheduler -> agent: run this job (request/reply)
     jetlora.node.<node>.control         scheduler -> agent: cancel / stop-and-save / pause a job
     jetlora.node.<node>.reclaim         an engine -> agent: give this device's memory back (pauses its job)
-    jetlora.job.<job>.<node>.state      agent -> JOBS stream: the job's state changed (on that node)
-    jetlora.job.<job>.<node>.progress   agent -> JOBS stream: a training event (on that node)
-    jetlora.job.<job>.<node>.preparing  agent -> JOBS stream: tokenizing the data, before the first step
-    jetlora.job.<job>.<node>.samples    agent -> JOBS stream: the adapter's answers to the sample prompts
+    jetlora.job.<tenant>.<job>.<node>.state      agent -> JOBS stream: the job's state changed (on that node)
+    jetlora.job.<tenant>.<job>.<node>.progress   agent -> JOBS stream: a training event (on that node)
+    jetlora.job.<tenant>.<job>.<node>.preparing  agent -> JOBS stream: tokenizing the data, before the first step
+    jetlora.job.<tenant>.<job>.<node>.samples    agent -> JOBS stream: the adapter's answers to the sample prompts
+                                        (<tenant>: the job's tenant, `_` for an admin's job, so that a tenant may
+                                        subscribe to jetlora.job.<tenant>.> and read exactly its own jobs' events)
     jetlora.artifacts.upload.<node>.<job>  agent -> artifact service: one chunk (request/reply)
     jetlora.artifacts.<verb>            operators' artifact requests
     jetlora.datasets.upload.<name>      a client -> artifact service: one chunk of a dataset (request/reply)
@@ -37,7 +39,8 @@ LEASE_KV = "jetlora_lease"  # the active scheduler's lease
 ARTIFACTS_BUCKET = "jetlora_artifacts"  # object store of adapters and GGUF files
 DATASETS_BUCKET = "jetlora_datasets"  # object store of training data, one object per dataset name
 ADAPTERS_KV = "jetlora_adapters"  # the adapter registry: version.<name>.<n>, alias.<name>, node.<name>.<node>
-SCHEDULER_CONSUMER = "jetlora_scheduler_states_v2"  # durable consumer of job states (v2: node in the subject)
+SCHEDULER_CONSUMER = "jetlora_scheduler_states_v3"  # durable consumer of job states (v3: the tenant in the subject)
+OLD_SCHEDULER_CONSUMERS = ("jetlora_scheduler_states_v2",)  # filters that match no subject now: deleted at start
 
 SCHEDULER_SERVICE = "jetlora-scheduler"  # nats.micro names ($SRV.PING etc.)
 ARTIFACT_SERVICE = "jetlora-artifacts"
@@ -84,7 +87,8 @@ _ADMIN = jobs_api()
 SUBMIT, GET_JOB, LIST_JOBS, CANCEL, STOP = _ADMIN.submit, _ADMIN.job, _ADMIN.jobs, _ADMIN.cancel, _ADMIN.stop
 PAUSE, RESUME, EVENTS, CHECKPOINTS = _ADMIN.pause, _ADMIN.resume, _ADMIN.events, _ADMIN.checkpoints
 LIST_NODES = f"{API_GROUP}.nodes"
-RESERVED_TENANTS = {"upload"}  # jetlora.artifacts.upload.* carries chunks
+ADMIN_TENANT = "_"  # the tenant token of an admin's job in its event subjects
+RESERVED_TENANTS = {"upload", ADMIN_TENANT}  # jetlora.artifacts.upload.* carries chunks
 
 
 def check_tenant(value: str) -> str:
@@ -206,13 +210,23 @@ class JobSubjects(NamedTuple):
     samples: str  # what the adapter (and the base model) answer to the sample prompts
 
 
-def job(job_id: str = "*", node_id: str = "*") -> JobSubjects:
-    return _subjects(JobSubjects, f"{PREFIX}.job.{job_id}.{node_id}")
+def tenant_token(tenant: str | None) -> str:
+    return ADMIN_TENANT if tenant is None else tenant
 
 
-def job_events(job_id: str) -> str:
+def job(job_id: str = "*", node_id: str = "*", tenant: str = "*") -> JobSubjects:
+    """tenant: tenant_token(the job's tenant) to publish; "*" to read whoever's it is."""
+    return _subjects(JobSubjects, f"{PREFIX}.job.{tenant}.{job_id}.{node_id}")
+
+
+def job_events(job_id: str, tenant: str = "*") -> str:
     """Every event of one job, from every node it ran on: what a dashboard subscribes to."""
-    return f"{PREFIX}.job.{job_id}.>"
+    return f"{PREFIX}.job.{tenant}.{job_id}.>"
+
+
+def tenant_events(tenant: str) -> str:
+    """Every event of every job of one tenant: what that tenant's users may subscribe to."""
+    return f"{PREFIX}.job.{tenant}.>"
 
 
 HEARTBEATS_ALL = node().heartbeat
@@ -227,9 +241,15 @@ def node_of_subject(subject: str) -> str:
 
 
 def job_and_node_of_subject(subject: str) -> tuple[str, str]:
-    """The job and node ids in a jetlora.job.<job>.<node>.* subject."""
+    """The job and node ids in a jetlora.job.<tenant>.<job>.<node>.* subject."""
     parts = subject.split(".")
-    return parts[2], parts[3]
+    return parts[3], parts[4]
+
+
+def tenant_of_event_subject(subject: str) -> str | None:
+    """The job's tenant in a jetlora.job.<tenant>.<job>.<node>.* subject; None for an admin's job."""
+    token = subject.split(".")[2]
+    return None if token == ADMIN_TENANT else token
 
 
 def artifact_name(job: str, kind: str, step: int | None = None) -> str:

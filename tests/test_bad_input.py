@@ -34,7 +34,7 @@ garbage = st.one_of(st.binary(max_size=512), json_values.map(msgspec.json.encode
                     st.integers(200_000, 2_000_000).map(lambda n: b"[" + b"1," * (n // 2) + b"1]"))
 REQUESTS = [names.SUBMIT, names.GET_JOB, names.LIST_JOBS, names.CANCEL, names.STOP, names.ARTIFACTS_LIST,
             names.ARTIFACTS_DELETE]
-PUBLISHED = [names.node("fuzz").heartbeat, names.job("fuzz", "fuzz").state, names.job("fuzz", "fuzz").progress]
+PUBLISHED = [names.node("fuzz").heartbeat, names.job("fuzz", "fuzz", "_").state, names.job("fuzz", "fuzz", "_").progress]
 tried = {"requests": 0, "errors": 0, "valid": 0, "published": 0, "chunks": 0}
 accepted: list[str] = []  # mutations that happen to be valid jobs are rightly accepted
 QUERY_TYPES = {names.SUBMIT: JobRequest, names.GET_JOB: JobQuery, names.CANCEL: JobQuery, names.STOP: JobQuery,

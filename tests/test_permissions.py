@@ -104,7 +104,7 @@ async def test_what_each_role_must_not_do(secured):
     agent = await as_user(secured.url, "agent-n1")
     await agent.nc.publish(names.node("n2").heartbeat, b"{}")  # pretending to be another node
     await agent.nc.subscribe(names.node("n2").assign)  # reading another node's assignments
-    await agent.nc.publish(names.job("somejob", "n2").state, b"{}")  # speaking for another node's job
+    await agent.nc.publish(names.job("somejob", "n2", names.ADMIN_TENANT).state, b"{}")  # speaking for another node's job
     with pytest.raises(Exception):
         await agent.nc.request(names.ARTIFACTS_DELETE, b'{"job": "x"}', timeout=1)
     await agent.nc.flush()

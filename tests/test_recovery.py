@@ -89,7 +89,7 @@ async def test_a_state_of_a_job_the_scheduler_missed_is_taken_up_not_dropped(nc,
     await store.add(StoredRequest(id="missed", request=req, created=time.time(), seq=99))  # behind its back
     await store.write_status("missed", JobStatus(state="running", node="n1", device=0, attempt=1), 0)
     ev = StateChange(job="missed", state="succeeded", node="n1", attempt=1, message="trained", ts=time.time())
-    await js.publish(names.job("missed", "n1").state, msgspec.json.encode(ev))
+    await js.publish(names.job("missed", "n1", names.ADMIN_TENANT).state, msgspec.json.encode(ev))
 
     async def known():
         try:

@@ -119,3 +119,15 @@ async def test_a_retry_at_the_quota_gets_its_job_not_a_quota_error(nc, services)
     assert isinstance(first, Accepted)
     assert await submit_as(nc, "acme", idempotency_key="k1") == first  # the tenant is at its quota now
     assert isinstance(await submit_as(nc, "acme", idempotency_key="k2"), Rejected)
+
+
+async def test_concurrent_submissions_never_exceed_the_queued_quota(nc, services):
+    """Twelve submissions at once against a queued quota of 2: the count and the write are one step."""
+    await start(services, quotas={"acme": TenantQuota(queued=2)})
+    for round_ in range(3):
+        replies = await asyncio.gather(*(submit_as(nc, "acme", label=f"r{round_}-{i}") for i in range(12)))
+        accepted = [r for r in replies if isinstance(r, Accepted)]
+        assert len(accepted) == (2 if round_ == 0 else 0), replies
+        assert all("its quota is 2" in r.errors[0].reason for r in replies if isinstance(r, Rejected))
+    mine = await as_tenant(nc, "acme", "jobs", JobListQuery(), JobList)
+    assert sum(j.state == "queued" for j in mine.jobs) == 2

@@ -22,9 +22,9 @@ CFG = STACK_CONFIG
 async def test_an_event_from_a_node_that_does_not_hold_the_job_changes_nothing(nc, stack, agents):
     job_id = await run_held_job(nc, agents, node="n1", hold_s=2.0)
     forged = StateChange(job=job_id, state="failed", node="n2", attempt=1, message="forged by n2", ts=time.time())
-    await nc.jetstream().publish(names.job(job_id, "n2").state, msgspec.json.encode(forged))  # its own subject
+    await nc.jetstream().publish(names.job(job_id, "n2", names.ADMIN_TENANT).state, msgspec.json.encode(forged))  # its own subject
     lying = StateChange(job=job_id, state="failed", node="n2", attempt=1, message="n2 claims n1's subject", ts=time.time())
-    await nc.jetstream().publish(names.job(job_id, "n1").state, msgspec.json.encode(lying))  # the body disagrees
+    await nc.jetstream().publish(names.job(job_id, "n1", names.ADMIN_TENANT).state, msgspec.json.encode(lying))  # the body disagrees
     job = await wait_state(nc, job_id, ("succeeded", "failed"), timeout=30)
     assert job.state == "succeeded" and "forged" not in job.message and "claims" not in job.message, job.message
     states = await states_of(nc, job_id)

@@ -219,19 +219,23 @@ class Agent:
         return ReclaimReply(True, f"device {r.device}: {r.mib} MiB wanted back" + (f"; job {held[0]} runs there" if held else ""))
 
     # --- one job --------------------------------------------------------------------------------
+    def _subjects(self, a: Assignment) -> names.JobSubjects:
+        """Where this node reports the job's events: under the job's tenant, so its users can follow them."""
+        return names.job(a.job, self.cfg.node, names.tenant_token(a.tenant))
+
     async def _report(self, run: RunningJob, state: JobState, message: str, artifacts: list[ArtifactRef] | None = None,
                       paused_by: str | None = None, checkpoint: CheckpointInfo | None = None) -> None:
         a = run.assignment
         ev = StateChange(job=a.job, state=state, node=self.cfg.node, attempt=a.attempt, message=message,
                          artifacts=artifacts or [], ts=time.time(), paused_by=paused_by, checkpoint=checkpoint)
         run.reports += 1
-        await publish_durably(self.js, names.job(a.job, self.cfg.node).state, _enc.encode(ev), f"{a.job}.{a.attempt}.s{run.reports}")
+        await publish_durably(self.js, self._subjects(a).state, _enc.encode(ev), f"{a.job}.{a.attempt}.s{run.reports}")
 
     async def _progress(self, run: RunningJob, p: Progress) -> None:
         a = run.assignment
         run.last_progress = p
         p = msgspec.structs.replace(p, job=a.job, ts=p.ts or time.time())
-        await publish_durably(self.js, names.job(a.job, self.cfg.node).progress, _enc.encode(p), f"{a.job}.{a.attempt}.p{p.step}")
+        await publish_durably(self.js, self._subjects(a).progress, _enc.encode(p), f"{a.job}.{a.attempt}.p{p.step}")
 
     async def _run_job(self, run: RunningJob) -> None:
         a = run.assignment
@@ -296,11 +300,11 @@ class Agent:
                 await self._progress(run, ev)
             elif isinstance(ev, Preparing):
                 p = msgspec.structs.replace(ev, job=a.job, ts=ev.ts or time.time())
-                await publish_durably(self.js, names.job(a.job, self.cfg.node).preparing, _enc.encode(p),
+                await publish_durably(self.js, self._subjects(a).preparing, _enc.encode(p),
                                       f"{a.job}.{a.attempt}.d{ev.done}")
             elif isinstance(ev, Samples):
                 samples = msgspec.structs.replace(ev, job=a.job, ts=ev.ts or time.time())
-                await publish_durably(self.js, names.job(a.job, self.cfg.node).samples, _enc.encode(samples),
+                await publish_durably(self.js, self._subjects(a).samples, _enc.encode(samples),
                                       f"{a.job}.{a.attempt}.x{ev.step}{ev.model}")
             elif isinstance(ev, Checkpoint):
                 if run.paused_by and run.checkpoint_upload:  # the pause's checkpoint is what resume needs

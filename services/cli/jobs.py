@@ -121,7 +121,7 @@ def cmd_control(args) -> int:
 def cmd_watch(args) -> int:
     from services.cli.watch import watch
 
-    return run_client(args, lambda nc: watch(nc, args.job, as_json=args.json))
+    return run_client(args, lambda nc: watch(nc, args.job, as_json=args.json, tenant=args.tenant))
 
 
 def cmd_events(args) -> int:
@@ -135,7 +135,7 @@ def cmd_events(args) -> int:
             page = await ask(nc, api(args)["events"], EventsQuery(job=args.job, after=after, after_step=args.after_step,
                                                                   limit=min(left, 1000)), EventPage)
             for entry in page.events:
-                print(msgspec.json.encode(entry).decode() if args.json else f"{entry.seq:>8}  {describe(entry.event)}")
+                print(msgspec.json.encode(entry).decode() if args.json else f"{entry.seq:>8}  {printable(entry.node):<12} {describe(entry.event)}")
             after, left = page.next, left - len(page.events)
             if not page.more:
                 break

@@ -56,7 +56,7 @@ def roles(nodes: list[str], tenants: list[str] = ()) -> dict[str, dict]:
     for tenant in tenants:  # its own verbs only: it sees, cancels and stops its own jobs
         names.check_tenant(tenant)
         users[f"tenant-{tenant}"] = {"publish": list(names.jobs_api(tenant)) + list(names.artifacts_api(tenant)),
-                                     "subscribe": []}
+                                     "subscribe": [names.tenant_events(tenant)]}  # its own jobs' events, live
     for node in nodes:
         names.check_token(node, "node id")
         users[f"agent-{node}"] = {

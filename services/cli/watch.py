@@ -9,11 +9,14 @@ from nats.aio.client import Client
 from nats.js.api import DeliverPolicy
 
 from schemas import names
-from schemas.events import JobEvent, Preparing, Progress, Samples, StateChange
-from schemas.jobs import TERMINAL_STATES
+from schemas.events import EventPage, EventsQuery, JobEvent, Preparing, Progress, Samples, StateChange
+from schemas.jobs import TERMINAL_STATES, Error, JobQuery, JobReply
+from services import bus
+from services.cli.client import CommandFailed
 from services.cli.printable import printable
 
 _dec = msgspec.json.Decoder(JobEvent)
+_enc = msgspec.json.Encoder()
 
 
 def progress_line(p: Progress) -> str:
@@ -52,28 +55,73 @@ def describe(ev) -> str:
     return f"{ev.state}: {printable(ev.message)}"
 
 
-async def follow(nc: Client, job: str):
-    """Yield the job's events, replayed from its first, until a terminal state."""
+async def follow(nc: Client, job: str, tenant: str | None = None):
+    """Yield the job's events, replayed from its first, until a terminal state. An admin replays the JOBS
+    stream with a consumer; a tenant, who may not, replays through its events API and follows its own subjects."""
     names.check_token(job, "job id")
-    js = nc.jetstream()
-    sub = await js.subscribe(names.job_events(job), ordered_consumer=True, deliver_policy=DeliverPolicy.ALL)
+    source = _follow_stream(nc, job) if tenant is None else _follow_as_tenant(nc, job, names.check_tenant(tenant))
+    async for ev in source:
+        yield ev
+        if isinstance(ev, StateChange) and ev.state in TERMINAL_STATES:
+            return
+
+
+async def _follow_stream(nc: Client, job: str):
+    sub = await nc.jetstream().subscribe(names.job_events(job), ordered_consumer=True, deliver_policy=DeliverPolicy.ALL)
     try:
         async for msg in sub.messages:
             try:
-                ev = _dec.decode(msg.data)
+                yield _dec.decode(msg.data)
             except msgspec.DecodeError:
                 continue
-            yield ev
-            if isinstance(ev, StateChange) and ev.state in TERMINAL_STATES:
-                return
     finally:
         await sub.unsubscribe()
 
 
-async def watch(nc: Client, job: str, as_json: bool = False) -> int:
+async def _follow_as_tenant(nc: Client, job: str, tenant: str):
+    """Subscribe first (core NATS, jetlora.job.<tenant>.<job>.>), then page through the history the scheduler
+    vouches for, then the live events the pages had not reached; live events only from the node running it."""
+    api = names.jobs_api(tenant)
+    live = await nc.subscribe(names.job_events(job, tenant))
+    try:
+        seen: set[bytes] = set()
+        holders: set[str] = set()
+        after, more = 0, True
+        while more:
+            page = await bus.request(nc, api.events, EventsQuery(job=job, after=after, limit=1000), EventPage | Error)
+            if isinstance(page, Error):
+                raise CommandFailed(page.error)
+            for entry in page.events:
+                seen.add(_enc.encode(entry.event))
+                holders.add(entry.node)
+                yield entry.event
+            after, more = page.next, page.more
+        async for msg in live.messages:
+            try:
+                ev = _dec.decode(msg.data)
+            except msgspec.DecodeError:
+                continue
+            node = names.job_and_node_of_subject(msg.subject)[1]
+            if _enc.encode(ev) in seen or not await _holds(nc, api, job, node, holders):
+                continue
+            yield ev
+    finally:
+        await live.unsubscribe()
+
+
+async def _holds(nc: Client, api: names.JobsApi, job: str, node: str, holders: set[str]) -> bool:
+    """Whether `node` runs (or ran) the job, as the scheduler says; asked again only for a node not seen yet."""
+    if node not in holders:
+        reply = await bus.request(nc, api.job, JobQuery(job), JobReply | Error)
+        if isinstance(reply, JobReply) and reply.job.node == node:
+            holders.add(node)
+    return node in holders
+
+
+async def watch(nc: Client, job: str, as_json: bool = False, tenant: str | None = None) -> int:
     tty = sys.stdout.isatty() and not as_json
     last = None
-    async for ev in follow(nc, job):
+    async for ev in follow(nc, job, tenant):
         if as_json:
             print(msgspec.json.encode(ev).decode(), flush=True)
         elif isinstance(ev, Progress):

@@ -244,8 +244,8 @@ class SchedulerApi(SchedulerPausing):
         return NodeList(nodes)
 
     async def _job_events(self, q: EventsQuery, tenant: str | None) -> EventPage:
-        self._job(JobQuery(q.job), tenant)
-        return await events_page(self.js, q)
+        job = self._job(JobQuery(q.job), tenant)
+        return await events_page(self.js, q, job.status, job.stored.tenant)
 
     async def _job_checkpoints(self, q: JobQuery, tenant: str | None) -> CheckpointList:
         return CheckpointList(job=q.job, checkpoints=self._job(q, tenant).status.checkpoints)

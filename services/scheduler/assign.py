@@ -111,7 +111,8 @@ class SchedulerAssign(SchedulerCore):
         job.assigned_at = time.monotonic()
         try:
             written = await self._set_state(job, "assigned", f"assigned to {node} {on_devices([i for _, i in slots])}",
-                                            attempt=attempt, when=lambda s: s.state == "queued")
+                                            attempt=attempt, held_by=[*job.status.held_by, node][-100:],
+                                            when=lambda s: s.state == "queued")
         except Exception as e:  # JetStream away: the job stays queued, the slot free
             log.warning("could not record the assignment of %s (%s); it stays queued", job.id, e)
             written = False

@@ -31,7 +31,8 @@ class SchedulerEvents(SchedulerPausing):
             return
         job_id, node = names.job_and_node_of_subject(msg.subject)
         job = self.jobs.get(job_id)
-        if job and job.status.state in ACTIVE_STATES and job.status.node == node:  # only from the node that holds it
+        if (job and job.status.state in ACTIVE_STATES and job.status.node == node  # only from the node that holds it
+                and names.tenant_of_event_subject(msg.subject) == job.stored.tenant):  # under the job's own tenant
             job.status = msgspec.structs.replace(job.status, step=p.step, steps=p.steps,
                                                  loss=p.loss if p.loss is not None else job.status.loss,
                                                  eval_loss=p.eval_loss if p.eval_loss is not None else job.status.eval_loss,
@@ -89,6 +90,10 @@ class SchedulerEvents(SchedulerPausing):
         job = await self._known(ev.job)
         if job is None:
             log.warning("ignored a state of job %s: no such job in the jobs bucket", ev.job)
+            return
+        if names.tenant_of_event_subject(msg.subject) != job.stored.tenant:
+            log.warning("ignored a state of job %s from node %s sent on %s: not under the job's tenant", ev.job, node,
+                        msg.subject)
             return
         if (node, ev.attempt) != (job.status.node, job.status.attempt) and job.status.state not in TERMINAL_STATES:
             log.warning("ignored %r of job %s from node %s (attempt %d): the job's attempt %d is %s", ev.state, ev.job,

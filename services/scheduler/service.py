@@ -7,6 +7,7 @@ import logging
 import uuid
 
 import nats.micro
+from nats.js.errors import NotFoundError
 from nats.aio.client import Client
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
@@ -70,6 +71,7 @@ class Scheduler(SchedulerApi, SchedulerAssign, SchedulerEvents, SchedulerLivenes
             await self.nc.subscribe(names.HEARTBEATS_ALL, cb=self._on_heartbeat),
             await self.nc.subscribe(names.JOB_PROGRESS_ALL, cb=self._on_progress),
         ]
+        await self._drop_old_consumers()
         states = await self.js.pull_subscribe(
             names.JOB_STATES_ALL, durable=names.SCHEDULER_CONSUMER,
             config=ConsumerConfig(ack_policy=AckPolicy.EXPLICIT, deliver_policy=DeliverPolicy.ALL, max_ack_pending=10_000,
@@ -95,6 +97,15 @@ class Scheduler(SchedulerApi, SchedulerAssign, SchedulerEvents, SchedulerLivenes
             await states.unsubscribe()
         if lost.is_set() and not stop.is_set():
             log.error("stopped leading: %s", await lease.why_lost())
+
+    async def _drop_old_consumers(self) -> None:
+        """Consumers of an earlier subject layout match nothing now; left alone they would only hold the stream."""
+        for old in names.OLD_SCHEDULER_CONSUMERS:
+            try:
+                await self.js.delete_consumer(names.JOBS_STREAM, old)
+                log.info("deleted the old state consumer %s (its subjects are gone)", old)
+            except NotFoundError:
+                pass
 
     async def _keep_lease(self, lease: Lease, lost: asyncio.Event, stop: asyncio.Event) -> None:
         while not await sleep_unless_stopped(stop, lease.ttl / 3):

@@ -1,0 +1,213 @@
+"""The tenancy issue's attacks, tried with the credentials `jetlora permissions` generates (tenants acme and globex,
+agents n1 and n2, the operator) on a real nats-server: each attempt is refused, and what it aimed at is unchanged.
+
+Globex's job G runs on n2 and registers the adapter globex-support; acme and agent n1 then attack it."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import msgspec
+import nats
+import pytest
+
+from schemas import names
+from schemas.artifacts import ArtifactMeta, Chunk, ChunkAck
+from schemas.datasets import DatasetUpload
+from schemas.events import EventPage, EventsQuery, Progress, Samples, StateChange
+from schemas.jobs import Accepted, JobReply, JobQuery, Rejected, SubmitReply
+from schemas.registry import AdapterQuery, AdapterReply
+from services import bus
+from services.artifacts.sender import upload_dataset
+from services.artifacts.service import ArtifactService
+from services.cli.watch import follow
+from services.registry.service import RegistryService
+from services.scheduler.service import Scheduler, SchedulerConfig
+from tests.conftest import Agents, wait_for
+from tests.qa import pairs
+from tests.test_permissions import NODES, TENANTS, as_user, password, secured  # noqa: F401 (a fixture)
+
+JOB = {"model": "tiny", "base_dir": "/models/tiny", "data": pairs(2)}
+_ack = msgspec.json.Decoder(ChunkAck)
+
+
+class Fleet:
+    """The services as their deploy users, and agents n1 and n2 as processes with theirs."""
+
+    def __init__(self, url: str, tmp_path) -> None:
+        self.url, self.tmp = url, tmp_path
+        self.stop = asyncio.Event()
+        self.tasks: list[asyncio.Task] = []
+        self.agents = Agents(url, tmp_path)
+
+    async def start(self) -> None:
+        self.sched_c, arts_c, reg_c = [await as_user(self.url, u) for u in ("scheduler", "artifacts", "scheduler")]
+        await bus.ensure_resources(self.sched_c.nc)
+        sched = Scheduler(self.sched_c.nc, SchedulerConfig(heartbeat_interval=0.25))
+        self.tasks = [asyncio.create_task(s.run(self.stop)) for s in
+                      (sched, ArtifactService(arts_c.nc), RegistryService(reg_c.nc))]
+        self.conns = [self.sched_c, arts_c, reg_c]
+        await asyncio.wait_for(sched.leading.wait(), 10)
+        for node in NODES:
+            (self.tmp / f"pw-{node}").write_text(password(f"agent-{node}"))
+            self.agents.start(node, gpus="4096", hold_s=0.3, bus_flags=(
+                "--user", f"agent-{node}", "--password-file", str(self.tmp / f"pw-{node}")))
+
+    async def user(self, name: str):
+        client = await as_user(self.url, name)
+        self.conns.append(client)
+        return client
+
+    async def close(self) -> None:
+        self.agents.close()
+        self.stop.set()
+        await asyncio.gather(*self.tasks, return_exceptions=True)
+        for c in self.conns:
+            await c.nc.close()
+
+
+@pytest.fixture
+async def fleet(secured, tmp_path):  # noqa: F811
+    f = Fleet(secured.url, tmp_path)
+    await f.start()
+    yield f
+    await f.close()
+
+
+async def submit_as(client, tenant: str, **job) -> SubmitReply:
+    return await bus.request(client.nc, names.jobs_api(tenant).submit, {**JOB, **job}, SubmitReply, timeout=10)
+
+
+async def job_as(client, tenant: str, job: str):
+    return (await bus.request(client.nc, names.jobs_api(tenant).job, JobQuery(job), JobReply)).job
+
+
+async def finished(client, tenant: str, job: str):
+    await wait_for(lambda: _ended(client, tenant, job), timeout=60, what=f"job {job} to end")
+    return await job_as(client, tenant, job)
+
+
+async def _ended(client, tenant, job) -> bool:
+    return (await job_as(client, tenant, job)).state in ("succeeded", "failed", "cancelled")
+
+
+async def refused(client, before: int) -> None:
+    await client.nc.flush()
+    await wait_for(lambda: len(client.violations) > before, timeout=10, what="the server to refuse it")
+
+
+async def test_no_tenant_or_node_can_read_replace_or_serve_what_is_anothers(fleet, tmp_path):
+    acme, globex, n1, operator = [await fleet.user(u) for u in ("tenant-acme", "tenant-globex", "agent-n1", "operator")]
+
+    # globex's job G, on n2, registers and promotes globex-support
+    reply = await submit_as(globex, "globex", node="n2", label="globex's",
+                            register={"name": "globex-support", "promote": True})
+    assert isinstance(reply, Accepted), reply
+    g = reply.job
+    done = await finished(globex, "globex", g)
+    assert done.state == "succeeded", done.message
+    alias = (await bus.request(operator.nc, names.ADAPTERS.show, AdapterQuery(name="globex-support"), AdapterReply)).alias
+    assert (alias.current, alias.tenant) == (1, "globex")
+    artifacts_before = [(a.name, a.sha256) for a in done.artifacts]
+
+    # 1. replies: nobody reads another's inbox, nobody acks the scheduler's consumer
+    for client in (acme, n1):
+        before = len(client.violations)
+        await client.nc.subscribe(names.INBOX_ALL)
+        await refused(client, before)
+        before = len(client.violations)
+        await client.nc.subscribe(names.inbox_all("tenant-globex"))
+        await refused(client, before)
+        before = len(client.violations)
+        await client.nc.publish(f"$JS.ACK.{names.JOBS_STREAM}.{names.SCHEDULER_CONSUMER}.1.1.1.1.0", b"+ACK")
+        await refused(client, before)
+    before = len(operator.violations)  # even the operator may not delete the scheduler's consumer
+    await operator.nc.publish(names.js_api("CONSUMER", "DELETE", names.JOBS_STREAM, names.SCHEDULER_CONSUMER), b"")
+    await refused(operator, before)
+
+    # 2. acme cannot register under globex's adapter name: refused at submit, naming register.name
+    taken = await submit_as(acme, "acme", register={"name": "globex-support", "promote": True})
+    assert isinstance(taken, Rejected) and taken.errors[0].field == "register.name", taken
+    alias_after = (await bus.request(operator.nc, names.ADAPTERS.show, AdapterQuery(name="globex-support"),
+                                     AdapterReply)).alias
+    assert (alias_after.current, alias_after.latest, alias_after.tenant) == (1, 1, "globex")
+
+    # 3. datasets: one an admin shared with globex is not there for acme (to train on, or as validation data)
+    data = tmp_path / "private.jsonl"
+    data.write_text("".join(json.dumps({"q": f"secret {i}?", "a": f"globex {i}"}) + "\n" for i in range(8)))
+    stored = await upload_dataset(operator.nc, "globex-private", data, DatasetUpload(share=["globex"]))
+    for field in ("dataset", "validation_dataset"):
+        stolen = await submit_as(acme, "acme", **{field: {"name": "globex-private"}},
+                                 **({"data": []} if field == "dataset" else {}))
+        assert isinstance(stolen, Rejected) and stolen.errors[0].field == f"{field}.name", stolen
+        assert "no dataset named globex-private" in stolen.errors[0].reason
+    shared = await submit_as(globex, "globex", node="n2", validation_dataset={"name": "globex-private"})
+    assert isinstance(shared, Accepted), shared  # the tenant it was shared with may
+    assert (await finished(globex, "globex", shared.job)).state == "succeeded"
+
+    # 4. node n1 cannot store artifacts for G (run by n2), for a job that does not exist, or at a path
+    forged = Chunk(upload="forged1", job=g, kind="peft", seq=0, data=b"evil", last=True,
+                   sha256=__import__("hashlib").sha256(b"evil").hexdigest(), size=4,
+                   meta=ArtifactMeta(tenant="acme", attempt=1))
+    ack = _ack.decode((await n1.nc.request(names.artifact_upload("n1", g), msgspec.msgpack.encode(forged),
+                                           timeout=10)).data)
+    assert not ack.ok and "only the node running the job's current attempt" in ack.error, ack
+    before = len(n1.violations)
+    await n1.nc.publish(names.artifact_upload("n2", g), msgspec.msgpack.encode(forged))  # as n2: not its subject
+    await refused(n1, before)
+    ghost = msgspec.structs.replace(forged, upload="forged2", job="nosuchjob")
+    ack = _ack.decode((await n1.nc.request(names.artifact_upload("n1", "nosuchjob"), msgspec.msgpack.encode(ghost),
+                                           timeout=10)).data)
+    assert not ack.ok and "no job nosuchjob" in ack.error
+    for meta in ({"step": -5}, {"step": 1, "filename": "../../../etc/passwd"}):
+        bad = {**msgspec.structs.asdict(forged), "upload": "forged3", "kind": "checkpoint", "meta": meta}
+        ack = _ack.decode((await n1.nc.request(names.artifact_upload("n1", g), msgspec.msgpack.encode(bad),
+                                               timeout=10)).data)
+        assert not ack.ok and "meta." in ack.error, ack
+    after = await job_as(globex, "globex", g)
+    assert [(a.name, a.sha256) for a in after.artifacts] == artifacts_before
+
+    # 7. globex follows its own job's events as a tenant; acme may not subscribe to them
+    seen = [ev async for ev in follow(globex.nc, g, tenant="globex")]
+    assert isinstance(seen[-1], StateChange) and seen[-1].state == "succeeded"
+    assert sum(isinstance(ev, Progress) for ev in seen) >= 1
+    before = len(acme.violations)
+    await acme.nc.subscribe(names.tenant_events("globex"))
+    await refused(acme, before)
+    before = len(acme.violations)
+    await acme.nc.subscribe(names.job_events(g))  # every tenant's token at once
+    await refused(acme, before)
+
+    # 8. what n1 says about G on its own subjects is not G's history
+    js = n1.nc.jetstream()
+    own = names.job(g, "n1", "globex")
+    await js.publish(own.state, msgspec.json.encode(StateChange(job=g, state="failed", node="n1", attempt=1,
+                                                                message="forged by n1")))
+    await js.publish(own.progress, msgspec.json.encode(Progress(job=g, step=999, steps=999)))
+    await js.publish(own.samples, msgspec.json.encode(Samples(job=g, step=999, model="adapter", samples=[])))
+    page = await bus.request(globex.nc, names.jobs_api("globex").events, EventsQuery(job=g, limit=1000), EventPage)
+    assert {e.node for e in page.events} == {"n2"}
+    assert not any(getattr(e.event, "step", 0) == 999 or "forged" in getattr(e.event, "message", "")
+                   for e in page.events)
+    assert (await job_as(globex, "globex", g)).state == "succeeded"
+
+    # 9. control characters are refused at the door, naming the field
+    escaped = await submit_as(acme, "acme", label="\x1b[2J\x1b[31mpwned\n\x00")
+    assert isinstance(escaped, Rejected) and escaped.errors[0].field == "label", escaped
+    assert stored.tenants == ["globex"]
+
+
+async def test_a_tenant_reads_replies_only_on_its_own_inbox(secured):  # noqa: F811
+    """nats-py's default inbox (_INBOX.<random>) is not the user's own: its requests get no reply at all."""
+    scheduler = await as_user(secured.url, "scheduler")
+    await bus.ensure_resources(scheduler.nc)
+    async def quiet(_error) -> None:
+        pass
+
+    wrong = await nats.connect(secured.url, user="tenant-acme", password=password("tenant-acme"), error_cb=quiet,
+                               max_reconnect_attempts=1)
+    with pytest.raises(nats.errors.Error):
+        await wrong.request(names.jobs_api("acme").jobs, b"{}", timeout=1)
+    await wrong.close()
+    await scheduler.nc.close()
