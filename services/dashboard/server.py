@@ -28,7 +28,7 @@ KINDS = {"peft": "tar.gz", "gguf": "gguf", "checkpoint": "tar.gz", "tensorboard"
 
 
 def page_config(ws_url: str) -> dict:
-    return {"ws_url": ws_url, "stream": names.JOBS_STREAM, "subjects": {
+    return {"ws_url": ws_url, "stream": names.JOBS_STREAM, "inbox_prefix": names.inbox("dashboard"), "subjects": {
         "heartbeats": names.HEARTBEATS_ALL, "list_jobs": names.LIST_JOBS, "list_nodes": names.LIST_NODES,
         "job_events": names.job_events("{job}"), "artifacts_list": names.ARTIFACTS_LIST,
         "list_adapters": names.ADAPTERS.list}}

@@ -18,7 +18,8 @@ window.jetlora = state; // for the browser tests and the curious
 
 async function main() {
   const config = await (await fetch("config.json")).json();
-  const nc = await wsconnect({ servers: config.ws_url, name: "jetlora-dashboard" });
+  // replies come under the dashboard user's own inbox prefix, the only one its permissions let it read
+  const nc = await wsconnect({ servers: config.ws_url, name: "jetlora-dashboard", inboxPrefix: config.inbox_prefix });
   $("status").textContent = `connected to ${config.ws_url}`;
   const js = jetstream(nc);
   nc.subscribe(config.subjects.heartbeats, {
