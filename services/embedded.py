@@ -93,6 +93,9 @@ class EmbeddedNats:
         self.proc = subprocess.Popen([server_binary(), "-c", str(conf)], stdout=subprocess.DEVNULL,
                                      env={**os.environ, **(self.env or {})},
                                      stderr=open(self.store_dir / "nats-server.log", "ab"),
+                                     # its own session: a terminal's Ctrl-C or a supervisor's signal to our
+                                     # group reaches us, and we stop it last, after our last publishes
+                                     start_new_session=True,
                                      preexec_fn=die_with_parent(signal.SIGTERM))  # no orphan if we are SIGKILLed
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:

@@ -7,6 +7,7 @@ import logging
 import signal
 from collections.abc import Awaitable, Callable
 
+from services.aio import cancel_and_wait
 from services.bus import BusOptions, connect, ensure_resources
 from services.embedded import EmbeddedNats, state_dir
 
@@ -38,16 +39,63 @@ def embedded_if_needed(opts: BusOptions) -> EmbeddedNats | None:
     return server
 
 
-async def serve(opts: BusOptions, body: Callable[..., Awaitable[None]], owns_resources: bool = True) -> None:
+class ShutdownTimeout(Exception):
+    """A signal asked the service to stop, and it had not finished within its shutdown timeout."""
+
+
+async def serve(opts: BusOptions, body: Callable[..., Awaitable[None]], owns_resources: bool = True,
+                shutdown_timeout: float = 15.0) -> None:
     """Connect, make sure the JetStream resources exist (services that own them), run body(nc, stop) until a
-    signal, then drain. Agents and the dashboard own none: their credentials may not create streams."""
+    signal, then drain. Agents and the dashboard own none: their credentials may not create streams.
+
+    After the signal the body has `shutdown_timeout` seconds to finish its work (hand jobs back, publish last
+    states), and the drain a few more; what is left then is ended, and ShutdownTimeout says what it was."""
     stop = asyncio.Event()
     stop_on_signals(stop)
     nc = await connect(opts)
     try:
         if owns_resources:
             await ensure_resources(nc, opts.replicas)
-        await body(nc, stop)
+        await _until_done_or_late(body(nc, stop), stop, shutdown_timeout)
     finally:
-        if not nc.is_closed:
-            await nc.drain()
+        await _drain(nc)
+
+
+async def _until_done_or_late(work: Awaitable[None], stop: asyncio.Event, timeout: float) -> None:
+    task = asyncio.ensure_future(work)
+    stopping = asyncio.ensure_future(stop.wait())
+    try:
+        await asyncio.wait([task, stopping], return_when=asyncio.FIRST_COMPLETED)
+        if not task.done():
+            log.info("stopping: %.0fs to finish what runs", timeout)
+            done, _ = await asyncio.wait([task], timeout=timeout)
+            if not done:
+                left = _what_runs()
+                await cancel_and_wait([task])
+                raise ShutdownTimeout(f"did not finish within {timeout:.0f}s of the signal and was ended: {left} "
+                                      "(raise --shutdown-timeout, or look at the log above for what it waited on)")
+        await task  # its own error, if it ended with one
+    finally:
+        await cancel_and_wait([stopping])
+
+
+def _what_runs() -> str:
+    current = asyncio.current_task()
+    names = sorted({t.get_name() for t in asyncio.all_tasks() if t is not current and not t.done()})
+    return ", ".join(names[:12]) or "nothing named"
+
+
+async def _drain(nc, timeout: float = 5.0) -> None:
+    """Drain the connection, or close it when the server is gone (a drain would wait for it in vain)."""
+    if nc.is_closed:
+        return
+    try:
+        if nc.is_connected:
+            await asyncio.wait_for(nc.drain(), timeout)
+            return
+    except Exception as e:
+        log.warning("the NATS connection did not drain (%s); closing it", type(e).__name__)
+    try:
+        await nc.close()
+    except Exception as e:  # the server went away under it: there is nothing left to flush
+        log.warning("closing the NATS connection: %s: %s", type(e).__name__, e)

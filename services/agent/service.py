@@ -35,6 +35,7 @@ from services.procs import end_leftovers
 log = logging.getLogger(__name__)
 _enc = msgspec.json.Encoder()
 FINISHED_KEPT_S = 60.0  # how long a finished job stays listed in heartbeats
+SHUTDOWN_PUBLISH_S = 5.0  # how long a state published while shutting down is retried (NATS may be gone)
 
 
 @dataclass
@@ -115,7 +116,12 @@ class Agent:
                 run.trainer.cancel()
         await cancel_and_wait([run.task for run in runs] + [run.checkpoint_upload for run in runs])
         for run in runs:
-            await self._report(run, "queued", f"node {self.cfg.node} shut down while the job ran; handed back to the queue")
+            try:
+                await self._report(run, "queued", f"node {self.cfg.node} shut down while the job ran; handed back to "
+                                                  "the queue", give_up_after=SHUTDOWN_PUBLISH_S)
+            except Exception as e:  # NATS is gone: the scheduler re-queues it once this node's heartbeats stop
+                log.warning("job %s: could not say it was handed back (%s); the scheduler will re-queue it when this "
+                            "node's heartbeats stop", run.assignment.job, type(e).__name__)
         await self._beat()  # one last heartbeat that says we are draining
         await cancel_and_wait([beat])
 
@@ -224,12 +230,14 @@ class Agent:
         return names.job(a.job, self.cfg.node, names.tenant_token(a.tenant))
 
     async def _report(self, run: RunningJob, state: JobState, message: str, artifacts: list[ArtifactRef] | None = None,
-                      paused_by: str | None = None, checkpoint: CheckpointInfo | None = None) -> None:
+                      paused_by: str | None = None, checkpoint: CheckpointInfo | None = None,
+                      give_up_after: float = 300.0) -> None:
         a = run.assignment
         ev = StateChange(job=a.job, state=state, node=self.cfg.node, attempt=a.attempt, message=message,
                          artifacts=artifacts or [], ts=time.time(), paused_by=paused_by, checkpoint=checkpoint)
         run.reports += 1
-        await publish_durably(self.js, self._subjects(a).state, _enc.encode(ev), f"{a.job}.{a.attempt}.s{run.reports}")
+        await publish_durably(self.js, self._subjects(a).state, _enc.encode(ev), f"{a.job}.{a.attempt}.s{run.reports}",
+                              give_up_after=give_up_after)
 
     async def _progress(self, run: RunningJob, p: Progress) -> None:
         a = run.assignment

@@ -63,6 +63,8 @@ def parser() -> argparse.ArgumentParser:
         p = sub.add_parser(name, help=help_)
         BusOptions.add_arguments(p)
         p.add_argument("--heartbeat-interval", type=float, default=1.0)
+        p.add_argument("--shutdown-timeout", type=float, default=15.0, metavar="S",
+                       help="on SIGINT/SIGTERM, what is left after this many seconds is ended and the exit is 1")
         return p
 
     def agent_flags(p):

@@ -120,7 +120,8 @@ def run_service(args, body, owns_resources: bool = True) -> int:
         if hasattr(args, "ws_url") and not args.ws_url:
             args.ws_url = server.ws_url
     try:
-        asyncio.run(serve(opts, lambda nc, stop: body(nc, stop, args), owns_resources or server is not None))
+        asyncio.run(serve(opts, lambda nc, stop: body(nc, stop, args), owns_resources or server is not None,
+                          shutdown_timeout=args.shutdown_timeout))
         return EXIT_OK
     except KeyboardInterrupt:
         return EXIT_OK
