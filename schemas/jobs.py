@@ -198,6 +198,7 @@ class JobStatus(Struct, kw_only=True):
     devices: list[int] = field(default_factory=list)  # all of them, for a job on several; else empty
     attempt: int = 0  # assignments so far; agents' state events name theirs, so stale ones are ignored
     held_by: list[NodeId] = field(default_factory=list)  # the node of each attempt, oldest first: whose events count
+    event_seq: int = 0  # the JOBS stream sequence of the last state event applied: an older one redelivered is stale
     retries_used: int = 0  # times the job was re-queued because its node went away
     artifacts: list[ArtifactRef] = field(default_factory=list)
     checkpoint: str | None = None  # object-store name of the latest checkpoint: a re-queued job resumes from it

@@ -17,7 +17,7 @@ class StoredFile(Struct, kw_only=True):
     """An artifact an adapter version is made of, as the object store holds it."""
 
     name: str
-    sha256: str
+    sha256: Annotated[str, Meta(pattern="^[0-9a-f]{64}$")]  # it names the node's cache directory
     size: int
 
 

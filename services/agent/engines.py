@@ -4,9 +4,12 @@ filesystem resolver directory, or llama.cpp's server (which opens adapter files 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import shutil
+import signal
+import tempfile
 import time
 import urllib.error
 import urllib.request
@@ -18,6 +21,7 @@ from schemas.registry import AdapterVersion, NodeState, Smoke
 SMOKE_PROMPT = "Hello"
 SMOKE_TOKENS = 8
 HTTP_TIMEOUT_S = 30.0
+RESTART_TIMEOUT_S = 120.0  # an engine restart command (llama-server loading a model) is waited for this long
 
 
 @dataclass
@@ -111,16 +115,28 @@ async def load(engine: Engine, name: str, local: Path) -> tuple[NodeState, str]:
     return "loaded", f"placed {target} and restarted llama-server"
 
 
-async def restart(engine: Engine, env: dict[str, str] | None = None) -> None:
+async def restart(engine: Engine, env: dict[str, str] | None = None, timeout: float = RESTART_TIMEOUT_S) -> None:
     """Run the operator's restart command: $JETLORA_ADAPTERS lists every adapter placed for the engine (llama-server
-    takes one --lora each), $JETLORA_ADAPTER(_PATH) the one just placed."""
+    takes one --lora each), $JETLORA_ADAPTER(_PATH) the one just placed. The command's own exit is waited for, at
+    most `timeout` s (a server it starts in the background may keep running); its stderr goes to a file, so a
+    child that inherits it cannot hold the wait open."""
     placed = sorted(str(p) for p in engine.directory.glob("*.gguf")) if engine.directory and engine.directory.is_dir() else []
-    proc = await asyncio.create_subprocess_shell(engine.restart, env={**os.environ, "JETLORA_ADAPTERS": " ".join(placed),
-                                                                      **(env or {})},
-                                                 stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE)
-    _, err = await proc.communicate()
-    if proc.returncode:
-        raise EngineError(f"the restart command exited {proc.returncode}: {err.decode(errors='replace')[-300:]}")
+    with tempfile.TemporaryFile() as err:
+        proc = await asyncio.create_subprocess_shell(engine.restart, env={**os.environ, "JETLORA_ADAPTERS": " ".join(placed),
+                                                                          **(env or {})},
+                                                     stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.DEVNULL,
+                                                     stderr=err, start_new_session=True)
+        try:
+            code = await asyncio.wait_for(proc.wait(), timeout)
+        except TimeoutError:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            await proc.wait()
+            raise EngineError(f"the restart command did not exit within {timeout:.0f}s and was killed; a command that "
+                              "starts a server must start it in the background (e.g. `nohup llama-server ... &`)") from None
+        if code:
+            err.seek(0)
+            raise EngineError(f"the restart command exited {code}: {err.read().decode(errors='replace')[-300:]}")
 
 
 async def answering(engine: Engine) -> bool:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import shutil
 import time
 from pathlib import Path
 
@@ -129,18 +130,25 @@ class Rollout:
         await self._report(engine, version.name, version.version, state, message, checked)
 
     async def _fetch(self, file: StoredFile, gguf: bool) -> Path:
-        """The artifact on local disk, fetched once per sha256 and checked against the registry's sha256."""
+        """The artifact on local disk, fetched once per sha256 and checked against the registry's sha256. It is
+        fetched (and extracted) beside its place and renamed into it whole, so a crash or a full disk half way
+        leaves nothing that looks fetched."""
         target = self.root / file.sha256 / ("adapter.gguf" if gguf else "peft")
         if target.exists():
             return target
-        download = target.parent / ("adapter.gguf" if gguf else "peft.tar.gz")
+        download = target.parent / ("adapter.gguf.part" if gguf else "peft.tar.gz")
         try:
             await fetch_object(self.js, names.ARTIFACTS_BUCKET, file.name, download, file.sha256)  # corrupted: refused
         except Exception as e:
             raise RuntimeError(f"refused {file.name}: {e}") from None
-        if not gguf:
-            await asyncio.to_thread(safe_extract, download, target)
-            download.unlink()
+        if gguf:
+            download.replace(target)
+            return target
+        partial = target.with_name("peft.partial")
+        await asyncio.to_thread(shutil.rmtree, partial, True)  # what an earlier crash left
+        await asyncio.to_thread(safe_extract, download, partial)
+        partial.replace(target)
+        download.unlink()
         return target
 
     def _remember(self, engine: Engine, name: str, what: list | None) -> None:

@@ -160,6 +160,8 @@ def parser() -> argparse.ArgumentParser:
     p.set_defaults(fn=cmd_events)
     p = client("artifacts", "run the artifact service, or: ls / get / rm")
     p.add_argument("--heartbeat-interval", type=float, default=1.0, help=argparse.SUPPRESS)
+    p.add_argument("--shutdown-timeout", type=float, default=15.0, metavar="S",
+                   help="on SIGINT/SIGTERM, what is left after this many seconds is ended and the exit is 1")
     asub = p.add_subparsers(dest="action")
 
     def action(name, help_):

@@ -121,7 +121,7 @@ def run_service(args, body, owns_resources: bool = True) -> int:
             args.ws_url = server.ws_url
     try:
         asyncio.run(serve(opts, lambda nc, stop: body(nc, stop, args), owns_resources or server is not None,
-                          shutdown_timeout=args.shutdown_timeout))
+                          shutdown_timeout=getattr(args, "shutdown_timeout", 15.0)))
         return EXIT_OK
     except KeyboardInterrupt:
         return EXIT_OK

@@ -79,17 +79,14 @@ class SchedulerApi(SchedulerPausing):
         if request.idempotency_key is None:
             return await self._admit(request, size, tenant)
         key = f"{tenant or ''}/{request.idempotency_key}"  # one tenant's keys are not another's
-        try:
-            async with self.idempotency.lock(key):  # a retry waits for the first try's answer
-                first = await self.idempotency.claim(key, request, job_id := uuid.uuid4().hex[:16], self._job_exists)
-                if first is not None:
-                    return Accepted(first)  # the same submission again: nothing new is stored
-                reply = await self._admit(request, size, tenant, job_id)  # a retry is answered before any quota
-                if isinstance(reply, Rejected):
-                    await self.idempotency.release(key)
-                return reply
-        finally:
-            self.idempotency.done(key)
+        async with self.idempotency.turn(key):  # a retry waits for the first try's answer
+            first = await self.idempotency.claim(key, request, job_id := uuid.uuid4().hex[:16], self._job_exists)
+            if first is not None:
+                return Accepted(first)  # the same submission again: nothing new is stored
+            reply = await self._admit(request, size, tenant, job_id)  # a retry is answered before any quota
+            if isinstance(reply, Rejected):
+                await self.idempotency.release(key)
+            return reply
 
     async def _admit(self, request: JobRequest, size: int, tenant: str | None,
                      job_id: str | None = None) -> Accepted | Rejected:

@@ -118,9 +118,12 @@ class SchedulerAssign(SchedulerCore):
             written = False
             job.status = msgspec.structs.replace(job.status, **UNPLACED)
             self._enqueue(job)
-        if not written:
+        if not written:  # it moved on (paused, cancelled) while being placed: it holds no device after all
             for slot in slots:
                 self.fleet.release(slot, job.id)
+            if job.status.state != "assigned":
+                job.status = msgspec.structs.replace(job.status, **UNPLACED)
+                self.by_node.get(node, set()).discard(job.id)
             return
         try:
             request = self._full_request_cached(job.id) or (await self.store.request(job.id)).request

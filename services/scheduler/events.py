@@ -101,13 +101,16 @@ class SchedulerEvents(SchedulerPausing):
                         f"on node {job.status.node}" if job.status.node else "not on any node")
             return
 
-        def current(s: JobStatus) -> bool:  # not from an earlier attempt, not after the end, not a repeat
-            return (ev.attempt == s.attempt and s.state not in TERMINAL_STATES
-                    and (ev.state, ev.message) != (s.state, s.message))
+        seq = msg.metadata.sequence.stream
+
+        def current(s: JobStatus) -> bool:  # not from an earlier attempt, not after the end, not a repeat, and
+            return (ev.attempt == s.attempt and s.state not in TERMINAL_STATES  # not older than one applied: a
+                    and (ev.state, ev.message) != (s.state, s.message)  # state that failed once and comes again
+                    and seq > s.event_seq)  # after a later one must not undo it
 
         if ev.state == "queued":  # the agent handed it back (shutting down) before it could finish
-            return await self._requeue(job, ev.message, when=current)
-        changes = {"artifacts": ev.artifacts or job.status.artifacts}
+            return await self._requeue(job, ev.message, when=current, event_seq=seq)
+        changes = {"artifacts": ev.artifacts or job.status.artifacts, "event_seq": seq}
         if ev.checkpoint is not None:
             kept = [c for c in job.status.checkpoints if c.step != ev.checkpoint.step] + [ev.checkpoint]
             changes.update(checkpoint=ev.checkpoint.name, checkpoints=kept[-KEEP_CHECKPOINTS:])

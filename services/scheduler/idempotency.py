@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import time
-from collections import defaultdict
 
 import msgspec
 
@@ -25,15 +25,29 @@ class IdempotencyKeys:
 
     def __init__(self, store: JobStore, window_s: float) -> None:
         self.store, self.window_s = store, window_s
-        self._locks: defaultdict[str, asyncio.Lock] = defaultdict(asyncio.Lock)
+        self._locks: dict[str, tuple[asyncio.Lock, int]] = {}  # key -> its lock, and how many hold or wait for it
 
-    def lock(self, key: str) -> asyncio.Lock:
-        return self._locks[key]
+    @contextlib.asynccontextmanager
+    async def turn(self, key: str):
+        """One submission of `key` at a time. The lock is forgotten only when nobody holds or waits for it, so a
+        request that comes while another waits queues behind it instead of getting a fresh lock."""
+        lock, users = self._locks.get(key, (None, 0))
+        lock = lock or asyncio.Lock()
+        self._locks[key] = (lock, users + 1)
+        try:
+            async with lock:
+                yield
+        finally:
+            _, users = self._locks[key]
+            if users == 1:
+                del self._locks[key]
+            else:
+                self._locks[key] = (lock, users - 1)
 
     async def claim(self, key: str, request: JobRequest, job_id: JobId, job_exists) -> JobId | None:
         """None: the key is now this job's (store it next). A job id: the key's first job, to answer with.
         Raises InvalidRequest when the key was used for a different request within the window.
-        Call under lock(key)."""
+        Call in turn(key)."""
         record = IdempotencyRecord(job=job_id, request_sha256=request_digest(request), created=time.time())
         while True:
             found = await self.store.idempotency(key)
@@ -57,7 +71,3 @@ class IdempotencyKeys:
         """The job could not be stored: its key must not point at it."""
         await self.store.forget_idempotency(key)
 
-    def done(self, key: str) -> None:
-        lock = self._locks.get(key)
-        if lock is not None and not lock.locked():
-            del self._locks[key]

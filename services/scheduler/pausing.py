@@ -36,13 +36,19 @@ class SchedulerPausing(SchedulerCore):
     async def _pause(self, job: Job, by: str) -> Error | None:
         """Pause a queued job at once, or ask its node to checkpoint a running one; an Error says why not."""
         state = job.status.state
+
+        def waiting(s) -> bool:  # queued and not being placed (placing sets the node before the write)
+            return s.state == "queued" and s.node is None
+
         if state == "queued":
+            if not waiting(job.status):
+                return Error(f"job {job.id} is being placed on {job.status.node} right now; ask again", field="job")
             self.queue.discard(job.id)
-            if await self._set_state(job, "paused", f"paused while queued (by {by})", paused_by=by,
-                                     when=lambda s: s.state == "queued"):
+            if await self._set_state(job, "paused", f"paused while queued (by {by})", paused_by=by, when=waiting):
                 self._paused(job)
                 return None
-            self._enqueue(job)
+            if waiting(job.status):  # the write failed, the job did not move: it keeps its place
+                self._enqueue(job)
             return Error(f"job {job.id} was just placed; ask again", field="job")
         if state not in ACTIVE_STATES or state == "uploading":
             why = "is storing its artifacts and ends in a moment" if state == "uploading" else f"is {state}"
