@@ -62,7 +62,7 @@ def run_jetlora(model_dir, pairs, steps, lr, tokens_per_step, seq) -> dict:
         train(TrainerSpec(job="bench", attempt=1, request=req, out_dir=tmp))
         wall = time.perf_counter() - t0
     dec = msgspec.json.Decoder(TrainerEvent)
-    progress = [e for e in (dec.decode(l) for l in raw.getvalue().decode().splitlines() if l.startswith("{")) if isinstance(e, Progress)]
+    progress = [e for e in (dec.decode(line) for line in raw.getvalue().decode().splitlines() if line.startswith("{")) if isinstance(e, Progress)]
     last = progress[-1]
     return {"tokens_per_s": last.tokens / last.elapsed_s, "tokens": last.tokens, "loss": last.loss, "wall": wall}
 

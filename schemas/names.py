@@ -94,7 +94,7 @@ RESERVED_TENANTS = {"upload", ADMIN_TENANT}  # jetlora.artifacts.upload.* carrie
 def check_tenant(value: str) -> str:
     check_token(value, "tenant")
     if value in RESERVED_TENANTS:
-        raise ValueError(f"tenant {value!r} is reserved (it would share subjects with {RESERVED_TENANTS}); choose another")
+        raise ValueError(f"tenant {value!r} is reserved (it would share subjects with jetlora's own: {', '.join(sorted(RESERVED_TENANTS))}); choose another")
     return value
 
 

@@ -28,6 +28,7 @@ class Device(Struct, kw_only=True):
     utilization: Annotated[int, Meta(ge=0, le=100)] | None = None
     jobs: list[str] = field(default_factory=list)  # jetlora jobs running on it
     reclaim_mib: Annotated[int, Meta(ge=0)] = 0  # the serving engine here wants this much back: nothing new is placed
+    failed: str = ""  # why the device cannot be read (fallen off the bus): nothing is placed on it
 
 
 class Heartbeat(Struct, kw_only=True):

@@ -67,6 +67,8 @@ def decoder_for(request_type: type[T], hint: str = "send a JSON object") -> Call
             raise InvalidRequest([field_error(e)]) from None
         except msgspec.DecodeError as e:
             raise InvalidRequest([not_json(e, hint)]) from None
+        except RecursionError:
+            raise InvalidRequest([FieldError("", f"the JSON nests too deeply to be read; {hint}")]) from None
 
     return decode
 
@@ -118,7 +120,19 @@ def parse_all(data: bytes, cls: type[T], checks: Callable[[T], list[FieldError]]
     """Decode `data` as `cls` and run `checks` on it; raise InvalidRequest with every error found at once.
 
     When some fields are wrong, the checks still run on the rest: wrong fields fall back to their defaults (or to
-    `placeholders` for required ones) and checks about them are not repeated."""
+    `placeholders` for required ones) and checks about them are not repeated. JSON that cannot even be read as
+    values (nested too deep, a number out of range) is refused as a whole, saying so."""
+    try:
+        return _parse_all(data, cls, checks, placeholders, hint)
+    except RecursionError:
+        raise InvalidRequest([FieldError("", f"the JSON nests too deeply to be read; {hint}")]) from None
+    except msgspec.ValidationError as e:  # what even a plain JSON value cannot hold, e.g. the number 1e999
+        reason = str(e).split(" - at ")[0]
+        raise InvalidRequest([FieldError("", f"{reason} (a number too large for a float?); {hint}")]) from None
+
+
+def _parse_all(data: bytes, cls: type[T], checks: Callable[[T], list[FieldError]], placeholders: dict[str, Any],
+               hint: str) -> T:
     try:
         return_value = msgspec.json.decode(data, type=cls)
     except msgspec.ValidationError:

@@ -174,7 +174,7 @@ async def test_a_1_gb_artifact_keeps_the_service_small(nc, nats_server, tmp_path
         info = await upload_file(nc, "n1", "big", "peft", src, timeout=30)
         took = time.monotonic() - t0
         with open(f"/proc/{proc.pid}/status") as f:
-            hwm_mib = next(int(l.split()[1]) for l in f if l.startswith("VmHWM")) / 1024
+            hwm_mib = next(int(line.split()[1]) for line in f if line.startswith("VmHWM")) / 1024
         print(f"1 GiB through the artifact service: {1024 / took:.0f} MiB/s, service peak RSS {hwm_mib:.0f} MiB")
         assert info.size == 1 << 30 and info.sha256 == sha256_file(src)
         assert hwm_mib < 200, hwm_mib

@@ -60,7 +60,7 @@ async def test_pausing_a_job_while_it_is_placed_never_leaves_it_in_two_places(nc
         reply = await submit(nc, {"model": "tiny", "base_dir": "/models/tiny", "data": pairs(1)})
         answer = await bus.request(nc, names.PAUSE, JobQuery(reply.job), JobReply | Error)
         job = stack.jobs[reply.job]
-        await wait_for(lambda: job.status.state in ("paused", "running"), timeout=30, what="the job to settle")
+        await wait_for(lambda job=job: job.status.state in ("paused", "running"), timeout=30, what="the job to settle")
         reserved = [slot for slot, j in stack.fleet.reserved.items() if j == reply.job]
         if job.status.state == "paused":
             assert job.status.node is None and reserved == [] and reply.job not in stack.queue, (answer, job.status)

@@ -16,11 +16,11 @@ os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-import msgspec
+import msgspec  # noqa: E402 (after the environment above, which the libraries read at import)
 
-from schemas.events import Failed, TrainerSpec
-from trainer.errors import JobError
-from trainer.events import emit
+from schemas.events import Failed, TrainerSpec  # noqa: E402
+from trainer.errors import JobError  # noqa: E402
+from trainer.events import emit  # noqa: E402
 
 
 def main(argv: list[str]) -> int:

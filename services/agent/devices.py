@@ -7,28 +7,46 @@ import os
 from schemas.nodes import CPU_DEVICE, Device
 
 
-def nvidia_gpus() -> tuple[list[Device], str]:
-    """The node's NVIDIA GPUs, or none and the reason why."""
+def nvml_init() -> str:
+    """Initialise NVML once per process; '' when it works, else why not."""
     try:
         import pynvml
     except ImportError:
-        return [], "nvidia-ml-py is not installed: `pip install nvidia-ml-py` (it comes with jetlora)"
+        return "nvidia-ml-py is not installed: `pip install nvidia-ml-py` (it comes with jetlora)"
     try:
         pynvml.nvmlInit()
     except pynvml.NVMLError as e:
-        return [], f"NVML is not available here ({e}): no NVIDIA driver on this node"
-    devices = []
-    for i in range(pynvml.nvmlDeviceGetCount()):
-        h = pynvml.nvmlDeviceGetHandleByIndex(i)
-        mem = pynvml.nvmlDeviceGetMemoryInfo(h)
-        try:
-            util = pynvml.nvmlDeviceGetUtilizationRates(h).gpu
-        except pynvml.NVMLError:
-            util = None
-        name = pynvml.nvmlDeviceGetName(h)
-        devices.append(Device(index=i, kind="cuda", name=name.decode() if isinstance(name, bytes) else name,
-                              total_mib=mem.total // 2**20, free_mib=mem.free // 2**20, utilization=util))
+        return f"NVML is not available here ({e}): no NVIDIA driver on this node"
+    return ""
+
+
+def nvidia_gpus() -> tuple[list[Device], str]:
+    """The node's NVIDIA GPUs (NVML initialised), or none and the reason why. A GPU that cannot be read is
+    reported failed, with why; the others are reported as they are."""
+    import pynvml
+
+    try:
+        count = pynvml.nvmlDeviceGetCount()
+    except pynvml.NVMLError as e:
+        return [], f"NVML could not count the GPUs ({e})"
+    devices = [_gpu(pynvml, i) for i in range(count)]
     return devices, "" if devices else "NVML found no GPU on this node"
+
+
+def _gpu(pynvml, index: int) -> Device:
+    try:
+        h = pynvml.nvmlDeviceGetHandleByIndex(index)
+        mem = pynvml.nvmlDeviceGetMemoryInfo(h)
+        name = pynvml.nvmlDeviceGetName(h)
+    except pynvml.NVMLError as e:
+        return Device(index=index, kind="cuda", name="unreadable GPU", total_mib=0, free_mib=0,
+                      failed=f"NVML cannot read it ({e}): check `nvidia-smi` and the node's kernel log (Xid)")
+    try:
+        util = pynvml.nvmlDeviceGetUtilizationRates(h).gpu
+    except pynvml.NVMLError:
+        util = None
+    return Device(index=index, kind="cuda", name=name.decode() if isinstance(name, bytes) else name,
+                  total_mib=mem.total // 2**20, free_mib=mem.free // 2**20, utilization=util)
 
 
 def memory_mib() -> tuple[int, int]:
@@ -61,12 +79,16 @@ class DeviceProbe:
 
     def __init__(self, offer_cpu: bool = False, simulate: str | None = None) -> None:
         self.offer_cpu, self.simulate = offer_cpu, simulate
+        self._no_nvml: str | None = None  # NVML is initialised on the first read, once
 
     def read(self) -> tuple[list[Device], str]:
+        """The devices now (blocking: NVML calls; the agent's heartbeats run it in a thread)."""
         if self.simulate:
             devices, reason = simulated_gpus(self.simulate), ""
         else:
-            devices, reason = nvidia_gpus()
+            if self._no_nvml is None:
+                self._no_nvml = nvml_init()
+            devices, reason = nvidia_gpus() if not self._no_nvml else ([], self._no_nvml)
         if self.offer_cpu:
             devices.append(cpu_device())
         elif reason:

@@ -126,8 +126,9 @@ class Agent:
         await cancel_and_wait([beat])
 
     # --- heartbeats ------------------------------------------------------------------------------
-    def heartbeat(self) -> Heartbeat:
-        devices, self.no_gpu_reason = self.probe.read()
+    def heartbeat(self, read: tuple[list[Device], str] | None = None) -> Heartbeat:
+        """This node's heartbeat, from `read` (what probe.read() returned) or a fresh read."""
+        devices, self.no_gpu_reason = read or self.probe.read()
         on: dict[int, list[JobId]] = {}
         for job_id, run in self.jobs.items():
             for index in run.devices:
@@ -143,7 +144,8 @@ class Agent:
 
     async def _beat(self) -> None:
         try:
-            await self.nc.publish(names.node(self.cfg.node).heartbeat, _enc.encode(self.heartbeat()))
+            read = await asyncio.to_thread(self.probe.read)  # NVML may block: not on the event loop
+            await self.nc.publish(names.node(self.cfg.node).heartbeat, _enc.encode(self.heartbeat(read)))
         except Exception as e:  # disconnected: the client buffers and reconnects
             log.warning("heartbeat not sent: %s", e)
 

@@ -13,7 +13,7 @@ from services import bus
 from services.bus import BusOptions
 from services.cli.adapters import cmd_adapters
 from services.cli.artifacts import cmd_artifacts
-from services.cli.client import EXIT_OK
+from services.cli.client import EXIT_OK, EXIT_REJECTED
 from services.cli.datasets import cmd_datasets
 from services.cli.estimate import cmd_estimate
 from services.cli.jobs import (cmd_checkpoints, cmd_control, cmd_events, cmd_job, cmd_jobs, cmd_nodes, cmd_submit,
@@ -27,7 +27,11 @@ def cmd_permissions(args) -> int:
 
     nodes = [n for n in args.nodes.split(",") if n]
     tenants = [t for t in args.tenants.split(",") if t]
-    block = authorization_block(nodes, tenants)
+    try:
+        block = authorization_block(nodes, tenants)
+    except ValueError as e:  # a node or tenant that cannot be a subject token (or is reserved)
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_REJECTED
     if args.out:
         Path(args.out).write_text(block)
         print(f"wrote {args.out}; give nats-server these variables: "

@@ -51,7 +51,8 @@ class Fleet:
     def _reindex(self, node: str, dev: Device) -> None:
         key = (node, dev.index)
         item = (dev.free_mib, node, dev.index)
-        want = not dev.jobs and key not in self.reserved and not dev.reclaim_mib  # an engine wanting memory: no new job
+        want = (not dev.jobs and key not in self.reserved and not dev.reclaim_mib  # an engine wanting memory: no new job
+                and not dev.failed)
         old = self._indexed.get(key)
         if old and (not want or old[1] != item):
             self._unindex(key)
