@@ -262,6 +262,20 @@ class JobReply(Struct, tag="job", tag_field="type"):
     job: JobSummary
 
 
+class NodeWhy(Struct, kw_only=True):
+    node: NodeId
+    reason: str  # "fits", "busy", "no GPU", "insufficient free memory", "draining", ...
+
+
+class JobWhy(Struct, tag="why", tag_field="type", kw_only=True):
+    """Why a job waits (`jetlora why JOB`): the summary its message shows, and each node's reason."""
+
+    job: JobId
+    state: JobState
+    summary: str
+    nodes: list[NodeWhy] = field(default_factory=list)
+
+
 class JobList(Struct, tag="jobs", tag_field="type"):
     jobs: list[JobSummary]
 

@@ -77,6 +77,7 @@ class JobsApi(NamedTuple):
     resume: str  # a paused job goes back to the queue, to go on from its checkpoint
     events: str  # a job's events, a page at a time, from the JOBS stream
     checkpoints: str  # a job's checkpoints with their losses
+    why: str  # why a queued job waits, node by node
 
 
 def jobs_api(tenant: str | None = None) -> JobsApi:
@@ -86,6 +87,7 @@ def jobs_api(tenant: str | None = None) -> JobsApi:
 _ADMIN = jobs_api()
 SUBMIT, GET_JOB, LIST_JOBS, CANCEL, STOP = _ADMIN.submit, _ADMIN.job, _ADMIN.jobs, _ADMIN.cancel, _ADMIN.stop
 PAUSE, RESUME, EVENTS, CHECKPOINTS = _ADMIN.pause, _ADMIN.resume, _ADMIN.events, _ADMIN.checkpoints
+WHY = _ADMIN.why
 LIST_NODES = f"{API_GROUP}.nodes"
 ADMIN_TENANT = "_"  # the tenant token of an admin's job in its event subjects
 RESERVED_TENANTS = {"upload", ADMIN_TENANT}  # jetlora.artifacts.upload.* carries chunks

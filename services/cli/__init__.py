@@ -17,7 +17,7 @@ from services.cli.client import EXIT_OK, EXIT_REJECTED
 from services.cli.datasets import cmd_datasets
 from services.cli.estimate import cmd_estimate
 from services.cli.jobs import (cmd_checkpoints, cmd_control, cmd_events, cmd_job, cmd_jobs, cmd_nodes, cmd_submit,
-                               cmd_watch)
+                               cmd_watch, cmd_why)
 from services.cli.serve import run_agent, run_all, run_artifacts, run_dashboard, run_scheduler, run_service
 from services.runtime import setup_logging
 
@@ -152,7 +152,8 @@ def parser() -> argparse.ArgumentParser:
                             ("pause", "checkpoint a job and free its device; resume goes on from there", cmd_control),
                             ("resume", "queue a paused job again, to go on from its checkpoint", cmd_control),
                             ("checkpoints", "a job's stored checkpoints with their losses", cmd_checkpoints),
-                            ("watch", "follow a job's progress (replayed from its start)", cmd_watch)):
+                            ("watch", "follow a job's progress (replayed from its start)", cmd_watch),
+                            ("why", "why a queued job waits, node by node", cmd_why)):
         p = client(name, help_)
         p.add_argument("job")
         p.set_defaults(fn=fn)

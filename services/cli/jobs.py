@@ -118,6 +118,23 @@ def cmd_control(args) -> int:
     return run_client(args, go)
 
 
+def cmd_why(args) -> int:
+    """Why a job waits, node by node."""
+    from schemas.jobs import JobWhy
+
+    async def go(nc):
+        reply = await ask(nc, api(args)["why"], JobQuery(args.job), JobWhy)
+        if args.json:
+            print(msgspec.json.encode(reply).decode())
+            return EXIT_OK
+        print(printable(reply.summary))
+        for n in reply.nodes:
+            print(f"  {printable(n.node)}: {printable(n.reason)}")
+        return EXIT_OK
+
+    return run_client(args, go)
+
+
 def cmd_watch(args) -> int:
     from services.cli.watch import watch
 

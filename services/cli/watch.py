@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import sys
 
 import msgspec
@@ -12,11 +13,13 @@ from schemas import names
 from schemas.events import EventPage, EventsQuery, JobEvent, Preparing, Progress, Samples, StateChange
 from schemas.jobs import TERMINAL_STATES, Error, JobQuery, JobReply
 from services import bus
+from services.aio import cancel_and_wait
 from services.cli.client import CommandFailed
 from services.cli.printable import printable
 
 _dec = msgspec.json.Decoder(JobEvent)
 _enc = msgspec.json.Encoder()
+WAITING_POLL_S = 2.0  # how often `watch` asks a queued job why it waits
 
 
 def progress_line(p: Progress) -> str:
@@ -118,10 +121,33 @@ async def _holds(nc: Client, api: names.JobsApi, job: str, node: str, holders: s
     return node in holders
 
 
+async def _say_why_it_waits(nc: Client, job: str, tenant: str | None) -> None:
+    """While the job is queued (no events yet), print why it waits each time the reason changes."""
+    said = ""
+    while True:
+        reply = await bus.request(nc, names.jobs_api(tenant).job, JobQuery(job), JobReply | Error)
+        if not isinstance(reply, JobReply) or reply.job.state != "queued":
+            return
+        if reply.job.message != said:
+            said = reply.job.message
+            print(f"queued: {printable(said)}", flush=True)
+        await asyncio.sleep(WAITING_POLL_S)
+
+
 async def watch(nc: Client, job: str, as_json: bool = False, tenant: str | None = None) -> int:
     tty = sys.stdout.isatty() and not as_json
+    waiting = None if as_json else asyncio.create_task(_say_why_it_waits(nc, job, tenant))
+    try:
+        return await _print_events(nc, job, as_json, tenant, tty, waiting)
+    finally:
+        await cancel_and_wait([waiting])
+
+
+async def _print_events(nc: Client, job: str, as_json: bool, tenant: str | None, tty: bool, waiting) -> int:
     last = None
     async for ev in follow(nc, job, tenant):
+        if waiting is not None and not waiting.done():
+            waiting.cancel()  # it moves: the events say the rest
         if as_json:
             print(msgspec.json.encode(ev).decode(), flush=True)
         elif isinstance(ev, Progress):

@@ -13,7 +13,7 @@ import msgspec
 
 from schemas import names
 from schemas.jobs import (TERMINAL_STATES, Accepted, Error, FieldError, JobList, JobListQuery, JobQuery, JobReply,
-                          JobRequest, JobStatus, Rejected, StoredRequest, parse_job_request, summarize)
+                          JobRequest, JobStatus, JobWhy, Rejected, StoredRequest, parse_job_request, summarize)
 from schemas.events import CheckpointList, EventPage, EventsQuery
 from schemas.nodes import Control, ControlReply, NodeInfo, NodeList
 from schemas.validate import InvalidRequest
@@ -24,6 +24,7 @@ from services.scheduler.core import Job
 from services.scheduler.history import events_page
 from services.scheduler.idempotency import IdempotencyKeys
 from services.scheduler.pausing import BY_USER, SchedulerPausing
+from services.scheduler.waiting import explain, with_reason
 
 log = logging.getLogger(__name__)
 
@@ -44,7 +45,8 @@ class SchedulerApi(SchedulerPausing):
                  "pause": (JobQuery, self._pause_job),
                  "resume": (JobQuery, self._resume_job),
                  "events": (EventsQuery, self._job_events),
-                 "checkpoints": (JobQuery, self._job_checkpoints)}
+                 "checkpoints": (JobQuery, self._job_checkpoints),
+                 "why": (JobQuery, self._why_job)}
         out = [("submit", "submit", self._submit), ("tenant-submit", "*.submit", self._submit),
                ("nodes", "nodes", bus.handler(self._list_nodes, msgspec.Raw))]
         for verb, (request_type, serve) in verbs.items():
@@ -243,6 +245,15 @@ class SchedulerApi(SchedulerPausing):
     async def _job_events(self, q: EventsQuery, tenant: str | None) -> EventPage:
         job = self._job(JobQuery(q.job), tenant)
         return await events_page(self.js, q, job.status, job.stored.tenant)
+
+    async def _why_job(self, q: JobQuery, tenant: str | None) -> JobWhy:
+        job = self._job(q, tenant)
+        if job.status.state != "queued" or job.status.node is not None:
+            where = f" on {job.status.node}" if job.status.node else ""
+            return JobWhy(job=job.id, state=job.status.state, summary=f"{job.status.state}{where}: {job.status.message}")
+        summary, nodes = explain(self.fleet, job.stored.request,
+                                 {n: j for n, j in self.gang_holds.items() if j != job.id})
+        return JobWhy(job=job.id, state="queued", summary=with_reason(job.status.message, summary), nodes=nodes)
 
     async def _job_checkpoints(self, q: JobQuery, tenant: str | None) -> CheckpointList:
         return CheckpointList(job=q.job, checkpoints=self._job(q, tenant).status.checkpoints)

@@ -14,6 +14,7 @@ from schemas.nodes import Assignment, AssignRefused, AssignReply, on_devices
 from services import bus
 from services.aio import wait_first
 from services.scheduler.core import UNPLACED, Job, SchedulerCore
+from services.scheduler.waiting import explain, with_reason
 
 log = logging.getLogger(__name__)
 
@@ -79,6 +80,31 @@ class SchedulerAssign(SchedulerCore):
                 self._spawn(self._assign(self.jobs[job_id]))
                 if not self.fleet.any_free():
                     break
+        self._explain_waiting(holding, held)
+
+    def _explain_waiting(self, holding: dict, held: dict[str, str]) -> None:
+        """Each job the pass left queued says why in its message; written only when the reason changed, and
+        worked out once per kind of request, so a long queue costs one line per job, not a scan each."""
+        reasons: dict[tuple, str] = {}
+        for job_id in list(self.queue.ids()):
+            job = self.jobs.get(job_id)
+            if job is None or job.status.state != "queued" or job.status.node is not None:
+                continue
+            req, tenant = job.stored.request, job.stored.tenant
+            limit = self.cfg.quota(tenant).devices
+            if limit is not None and holding.get(tenant, 0) + req.devices > limit:
+                reason = (f"waiting: tenant {tenant} holds {holding.get(tenant, 0)} of its {limit} devices (its quota); "
+                          "it starts when one of its jobs ends")
+            else:  # a multi-device job's own kept node is not a reason for it to wait
+                shape = (req.accelerator, req.gpu_mib, req.devices, req.node, req.quantization,
+                         job_id if req.devices > 1 else None)
+                if shape not in reasons:
+                    reasons[shape] = explain(self.fleet, req, {n: j for n, j in held.items() if j != job_id})[0]
+                reason = reasons[shape]
+            message = with_reason(job.status.message, reason)
+            if message != job.status.message:
+                self._spawn(self._set_state(job, "queued", message,
+                                            when=lambda s: s.state == "queued" and s.node is None))
 
     def _keep_for_gang(self, job_id: str, node: str | None, kept: set[str]) -> None:
         """A multi-device job that does not fit yet has a node kept for it: jobs behind it in the queue are

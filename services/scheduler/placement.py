@@ -151,7 +151,7 @@ class Fleet:
         """`count` free devices of one node, each with need_mib free (the best-fitting node), or None: a job on
         several devices is placed whole or not at all."""
         kinds, best = self.kinds(accelerator), None
-        for name, _ in self._views(node):
+        for name, _ in self.views(node):
             if name in held and node is None:
                 continue
             fits = self._fitting(name, need_mib, kinds)[:count]
@@ -162,7 +162,7 @@ class Fleet:
     def most_devices(self, need_mib: int, accelerator: str, node: str | None = None) -> tuple[int, str | None]:
         """The most devices with need_mib total memory one node has (whether free or not), and that node."""
         kinds, best = self.kinds(accelerator), (0, None)
-        for name, view in self._views(node):
+        for name, view in self.views(node):
             count = sum(1 for d in view.devices.values() if d.kind in kinds and d.total_mib >= need_mib)
             best = max(best, (count, name), key=lambda b: b[0])
         return best
@@ -171,7 +171,7 @@ class Fleet:
         """The most memory `count` GPUs of one node would have once jetlora's jobs on them end (what serving
         engines hold stays held), and where: the count-th roomiest device of the best node."""
         best = (0, "no GPU node")
-        for name, view in self._views(node):
+        for name, view in self.views(node):
             rooms = sorted((min(d.total_mib, d.free_mib + held_mib((name, d.index))), d.index)
                            for d in view.devices.values() if d.kind == "cuda")
             if len(rooms) >= count and rooms[-count][0] > best[0]:
@@ -181,13 +181,13 @@ class Fleet:
 
     def model_shape(self, base_dir: str, node: str | None = None) -> ModelShape | None:
         """The shape of the model at base_dir, from the heartbeats of the nodes that have it."""
-        for _, view in self._views(node):
+        for _, view in self.views(node):
             for shape in view.heartbeat.models:
                 if shape.dir.rstrip("/") == base_dir.rstrip("/"):
                     return shape
         return None
 
-    def _views(self, node: str | None) -> list[tuple[str, NodeView]]:
+    def views(self, node: str | None) -> list[tuple[str, NodeView]]:
         """(name, view) of that node (none when it is unknown), or of every node."""
         if node is not None:
             return [(node, self.nodes[node])] if node in self.nodes else []
@@ -217,7 +217,7 @@ class Fleet:
             if key not in self._largest:
                 self._largest[key] = self._scan_largest(key, self.nodes.values())
             return self._largest[key]
-        return self._scan_largest(self.kinds(accelerator), [view for _, view in self._views(node)])
+        return self._scan_largest(self.kinds(accelerator), [view for _, view in self.views(node)])
 
     @staticmethod
     def _scan_largest(kinds, views) -> tuple[str, Device] | None:

@@ -25,6 +25,10 @@ class JobQueue:
         heapq.heappush(heap, (-priority, seq, job))
         self._queued.add(job)
 
+    def ids(self) -> set[str]:
+        """The queued jobs (a live view: copy it to change the queue while iterating)."""
+        return self._queued
+
     def discard(self, job: str) -> None:
         """Forget a job (cancelled, placed); its heap entry is dropped when it surfaces."""
         self._queued.discard(job)

@@ -1,0 +1,93 @@
+"""Why a queued job waits: each node's reason, summed up as Kubernetes explains a pending pod
+("0/12 nodes are available: 8 insufficient free memory, 3 busy, 1 draining"), with what would change it."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+from schemas.jobs import JobRequest, NodeWhy
+from services.scheduler.placement import Fleet, NodeView
+
+FITS = "fits"
+KIND_NAMES = {"gpu": "GPU", "cpu": "offered CPU", "any": "device"}
+
+
+def node_reason(fleet: Fleet, name: str, view: NodeView, req: JobRequest, kept_for: str | None) -> str:
+    """Why `req` cannot start on this node now, or FITS."""
+    if view.heartbeat.draining:
+        return "draining"
+    if kept_for:
+        return f"kept for multi-device job {kept_for}"
+    kinds = fleet.kinds(req.accelerator)
+    devices = [d for d in view.devices.values() if d.kind in kinds]
+    if not devices:
+        return f"no {KIND_NAMES[req.accelerator]}"
+    usable = [d for d in devices if not d.failed]
+    if not usable:
+        return "its devices failed"
+    big = [d for d in usable if d.total_mib >= req.gpu_mib]
+    if len(big) < req.devices:
+        return "too small"
+    idle = [d for d in big if not d.jobs and (name, d.index) not in fleet.reserved]
+    if len(idle) < req.devices:
+        return "busy"
+    if all(d.reclaim_mib for d in idle):
+        return "its serving engine wants memory back"
+    if len([d for d in idle if d.free_mib >= req.gpu_mib and not d.reclaim_mib]) < req.devices:
+        return "insufficient free memory"
+    return FITS
+
+
+def explain(fleet: Fleet, req: JobRequest, kept: dict[str, str]) -> tuple[str, list[NodeWhy]]:
+    """(one line, each node's reason) for a queued job; kept: node -> the multi-device job it is kept for."""
+    if req.node is not None and req.node not in fleet.nodes:
+        return (f"waiting: node {req.node}, which the job is pinned to, is not known (no heartbeat from it); it "
+                "starts when that node's agent runs, or submit it without `node`"), []
+    views = fleet.views(req.node)
+    if not views:
+        return ("waiting: no node is known yet; start `jetlora agent` on a GPU node (or with --offer-cpu to train "
+                "on its CPU)"), []
+    why = [NodeWhy(node=name, reason=node_reason(fleet, name, view, req, kept.get(name)))
+           for name, view in views]
+    counts = Counter(w.reason for w in why)
+    if counts[FITS]:
+        fitting = ", ".join(w.node for w in why if w.reason == FITS)
+        return f"waiting: {fitting} could take it; it waits behind jobs of higher priority or submitted earlier", why
+    parts = []
+    for reason, count in counts.most_common():
+        if reason == "insufficient free memory":
+            reason += f" (need {req.gpu_mib:,} MiB{'' if req.devices == 1 else f' on each of {req.devices}'}, " \
+                      f"largest free {_largest_free(fleet, req):,})"
+        parts.append(f"{count} {reason}")
+    summary = f"waiting: 0/{len(why)} nodes are available: {', '.join(parts)}"
+    return summary + _fix(fleet, req, counts), why
+
+
+def _largest_free(fleet: Fleet, req: JobRequest) -> int:
+    kinds = fleet.kinds(req.accelerator)
+    return max((d.free_mib for _, v in fleet.views(req.node) for d in v.devices.values()
+                if d.kind in kinds and not d.failed), default=0)
+
+
+def _fix(fleet: Fleet, req: JobRequest, counts: Counter) -> str:
+    """What would change it, for the commonest causes."""
+    lacking = counts[f"no {KIND_NAMES[req.accelerator]}"]
+    if req.accelerator == "gpu" and lacking == sum(counts.values()):
+        cpus = [name for name, view in fleet.views(req.node) if any(d.kind == "cpu" for d in view.devices.values())]
+        if cpus and req.quantization != "nf4" and req.devices == 1:
+            return (f"; no known node has a GPU: set accelerator to cpu or any to run on {cpus[0]}'s CPU now, or "
+                    "wait for a GPU node")
+        return "; no known node has a GPU: it starts when a GPU node's agent joins"
+    if counts["too small"] == sum(counts.values()):
+        return f"; no device has {req.gpu_mib:,} MiB in total: ask for less gpu_mib, or add a bigger GPU"
+    if counts["busy"] + counts["insufficient free memory"]:
+        return "; it starts when a job there ends or memory frees"
+    return ""
+
+
+def with_reason(message: str, reason: str) -> str:
+    """A queued job's message with its waiting reason in place of the old one (what came before it, such as
+    why it was re-queued, stays)."""
+    cut = message.find("waiting")
+    prefix = message[:cut] if cut >= 0 else (f"{message}; " if message else "")
+    return prefix + reason
