@@ -85,3 +85,18 @@ async def test_a_thousand_queued_jobs_are_not_written_again_on_every_pass(nc, st
     written = await writes() - before
     print(f"KV writes for 5 passes over 1,000 queued jobs: {written}")
     assert written <= 5 * 3, written  # each new job's request, status and reason; none of the thousand
+
+
+async def test_too_little_free_memory_and_a_node_kept_for_a_multi_device_job_each_say_theirs(nc, stack, agents):
+    agents.start("small", gpus="8192/2048", hold_s=30)  # a serving engine holds most of its one GPU
+    agents.start("pair", gpus="4096,4096", hold_s=30)
+    await wait_nodes(nc, 2)
+    big = await queued(nc, gpu_mib=6000)
+    await says(nc, big, "0/2 nodes are available", "1 insufficient free memory (need 6,000 MiB, largest free",
+               "1 too small")
+    one = await queued(nc, gpu_mib=1000, node="pair")
+    await wait_state(nc, one, ("running",), timeout=30)
+    gang = await queued(nc, gpu_mib=1000, devices=2, node="pair")
+    await says(nc, gang, "0/1 nodes are available: 1 busy")
+    after = await queued(nc, gpu_mib=1000, node="pair")  # the free GPU is kept for the gang
+    await says(nc, after, "1 kept for multi-device job " + gang)

@@ -69,9 +69,10 @@ def cpu_device() -> Device:
 
 
 def simulated_gpus(spec: str) -> list[Device]:
-    """`24576,81920`: cards of that many MiB, all free (for tests and benchmarks)."""
-    return [Device(index=i, kind="cuda", name="simulated GPU", total_mib=int(m), free_mib=int(m))
-            for i, m in enumerate(x for x in spec.split(",") if x.strip())]
+    """`24576,81920/8000`: cards of that many MiB, free unless `/FREE` says how much is (tests and benchmarks)."""
+    cards = [x.strip().partition("/") for x in spec.split(",") if x.strip()]
+    return [Device(index=i, kind="cuda", name="simulated GPU", total_mib=int(total), free_mib=int(free or total))
+            for i, (total, _, free) in enumerate(cards)]
 
 
 class DeviceProbe:
