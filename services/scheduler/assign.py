@@ -47,6 +47,8 @@ class SchedulerAssign(SchedulerCore):
         def fits(node=None):
             def try_place(job_id: str) -> bool:
                 job = self.jobs[job_id]
+                if job.lock.locked():  # its status is being written: a placement now would be overwritten by it
+                    return False
                 req, tenant = job.stored.request, job.stored.tenant
                 limit = self.cfg.quota(tenant).devices
                 if limit is not None and holding.get(tenant, 0) + req.devices > limit:
@@ -103,8 +105,11 @@ class SchedulerAssign(SchedulerCore):
                 reason = reasons[shape]
             message = with_reason(job.status.message, reason)
             if message != job.status.message:
-                self._spawn(self._set_state(job, "queued", message,
-                                            when=lambda s: s.state == "queued" and s.node is None))
+                self._spawn(self._say_why(job, message))
+
+    async def _say_why(self, job: Job, message: str) -> None:
+        await self._set_state(job, "queued", message, when=lambda s: s.state == "queued" and s.node is None)
+        self._wake.set()  # a pass that skipped the job while this was written may place it now
 
     def _keep_for_gang(self, job_id: str, node: str | None, kept: set[str]) -> None:
         """A multi-device job that does not fit yet has a node kept for it: jobs behind it in the queue are
