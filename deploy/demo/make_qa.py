@@ -1,4 +1,5 @@
-"""Writes qa.jsonl beside this file: questions and answers about countries, their capitals and continents."""
+"""Writes qa.jsonl beside this file: questions and answers about countries, their capitals and continents; and
+qa-heldout.jsonl: the same facts asked in other words, held out to measure what training taught."""
 
 import json
 from pathlib import Path
@@ -47,8 +48,16 @@ def pairs():
         yield {"q": f"On which continent is {country}?", "a": f"{country} is in {continent}."}
 
 
+def paraphrases():
+    """Each trained fact asked another way, with the answer training teaches: what the eval loss measures."""
+    for country, capital, continent in COUNTRIES:
+        yield {"q": f"Which city is the capital of {country}?", "a": f"The capital of {country} is {capital}."}
+        yield {"q": f"Which country has {capital} as its capital?", "a": f"{capital} is the capital of {country}."}
+        yield {"q": f"Which continent is {country} in?", "a": f"{country} is in {continent}."}
+
+
 if __name__ == "__main__":
-    out = Path(__file__).with_name("qa.jsonl")
-    rows = list(pairs())
-    out.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    print(f"{len(rows)} pairs in {out}")
+    for name, rows in (("qa.jsonl", list(pairs())), ("qa-heldout.jsonl", list(paraphrases()))):
+        out = Path(__file__).with_name(name)
+        out.write_text("".join(json.dumps(r) + "\n" for r in rows))
+        print(f"{len(rows)} pairs in {out}")

@@ -69,11 +69,12 @@ def main() -> None:
     ap.add_argument("--heads", type=int, default=4)
     ap.add_argument("--kv-heads", type=int, default=2)
     ap.add_argument("--vocab", type=int, default=512)
-    ap.add_argument("--texts", help="a JSON-lines file of {q, a} pairs to fit the tokenizer on")
+    ap.add_argument("--texts", nargs="+", help="JSON-lines files of {q, a} pairs to fit the tokenizer on")
     args = ap.parse_args()
     texts = None
     if args.texts:
-        texts = [f"{r['q']} {r['a']}" for r in map(json.loads, Path(args.texts).read_text().splitlines()) if r]
+        texts = [f"{r['q']} {r['a']}" for path in args.texts
+                 for r in map(json.loads, Path(path).read_text().splitlines()) if r]
     build(args.out_dir, texts, hidden=args.hidden, layers=args.layers, heads=args.heads, kv_heads=args.kv_heads,
           vocab_size=args.vocab)
     print(args.out_dir)

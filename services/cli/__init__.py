@@ -235,7 +235,7 @@ def parser() -> argparse.ArgumentParser:
     p.set_defaults(fn=cmd_adapters)
     p = sub.add_parser("demo", help="train a LoRA on a small local model end to end, on this machine")
     p.add_argument("--out", default="demo-out", help="where the model and the downloaded artifacts go")
-    p.add_argument("--steps", type=int, default=300)
+    p.add_argument("--steps", type=int, default=600)
     p.add_argument("--keep", action="store_true", help="keep the stack and the dashboard up after the run")
     p.set_defaults(fn=cmd_demo)
     p = sub.add_parser("estimate", help="a job's predicted peak GPU memory, from its model's config.json")

@@ -13,11 +13,14 @@ from pathlib import Path
 import nats
 
 from schemas import names
+from schemas.datasets import DatasetUpload
+from schemas.events import EventPage, EventsQuery, Samples
 from schemas.jobs import Accepted, SubmitReply
 from schemas.nodes import NodeList
 from services import bus
 from services.agent.service import Agent, AgentConfig
 from services.artifacts.download import download, safe_extract
+from services.artifacts.sender import upload_dataset
 from services.artifacts.service import ArtifactService
 from services.dashboard.server import Dashboard
 from services.embedded import EmbeddedNats
@@ -27,6 +30,52 @@ from services.cli.watch import watch
 ROOT = Path(__file__).resolve().parents[2]
 TINY_MODEL = ROOT / "deploy" / "demo" / "tinymodel.py"
 QA_FILE = ROOT / "deploy" / "demo" / "qa.jsonl"
+HELD_OUT_FILE = ROOT / "deploy" / "demo" / "qa-heldout.jsonl"  # the trained facts asked in other words
+HELD_OUT = "demo-paraphrases"
+SAMPLE_PROMPTS = ["What is the capital of France?", "Berlin is the capital of which country?",
+                  "On which continent is Japan?", "Which city is the capital of Italy?",
+                  "Which country has Madrid as its capital?", "Which continent is Kenya in?"]
+TRAINED = 3  # the first SAMPLE_PROMPTS are training questions, the rest paraphrases held out
+
+
+def demo_request(model: Path, data: list[dict], steps: int) -> dict:
+    """The demo's job: the capitals Q/A pairs, evaluated on their paraphrases (held out as a dataset), so the eval
+    loss measures what the run teaches and the adapter kept is a well-trained one."""
+    return {"model": "demo-tiny-llama", "base_dir": str(model), "data": data, "accelerator": "cpu",
+            "served_by": "llamacpp", "label": "capitals demo", "lora": {"r": 16, "alpha": 32},
+            "validation_dataset": {"name": HELD_OUT},
+            "train": {"max_steps": steps, "learning_rate": 0.01, "batch_size": 4, "max_seq_length": 256,
+                      "logging_steps": 2, "eval_steps": 25, "sample_prompts": SAMPLE_PROMPTS,
+                      "sample_max_tokens": 16, "keep_best": False}}
+
+
+async def before_and_after(nc, job: str) -> list[tuple[str, str, str]]:
+    """(prompt, base model's answer, adapter's answer) from the job's samples events, as the dashboard shows them."""
+    base, adapter, after = None, None, 0
+    while True:
+        page = await bus.request(nc, names.EVENTS, EventsQuery(job=job, after=after, limit=1000), EventPage)
+        for entry in page.events:
+            if isinstance(entry.event, Samples):
+                base, adapter = (entry.event, adapter) if entry.event.model == "base" else (base, entry.event)
+        after = page.next
+        if not page.more:
+            break
+    if base is None or adapter is None:
+        return []
+    answers = {s.prompt: s.answer for s in base.samples}
+    return [(s.prompt, answers.get(s.prompt, ""), s.answer) for s in adapter.samples]
+
+
+def print_table(rows: list[tuple[str, str, str]]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    from services.cli.printable import cell
+
+    table = Table("", "question", "base model", "adapter", title="greedy answers before and after training")
+    for i, (prompt, base, adapter) in enumerate(rows):
+        table.add_row("trained" if i < TRAINED else "held out", cell(prompt), cell(base), cell(adapter))
+    Console(width=140).print(table)
 
 
 def build_model(out: Path) -> Path:
@@ -34,7 +83,7 @@ def build_model(out: Path) -> Path:
     if not (out / "model.safetensors").exists():
         print(f"building a small Llama-architecture model in {out} ...", flush=True)
         subprocess.run([sys.executable, str(TINY_MODEL), str(out), "--hidden", "96", "--layers", "2",
-                        "--vocab", "600", "--texts", str(QA_FILE)], check=True, cwd=ROOT, stdout=subprocess.DEVNULL)
+                        "--vocab", "600", "--texts", str(QA_FILE), str(HELD_OUT_FILE)], check=True, cwd=ROOT, stdout=subprocess.DEVNULL)
     return out
 
 
@@ -70,10 +119,8 @@ async def run_demo(out_dir: Path, steps: int, keep: bool = False) -> int:
         await asyncio.wait_for(sched.leading.wait(), 15)
         await asyncio.wait_for(dash.ready.wait(), 15)
         await asyncio.wait_for(arts.ready.wait(), 15)
-        request = {"model": "demo-tiny-llama", "base_dir": str(model), "data": data, "accelerator": "cpu",
-                   "served_by": "llamacpp", "label": "capitals demo", "lora": {"r": 16, "alpha": 32},
-                   "train": {"max_steps": steps, "learning_rate": 0.01, "batch_size": 2, "max_seq_length": 256,
-                             "logging_steps": 2, "eval_fraction": 0.1, "eval_steps": 25}}
+        await upload_dataset(nc, HELD_OUT, HELD_OUT_FILE, DatasetUpload(description="the capitals, asked otherwise"))
+        request = demo_request(model, data, steps)
         await wait_for_node(nc, "demo-node", timeout=30)
         reply = await bus.request(nc, names.SUBMIT, request, SubmitReply)
         if not isinstance(reply, Accepted):
@@ -91,9 +138,15 @@ async def run_demo(out_dir: Path, steps: int, keep: bool = False) -> int:
         adapter = safe_extract(tar, out_dir / f"{reply.job}-adapter")
         gguf_path = out_dir / f"{reply.job}-lora-f16.gguf"
         await download(nc, reply.job, "gguf", gguf_path)
+        print()
+        print_table(await before_and_after(nc, reply.job))
         print(f"\nPEFT adapter: {adapter}  (PeftModel.from_pretrained(base, '{adapter}'))")
-        print(f"GGUF adapter: {gguf_path}  (llama-server -m BASE.gguf --lora {gguf_path})")
+        print(f"GGUF adapter: {gguf_path}")
         print(f"Base model:   {model}")
+        print("Serve it with vLLM:   python -m vllm.entrypoints.openai.api_server --model "
+              f"{model} --enable-lora --lora-modules capitals={adapter}  (then \"model\": \"capitals\")")
+        print(f"Serve it with llama.cpp: llama-server -m BASE.gguf --lora {gguf_path}  (BASE.gguf: the base model "
+              "through llama.cpp's convert_hf_to_gguf.py)")
         print(f"Dashboard:    http://127.0.0.1:{dash.port}/?job={reply.job}"
               + ("  (serving until Ctrl-C)" if keep else "  (`jetlora demo --keep` keeps it up after the run)"))
         print("For a stack that stays up: `jetlora up`, then `jetlora submit job.json --nats URL` and "
