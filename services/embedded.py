@@ -90,13 +90,13 @@ class EmbeddedNats:
         self.store_dir.mkdir(parents=True, exist_ok=True)
         conf = self.store_dir / "nats-server.conf"
         conf.write_text(self.config())
-        self.proc = subprocess.Popen([server_binary(), "-c", str(conf)], stdout=subprocess.DEVNULL,
+        self.proc = subprocess.Popen(die_with_parent([server_binary(), "-c", str(conf)], signal.SIGTERM),  # no orphan
+                                     stdout=subprocess.DEVNULL,
                                      env={**os.environ, **(self.env or {})},
                                      stderr=open(self.store_dir / "nats-server.log", "ab"),
                                      # its own session: a terminal's Ctrl-C or a supervisor's signal to our
                                      # group reaches us, and we stop it last, after our last publishes
-                                     start_new_session=True,
-                                     preexec_fn=die_with_parent(signal.SIGTERM))  # no orphan if we are SIGKILLed
+                                     start_new_session=True)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:

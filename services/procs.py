@@ -2,29 +2,23 @@
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 import os
+import shutil
 import signal
 import sys
 import time
 from pathlib import Path
 
-PR_SET_PDEATHSIG = 1
 
-
-def die_with_parent(sig: int = signal.SIGKILL):
-    """A preexec_fn for subprocess: the kernel sends the child `sig` when its parent dies, even by SIGKILL.
-
-    Linux only (prctl); elsewhere it returns None and the child is ended by the parent's own shutdown."""
-    if not sys.platform.startswith("linux"):
-        return None
-    libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-
-    def set_parent_death_signal() -> None:
-        libc.prctl(PR_SET_PDEATHSIG, int(sig), 0, 0, 0)
-
-    return set_parent_death_signal
+def die_with_parent(command: list[str], sig: int = signal.SIGKILL) -> list[str]:
+    """`command` started so that the kernel sends it `sig` when its parent dies, even by SIGKILL: through
+    util-linux's `setpriv --pdeathsig`, which sets it and execs the command (same pid), rather than a preexec_fn,
+    which CPython documents as unsafe in a process with threads. Without setpriv (not Linux, or a minimal image)
+    the command runs as it is and is ended by the parent's own shutdown."""
+    setpriv = shutil.which("setpriv") if sys.platform.startswith("linux") else None
+    if setpriv is None:
+        return list(command)
+    return [setpriv, f"--pdeathsig={signal.Signals(sig).name.removeprefix('SIG')}", "--", *command]
 
 
 PID_FILE = "trainer.pid"

@@ -82,10 +82,10 @@ class TrainerRun:
         """Rank 0 leads a new process group; the other ranks join it, so one signal reaches them all."""
         group = 0 if rank == 0 else self.proc.pid
         return await asyncio.create_subprocess_exec(
-            *self.command, str(spec_path), stdout=asyncio.subprocess.PIPE if rank == 0 else asyncio.subprocess.DEVNULL,
+            *die_with_parent([*self.command, str(spec_path)], signal.SIGKILL), stdout=asyncio.subprocess.PIPE if rank == 0 else asyncio.subprocess.DEVNULL,
             stderr=asyncio.subprocess.PIPE, stdin=asyncio.subprocess.DEVNULL, cwd=self.workdir,
             env={**env, "RANK": str(rank), "LOCAL_RANK": str(rank)} if self.ranks > 1 else env, limit=2**24,
-            preexec_fn=die_with_parent(signal.SIGKILL), process_group=group)
+            process_group=group)
 
     async def _watch(self, proc: asyncio.subprocess.Process, stderr: asyncio.Task, rank: int) -> None:
         """A rank that dies takes the job with it: the rest would wait for it in their next collective."""

@@ -90,8 +90,8 @@ class SchedulerAssign(SchedulerCore):
         reasons: dict[tuple, str] = {}
         for job_id in list(self.queue.ids()):
             job = self.jobs.get(job_id)
-            if job is None or job.status.state != "queued" or job.status.node is not None:
-                continue
+            if job is None or job.status.state != "queued" or job.status.node is not None or job.lock.locked():
+                continue  # not waiting, or its status is being written (the next pass looks again)
             req, tenant = job.stored.request, job.stored.tenant
             limit = self.cfg.quota(tenant).devices
             if limit is not None and holding.get(tenant, 0) + req.devices > limit:
@@ -108,7 +108,8 @@ class SchedulerAssign(SchedulerCore):
                 self._spawn(self._say_why(job, message))
 
     async def _say_why(self, job: Job, message: str) -> None:
-        await self._set_state(job, "queued", message, when=lambda s: s.state == "queued" and s.node is None)
+        await self._set_state(job, "queued", message,
+                              when=lambda s: s.state == "queued" and s.node is None and s.message != message)
         self._wake.set()  # a pass that skipped the job while this was written may place it now
 
     def _keep_for_gang(self, job_id: str, node: str | None, kept: set[str]) -> None:
