@@ -86,6 +86,7 @@ class DatasetInfo(Struct, kw_only=True):
     stats: DatasetStats
     description: str = ""
     tenants: list[TenantId] = field(default_factory=list)  # the tenants an admin shared it with (their jobs may use it)
+    owner: TenantId | None = None  # the tenant that uploaded it; None: an admin
 
 
 # --- the upload: chunk messages, as artifacts travel ----------------------------------------------

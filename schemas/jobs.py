@@ -48,6 +48,9 @@ class DatasetRef(Struct, forbid_unknown_fields=True, kw_only=True):
     sha256: Annotated[Sha256, Meta(description=(
         "a pin: the job is refused unless the dataset has this content. The scheduler fills it in at submit, so a "
         "job always trains on what it was submitted with"))] | None = None
+    owner: Annotated[TenantId | None, Meta(description=(
+        "whose dataset it is: set by the scheduler at submit (a tenant's own, or none for one an admin uploaded); "
+        "what a submitter says here is replaced"))] = None
 
 
 class RegisterSpec(Struct, forbid_unknown_fields=True, kw_only=True):

@@ -149,11 +149,29 @@ class DatasetsApi(NamedTuple):
     delete: str
 
 
-DATASETS = _subjects(DatasetsApi, DATASETS_GROUP)
+def datasets_api(tenant: str | None = None) -> DatasetsApi:
+    """An admin's dataset requests (jetlora.datasets.<verb>: every dataset), or a tenant's
+    (jetlora.datasets.<tenant>.<verb>: its own, and those an admin shared with it)."""
+    return _subjects(DatasetsApi, DATASETS_GROUP if tenant is None else f"{DATASETS_GROUP}.{tenant}")
 
 
-def dataset_upload(name: str) -> str:
-    return f"{DATASETS_GROUP}.upload.{name}"
+DATASETS = datasets_api()
+TENANT_DATASETS_UPLOAD_ALL = f"{DATASETS_GROUP}.*.upload.*"
+
+
+def dataset_upload(name: str, tenant: str | None = None) -> str:
+    """An admin's upload (jetlora.datasets.upload.<name>) or a tenant's (jetlora.datasets.<tenant>.upload.<name>)."""
+    return f"{DATASETS_GROUP}.upload.{name}" if tenant is None else f"{DATASETS_GROUP}.{tenant}.upload.{name}"
+
+
+def tenant_of_dataset_upload(subject: str) -> str | None:
+    parts = subject.split(".")
+    return parts[2] if len(parts) == 5 else None
+
+
+def dataset_object(name: str, owner: str | None = None) -> str:
+    """The object-store name of a dataset: a tenant's live under its own prefix, an admin's under the bare name."""
+    return name if owner is None else f"{owner}/{name}"
 
 
 # the adapter registry (nats.micro group "jetlora.adapters", served beside the scheduler)

@@ -211,3 +211,35 @@ async def test_a_tenant_reads_replies_only_on_its_own_inbox(secured):  # noqa: F
         await wrong.request(names.jobs_api("acme").jobs, b"{}", timeout=1)
     await wrong.close()
     await scheduler.nc.close()
+
+
+async def test_a_tenants_datasets_are_its_own(fleet, tmp_path):
+    """acme uploads, lists, shows, trains on and deletes its own dataset on its own subjects; globex sees none of it,
+    cannot train on it or delete it, and may not publish on acme's dataset subjects at all."""
+    from schemas.datasets import DatasetDeleted, DatasetList, DatasetListQuery, DatasetQuery, DatasetReply
+    from schemas.jobs import Error
+
+    acme, globex = [await fleet.user(u) for u in ("tenant-acme", "tenant-globex")]
+    rows = tmp_path / "acme.jsonl"
+    rows.write_text("".join(json.dumps({"q": f"acme {i}?", "a": f"secret {i}"}) + "\n" for i in range(6)))
+    stored = await upload_dataset(acme.nc, "private", rows, tenant="acme")
+    assert stored.owner == "acme" and stored.name == "private"
+    mine = await bus.request(acme.nc, names.datasets_api("acme").list, DatasetListQuery(), DatasetList)
+    assert [(d.name, d.owner) for d in mine.datasets] == [("private", "acme")]
+    theirs = await bus.request(globex.nc, names.datasets_api("globex").list, DatasetListQuery(), DatasetList)
+    assert theirs.datasets == []
+    for verb in ("show", "delete"):
+        reply = await bus.request(globex.nc, getattr(names.datasets_api("globex"), verb), DatasetQuery(name="private"),
+                                  DatasetReply | DatasetDeleted | Error)
+        assert isinstance(reply, Error) and reply.field == "name", reply
+    stolen = await submit_as(globex, "globex", data=[], dataset={"name": "private"})
+    assert isinstance(stolen, Rejected) and stolen.errors[0].field == "dataset.name", stolen
+    before = len(globex.violations)
+    await globex.nc.publish(names.datasets_api("acme").delete, msgspec.json.encode(DatasetQuery(name="private")))
+    await refused(globex, before)
+
+    own = await submit_as(acme, "acme", data=[], dataset={"name": "private"}, node="n1")
+    assert isinstance(own, Accepted), own
+    assert (await finished(acme, "acme", own.job)).state == "succeeded"
+    gone = await bus.request(acme.nc, names.datasets_api("acme").delete, DatasetQuery(name="private"), DatasetDeleted)
+    assert gone.name == "private"

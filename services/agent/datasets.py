@@ -65,7 +65,8 @@ class DatasetCache:
             del self.in_use[local.info.sha256]
 
     async def _fetch(self, ref: DatasetRef, data: Path, meta: Path) -> DatasetInfo:
-        info = await find_dataset(self.js, ref.name)
+        stored = names.dataset_object(ref.name, ref.owner)
+        info = await find_dataset(self.js, stored)
         if info is None:
             raise DatasetUnavailable(f"dataset {ref.name} was deleted after the job was submitted; upload it again "
                                      "(`jetlora datasets put`) and resubmit the job")
@@ -73,7 +74,7 @@ class DatasetCache:
             raise DatasetUnavailable(f"dataset {ref.name} was replaced after the job was submitted (it held sha256 "
                                      f"{ref.sha256[:12]}…, now {info.sha256[:12]}…); resubmit the job to train on the "
                                      "new content")
-        await fetch_object(self.js, names.DATASETS_BUCKET, ref.name, data, info.sha256)
+        await fetch_object(self.js, names.DATASETS_BUCKET, stored, data, info.sha256)
         meta.write_bytes(msgspec.json.encode(info))
         log.info("dataset %s (%s, %d bytes) fetched into %s", ref.name, info.sha256[:12], info.size, data)
         return info

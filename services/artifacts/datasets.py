@@ -23,12 +23,23 @@ log = logging.getLogger(__name__)
 
 
 async def find_dataset(js, name: str) -> DatasetInfo | None:
-    """The dataset stored under `name`, or None (what the scheduler asks at submit, and the agent before a fetch)."""
+    """The dataset stored under object name `name` (names.dataset_object), or None."""
     obs = await js.object_store(names.DATASETS_BUCKET)
     try:
         return dataset_from_object(await obs.get_info(name))
     except NotFoundError:
         return None
+
+
+async def visible_dataset(js, name: str, tenant: str | None) -> DatasetInfo | None:
+    """The dataset `name` as `tenant` sees it: its own first, else an admin's shared with it (an admin: the
+    admins' own). None when there is none it may see: another tenant's is not there for it."""
+    if tenant is not None and (own := await find_dataset(js, names.dataset_object(name, tenant))) is not None:
+        return own
+    shared = await find_dataset(js, name)
+    if shared is None or shared.owner is not None or (tenant is not None and tenant not in shared.tenants):
+        return None
+    return shared
 
 
 @dataclass
@@ -39,6 +50,7 @@ class DatasetSink:
     checker: DatasetChecker
     what: str
     tenants: list[str]
+    owner: str | None
 
     def check(self, data: bytes) -> None:
         try:
@@ -51,7 +63,7 @@ class DatasetSink:
             stats = self.checker.finish()
         except DatasetInvalid as e:
             raise Refused(str(e)) from None
-        self.writer.info.headers.update(dataset_headers(sha256, stats, self.tenants))
+        self.writer.info.headers.update(dataset_headers(sha256, stats, self.tenants, self.owner))
         return dataset_from_object(await self.writer.commit(digest))
 
 
@@ -64,32 +76,44 @@ class DatasetStore:
     async def add_endpoints(self, service) -> None:
         group = service.add_group(name=names.DATASETS_GROUP)
         for verb, query, serve in (("list", DatasetListQuery, self._list), ("show", DatasetQuery, self._show),
-                                   ("delete", DatasetQuery, self._delete)):
-            await group.add_endpoint(name=f"datasets-{verb}", subject=verb, handler=bus.handler(serve, query))
+                                   ("delete", DatasetQuery, self._delete)):  # an admin's, and each tenant's
+            answer = bus.handler(lambda q, subject, serve=serve: serve(q, names.tenant_of_subject(subject)), query,
+                                 with_subject=True)
+            await group.add_endpoint(name=f"datasets-{verb}", subject=verb, handler=answer)
+            await group.add_endpoint(name=f"datasets-tenant-{verb}", subject=f"*.{verb}", handler=answer)
 
-    async def _open_sink(self, chunk: DatasetChunk, _subject: str) -> DatasetSink:
+    async def _open_sink(self, chunk: DatasetChunk, subject: str) -> DatasetSink:
+        """A tenant's upload (its subject says whose) is stored under the tenant's prefix and shared with nobody."""
         upload = chunk.meta or DatasetUpload()
-        if not upload.replace and (old := await find_dataset(self.js, chunk.name)) is not None:
+        owner = names.tenant_of_dataset_upload(subject)
+        stored = names.dataset_object(chunk.name, owner)
+        if not upload.replace and (old := await find_dataset(self.js, stored)) is not None:
             raise Refused(f"a dataset named {chunk.name} exists ({old.stats.rows:,} {old.stats.format} rows, sha256 "
                           f"{old.sha256[:12]}…); choose another --name, or pass --replace (jobs that pinned the old "
                           "one will then fail)")
-        writer = ObjectWriter(self.js, names.DATASETS_BUCKET, chunk.name, upload.description)
-        return DatasetSink(writer, DatasetChecker(upload.format, self.limits), f"dataset {chunk.name}", upload.share)
+        if owner is not None and upload.share:
+            raise Refused("a tenant's dataset is its own: only an admin's upload may --share it")
+        writer = ObjectWriter(self.js, names.DATASETS_BUCKET, stored, upload.description)
+        return DatasetSink(writer, DatasetChecker(upload.format, self.limits), f"dataset {stored}", upload.share, owner)
 
-    async def _list(self, q: DatasetListQuery) -> DatasetList:
+    async def _list(self, q: DatasetListQuery, tenant: str | None) -> DatasetList:
         found = [d for d in map(dataset_from_object, (await self.objects.snapshot()).values()) if d]
+        if tenant is not None:  # its own, and the admins' shared with it
+            found = [d for d in found if d.owner == tenant or (d.owner is None and tenant in d.tenants)]
         return DatasetList([d for d in found if q.format is None or d.stats.format == q.format])
 
-    async def _show(self, q: DatasetQuery) -> DatasetReply | Error:
-        found = await find_dataset(self.js, q.name)
+    async def _show(self, q: DatasetQuery, tenant: str | None) -> DatasetReply | Error:
+        found = await visible_dataset(self.js, q.name, tenant)
         if found is None:
             return Error(f"no dataset named {q.name}; `jetlora datasets ls` lists them", field="name")
         return DatasetReply(found)
 
-    async def _delete(self, q: DatasetQuery) -> DatasetDeleted | Error:
-        if await find_dataset(self.js, q.name) is None:
-            return Error(f"no dataset named {q.name}; `jetlora datasets ls` lists them", field="name")
+    async def _delete(self, q: DatasetQuery, tenant: str | None) -> DatasetDeleted | Error:
+        """A tenant deletes only its own; an admin the admins' (a shared one stays until an admin deletes it)."""
+        stored = names.dataset_object(q.name, tenant)
+        if await find_dataset(self.js, stored) is None:
+            return Error(f"no dataset named {q.name} of yours; `jetlora datasets ls` lists them", field="name")
         obs = await self.js.object_store(names.DATASETS_BUCKET)
-        await obs.delete(q.name)
-        log.info("dataset %s deleted", q.name)
+        await obs.delete(stored)
+        log.info("dataset %s deleted", stored)
         return DatasetDeleted(q.name)

@@ -40,9 +40,9 @@ def info_from_object(obj) -> ArtifactInfo | None:
 _stats = msgspec.json.Decoder(DatasetStats)
 
 
-def dataset_headers(sha: str, stats: DatasetStats, tenants: list[str]) -> dict[str, list[str]]:
+def dataset_headers(sha: str, stats: DatasetStats, tenants: list[str], owner: str | None) -> dict[str, list[str]]:
     return {HEADER + "Sha256": [sha], HEADER + "Dataset": [msgspec.json.encode(stats).decode()],
-            HEADER + "Tenants": [",".join(tenants)]}
+            HEADER + "Tenants": [",".join(tenants)], HEADER + "Owner": [owner or ""]}
 
 
 def dataset_from_object(obj) -> DatasetInfo | None:
@@ -51,6 +51,8 @@ def dataset_from_object(obj) -> DatasetInfo | None:
     stats, sha = h.get(HEADER + "Dataset"), h.get(HEADER + "Sha256")
     if not stats or not sha or getattr(obj, "deleted", False):
         return None
-    return DatasetInfo(name=obj.name, sha256=sha[0], size=obj.size or 0, created=obj.mtime or "",
+    owner = (h.get(HEADER + "Owner") or [""])[0] or None
+    return DatasetInfo(name=obj.name.removeprefix(f"{owner}/") if owner else obj.name, sha256=sha[0],
+                       size=obj.size or 0, created=obj.mtime or "", owner=owner,
                        stats=_stats.decode(stats[0]), description=obj.description or "",
                        tenants=[t for t in (h.get(HEADER + "Tenants") or [""])[0].split(",") if t])

@@ -54,6 +54,7 @@ async def upload_file(nc: Client, node: str, job: str, kind: str, path: str | os
 
 
 async def upload_dataset(nc: Client, name: str, path: str | os.PathLike, upload: DatasetUpload | None = None,
+                         tenant: str | None = None,
                          window: int = 8, timeout: float = 15.0, attempts: int = 3,
                          chunk_bytes: int = CHUNK_BYTES) -> DatasetInfo:
     """Upload a dataset file; the service checks every row before storing it. A refusal (Refusal) is final; a
@@ -66,7 +67,7 @@ async def upload_dataset(nc: Client, name: str, path: str | os.PathLike, upload:
 
     for attempt in range(1, attempts + 1):
         try:
-            return await send_file(nc, names.dataset_upload(name), path, chunk, _dataset_ack, window, timeout,
+            return await send_file(nc, names.dataset_upload(name, tenant), path, chunk, _dataset_ack, window, timeout,
                                    chunk_bytes)
         except Refusal:
             raise

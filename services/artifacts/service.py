@@ -73,6 +73,8 @@ class ArtifactService:
         subs = [await self.nc.subscribe(names.ARTIFACTS_UPLOAD_ALL, queue="jetlora-artifacts", cb=self.receiver.on_chunk,
                                         **limits),
                 await self.nc.subscribe(names.DATASETS_UPLOAD_ALL, queue="jetlora-datasets",
+                                        cb=self.datasets.receiver.on_chunk, **limits),
+                await self.nc.subscribe(names.TENANT_DATASETS_UPLOAD_ALL, queue="jetlora-datasets",
                                         cb=self.datasets.receiver.on_chunk, **limits)]
         service = await nats.micro.add_service(self.nc, name=names.ARTIFACT_SERVICE, version=__version__,
                                                description="jetlora artifact and dataset store")

@@ -197,6 +197,8 @@ def parser() -> argparse.ArgumentParser:
         d = dsub.add_parser(name, help=help_)
         BusOptions.add_arguments(d, repeated=True)
         d.add_argument("--json", action="store_true", default=argparse.SUPPRESS)
+        d.add_argument("--tenant", default=os.environ.get("JETLORA_TENANT"),
+                       help="as this tenant (env JETLORA_TENANT): its own datasets and those shared with it")
         return d
 
     d = dataset_action("put", "check a JSON-lines file row by row, then upload it")

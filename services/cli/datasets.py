@@ -28,6 +28,10 @@ def describe(d: DatasetInfo) -> list[str]:
 
 
 def cmd_datasets(args) -> int:
+    if args.action == "get" and args.tenant:
+        print("error: a tenant's users cannot download datasets (the object store is not theirs to read); an admin "
+              "can, with `jetlora datasets get NAME`", file=sys.stderr)
+        return EXIT_REJECTED
     if args.action == "put":
         name = args.name or Path(args.file).name.split(".")[0]
         try:
@@ -52,19 +56,19 @@ def cmd_datasets(args) -> int:
             upload = DatasetUpload(format=args.format, replace=args.replace, description=args.description,
                                    share=[t for t in (args.share or "").split(",") if t])
             try:
-                info = await upload_dataset(nc, name, args.file, upload)
+                info = await upload_dataset(nc, name, args.file, upload, tenant=args.tenant)
             except Refusal as e:
                 raise CommandFailed(f"the artifact service refused {args.file}: {e}", EXIT_REJECTED) from None
             show(DatasetReply(info), args.json, lambda r: print("\n".join(describe(r.dataset))))
         elif args.action == "ls":
-            reply = await ask(nc, names.DATASETS.list, DatasetListQuery(format=args.format), DatasetList)
+            reply = await ask(nc, names.datasets_api(args.tenant).list, DatasetListQuery(format=args.format), DatasetList)
             show(reply, args.json, lambda r: [print(f"{d.name}\t{d.stats.format}\t{d.stats.rows}\t{d.size}\t"
                                                     f"{d.sha256[:16]}\t{d.created}") for d in r.datasets])
         elif args.action == "show":
-            reply = await ask(nc, names.DATASETS.show, DatasetQuery(name=args.name), DatasetReply)
+            reply = await ask(nc, names.datasets_api(args.tenant).show, DatasetQuery(name=args.name), DatasetReply)
             show(reply, args.json, lambda r: print("\n".join(describe(r.dataset))))
         elif args.action == "rm":
-            reply = await ask(nc, names.DATASETS.delete, DatasetQuery(name=args.name), DatasetDeleted)
+            reply = await ask(nc, names.datasets_api(args.tenant).delete, DatasetQuery(name=args.name), DatasetDeleted)
             print(f"deleted {reply.name}")
         else:
             await get(nc, args.name, args.output)

@@ -55,7 +55,8 @@ def roles(nodes: list[str], tenants: list[str] = ()) -> dict[str, dict]:
     }
     for tenant in tenants:  # its own verbs only: it sees, cancels and stops its own jobs
         names.check_tenant(tenant)
-        users[f"tenant-{tenant}"] = {"publish": list(names.jobs_api(tenant)) + list(names.artifacts_api(tenant)),
+        users[f"tenant-{tenant}"] = {"publish": list(names.jobs_api(tenant)) + list(names.artifacts_api(tenant))
+                                     + list(names.datasets_api(tenant)) + [names.dataset_upload("*", tenant)],
                                      "subscribe": [names.tenant_events(tenant)]}  # its own jobs' events, live
     for node in nodes:
         names.check_token(node, "node id")

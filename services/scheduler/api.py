@@ -18,7 +18,7 @@ from schemas.events import CheckpointList, EventPage, EventsQuery
 from schemas.nodes import Control, ControlReply, NodeInfo, NodeList
 from schemas.validate import InvalidRequest
 from services import bus
-from services.artifacts.datasets import find_dataset
+from services.artifacts.datasets import visible_dataset
 from services.scheduler import sizing
 from services.scheduler.core import Job
 from services.scheduler.history import events_page
@@ -135,12 +135,12 @@ class SchedulerApi(SchedulerPausing):
             if (ref := getattr(req, where)) is None:
                 continue
             try:
-                found = await find_dataset(self.js, ref.name)
+                found = await visible_dataset(self.js, ref.name, tenant)
             except Exception as e:
                 errors.append(FieldError(where, f"the datasets bucket could not be read ({type(e).__name__}); nothing "
                                                 "was queued: submit again"))
                 continue
-            if found is None or (tenant is not None and tenant not in found.tenants):
+            if found is None:
                 fix = (f"an admin shares one with `jetlora datasets put FILE --name {ref.name} --share {tenant}`"
                        if tenant is not None else f"`jetlora datasets ls` lists them, `jetlora datasets put FILE --name "
                                                   f"{ref.name}` adds one")
@@ -150,7 +150,7 @@ class SchedulerApi(SchedulerPausing):
                                                             f"the pinned {ref.sha256} (it was replaced); pin the new one, "
                                                             "or upload the old file under another name"))
             else:
-                pinned[where] = msgspec.structs.replace(ref, sha256=found.sha256)
+                pinned[where] = msgspec.structs.replace(ref, sha256=found.sha256, owner=found.owner)
                 fraction = req.train.eval_fraction
                 if where == "dataset" and fraction and found.stats.rows * fraction < 1:
                     errors.append(FieldError("train.eval_fraction", f"{fraction} of {found.stats.rows} rows holds out "
