@@ -7,14 +7,16 @@ so a file with one bad row anywhere is refused whole, with the line numbers of i
 from __future__ import annotations
 
 from collections import Counter
+from typing import Literal
 
 import msgspec
 
-from schemas.datasets import (FORMATS, HEAD_CHARS, HEAD_ROWS, ROLES, ROW_TYPES, DatasetLimits, DatasetStats)
+from schemas.datasets import (FORMATS, HEAD_CHARS, HEAD_ROWS, ROLES, ROW_TYPES, DatasetFormat, DatasetLimits,
+                              DatasetStats)
 
 _any = msgspec.json.Decoder()
-_decoders = {fmt: msgspec.json.Decoder(t) for fmt, t in ROW_TYPES.items()}
-_SIGNATURES = {"chat": {"messages"}, "qa": {"q", "a"}, "alpaca": {"instruction", "output"}, "text": {"text"}}
+_decoders: dict[str, msgspec.json.Decoder] = {fmt: msgspec.json.Decoder(t) for fmt, t in ROW_TYPES.items()}
+_SIGNATURES: dict[DatasetFormat, set[str]] = {"chat": {"messages"}, "qa": {"q", "a"}, "alpaca": {"instruction", "output"}, "text": {"text"}}
 
 
 class DatasetInvalid(Exception):
@@ -25,7 +27,7 @@ class DatasetInvalid(Exception):
         self.errors = errors
 
 
-def detect_format(row: bytes) -> str:
+def detect_format(row: bytes) -> DatasetFormat:
     """The format a row's keys say; DatasetInvalid when none or more than one fits."""
     try:
         obj = _any.decode(row)
@@ -75,8 +77,8 @@ def _where(e: msgspec.ValidationError) -> str:
 class DatasetChecker:
     """Feed it the file's bytes in any pieces; finish() returns the stats or raises DatasetInvalid."""
 
-    def __init__(self, fmt: str = "auto", limits: DatasetLimits | None = None) -> None:
-        self.fmt = None if fmt == "auto" else fmt
+    def __init__(self, fmt: DatasetFormat | Literal["auto"] = "auto", limits: DatasetLimits | None = None) -> None:
+        self.fmt: DatasetFormat | None = None if fmt == "auto" else fmt
         self.limits = limits or DatasetLimits()
         self.partial = b""
         self.line = 0
@@ -110,6 +112,7 @@ class DatasetChecker:
             self._refuse_bad_rows()
         if not self.rows:
             raise DatasetInvalid(["the file has no rows; a dataset is JSON lines, one example per line"])
+        assert self.fmt is not None  # the first row set it
         return DatasetStats(format=self.fmt, rows=self.rows, chars_mean=round(self.chars / self.rows, 1),
                             chars_max=self.chars_max, roles=dict(self.roles), turns_trained=self.turns_trained,
                             head=self.head)
@@ -172,7 +175,7 @@ class DatasetChecker:
         raise DatasetInvalid([reason], f"{reason}; nothing was stored")
 
 
-def check_file(path, fmt: str = "auto", limits: DatasetLimits | None = None, block: int = 1 << 20) -> DatasetStats:
+def check_file(path, fmt: DatasetFormat | Literal["auto"] = "auto", limits: DatasetLimits | None = None, block: int = 1 << 20) -> DatasetStats:
     """Check a whole file on disk (what `jetlora datasets put` does before sending)."""
     checker = DatasetChecker(fmt, limits)
     with open(path, "rb") as f:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from typing import Any
 from pathlib import Path
 
 import msgspec
@@ -120,7 +121,7 @@ def asyncapi() -> dict:
         if message:
             ch["messages"][message] = {"$ref": f"#/components/messages/{message}"}
         channels[cid] = ch
-        op = {"action": "send", "channel": {"$ref": f"#/channels/{cid}"}, "summary": f"{who}: {what}"}
+        op: dict[str, Any] = {"action": "send", "channel": {"$ref": f"#/channels/{cid}"}, "summary": f"{who}: {what}"}
         if message:
             op["messages"] = [{"$ref": f"#/channels/{cid}/messages/{message}"}]
         if reply:

@@ -10,6 +10,7 @@ import msgspec
 from msgspec import Struct
 
 T = TypeVar("T")
+S = TypeVar("S", bound=msgspec.Struct)
 _json_any = msgspec.json.Decoder()
 _PATTERN_MEANINGS: dict[str, str] = {}  # msgspec's words for a failed pattern -> ours
 
@@ -115,8 +116,8 @@ def struct_errors(value: Any, cls: type[msgspec.Struct], prefix: str = "") -> li
     return errors
 
 
-def parse_all(data: bytes, cls: type[T], checks: Callable[[T], list[FieldError]], placeholders: dict[str, Any],
-              hint: str) -> T:
+def parse_all(data: bytes, cls: type[S], checks: Callable[[S], list[FieldError]], placeholders: dict[str, Any],
+              hint: str) -> S:
     """Decode `data` as `cls` and run `checks` on it; raise InvalidRequest with every error found at once.
 
     When some fields are wrong, the checks still run on the rest: wrong fields fall back to their defaults (or to
@@ -131,8 +132,8 @@ def parse_all(data: bytes, cls: type[T], checks: Callable[[T], list[FieldError]]
         raise InvalidRequest([FieldError("", f"{reason} (a number too large for a float?); {hint}")]) from None
 
 
-def _parse_all(data: bytes, cls: type[T], checks: Callable[[T], list[FieldError]], placeholders: dict[str, Any],
-               hint: str) -> T:
+def _parse_all(data: bytes, cls: type[S], checks: Callable[[S], list[FieldError]], placeholders: dict[str, Any],
+               hint: str) -> S:
     try:
         return_value = msgspec.json.decode(data, type=cls)
     except msgspec.ValidationError:
