@@ -279,7 +279,6 @@ def artifact_name(job: str, kind: str, step: int | None = None) -> str:
 
 # JetStream's own API and storage subjects, for the writers and readers that go below nats-py and for permissions
 JS_API_ALL = "$JS.API.>"
-INBOX_ALL = "_INBOX.>"
 
 
 def inbox(user: str) -> str:

@@ -114,7 +114,7 @@ async def test_no_tenant_or_node_can_read_replace_or_serve_what_is_anothers(flee
     # 1. replies: nobody reads another's inbox, nobody acks the scheduler's consumer
     for client in (acme, n1):
         before = len(client.violations)
-        await client.nc.subscribe(names.INBOX_ALL)
+        await client.nc.subscribe(names.inbox(">"))  # every user's replies at once
         await refused(client, before)
         before = len(client.violations)
         await client.nc.subscribe(names.inbox_all("tenant-globex"))

@@ -22,6 +22,7 @@ from schemas.nodes import (CPU_DEVICE, AssignAccepted, AssignRefused, Assignment
 from services import __version__, bus
 from services.aio import cancel_and_wait, sleep_unless_stopped
 from services.bus import publish_durably
+from services.agent.admission import refusal
 from services.agent.datasets import DatasetCache, DatasetUnavailable, LocalDataset
 from services.agent.devices import DeviceProbe
 from services.agent.engines import Engine
@@ -155,37 +156,9 @@ class Agent:
             await sleep_unless_stopped(stop, self.cfg.heartbeat_interval)
 
     # --- assignments -----------------------------------------------------------------------------
-    def _refusal(self, a: Assignment) -> str | None:
-        if self.draining:
-            return "the node is shutting down"
-        if a.job in self.jobs:
-            return None  # a repeated assignment of what we already run: accept again
-        if len(set(a.ranks)) != len(a.ranks) or len(a.ranks) != a.request.devices:
-            return f"the job asks for {a.request.devices} devices and was given {a.ranks}"
-        for index in a.ranks:
-            if reason := self._device_refusal(a, index):
-                return reason
-        return None
-
-    def _device_refusal(self, a: Assignment, index: int) -> str | None:
-        dev = next((d for d in self.devices if d.index == index), None)
-        if dev is None:
-            return f"no device {index} on this node"
-        if any(index in r.devices for r in self.jobs.values()):
-            return f"device {index} is already training another job"
-        if a.request.quantization == "nf4" and dev.kind != "cuda":
-            return f"device {index} is a CPU; nf4 (4-bit) training needs a GPU"
-        if len(a.ranks) > 1 and dev.kind != "cuda":
-            return f"device {index} is a CPU; a job on several devices runs one rank per GPU"
-        if self.reclaim.get(index):
-            return f"device {index}'s serving engine wants {self.reclaim[index]} MiB back"
-        if dev.free_mib < a.request.gpu_mib:
-            return f"device {index} has {dev.free_mib} MiB free, the job needs {a.request.gpu_mib}"
-        return None
-
     async def _on_assign(self, a: Assignment) -> AssignAccepted | AssignRefused:
-        self.devices, _ = self.probe.read()
-        reason = self._refusal(a)
+        self.devices, _ = await asyncio.to_thread(self.probe.read)  # NVML may block: not on the event loop
+        reason = refusal(a, self.devices, {j: r.devices for j, r in self.jobs.items()}, self.reclaim, self.draining)
         if reason:
             return AssignRefused(a.job, reason)
         if a.job not in self.jobs:

@@ -50,8 +50,7 @@ class SchedulerAssign(SchedulerCore):
                 if job.lock.locked():  # its status is being written: a placement now would be overwritten by it
                     return False
                 req, tenant = job.stored.request, job.stored.tenant
-                limit = self.cfg.quota(tenant).devices
-                if limit is not None and holding.get(tenant, 0) + req.devices > limit:
+                if self._device_quota_full(holding, tenant, req.devices):
                     return False  # the tenant holds its quota of devices: the job waits, others pass it
                 kept = kept_from(job_id, req.priority)
                 if node is not None and node in kept:
@@ -93,10 +92,9 @@ class SchedulerAssign(SchedulerCore):
             if job is None or job.status.state != "queued" or job.status.node is not None or job.lock.locked():
                 continue  # not waiting, or its status is being written (the next pass looks again)
             req, tenant = job.stored.request, job.stored.tenant
-            limit = self.cfg.quota(tenant).devices
-            if limit is not None and holding.get(tenant, 0) + req.devices > limit:
-                reason = (f"waiting: tenant {tenant} holds {holding.get(tenant, 0)} of its {limit} devices (its quota); "
-                          "it starts when one of its jobs ends")
+            if self._device_quota_full(holding, tenant, req.devices):
+                reason = (f"waiting: tenant {tenant} holds {holding.get(tenant, 0)} of its "
+                          f"{self.cfg.quota(tenant).devices} devices (its quota); it starts when one of its jobs ends")
             else:  # a multi-device job's own kept node is not a reason for it to wait
                 shape = (req.accelerator, req.gpu_mib, req.devices, req.node, req.quantization,
                          job_id if req.devices > 1 else None)
@@ -111,6 +109,11 @@ class SchedulerAssign(SchedulerCore):
         await self._set_state(job, "queued", message,
                               when=lambda s: s.state == "queued" and s.node is None and s.message != message)
         self._wake.set()  # a pass that skipped the job while this was written may place it now
+
+    def _device_quota_full(self, holding: dict, tenant: str | None, devices: int) -> bool:
+        """Whether `devices` more would take the tenant past its device quota (holding: what each holds now)."""
+        limit = self.cfg.quota(tenant).devices
+        return limit is not None and holding.get(tenant, 0) + devices > limit
 
     def _keep_for_gang(self, job_id: str, node: str | None, kept: set[str]) -> None:
         """A multi-device job that does not fit yet has a node kept for it: jobs behind it in the queue are
