@@ -366,3 +366,12 @@ async def running_on(nc, job: str, node: str = "n1", attempt: int = 1, tenant: s
     request = JobRequest(model="tiny", base_dir="/models/tiny")
     await store.add(StoredRequest(id=job, request=request, created=time.time(), tenant=tenant))
     await store.write_status(job, JobStatus(state="running", node=node, attempt=attempt), 0)
+
+
+def slowed(write, seconds: float = 0.02):
+    """A store write that takes `seconds` longer: the slow store the race tests run the scheduler against."""
+    async def slow_write(*a, **kw):
+        await asyncio.sleep(seconds)  # the fault itself, not a wait for something
+        return await write(*a, **kw)
+
+    return slow_write

@@ -35,6 +35,20 @@ async def own_server(tmp_path):
     server.stop()
 
 
+@pytest.fixture
+async def own_stack(own_server):
+    """A connection to a server of this test's own, with the scheduler, registry and artifact service on it."""
+    nc = await nats.connect(own_server.url)
+    await bus.ensure_resources(nc)
+    services = InProcess(own_server.url)
+    try:
+        await start_stack(services)
+        yield nc
+    finally:
+        await services.close()
+        await nc.close()
+
+
 async def consumers(js) -> dict[str, int]:
     return {s.config.name: s.state.consumer_count for s in await js.streams_info()}
 
@@ -54,58 +68,44 @@ async def registered(nc, count: int) -> None:
                                                   target_modules=["q_proj"]))
 
 
-async def test_two_thousand_reads_leave_every_streams_consumers_as_they_were(own_server):
-    nc = await nats.connect(own_server.url)
-    await bus.ensure_resources(nc)
-    services = InProcess(own_server.url)
-    try:
-        await start_stack(services)
-        await registered(nc, 10)
-        job = await submit(nc, {"model": "tiny", "base_dir": "/models/tiny", "data": pairs(1)})
-        assert isinstance(job, Accepted), job
-        for subject in (names.ADAPTERS.list, names.ARTIFACTS_LIST, names.DATASETS.list):
-            await answering(nc, subject)
-        js = nc.jetstream()
-        before = await consumers(js)
+async def test_two_thousand_reads_leave_every_streams_consumers_as_they_were(own_stack):
+    nc = own_stack
+    await registered(nc, 10)
+    job = await submit(nc, {"model": "tiny", "base_dir": "/models/tiny", "data": pairs(1)})
+    assert isinstance(job, Accepted), job
+    for subject in (names.ADAPTERS.list, names.ARTIFACTS_LIST, names.DATASETS.list):
+        await answering(nc, subject)
+    js = nc.jetstream()
+    before = await consumers(js)
 
-        async def reads(i: int) -> None:
-            shown = await bus.request(nc, names.ADAPTERS.show, AdapterQuery(name=f"a{i % 10}"), AdapterReply)
-            listed = await bus.request(nc, names.ADAPTERS.list, AdapterListQuery(), AdapterList)
-            assert shown.alias.name == f"a{i % 10}" and len(listed.adapters) == 10
+    async def reads(i: int) -> None:
+        shown = await bus.request(nc, names.ADAPTERS.show, AdapterQuery(name=f"a{i % 10}"), AdapterReply)
+        listed = await bus.request(nc, names.ADAPTERS.list, AdapterListQuery(), AdapterList)
+        assert shown.alias.name == f"a{i % 10}" and len(listed.adapters) == 10
 
-        for first in range(0, 1000, 25):  # 1,000 shows and 1,000 lists, 25 at a time
-            await asyncio.gather(*(reads(i) for i in range(first, first + 25)))
+    for first in range(0, 1000, 25):  # 1,000 shows and 1,000 lists, 25 at a time
+        await asyncio.gather(*(reads(i) for i in range(first, first + 25)))
 
-        for _ in range(100):  # what an open dashboard polls, and the other list requests a client repeats
-            await bus.request(nc, names.LIST_JOBS, JobListQuery(), JobList)
-            await bus.request(nc, names.LIST_NODES, b"{}", NodeList)
-            await bus.request(nc, names.ARTIFACTS_LIST, ArtifactQuery(), ArtifactList)
-            await bus.request(nc, names.DATASETS.list, DatasetListQuery(), DatasetList)
-            await bus.request(nc, names.EVENTS, EventsQuery(job=job.job), EventPage)
-        after = await consumers(js)
-        print(f"consumers per stream before and after 2,000 registry reads and 500 list requests: {after}")
-        assert after == before, f"consumers before {before}, after {after}"
-        assert before[names.kv(names.ADAPTERS_KV).stream] == 1  # the registry's own view, and nothing per request
-    finally:
-        await services.close()
-        await nc.close()
+    for _ in range(100):  # what an open dashboard polls, and the other list requests a client repeats
+        await bus.request(nc, names.LIST_JOBS, JobListQuery(), JobList)
+        await bus.request(nc, names.LIST_NODES, b"{}", NodeList)
+        await bus.request(nc, names.ARTIFACTS_LIST, ArtifactQuery(), ArtifactList)
+        await bus.request(nc, names.DATASETS.list, DatasetListQuery(), DatasetList)
+        await bus.request(nc, names.EVENTS, EventsQuery(job=job.job), EventPage)
+    after = await consumers(js)
+    print(f"consumers per stream before and after 2,000 registry reads and 500 list requests: {after}")
+    assert after == before, f"consumers before {before}, after {after}"
+    assert before[names.kv(names.ADAPTERS_KV).stream] == 1  # the registry's own view, and nothing per request
 
 
-async def test_a_read_sees_a_change_made_just_before_it(own_server):
+async def test_a_read_sees_a_change_made_just_before_it(own_stack):
     """The registry answers from its view, yet a version written directly to the bucket is in the next reply."""
-    nc = await nats.connect(own_server.url)
-    await bus.ensure_resources(nc)
-    services = InProcess(own_server.url)
-    try:
-        await start_stack(services)
-        await answering(nc, names.ADAPTERS.list)
-        for count in range(1, 6):
-            await registered(nc, count)  # a0 gains a version each round
-            shown = await bus.request(nc, names.ADAPTERS.show, AdapterQuery(name="a0"), AdapterReply)
-            assert [v.version for v in shown.versions] == list(range(1, count + 1))
-    finally:
-        await services.close()
-        await nc.close()
+    nc = own_stack
+    await answering(nc, names.ADAPTERS.list)
+    for count in range(1, 6):
+        await registered(nc, count)  # a0 gains a version each round
+        shown = await bus.request(nc, names.ADAPTERS.show, AdapterQuery(name="a0"), AdapterReply)
+        assert [v.version for v in shown.versions] == list(range(1, count + 1))
 
 
 async def test_the_rollout_follows_the_registry_once_it_can(own_server, tmp_path):

@@ -6,7 +6,6 @@ no node, memory and the store agree, and an idempotency key gives one job."""
 from __future__ import annotations
 
 import asyncio
-import time
 
 import nats
 import pytest
@@ -19,7 +18,7 @@ from schemas.jobs import ACTIVE_STATES, Accepted, Error, JobQuery, JobReply, Sub
 from services import bus
 from services.embedded import EmbeddedNats
 from services.scheduler.service import Scheduler, SchedulerConfig
-from tests.conftest import Agents
+from tests.conftest import Agents, slowed, wait_for
 from tests.qa import pairs
 
 NODES = ("m1", "m2")
@@ -35,7 +34,7 @@ class World:
         self.run(self._start())
         for node in NODES:
             self.agents.start(node, gpus="4096,4096", hold_s=60, interval=0.25)
-        self.run(self._until(lambda: len(self.sched.fleet.nodes) == len(NODES), 30))
+        self.run(wait_for(lambda: len(self.sched.fleet.nodes) == len(NODES), timeout=30, what="both agents"))
 
     async def _start(self) -> None:
         self.nc = await nats.connect(self.server.url)
@@ -50,17 +49,10 @@ class World:
     def run(self, coro):
         return self.loop.run_until_complete(coro)
 
-    async def _until(self, predicate, timeout: float) -> None:
-        deadline = time.monotonic() + timeout
-        while not predicate():
-            if time.monotonic() > deadline:
-                raise AssertionError(f"not settled within {timeout}s")
-            await asyncio.sleep(0.02)
-
     def settle(self) -> None:
         """Until no task the scheduler spawned runs and no job's status is being written."""
-        self.run(self._until(lambda: not self.sched._tasks and not any(j.lock.locked() for j in self.sched.jobs.values()),
-                             20))
+        self.run(wait_for(lambda: not self.sched._tasks and not any(j.lock.locked() for j in self.sched.jobs.values()),
+                          timeout=20, interval=0.02, what="the scheduler to settle"))
 
     def close(self) -> None:
         self.agents.close()
@@ -112,13 +104,7 @@ class SchedulerModel(RuleBasedStateMachine):
 
     @rule(slow=st.booleans())
     def store_speed(self, slow):
-        write = self.world.write
-
-        async def slow_write(*a, **kw):
-            await asyncio.sleep(0.02)
-            return await write(*a, **kw)
-
-        self.world.sched.store.write_status = slow_write if slow else write
+        self.world.sched.store.write_status = slowed(self.world.write) if slow else self.world.write
 
     @precondition(lambda self: len(self.down) < len(NODES))
     @rule(data=st.data())

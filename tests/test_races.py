@@ -15,23 +15,27 @@ from schemas.jobs import Accepted, Error, JobQuery, JobReply
 from services import bus
 from services.scheduler.idempotency import IdempotencyKeys
 from services.scheduler.store import JobStore
-from tests.conftest import get_job, run_held_job, submit, wait_for, wait_nodes, wait_state
+from tests.conftest import get_job, run_held_job, slowed, submit, wait_for, wait_nodes, wait_state
 from tests.qa import pairs
 
 
 async def test_a_key_is_held_by_one_request_at_a_time_however_many_wait(nc):
     keys = IdempotencyKeys(JobStore(nc.jetstream(), await nc.jetstream().key_value(names.JOBS_KV)), 60)
     inside, most = 0, 0
+    everyone_waits = asyncio.Event()
 
     async def one() -> None:
         nonlocal inside, most
         async with keys.turn("k"):
             inside += 1
             most = max(most, inside)
-            await asyncio.sleep(0)  # let the others run: the moment the old code gave a third request a new lock
+            await everyone_waits.wait()  # the first holds the key until the other four wait for it
             inside -= 1
 
-    await asyncio.gather(*(one() for _ in range(5)))
+    tasks = [asyncio.create_task(one()) for _ in range(5)]
+    await wait_for(lambda: keys._locks.get("k", (None, 0))[1] == 5, what="all five to hold or wait for the key")
+    everyone_waits.set()  # each release hands the key to a waiter: the moment the old code forgot the lock
+    await asyncio.gather(*tasks)
     assert most == 1 and keys._locks == {}
 
 
@@ -47,13 +51,7 @@ async def test_three_retries_of_a_rejected_key_make_at_most_one_job(nc, stack):
 async def test_pausing_a_job_while_it_is_placed_never_leaves_it_in_two_places(nc, stack, agents):
     """The store's writes slowed to 20 ms, pauses sent the moment jobs are submitted: after each, the job is
     either paused holding nothing, or placed on one node whose reservation is its own, never also queued."""
-    write = stack.store.write_status
-
-    async def slow_write(*a, **kw):
-        await asyncio.sleep(0.02)
-        return await write(*a, **kw)
-
-    stack.store.write_status = slow_write
+    stack.store.write_status = slowed(stack.store.write_status)
     agents.start("n1", gpus="4096", hold_s=30)
     await wait_nodes(nc, 1)
     for _ in range(6):
