@@ -178,6 +178,7 @@ class StoredRequest(Struct, kw_only=True):
     created: float
     seq: int = 0  # submission order among equal priorities
     tenant: TenantId | None = None  # from the subject it was submitted on; None: an admin's submission
+    index_seq: int = 0  # its entry in the job index (submission order); 0: stored before the index existed
 
 
 class CheckpointInfo(Struct, kw_only=True):
@@ -256,9 +257,13 @@ class JobQuery(Struct, forbid_unknown_fields=True):
 
 
 class JobListQuery(Struct, forbid_unknown_fields=True, kw_only=True):
+    """A page of jobs, newest first. `after`: the `next` of the page before (with the same filters): the page then
+    holds the jobs older than those, so jobs submitted meanwhile never shift it."""
+
     state: JobState | None = None
     node: NodeId | None = None
-    limit: Annotated[int, Meta(ge=1, le=100_000)] = 1000
+    limit: Annotated[int, Meta(ge=1, le=1000)] = 100
+    after: Annotated[int, Meta(ge=0)] | None = None
 
 
 class JobReply(Struct, tag="job", tag_field="type"):
@@ -280,7 +285,8 @@ class JobWhy(Struct, tag="why", tag_field="type", kw_only=True):
 
 
 class JobList(Struct, tag="jobs", tag_field="type"):
-    jobs: list[JobSummary]
+    jobs: list[JobSummary]  # newest first
+    next: int | None = None  # the `after` of the next page; None: this was the last
 
 
 class Error(Struct, tag="error", tag_field="type"):

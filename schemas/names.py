@@ -36,6 +36,8 @@ PREFIX = "jetlora"
 JOBS_STREAM = "JETLORA_JOBS"  # state and progress events of every job, replayable
 JOBS_KV = "jetlora_jobs"  # one record per job: the scheduler's durable queue
 LEASE_KV = "jetlora_lease"  # the active scheduler's lease
+IDEMPOTENCY_KV = "jetlora_idempotency"  # submission keys, each kept for the idempotency window (the bucket's max age)
+JOB_INDEX_STREAM = "JETLORA_JOB_INDEX"  # jobs in submission and in finishing order, for listing and retention
 ARTIFACTS_BUCKET = "jetlora_artifacts"  # object store of adapters and GGUF files
 DATASETS_BUCKET = "jetlora_datasets"  # object store of training data, one object per dataset name
 ADAPTERS_KV = "jetlora_adapters"  # the adapter registry: version.<name>.<n>, alias.<name>, node.<name>.<node>
@@ -253,6 +255,17 @@ HEARTBEATS_ALL = node().heartbeat
 JOB_STATES_ALL = job().state
 JOB_PROGRESS_ALL = job().progress
 JOBS_STREAM_SUBJECTS = [f"{PREFIX}.job.>"]
+JOB_INDEX_SUBJECTS = [f"{PREFIX}.jobindex.>"]
+
+
+def job_index_submitted(tenant: str = "*") -> str:
+    """One entry per job, in submission order, under its tenant's token ("*": every tenant's)."""
+    return f"{PREFIX}.jobindex.all.{tenant}"
+
+
+def job_index_finished(tenant: str = "*", state: str = "*") -> str:
+    """One entry per finished job, in finishing order, under its tenant's token and final state."""
+    return f"{PREFIX}.jobindex.done.{tenant}.{state}"
 
 
 def node_of_subject(subject: str) -> str:

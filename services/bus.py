@@ -29,6 +29,7 @@ _enc = msgspec.json.Encoder()
 DEFAULT_TIMEOUT = 5.0
 NO_RESPONDER_RETRIES = (0.05, 0.2, 0.5, None)
 LEASE_TTL_S = 3.0  # the lease bucket's max age: a dead leader's lease is gone this long after its last renewal
+IDEMPOTENCY_S = 24 * 3600.0  # the idempotency bucket's max age until a scheduler sets its own window
 
 
 @dataclass
@@ -144,15 +145,18 @@ async def ensure_resources(nc: Client, replicas: int = 1) -> None:
     stream = StreamConfig(name=names.JOBS_STREAM, subjects=names.JOBS_STREAM_SUBJECTS, retention=RetentionPolicy.LIMITS,
                           storage=StorageType.FILE, max_age=30 * 24 * 3600, max_bytes=4 * 1024**3,
                           num_replicas=replicas, duplicate_window=120)
-    try:
-        await js.stream_info(names.JOBS_STREAM)
-    except NotFoundError:
+    index = StreamConfig(name=names.JOB_INDEX_STREAM, subjects=names.JOB_INDEX_SUBJECTS, retention=RetentionPolicy.LIMITS,
+                         storage=StorageType.FILE, num_replicas=replicas, allow_direct=True, duplicate_window=120)
+    for config in (stream, index):  # the index keeps what retention keeps: its entries go with their jobs
         try:
-            await js.add_stream(stream)
-        except BadRequestError:  # created by another service at the same moment
-            pass
+            await js.stream_info(config.name)
+        except NotFoundError:
+            try:
+                await js.add_stream(config)
+            except BadRequestError:  # created by another service at the same moment
+                pass
     for bucket, kw in ((names.JOBS_KV, dict(history=1)), (names.LEASE_KV, dict(history=1, ttl=LEASE_TTL_S)),
-                       (names.ADAPTERS_KV, dict(history=16))):
+                       (names.ADAPTERS_KV, dict(history=16)), (names.IDEMPOTENCY_KV, dict(history=1, ttl=IDEMPOTENCY_S))):
         try:
             await js.key_value(bucket)
         except (NotFoundError, BadRequestError):

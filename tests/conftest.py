@@ -26,6 +26,7 @@ from schemas.nodes import NodeList
 from services import bus
 from services.embedded import EmbeddedNats
 from services.scheduler.core import SchedulerConfig
+from services.scheduler.store import LAYOUT
 
 ROOT = Path(__file__).resolve().parents[1]
 HOLD_TRAINER = f"{sys.executable} {ROOT / 'tests' / 'programs' / 'hold_trainer.py'}"
@@ -42,7 +43,7 @@ async def reset_resources(nc) -> None:
     """Each test starts from empty jetlora streams and buckets on the shared server."""
     js = nc.jetstream()
     for stream in (names.JOBS_STREAM, names.kv(names.JOBS_KV).stream, names.kv(names.LEASE_KV).stream,
-                   names.kv(names.ADAPTERS_KV).stream,
+                   names.kv(names.ADAPTERS_KV).stream, names.JOB_INDEX_STREAM, names.kv(names.IDEMPOTENCY_KV).stream,
                    names.objects(names.ARTIFACTS_BUCKET).stream, names.objects(names.DATASETS_BUCKET).stream):
         try:
             await js.delete_stream(stream)
@@ -277,9 +278,10 @@ async def progress_steps(nc, job_id: str) -> list[int]:
 
 
 async def kv_keys(nc) -> list[str]:
+    """The jobs bucket's keys of jobs (the layout mark a scheduler writes at start is none)."""
     kv = await nc.jetstream().key_value(names.JOBS_KV)
     try:
-        return await kv.keys()
+        return [k for k in await kv.keys() if k != LAYOUT]
     except NoKeysError:  # nats-py's word for an empty bucket
         return []
 

@@ -101,6 +101,13 @@ def parser() -> argparse.ArgumentParser:
                        help="the quota of tenants without their own --quota (default: none)")
         p.add_argument("--reclaim-pause-priority", type=int, default=0,
                        help="jobs at or below this priority pause when their GPU's serving engine wants memory back")
+        p.add_argument("--retention-days", type=float, default=30.0,
+                       help="finished jobs' records and events are removed this long after they end (0: kept forever)")
+        p.add_argument("--retention-artifacts", action="store_true", help="and their artifacts with them")
+        p.add_argument("--finished-in-memory-s", type=float, default=600.0,
+                       help="a finished job stays in the scheduler's memory this long; then it is read from the store")
+        p.add_argument("--idempotency-hours", type=float, default=24.0,
+                       help="a submission's idempotency key returns its first job for this long")
 
     def dashboard_flags(p):
         p.add_argument("--ws", dest="ws_url", default=os.environ.get("NATS_WS_URL"),
@@ -140,9 +147,11 @@ def parser() -> argparse.ArgumentParser:
     p = client("submit", "submit a job (JSON or YAML file)")
     p.add_argument("job_file")
     p.set_defaults(fn=cmd_submit)
-    p = client("jobs", "list jobs")
+    p = client("jobs", "list jobs, newest first")
     p.add_argument("--state")
     p.add_argument("--node")
+    p.add_argument("--limit", type=int, default=50, help="jobs per page (at most 1000)")
+    p.add_argument("--after", type=int, help="the page after the one that printed `older jobs: --after N`")
     p.set_defaults(fn=cmd_jobs)
     p = client("nodes", "list nodes and their devices")
     p.set_defaults(fn=cmd_nodes)

@@ -54,8 +54,8 @@ def cmd_submit(args) -> int:
 
 def cmd_jobs(args) -> int:
     async def go(nc):
-        show(await ask(nc, api(args)["jobs"], JobListQuery(state=args.state, node=args.node), JobList), args.json,
-             _jobs_table)
+        query = JobListQuery(state=args.state, node=args.node, limit=args.limit, after=args.after)
+        show(await ask(nc, api(args)["jobs"], query, JobList), args.json, _jobs_table)
         return EXIT_OK
 
     return run_client(args, go)
@@ -75,6 +75,8 @@ def _jobs_table(reply: JobList) -> None:
         t.add_row(j.id, j.state, j.node or "", where(j), f"{j.step}/{j.steps}",
                   "" if j.loss is None else f"{j.loss:.4f}", cell(j.label), cell(j.message[:80]))
     Console().print(t)
+    if reply.next is not None:
+        print(f"older jobs: --after {reply.next}")
 
 
 def cmd_job(args) -> int:

@@ -36,7 +36,8 @@ def roles(nodes: list[str], tenants: list[str] = ()) -> dict[str, dict]:
     users = {
         "scheduler": {"publish": [names.node("*").assign, names.node("*").control, names.JS_API_ALL, names.kv(names.JOBS_KV).subjects,
                                   names.kv(names.LEASE_KV).subjects, ADAPTERS.subjects, names.js_acks(JOBS),
-                                  names.SERVICE_DISCOVERY_ALL],
+                                  names.kv(names.IDEMPOTENCY_KV).subjects, *names.JOB_INDEX_SUBJECTS,
+                                  names.ARTIFACTS_DELETE, names.SERVICE_DISCOVERY_ALL],
                       "subscribe": [names.API_GROUP + ".>", names.ADAPTERS_GROUP + ".>", names.HEARTBEATS_ALL,
                                     names.JOB_PROGRESS_ALL, names.SERVICE_DISCOVERY_ALL]},
         "artifacts": {"publish": [names.objects(names.ARTIFACTS_BUCKET).subjects, names.objects(names.DATASETS_BUCKET).subjects,

@@ -25,7 +25,10 @@ def _scheduler_config(args):
     except ValueError as e:
         raise StartupError(f"--quota/--default-quota: {e}") from None
     return SchedulerConfig(heartbeat_interval=args.heartbeat_interval, misses=args.misses, quotas=quotas,
-                           default_quota=default, reclaim_pause_priority=args.reclaim_pause_priority)
+                           default_quota=default, reclaim_pause_priority=args.reclaim_pause_priority,
+                           retention_s=args.retention_days * 86400, retention_artifacts=args.retention_artifacts,
+                           finished_in_memory_s=args.finished_in_memory_s,
+                           idempotency_window_s=args.idempotency_hours * 3600)
 
 
 def _agent_config(args):

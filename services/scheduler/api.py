@@ -19,7 +19,7 @@ from schemas.nodes import Control, ControlReply, NodeInfo, NodeList
 from schemas.validate import InvalidRequest
 from services import bus
 from services.artifacts.datasets import visible_dataset
-from services.scheduler import sizing
+from services.scheduler import listing, sizing
 from services.scheduler.core import Job
 from services.scheduler.history import events_page
 from services.scheduler.idempotency import IdempotencyKeys
@@ -159,20 +159,22 @@ class SchedulerApi(SchedulerPausing):
 
     def _quota_errors(self, tenant: str | None) -> list[FieldError]:
         limit = self.cfg.quota(tenant).queued
-        if limit is None or (queued := self._tenant_count(tenant, frozenset({"queued"}))) < limit:
+        if limit is None or (queued := self.queued_by_tenant[tenant]) < limit:
             return []
         return [FieldError("", f"tenant {tenant} has {queued} jobs waiting for a device, its quota is {limit}; "
                                "submit again once some have started, or ask an admin to raise the quota")]
 
     async def _job_exists(self, job_id: str) -> bool:
-        return job_id in self.jobs or await self.store.find(job_id) is not None
+        return await self._lookup(job_id) is not None
 
     async def _store_new(self, request: JobRequest, size: int, tenant: str | None,
                          job_id: str | None = None) -> Accepted | Rejected:
         self.seq += 1
-        stored = StoredRequest(id=job_id or uuid.uuid4().hex[:16], request=request, created=time.time(), seq=self.seq,
-                               tenant=tenant)
-        try:
+        job_id = job_id or uuid.uuid4().hex[:16]
+        try:  # the index entry and the active mark first: a crash before the request leaves only what readers skip
+            index_seq, _ = await asyncio.gather(self.index.submitted(tenant, job_id), self.store.mark_active(job_id))
+            stored = StoredRequest(id=job_id, request=request, created=time.time(), seq=self.seq, tenant=tenant,
+                                   index_seq=index_seq)
             await self.store.add(stored)  # durable before the reply: a crash after it loses nothing
         except Exception as e:
             return Rejected([FieldError("", f"the job could not be stored ({type(e).__name__}: JetStream unavailable?); "
@@ -180,6 +182,7 @@ class SchedulerApi(SchedulerPausing):
         job = Job(msgspec.structs.replace(stored, request=msgspec.structs.replace(request, data=[])),
                   JobStatus(updated=stored.created, message="waiting for a device"))
         self.jobs[stored.id] = job
+        self._count(job, 1)
         self._cache_request(stored.id, request, size)
         self._enqueue(job)
         return Accepted(stored.id)
@@ -216,21 +219,20 @@ class SchedulerApi(SchedulerPausing):
         return []
 
     # --- queries ---------------------------------------------------------------------------------
-    def _job(self, q: JobQuery, tenant: str | None) -> Job:
-        job = self.jobs.get(q.job)
+    async def _job(self, q: JobQuery, tenant: str | None) -> Job:
+        job = await self._lookup(q.job)
         if job is None or (tenant is not None and job.stored.tenant != tenant):  # another tenant's is not there
             raise InvalidRequest([FieldError("job", f"no job {q.job}; `jetlora jobs` lists them")])
         return job
 
     async def _get_job(self, q: JobQuery, tenant: str | None) -> JobReply:
-        job = self._job(q, tenant)
+        job = await self._job(q, tenant)
         return JobReply(summarize(job.stored, job.status))
 
     async def _list_jobs(self, q: JobListQuery, tenant: str | None) -> JobList:
-        out = [summarize(j.stored, j.status) for j in self.jobs.values()
-               if (q.state is None or j.status.state == q.state) and (q.node is None or j.status.node == q.node)
-               and (tenant is None or j.stored.tenant == tenant)]
-        return JobList(out[-q.limit:])
+        if q.state is not None and q.state not in TERMINAL_STATES:  # only active jobs are in it: all in memory
+            return listing.from_memory(self.jobs.values(), q, tenant)
+        return await listing.from_index(self.index, self.store, self.jobs, q, tenant)
 
     async def _list_nodes(self, _query) -> NodeList:
         now = time.monotonic()
@@ -243,11 +245,11 @@ class SchedulerApi(SchedulerPausing):
         return NodeList(nodes)
 
     async def _job_events(self, q: EventsQuery, tenant: str | None) -> EventPage:
-        job = self._job(JobQuery(q.job), tenant)
+        job = await self._job(JobQuery(q.job), tenant)
         return await events_page(self.js, q, job.status, job.stored.tenant)
 
     async def _why_job(self, q: JobQuery, tenant: str | None) -> JobWhy:
-        job = self._job(q, tenant)
+        job = await self._job(q, tenant)
         if job.status.state != "queued" or job.status.node is not None:
             where = f" on {job.status.node}" if job.status.node else ""
             return JobWhy(job=job.id, state=job.status.state, summary=f"{job.status.state}{where}: {job.status.message}")
@@ -256,24 +258,24 @@ class SchedulerApi(SchedulerPausing):
         return JobWhy(job=job.id, state="queued", summary=with_reason(job.status.message, summary), nodes=nodes)
 
     async def _job_checkpoints(self, q: JobQuery, tenant: str | None) -> CheckpointList:
-        return CheckpointList(job=q.job, checkpoints=self._job(q, tenant).status.checkpoints)
+        return CheckpointList(job=q.job, checkpoints=(await self._job(q, tenant)).status.checkpoints)
 
     # --- pause and resume --------------------------------------------------------------------------
     async def _pause_job(self, q: JobQuery, tenant: str | None) -> JobReply | Error:
-        job = self._job(q, tenant)
+        job = await self._job(q, tenant)
         if job.status.state == "paused":
             return Error(f"job {job.id} is already paused; `jetlora resume {job.id}` goes on with it", field="job")
         return await self._pause(job, BY_USER) or JobReply(summarize(job.stored, job.status))
 
     async def _resume_job(self, q: JobQuery, tenant: str | None) -> JobReply | Error:
-        job = self._job(q, tenant)
+        job = await self._job(q, tenant)
         where = f"from checkpoint {job.status.checkpoint}" if job.status.checkpoint else "from the start"
         return await self._resume(job, f"resumed {where}; waiting for a device") or JobReply(summarize(job.stored,
                                                                                                        job.status))
 
     # --- cancel and stop -------------------------------------------------------------------------
     async def _end_early(self, q: JobQuery, action: str, tenant: str | None) -> JobReply | Error:
-        job = self._job(q, tenant)
+        job = await self._job(q, tenant)
         state = job.status.state
         if state in TERMINAL_STATES:
             return Error(f"job {job.id} already ended ({state})", field="job")

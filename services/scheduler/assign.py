@@ -9,7 +9,6 @@ import time
 import msgspec
 
 from schemas import names
-from schemas.jobs import ACTIVE_STATES
 from schemas.nodes import Assignment, AssignRefused, AssignReply, on_devices
 from services import bus
 from services.aio import wait_first
@@ -129,14 +128,8 @@ class SchedulerAssign(SchedulerCore):
             log.info("node %s is kept for job %s, which needs %d devices there", home, job_id, req.devices)
 
     def _devices_by_tenant(self) -> dict[str | None, int]:
-        """Devices each tenant's jobs hold now; counted only when some quota limits devices."""
-        if self.cfg.default_quota.devices is None and all(q.devices is None for q in self.cfg.quotas.values()):
-            return {}
-        holding: dict[str | None, int] = {}
-        for job in self.jobs.values():
-            if job.stored.tenant is not None and job.status.state in ACTIVE_STATES:
-                holding[job.stored.tenant] = holding.get(job.stored.tenant, 0) + max(1, len(job.status.devices))
-        return holding
+        """Devices each tenant's jobs hold now (counted as their states change)."""
+        return {t: n for t, n in self.devices_by_tenant.items() if t is not None and n}
 
     async def _assign(self, job: Job) -> None:
         slots = job.slots

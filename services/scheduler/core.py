@@ -5,22 +5,25 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import Counter
 from collections.abc import Callable
+from typing import Any
 from dataclasses import dataclass, field
 
 import msgspec
 from nats.aio.client import Client
 
-from schemas.jobs import ACTIVE_STATES, JobId, JobRequest, JobState, JobStatus, NodeId, StoredRequest
+from schemas.jobs import ACTIVE_STATES, TERMINAL_STATES, JobId, JobRequest, JobState, JobStatus, NodeId, StoredRequest
 from services.scheduler.placement import Fleet, SlotKey
 from services.scheduler.queue import JobQueue
 from services.registry.store import AdapterRegistry
+from services.scheduler.index import Finished, JobIndex
 from services.scheduler.store import Conflict, JobStore
 
 log = logging.getLogger(__name__)
 REQUEST_CACHE_BYTES = 64 * 2**20  # full requests of queued jobs kept in memory, so placing one needs no KV read
 REQUEST_CACHE_ITEM = 64 * 2**10
-UNPLACED = dict(node=None, device=None, devices=[])  # a job's status fields when it holds no device
+UNPLACED: dict[str, Any] = dict(node=None, device=None, devices=[])  # a job's status fields when it holds no device
 
 
 @dataclass
@@ -74,6 +77,10 @@ class SchedulerConfig:
     backfill_window: int = 64
     max_concurrent_submits: int = 256
     idempotency_window_s: float = 24 * 3600.0  # a key sent again within this returns its first job
+    finished_in_memory_s: float = 600.0  # a finished job stays in memory this long, then is read from the store
+    retention_s: float = 30 * 24 * 3600.0  # a finished job's record and events are removed this long after; 0: never
+    retention_artifacts: bool = False  # and its artifacts with them
+    sweep_interval_s: float = 60.0  # how often expired records are looked for
     reclaim_pause_priority: int = 0  # jobs at or below this priority pause when their device's engine wants memory
     quotas: dict[str, TenantQuota] = field(default_factory=dict)  # per tenant
     default_quota: TenantQuota = TenantQuota()  # for tenants not in quotas
@@ -90,6 +97,7 @@ class SchedulerCore:
     """The scheduler's state: its jobs, queue and fleet, and the writes that change a job."""
 
     store: JobStore
+    index: JobIndex
     adapters: AdapterRegistry
 
     def __init__(self, nc: Client, config: SchedulerConfig | None = None) -> None:
@@ -113,6 +121,9 @@ class SchedulerCore:
         self._wake = asyncio.Event()
         self._submit_slots = asyncio.Semaphore(self.cfg.max_concurrent_submits)
         self._quota_locks: dict[str, asyncio.Lock] = {}  # a tenant's submissions counted one at a time
+        self.finished: dict[JobId, float] = {}  # finished jobs still in memory -> when they ended (monotonic), in order
+        self.queued_by_tenant: Counter[str | None] = Counter()  # counted as states change, never by a scan
+        self.devices_by_tenant: Counter[str | None] = Counter()
 
     # --- tasks ---------------------------------------------------------------------------------
     def _spawn(self, coro) -> None:
@@ -131,18 +142,48 @@ class SchedulerCore:
         now = time.monotonic()
         job = Job(stored, status or JobStatus(updated=stored.created), revision, assigned_at=now)
         self.jobs[job.id] = job
+        self._count(job, 1)
+        if job.status.state in TERMINAL_STATES:
+            self.finished.pop(job.id, None)
+            self.finished[job.id] = now  # at the end: the dict stays in the order jobs ended
         self.seq = max(self.seq, stored.seq)
         if job.status.state == "queued":
             self._enqueue(job)
-        elif job.status.state in ACTIVE_STATES and job.slots:
+        elif job.status.state in ACTIVE_STATES and job.slots and (node := job.status.node) is not None:
             for slot in job.slots:
                 self.fleet.reserve(slot, job.id)
-            self.by_node.setdefault(job.status.node, set()).add(job.id)
-            self.awaited.setdefault(job.status.node, now + self.cfg.window)
+            self.by_node.setdefault(node, set()).add(job.id)
+            self.awaited.setdefault(node, now + self.cfg.window)
         return job
 
-    def _tenant_count(self, tenant: str, states: frozenset[str]) -> int:
-        return sum(1 for j in self.jobs.values() if j.stored.tenant == tenant and j.status.state in states)
+    async def _lookup(self, job_id: JobId) -> Job | None:
+        """The job from memory, else from the store: an active one found there is taken up (it should have been
+        in memory), a finished one is answered without being kept. None: no such job. Raises if the store is away."""
+        job = self.jobs.get(job_id)
+        if job is not None:
+            return job
+        found = await self.store.find(job_id)
+        if found is None:
+            return self.jobs.get(job_id)
+        stored, status, revision = found
+        if status is not None and status.state in TERMINAL_STATES:
+            return self.jobs.get(job_id) or Job(stored, status, revision)
+        log.warning("job %s was not in memory but is active in the jobs bucket; taking it up", job_id)
+        return self.jobs.get(job_id) or self._adopt(stored, status, revision)
+
+    def _count(self, job: Job, sign: int) -> None:
+        """Count a job in (1) or out of (-1) its tenant's queued jobs and held devices, as its status stands."""
+        if job.status.state == "queued":
+            self.queued_by_tenant[job.stored.tenant] += sign
+        elif job.status.state in ACTIVE_STATES:
+            self.devices_by_tenant[job.stored.tenant] += sign * max(1, len(job.status.devices))
+
+    def _forget(self, job_id: JobId) -> None:
+        """A finished job leaves memory; the store still answers for it."""
+        self.finished.pop(job_id, None)
+        job = self.jobs.pop(job_id, None)
+        if job is not None:
+            self._count(job, -1)
 
     def _enqueue(self, job: Job) -> None:
         req = job.stored.request
@@ -153,7 +194,7 @@ class SchedulerCore:
         if job.slots:
             for slot in job.slots:
                 self.fleet.release(slot, job.id)
-            self.by_node.get(job.status.node, set()).discard(job.id)
+            self.by_node.get(job.status.node or "", set()).discard(job.id)
             self._wake.set()
 
     def _cache_request(self, job_id: JobId, request: JobRequest, size: int) -> None:
@@ -171,14 +212,37 @@ class SchedulerCore:
     # --- status writes ---------------------------------------------------------------------------
     async def _write(self, job: Job, status: JobStatus) -> bool:
         """Persist a job's new status; on a conflict reload it and report False."""
+        ended = status.state in TERMINAL_STATES and job.status.state not in TERMINAL_STATES
         try:
             job.revision = await self.store.write_status(job.id, status, job.revision)
-            job.status = status
-            return True
+            self._replace_status(job, status)
         except Conflict as e:
             log.warning("%s; reloading it", e)
-            job.status, job.revision = await self.store.status(job.id) or (job.status, job.revision)
+            self._replace_status(job, *(await self.store.status(job.id) or (job.status, job.revision)))
             return False
+        if ended:
+            await self._record_end(job)
+        return True
+
+    def _replace_status(self, job: Job, status: JobStatus, revision: int | None = None) -> None:
+        self._count(job, -1)
+        job.status = status
+        job.revision = job.revision if revision is None else revision
+        self._count(job, 1)
+
+    async def _record_end(self, job: Job) -> None:
+        """A job that ended leaves the active set and enters the index in finishing order. Should either write
+        fail, its record is already final: a scheduler taking over finds it active but ended, and does both."""
+        self.finished.pop(job.id, None)
+        self.finished[job.id] = time.monotonic()
+        try:
+            await self.index.finished(Finished(job=job.id, tenant=job.stored.tenant, state=job.status.state,
+                                               finished=job.status.updated or time.time(),
+                                               submitted_seq=job.stored.index_seq))
+            await self.store.unmark_active(job.id)
+        except Exception as e:
+            log.warning("job %s ended, but its index entries could not be written (%s: %s); the next scheduler "
+                        "to lead writes them", job.id, type(e).__name__, e)
 
     async def _set_state(self, job: Job, state: JobState, message: str,
                          when: Callable[[JobStatus], bool] | None = None, **changes) -> bool:

@@ -64,19 +64,6 @@ class SchedulerEvents(SchedulerPausing):
                             names.job_and_node_of_subject(m.subject)[0], type(e).__name__, e)
                 return
 
-    async def _known(self, job_id: str) -> Job | None:
-        """The job, read from the store when memory does not have it; None only when the store has no such job.
-
-        A store that cannot be read raises: the event is then not acknowledged, and comes again."""
-        job = self.jobs.get(job_id)
-        if job is not None:
-            return job
-        found = await self.store.find(job_id)
-        if found is None:
-            return None
-        log.warning("job %s was not in memory but is in the jobs bucket; taking it up", job_id)
-        return self.jobs.get(job_id) or self._adopt(*found)
-
     async def _apply_state(self, msg) -> None:
         try:
             ev = _state.decode(msg.data)
@@ -87,7 +74,7 @@ class SchedulerEvents(SchedulerPausing):
         if (ev.job, ev.node) != (job_id, node):
             log.warning("ignored a state of job %s from node %s sent on %s", ev.job, ev.node, msg.subject)
             return
-        job = await self._known(ev.job)
+        job = await self._lookup(ev.job)  # a store that cannot be read raises: the event comes again
         if job is None:
             log.warning("ignored a state of job %s: no such job in the jobs bucket", ev.job)
             return

@@ -12,6 +12,7 @@ from nats.aio.client import Client
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
 from schemas import names
+from schemas.jobs import TERMINAL_STATES
 from services import __version__
 from services.aio import cancel_and_wait, sleep_unless_stopped
 from services.registry.store import AdapterRegistry
@@ -20,7 +21,10 @@ from services.scheduler.assign import SchedulerAssign
 from services.scheduler.core import SchedulerConfig  # noqa: F401  (callers build configs from here)
 from services.scheduler.events import SchedulerEvents
 from services.scheduler.idempotency import IdempotencyKeys
+from services.scheduler.index import JobIndex
 from services.scheduler.lease import Lease
+from services.scheduler.migrate import migrate
+from services.scheduler.retention import SchedulerRetention
 from services.scheduler.liveness import SchedulerLiveness
 from services.scheduler.store import JobStore
 
@@ -28,7 +32,7 @@ log = logging.getLogger(__name__)
 RETRY_LEAD_S = 1.0  # after a failed start as leader (NATS away, the bucket unreadable)
 
 
-class Scheduler(SchedulerApi, SchedulerAssign, SchedulerEvents, SchedulerLiveness):
+class Scheduler(SchedulerApi, SchedulerAssign, SchedulerEvents, SchedulerLiveness, SchedulerRetention):
     """One scheduler process: stands by until it holds the lease, then leads until it loses it or stops."""
 
     def __init__(self, nc: Client, config: SchedulerConfig | None = None, holder: str | None = None) -> None:
@@ -37,7 +41,8 @@ class Scheduler(SchedulerApi, SchedulerAssign, SchedulerEvents, SchedulerLivenes
         self.leading = asyncio.Event()
 
     async def run(self, stop: asyncio.Event) -> None:
-        self.store = JobStore(self.js, await self.js.key_value(names.JOBS_KV))
+        self.store = JobStore(self.js, await self.js.key_value(names.JOBS_KV), await self._idempotency_bucket())
+        self.index = JobIndex(self.nc)
         self.adapters = AdapterRegistry(await self.js.key_value(names.ADAPTERS_KV))
         self.idempotency = IdempotencyKeys(self.store, self.cfg.idempotency_window_s)
         lease = Lease(await self.js.key_value(names.LEASE_KV), self.holder)
@@ -58,11 +63,29 @@ class Scheduler(SchedulerApi, SchedulerAssign, SchedulerEvents, SchedulerLivenes
                 self._reset()
         await lease.release()
 
+    async def _idempotency_bucket(self):
+        """The bucket whose max age is this scheduler's idempotency window: a key expires when its window ends."""
+        kv = await self.js.key_value(names.IDEMPOTENCY_KV)
+        config = (await self.js.stream_info(names.kv(names.IDEMPOTENCY_KV).stream)).config
+        if config.max_age != self.cfg.idempotency_window_s:
+            window = self.cfg.idempotency_window_s  # JetStream wants a duplicate window no longer than the max age
+            await self.js.update_stream(config.evolve(max_age=window,
+                                                      duplicate_window=min(config.duplicate_window or window, window)))
+        return kv
+
     async def _recover(self) -> None:
-        """Rebuild the queue and the slots in use from the jobs bucket (raises rather than read an error as empty)."""
-        requests, statuses = await self.store.load()
-        for job_id, stored in sorted(requests.items(), key=lambda kv: kv[1].seq):
-            self._adopt(stored, *statuses.get(job_id, (None, 0)))
+        """Rebuild the queue and the slots in use from the active jobs alone, however many finished ones the
+        store holds (raises rather than read an error as empty)."""
+        if not await self.store.has_active_set():
+            await migrate(self.store, self.index)
+        active = await self.store.load_active()
+        for stored, status, revision, job_id in sorted(active, key=lambda a: a[0].seq if a[0] else 0):
+            if stored is None:  # marked, but its request was never stored: nothing to lead
+                await self.store.unmark_active(job_id)
+                continue
+            job = self._adopt(stored, status, revision)
+            if job.status.state in TERMINAL_STATES:  # it ended, but its index entries were not written
+                await self._record_end(job)
 
     async def _lead(self, lease: Lease, stop: asyncio.Event) -> None:
         await self._recover()
@@ -90,6 +113,7 @@ class Scheduler(SchedulerApi, SchedulerAssign, SchedulerEvents, SchedulerLivenes
                 tg.create_task(self._placer(lost, stop))
                 tg.create_task(self._watch_liveness(lost, stop))
                 tg.create_task(self._consume_states(states, lost, stop))
+                tg.create_task(self._keep_history_bounded(lost, stop))
         finally:
             await service.stop()
             for sub in subs:

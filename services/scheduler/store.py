@@ -1,4 +1,4 @@
-"""The jobs KV bucket: requests written once, statuses updated with compare-and-set."""
+"""The jobs KV bucket: requests written once, statuses updated with compare-and-set, and the set of active jobs."""
 
 from __future__ import annotations
 
@@ -17,8 +17,9 @@ _enc = msgspec.json.Encoder()
 _dec_req = msgspec.json.Decoder(StoredRequest)
 _dec_status = msgspec.json.Decoder(JobStatus)
 _dec_idem = msgspec.json.Decoder(IdempotencyRecord)
-REQUEST, STATUS, IDEMPOTENCY = "request", "status", "idem"
+REQUEST, STATUS, ACTIVE, IDEMPOTENCY = "request", "status", "active", "idem"
 JOBS = names.kv(names.JOBS_KV)
+LAYOUT = "layout"  # present once the bucket has the active set and the job index
 
 
 class Conflict(Exception):
@@ -37,6 +38,10 @@ def status_key(job: JobId) -> str:
     return f"{STATUS}.{job}"
 
 
+def active_key(job: JobId) -> str:
+    return f"{ACTIVE}.{job}"
+
+
 def idempotency_key(client_key: str) -> str:
     """A client's key may hold any text; the bucket's key is its digest."""
     return f"{IDEMPOTENCY}.{hashlib.sha256(client_key.encode()).hexdigest()}"
@@ -45,8 +50,9 @@ def idempotency_key(client_key: str) -> str:
 class JobStore:
     """Every read and write of a job's keys goes through here."""
 
-    def __init__(self, js, kv: KeyValue) -> None:
+    def __init__(self, js, kv: KeyValue, idempotency: KeyValue | None = None) -> None:
         self.js, self.kv = js, kv
+        self.idem = idempotency or kv  # its own bucket, whose max age is the idempotency window
 
     async def add(self, stored: StoredRequest) -> None:
         """Store a new job durably; raises if the id exists."""
@@ -54,7 +60,7 @@ class JobStore:
 
     async def request(self, job: JobId) -> StoredRequest:
         entry = await self.kv.get(request_key(job))
-        return _dec_req.decode(entry.value)
+        return _dec_req.decode(entry.value or b"")
 
     async def find(self, job: JobId) -> tuple[StoredRequest, JobStatus | None, int] | None:
         """A job's request (without its data, as the scheduler holds it), status and status revision; None only
@@ -66,80 +72,144 @@ class JobStore:
         status = await self.status(job)
         return (stored, *status) if status else (stored, None, 0)
 
-    async def _read(self, key: str, decoder: msgspec.json.Decoder):
-        """The value under `key` and its revision; None when there is none."""
-        try:
-            entry = await self.kv.get(key)
-        except KeyNotFoundError:
-            return None
-        return decoder.decode(entry.value), entry.revision
-
     async def status(self, job: JobId) -> tuple[JobStatus, int] | None:
-        return await self._read(status_key(job), _dec_status)
-
-    async def _write_if_unchanged(self, key: str, value, revision: int) -> int:
-        """Write if nobody wrote the key since `revision` (0: never written); the new revision, or Conflict."""
-        try:
-            if revision == 0:
-                return await self.kv.create(key, _enc.encode(value))
-            return await self.kv.update(key, _enc.encode(value), last=revision)
-        except KeyWrongLastSequenceError as e:
-            raise Conflict(e.description) from None
+        return await _read(self.kv, status_key(job), _dec_status)
 
     async def write_status(self, job: JobId, status: JobStatus, revision: int) -> int:
         """Write the status if nobody wrote it since `revision` (0: never written); the new revision."""
         try:
-            return await self._write_if_unchanged(status_key(job), status, revision)
+            return await _write_if_unchanged(self.kv, status_key(job), status, revision)
         except Conflict as e:
             raise Conflict(f"job {job}: its status changed elsewhere ({e})") from None
 
     async def idempotency(self, client_key: str) -> tuple[IdempotencyRecord, int] | None:
-        return await self._read(idempotency_key(client_key), _dec_idem)
+        return await _read(self.idem, idempotency_key(client_key), _dec_idem)
 
     async def write_idempotency(self, client_key: str, record: IdempotencyRecord, revision: int) -> bool:
         """Write if nobody wrote it since `revision` (0: never); False when someone did."""
         try:
-            await self._write_if_unchanged(idempotency_key(client_key), record, revision)
+            await _write_if_unchanged(self.idem, idempotency_key(client_key), record, revision)
             return True
         except Conflict:
             return False
 
     async def forget_idempotency(self, client_key: str) -> None:
-        await self.kv.delete(idempotency_key(client_key))
+        await self.idem.delete(idempotency_key(client_key))
+
+    # --- the active set: what a scheduler needs to lead -------------------------------------------
+    async def has_active_set(self) -> bool:
+        """Whether the bucket was written by a scheduler that keeps the active set (else: migrate it first)."""
+        return await _read(self.kv, LAYOUT, msgspec.json.Decoder(int)) is not None
+
+    async def mark_layout(self) -> None:
+        await self.kv.put(LAYOUT, _enc.encode(2))
+
+    async def drop_old_idempotency(self) -> None:
+        """Keys from before the idempotency bucket: their window is long gone or they are in the new bucket."""
+        await self.js.purge_stream(JOBS.stream, subject=JOBS.prefix + IDEMPOTENCY + ".>")
+
+    async def rewrite_request(self, stored: StoredRequest) -> None:
+        """For the migration only: a request gets its index entry."""
+        await self.kv.put(request_key(stored.id), _enc.encode(stored))
+
+    async def mark_active(self, job: JobId) -> None:
+        """The job is queued or holds a device: a scheduler taking over reads it (and only such jobs)."""
+        await self.kv.put(active_key(job), b"")
+
+    async def unmark_active(self, job: JobId) -> None:
+        """The job has ended. Purged, not deleted: a delete would leave a marker per finished job behind."""
+        await self.js.purge_stream(JOBS.stream, subject=JOBS.prefix + active_key(job))
+
+    async def remove(self, job: JobId) -> None:
+        """Every key of an expired job, purged so that nothing of it is left in the bucket."""
+        for key in (request_key(job), status_key(job), active_key(job)):
+            await self.js.purge_stream(JOBS.stream, subject=JOBS.prefix + key)
+
+    async def load_active(self, concurrency: int = 128) -> list[tuple[StoredRequest | None, JobStatus | None, int, JobId]]:
+        """Every job marked active, with its request and status, read without touching finished jobs:
+        (request or None when it was never stored, status or None, status revision, id)."""
+        ids: list[JobId] = []
+        await self._last_per_subject(JOBS.prefix + active_key(">"), lambda msg: ids.append(
+            msg.subject.removeprefix(JOBS.prefix + ACTIVE + ".")))
+        slots = asyncio.Semaphore(concurrency)
+
+        async def one(job: JobId):
+            async with slots:
+                try:
+                    stored = _without_data(await self.request(job))
+                except KeyNotFoundError:
+                    return None, None, 0, job
+                status = await self.status(job)
+                return (stored, *status, job) if status else (stored, None, 0, job)
+
+        return list(await asyncio.gather(*(one(j) for j in ids)))
 
     async def load(self, timeout: float = 60.0) -> tuple[dict[str, StoredRequest], dict[str, tuple[JobStatus, int]]]:
-        """Every job and status in the bucket, read in one pass over its stream.
-
-        The stream's own message count says how much there is, and each delivery says how much is left, so
-        an error or a server still restoring the stream raises LoadError instead of reading as 'no jobs'."""
+        """Every job and status in the bucket, read in one pass over its stream: for a bucket written before
+        the active set existed (see service._recover), never for leading."""
         requests: dict[str, StoredRequest] = {}
         statuses: dict[str, tuple[JobStatus, int]] = {}
+
+        def take(msg) -> None:
+            kind, _, job = msg.subject.removeprefix(JOBS.prefix).partition(".")
+            if kind == REQUEST:
+                requests[job] = _without_data(_dec_req.decode(msg.data))
+            elif kind == STATUS:
+                statuses[job] = (_dec_status.decode(msg.data), msg.metadata.sequence.stream)
+
+        await self._last_per_subject(JOBS.subjects, take, timeout)
+        return requests, statuses
+
+    async def _last_per_subject(self, subjects: str, take, timeout: float = 60.0) -> None:
+        """Call take(msg) on the newest entry of every key matching `subjects` (deleted ones left out).
+
+        The consumer's own count says how much there is, and each delivery how much is left, so an error or a
+        server still restoring the stream raises LoadError instead of reading as 'no jobs'."""
         try:
-            info = await self.js.stream_info(JOBS.stream)
+            sub = await self.js.subscribe(subjects, ordered_consumer=True, deliver_policy=DeliverPolicy.LAST_PER_SUBJECT)
         except Exception as e:
             raise LoadError(f"the jobs bucket could not be read ({type(e).__name__}: {e})") from e
-        if info.state.messages == 0:
-            return requests, statuses
-        sub = await self.js.subscribe(JOBS.subjects, ordered_consumer=True,
-                                      deliver_policy=DeliverPolicy.LAST_PER_SUBJECT)
+        seen = 0
         try:
+            info = await sub.consumer_info()
+            if info.num_pending == 0 and info.delivered.consumer_seq == 0:
+                return
             while True:
                 try:
                     msg = await sub.next_msg(timeout=timeout)
                 except Exception as e:
-                    raise LoadError(f"the jobs bucket stopped delivering after {len(requests)} jobs "
+                    raise LoadError(f"the jobs bucket stopped delivering after {seen} keys "
                                     f"({type(e).__name__}); nothing was concluded from it") from e
-                op = (msg.headers or {}).get(KV_OP)
-                if op not in (KV_DEL, KV_PURGE):
-                    kind, _, job = msg.subject.removeprefix(JOBS.prefix).partition(".")
-                    if kind == REQUEST:
-                        requests[job] = _without_data(_dec_req.decode(msg.data))
-                    elif kind == STATUS:
-                        statuses[job] = (_dec_status.decode(msg.data), msg.metadata.sequence.stream)
+                seen += 1
+                if (msg.headers or {}).get(KV_OP) not in (KV_DEL, KV_PURGE):
+                    take(msg)
                 if msg.metadata.num_pending == 0:
-                    return requests, statuses
+                    return
+        except LoadError:
+            raise
+        except Exception as e:
+            raise LoadError(f"the jobs bucket could not be read ({type(e).__name__}: {e})") from e
         finally:
             await asyncio.shield(sub.unsubscribe())
+
+
+async def _read(kv: KeyValue, key: str, decoder: msgspec.json.Decoder):
+    """The value under `key` and its revision; None when there is none."""
+    try:
+        entry = await kv.get(key)
+    except KeyNotFoundError:
+        return None
+    return decoder.decode(entry.value or b""), entry.revision
+
+
+async def _write_if_unchanged(kv: KeyValue, key: str, value, revision: int) -> int:
+    """Write if nobody wrote the key since `revision` (0: never written); the new revision, or Conflict."""
+    try:
+        if revision == 0:
+            return await kv.create(key, _enc.encode(value))
+        return await kv.update(key, _enc.encode(value), last=revision)
+    except KeyWrongLastSequenceError as e:
+        raise Conflict(e.description) from None
 
 
 def _without_data(stored: StoredRequest) -> StoredRequest:

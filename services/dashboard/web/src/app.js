@@ -69,7 +69,8 @@ function renderNodes() {
 }
 
 function renderJobs(config, nc, js) {
-  $("jobs").innerHTML = state.jobs.slice().reverse().map((j) =>
+  $("jobs").innerHTML = state.jobs.map(  // newest first, as the scheduler lists them
+    (j) =>
     `<tr data-job="${j.id}" class="${j.id === state.selected ? "sel" : ""}"><td><a href="?job=${j.id}">${j.id}</a></td>` +
     `<td class="state-${j.state}">${j.state}</td><td>${j.node ?? ""}</td><td>${j.step}/${j.steps}</td>` +
     `<td>${fmt(j.loss)}</td><td>${j.label}</td><td>${j.message}</td></tr>`).join("");

@@ -1,0 +1,104 @@
+"""The job index: jobs in submission order and in finishing order, so that listing and retention read a page of
+what they need instead of every job ever."""
+
+from __future__ import annotations
+
+import json
+
+import msgspec
+from nats.js.errors import NotFoundError
+
+from schemas import names
+
+STREAM = names.JOB_INDEX_STREAM
+NO_RESULTS = {"404", "408", "413"}  # none found; a timeout; more than one answer may carry
+
+
+class Finished(msgspec.Struct, kw_only=True):
+    """An entry in finishing order: which job, when it ended, and where its submission entry is."""
+
+    job: str
+    tenant: str | None
+    state: str
+    finished: float
+    submitted_seq: int = 0
+
+
+class Entry(msgspec.Struct):
+    seq: int
+    subject: str
+    data: bytes
+
+
+_enc = msgspec.json.Encoder()
+_finished = msgspec.json.Decoder(Finished)
+
+
+def decode_finished(data: bytes) -> Finished:
+    return _finished.decode(data)
+
+
+class JobIndex:
+    """Appends to the index stream and walks it newest first (each step one direct get, no consumer)."""
+
+    def __init__(self, nc) -> None:
+        self.nc, self.js = nc, nc.jetstream()
+
+    async def submitted(self, tenant: str | None, job: str) -> int:
+        """Enter a new job; its entry's sequence is its place in listings."""
+        ack = await self.js.publish(names.job_index_submitted(names.tenant_token(tenant)), job.encode(), timeout=5.0)
+        return ack.seq
+
+    async def finished(self, entry: Finished) -> int:
+        ack = await self.js.publish(names.job_index_finished(names.tenant_token(entry.tenant), entry.state),
+                                    _enc.encode(entry), timeout=5.0, headers={"Nats-Msg-Id": f"done-{entry.job}"})
+        return ack.seq
+
+    async def end(self) -> int:
+        """One past the index's newest entry: where a walk back from the newest starts."""
+        return (await self.js.stream_info(STREAM)).state.last_seq + 1
+
+    async def before(self, subject: str, seq: int) -> Entry | None:
+        """The newest entry on `subject` (wildcards allowed) with a sequence below `seq`, which must not be past
+        end() (the server finds nothing at all for a sequence it has not reached)."""
+        if seq <= 1:
+            return None
+        found = await self._last_per_subject(subject, seq - 1)
+        return max(found, key=lambda e: e.seq) if found else None
+
+    async def oldest(self, subject: str, after: int = 0) -> Entry | None:
+        """The oldest entry on `subject` after sequence `after`."""
+        try:
+            msg = await self.js.get_msg(STREAM, seq=after + 1, subject=subject, next=True)
+        except NotFoundError:
+            return None
+        return Entry(msg.seq, msg.subject, msg.data or b"")
+
+    async def remove(self, seq: int) -> None:
+        try:
+            await self.js.delete_msg(STREAM, seq)
+        except NotFoundError:
+            pass  # already gone
+
+    async def _last_per_subject(self, subject: str, up_to_seq: int, timeout: float = 5.0) -> list[Entry]:
+        """JetStream's batched direct get (nats-py has no call for it): the newest message of each subject that
+        matches, up to a sequence; a wildcard over tenants answers one message per tenant."""
+        inbox = self.nc.new_inbox()
+        sub = await self.nc.subscribe(inbox)
+        try:
+            body = json.dumps({"multi_last": [subject], "up_to_seq": up_to_seq}).encode()
+            await self.nc.publish(names.js_api("DIRECT", "GET", STREAM), body, reply=inbox)
+            out: list[Entry] = []
+            while True:
+                msg = await sub.next_msg(timeout=timeout)
+                headers = msg.headers or {}
+                status = headers.get("Status")
+                if status == "204":  # end of the batch
+                    return out
+                if status in NO_RESULTS:
+                    if status == "413":
+                        raise RuntimeError(f"the job index answered 413 for {subject}: too many tenants for one lookup")
+                    return out
+                out.append(Entry(int(headers["Nats-Sequence"]), headers["Nats-Subject"], msg.data))
+        finally:
+            await sub.unsubscribe()
