@@ -107,8 +107,13 @@ async def test_no_tenant_or_node_can_read_replace_or_serve_what_is_anothers(flee
     g = reply.job
     done = await finished(globex, "globex", g)
     assert done.state == "succeeded", done.message
-    alias = (await bus.request(operator.nc, names.ADAPTERS.show, AdapterQuery(name="globex-support"), AdapterReply)).alias
-    assert (alias.current, alias.tenant) == (1, "globex")
+    async def promoted():  # the scheduler registers a succeeded job's adapter right after it records the success
+        alias = (await bus.request(operator.nc, names.ADAPTERS.show, AdapterQuery(name="globex-support"),
+                                   AdapterReply)).alias
+        return alias if alias.current == 1 else None
+
+    alias = await wait_for(promoted, timeout=20, what="globex-support@1 to be promoted")
+    assert alias.tenant == "globex"
     artifacts_before = [(a.name, a.sha256) for a in done.artifacts]
 
     # 1. replies: nobody reads another's inbox, nobody acks the scheduler's consumer
