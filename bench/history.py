@@ -59,7 +59,15 @@ async def fill(url: str, finished: int, active: int) -> None:
     """Write jobs as the scheduler stores them: request, status, index entries, and the active mark."""
     nc = await nats.connect(url)
     await bus.ensure_resources(nc)
-    js = nc.jetstream()
+    js = nc.jetstream(publish_async_max_pending=1000)  # acknowledged, so the server's back-pressure drops nothing
+    pending: list = []
+
+    async def put(subject: str, payload: bytes) -> None:
+        pending.append(await js.publish_async(subject, payload))
+        if len(pending) >= 5000:
+            await asyncio.gather(*pending)  # raises if any was refused
+            pending.clear()
+
     request = msgspec.convert(JOB, type=JobRequest)
     started = time.monotonic()
     seq = 0
@@ -67,19 +75,18 @@ async def fill(url: str, finished: int, active: int) -> None:
         job = uuid.uuid4().hex[:16]
         seq += 1  # index entries: one per job in submission order, one per finished job (both published below)
         submitted_seq = seq
-        await nc.publish(names.job_index_submitted(names.ADMIN_TENANT), job.encode())
+        await put(names.job_index_submitted(names.ADMIN_TENANT), job.encode())
         stored = StoredRequest(id=job, request=request, created=time.time(), seq=i + 1, index_seq=submitted_seq)
-        await nc.publish(JOBS.prefix + request_key(job), _enc.encode(stored))
+        await put(JOBS.prefix + request_key(job), _enc.encode(stored))
         if i < finished:
             status = JobStatus(state="succeeded", message="done", updated=time.time(), step=10, steps=10, attempt=1)
-            await nc.publish(JOBS.prefix + status_key(job), _enc.encode(status))
+            await put(JOBS.prefix + status_key(job), _enc.encode(status))
             seq += 1
-            await nc.publish(names.job_index_finished(names.ADMIN_TENANT, "succeeded"), _enc.encode(Finished(
+            await put(names.job_index_finished(names.ADMIN_TENANT, "succeeded"), _enc.encode(Finished(
                 job=job, tenant=None, state="succeeded", finished=status.updated, submitted_seq=submitted_seq)))
         else:
-            await nc.publish(JOBS.prefix + active_key(job), b"")
-        if i % 20_000 == 0:
-            await nc.flush()
+            await put(JOBS.prefix + active_key(job), b"")
+    await asyncio.gather(*pending)
     await js.publish(JOBS.prefix + LAYOUT, _enc.encode(2))
     await nc.flush()
     info = await js.stream_info(names.JOB_INDEX_STREAM)

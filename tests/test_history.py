@@ -168,3 +168,21 @@ async def test_a_bucket_from_before_the_index_is_indexed_once_and_led_from(nc, s
     assert [j.id for j in (await page(nc, state="succeeded")).jobs] == ["old0"]
     assert (await kv.get(LAYOUT)).value
     assert (await get_job(nc, "old0")).state == "succeeded"
+
+
+async def test_the_index_walks_back_a_sparse_and_a_dense_tenant_exactly(nc):
+    from services.scheduler.index import JobIndex
+
+    index = JobIndex(nc)
+    dense = [str(await index.submitted("a", f"a{i}")) for i in range(600)]
+    sparse = [str(await index.submitted("b", f"b{i}")) for i in range(3)]
+    for i in range(1000):  # a gap: the walk back to a's entries widens past it, then narrows to a's newest
+        await index.submitted("c", f"c{i}")
+    for tenant, seqs in (("a", dense), ("b", sparse)):
+        walked, before = [], await index.end()
+        while entries := await index.newest_before(names.job_index_submitted(tenant), before, 7):
+            walked += [str(e.seq) for e in entries]
+            before = entries[-1].seq
+        assert walked == list(reversed(seqs)), tenant
+    assert [e.data for e in await index.newest_before(names.job_index_submitted(), await index.end(), 5)] == \
+        [b"c999", b"c998", b"c997", b"c996", b"c995"]

@@ -66,6 +66,21 @@ class JobIndex:
         found = await self._last_per_subject(subject, seq - 1)
         return max(found, key=lambda e: e.seq) if found else None
 
+    async def newest_before(self, subject: str, before: int, count: int) -> list[Entry]:
+        """Up to `count` entries on `subject` below sequence `before`, newest first, read in windows of the stream
+        that double until enough are found: a page costs a few requests, not one per entry."""
+        found: list[Entry] = []
+        hi, window, cap = before, max(2 * count, 64), max(4 * count, 256)
+        while len(found) < count and hi > 1:
+            lo = max(1, hi - window)
+            raw = await self._direct({"seq": lo, "next_by_subj": subject, "batch": cap})
+            if len(raw) == cap and raw[-1].seq < hi - 1 and window > 1:  # more in the window than one answer
+                window //= 4  # carries: narrow it (the newest are wanted, the answer holds the oldest)
+                continue
+            found += sorted((e for e in raw if e.seq < hi), key=lambda e: e.seq, reverse=True)
+            hi, window = lo, window * 2
+        return found[:count]
+
     async def oldest(self, subject: str, after: int = 0) -> Entry | None:
         """The oldest entry on `subject` after sequence `after`."""
         try:
@@ -80,13 +95,17 @@ class JobIndex:
         except NotFoundError:
             pass  # already gone
 
-    async def _last_per_subject(self, subject: str, up_to_seq: int, timeout: float = 5.0) -> list[Entry]:
-        """JetStream's batched direct get (nats-py has no call for it): the newest message of each subject that
-        matches, up to a sequence; a wildcard over tenants answers one message per tenant."""
+    async def _last_per_subject(self, subject: str, up_to_seq: int) -> list[Entry]:
+        """The newest message of each subject that matches, up to a sequence; a wildcard over tenants answers
+        one message per tenant."""
+        return await self._direct({"multi_last": [subject], "up_to_seq": up_to_seq})
+
+    async def _direct(self, request: dict, timeout: float = 5.0) -> list[Entry]:
+        """JetStream's batched direct get (nats-py has no call for it): every message the request matches."""
         inbox = self.nc.new_inbox()
         sub = await self.nc.subscribe(inbox)
         try:
-            body = json.dumps({"multi_last": [subject], "up_to_seq": up_to_seq}).encode()
+            body = json.dumps(request).encode()
             await self.nc.publish(names.js_api("DIRECT", "GET", STREAM), body, reply=inbox)
             out: list[Entry] = []
             while True:
@@ -97,7 +116,7 @@ class JobIndex:
                     return out
                 if status in NO_RESULTS:
                     if status == "413":
-                        raise RuntimeError(f"the job index answered 413 for {subject}: too many tenants for one lookup")
+                        raise RuntimeError(f"the job index answered 413 to {request}: too many results for one lookup")
                     return out
                 out.append(Entry(int(headers["Nats-Sequence"]), headers["Nats-Subject"], msg.data))
         finally:

@@ -34,7 +34,7 @@ async def from_index(index: JobIndex, store: JobStore, memory: dict, q: JobListQ
     end = await index.end()
     cursor, scanned = min(q.after, end) if q.after is not None else end, 0
     while len(out) < q.limit and scanned < SCAN_LIMIT:
-        entries = await _walk(index, subject, cursor, min(BATCH, q.limit - len(out)))
+        entries = await index.newest_before(subject, cursor, min(BATCH, q.limit - len(out)))
         if not entries:
             return JobList(out, next=None)
         scanned += len(entries)
@@ -47,14 +47,6 @@ async def from_index(index: JobIndex, store: JobStore, memory: dict, q: JobListQ
                     break
     more = await index.before(subject, cursor) is not None
     return JobList(out, next=cursor if more else None)
-
-
-async def _walk(index: JobIndex, subject: str, before: int, count: int) -> list[Entry]:
-    entries: list[Entry] = []
-    while len(entries) < count and (entry := await index.before(subject, before)) is not None:
-        entries.append(entry)
-        before = entry.seq
-    return entries
 
 
 async def _summary(store: JobStore, memory: dict, entry: Entry, finished: bool) -> JobSummary | None:
