@@ -10,7 +10,7 @@ python -m pip install -q --upgrade pip
 if ! command -v nvidia-smi >/dev/null 2>&1 && ! python -c "import torch" 2>/dev/null; then
   python -m pip install -q "torch==2.13.0" || python -m pip install -q torch --index-url https://download.pytorch.org/whl/cpu
 fi
-python -m pip install -q -e ".[train,test]"
+python -m pip install -q -e ".[train,test,tracking]"
 if ! command -v chromium >/dev/null 2>&1 && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
   { apt-get install -y -q chromium >/dev/null 2>&1 || { apt-get update -q >/dev/null && apt-get install -y -q chromium >/dev/null; }; } \
     || echo "could not install chromium: the dashboard's browser test will be skipped" >&2

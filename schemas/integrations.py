@@ -7,7 +7,7 @@ from typing import Annotated
 
 from msgspec import Meta, Struct, field
 
-from schemas.jobs import OneLine
+from schemas.text import OneLine
 
 Tag = Annotated[OneLine, Meta(min_length=1, max_length=64)]
 

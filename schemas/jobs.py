@@ -6,28 +6,23 @@ from typing import Annotated, Literal, get_args
 
 from msgspec import Meta, Struct, field
 
+from schemas.integrations import Integration
+from schemas.text import Name, OneLine, Text
+from schemas.training import (ATTENTION_AND_MLP, MODULE_NAME, SEED_MAX, STEPS_MAX, LoraConfig, TrainConfig,
+                              check_training)
 from schemas.validate import FieldError, parse_all, pattern
+
+__all__ = ["ATTENTION_AND_MLP", "MODULE_NAME", "SEED_MAX", "STEPS_MAX", "LoraConfig", "Name", "OneLine", "Text",
+           "TrainConfig"]  # defined beside, used by the job's callers through here
 
 NodeId = Annotated[str, Meta(pattern=pattern(r"^[A-Za-z0-9_-]{1,128}$", "must be 1-128 letters, digits, '_' or '-' "
                                              "(it becomes a NATS subject token)"), description="one NATS subject token")]
 JobId = NodeId
 TenantId = NodeId
-Text = Annotated[str, Meta(pattern=pattern(r"\S", "must have some text, not only spaces"))]
-_CONTROLS = "\x00-\x1f\x7f-\x9f\u2028\u2029\u202a-\u202e\u2066-\u2069"  # and the bidi overrides
-OneLine = Annotated[str, Meta(pattern=pattern(f"^[^{_CONTROLS}]*\\Z", "must be one line of printable text: no control "
-                                              "characters (newlines, tabs, escape sequences, bidi overrides)"))]
-Name = Annotated[str, Meta(pattern=pattern(f"^(?=.*\\S)[^{_CONTROLS}]*\\Z", "must be one line of printable text, not "
-                                           "only spaces: no control characters (newlines, tabs, escape sequences)"))]
 ABSOLUTE_PATH = pattern(r"^/[^\x00-\x1f\x7f]*[^/\x00-\x1f\x7f][^\x00-\x1f\x7f]*$",
                         "must be an absolute path below / with no control characters (NUL, newline, tab); "
                         "give the model directory's full path on the node")
-MODULE_NAME = pattern(r"^[A-Za-z_][A-Za-z0-9_]{0,127}$",
-                      "must be the name of a linear layer, such as q_proj or down_proj (letters, digits, '_')")
 UNEXPORTABLE_TARGETS = {"lm_head", "embed_tokens", "wte", "embed_out"}  # peft saves their tied base weights too
-SEED_MAX = 2**32 - 1  # numpy's and torch's seeds are 32-bit
-STEPS_MAX = 100_000_000
-
-ATTENTION_AND_MLP = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
 class QA(Struct, forbid_unknown_fields=True):
@@ -60,57 +55,6 @@ class RegisterSpec(Struct, forbid_unknown_fields=True, kw_only=True):
     promote: Annotated[bool, Meta(description="make it what NAME serves: engines of its base model load it")] = False
 
 
-class LoraConfig(Struct, forbid_unknown_fields=True, kw_only=True):
-    """The adapter's shape."""
-
-    r: Annotated[int, Meta(ge=1, le=1024)] = 16
-    alpha: Annotated[float, Meta(gt=0, le=8192)] = 32.0
-    dropout: Annotated[float, Meta(ge=0, lt=1)] = 0.0
-    target_modules: Annotated[list[Annotated[str, Meta(pattern=MODULE_NAME)]], Meta(min_length=1, max_length=64)] = field(
-        default_factory=lambda: list(ATTENTION_AND_MLP)
-    )
-    rslora: bool = False
-
-
-class TrainConfig(Struct, forbid_unknown_fields=True, kw_only=True):
-    """How to train: the usual SFT knobs, with the defaults a user expects."""
-
-    epochs: Annotated[float, Meta(gt=0, le=1000)] = 1.0
-    max_steps: Annotated[int, Meta(ge=0, le=STEPS_MAX, description="0: as many steps as the epochs take")] = 0
-    learning_rate: Annotated[float, Meta(gt=0, le=1)] = 2e-4
-    lr_scheduler: Literal["linear", "cosine", "constant", "constant_with_warmup"] = "cosine"
-    warmup_steps: Annotated[int, Meta(ge=0, le=STEPS_MAX, description="wins over warmup_ratio when > 0")] = 0
-    warmup_ratio: Annotated[float, Meta(ge=0, le=1)] = 0.03
-    weight_decay: Annotated[float, Meta(ge=0, le=10)] = 0.0
-    batch_size: Annotated[int, Meta(ge=1, le=4096, description="rows per micro-batch")] = 4
-    grad_accum: Annotated[int, Meta(ge=1, le=4096)] = 1
-    max_seq_length: Annotated[int, Meta(ge=8, le=262144)] = 1024
-    seed: Annotated[int, Meta(ge=0, le=SEED_MAX)] = 42
-    completions_only: Annotated[bool, Meta(description="the loss covers the answers, not the questions")] = True
-    packing: Annotated[bool, Meta(description="padding-free packing of several examples per row")] = True
-    eval_fraction: Annotated[float, Meta(ge=0, lt=1)] = 0.0
-    eval_steps: Annotated[int, Meta(ge=0, le=STEPS_MAX, description="0: evaluate at the end only")] = 0
-    save_steps: Annotated[int, Meta(ge=0, le=STEPS_MAX, description="checkpoint every N steps; 0: never")] = 0
-    logging_steps: Annotated[int, Meta(ge=1, le=STEPS_MAX)] = 1
-    gradient_checkpointing: bool = False
-    precision: Literal["auto", "bf16", "fp16", "fp32"] = "auto"
-    max_grad_norm: Annotated[float, Meta(ge=0, le=1e4, description="0: no clipping")] = 1.0
-    loss_chunk_tokens: Annotated[int, Meta(ge=0, le=1_048_576, description=(
-        "the loss goes through the output projection this many tokens at a time, so peak memory does not grow "
-        "with tokens x vocabulary; 0: all tokens at once"))] = 1024
-    early_stopping_patience: Annotated[int, Meta(ge=0, le=10_000, description=(
-        "end the run (as succeeded) after this many evaluations in a row without the eval loss improving by "
-        "early_stopping_min_delta; 0: never"))] = 0
-    early_stopping_min_delta: Annotated[float, Meta(ge=0, le=100)] = 0.0
-    keep_best: Annotated[bool, Meta(description=(
-        "the final adapter is the one of the best evaluation, not the last step's; default: true when there is "
-        "held-out data"))] | None = None
-    sample_prompts: Annotated[list[Annotated[str, Meta(min_length=1, max_length=4000)]] | Literal["auto"], Meta(
-        description="prompts answered (greedy) at each evaluation and at the end; auto: the first 3 held-out "
-                    "examples' prompts")] = field(default_factory=list)
-    sample_max_tokens: Annotated[int, Meta(ge=1, le=1024)] = 48
-
-
 class JobRequest(Struct, forbid_unknown_fields=True, kw_only=True):
     """What a submitter publishes on the submit subject."""
 
@@ -138,6 +82,9 @@ class JobRequest(Struct, forbid_unknown_fields=True, kw_only=True):
     train: TrainConfig = field(default_factory=TrainConfig)
     gguf_type: Literal["f16", "f32", "bf16", "q8_0"] = "f16"
     register: RegisterSpec | None = None
+    integrations: Annotated[list[Integration], Meta(max_length=8, description=(
+        "W&B and MLflow runs that receive the job's metrics and samples, besides TensorBoard"))] = field(
+        default_factory=list)
     label: Annotated[OneLine, Meta(max_length=200)] = ""
     idempotency_key: Annotated[OneLine, Meta(min_length=1, max_length=256, description=(
         "a client's own name for this submission: sent again (a retry after a timeout) within the scheduler's "
@@ -340,6 +287,7 @@ def check_request(req: JobRequest) -> list[FieldError]:
         errors.append(FieldError("lora.target_modules", f"{', '.join(unexportable)}: an adapter on the embeddings or the "
                                  "output head carries a copy of those base weights, which the GGUF export and vLLM "
                                  "do not take; train the attention and MLP layers instead"))
+    errors += check_training(req.lora, t, req.accelerator, req.quantization, req.served_by)
     return errors
 
 

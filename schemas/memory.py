@@ -20,7 +20,9 @@ DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 NF4_BYTES = 0.5 + 4 / 64 + 1 / 256  # 4-bit weights, an fp32 scale per 64 (double-quantized: ~1 byte per 256)
 CUDA_CONTEXT_MIB = 600  # the CUDA context and cuBLAS workspaces: outside max_memory_allocated, inside the card
 ALLOCATOR_MARGIN = 1.10  # the caching allocator's fragmentation
-ADAM_BYTES = 4 + 4 + 8  # a LoRA weight in fp32, its gradient, AdamW's two moments
+LORA_BYTES = 4 + 4  # a LoRA weight in fp32 and its gradient; the optimizer's state per weight is on top:
+OPTIMIZER_BYTES = {"adamw": 8, "adamw_8bit": 2, "sgd": 4, "adafactor": 0}  # two fp32 moments; two 8-bit; momentum
+INIT_COPIES = {"pissa": 3, "loftq": 5}  # fp32 copies of the largest target matrix its start holds at once (SVD)
 MLP = ("gate_proj", "up_proj", "down_proj")
 
 
@@ -88,6 +90,16 @@ class Estimate(Struct, kw_only=True):
                 f"{self.overhead_mib:,} MiB")
 
 
+def optimizer_state(t, r: int, targets: list[tuple[int, int]], layers: int, lora_params: int) -> int:
+    """Bytes of optimizer state for the LoRA weights: per weight for AdamW and SGD with momentum; Adafactor keeps
+    a row and a column factor per matrix (A is r x in, B out x r)."""
+    if t.optimizer == "adafactor":
+        return layers * sum((r + a) + (b + r) for a, b in targets) * 4
+    if t.optimizer == "sgd" and not t.momentum:
+        return 0
+    return lora_params * OPTIMIZER_BYTES[t.optimizer]
+
+
 def estimate(shape: ModelShape, request, device: str = "cuda") -> Estimate:
     """The peak MiB of training `request` (a JobRequest) on one device of `device` kind ("cuda" or "cpu")."""
     t, lora = request.train, request.lora
@@ -102,6 +114,7 @@ def estimate(shape: ModelShape, request, device: str = "cuda") -> Estimate:
 
     targets = [dims.get(name, (shape.hidden, shape.hidden)) for name in lora.target_modules]
     lora_params = shape.layers * sum(lora.r * (a + b) for a, b in targets)
+    lora_bytes = lora_params * LORA_BYTES + optimizer_state(t, lora.r, targets, shape.layers, lora_params)
     tokens = t.batch_size * t.max_seq_length
 
     # What autograd keeps per token of a decoder layer, each tensor once however many ops save it: the two RMSNorms'
@@ -127,9 +140,10 @@ def estimate(shape: ModelShape, request, device: str = "cuda") -> Estimate:
     logits = chunk * shape.vocab * (12 if act == 4 else 14) + tokens * h * 4
 
     overhead = CUDA_CONTEXT_MIB * MIB if device == "cuda" else 0
-    total = (weights + lora_params * ADAM_BYTES + saved + logits) * ALLOCATOR_MARGIN + overhead
+    start = INIT_COPIES.get(lora.init, 0) * max((a * b for a, b in targets), default=0) * 4  # before any step
+    total = (weights + lora_bytes + max(saved + logits, start)) * ALLOCATOR_MARGIN + overhead
     mib = lambda b: int(math.ceil(b / MIB))  # noqa: E731
-    return Estimate(mib=mib(total), weights_mib=mib(weights), lora_mib=mib(lora_params * ADAM_BYTES),
+    return Estimate(mib=mib(total), weights_mib=mib(weights), lora_mib=mib(lora_bytes),
                     activations_mib=mib(saved), logits_mib=mib(logits), overhead_mib=mib(overhead), tokens=tokens)
 
 

@@ -1,4 +1,4 @@
-"""The training loop, top to bottom: LoRA on the base model, AdamW, a schedule, accumulation, events."""
+"""The training loop, top to bottom: LoRA on the base model, its optimizer, a schedule, accumulation, events."""
 
 from __future__ import annotations
 
@@ -10,20 +10,23 @@ from pathlib import Path
 
 import torch
 from accelerate.utils import set_seed
-from peft import LoraConfig, get_peft_model
+from peft import get_peft_model
 from transformers import get_scheduler
 
 from schemas.events import Checkpoint, Finished, Progress, Started, TrainerSpec
 from trainer import data, model as base
+from trainer.adapter_init import initial_weights, lora_config, save_plain_lora
 from trainer.best import BestEval
 from trainer.checkpoints import resume, save_adapter, save_checkpoint
 from trainer.chunked_loss import DEFAULT_CHUNK_TOKENS, chunked_cross_entropy
 from trainer.distributed import World
 from trainer.errors import JobError
 from trainer.events import emit, mute
+from trainer.optimizers import make_optimizer
 from trainer.samples import sample_prompts, samples_event
 from trainer.signals import Signals
 from trainer.tensorboard_log import NoLog, TensorBoardLog
+from trainer.trackers import RunLogs
 from trainer.tokenize import job_data
 
 
@@ -87,15 +90,13 @@ def evaluate(model, batches, device, autocast_dtype, chunk_tokens: int = DEFAULT
     return total / max(count, 1)
 
 
-def lora_model(model, spec: TrainerSpec):
+def lora_model(model, spec: TrainerSpec, device: str = "cpu"):
     lo = spec.request.lora
     present = {name.rsplit(".", 1)[-1] for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
     missing = [t for t in lo.target_modules if t not in present]
     if missing:
         raise JobError(f"lora.target_modules {missing} are not linear layers of this model; it has {sorted(present)}")
-    cfg = LoraConfig(r=lo.r, lora_alpha=lo.alpha, lora_dropout=lo.dropout, target_modules=list(lo.target_modules),
-                     use_rslora=lo.rslora, bias="none", task_type="CAUSAL_LM")
-    return get_peft_model(model, cfg)
+    return get_peft_model(model, lora_config(lo, device))
 
 
 @dataclass
@@ -145,11 +146,12 @@ def train(spec: TrainerSpec, signals: Signals | None = None) -> Finished:
     if t.gradient_checkpointing:
         model.gradient_checkpointing_enable()
         model.enable_input_require_grads()
-    model = lora_model(model, spec)
+    model = lora_model(model, spec, device)
+    initial = initial_weights(model, spec.request.lora)  # pissa, loftq: saved as a plain LoRA of the original base
     model.train()
     params = [q for q in model.parameters() if q.requires_grad]
     world.same_start(params)
-    optimizer = torch.optim.AdamW(params, lr=t.learning_rate, weight_decay=t.weight_decay)
+    optimizer = make_optimizer(params, t, device)
     scheduler = get_scheduler(t.lr_scheduler, optimizer, num_warmup_steps=p.warmup, num_training_steps=p.steps)
     autocast_dtype = dtype if device == "cuda" else torch.float32
     scaler = torch.amp.GradScaler("cuda") if dtype == torch.float16 else None
@@ -170,8 +172,8 @@ def train(spec: TrainerSpec, signals: Signals | None = None) -> Finished:
         step, tokens, epoch, skip = state["step"], state.get("tokens", 0), state["epoch"], state["batch_in_epoch"]
         best.load(state["best"])
         resumed = f", resumed from step {step}"
-    board = (TensorBoardLog(out_dir / "tensorboard", carried_from=Path(spec.resume_from) if spec.resume_from else None)
-             if world.main else NoLog())
+    board = (RunLogs(TensorBoardLog(out_dir / "tensorboard", carried_from=Path(spec.resume_from) if spec.resume_from
+                                    else None), spec, out_dir) if world.main else NoLog())
     on = f"{world.size} x {device}" if world.size > 1 else device
     emit(Started(steps=p.steps, examples=len(train_set), eval_examples=len(eval_set), device=on,
                  message=f"training {p.steps} steps on {on} ({len(train_set)} examples, "
@@ -250,20 +252,21 @@ def train(spec: TrainerSpec, signals: Signals | None = None) -> Finished:
         publish(samples_event(model, tokenizer, prompts, device, t.sample_max_tokens, step))
     board.close()
     paused = signals.pause if paused is None else paused
-    finished = finish(model, out_dir, step, p.steps, paused, best, early, save=world.main)
+    finished = finish(model, out_dir, step, p.steps, paused, best, early, save=world.main,
+                      as_lora=lambda m, out: save_plain_lora(m, out, initial, spec.request.lora))
     world.close()
     return finished
 
 
 def finish(model, out_dir: Path, step: int, steps: int, paused: bool, best: BestEval, early: str,
-           save: bool = True) -> Finished:
+           save: bool = True, as_lora=save_adapter) -> Finished:
     """The run's end: paused (its checkpoint is the adapter), stopped, or trained, with the best adapter kept."""
     if paused:
         checkpoint = out_dir / "checkpoints" / f"step-{step}"
         return Finished(state="paused", step=step, adapter_dir=str(checkpoint / "adapter"),
                         message=f"paused at step {step} of {steps}; resume goes on from there")
     kept = best.restore(model)
-    adapter = save_adapter(model, out_dir / "adapter") if save else out_dir / "adapter"
+    adapter = as_lora(model, out_dir / "adapter") if save else out_dir / "adapter"
     stopped = step < steps and not early
     message = f"stopped at step {step} of {steps} and saved" if stopped else early or f"trained {step} steps"
     if kept:

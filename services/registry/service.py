@@ -11,6 +11,7 @@ from nats.aio.client import Client
 
 from schemas import names
 from schemas.jobs import Error
+from schemas.training import MUTATING_INITS
 from schemas.registry import (AdapterList, AdapterListQuery, AdapterQuery, AdapterReply, AdapterVersion, Alias,
                               AliasRequest, PromoteRequest, RegisterRequest, StoredFile)
 from services import __version__, bus
@@ -35,14 +36,22 @@ async def register_job(jobs: JobStore, registry: AdapterRegistry, name: str, job
     if "peft" not in files:
         raise RegistryError(f"job {job_id} stored no PEFT adapter; it cannot be registered")
     req = stored.request
+    r, alpha = stored_rank(req.lora)
     version = await registry.add_version(AdapterVersion(
-        name=name, version=1, job=job_id, base_model=req.model, peft=files["peft"], gguf=files.get("gguf"), r=req.lora.r,
-        alpha=req.lora.alpha, target_modules=list(req.lora.target_modules), final_loss=status.loss,
+        name=name, version=1, job=job_id, base_model=req.model, peft=files["peft"], gguf=files.get("gguf"), r=r,
+        alpha=alpha, target_modules=list(req.lora.target_modules), final_loss=status.loss,
         eval_loss=status.eval_loss), tenant=stored.tenant)
     if promote:
         await registry.change_alias(name, lambda a: _promoted(a, version.version), expect=None)
     log.info("registered %s@%d from job %s%s", name, version.version, job_id, " and promoted it" if promote else "")
     return version
+
+
+def stored_rank(lora) -> tuple[int, float]:
+    """The rank and alpha of the adapter as stored: pissa's and loftq's are a plain LoRA of 2r, scale unchanged."""
+    if lora.init in MUTATING_INITS:
+        return 2 * lora.r, lora.alpha * (2 ** 0.5 if lora.rslora else 2)
+    return lora.r, lora.alpha
 
 
 def _promoted(alias: Alias, version: int) -> Alias:

@@ -1,0 +1,73 @@
+"""How the adapter starts (peft's initialisers), and how one whose start changed the base's weights is saved as
+a plain LoRA of the original base, so that llama.cpp and vLLM serve it like any other."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import torch
+from peft import LoftQConfig, LoraConfig, get_peft_model_state_dict
+
+from schemas.training import MUTATING_INITS
+from trainer.errors import JobError
+
+PEFT_INIT = {"default": True, "gaussian": "gaussian", "pissa": "pissa", "loftq": "loftq"}
+
+
+def lora_config(lo, device: str) -> LoraConfig:
+    """peft's LoraConfig for the job's `lora`."""
+    extra = {}
+    if lo.init == "loftq":
+        if device != "cuda":
+            raise JobError("lora.init loftq quantises the base's weights with bitsandbytes on a GPU, and this job "
+                           "runs on a CPU; submit it with accelerator 'gpu', or choose pissa or default")
+        try:
+            import bitsandbytes  # noqa: F401
+        except ImportError:
+            raise JobError("lora.init loftq needs bitsandbytes on the node: pip install 'jetlora[qlora]' there, or "
+                           "choose pissa or default") from None
+        extra["loftq_config"] = LoftQConfig(loftq_bits=lo.loftq.bits, loftq_iter=lo.loftq.iterations)
+    return LoraConfig(r=lo.r, lora_alpha=lo.alpha, lora_dropout=lo.dropout, target_modules=list(lo.target_modules),
+                      use_rslora=lo.rslora, bias="none", task_type="CAUSAL_LM", init_lora_weights=PEFT_INIT[lo.init],
+                      **extra)
+
+
+def initial_weights(model, lo) -> dict[str, torch.Tensor] | None:
+    """The adapter as it starts, for an initialiser that moved part of the base into it (None for the others)."""
+    if lo.init not in MUTATING_INITS:
+        return None
+    return {k: v.detach().to("cpu", copy=True) for k, v in get_peft_model_state_dict(model).items()}
+
+
+def save_plain_lora(model, out: Path, initial: dict[str, torch.Tensor] | None, lo) -> Path:
+    """Save the adapter; one started by pissa or loftq is rewritten as the change from the original base W.
+    PiSSA trains s*B*A on W - s*B0*A0, which is W + s*(B*A - B0*A0); LoftQ trains it on its quantised Q, about
+    W - B0*A0 (peft does not scale its start), which is W + s*(B*A - B0*A0/s). Either is a LoRA of rank 2r,
+    A' = [A; A0] and B' = [B, -B0 * k], with alpha chosen so that the scale s stays the same."""
+    from safetensors.torch import load_file, save_file
+
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out, safe_serialization=True)
+    if initial is None:
+        return out
+    weights_file, config_file = out / "adapter_model.safetensors", out / "adapter_config.json"
+    trained = load_file(str(weights_file))
+    scale = lo.alpha / (math.sqrt(lo.r) if lo.rslora else lo.r)
+    k = 1.0 if lo.init == "pissa" else 1.0 / scale
+    plain = {}
+    for key, value in trained.items():
+        start = initial[key].to(value.dtype) * (k if ".lora_B." in key else 1.0)
+        if ".lora_A." in key:
+            plain[key] = torch.cat([value, start], dim=0).contiguous()
+        elif ".lora_B." in key:
+            plain[key] = torch.cat([value, -start], dim=1).contiguous()
+        else:
+            plain[key] = value
+    save_file(plain, str(weights_file), metadata={"format": "pt"})
+    config = json.loads(config_file.read_text())
+    config.update(r=2 * lo.r, lora_alpha=lo.alpha * (math.sqrt(2) if lo.rslora else 2), init_lora_weights=True,
+                  loftq_config={})
+    config_file.write_text(json.dumps(config, indent=2))
+    return out
