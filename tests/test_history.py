@@ -6,15 +6,18 @@ from __future__ import annotations
 import asyncio
 
 import msgspec
+from nats.js.api import ObjectMeta
 from nats.js.errors import KeyNotFoundError
 
 from schemas import names
+from schemas.artifacts import ArtifactMeta
 from schemas.events import CheckpointList, EventPage, EventsQuery
 from schemas.jobs import Accepted, Error, JobList, JobListQuery, JobQuery, JobReply, JobRequest, JobStatus, Rejected, StoredRequest
 from services import bus
+from services.artifacts.objinfo import artifact_headers
 from services.scheduler.service import Scheduler, SchedulerConfig
 from services.scheduler.store import LAYOUT, idempotency_key, request_key, status_key
-from tests.conftest import get_job, submit, wait_for, wait_state
+from tests.conftest import get_job, object_names, submit, wait_for, wait_state
 from tests.qa import pairs
 
 JOB = {"model": "tiny", "base_dir": "/models/tiny", "data": pairs(1)}
@@ -80,10 +83,16 @@ async def test_a_finished_job_leaves_memory_and_is_still_answered_also_after_a_t
 
 
 async def test_retention_removes_an_expired_job_and_keeps_a_live_one(nc, services):
-    sched = await lead(services, finished_in_memory_s=0.0, retention_s=1.0, sweep_interval_s=0.2)
+    from services.artifacts.service import ArtifactService
+
+    await services.start(lambda c: ArtifactService(c))
+    sched = await lead(services, finished_in_memory_s=0.0, retention_s=1.0, sweep_interval_s=0.2,
+                       retention_artifacts=True)
     live = await queued(nc, node="elsewhere")
     old = await queued(nc)
     await nc.jetstream().publish(names.job(old, "n1", names.ADMIN_TENANT).state, b"{}")  # an event of it
+    for job in (old, live):  # an artifact of each, as the artifact service stores them
+        await put_artifact(nc, job)
     await cancel(nc, old)
 
     async def gone():
@@ -102,6 +111,14 @@ async def test_retention_removes_an_expired_job_and_keeps_a_live_one(nc, service
     assert not events.state.subjects, events.state.subjects
     assert [j.id for j in (await page(nc)).jobs] == [live]
     assert (await get_job(nc, live)).state == "queued" and live in sched.jobs
+    assert await object_names(nc) == [names.artifact_name(live, "peft")]
+
+
+async def put_artifact(nc, job: str) -> None:
+    obs = await nc.jetstream().object_store(names.ARTIFACTS_BUCKET)
+    name = names.artifact_name(job, "peft")
+    await obs.put(name, b"adapter bytes", meta=ObjectMeta(name=name, headers=artifact_headers(job, "peft",
+                                                                                            ArtifactMeta())))
 
 
 async def test_an_idempotency_key_expires_at_the_end_of_its_window(nc, services):

@@ -22,6 +22,7 @@ from schemas.validate import InvalidRequest
 from tests.conftest import submit
 from tests.qa import pairs
 from tests.test_trainer import events_from
+from services.registry.service import stored_rank
 from trainer.adapter_init import save_plain_lora
 from trainer.loop import train
 
@@ -93,7 +94,8 @@ def test_a_mutating_start_is_saved_as_the_same_model_on_the_original_base(tiny_m
         ids = torch.tensor([[5, 17, 42, 99, 3, 8]])
         trained = model(ids).logits
     out = save_plain_lora(model, tmp_path / "adapter", initial, lo)
-    assert json.loads((out / "adapter_config.json").read_text())["r"] == 8
+    config = json.loads((out / "adapter_config.json").read_text())
+    assert (config["r"], config["lora_alpha"]) == stored_rank(lo) == (8, 16.0)  # what the registry records
     assert torch.allclose(logits(tiny_model, out), trained, atol=1e-4)
 
 
