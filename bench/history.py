@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import shutil
 import statistics
 import subprocess
 import sys
@@ -143,6 +144,7 @@ async def main() -> None:
     finally:
         for s in servers.values():
             s.stop()
+            shutil.rmtree(s.store_dir, ignore_errors=True)  # a million jobs are about 1.7 GB
     figures = {}
     for side, rounds in results.items():
         submits = [x for r in rounds for x in r["submit"]]

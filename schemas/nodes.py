@@ -31,6 +31,18 @@ class Device(Struct, kw_only=True):
     failed: str = ""  # why the device cannot be read (fallen off the bus): nothing is placed on it
 
 
+class EngineLoad(Struct, kw_only=True):
+    """What a serving engine on the node is doing, from its own metrics, as the agent last read them."""
+
+    engine: str  # its label: kind and address
+    devices: list[int] = field(default_factory=list)  # the devices it serves on (training there yields to it)
+    running: int = 0  # requests being served
+    waiting: int = 0  # requests queued
+    kv_usage: Annotated[float, Meta(ge=0, le=1)] | None = None  # fraction of its KV cache in use
+    busy_fraction: Annotated[float, Meta(ge=0, le=1)] = 0.0  # of the recent polls, how many found it serving
+    error: str = ""  # why its metrics could not be read (then nothing is guessed)
+
+
 class Heartbeat(Struct, kw_only=True):
     """An agent's periodic word that it is alive, and what its devices have free."""
 
@@ -45,6 +57,7 @@ class Heartbeat(Struct, kw_only=True):
     sent_at: float = 0.0
     draining: bool = False
     models: list[ModelShape] = field(default_factory=list)  # base models here, to size `gpu_mib: 0` jobs by
+    engines: list[EngineLoad] = field(default_factory=list)  # its serving engines' load: placement prefers idle ones
 
 
 class Assignment(Struct, kw_only=True):
@@ -114,6 +127,7 @@ class NodeInfo(Struct, kw_only=True):
     offers_cpu: bool
     no_gpu_reason: str
     running: list[str]
+    engines: list[EngineLoad] = field(default_factory=list)
 
 
 class NodeList(Struct, tag="nodes", tag_field="type"):

@@ -150,6 +150,13 @@ class TrainerRun:
         """Ask the trainer to save a checkpoint and end (it ends as `paused`)."""
         self._ask(signal.SIGUSR2, "JETLORA_PAUSE")
 
+    def suspend(self) -> None:
+        """Stop computing where it stands, every rank at once (memory stays held): a serving engine needs the device."""
+        self._signal(signal.SIGSTOP)
+
+    def go_on(self) -> None:
+        self._signal(signal.SIGCONT)
+
     def _ask(self, sig: int, env: str) -> None:
         if self.proc is None:  # not started yet: it starts asked (trainer/signals.py)
             self.env[env] = "1"

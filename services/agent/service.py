@@ -30,6 +30,7 @@ from services.agent.models import read_shapes
 from services.agent.rollout import Rollout
 from services.agent.runner import DEFAULT_TRAINER, TrainerRun
 from services.agent.shipping import fetch_checkpoint, ship_checkpoint, ship_results
+from services.agent.yielding import Yielded, Yielder, YieldPolicy, engine_yields
 from services.artifacts.sender import UploadError
 from services.procs import end_leftovers
 
@@ -51,6 +52,7 @@ class AgentConfig:
     dataset_cache_mib: int = 20480  # datasets (and their tokenized copies) kept for the next job
     engines: list[Engine] = field(default_factory=list)  # serving engines here: they load the registry's adapters
     models: list[str] = field(default_factory=list)  # base model directories here, advertised with their shapes
+    engine_yield: list[YieldPolicy] = field(default_factory=list)  # per engine (one: for all); none: YieldPolicy()
 
 
 @dataclass
@@ -65,6 +67,7 @@ class RunningJob:
     checkpoint_upload: asyncio.Task | None = None
     datasets: list[LocalDataset] = field(default_factory=list)  # held in the cache until the job ends
     reports: int = 0  # numbers this run's state events, so JetStream's de-duplication keys each one apart
+    yielded: Yielded = field(default_factory=Yielded)  # how it stands with the serving engines beside it
 
 
 class Agent:
@@ -80,6 +83,7 @@ class Agent:
         self.reclaim: dict[int, int] = {}  # device -> MiB its serving engine wants back
         self.datasets = DatasetCache(self.js, config.work_dir / "datasets", config.dataset_cache_mib * 2**20)
         self.models = read_shapes(config.models)
+        self.yielder = Yielder(self, engine_yields(config))
 
     async def run(self, stop: asyncio.Event) -> None:
         ended = await asyncio.to_thread(end_leftovers, self.cfg.work_dir / "jobs")
@@ -101,8 +105,9 @@ class Agent:
         log.info("agent %s up with %d device(s)", self.cfg.node, len(self.devices))
         beat = asyncio.create_task(self._heartbeats(stop))
         rollout = asyncio.create_task(Rollout(self.nc, self.cfg.node, self.cfg.engines, self.cfg.work_dir).run(stop))
+        yielding = asyncio.create_task(self.yielder.run(stop))
         await stop.wait()
-        await cancel_and_wait([rollout])
+        await cancel_and_wait([rollout, yielding])
         await self._shutdown(subs, beat)
 
     async def _shutdown(self, subs, beat: asyncio.Task) -> None:
@@ -141,7 +146,7 @@ class Agent:
         return Heartbeat(node=self.cfg.node, agent_version=__version__, devices=devices, offers_cpu=self.cfg.offer_cpu,
                          no_gpu_reason=self.no_gpu_reason, running=list(self.jobs), finished=list(self.finished),
                          interval_s=self.cfg.heartbeat_interval, sent_at=now, draining=self.draining,
-                         models=self.models)
+                         models=self.models, engines=self.yielder.loads())
 
     async def _beat(self) -> None:
         try:
@@ -177,10 +182,12 @@ class Agent:
             elif run.task:
                 run.task.cancel()
         elif c.action == "pause":
+            await self.yielder.release(run)  # a stopped trainer must compute to reach its checkpoint
             run.paused_by = c.by or "user"
             if run.trainer:
                 run.trainer.pause()
         else:
+            await self.yielder.release(run)
             run.stop_asked = True
             if run.trainer:
                 run.trainer.stop()
@@ -198,6 +205,13 @@ class Agent:
         await self._beat()
         held = [j for j, run in self.jobs.items() if r.device in run.devices]
         return ReclaimReply(True, f"device {r.device}: {r.mib} MiB wanted back" + (f"; job {held[0]} runs there" if held else ""))
+
+    async def reclaim_device(self, device: int, mib: int) -> None:
+        """An engine here wants a device's memory back (or lets go of it): as if it had asked on the bus."""
+        await self._on_reclaim(Reclaim(device=device, mib=mib))
+
+    async def report_yield(self, run: RunningJob, message: str) -> None:
+        await self._report(run, "running", message)
 
     # --- one job --------------------------------------------------------------------------------
     def _subjects(self, a: Assignment) -> names.JobSubjects:
@@ -239,7 +253,8 @@ class Agent:
             artifacts = await ship_results(self.nc, self.cfg.node, a, result, job_dir / "out")
             final = "stopped" if result.state == "stopped" else "succeeded"
             stored = ", ".join(r.name for r in artifacts)
-            await self._report(run, final, f"{result.message or result.state}; stored {stored}", artifacts)
+            await self._report(run, final, f"{result.message or result.state}; stored {stored}{run.yielded.summary()}",
+                               artifacts)
         except asyncio.CancelledError:
             if run.paused_by and not self.draining:
                 await self._report(run, "paused", "paused before the trainer started", paused_by=run.paused_by)

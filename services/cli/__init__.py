@@ -85,6 +85,10 @@ def parser() -> argparse.ArgumentParser:
         p.add_argument("--engine-model", action="append", default=[m for m in os.environ.get("JETLORA_ENGINE_MODELS", "").split(";") if m],
                        help="the base model (catalog name) each --engine serves, in the same order (one: all)")
         p.add_argument("--engine-max-rank", type=int, default=64, help="the largest LoRA rank the engines take")
+        p.add_argument("--engine-yield", action="append", default=[], metavar="MODE[,KEY=VALUE...]",
+                       help="how training yields to each --engine (one: all): both|compute|memory|off, then poll=S, "
+                            "timeout=S, holdoff=S, kv=FRACTION, devices=0+1, exempt=PRIORITY "
+                            "(default: both,poll=0.2,timeout=1,holdoff=2,kv=0.9)")
         p.add_argument("--engine-restart", default="", help="llama.cpp: a command that restarts llama-server with the "
                                                             "placed adapters ($JETLORA_ADAPTER_PATH)")
         p.add_argument("--model", action="append", default=[m for m in os.environ.get("JETLORA_MODELS", "").split(":") if m],

@@ -38,7 +38,7 @@ def _agent_config(args):
     cfg = AgentConfig(node=args.node, work_dir=Path(args.work_dir or state_dir() / "agent" / args.node),
                       heartbeat_interval=args.heartbeat_interval, offer_cpu=args.offer_cpu,
                       simulate_gpus=args.simulate_gpus, dataset_cache_mib=args.dataset_cache_mib,
-                      engines=_engines(args), models=args.model)
+                      engines=_engines(args), models=args.model, engine_yield=_yields(args))
     if args.trainer_command:
         cfg.trainer_command = shlex.split(args.trainer_command)
     return cfg
@@ -54,6 +54,15 @@ def _engines(args) -> list:
     try:
         return [Engine.parse(spec, models[0] if len(models) == 1 else models[i], args.engine_max_rank, args.engine_restart)
                 for i, spec in enumerate(args.engine)]
+    except ValueError as e:
+        raise StartupError(str(e)) from None
+
+
+def _yields(args) -> list:
+    from services.agent.yielding import YieldPolicy
+
+    try:
+        return [YieldPolicy.parse(text) for text in args.engine_yield]
     except ValueError as e:
         raise StartupError(str(e)) from None
 

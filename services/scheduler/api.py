@@ -241,7 +241,8 @@ class SchedulerApi(SchedulerPausing):
             hb = view.heartbeat
             nodes.append(NodeInfo(node=hb.node, alive=now - view.last_seen < self.cfg.window, last_seen=view.last_seen_wall,
                                   agent_version=hb.agent_version, devices=list(view.devices.values()),
-                                  offers_cpu=hb.offers_cpu, no_gpu_reason=hb.no_gpu_reason, running=hb.running))
+                                  offers_cpu=hb.offers_cpu, no_gpu_reason=hb.no_gpu_reason, running=hb.running,
+                                  engines=hb.engines))
         return NodeList(nodes)
 
     async def _job_events(self, q: EventsQuery, tenant: str | None) -> EventPage:

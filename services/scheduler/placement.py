@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import bisect
+import itertools
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Container
@@ -12,6 +13,9 @@ from schemas.memory import ModelShape
 from schemas.nodes import Device, Heartbeat
 
 SlotKey = tuple[str, int]  # (node, device index)
+
+
+BUSY_SCAN = 256  # fitting devices compared for their engines' load (beyond that, best fit alone)
 
 
 @dataclass
@@ -37,6 +41,7 @@ class Fleet:
         self._free: dict[str, list[tuple[int, str, int]]] = {"cuda": [], "cpu": []}  # sorted (free_mib, node, index)
         self._indexed: dict[SlotKey, tuple[str, tuple[int, str, int]]] = {}
         self._largest: dict[tuple[str, ...], tuple[str, Device] | None] = {}  # cache; cleared when totals change
+        self.busy: dict[SlotKey, float] = {}  # devices whose serving engine was busy lately: the fraction of polls
 
     # --- the index -------------------------------------------------------------------------
     def _unindex(self, key: SlotKey) -> None:
@@ -88,7 +93,16 @@ class Fleet:
             self._largest.clear()
             del view.devices[gone]
             self._unindex((hb.node, gone))
+        self._note_engines(hb, seen)
         return not self._free_items(hb.node) <= before
+
+    def _note_engines(self, hb: Heartbeat, devices: set[int]) -> None:
+        for index in devices:
+            busy = max((e.busy_fraction for e in hb.engines if not e.devices or index in e.devices), default=0.0)
+            if busy > 0:
+                self.busy[(hb.node, index)] = busy
+            else:
+                self.busy.pop((hb.node, index), None)
 
     def _free_items(self, node: str) -> set:
         view = self.nodes.get(node)
@@ -128,15 +142,24 @@ class Fleet:
         if node is not None:
             fits = self._fitting(node, need_mib, kinds)
             return (node, fits[0][1]) if fits else None
-        best = None
+        best, best_key = None, None
         for kind in kinds:
             lst = self._free[kind]
             i = bisect.bisect_left(lst, (need_mib, "", -10))
-            while i < len(lst) and lst[i][1] in held:
-                i += 1
-            if i < len(lst) and (best is None or lst[i] < best):
-                best = lst[i]
+            for item in itertools.islice(lst, i, i + BUSY_SCAN if self.busy else None):
+                if item[1] in held:
+                    continue
+                key = (self._busy_bucket((item[1], item[2])), item)  # idle engines first, then best fit
+                if best_key is None or key < best_key:
+                    best, best_key = item, key
+                if not self.busy:
+                    break  # the first that fits is the best fit
         return (best[1], best[2]) if best else None
+
+    def _busy_bucket(self, slot: SlotKey) -> int:
+        """How busy the device's serving engine has been, in quarters: a device beside an idle engine wins over
+        a better-fitting one beside a busy engine."""
+        return round(self.busy.get(slot, 0.0) * 4)
 
     def _fitting(self, node: str, need_mib: int, kinds) -> list[tuple[int, int]]:
         """(free MiB, index) of the node's free devices that fit, least free first."""
