@@ -1,0 +1,187 @@
+"""Training in the serving engine's idle time, against a real nats-server and agent: an engine's metrics (vLLM's and
+llama-server's formats, as the engines write them) are served on a local port; while it serves, the job stops
+computing and its node stays alive; when it is idle the job goes on; a full KV cache pauses the job through the
+reclaim path and it resumes from its checkpoint; placement prefers the device beside the idle engine."""
+
+from __future__ import annotations
+
+import asyncio
+import http.server
+import threading
+import time
+
+import pytest
+
+from schemas import names
+from schemas.events import EventPage, EventsQuery, Progress
+from schemas.jobs import Accepted
+from services import bus
+from services.agent.engine_load import LoadWatch, parse_metrics
+from services.agent.yielding import YieldPolicy
+from tests.conftest import get_job, list_nodes, submit, wait_for, wait_nodes, wait_state
+from tests.qa import pairs
+
+# as vLLM 0.32 (CPU) writes them, trimmed to the families read here and a few around them
+VLLM = """# HELP vllm:num_requests_running Number of requests in model execution batches.
+# TYPE vllm:num_requests_running gauge
+vllm:num_requests_running{{engine="0",model_name="tiny"}} {running}
+# HELP vllm:num_requests_waiting Number of requests waiting to be processed.
+# TYPE vllm:num_requests_waiting gauge
+vllm:num_requests_waiting{{engine="0",model_name="tiny"}} {waiting}
+# HELP vllm:kv_cache_usage_perc KV-cache usage. 1 means 100 percent usage.
+# TYPE vllm:kv_cache_usage_perc gauge
+vllm:kv_cache_usage_perc{{engine="0",model_name="tiny"}} {kv}
+# HELP vllm:num_preemptions_total Cumulative number of preemption from the engine.
+# TYPE vllm:num_preemptions_total counter
+vllm:num_preemptions_total{{engine="0",model_name="tiny"}} 0.0
+# HELP vllm:prompt_tokens_total Number of prefill tokens processed.
+# TYPE vllm:prompt_tokens_total counter
+vllm:prompt_tokens_total{{engine="0",model_name="tiny"}} 1234.0
+"""
+# as llama-server (--metrics) writes them
+LLAMA_SERVER = """# HELP llamacpp:prompt_tokens_total Number of prompt tokens processed.
+# TYPE llamacpp:prompt_tokens_total counter
+llamacpp:prompt_tokens_total 6886
+# HELP llamacpp:requests_processing Number of requests processing.
+# TYPE llamacpp:requests_processing gauge
+llamacpp:requests_processing {running}
+# HELP llamacpp:requests_deferred Number of requests deferred.
+# TYPE llamacpp:requests_deferred gauge
+llamacpp:requests_deferred {waiting}
+"""
+
+
+class Metrics:
+    """An engine's /metrics on a local port, saying what the test sets."""
+
+    def __init__(self, template: str = VLLM) -> None:
+        self.template, self.values = template, {"running": 0.0, "waiting": 0.0, "kv": 0.05}
+        outer = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_GET(self):  # noqa: N802 (http.server's name)
+                body = outer.template.format(**outer.values).encode()
+                self.send_response(200 if self.path == "/metrics" else 404)
+                self.send_header("Content-Type", "text/plain; version=0.0.4")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *args):
+                pass
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def set(self, **values: float) -> None:
+        self.values.update(values)
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@pytest.fixture
+def engine():
+    m = Metrics()
+    yield m
+    m.close()
+
+
+def agent_with(agents, node: str, metrics: Metrics, policy: str, gpus: str = "4096", hold_s: float = 6.0) -> None:
+    agents.start(node, gpus=gpus, hold_s=hold_s, extra=("--engine", f"vllm={metrics.url}", "--engine-model", "tiny",
+                                                        "--engine-yield", policy))
+
+
+async def says(nc, job_id: str, *words: str, timeout: float = 20.0) -> str:
+    async def check():
+        message = (await get_job(nc, job_id)).message
+        return message if all(w in message for w in words) else None
+
+    return await wait_for(check, timeout=timeout, what=f"job {job_id}'s message to say {words}")
+
+
+async def node_seen(nc, node: str) -> float:
+    return next(n.last_seen for n in await list_nodes(nc) if n.node == node)
+
+
+def test_the_engines_metrics_are_read_in_both_formats_and_a_silent_engine_is_reported():
+    vllm = parse_metrics(VLLM.format(running=2.0, waiting=1.0, kv=0.42))
+    assert (vllm.running, vllm.waiting, vllm.kv_usage, vllm.preemptions, vllm.busy) == (2, 1, 0.42, 0, True)
+    llama = parse_metrics(LLAMA_SERVER.format(running=0, waiting=0))
+    assert (llama.running, llama.waiting, llama.kv_usage, llama.busy) == (0, 0, None, False)
+    with pytest.raises(ValueError, match="--metrics"):
+        parse_metrics("# nothing here\nprocess_cpu_seconds_total 3.0\n")
+    watch = LoadWatch("vllm http://127.0.0.1:9", "http://127.0.0.1:9", [], timeout=0.5)
+    assert asyncio.run(watch.poll()) is None and watch.error and watch.load().error
+    assert YieldPolicy.parse("compute,holdoff=1.5,devices=0+1,exempt=5") == YieldPolicy(
+        mode="compute", holdoff_s=1.5, devices=(0, 1), exempt_priority=5)
+    for bad in ("sometimes", "both,speed=3", "both,holdoff=soon", "both,devices=a"):
+        with pytest.raises(ValueError, match="--engine-yield"):
+            YieldPolicy.parse(bad)
+
+
+async def test_training_stops_while_the_engine_serves_and_goes_on_when_it_is_idle(stack, nc, agents, engine):
+    agent_with(agents, "n1", engine, "compute,poll=0.05,holdoff=0.3")
+    await wait_nodes(nc, 1)
+    reply = await submit(nc, {"model": "tiny", "base_dir": "/models/tiny", "data": pairs(1), "gpu_mib": 1000})
+    assert isinstance(reply, Accepted), reply
+    job = reply.job
+    await wait_for(lambda: _at_step(nc, job, 2), timeout=30, what="the job under way")
+
+    engine.set(running=2, waiting=3)
+    assert "2 requests running, 3 waiting" in await says(nc, job, "yielding to vllm")
+    stopped_at, since = (await get_job(nc, job)).step, time.time()
+    await wait_for(lambda: _seen_after(nc, "n1", since + 1.5), timeout=20, what="heartbeats while it yields")
+    node = next(n for n in await list_nodes(nc) if n.node == "n1")
+    assert node.alive and node.engines[0].running == 2 and node.engines[0].busy_fraction > 0
+    assert (await get_job(nc, job)).step <= stopped_at + 1  # one step may have been under way; no more
+    assert (await get_job(nc, job)).state == "running"
+
+    engine.set(running=0, waiting=0)
+    await says(nc, job, "training again", "idle for 0.3s")
+    done = await wait_state(nc, job, "succeeded", timeout=60)
+    assert "yielded" in done.message and done.step == 10
+
+
+async def test_a_full_kv_cache_pauses_the_job_and_it_resumes_from_its_checkpoint(stack, nc, agents, engine):
+    agent_with(agents, "n1", engine, "memory,poll=0.05,holdoff=0.3,kv=0.9")
+    await wait_nodes(nc, 1)
+    job = (await submit(nc, {"model": "tiny", "base_dir": "/models/tiny", "data": pairs(1), "gpu_mib": 1000})).job
+    await wait_for(lambda: _at_step(nc, job, 2), timeout=30, what="the job under way")
+    engine.set(kv=0.95)
+    paused = await wait_state(nc, job, "paused", timeout=30)
+    assert paused.paused_by.startswith("engine n1/"), paused
+    engine.set(kv=0.2)
+    done = await wait_state(nc, job, "succeeded", timeout=60)
+    assert done.attempt == 2
+    page = await bus.request(nc, names.EVENTS, EventsQuery(job=job, limit=1000), EventPage)
+    steps = {e.event.step: e.event.loss for e in page.events if isinstance(e.event, Progress)}
+    assert sorted(steps) == list(range(1, 11)) and all(abs(steps[s] - 1.0 / s) < 1e-9 for s in steps)  # one curve
+
+
+async def test_placement_prefers_the_device_beside_an_idle_engine(stack, nc, agents, engine):
+    idle = Metrics()
+    try:
+        engine.set(running=1)  # n1's engine serves all the time
+        agent_with(agents, "n1", engine, "off,poll=0.05", gpus="4096")  # the better fit, were its engine idle
+        agent_with(agents, "n2", idle, "off,poll=0.05", gpus="8192")
+        await wait_nodes(nc, 2)
+
+        async def busy_known():
+            return any(n.node == "n1" and n.engines and n.engines[0].busy_fraction > 0.9 for n in await list_nodes(nc))
+
+        await wait_for(busy_known, timeout=20, what="n1's busy engine in its heartbeats")
+        job = (await submit(nc, {"model": "tiny", "base_dir": "/models/tiny", "data": pairs(1), "gpu_mib": 1000})).job
+        assert (await wait_state(nc, job, ("running", "succeeded"), timeout=30)).node == "n2"
+    finally:
+        idle.close()
+
+
+async def _at_step(nc, job: str, step: int) -> bool:
+    return (await get_job(nc, job)).step >= step
+
+
+async def _seen_after(nc, node: str, when: float) -> bool:
+    return await node_seen(nc, node) > when
