@@ -99,3 +99,23 @@ async def test_an_agent_whose_nats_is_gone_still_stops_within_its_timeout(tmp_pa
     finally:
         agents.close()
         server.stop()
+
+
+async def test_a_job_cancelled_just_before_its_agent_stops_stays_cancelled(stack, nc, agents):
+    """Cancel, then SIGTERM at once: the agent ends the job as cancelled instead of handing it back to the queue
+    (where another node would run it again)."""
+    from schemas import names
+    from schemas.jobs import JobQuery, JobReply
+    from services import bus
+    from tests.conftest import wait_nodes
+
+    agents.start("n1", gpus="4096", hold_s=30)
+    await wait_nodes(nc, 1)
+    reply = await submit(nc, {"model": "tiny", "base_dir": "/models/tiny", "data": pairs(1), "gpu_mib": 1000})
+    assert isinstance(reply, Accepted), reply
+    await wait_state(nc, reply.job, "running", timeout=30)
+    assert (await bus.request(nc, names.CANCEL, JobQuery(reply.job), JobReply)).job  # the agent took the cancel
+    agents.procs["n1"].send_signal(signal.SIGTERM)  # and stops at once, before it has reported the job's end
+    await asyncio.to_thread(agents.procs["n1"].wait, 30)
+    assert (await wait_state(nc, reply.job, "cancelled", timeout=30)).state == "cancelled"
+    assert "queued" not in [s.state for s in await states_of(nc, reply.job)]

@@ -62,6 +62,7 @@ class RunningJob:
     task: asyncio.Task | None = None
     trainer: TrainerRun | None = None
     stop_asked: bool = False
+    cancel_asked: bool = False  # a cancel came: shutting down now must not hand the job back to the queue
     paused_by: str | None = None  # a pause was asked, by this ("user", or a serving engine)
     last_progress: Progress | None = None
     checkpoint_upload: asyncio.Task | None = None
@@ -117,12 +118,16 @@ class Agent:
             await sub.unsubscribe()
         runs = list(self.jobs.values())
         for run in runs:
-            log.warning("shutting down: handing job %s back to the scheduler", run.assignment.job)
+            log.warning("shutting down: %s job %s", "ending the cancelled" if run.cancel_asked else
+                        "handing back to the scheduler", run.assignment.job)
             if run.trainer:
                 run.trainer.cancel()
         await cancel_and_wait([run.task for run in runs] + [run.checkpoint_upload for run in runs])
         for run in runs:
             try:
+                if run.cancel_asked:  # cancelled a moment before: it stays cancelled
+                    await self._report(run, "cancelled", "cancelled", give_up_after=SHUTDOWN_PUBLISH_S)
+                    continue
                 await self._report(run, "queued", f"node {self.cfg.node} shut down while the job ran; handed back to "
                                                   "the queue", give_up_after=SHUTDOWN_PUBLISH_S)
             except Exception as e:  # NATS is gone: the scheduler re-queues it once this node's heartbeats stop
@@ -177,6 +182,7 @@ class Agent:
         if run is None:
             return ControlReply(c.job, False, f"job {c.job} is not running on {self.cfg.node}")
         if c.action == "cancel":
+            run.cancel_asked = True
             if run.trainer:
                 run.trainer.cancel()
             elif run.task:
