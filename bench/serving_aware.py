@@ -182,7 +182,7 @@ class Fleet:
 async def run_case(fleet: Fleet, model: Path, case: str, args, seed: int) -> dict:
     job = None
     if case != "alone":
-        fleet.start_agent({"unmanaged": "off,poll=0.1", "yielding": f"compute,poll=0.05,holdoff={args.holdoff}",
+        fleet.start_agent({"unmanaged": "off,poll=0.1", "yielding": f"compute,poll={args.poll},holdoff={args.holdoff},nice={args.nice}",
                            "train alone": "off,poll=0.1"}[case])
         job = await fleet.job(model)
     step0, t0 = (await fleet.status(job)).step if job else 0, time.monotonic()
@@ -209,7 +209,9 @@ async def main() -> None:
     ap.add_argument("--seconds", type=float, default=30.0, help="per case and round")
     ap.add_argument("--tokens", type=int, default=32, help="output tokens per request")
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--holdoff", type=float, default=1.0)
+    ap.add_argument("--holdoff", type=float, default=0.25, help="idle seconds before training goes on")
+    ap.add_argument("--poll", type=float, default=0.05, help="seconds between reads of the engine's metrics")
+    ap.add_argument("--nice", type=int, default=10, help="the yielding trainer's CPU niceness")
     args = ap.parse_args()
     python = os.environ.get("JETLORA_VLLM_PYTHON")
     if not python:
@@ -247,11 +249,11 @@ def report(out: dict[str, list[dict]]) -> None:
                           idle=statistics.median(r["idle"] for r in rounds), n=len(total))
     base = rows["alone"]
     print(f"{'case':12}{'requests':>9}{'TTFT p50':>10}{'TTFT p99':>10}{'total p50':>11}{'total p99':>11}"
-          f"{'p99 x alone':>12}{'steps/min':>11}")
+          f"{'p99 x alone':>12}{'steps/min':>11}   (latencies in ms)")
     for case, f in rows.items():
         ratio = f["tot99"] / base["tot99"] if f["n"] else float("nan")
-        print(f"{case:12}{f['n']:>9}{f['ttft50'] * 1e3:>9.0f}m{f['ttft99'] * 1e3:>9.0f}m{f['tot50'] * 1e3:>10.0f}m"
-              f"{f['tot99'] * 1e3:>10.0f}m{ratio:>12.2f}{f['steps']:>11.1f}")
+        print(f"{case:12}{f['n']:>9}{f['ttft50'] * 1e3:>10.0f}{f['ttft99'] * 1e3:>10.0f}{f['tot50'] * 1e3:>11.0f}"
+              f"{f['tot99'] * 1e3:>11.0f}{ratio:>12.2f}{f['steps']:>11.1f}")
     allowed = rows["train alone"]["steps"] * base["idle"]
     print(f"serving leaves {base['idle']:.0%} of the time idle: yielding trained {rows['yielding']['steps']:.1f} "
           f"steps/min, {rows['yielding']['steps'] / allowed:.2f}x of the {allowed:.1f} that share allows "

@@ -21,6 +21,12 @@ def die_with_parent(command: list[str], sig: int = signal.SIGKILL) -> list[str]:
     return [setpriv, f"--pdeathsig={signal.Signals(sig).name.removeprefix('SIG')}", "--", *command]
 
 
+def niced(command: list[str], niceness: int) -> list[str]:
+    """`command` at a lower CPU priority (every thread it starts inherits it), through coreutils' `nice`."""
+    nice = shutil.which("nice") if niceness else None
+    return [nice, "-n", str(niceness), *command] if nice else list(command)
+
+
 PID_FILE = "trainer.pid"
 
 

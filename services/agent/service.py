@@ -291,7 +291,8 @@ class Agent:
                            dataset=await self._fetch_dataset(run, a.request.dataset),
                            validation=await self._fetch_dataset(run, a.request.validation_dataset),
                            token_cache=str(self.datasets.tokens))
-        run.trainer = TrainerRun(spec, job_dir, self.cfg.trainer_command, env, ranks=len(run.devices))
+        run.trainer = TrainerRun(spec, job_dir, self.cfg.trainer_command, env, ranks=len(run.devices),
+                                 niceness=self.yielder.niceness(run.devices))
         if run.stop_asked:
             run.trainer.stop()
         if run.paused_by:

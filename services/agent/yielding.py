@@ -29,6 +29,8 @@ class YieldPolicy:
     kv_threshold: float = 0.9  # KV cache use at which the engine gets its memory back
     devices: tuple[int, ...] | None = None  # the engine's devices; None: every device of the node
     exempt_priority: int | None = None  # jobs above this priority do not yield
+    nice: int = 10  # the trainers beside the engine run at this CPU niceness (compute modes), so its threads
+    # take the CPU the moment they are runnable, before a poll has even seen the request
 
     @classmethod
     def parse(cls, text: str) -> "YieldPolicy":
@@ -36,7 +38,7 @@ class YieldPolicy:
         if mode not in MODES:
             raise ValueError(f"--engine-yield {text!r}: start with one of {', '.join(MODES)}")
         keys = {"poll": "poll_s", "timeout": "timeout_s", "holdoff": "holdoff_s", "kv": "kv_threshold",
-                "devices": "devices", "exempt": "exempt_priority"}
+                "devices": "devices", "exempt": "exempt_priority", "nice": "nice"}
         values: dict = {"mode": mode}
         for setting in settings:
             key, _, value = setting.partition("=")
@@ -44,10 +46,12 @@ class YieldPolicy:
                 raise ValueError(f"--engine-yield {text!r}: {setting!r} is not one of {', '.join(k + '=' for k in keys)}")
             try:
                 values[keys[key]] = (tuple(int(d) for d in value.split("+")) if key == "devices"
-                                     else int(value) if key == "exempt" else float(value))
+                                     else int(value) if key in ("exempt", "nice") else float(value))
             except ValueError:
                 raise ValueError(f"--engine-yield {text!r}: {key} takes a number"
                                  + (" list like 0+1" if key == "devices" else "")) from None
+        if not 0 <= values.get("nice", 10) <= 19:
+            raise ValueError(f"--engine-yield {text!r}: nice is 0 (none) to 19")
         return cls(**values)
 
     def yields(self, priority: int) -> bool:
@@ -98,6 +102,11 @@ class Yielder:
                     await self._poll(engine)
                 except Exception as e:  # a report that could not be sent: the next poll tries again
                     log.warning("yielding to %s: %s: %s", engine.watch.label, type(e).__name__, e)
+
+    def niceness(self, devices: list[int]) -> int:
+        """The CPU niceness of a trainer on `devices`: the highest any engine there asks for (compute modes)."""
+        return max((e.policy.nice for e in self.engines if e.policy.mode in ("both", "compute")
+                    and self.devices_of(e) & set(devices)), default=0)
 
     def devices_of(self, engine: EngineYield) -> set[int]:
         return set(engine.policy.devices) if engine.policy.devices is not None else {d.index for d in self.agent.devices}

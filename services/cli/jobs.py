@@ -106,6 +106,10 @@ def _nodes_table(reply: NodeList) -> None:
             t.add_row(n.node, "yes" if n.alive else "no", "" if d is None else f"{d.index} {d.name}",
                       "" if d is None else f"{d.free_mib} / {d.total_mib}", "" if d is None else ",".join(d.jobs),
                       cell(n.no_gpu_reason))
+        for e in n.engines:  # what its serving engines are doing, as the agent last read them
+            load = e.error or (f"{e.running} running, {e.waiting} waiting, busy {e.busy_fraction:.0%}"
+                               + ("" if e.kv_usage is None else f", KV cache {e.kv_usage:.0%}"))
+            t.add_row(n.node, "", "engine", "", "", cell(f"{e.engine}: {load}"))
     Console().print(t)
 
 
