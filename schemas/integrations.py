@@ -9,6 +9,7 @@ from msgspec import Meta, Struct, field
 
 from schemas.text import OneLine
 
+MLFLOW_JOB_TAG = "jetlora.job"  # the MLflow run tag that names its job
 Tag = Annotated[OneLine, Meta(min_length=1, max_length=64)]
 
 

@@ -11,7 +11,7 @@ import torch
 from peft import LoftQConfig, LoraConfig, get_peft_model_state_dict
 
 from schemas.training import MUTATING_INITS
-from trainer.errors import JobError
+from trainer.errors import bitsandbytes_on_gpu
 
 PEFT_INIT = {"default": True, "gaussian": "gaussian", "pissa": "pissa", "loftq": "loftq"}
 
@@ -20,14 +20,7 @@ def lora_config(lo, device: str) -> LoraConfig:
     """peft's LoraConfig for the job's `lora`."""
     extra = {}
     if lo.init == "loftq":
-        if device != "cuda":
-            raise JobError("lora.init loftq quantises the base's weights with bitsandbytes on a GPU, and this job "
-                           "runs on a CPU; submit it with accelerator 'gpu', or choose pissa or default")
-        try:
-            import bitsandbytes  # noqa: F401
-        except ImportError:
-            raise JobError("lora.init loftq needs bitsandbytes on the node: pip install 'jetlora[qlora]' there, or "
-                           "choose pissa or default") from None
+        bitsandbytes_on_gpu("lora.init loftq", device, "pissa or default")  # it quantises the base's weights
         extra["loftq_config"] = LoftQConfig(loftq_bits=lo.loftq.bits, loftq_iter=lo.loftq.iterations)
     return LoraConfig(r=lo.r, lora_alpha=lo.alpha, lora_dropout=lo.dropout, target_modules=list(lo.target_modules),
                       use_rslora=lo.rslora, bias="none", task_type="CAUSAL_LM", init_lora_weights=PEFT_INIT[lo.init],

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from trainer.errors import JobError
+from trainer.errors import JobError, bitsandbytes_on_gpu
 
 
 def make_optimizer(params, t, device: str) -> torch.optim.Optimizer:
@@ -20,14 +20,7 @@ def make_optimizer(params, t, device: str) -> torch.optim.Optimizer:
         return Adafactor(params, lr=t.learning_rate, scale_parameter=False, relative_step=False, warmup_init=False,
                          weight_decay=t.weight_decay)
     if t.optimizer == "adamw_8bit":
-        if device != "cuda":
-            raise JobError("train.optimizer adamw_8bit runs on a GPU only, and this job runs on a CPU; submit it with "
-                           "accelerator 'gpu', or choose adamw")
-        try:
-            import bitsandbytes as bnb
-        except ImportError:
-            raise JobError("train.optimizer adamw_8bit needs bitsandbytes on the node: pip install 'jetlora[qlora]' "
-                           "there, or choose adamw") from None
+        bnb = bitsandbytes_on_gpu("train.optimizer adamw_8bit", device, "adamw")
         return bnb.optim.AdamW8bit(params, lr=t.learning_rate, betas=tuple(t.adam_betas), eps=t.adam_eps,
                                    weight_decay=t.weight_decay)
     raise JobError(f"train.optimizer {t.optimizer!r} is not one this trainer knows; choose adamw, adamw_8bit, "

@@ -12,6 +12,7 @@ import time
 
 import msgspec
 
+from schemas.integrations import MLFLOW_JOB_TAG
 from trainer.errors import JobError
 
 METRICS = (("train/loss", "loss"), ("train/learning_rate", "lr"), ("train/grad_norm", "grad_norm"),
@@ -65,7 +66,7 @@ class MlflowRun:
         found = self.client.get_experiment_by_name(integration.experiment)
         experiment = found.experiment_id if found else self.client.create_experiment(integration.experiment)
         self.run_id = self.client.create_run(experiment, run_name=spec.request.label or spec.job,
-                                             tags={"jetlora.job": spec.job}).info.run_id
+                                             tags={MLFLOW_JOB_TAG: spec.job}).info.run_id
         flat = {f"{group}.{k}": v for group in ("lora", "train") for k, v in run_config(spec)[group].items()}
         for key, value in {**flat, "model": spec.request.model}.items():
             self.client.log_param(self.run_id, key, str(value)[:500])
