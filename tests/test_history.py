@@ -65,7 +65,7 @@ async def test_a_finished_job_leaves_memory_and_is_still_answered_also_after_a_t
     agents.start("n1", gpus="4096", hold_s=0.2)
     ran = await queued(nc, gpu_mib=1000)
     await wait_state(nc, ran, ("succeeded",), timeout=30)
-    await wait_for(lambda: ran not in sched.jobs, what="the finished job to leave memory")
+    await wait_for(lambda: ran not in sched.core.jobs, what="the finished job to leave memory")
 
     assert (await get_job(nc, ran)).state == "succeeded"
     events = await bus.request(nc, names.EVENTS, EventsQuery(job=ran), EventPage)
@@ -78,7 +78,7 @@ async def test_a_finished_job_leaves_memory_and_is_still_answered_also_after_a_t
     waiting = await queued(nc, node="elsewhere")  # active: a scheduler that takes over must hold it
     await services.stop(*sched.test_handle)
     successor = await lead(services, finished_in_memory_s=0.0)
-    assert set(successor.jobs) == {waiting}  # what it needs to lead, not the history
+    assert set(successor.core.jobs) == {waiting}  # what it needs to lead, not the history
     assert (await get_job(nc, ran)).state == "succeeded"
 
 
@@ -110,7 +110,7 @@ async def test_retention_removes_an_expired_job_and_keeps_a_live_one(nc, service
     events = await nc.jetstream().stream_info(names.JOBS_STREAM, subjects_filter=names.job_events(old))
     assert not events.state.subjects, events.state.subjects
     assert [j.id for j in (await page(nc)).jobs] == [live]
-    assert (await get_job(nc, live)).state == "queued" and live in sched.jobs
+    assert (await get_job(nc, live)).state == "queued" and live in sched.core.jobs
     assert await object_names(nc) == [names.artifact_name(live, "peft")]
 
 
@@ -180,7 +180,7 @@ async def test_a_bucket_from_before_the_index_is_indexed_once_and_led_from(nc, s
         await kv.put(request_key(job_id), enc.encode(stored))
         await kv.put(status_key(job_id), enc.encode(JobStatus(state=state, updated=1000.0 + i)))
     sched = await lead(services)
-    assert set(sched.jobs) == {"old1"}  # the queued one; the finished one is history
+    assert set(sched.core.jobs) == {"old1"}  # the queued one; the finished one is history
     assert [j.id for j in (await page(nc)).jobs] == ["old1", "old0"]
     assert [j.id for j in (await page(nc, state="succeeded")).jobs] == ["old0"]
     assert (await kv.get(LAYOUT)).value

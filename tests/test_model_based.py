@@ -34,7 +34,7 @@ class World:
         self.run(self._start())
         for node in NODES:
             self.agents.start(node, gpus="4096,4096", hold_s=60, interval=0.25)
-        self.run(wait_for(lambda: len(self.sched.fleet.nodes) == len(NODES), timeout=30, what="both agents"))
+        self.run(wait_for(lambda: len(self.sched.core.fleet.nodes) == len(NODES), timeout=30, what="both agents"))
 
     async def _start(self) -> None:
         self.nc = await nats.connect(self.server.url)
@@ -44,14 +44,14 @@ class World:
                                SchedulerConfig(heartbeat_interval=0.25, misses=3, assign_timeout=2.0))
         self.task = self.loop.create_task(self.sched.run(self.stop))
         await asyncio.wait_for(self.sched.leading.wait(), 10)
-        self.write = self.sched.store.write_status
+        self.write = self.sched.core.store.write_status
 
     def run(self, coro):
         return self.loop.run_until_complete(coro)
 
     def settle(self) -> None:
         """Until no task the scheduler spawned runs and no job's status is being written."""
-        self.run(wait_for(lambda: not self.sched._tasks and not any(j.lock.locked() for j in self.sched.jobs.values()),
+        self.run(wait_for(lambda: not self.sched.core.tasks and not any(j.lock.locked() for j in self.sched.core.jobs.values()),
                           timeout=20, interval=0.02, what="the scheduler to settle"))
 
     def close(self) -> None:
@@ -104,7 +104,7 @@ class SchedulerModel(RuleBasedStateMachine):
 
     @rule(slow=st.booleans())
     def store_speed(self, slow):
-        self.world.sched.store.write_status = slowed(self.world.write) if slow else self.world.write
+        self.world.sched.core.store.write_status = slowed(self.world.write) if slow else self.world.write
 
     @precondition(lambda self: len(self.down) < len(NODES))
     @rule(data=st.data())
@@ -125,16 +125,16 @@ class SchedulerModel(RuleBasedStateMachine):
         w = self.world
         w.settle()
         sched = w.sched
-        for slot, job_id in sched.fleet.reserved.items():
-            job = sched.jobs[job_id]
+        for slot, job_id in sched.core.fleet.reserved.items():
+            job = sched.core.jobs[job_id]
             assert job.status.state in ACTIVE_STATES and job.status.node == slot[0], (slot, job.status)
-        for job_id in sched.queue.ids():
-            status = sched.jobs[job_id].status
+        for job_id in sched.core.queue.ids():
+            status = sched.core.jobs[job_id].status
             assert status.state == "queued" and status.node is None, (job_id, status)
         for job_id in self.jobs:
-            job = sched.jobs[job_id]
+            job = sched.core.jobs[job_id]
             if job.status.state in ("queued", "paused") or job.status.state not in ACTIVE_STATES:
-                assert job_id not in sched.fleet.reserved.values(), (job_id, job.status)
+                assert job_id not in sched.core.fleet.reserved.values(), (job_id, job.status)
         self.memory_matches_the_store()
         assert all(len(jobs) == 1 for jobs in self.by_key.values()), self.by_key
 
@@ -142,9 +142,9 @@ class SchedulerModel(RuleBasedStateMachine):
         """Read at the same revision, memory and the store say the same (state, node, attempt) of every job."""
         w = self.world
         for _ in range(5):
-            stored = {job_id: w.run(w.sched.store.status(job_id)) for job_id in self.jobs}  # the loop runs meanwhile
+            stored = {job_id: w.run(w.sched.core.store.status(job_id)) for job_id in self.jobs}  # the loop runs meanwhile
             w.settle()  # then stands still while memory is read
-            jobs = {job_id: w.sched.jobs[job_id] for job_id in self.jobs}
+            jobs = {job_id: w.sched.core.jobs[job_id] for job_id in self.jobs}
             if all(s is None or s[1] == jobs[j].revision for j, s in stored.items()):
                 for job_id, s in stored.items():
                     if s is not None:
@@ -155,7 +155,7 @@ class SchedulerModel(RuleBasedStateMachine):
         raise AssertionError("the store kept changing while it was compared with memory")
 
     def teardown(self):
-        self.world.sched.store.write_status = self.world.write
+        self.world.sched.core.store.write_status = self.world.write
         for job in self.jobs:  # the next example starts with the fleet free
             self.ask(names.CANCEL, JobQuery(job), JobReply | Error)
         for node in list(self.down):

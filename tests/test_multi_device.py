@@ -50,11 +50,11 @@ async def test_a_job_on_several_devices_is_placed_whole_or_waits(stack, nc, agen
         busy[node] = (await submit(nc, held_job(node=node))).job
         await wait_state(nc, busy[node], "running")
     gang = (await submit(nc, held_job(devices=2))).job
-    await wait_for(lambda: gang in stack.gang_holds.values(), what="a node kept for the 2-device job")
-    [kept] = [n for n, j in stack.gang_holds.items() if j == gang]
+    await wait_for(lambda: gang in stack.core.gang_holds.values(), what="a node kept for the 2-device job")
+    [kept] = [n for n, j in stack.core.gang_holds.items() if j == gang]
     other = "n2" if kept == "n1" else "n1"
     assert (await get_job(nc, gang)).state == "queued"
-    assert gang not in stack.fleet.reserved.values(), "part of the job was placed"
+    assert gang not in stack.core.fleet.reserved.values(), "part of the job was placed"
 
     small = (await submit(nc, held_job())).job
     placed = await wait_state(nc, small, "running")
@@ -75,7 +75,7 @@ async def test_a_pinned_job_on_two_devices_waits_while_small_jobs_flow_elsewhere
     long = (await submit(nc, held_job(node="n1"))).job
     await wait_state(nc, long, "running")
     gang = (await submit(nc, held_job(node="n1", devices=2))).job
-    await wait_for(lambda: stack.gang_holds.get("n1") == gang, what="n1 kept for the pinned 2-device job")
+    await wait_for(lambda: stack.core.gang_holds.get("n1") == gang, what="n1 kept for the pinned 2-device job")
     for _ in range(3):  # n1 has a free device and sorts first; they run on n2 all the same, one after another
         small = (await submit(nc, held_job())).job
         done = await wait_state(nc, small, ("succeeded", "failed"))

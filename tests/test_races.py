@@ -51,22 +51,22 @@ async def test_three_retries_of_a_rejected_key_make_at_most_one_job(nc, stack):
 async def test_pausing_a_job_while_it_is_placed_never_leaves_it_in_two_places(nc, stack, agents):
     """The store's writes slowed to 20 ms, pauses sent the moment jobs are submitted: after each, the job is
     either paused holding nothing, or placed on one node whose reservation is its own, never also queued."""
-    stack.store.write_status = slowed(stack.store.write_status)
+    stack.core.store.write_status = slowed(stack.core.store.write_status)
     agents.start("n1", gpus="4096", hold_s=30)
     await wait_nodes(nc, 1)
     for _ in range(6):
         reply = await submit(nc, {"model": "tiny", "base_dir": "/models/tiny", "data": pairs(1)})
         answer = await bus.request(nc, names.PAUSE, JobQuery(reply.job), JobReply | Error)
-        job = stack.jobs[reply.job]
+        job = stack.core.jobs[reply.job]
         await wait_for(lambda job=job: job.status.state in ("paused", "running"), timeout=30, what="the job to settle")
-        reserved = [slot for slot, j in stack.fleet.reserved.items() if j == reply.job]
+        reserved = [slot for slot, j in stack.core.fleet.reserved.items() if j == reply.job]
         if job.status.state == "paused":
-            assert job.status.node is None and reserved == [] and reply.job not in stack.queue, (answer, job.status)
+            assert job.status.node is None and reserved == [] and reply.job not in stack.core.queue, (answer, job.status)
         else:
-            assert reserved == [(job.status.node, job.status.device)] and reply.job not in stack.queue, job.status
+            assert reserved == [(job.status.node, job.status.device)] and reply.job not in stack.core.queue, job.status
             await bus.request(nc, names.CANCEL, JobQuery(reply.job), JobReply | Error)
             await wait_state(nc, reply.job, ("cancelled",), timeout=30)
-        stored = (await stack.store.status(reply.job))[0]
+        stored = (await stack.core.store.status(reply.job))[0]
         assert (stored.state, stored.node) == (job.status.state, job.status.node)
 
 
@@ -80,8 +80,8 @@ async def test_a_state_event_that_comes_again_after_a_later_one_does_not_undo_it
     paused = StateChange(job=job_id, state="paused", node="n1", attempt=1, message="paused by n1", ts=time.time())
     await js.publish(names.job(job_id, "n1", names.ADMIN_TENANT).state, msgspec.json.encode(paused))
     await wait_state(nc, job_id, ("paused",), timeout=30)
-    await stack._apply_state(running)  # the earlier event delivered again, as after a failed apply
+    await stack.events.apply_state(running)  # the earlier event delivered again, as after a failed apply
     assert (await get_job(nc, job_id)).state == "paused"
-    assert stack.jobs[job_id].status.state == "paused"
+    assert stack.core.jobs[job_id].status.state == "paused"
     await mine.unsubscribe()
 

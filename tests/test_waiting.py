@@ -76,7 +76,7 @@ async def test_a_thousand_queued_jobs_are_not_written_again_on_every_pass(nc, st
         return (await js.stream_info(stream)).state.last_seq
 
     async def settled() -> bool:
-        return all("node ghost" in stack.jobs[j].status.message for j in jobs)
+        return all("node ghost" in stack.core.jobs[j].status.message for j in jobs)
 
     await wait_for(settled, timeout=60, what="every queued job to say why it waits")
     before = await writes()

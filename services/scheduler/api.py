@@ -20,20 +20,23 @@ from schemas.validate import InvalidRequest
 from services import bus
 from services.artifacts.datasets import visible_dataset
 from services.scheduler import listing, sizing
-from services.scheduler.core import Job
+from services.scheduler.core import Job, SchedulerCore
 from services.scheduler.history import events_page
 from services.scheduler.idempotency import IdempotencyKeys
-from services.scheduler.pausing import BY_USER, SchedulerPausing
+from services.scheduler.pausing import BY_USER, Pausing
 from services.scheduler.waiting import explain, with_reason
 
 log = logging.getLogger(__name__)
 
 
-class SchedulerApi(SchedulerPausing):
+class SchedulerApi:
     """The scheduler's request endpoints: every handler takes a typed request and returns its reply (bus.handler
     does the rest)."""
 
-    idempotency: IdempotencyKeys
+    def __init__(self, core: SchedulerCore, pausing: Pausing, idempotency: IdempotencyKeys) -> None:
+        self.core, self.pausing, self.idempotency = core, pausing, idempotency
+        self._submit_slots = asyncio.Semaphore(core.cfg.max_concurrent_submits)
+        self._quota_locks: dict[str, asyncio.Lock] = {}  # a tenant's submissions counted one at a time
 
     def endpoints(self) -> list[tuple[str, str, object]]:
         """(endpoint name, subject under names.API_GROUP, handler): an admin's verbs, which see every job, and
@@ -59,7 +62,7 @@ class SchedulerApi(SchedulerPausing):
     async def _submit(self, req) -> None:
         """Submissions are answered concurrently (each awaits a KV write), at most max_concurrent_submits."""
         await self._submit_slots.acquire()
-        self._spawn(self._submit_one(req))
+        self.core.spawn(self._submit_one(req))
 
     @functools.cached_property
     def _answer_submit(self):
@@ -97,7 +100,7 @@ class SchedulerApi(SchedulerPausing):
         async with self._quota_turn(tenant):
             if errors := self._capacity_errors(request) + self._quota_errors(tenant):
                 return Rejected(errors)
-            request, errors = sizing.size(self.fleet, request, self._held_mib)
+            request, errors = sizing.size(self.core.fleet, request, self._held_mib)
             if errors:
                 return Rejected(errors)
             errors = await self._ownership_errors(request, tenant)
@@ -109,7 +112,7 @@ class SchedulerApi(SchedulerPausing):
             return await self._store_new(request, size, tenant, job_id)
 
     def _quota_turn(self, tenant: str | None):
-        if tenant is None or self.cfg.quota(tenant).queued is None:
+        if tenant is None or self.core.cfg.quota(tenant).queued is None:
             return contextlib.nullcontext()
         return self._quota_locks.setdefault(tenant, asyncio.Lock())
 
@@ -118,7 +121,7 @@ class SchedulerApi(SchedulerPausing):
         if req.register is None or tenant is None:
             return []
         try:
-            alias, _ = await self.adapters.alias(req.register.name)
+            alias, _ = await self.core.adapters.alias(req.register.name)
         except Exception as e:
             return [FieldError("register.name", f"the adapter registry could not be read ({type(e).__name__}); "
                                                 "nothing was queued: submit again")]
@@ -135,7 +138,7 @@ class SchedulerApi(SchedulerPausing):
             if (ref := getattr(req, where)) is None:
                 continue
             try:
-                found = await visible_dataset(self.js, ref.name, tenant)
+                found = await visible_dataset(self.core.js, ref.name, tenant)
             except Exception as e:
                 errors.append(FieldError(where, f"the datasets bucket could not be read ({type(e).__name__}); nothing "
                                                 "was queued: submit again"))
@@ -158,45 +161,45 @@ class SchedulerApi(SchedulerPausing):
         return msgspec.structs.replace(req, **pinned), errors
 
     def _quota_errors(self, tenant: str | None) -> list[FieldError]:
-        limit = self.cfg.quota(tenant).queued
-        if limit is None or (queued := self.queued_by_tenant[tenant]) < limit:
+        core = self.core
+        limit = core.cfg.quota(tenant).queued
+        if limit is None or (queued := core.queued_by_tenant[tenant]) < limit:
             return []
         return [FieldError("", f"tenant {tenant} has {queued} jobs waiting for a device, its quota is {limit}; "
                                "submit again once some have started, or ask an admin to raise the quota")]
 
     async def _job_exists(self, job_id: str) -> bool:
-        return await self._lookup(job_id) is not None
+        return await self.core.lookup(job_id) is not None
 
     async def _store_new(self, request: JobRequest, size: int, tenant: str | None,
                          job_id: str | None = None) -> Accepted | Rejected:
-        self.seq += 1
+        core = self.core
+        core.seq += 1
         job_id = job_id or uuid.uuid4().hex[:16]
         try:  # the index entry and the active mark first: a crash before the request leaves only what readers skip
-            index_seq, _ = await asyncio.gather(self.index.submitted(tenant, job_id), self.store.mark_active(job_id))
-            stored = StoredRequest(id=job_id, request=request, created=time.time(), seq=self.seq, tenant=tenant,
+            index_seq, _ = await asyncio.gather(core.index.submitted(tenant, job_id), core.store.mark_active(job_id))
+            stored = StoredRequest(id=job_id, request=request, created=time.time(), seq=core.seq, tenant=tenant,
                                    index_seq=index_seq)
-            await self.store.add(stored)  # durable before the reply: a crash after it loses nothing
+            await core.store.add(stored)  # durable before the reply: a crash after it loses nothing
         except Exception as e:
             return Rejected([FieldError("", f"the job could not be stored ({type(e).__name__}: JetStream unavailable?); "
                                             "nothing was queued: submit it again")])
-        job = Job(msgspec.structs.replace(stored, request=msgspec.structs.replace(request, data=[])),
-                  JobStatus(updated=stored.created, message="waiting for a device"))
-        self.jobs[stored.id] = job
-        self._count(job, 1)
-        self._cache_request(stored.id, request, size)
-        self._enqueue(job)
+        core.take_new(Job(msgspec.structs.replace(stored, request=msgspec.structs.replace(request, data=[])),
+                               JobStatus(updated=stored.created, message="waiting for a device")), request, size)
         return Accepted(stored.id)
 
     def _held_mib(self, slot) -> int:
         """What the jetlora job on a device was placed for (it gives that back when it ends)."""
-        job = self.jobs.get(self.fleet.reserved.get(slot, ""))
+        core = self.core
+        job = core.jobs.get(core.fleet.reserved.get(slot, ""))
         return job.stored.request.gpu_mib if job else 0
 
     def _capacity_errors(self, req: JobRequest) -> list[FieldError]:
         """A job no known device could ever hold is refused now rather than queued forever."""
-        if not self.fleet.nodes or (req.node and req.node not in self.fleet.nodes):
+        core = self.core
+        if not core.fleet.nodes or (req.node and req.node not in core.fleet.nodes):
             return []
-        best = self.fleet.largest(req.accelerator, req.node)
+        best = core.fleet.largest(req.accelerator, req.node)
         where = f"node {req.node}" if req.node else "any known node"
         if best is None:
             kind = {"gpu": "a GPU", "cpu": "an offered CPU", "any": "a device"}[req.accelerator]
@@ -211,7 +214,7 @@ class SchedulerApi(SchedulerPausing):
                                f"{dev.index} ({dev.name or dev.kind}) with {dev.total_mib} MiB total, {dev.free_mib} MiB free; "
                                "ask for less or add a bigger GPU")]
         if req.devices > 1:
-            most, name = self.fleet.most_devices(req.gpu_mib, req.accelerator, req.node)
+            most, name = core.fleet.most_devices(req.gpu_mib, req.accelerator, req.node)
             if most < req.devices:
                 has = f"{name} has {most}" if name else "none has one"
                 return [FieldError("devices", f"{req.devices} devices with {req.gpu_mib} MiB each must be on one node, "
@@ -220,7 +223,7 @@ class SchedulerApi(SchedulerPausing):
 
     # --- queries ---------------------------------------------------------------------------------
     async def _job(self, q: JobQuery, tenant: str | None) -> Job:
-        job = await self._lookup(q.job)
+        job = await self.core.lookup(q.job)
         if job is None or (tenant is not None and job.stored.tenant != tenant):  # another tenant's is not there
             raise InvalidRequest([FieldError("job", f"no job {q.job}; `jetlora jobs` lists them")])
         return job
@@ -230,16 +233,18 @@ class SchedulerApi(SchedulerPausing):
         return JobReply(summarize(job.stored, job.status))
 
     async def _list_jobs(self, q: JobListQuery, tenant: str | None) -> JobList:
+        core = self.core
         if q.state is not None and q.state not in TERMINAL_STATES:  # only active jobs are in it: all in memory
-            return listing.from_memory(self.jobs.values(), q, tenant)
-        return await listing.from_index(self.index, self.store, self.jobs, q, tenant)
+            return listing.from_memory(core.jobs.values(), q, tenant)
+        return await listing.from_index(core.index, core.store, core.jobs, q, tenant)
 
     async def _list_nodes(self, _query) -> NodeList:
+        core = self.core
         now = time.monotonic()
         nodes = []
-        for view in self.fleet.nodes.values():
+        for view in core.fleet.nodes.values():
             hb = view.heartbeat
-            nodes.append(NodeInfo(node=hb.node, alive=now - view.last_seen < self.cfg.window, last_seen=view.last_seen_wall,
+            nodes.append(NodeInfo(node=hb.node, alive=now - view.last_seen < core.cfg.window, last_seen=view.last_seen_wall,
                                   agent_version=hb.agent_version, devices=list(view.devices.values()),
                                   offers_cpu=hb.offers_cpu, no_gpu_reason=hb.no_gpu_reason, running=hb.running,
                                   engines=hb.engines))
@@ -247,15 +252,16 @@ class SchedulerApi(SchedulerPausing):
 
     async def _job_events(self, q: EventsQuery, tenant: str | None) -> EventPage:
         job = await self._job(JobQuery(q.job), tenant)
-        return await events_page(self.js, q, job.status, job.stored.tenant)
+        return await events_page(self.core.js, q, job.status, job.stored.tenant)
 
     async def _why_job(self, q: JobQuery, tenant: str | None) -> JobWhy:
+        core = self.core
         job = await self._job(q, tenant)
         if job.status.state != "queued" or job.status.node is not None:
             where = f" on {job.status.node}" if job.status.node else ""
             return JobWhy(job=job.id, state=job.status.state, summary=f"{job.status.state}{where}: {job.status.message}")
-        summary, nodes = explain(self.fleet, job.stored.request,
-                                 {n: j for n, j in self.gang_holds.items() if j != job.id})
+        summary, nodes = explain(core.fleet, job.stored.request,
+                                 {n: j for n, j in core.gang_holds.items() if j != job.id})
         return JobWhy(job=job.id, state="queued", summary=with_reason(job.status.message, summary), nodes=nodes)
 
     async def _job_checkpoints(self, q: JobQuery, tenant: str | None) -> CheckpointList:
@@ -266,16 +272,17 @@ class SchedulerApi(SchedulerPausing):
         job = await self._job(q, tenant)
         if job.status.state == "paused":
             return Error(f"job {job.id} is already paused; `jetlora resume {job.id}` goes on with it", field="job")
-        return await self._pause(job, BY_USER) or JobReply(summarize(job.stored, job.status))
+        return await self.pausing.pause(job, BY_USER) or JobReply(summarize(job.stored, job.status))
 
     async def _resume_job(self, q: JobQuery, tenant: str | None) -> JobReply | Error:
         job = await self._job(q, tenant)
         where = f"from checkpoint {job.status.checkpoint}" if job.status.checkpoint else "from the start"
-        return await self._resume(job, f"resumed {where}; waiting for a device") or JobReply(summarize(job.stored,
+        return await self.pausing.resume(job, f"resumed {where}; waiting for a device") or JobReply(summarize(job.stored,
                                                                                                        job.status))
 
     # --- cancel and stop -------------------------------------------------------------------------
     async def _end_early(self, q: JobQuery, action: str, tenant: str | None) -> JobReply | Error:
+        core = self.core
         job = await self._job(q, tenant)
         state = job.status.state
         if state in TERMINAL_STATES:
@@ -284,23 +291,23 @@ class SchedulerApi(SchedulerPausing):
             if action == "stop":
                 return Error(f"job {job.id} is paused: resume it to go on and stop it later, or cancel it (its "
                              "checkpoints stay in the store)", field="job")
-            self._unpaused(job)
-            await self._set_state(job, "cancelled", "cancelled while paused", when=lambda s: s.state == "paused")
+            core.note_unpaused(job)
+            await core.set_state(job, "cancelled", "cancelled while paused", when=lambda s: s.state == "paused")
             return JobReply(summarize(job.stored, job.status))
         if state == "queued":
-            self.queue.discard(job.id)
-            self._full_request_cached(job.id)
-            if not await self._set_state(job, "cancelled", f"{action} asked while queued",
+            core.queue.discard(job.id)
+            core.take_cached_request(job.id)
+            if not await core.set_state(job, "cancelled", f"{action} asked while queued",
                                          when=lambda s: s.state == "queued"):
                 return Error(f"job {job.id} was just placed; ask again", field="job")
         else:
             try:
-                reply = await bus.request(self.nc, names.node(job.status.node).control, Control(job.id, action),
-                                          ControlReply, timeout=self.cfg.assign_timeout)
+                reply = await bus.request(core.nc, names.node(job.status.node).control, Control(job.id, action),
+                                          ControlReply, timeout=core.cfg.assign_timeout)
                 if not reply.ok:
                     return Error(reply.message)
             except bus.RequestError as e:
                 log.warning("node %s did not answer %s of %s (%s); marking it cancelled", job.status.node, action,
                             job.id, e)
-                await self._set_state(job, "cancelled", f"{action} asked; node {job.status.node} did not answer")
+                await core.set_state(job, "cancelled", f"{action} asked; node {job.status.node} did not answer")
         return JobReply(summarize(job.stored, job.status))

@@ -6,7 +6,7 @@ import asyncio
 import logging
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from typing import Any
 from dataclasses import dataclass, field
 
@@ -24,6 +24,18 @@ log = logging.getLogger(__name__)
 REQUEST_CACHE_BYTES = 64 * 2**20  # full requests of queued jobs kept in memory, so placing one needs no KV read
 REQUEST_CACHE_ITEM = 64 * 2**10
 UNPLACED: dict[str, Any] = dict(node=None, device=None, devices=[])  # a job's status fields when it holds no device
+
+
+def engine_tag(slot: SlotKey) -> str:
+    """How a pause for a device's serving engine is recorded (JobStatus.paused_by)."""
+    return f"engine {slot[0]}/{slot[1]}"
+
+
+def engine_slot(paused_by: str | None) -> SlotKey | None:
+    if not paused_by or not paused_by.startswith("engine "):
+        return None
+    node, _, device = paused_by.removeprefix("engine ").rpartition("/")
+    return (node, int(device)) if device.lstrip("-").isdigit() else None
 
 
 @dataclass
@@ -94,7 +106,10 @@ class SchedulerConfig:
 
 
 class SchedulerCore:
-    """The scheduler's state: its jobs, queue and fleet, and the writes that change a job."""
+    """The scheduler's state: its jobs, queue and fleet, and the writes that change a job.
+
+    The scheduler's parts (placer, pausing, events, liveness, retention, api) each hold this one core and
+    change a job only through set_state / requeue, under the job's lock."""
 
     store: JobStore
     index: JobIndex
@@ -103,7 +118,7 @@ class SchedulerCore:
     def __init__(self, nc: Client, config: SchedulerConfig | None = None) -> None:
         self.nc, self.js = nc, nc.jetstream()
         self.cfg = config or SchedulerConfig()
-        self._tasks: set[asyncio.Task] = set()
+        self.tasks: set[asyncio.Task] = set()
         self._reset()
 
     def _reset(self) -> None:
@@ -118,26 +133,24 @@ class SchedulerCore:
         self.seq = 0
         self.full_requests: dict[JobId, tuple[JobRequest, int]] = {}  # job -> (request with data, its size)
         self.cached_bytes = 0
-        self._wake = asyncio.Event()
-        self._submit_slots = asyncio.Semaphore(self.cfg.max_concurrent_submits)
-        self._quota_locks: dict[str, asyncio.Lock] = {}  # a tenant's submissions counted one at a time
+        self.wake = asyncio.Event()
         self.finished: dict[JobId, float] = {}  # finished jobs still in memory -> when they ended (monotonic), in order
         self.queued_by_tenant: Counter[str | None] = Counter()  # counted as states change, never by a scan
         self.devices_by_tenant: Counter[str | None] = Counter()
 
     # --- tasks ---------------------------------------------------------------------------------
-    def _spawn(self, coro) -> None:
+    def spawn(self, coro: Coroutine[Any, Any, Any]) -> None:
         task = asyncio.create_task(coro)
-        self._tasks.add(task)
+        self.tasks.add(task)
         task.add_done_callback(self._task_done)
 
     def _task_done(self, task: asyncio.Task) -> None:
-        self._tasks.discard(task)
+        self.tasks.discard(task)
         if not task.cancelled() and task.exception():
             log.error("scheduler task failed: %r", task.exception(), exc_info=task.exception())
 
     # --- jobs in memory --------------------------------------------------------------------------
-    def _adopt(self, stored: StoredRequest, status: JobStatus | None, revision: int) -> Job:
+    def adopt(self, stored: StoredRequest, status: JobStatus | None, revision: int) -> Job:
         """Take a stored job into memory: queue it, or hold its slot until its node is heard from."""
         now = time.monotonic()
         job = Job(stored, status or JobStatus(updated=stored.created), revision, assigned_at=now)
@@ -148,15 +161,24 @@ class SchedulerCore:
             self.finished[job.id] = now  # at the end: the dict stays in the order jobs ended
         self.seq = max(self.seq, stored.seq)
         if job.status.state == "queued":
-            self._enqueue(job)
+            self.enqueue(job)
         elif job.status.state in ACTIVE_STATES and job.slots and (node := job.status.node) is not None:
             for slot in job.slots:
                 self.fleet.reserve(slot, job.id)
             self.by_node.setdefault(node, set()).add(job.id)
             self.awaited.setdefault(node, now + self.cfg.window)
+        elif job.status.state == "paused":
+            self.note_paused(job)
         return job
 
-    async def _lookup(self, job_id: JobId) -> Job | None:
+    def take_new(self, job: Job, request: JobRequest, size: int) -> None:
+        """A job just stored joins memory and the queue (its full request cached, so placing it reads nothing)."""
+        self.jobs[job.id] = job
+        self._count(job, 1)
+        self._cache_request(job.id, request, size)
+        self.enqueue(job)
+
+    async def lookup(self, job_id: JobId) -> Job | None:
         """The job from memory, else from the store: an active one found there is taken up (it should have been
         in memory), a finished one is answered without being kept. None: no such job. Raises if the store is away."""
         job = self.jobs.get(job_id)
@@ -169,7 +191,7 @@ class SchedulerCore:
         if status is not None and status.state in TERMINAL_STATES:
             return self.jobs.get(job_id) or Job(stored, status, revision)
         log.warning("job %s was not in memory but is active in the jobs bucket; taking it up", job_id)
-        return self.jobs.get(job_id) or self._adopt(stored, status, revision)
+        return self.jobs.get(job_id) or self.adopt(stored, status, revision)
 
     def _count(self, job: Job, sign: int) -> None:
         """Count a job in (1) or out of (-1) its tenant's queued jobs and held devices, as its status stands."""
@@ -178,31 +200,40 @@ class SchedulerCore:
         elif job.status.state in ACTIVE_STATES:
             self.devices_by_tenant[job.stored.tenant] += sign * max(1, len(job.status.devices))
 
-    def _forget(self, job_id: JobId) -> None:
+    def forget(self, job_id: JobId) -> None:
         """A finished job leaves memory; the store still answers for it."""
         self.finished.pop(job_id, None)
         job = self.jobs.pop(job_id, None)
         if job is not None:
             self._count(job, -1)
 
-    def _enqueue(self, job: Job) -> None:
+    def enqueue(self, job: Job) -> None:
         req = job.stored.request
         self.queue.push(job.id, req.priority, job.stored.seq, req.node)
-        self._wake.set()
+        self.wake.set()
+
+    def note_paused(self, job: Job) -> None:
+        """A job paused for a device's serving engine waits for that engine (see pausing.engine_slot)."""
+        if (slot := engine_slot(job.status.paused_by)) is not None:
+            self.engine_paused.setdefault(slot, set()).add(job.id)
+
+    def note_unpaused(self, job: Job) -> None:
+        if (slot := engine_slot(job.status.paused_by)) is not None:
+            self.engine_paused.get(slot, set()).discard(job.id)
 
     def _leave_slot(self, job: Job) -> None:
         if job.slots:
             for slot in job.slots:
                 self.fleet.release(slot, job.id)
             self.by_node.get(job.status.node or "", set()).discard(job.id)
-            self._wake.set()
+            self.wake.set()
 
     def _cache_request(self, job_id: JobId, request: JobRequest, size: int) -> None:
         if size <= REQUEST_CACHE_ITEM and self.cached_bytes + size <= REQUEST_CACHE_BYTES:
             self.full_requests[job_id] = (request, size)
             self.cached_bytes += size
 
-    def _full_request_cached(self, job_id: JobId) -> JobRequest | None:
+    def take_cached_request(self, job_id: JobId) -> JobRequest | None:
         entry = self.full_requests.pop(job_id, None)
         if entry is None:
             return None
@@ -221,7 +252,7 @@ class SchedulerCore:
             self._replace_status(job, *(await self.store.status(job.id) or (job.status, job.revision)))
             return False
         if ended:
-            await self._record_end(job)
+            await self.record_end(job)
         return True
 
     def _replace_status(self, job: Job, status: JobStatus, revision: int | None = None) -> None:
@@ -230,7 +261,7 @@ class SchedulerCore:
         job.revision = job.revision if revision is None else revision
         self._count(job, 1)
 
-    async def _record_end(self, job: Job) -> None:
+    async def record_end(self, job: Job) -> None:
         """A job that ended leaves the active set and enters the index in finishing order. Should either write
         fail, its record is already final: a scheduler taking over finds it active but ended, and does both."""
         self.finished.pop(job.id, None)
@@ -244,21 +275,22 @@ class SchedulerCore:
             log.warning("job %s ended, but its index entries could not be written (%s: %s); the next scheduler "
                         "to lead writes them", job.id, type(e).__name__, e)
 
-    async def _set_state(self, job: Job, state: JobState, message: str,
+    async def set_state(self, job: Job, state: JobState, message: str,
                          when: Callable[[JobStatus], bool] | None = None, **changes) -> bool:
         """Change a job's state if `when(status)` holds (checked under the job's lock); False if not written."""
         async with job.lock:
             if when is not None and not when(job.status):
                 return False
-            return await self._set_state_locked(job, state, message, **changes)
+            return await self.set_state_locked(job, state, message, **changes)
 
-    async def _set_state_locked(self, job: Job, state: JobState, message: str, **changes) -> bool:
+    async def set_state_locked(self, job: Job, state: JobState, message: str, **changes) -> bool:
         was_active = job.status.state in ACTIVE_STATES
         status = msgspec.structs.replace(job.status, state=state, message=message, updated=time.time(), **changes)
         if was_active and state not in ACTIVE_STATES:
             self._leave_slot(job)
         return await self._write(job, status)
 
-    async def _requeue(self, job: Job, why: str, when=None, **changes) -> None:
-        if await self._set_state(job, "queued", why, when=when, **UNPLACED, **changes):
-            self._enqueue(job)
+    async def requeue(self, job: Job, why: str, when: Callable[[JobStatus], bool] | None = None,
+                      **changes) -> None:
+        if await self.set_state(job, "queued", why, when=when, **UNPLACED, **changes):
+            self.enqueue(job)

@@ -15,22 +15,26 @@ from schemas.jobs import ACTIVE_STATES, TERMINAL_STATES, JobStatus
 from services.aio import sleep_unless_stopped
 from schemas.artifacts import KEEP_CHECKPOINTS
 from services.registry.service import register_job
-from services.scheduler.core import Job
-from services.scheduler.pausing import SchedulerPausing
+from services.scheduler.core import Job, SchedulerCore
 
 log = logging.getLogger(__name__)
 _progress = msgspec.json.Decoder(Progress)
 _state = msgspec.json.Decoder(StateChange)
 
 
-class SchedulerEvents(SchedulerPausing):
-    async def _on_progress(self, msg) -> None:
+class JobEvents:
+    """Applies what agents report of their jobs to the core: progress as it comes, states in order, durably."""
+
+    def __init__(self, core: SchedulerCore) -> None:
+        self.core = core
+
+    async def on_progress(self, msg) -> None:
         try:
             p = _progress.decode(msg.data)
         except msgspec.DecodeError:
             return
         job_id, node = names.job_and_node_of_subject(msg.subject)
-        job = self.jobs.get(job_id)
+        job = self.core.jobs.get(job_id)
         if (job and job.status.state in ACTIVE_STATES and job.status.node == node  # only from the node that holds it
                 and names.tenant_of_event_subject(msg.subject) == job.stored.tenant):  # under the job's own tenant
             job.status = msgspec.structs.replace(job.status, step=p.step, steps=p.steps,
@@ -38,7 +42,7 @@ class SchedulerEvents(SchedulerPausing):
                                                  eval_loss=p.eval_loss if p.eval_loss is not None else job.status.eval_loss,
                                                  peak_mib=p.peak_mib if p.peak_mib is not None else job.status.peak_mib)
 
-    async def _consume_states(self, sub, lost: asyncio.Event, stop: asyncio.Event) -> None:
+    async def consume_states(self, sub, lost: asyncio.Event, stop: asyncio.Event) -> None:
         while not (stop.is_set() or lost.is_set()):
             try:
                 msgs = await sub.fetch(batch=256, timeout=0.5)
@@ -57,14 +61,15 @@ class SchedulerEvents(SchedulerPausing):
     async def _apply_in_order(self, batch) -> None:
         for m in batch:
             try:
-                await self._apply_state(m)
+                await self.apply_state(m)
                 await m.ack()
             except Exception as e:  # not acked: JetStream delivers it again (ack_wait), after the ones before it
                 log.warning("could not apply a state of job %s yet (%s: %s); it will be redelivered",
                             names.job_and_node_of_subject(m.subject)[0], type(e).__name__, e)
                 return
 
-    async def _apply_state(self, msg) -> None:
+    async def apply_state(self, msg) -> None:
+        core = self.core
         try:
             ev = _state.decode(msg.data)
         except msgspec.DecodeError as e:
@@ -74,7 +79,7 @@ class SchedulerEvents(SchedulerPausing):
         if (ev.job, ev.node) != (job_id, node):
             log.warning("ignored a state of job %s from node %s sent on %s", ev.job, ev.node, msg.subject)
             return
-        job = await self._lookup(ev.job)  # a store that cannot be read raises: the event comes again
+        job = await core.lookup(ev.job)  # a store that cannot be read raises: the event comes again
         if job is None:
             log.warning("ignored a state of job %s: no such job in the jobs bucket", ev.job)
             return
@@ -96,26 +101,27 @@ class SchedulerEvents(SchedulerPausing):
                     and seq > s.event_seq)  # after a later one must not undo it
 
         if ev.state == "queued":  # the agent handed it back (shutting down) before it could finish
-            return await self._requeue(job, ev.message, when=current, event_seq=seq)
+            return await core.requeue(job, ev.message, when=current, event_seq=seq)
         changes = {"artifacts": ev.artifacts or job.status.artifacts, "event_seq": seq}
         if ev.checkpoint is not None:
             kept = [c for c in job.status.checkpoints if c.step != ev.checkpoint.step] + [ev.checkpoint]
             changes.update(checkpoint=ev.checkpoint.name, checkpoints=kept[-KEEP_CHECKPOINTS:])
         if ev.state == "paused":
             changes["paused_by"] = ev.paused_by or "user"
-        written = await self._set_state(job, ev.state, ev.message, when=current, **changes)
+        written = await core.set_state(job, ev.state, ev.message, when=current, **changes)
         if written and ev.state == "paused":
-            self._paused(job)
+            core.note_paused(job)
         if written and ev.state == "succeeded" and (spec := job.stored.request.register) is not None:
-            self._spawn(self._register(job, spec))
+            core.spawn(self._register(job, spec))
 
     async def _register(self, job: Job, spec) -> None:
         """A job that asked to be registered: its adapter becomes the next version of its name (promoted if asked);
         the job's message says how that went."""
+        core = self.core
         try:
-            version = await register_job(self.store, self.adapters, spec.name, job.id, spec.promote)
+            version = await register_job(core.store, core.adapters, spec.name, job.id, spec.promote)
             note = f"registered as {spec.name}@{version.version}" + (" and promoted" if spec.promote else "")
         except Exception as e:
             log.warning("job %s: registering its adapter as %s failed: %s", job.id, spec.name, e)
             note = f"not registered as {spec.name}: {e}"
-        await self._set_state(job, job.status.state, f"{job.status.message}; {note}")
+        await core.set_state(job, job.status.state, f"{job.status.message}; {note}")

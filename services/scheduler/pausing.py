@@ -10,99 +10,78 @@ from __future__ import annotations
 import logging
 
 from schemas import names
-from schemas.jobs import ACTIVE_STATES, Error
+from schemas.jobs import ACTIVE_STATES, Error, JobStatus
 from schemas.nodes import Control, ControlReply, Heartbeat
 from services import bus
-from services.scheduler.core import Job, SchedulerCore
+from services.scheduler.core import Job, SchedulerCore, engine_tag
 from services.scheduler.placement import SlotKey
 
 log = logging.getLogger(__name__)
 BY_USER = "user"
 
 
-def engine_tag(slot: SlotKey) -> str:
-    """How a pause for a device's serving engine is recorded (JobStatus.paused_by)."""
-    return f"engine {slot[0]}/{slot[1]}"
+class Pausing:
+    """Pauses and resumes jobs in the core: a user's, and those a device's serving engine asks for."""
 
+    def __init__(self, core: SchedulerCore) -> None:
+        self.core = core
 
-def engine_slot(paused_by: str | None) -> SlotKey | None:
-    if not paused_by or not paused_by.startswith("engine "):
-        return None
-    node, _, device = paused_by.removeprefix("engine ").rpartition("/")
-    return (node, int(device)) if device.lstrip("-").isdigit() else None
-
-
-class SchedulerPausing(SchedulerCore):
-    async def _pause(self, job: Job, by: str) -> Error | None:
+    async def pause(self, job: Job, by: str) -> Error | None:
         """Pause a queued job at once, or ask its node to checkpoint a running one; an Error says why not."""
-        state = job.status.state
+        core, state = self.core, job.status.state
 
-        def waiting(s) -> bool:  # queued and not being placed (placing sets the node before the write)
+        def waiting(s: JobStatus) -> bool:  # queued and not being placed (placing sets the node before the write)
             return s.state == "queued" and s.node is None
 
         if state == "queued":
             if not waiting(job.status):
                 return Error(f"job {job.id} is being placed on {job.status.node} right now; ask again", field="job")
-            self.queue.discard(job.id)
-            if await self._set_state(job, "paused", f"paused while queued (by {by})", paused_by=by, when=waiting):
-                self._paused(job)
+            core.queue.discard(job.id)
+            if await core.set_state(job, "paused", f"paused while queued (by {by})", paused_by=by, when=waiting):
+                core.note_paused(job)
                 return None
             if waiting(job.status):  # the write failed, the job did not move: it keeps its place
-                self._enqueue(job)
+                core.enqueue(job)
             return Error(f"job {job.id} was just placed; ask again", field="job")
         if state not in ACTIVE_STATES or state == "uploading":
             why = "is storing its artifacts and ends in a moment" if state == "uploading" else f"is {state}"
             return Error(f"job {job.id} {why}; only queued and running jobs pause", field="job")
         try:
-            reply = await bus.request(self.nc, names.node(job.status.node).control, Control(job.id, "pause", by),
-                                      ControlReply, timeout=self.cfg.assign_timeout)
+            reply = await bus.request(core.nc, names.node(job.status.node).control, Control(job.id, "pause", by),
+                                      ControlReply, timeout=core.cfg.assign_timeout)
         except bus.RequestError as e:
             return Error(f"node {job.status.node} did not answer the pause ({e}); ask again", field="job")
         return None if reply.ok else Error(reply.message, field="job")
 
-    async def _resume(self, job: Job, why: str) -> Error | None:
+    async def resume(self, job: Job, why: str) -> Error | None:
         if job.status.state != "paused":
             return Error(f"job {job.id} is {job.status.state}, not paused", field="job")
-        self._unpaused(job)
-        await self._requeue(job, why, when=lambda s: s.state == "paused", paused_by=None)
+        self.core.note_unpaused(job)
+        await self.core.requeue(job, why, when=lambda s: s.state == "paused", paused_by=None)
         return None
 
-    # --- which paused jobs wait for which engine ------------------------------------------------
-    def _adopt(self, stored, status, revision: int) -> Job:
-        job = super()._adopt(stored, status, revision)
-        if job.status.state == "paused":
-            self._paused(job)
-        return job
-
-    def _paused(self, job: Job) -> None:
-        if (slot := engine_slot(job.status.paused_by)) is not None:
-            self.engine_paused.setdefault(slot, set()).add(job.id)
-
-    def _unpaused(self, job: Job) -> None:
-        if (slot := engine_slot(job.status.paused_by)) is not None:
-            self.engine_paused.get(slot, set()).discard(job.id)
-
-    def _react_to_engines(self, hb: Heartbeat) -> None:
+    def react_to_engines(self, hb: Heartbeat) -> None:
         """A device whose engine wants memory back pauses its job (if its priority allows); one whose engine no
         longer does resumes the jobs paused for it."""
+        core = self.core
         for dev in hb.devices:
             slot = (hb.node, dev.index)
             if dev.reclaim_mib:
                 for job_id in dev.jobs:
-                    job = self.jobs.get(job_id)
-                    if (job is not None and job.status.state in ACTIVE_STATES and job_id not in self.pausing
-                            and job.stored.request.priority <= self.cfg.reclaim_pause_priority):
-                        self.pausing.add(job_id)
-                        self._spawn(self._pause_for_engine(job, slot, dev.reclaim_mib))
-            elif self.engine_paused.get(slot):
-                for job_id in list(self.engine_paused.pop(slot)):
+                    job = core.jobs.get(job_id)
+                    if (job is not None and job.status.state in ACTIVE_STATES and job_id not in core.pausing
+                            and job.stored.request.priority <= core.cfg.reclaim_pause_priority):
+                        core.pausing.add(job_id)
+                        core.spawn(self._pause_for_engine(job, slot, dev.reclaim_mib))
+            elif core.engine_paused.get(slot):
+                for job_id in list(core.engine_paused.pop(slot)):
                     why = f"resumed: the serving engine on {hb.node} device {dev.index} no longer needs the memory"
-                    self._spawn(self._resume(self.jobs[job_id], why))
+                    core.spawn(self.resume(core.jobs[job_id], why))
 
     async def _pause_for_engine(self, job: Job, slot: SlotKey, mib: int) -> None:
         try:
             log.info("pausing job %s: the serving engine on %s device %d wants %d MiB back", job.id, *slot, mib)
-            if error := await self._pause(job, engine_tag(slot)):
+            if error := await self.pause(job, engine_tag(slot)):
                 log.warning("could not pause job %s for the engine on %s device %d: %s", job.id, *slot, error.error)
         finally:
-            self.pausing.discard(job.id)
+            self.core.pausing.discard(job.id)

@@ -17,34 +17,46 @@ from services import __version__
 from services.aio import cancel_and_wait, sleep_unless_stopped
 from services.registry.store import AdapterRegistry
 from services.scheduler.api import SchedulerApi
-from services.scheduler.assign import SchedulerAssign
-from services.scheduler.core import SchedulerConfig  # noqa: F401  (callers build configs from here)
-from services.scheduler.events import SchedulerEvents
+from services.scheduler.core import SchedulerConfig, SchedulerCore
+from services.scheduler.events import JobEvents
 from services.scheduler.idempotency import IdempotencyKeys
 from services.scheduler.index import JobIndex
 from services.scheduler.lease import Lease
 from services.scheduler.migrate import migrate
-from services.scheduler.retention import SchedulerRetention
-from services.scheduler.liveness import SchedulerLiveness
+from services.scheduler.liveness import Liveness
+from services.scheduler.pausing import Pausing
+from services.scheduler.placer import Placer
+from services.scheduler.retention import Retention
 from services.scheduler.store import JobStore
 
 log = logging.getLogger(__name__)
 RETRY_LEAD_S = 1.0  # after a failed start as leader (NATS away, the bucket unreadable)
 
 
-class Scheduler(SchedulerApi, SchedulerAssign, SchedulerEvents, SchedulerLiveness, SchedulerRetention):
-    """One scheduler process: stands by until it holds the lease, then leads until it loses it or stops."""
+class Scheduler:
+    """One scheduler process: stands by until it holds the lease, then leads until it loses it or stops.
+
+    Its state is one SchedulerCore; each part below holds that core (and the pausing part, where it pauses or
+    resumes) and nothing else of the others."""
 
     def __init__(self, nc: Client, config: SchedulerConfig | None = None, holder: str | None = None) -> None:
-        super().__init__(nc, config)
+        self.nc, self.js = nc, nc.jetstream()
+        self.core = core = SchedulerCore(nc, config)
+        self.cfg = core.cfg
+        self.pausing = Pausing(core)
+        self.placer = Placer(core)
+        self.events = JobEvents(core)
+        self.liveness = Liveness(core, self.pausing)
+        self.retention = Retention(core)
         self.holder = holder or f"scheduler-{uuid.uuid4().hex[:8]}"
         self.leading = asyncio.Event()
 
     async def run(self, stop: asyncio.Event) -> None:
-        self.store = JobStore(self.js, await self.js.key_value(names.JOBS_KV), await self._idempotency_bucket())
-        self.index = JobIndex(self.nc)
-        self.adapters = AdapterRegistry(await self.js.key_value(names.ADAPTERS_KV))
-        self.idempotency = IdempotencyKeys(self.store, self.cfg.idempotency_window_s)
+        core = self.core
+        core.store = JobStore(self.js, await self.js.key_value(names.JOBS_KV), await self._idempotency_bucket())
+        core.index = JobIndex(self.nc)
+        core.adapters = AdapterRegistry(await self.js.key_value(names.ADAPTERS_KV))
+        self.api = SchedulerApi(core, self.pausing, IdempotencyKeys(core.store, self.cfg.idempotency_window_s))
         lease = Lease(await self.js.key_value(names.LEASE_KV), self.holder)
         while not stop.is_set():
             if not await lease.wait_for(stop):
@@ -59,8 +71,8 @@ class Scheduler(SchedulerApi, SchedulerAssign, SchedulerEvents, SchedulerLivenes
                 await sleep_unless_stopped(stop, RETRY_LEAD_S)
             finally:
                 self.leading.clear()
-                await cancel_and_wait(list(self._tasks))
-                self._reset()
+                await cancel_and_wait(list(core.tasks))
+                core._reset()
         await lease.release()
 
     async def _idempotency_bucket(self):
@@ -76,23 +88,24 @@ class Scheduler(SchedulerApi, SchedulerAssign, SchedulerEvents, SchedulerLivenes
     async def _recover(self) -> None:
         """Rebuild the queue and the slots in use from the active jobs alone, however many finished ones the
         store holds (raises rather than read an error as empty)."""
-        if not await self.store.has_active_set():
-            await migrate(self.store, self.index)
-        active = await self.store.load_active()
+        core = self.core
+        if not await core.store.has_active_set():
+            await migrate(core.store, core.index)
+        active = await core.store.load_active()
         for stored, status, revision, job_id in sorted(active, key=lambda a: a[0].seq if a[0] else 0):
             if stored is None:  # marked, but its request was never stored: nothing to lead
-                await self.store.unmark_active(job_id)
+                await core.store.unmark_active(job_id)
                 continue
-            job = self._adopt(stored, status, revision)
+            job = core.adopt(stored, status, revision)
             if job.status.state in TERMINAL_STATES:  # it ended, but its index entries were not written
-                await self._record_end(job)
+                await core.record_end(job)
 
     async def _lead(self, lease: Lease, stop: asyncio.Event) -> None:
         await self._recover()
         lost = asyncio.Event()
         subs = [
-            await self.nc.subscribe(names.HEARTBEATS_ALL, cb=self._on_heartbeat),
-            await self.nc.subscribe(names.JOB_PROGRESS_ALL, cb=self._on_progress),
+            await self.nc.subscribe(names.HEARTBEATS_ALL, cb=self.liveness.on_heartbeat),
+            await self.nc.subscribe(names.JOB_PROGRESS_ALL, cb=self.events.on_progress),
         ]
         await self._drop_old_consumers()
         states = await self.js.pull_subscribe(
@@ -102,18 +115,18 @@ class Scheduler(SchedulerApi, SchedulerAssign, SchedulerEvents, SchedulerLivenes
         service = await nats.micro.add_service(self.nc, name=names.SCHEDULER_SERVICE, version=__version__,
                                                description="jetlora job scheduler")
         api = service.add_group(name=names.API_GROUP)
-        for name, subject, handler in self.endpoints():
+        for name, subject, handler in self.api.endpoints():
             await api.add_endpoint(name=name, subject=subject, handler=handler)
         await self.nc.flush()  # the subscriptions are live on the server before anyone is told we lead
         self.leading.set()
-        log.info("scheduler leading: %d jobs known, %d queued", len(self.jobs), len(self.queue))
+        log.info("scheduler leading: %d jobs known, %d queued", len(self.core.jobs), len(self.core.queue))
         try:
             async with asyncio.TaskGroup() as tg:
                 tg.create_task(self._keep_lease(lease, lost, stop))
-                tg.create_task(self._placer(lost, stop))
-                tg.create_task(self._watch_liveness(lost, stop))
-                tg.create_task(self._consume_states(states, lost, stop))
-                tg.create_task(self._keep_history_bounded(lost, stop))
+                tg.create_task(self.placer.run(lost, stop))
+                tg.create_task(self.liveness.watch(lost, stop))
+                tg.create_task(self.events.consume_states(states, lost, stop))
+                tg.create_task(self.retention.run(lost, stop))
         finally:
             await service.stop()
             for sub in subs:

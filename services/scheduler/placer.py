@@ -18,34 +18,41 @@ from services.scheduler.waiting import explain, with_reason
 log = logging.getLogger(__name__)
 
 
-class SchedulerAssign(SchedulerCore):
-    async def _placer(self, lost: asyncio.Event, stop: asyncio.Event) -> None:
+class Placer:
+    """Places the core's queued jobs on free devices, one pass each time something may have freed or arrived."""
+
+    def __init__(self, core: SchedulerCore) -> None:
+        self.core = core
+
+    async def run(self, lost: asyncio.Event, stop: asyncio.Event) -> None:
+        core = self.core
         async def wake_on_end():
             await wait_first(stop, lost)
-            self._wake.set()
+            core.wake.set()
 
         ender = asyncio.create_task(wake_on_end())
         try:
             while not (stop.is_set() or lost.is_set()):
-                await self._wake.wait()
-                self._wake.clear()
-                self._place_pass()
+                await core.wake.wait()
+                core.wake.clear()
+                self.place_pass()
                 await asyncio.sleep(0)  # let heartbeats and submissions in between passes
         finally:
             ender.cancel()
 
-    def _place_pass(self) -> None:
+    def place_pass(self) -> None:
+        core = self.core
         holding = self._devices_by_tenant()
-        held = self.gang_holds = {n: j for n, j in self.gang_holds.items()
-                                  if j in self.queue and n in self.fleet.nodes and not self.fleet.nodes[n].heartbeat.draining}
+        held = core.gang_holds = {n: j for n, j in core.gang_holds.items()
+                                  if j in core.queue and n in core.fleet.nodes and not core.fleet.nodes[n].heartbeat.draining}
 
         def kept_from(job_id: str, priority: int) -> set[str]:
             """Nodes kept for a waiting multi-device job this one may not pass (it has no higher priority)."""
-            return {n for n, j in held.items() if j != job_id and self.jobs[j].stored.request.priority >= priority}
+            return {n for n, j in held.items() if j != job_id and core.jobs[j].stored.request.priority >= priority}
 
         def fits(node=None):
             def try_place(job_id: str) -> bool:
-                job = self.jobs[job_id]
+                job = core.jobs[job_id]
                 if job.lock.locked():  # its status is being written: a placement now would be overwritten by it
                     return False
                 req, tenant = job.stored.request, job.stored.tenant
@@ -55,16 +62,16 @@ class SchedulerAssign(SchedulerCore):
                 if node is not None and node in kept:
                     return False
                 if req.devices == 1:
-                    slot = self.fleet.find(req.gpu_mib, req.accelerator, node, kept)
+                    slot = core.fleet.find(req.gpu_mib, req.accelerator, node, kept)
                     slots = [slot] if slot else None
                 else:
-                    slots = self.fleet.find_gang(req.gpu_mib, req.accelerator, req.devices, node, kept)
+                    slots = core.fleet.find_gang(req.gpu_mib, req.accelerator, req.devices, node, kept)
                     if slots is None:
                         self._keep_for_gang(job_id, node, kept)
                 if not slots:
                     return False
                 for slot in slots:
-                    self.fleet.reserve(slot, job_id)
+                    core.fleet.reserve(slot, job_id)
                 held.pop(next((n for n, j in held.items() if j == job_id), None), None)
                 holding[tenant] = holding.get(tenant, 0) + len(slots)
                 job.status = msgspec.structs.replace(job.status, node=slots[0][0], device=slots[0][1],
@@ -72,96 +79,100 @@ class SchedulerAssign(SchedulerCore):
                 return True
             return try_place
 
-        for node in self.queue.pinned_nodes():
-            for job_id in self.queue.take(fits(node), node=node, window=self.cfg.backfill_window):
-                self._spawn(self._assign(self.jobs[job_id]))
-        if self.fleet.any_free():
-            for job_id in self.queue.take(fits(), window=self.cfg.backfill_window):
-                self._spawn(self._assign(self.jobs[job_id]))
-                if not self.fleet.any_free():
+        for node in core.queue.pinned_nodes():
+            for job_id in core.queue.take(fits(node), node=node, window=core.cfg.backfill_window):
+                core.spawn(self._assign(core.jobs[job_id]))
+        if core.fleet.any_free():
+            for job_id in core.queue.take(fits(), window=core.cfg.backfill_window):
+                core.spawn(self._assign(core.jobs[job_id]))
+                if not core.fleet.any_free():
                     break
         self._explain_waiting(holding, held)
 
     def _explain_waiting(self, holding: dict, held: dict[str, str]) -> None:
         """Each job the pass left queued says why in its message; written only when the reason changed, and
         worked out once per kind of request, so a long queue costs one line per job, not a scan each."""
+        core = self.core
         reasons: dict[tuple, str] = {}
-        for job_id in list(self.queue.ids()):
-            job = self.jobs.get(job_id)
+        for job_id in list(core.queue.ids()):
+            job = core.jobs.get(job_id)
             if job is None or job.status.state != "queued" or job.status.node is not None or job.lock.locked():
                 continue  # not waiting, or its status is being written (the next pass looks again)
             req, tenant = job.stored.request, job.stored.tenant
             if self._device_quota_full(holding, tenant, req.devices):
                 reason = (f"waiting: tenant {tenant} holds {holding.get(tenant, 0)} of its "
-                          f"{self.cfg.quota(tenant).devices} devices (its quota); it starts when one of its jobs ends")
+                          f"{core.cfg.quota(tenant).devices} devices (its quota); it starts when one of its jobs ends")
             else:  # a multi-device job's own kept node is not a reason for it to wait
                 shape = (req.accelerator, req.gpu_mib, req.devices, req.node, req.quantization,
                          job_id if req.devices > 1 else None)
                 if shape not in reasons:
-                    reasons[shape] = explain(self.fleet, req, {n: j for n, j in held.items() if j != job_id})[0]
+                    reasons[shape] = explain(core.fleet, req, {n: j for n, j in held.items() if j != job_id})[0]
                 reason = reasons[shape]
             message = with_reason(job.status.message, reason)
             if message != job.status.message:
-                self._spawn(self._say_why(job, message))
+                core.spawn(self._say_why(job, message))
 
     async def _say_why(self, job: Job, message: str) -> None:
-        await self._set_state(job, "queued", message,
+        core = self.core
+        await core.set_state(job, "queued", message,
                               when=lambda s: s.state == "queued" and s.node is None and s.message != message)
-        self._wake.set()  # a pass that skipped the job while this was written may place it now
+        core.wake.set()  # a pass that skipped the job while this was written may place it now
 
     def _device_quota_full(self, holding: dict, tenant: str | None, devices: int) -> bool:
         """Whether `devices` more would take the tenant past its device quota (holding: what each holds now)."""
-        limit = self.cfg.quota(tenant).devices
+        limit = self.core.cfg.quota(tenant).devices
         return limit is not None and holding.get(tenant, 0) + devices > limit
 
     def _keep_for_gang(self, job_id: str, node: str | None, kept: set[str]) -> None:
         """A multi-device job that does not fit yet has a node kept for it: jobs behind it in the queue are
         placed elsewhere, so devices freeing there one by one add up to its gang instead of going to small jobs
         forever."""
-        if job_id in self.gang_holds.values():
+        core = self.core
+        if job_id in core.gang_holds.values():
             return
-        req = self.jobs[job_id].stored.request
-        home = node if node is not None else self.fleet.gang_home(req.gpu_mib, req.accelerator, req.devices,
-                                                                  kept | set(self.gang_holds))
-        if home is not None and home not in self.gang_holds:
-            self.gang_holds[home] = job_id
+        req = core.jobs[job_id].stored.request
+        home = node if node is not None else core.fleet.gang_home(req.gpu_mib, req.accelerator, req.devices,
+                                                                  kept | set(core.gang_holds))
+        if home is not None and home not in core.gang_holds:
+            core.gang_holds[home] = job_id
             log.info("node %s is kept for job %s, which needs %d devices there", home, job_id, req.devices)
 
     def _devices_by_tenant(self) -> dict[str | None, int]:
         """Devices each tenant's jobs hold now (counted as their states change)."""
-        return {t: n for t, n in self.devices_by_tenant.items() if t is not None and n}
+        return {t: n for t, n in self.core.devices_by_tenant.items() if t is not None and n}
 
     async def _assign(self, job: Job) -> None:
+        core = self.core
         slots = job.slots
         node, device = slots[0]
         attempt = job.status.attempt + 1
-        self.by_node.setdefault(node, set()).add(job.id)
+        core.by_node.setdefault(node, set()).add(job.id)
         job.assigned_at = time.monotonic()
         try:
-            written = await self._set_state(job, "assigned", f"assigned to {node} {on_devices([i for _, i in slots])}",
+            written = await core.set_state(job, "assigned", f"assigned to {node} {on_devices([i for _, i in slots])}",
                                             attempt=attempt, held_by=[*job.status.held_by, node][-100:],
                                             when=lambda s: s.state == "queued")
         except Exception as e:  # JetStream away: the job stays queued, the slot free
             log.warning("could not record the assignment of %s (%s); it stays queued", job.id, e)
             written = False
             job.status = msgspec.structs.replace(job.status, **UNPLACED)
-            self._enqueue(job)
+            core.enqueue(job)
         if not written:  # it moved on (paused, cancelled) while being placed: it holds no device after all
             for slot in slots:
-                self.fleet.release(slot, job.id)
+                core.fleet.release(slot, job.id)
             if job.status.state != "assigned":
                 job.status = msgspec.structs.replace(job.status, **UNPLACED)
-                self.by_node.get(node, set()).discard(job.id)
+                core.by_node.get(node, set()).discard(job.id)
             return
         try:
-            request = self._full_request_cached(job.id) or (await self.store.request(job.id)).request
-            reply = await bus.request(self.nc, names.node(node).assign,
+            request = core.take_cached_request(job.id) or (await core.store.request(job.id)).request
+            reply = await bus.request(core.nc, names.node(node).assign,
                                       Assignment(job=job.id, device=device, devices=job.status.devices, attempt=attempt, request=request,
                                                  resume_from=job.status.checkpoint, tenant=job.stored.tenant),
-                                      AssignReply, timeout=self.cfg.assign_timeout)
+                                      AssignReply, timeout=core.cfg.assign_timeout)
         except bus.RequestError as e:
             reply = AssignRefused(job.id, str(e))
         if isinstance(reply, AssignRefused):
             log.info("node %s refused job %s: %s; re-queued", node, job.id, reply.reason)
-            await self._requeue(job, f"node {node} refused it ({reply.reason}); waiting for a device",
+            await core.requeue(job, f"node {node} refused it ({reply.reason}); waiting for a device",
                                 when=lambda s: s.state == "assigned" and s.attempt == attempt)
