@@ -304,6 +304,11 @@ def inbox_all(user: str) -> str:
 SERVICE_DISCOVERY_ALL = "$SRV.>"
 
 
+def service_stats(service: str) -> str:
+    """nats.micro's statistics of one service (every instance answers): requests and errors per endpoint."""
+    return f"$SRV.STATS.{service}"
+
+
 def js_api(*parts: str) -> str:
     return ".".join(("$JS.API",) + parts)
 

@@ -10,7 +10,7 @@ import os
 import ssl
 import urllib.parse
 from dataclasses import dataclass
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any, TypeVar
 
 import msgspec
@@ -18,9 +18,10 @@ import nats
 from nats.aio.client import Client
 from nats.js.api import KeyValueConfig, ObjectStoreConfig, RetentionPolicy, StorageType, StreamConfig
 from nats.js.errors import BadRequestError, NotFoundError
+from nats.micro.service import Group
 
 from schemas import names
-from schemas.jobs import Error
+from schemas.jobs import Error, Rejected
 from schemas.validate import FieldError, InvalidRequest, decoder_for
 
 log = logging.getLogger(__name__)
@@ -231,19 +232,41 @@ def as_error(errors: list[FieldError]) -> Error:
     return Error(first.reason, field=first.field)
 
 
+@dataclass
+class Concurrently:
+    """Answer an endpoint's requests each in a task of `spawn`'s (which awaits them at shutdown), at most `limit`
+    at once: for handlers that wait on a store, so one slow write does not hold up the requests behind it."""
+
+    spawn: Callable[[Coroutine[Any, Any, Any]], None]
+    limit: int
+
+    def __post_init__(self) -> None:
+        self.slots = asyncio.Semaphore(self.limit)
+
+    async def released(self, answering: Awaitable[None]) -> None:
+        try:
+            await answering
+        finally:
+            self.slots.release()
+
+
 def handler(serve: Callable[..., Awaitable[Any]], request_type: type[T] | None = None, *,
             parse: Callable[[bytes], T] | None = None,
             invalid: Callable[[list[FieldError]], Any] = as_error,
-            with_subject: bool = False) -> Callable[[Any], Awaitable[None]]:
+            with_subject: bool = False) -> Callable[[Any], Awaitable[str | None]]:
     """One way to answer a request: decode it (a cached decoder of request_type, or `parse`), answer
     `invalid(errors)` when it does not hold, else `await serve(request)` (`serve(request, subject)` with
     with_subject, for endpoints whose subject carries a token), and encode the reply.
 
+    An error reply (Error, Rejected) keeps its JSON body and also carries micro's error headers
+    (Nats-Service-Error, Nats-Service-Error-Code: 400 for the asker's mistake, 500 for ours), so any micro client
+    sees it as an error; the answer returns its description, which add_endpoint counts in $SRV.STATS.
     Works for nats.micro endpoints and for plain subscriptions alike (both give .data and .respond)."""
-    decode = parse or decoder_for(request_type)
+    decode = parse or decoder_for(request_type)  # type: ignore[arg-type]
     name = getattr(serve, "__qualname__", repr(serve))
 
-    async def answer(msg) -> None:
+    async def answer(msg) -> str | None:
+        code = "400"
         try:
             request = decode(msg.data)
             reply = await (serve(request, msg.subject) if with_subject else serve(request))
@@ -251,8 +274,50 @@ def handler(serve: Callable[..., Awaitable[Any]], request_type: type[T] | None =
             reply = invalid(e.errors)
         except Exception as e:  # a fault of ours: the asker still gets an answer, the log the trace
             log.exception("%s failed on a request", name)
-            reply = Error(f"the service failed on this request ({type(e).__name__}: {e}); see its log")
-        if getattr(msg, "reply", True):  # a plain message published without a reply subject gets none
+            reply, code = Error(f"the service failed on this request ({type(e).__name__}: {e}); see its log"), "500"
+        if not getattr(msg, "reply", True):  # a plain message published without a reply subject gets none
+            return None
+        error = error_text(reply)
+        if error is not None and hasattr(msg, "respond_error"):  # a micro request
+            await msg.respond_error(code, error, data=_enc.encode(reply))
+        else:
             await msg.respond(_enc.encode(reply))
+        return error
 
     return answer
+
+
+def error_text(reply: object) -> str | None:
+    """The one-line description of an error reply (None: not one), as micro's Nats-Service-Error header holds it."""
+    if isinstance(reply, Error):
+        text = f"{reply.field}: {reply.error}" if reply.field else reply.error
+    elif isinstance(reply, Rejected):
+        text = "; ".join(f"{e.field}: {e.reason}" if e.field else e.reason for e in reply.errors)
+    else:
+        return None
+    return " ".join(text.split())[:1024]  # a header value holds no line breaks
+
+
+async def add_endpoint(group: Group, name: str, answer: Callable[[Any], Awaitable[str | None]],
+                       subject: str | None = None, *, concurrently: Concurrently | None = None) -> None:
+    """Serve `answer` (a handler()) as a micro endpoint whose error replies count in $SRV.STATS; with
+    `concurrently`, requests are answered at once, each in its own task, up to its limit.
+
+    nats-py's micro counts an error only when a handler raises, and then answers it again with an empty body;
+    Go's micro counts every error reply. This counts ours as Go's does, through the endpoint's own counters
+    (nats-py 2.x has no public way: tests/test_micro_stats.py notices if that changes)."""
+    endpoint = None
+
+    async def counted(request) -> None:
+        error = await answer(request)
+        if error is not None and endpoint is not None:
+            endpoint._num_errors += 1
+            endpoint._last_error = error
+
+    async def in_turn(request) -> None:
+        assert concurrently is not None
+        await concurrently.slots.acquire()
+        concurrently.spawn(concurrently.released(counted(request)))
+
+    await group.add_endpoint(name=name, subject=subject or name, handler=in_turn if concurrently else counted)
+    endpoint = next((e for e in reversed(getattr(group._service, "_endpoints", [])) if e._name == name), None)

@@ -79,8 +79,8 @@ class DatasetStore:
                                    ("delete", DatasetQuery, self._delete)):  # an admin's, and each tenant's
             answer = bus.handler(lambda q, subject, serve=serve: serve(q, names.tenant_of_subject(subject)), query,
                                  with_subject=True)
-            await group.add_endpoint(name=f"datasets-{verb}", subject=verb, handler=answer)
-            await group.add_endpoint(name=f"datasets-tenant-{verb}", subject=f"*.{verb}", handler=answer)
+            await bus.add_endpoint(group, f"datasets-{verb}", answer, verb)
+            await bus.add_endpoint(group, f"datasets-tenant-{verb}", answer, f"*.{verb}")
 
     async def _open_sink(self, chunk: DatasetChunk, subject: str) -> DatasetSink:
         """A tenant's upload (its subject says whose) is stored under the tenant's prefix and shared with nobody."""

@@ -82,8 +82,8 @@ class ArtifactService:
         for verb, serve in (("list", self._list), ("delete", self._delete)):  # an admin's, and each tenant's
             answer = bus.handler(lambda q, subject, serve=serve: serve(q, names.tenant_of_subject(subject)),
                                  ArtifactQuery, with_subject=True)
-            await group.add_endpoint(name=verb, handler=answer)
-            await group.add_endpoint(name=f"tenant-{verb}", subject=f"*.{verb}", handler=answer)
+            await bus.add_endpoint(group, verb, answer)
+            await bus.add_endpoint(group, f"tenant-{verb}", answer, f"*.{verb}")
         await self.datasets.add_endpoints(service)
         reapers = [asyncio.create_task(r.reap_stalled(stop)) for r in (self.receiver, self.datasets.receiver)]
         await self.nc.flush()

@@ -96,7 +96,7 @@ class RegistryService:
                                           ("promote", PromoteRequest, self._promote),
                                           ("rollback", AliasRequest, self._rollback),
                                           ("retire", AliasRequest, self._retire)):
-            await group.add_endpoint(name=f"adapters-{verb}", subject=verb, handler=bus.handler(serve, request_type))
+            await bus.add_endpoint(group, f"adapters-{verb}", bus.handler(serve, request_type), verb)
         self.ready.set()
         try:
             await stop.wait()

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import logging
 import time
 import uuid
+from collections.abc import Awaitable, Callable
+from typing import Any
 
 import msgspec
 
@@ -27,6 +28,7 @@ from services.scheduler.pausing import BY_USER, Pausing
 from services.scheduler.waiting import explain, with_reason
 
 log = logging.getLogger(__name__)
+Handler = Callable[[Any], Awaitable[str | None]]
 
 
 class SchedulerApi:
@@ -35,12 +37,13 @@ class SchedulerApi:
 
     def __init__(self, core: SchedulerCore, pausing: Pausing, idempotency: IdempotencyKeys) -> None:
         self.core, self.pausing, self.idempotency = core, pausing, idempotency
-        self._submit_slots = asyncio.Semaphore(core.cfg.max_concurrent_submits)
+        self._submitting = bus.Concurrently(core.spawn, core.cfg.max_concurrent_submits)
         self._quota_locks: dict[str, asyncio.Lock] = {}  # a tenant's submissions counted one at a time
 
-    def endpoints(self) -> list[tuple[str, str, object]]:
-        """(endpoint name, subject under names.API_GROUP, handler): an admin's verbs, which see every job, and
-        each tenant's (jetlora.api.<tenant>.<verb>), which see the tenant's own."""
+    def endpoints(self) -> list[tuple[str, str, Handler, bus.Concurrently | None]]:
+        """(endpoint name, subject under names.API_GROUP, handler, how it runs): an admin's verbs, which see every
+        job, and each tenant's (jetlora.api.<tenant>.<verb>), which see the tenant's own. Submissions are answered
+        concurrently (each awaits KV writes), at most max_concurrent_submits at once."""
         verbs = {"cancel": (JobQuery, lambda q, tenant: self._end_early(q, "cancel", tenant)),
                  "stop": (JobQuery, lambda q, tenant: self._end_early(q, "stop", tenant)),
                  "job": (JobQuery, self._get_job),
@@ -50,30 +53,17 @@ class SchedulerApi:
                  "events": (EventsQuery, self._job_events),
                  "checkpoints": (JobQuery, self._job_checkpoints),
                  "why": (JobQuery, self._why_job)}
-        out = [("submit", "submit", self._submit), ("tenant-submit", "*.submit", self._submit),
-               ("nodes", "nodes", bus.handler(self._list_nodes, msgspec.Raw))]
+        submit = bus.handler(self._accept, parse=self._parse_with_size, invalid=Rejected, with_subject=True)
+        out: list[tuple[str, str, Handler, bus.Concurrently | None]] = [
+            ("submit", "submit", submit, self._submitting), ("tenant-submit", "*.submit", submit, self._submitting),
+            ("nodes", "nodes", bus.handler(self._list_nodes, msgspec.Raw), None)]
         for verb, (request_type, serve) in verbs.items():
             answer = bus.handler(lambda q, subject, serve=serve: serve(q, names.tenant_of_subject(subject)),
                                  request_type, with_subject=True)
-            out += [(verb, verb, answer), (f"tenant-{verb}", f"*.{verb}", answer)]
+            out += [(verb, verb, answer, None), (f"tenant-{verb}", f"*.{verb}", answer, None)]
         return out
 
     # --- submission ------------------------------------------------------------------------------
-    async def _submit(self, req) -> None:
-        """Submissions are answered concurrently (each awaits a KV write), at most max_concurrent_submits."""
-        await self._submit_slots.acquire()
-        self.core.spawn(self._submit_one(req))
-
-    @functools.cached_property
-    def _answer_submit(self):
-        return bus.handler(self._accept, parse=self._parse_with_size, invalid=Rejected, with_subject=True)
-
-    async def _submit_one(self, req) -> None:
-        try:
-            await self._answer_submit(req)
-        finally:
-            self._submit_slots.release()
-
     @staticmethod
     def _parse_with_size(data: bytes) -> tuple[JobRequest, int]:
         return parse_job_request(data), len(data)

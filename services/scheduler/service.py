@@ -13,7 +13,7 @@ from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
 from schemas import names
 from schemas.jobs import TERMINAL_STATES
-from services import __version__
+from services import __version__, bus
 from services.aio import cancel_and_wait, sleep_unless_stopped
 from services.registry.store import AdapterRegistry
 from services.scheduler.api import SchedulerApi
@@ -115,8 +115,8 @@ class Scheduler:
         service = await nats.micro.add_service(self.nc, name=names.SCHEDULER_SERVICE, version=__version__,
                                                description="jetlora job scheduler")
         api = service.add_group(name=names.API_GROUP)
-        for name, subject, handler in self.api.endpoints():
-            await api.add_endpoint(name=name, subject=subject, handler=handler)
+        for name, subject, handler, concurrently in self.api.endpoints():
+            await bus.add_endpoint(api, name, handler, subject, concurrently=concurrently)
         await self.nc.flush()  # the subscriptions are live on the server before anyone is told we lead
         self.leading.set()
         log.info("scheduler leading: %d jobs known, %d queued", len(self.core.jobs), len(self.core.queue))
