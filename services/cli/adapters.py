@@ -5,6 +5,7 @@ from __future__ import annotations
 from schemas import names
 from schemas.registry import (AdapterList, AdapterListQuery, AdapterQuery, AdapterReply, AliasRequest, PromoteRequest,
                               RegisterRequest)
+from services.cli import args as args_
 from services.cli.client import EXIT_OK, CommandFailed, ask, run_client, show
 
 
@@ -59,3 +60,20 @@ def cmd_adapters(args) -> int:
         return EXIT_OK
 
     return run_client(args, go)
+
+
+def register(sub: args_.SubCommands) -> None:
+    p, actions = args_.group(sub, "adapters", "the adapter registry: ls / show / register / promote / rollback / retire")
+    for verb, help_ in (("ls", "adapters, their versions and what each node loaded"), ("show", "one adapter"),
+                        ("register", "a succeeded job's adapter as NAME's next version"),
+                        ("promote", "NAME@N becomes what NAME serves"), ("rollback", "NAME serves its version before"),
+                        ("retire", "NAME serves nothing; engines unload it")):
+        r = args_.action(actions, verb, help_)
+        if verb == "ls":
+            r.add_argument("--base-model")
+        else:
+            r.add_argument("name", help="NAME@N" if verb == "promote" else "NAME")
+        if verb == "register":
+            r.add_argument("job")
+            r.add_argument("--promote", action="store_true")
+    p.set_defaults(fn=cmd_adapters)

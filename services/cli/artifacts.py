@@ -4,6 +4,9 @@ from __future__ import annotations
 
 from schemas import names
 from schemas.artifacts import ArtifactList, ArtifactQuery, Deleted
+import argparse
+
+from services.cli import args as args_
 from services.cli.client import EXIT_OK, CommandFailed, ask, run_client, show
 
 
@@ -29,3 +32,27 @@ def cmd_artifacts(args) -> int:
         return EXIT_OK
 
     return run_client(args, go)
+
+
+KINDS = ["peft", "gguf", "checkpoint", "tensorboard"]
+
+
+def register(sub: args_.SubCommands) -> None:
+    """`artifacts` alone runs the artifact service; with an action it is a client of it."""
+    from services.cli.serve import run_artifacts, run_service
+
+    p = args_.client(sub, "artifacts", "run the artifact service, or: ls / get / rm")
+    actions = p.add_subparsers(dest="action")
+    args_.service_flags(p, heartbeat_help=argparse.SUPPRESS)
+    args_.dataset_limits(p)
+    tenant = "as this tenant (env JETLORA_TENANT): the artifacts of its own jobs"
+    a = args_.action(actions, "ls", "list artifacts", tenant)
+    a.add_argument("--job")
+    a = args_.action(actions, "get", "download one, sha256 checked", tenant)
+    a.add_argument("job")
+    a.add_argument("kind", choices=KINDS)
+    a.add_argument("-o", "--output", required=True)
+    a = args_.action(actions, "rm", "delete a job's artifacts", tenant)
+    a.add_argument("job")
+    a.add_argument("--kind", choices=KINDS)
+    p.set_defaults(fn=lambda a: cmd_artifacts(a) if a.action else run_service(a, run_artifacts))

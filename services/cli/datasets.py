@@ -11,6 +11,7 @@ from schemas import names
 from schemas.dataset_check import DatasetInvalid, check_file
 from schemas.datasets import (DatasetDeleted, DatasetInfo, DatasetList, DatasetListQuery, DatasetQuery, DatasetReply,
                               DatasetUpload)
+from services.cli import args as args_
 from services.cli.client import EXIT_FAILED, EXIT_OK, EXIT_REJECTED, CommandFailed, ask, run_client, show
 
 
@@ -86,3 +87,23 @@ async def get(nc, name: str, output: str | os.PathLike) -> None:
         raise CommandFailed(f"no dataset named {name}; `jetlora datasets ls` lists them")
     await fetch_object(nc.jetstream(), names.DATASETS_BUCKET, name, output, info.sha256)
     print(f"{output}\t{info.size} bytes\tsha256 {info.sha256} verified")
+
+
+def register(sub: args_.SubCommands) -> None:
+    p, actions = args_.group(sub, "datasets", "training data stored once and named by jobs: put / ls / show / get / rm")
+    tenant = "as this tenant (env JETLORA_TENANT): its own datasets and those shared with it"
+    d = args_.action(actions, "put", "check a JSON-lines file row by row, then upload it", tenant)
+    d.add_argument("file")
+    d.add_argument("--name", help="what jobs call it (default: the file's name up to its first dot)")
+    d.add_argument("--format", choices=["auto", "qa", "chat", "alpaca", "text"], default="auto")
+    d.add_argument("--replace", action="store_true", help="replace a dataset of that name")
+    d.add_argument("--share", metavar="TENANT,...", help="tenants whose jobs may train on it (default: admins' only)")
+    d.add_argument("--description", default="")
+    d = args_.action(actions, "ls", "list datasets", tenant)
+    d.add_argument("--format", choices=["qa", "chat", "alpaca", "text"])
+    for verb, help_ in (("show", "its stats and first rows"), ("rm", "delete it"), ("get", "download it, sha256 checked")):
+        d = args_.action(actions, verb, help_, tenant)
+        d.add_argument("name")
+        if verb == "get":
+            d.add_argument("-o", "--output", required=True)
+    p.set_defaults(fn=cmd_datasets)

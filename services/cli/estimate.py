@@ -11,6 +11,7 @@ from schemas.jobs import parse_job_request
 from schemas.memory import estimate, what_would_fit
 from schemas.validate import InvalidRequest
 from services.agent.models import read_shape
+from services.cli import args as args_
 from services.cli.client import EXIT_OK, EXIT_REJECTED
 from services.cli.jobs import _load_job_file
 
@@ -33,3 +34,12 @@ def cmd_estimate(args) -> int:
         for fix in what_would_fit(shape, request, args.free):
             print(f"  {fix}")
     return EXIT_OK
+
+
+def register(sub: args_.SubCommands) -> None:
+    p = sub.add_parser("estimate", help="a job's predicted peak GPU memory, from its model's config.json")
+    p.add_argument("job_file")
+    p.add_argument("--model-dir", help="where the job's base model is on this machine (default: its base_dir)")
+    p.add_argument("--free", type=int, default=0, help="MiB a device has: say what would fit when the job needs more")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.set_defaults(fn=cmd_estimate)

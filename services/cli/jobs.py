@@ -13,6 +13,7 @@ from schemas.jobs import Accepted, JobList, JobListQuery, JobQuery, JobReply, Su
 from schemas.nodes import NodeList
 from services.cli.printable import cell, printable
 from services import bus
+from services.cli import args as args_
 from services.cli.client import EXIT_OK, EXIT_REJECTED, CommandFailed, ask, run_client, show
 
 
@@ -183,3 +184,34 @@ def cmd_checkpoints(args) -> int:
         return EXIT_OK
 
     return run_client(args, go)
+
+
+def register(sub: args_.SubCommands) -> None:
+    p = args_.client(sub, "submit", "submit a job (JSON or YAML file)")
+    p.add_argument("job_file")
+    p.set_defaults(fn=cmd_submit)
+    p = args_.client(sub, "jobs", "list jobs, newest first")
+    p.add_argument("--state")
+    p.add_argument("--node")
+    p.add_argument("--limit", type=int, default=50, help="jobs per page (at most 1000)")
+    p.add_argument("--after", type=int, help="the page after the one that printed `older jobs: --after N`")
+    p.set_defaults(fn=cmd_jobs)
+    p = args_.client(sub, "nodes", "list nodes and their devices")
+    p.set_defaults(fn=cmd_nodes)
+    for name, help_, fn in (("job", "show one job", cmd_job),
+                            ("cancel", "cancel a job (kill its trainer)", cmd_control),
+                            ("stop", "stop a job and keep what it learnt", cmd_control),
+                            ("pause", "checkpoint a job and free its device; resume goes on from there", cmd_control),
+                            ("resume", "queue a paused job again, to go on from its checkpoint", cmd_control),
+                            ("checkpoints", "a job's stored checkpoints with their losses", cmd_checkpoints),
+                            ("watch", "follow a job's progress (replayed from its start)", cmd_watch),
+                            ("why", "why a queued job waits, node by node", cmd_why)):
+        p = args_.client(sub, name, help_)
+        p.add_argument("job")
+        p.set_defaults(fn=fn)
+    p = args_.client(sub, "events", "a job's events, a page at a time (through the API, no JetStream consumer)")
+    p.add_argument("job")
+    p.add_argument("--after", type=int, default=0, help="stream sequence to start after (the last page's `next`)")
+    p.add_argument("--after-step", type=int, help="leave out progress and samples up to this step")
+    p.add_argument("--limit", type=int, default=1000, help="events to print at most")
+    p.set_defaults(fn=cmd_events)

@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import logging
+import os
 import shlex
+import socket
 import sys
 from pathlib import Path
 
 from services.bus import BusOptions
+from services.cli import args as args_
 from services.cli.client import EXIT_FAILED, EXIT_OK
 from services.runtime import StartupError, embedded_if_needed, serve
 
@@ -154,3 +158,76 @@ def _leaves(error: BaseException) -> list[BaseException]:
     if isinstance(error, BaseExceptionGroup):
         return [leaf for e in error.exceptions for leaf in _leaves(e)]
     return [error]
+
+
+def register(sub: args_.SubCommands) -> None:
+    """up, scheduler, dashboard, agent (the artifact service is `artifacts` with no action: see cli/artifacts.py)."""
+    p = args_.service(sub, "up", "embedded NATS + scheduler + artifact service + a local agent + the dashboard")
+    agent_flags(p)
+    args_.dataset_limits(p)
+    scheduler_flags(p)
+    dashboard_flags(p)
+    p.set_defaults(fn=lambda a: run_service(a, run_all))
+    p = args_.service(sub, "scheduler", "run the scheduler")
+    scheduler_flags(p)
+    p.set_defaults(fn=lambda a: run_service(a, run_scheduler))
+    p = args_.service(sub, "dashboard", "serve the live dashboard page")
+    dashboard_flags(p)
+    p.set_defaults(fn=lambda a: run_service(a, run_dashboard, owns_resources=False))
+    p = args_.service(sub, "agent", "run a node agent")
+    agent_flags(p)
+    p.set_defaults(fn=lambda a: run_service(a, run_agent, owns_resources=False))
+
+
+def agent_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--node", default=os.environ.get("JETLORA_NODE", socket.gethostname().split(".")[0]))
+    p.add_argument("--work-dir")
+    p.add_argument("--offer-cpu", action="store_true", help="train on this node's CPU too (no GPU needed)")
+    p.add_argument("--simulate-gpus", help="report simulated GPUs of these MiB, e.g. 24576,24576 (tests)")
+    p.add_argument("--trainer-command", help="the trainer to run (default: this Python's `-m trainer`); "
+                                              "an engine's Python goes here, e.g. '/opt/vllm/bin/python -m trainer'")
+    p.add_argument("--engine", action="append", default=_env_list("JETLORA_ENGINES", ";"),
+                   help="a serving engine here, which loads the registry's adapters of its model: vllm=URL, "
+                        "vllm-dir=DIR[,URL] (vLLM's filesystem resolver) or llamacpp=DIR[,URL] (repeat; env "
+                        "JETLORA_ENGINES, ';' between)")
+    p.add_argument("--engine-model", action="append", default=_env_list("JETLORA_ENGINE_MODELS", ";"),
+                   help="the base model (catalog name) each --engine serves, in the same order (one: all)")
+    p.add_argument("--engine-max-rank", type=int, default=64, help="the largest LoRA rank the engines take")
+    p.add_argument("--engine-yield", action="append", default=[], metavar="MODE[,KEY=VALUE...]",
+                   help="how training yields to each --engine (one: all): both|compute|memory|off, then poll=S, "
+                        "timeout=S, holdoff=S, kv=FRACTION, devices=0+1, exempt=PRIORITY "
+                        "(default: both,poll=0.2,timeout=1,holdoff=2,kv=0.9)")
+    p.add_argument("--engine-restart", default="", help="llama.cpp: a command that restarts llama-server with the "
+                                                        "placed adapters ($JETLORA_ADAPTER_PATH)")
+    p.add_argument("--model", action="append", default=_env_list("JETLORA_MODELS", ":"),
+                   help="a base model directory on this node (repeat; or JETLORA_MODELS=DIR:DIR): its shape goes "
+                        "into heartbeats, so jobs with gpu_mib 0 are sized for it")
+    p.add_argument("--dataset-cache-mib", type=int, default=20480,
+                   help="disk kept for datasets and their tokenized copies, least recently used evicted first")
+
+
+def _env_list(variable: str, separator: str) -> list[str]:
+    return [item for item in os.environ.get(variable, "").split(separator) if item]
+
+
+def scheduler_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--misses", type=int, default=3, help="heartbeats missed before a node counts as gone")
+    p.add_argument("--quota", action="append", default=[], metavar="TENANT=queued:N,devices:M",
+                   help="what one tenant may hold at once (repeat for each tenant)")
+    p.add_argument("--default-quota", default="", metavar="queued:N,devices:M",
+                   help="the quota of tenants without their own --quota (default: none)")
+    p.add_argument("--reclaim-pause-priority", type=int, default=0,
+                   help="jobs at or below this priority pause when their GPU's serving engine wants memory back")
+    p.add_argument("--retention-days", type=float, default=30.0,
+                   help="finished jobs' records and events are removed this long after they end (0: kept forever)")
+    p.add_argument("--retention-artifacts", action="store_true", help="and their artifacts with them")
+    p.add_argument("--finished-in-memory-s", type=float, default=600.0,
+                   help="a finished job stays in the scheduler's memory this long; then it is read from the store")
+    p.add_argument("--idempotency-hours", type=float, default=24.0,
+                   help="a submission's idempotency key returns its first job for this long")
+
+
+def dashboard_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--ws", dest="ws_url", default=os.environ.get("NATS_WS_URL"),
+                   help="NATS websocket URL the page connects to (env NATS_WS_URL)")
+    p.add_argument("--port", type=int, default=8222, help="the dashboard's HTTP port on 127.0.0.1")
