@@ -11,7 +11,8 @@ import ssl
 import urllib.parse
 from dataclasses import dataclass
 from collections.abc import Awaitable, Callable, Coroutine
-from typing import Any, TypeVar
+from types import UnionType
+from typing import Any, TypeVar, overload
 
 import msgspec
 import nats
@@ -59,7 +60,7 @@ class BusOptions:
                 kw["default"] = argparse.SUPPRESS
                 return add(*a, **kw)
 
-            g.add_argument = g_add
+            g.add_argument = g_add  # type: ignore[method-assign]  # every flag of this group defaults to unset
         g.add_argument("--nats", dest="nats_url", default=os.environ.get("NATS_URL"),
                        help="server URL, or several comma-separated for a cluster (env NATS_URL); "
                             "none: start an embedded nats-server")
@@ -121,7 +122,8 @@ async def connect(opts: BusOptions, service: bool = True) -> Client:
     async def on_reconnect():
         log.info("reconnected to NATS")
 
-    kwargs = dict(servers=[u.strip() for u in opts.url.split(",") if u.strip()], name=opts.name, max_reconnect_attempts=-1, reconnect_time_wait=0.5,
+    url = opts.url or ""
+    kwargs: dict[str, Any] = dict(servers=[u.strip() for u in url.split(",") if u.strip()], name=opts.name, max_reconnect_attempts=-1, reconnect_time_wait=0.5,
                   error_cb=on_error, disconnected_cb=on_disconnect, reconnected_cb=on_reconnect,
                   connect_timeout=5)
     if not service:
@@ -150,7 +152,7 @@ async def ensure_resources(nc: Client, replicas: int = 1) -> None:
                          storage=StorageType.FILE, num_replicas=replicas, allow_direct=True, duplicate_window=120)
     for config in (stream, index):  # the index keeps what retention keeps: its entries go with their jobs
         try:
-            await js.stream_info(config.name)
+            await js.stream_info(str(config.name))
         except NotFoundError:
             try:
                 await js.add_stream(config)
@@ -185,7 +187,7 @@ async def publish_durably(js, subject: str, payload: bytes, msg_id: str, give_up
 
 
 @functools.cache
-def _decoder(reply_type) -> msgspec.json.Decoder:
+def _decoder(reply_type: Any) -> msgspec.json.Decoder:
     return msgspec.json.Decoder(reply_type)
 
 
@@ -202,9 +204,16 @@ class PayloadTooLarge(RequestError):
         self.size, self.limit = size, limit
 
 
-async def request(nc: Client, subject: str, message, reply_type: type[T], timeout: float = DEFAULT_TIMEOUT) -> T:
-    """Send a Struct as JSON, decode the reply as reply_type; errors say which subject failed."""
-    payload = message if isinstance(message, (bytes, bytearray)) else msgspec.json.encode(message)
+@overload
+async def request(nc: Client, subject: str, message: Any, reply_type: type[T], timeout: float = ...) -> T: ...
+@overload
+async def request(nc: Client, subject: str, message: Any, reply_type: UnionType, timeout: float = ...) -> Any: ...
+
+
+async def request(nc: Client, subject: str, message: Any, reply_type: Any, timeout: float = DEFAULT_TIMEOUT) -> Any:
+    """Send a Struct as JSON, decode the reply as reply_type (a type, or a union of tagged Structs); errors say
+    which subject failed."""
+    payload = bytes(message) if isinstance(message, (bytes, bytearray)) else msgspec.json.encode(message)
     try:
         for pause in NO_RESPONDER_RETRIES:  # a service that just (re)started may not be subscribed yet
             try:
@@ -253,7 +262,7 @@ class Concurrently:
 def handler(serve: Callable[..., Awaitable[Any]], request_type: type[T] | None = None, *,
             parse: Callable[[bytes], T] | None = None,
             invalid: Callable[[list[FieldError]], Any] = as_error,
-            with_subject: bool = False) -> Callable[[Any], Awaitable[str | None]]:
+            with_subject: bool = False) -> Callable[[Any], Awaitable[Any]]:
     """One way to answer a request: decode it (a cached decoder of request_type, or `parse`), answer
     `invalid(errors)` when it does not hold, else `await serve(request)` (`serve(request, subject)` with
     with_subject, for endpoints whose subject carries a token), and encode the reply.
@@ -298,7 +307,7 @@ def error_text(reply: object) -> str | None:
     return " ".join(text.split())[:1024]  # a header value holds no line breaks
 
 
-async def add_endpoint(group: Group, name: str, answer: Callable[[Any], Awaitable[str | None]],
+async def add_endpoint(group: Group, name: str, answer: Callable[[Any], Awaitable[Any]],
                        subject: str | None = None, *, concurrently: Concurrently | None = None) -> None:
     """Serve `answer` (a handler()) as a micro endpoint whose error replies count in $SRV.STATS; with
     `concurrently`, requests are answered at once, each in its own task, up to its limit.

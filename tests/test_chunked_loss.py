@@ -8,7 +8,8 @@ import torch
 from tests.conftest import spec_for
 from trainer import data, model as base
 from trainer.chunked_loss import IGNORE, chunked_cross_entropy
-from trainer.loop import batch_loss, lora_model, output_head
+from trainer.loop import batch_loss, output_head
+from trainer.setup import lora_model
 
 
 def plain(hidden, weight, targets, scale=1.0):

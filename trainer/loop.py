@@ -9,25 +9,21 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from accelerate.utils import set_seed
-from peft import get_peft_model
-from transformers import get_scheduler
 
 from schemas.events import Checkpoint, Finished, Progress, Started, TrainerSpec
-from trainer import data, model as base
-from trainer.adapter_init import initial_weights, lora_config, save_plain_lora
+from trainer import data
+from trainer.adapter_init import save_plain_lora
 from trainer.best import BestEval
-from trainer.checkpoints import resume, save_adapter, save_checkpoint
+from trainer.checkpoints import save_adapter, save_checkpoint
 from trainer.chunked_loss import DEFAULT_CHUNK_TOKENS, chunked_cross_entropy
 from trainer.distributed import World
 from trainer.errors import JobError
-from trainer.events import emit, mute
-from trainer.optimizers import make_optimizer
-from trainer.samples import sample_prompts, samples_event
+from trainer.events import emit
+from trainer.samples import samples_event
+from trainer.setup import Run, prepare
 from trainer.signals import Signals
 from trainer.tensorboard_log import NoLog, TensorBoardLog
 from trainer.trackers import RunLogs
-from trainer.tokenize import job_data
 
 
 def peak_mib(device: str) -> float:
@@ -90,29 +86,6 @@ def evaluate(model, batches, device, autocast_dtype, chunk_tokens: int = DEFAULT
     return total / max(count, 1)
 
 
-def lora_model(model, spec: TrainerSpec, device: str = "cpu"):
-    lo = spec.request.lora
-    present = {name.rsplit(".", 1)[-1] for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
-    missing = [t for t in lo.target_modules if t not in present]
-    if missing:
-        raise JobError(f"lora.target_modules {missing} are not linear layers of this model; it has {sorted(present)}")
-    return get_peft_model(model, lora_config(lo, device))
-
-
-@dataclass
-class Plan:
-    steps: int
-    per_epoch: int
-    warmup: int
-
-
-def plan(n_batches: int, t) -> Plan:
-    per_epoch = max(1, math.ceil(n_batches / t.grad_accum))
-    steps = t.max_steps or max(1, math.ceil(t.epochs * per_epoch))
-    warmup = t.warmup_steps or math.ceil(t.warmup_ratio * steps)
-    return Plan(steps, per_epoch, min(warmup, steps))
-
-
 def agree(signals: Signals, world: World) -> bool:
     """Whether to end after this step, the same on every rank: a stop or pause asked of one rank is asked of all."""
     if world.size > 1:
@@ -122,140 +95,123 @@ def agree(signals: Signals, world: World) -> bool:
 
 
 def train(spec: TrainerSpec, signals: Signals | None = None) -> Finished:
-    t = spec.request.train
-    device = spec.device if spec.device == "cpu" or torch.cuda.is_available() else "cpu"
-    world = World.from_env(device)
-    if not world.main:
-        mute()
-    set_seed(t.seed)
-    dtype = base.pick_dtype(t.precision, device)
-    tokenizer, model = base.load(spec.request.base_dir, device, dtype, spec.request.quantization)
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-
-    if not world.main:  # rank 0 tokenizes into the node's cache; the others read it from there
-        world.barrier()
-    train_set, eval_set = job_data(spec, tokenizer)
-    if world.main:
-        world.barrier()
-    if not len(train_set):
-        raise JobError("no training examples are left after the eval split; lower train.eval_fraction")
-    eval_batches = data.make_batches(eval_set, t, pad_id, 0, world.rank, world.size)
-    batches = data.make_batches(train_set, t, pad_id, 0, world.rank, world.size)
-    p = plan(len(batches), t)
-
-    if t.gradient_checkpointing:
-        model.gradient_checkpointing_enable()
-        model.enable_input_require_grads()
-    model = lora_model(model, spec, device)
-    initial = initial_weights(model, spec.request.lora)  # pissa, loftq: saved as a plain LoRA of the original base
-    model.train()
-    params = [q for q in model.parameters() if q.requires_grad]
-    world.same_start(params)
-    optimizer = make_optimizer(params, t, device)
-    scheduler = get_scheduler(t.lr_scheduler, optimizer, num_warmup_steps=p.warmup, num_training_steps=p.steps)
-    autocast_dtype = dtype if device == "cuda" else torch.float32
-    scaler = torch.amp.GradScaler("cuda") if dtype == torch.float16 else None
-    out_dir = Path(spec.out_dir)
+    """Train the spec's job to its end, a stop, a pause or early stopping; publish events as it goes."""
+    run = prepare(spec)
+    t, world, at = spec.request.train, run.world, run.at
     signals = signals or Signals()
-    best = BestEval(t.early_stopping_patience, t.early_stopping_min_delta,
-                    keep=bool(eval_batches) if t.keep_best is None else t.keep_best)
-    prompts = sample_prompts(t.sample_prompts, tokenizer, eval_set, train_set)
+    board = (RunLogs(TensorBoardLog(run.out_dir / "tensorboard", carried_from=Path(spec.resume_from) if spec.resume_from
+                                    else None), spec, run.out_dir) if world.main else NoLog())
 
     def publish(event) -> None:
         emit(event)
         board.progress(event) if isinstance(event, Progress) else board.samples(event)
 
-    step, tokens, epoch, skip = 0, 0, 0, 0
-    resumed = ""
-    if spec.resume_from:
-        state = resume(model, optimizer, scheduler, Path(spec.resume_from))
-        step, tokens, epoch, skip = state["step"], state.get("tokens", 0), state["epoch"], state["batch_in_epoch"]
-        best.load(state["best"])
-        resumed = f", resumed from step {step}"
-    board = (RunLogs(TensorBoardLog(out_dir / "tensorboard", carried_from=Path(spec.resume_from) if spec.resume_from
-                                    else None), spec, out_dir) if world.main else NoLog())
-    on = f"{world.size} x {device}" if world.size > 1 else device
-    emit(Started(steps=p.steps, examples=len(train_set), eval_examples=len(eval_set), device=on,
-                 message=f"training {p.steps} steps on {on} ({len(train_set)} examples, "
-                         f"{len(batches)} batches/epoch){resumed}"))
-    if prompts and step == 0 and world.main:
-        publish(samples_event(model, tokenizer, prompts, device, t.sample_max_tokens, step, base=True))
-    if device == "cuda":
+    def samples(base: bool = False) -> None:
+        publish(samples_event(run.model, run.tokenizer, run.prompts, run.device, t.sample_max_tokens, at.step, base=base))
+
+    announce(run)
+    if run.prompts and at.step == 0 and world.main:
+        samples(base=True)  # what the base model answers, before any step
+    if run.device == "cuda":
         torch.cuda.reset_peak_memory_stats()
     start = time.monotonic()
     window_loss, window_count = 0.0, 0
     eval_loss, paused = None, None
     early = ""
-    while step < p.steps and not agree(signals, world) and not early:
-        if epoch > 0:
-            batches = data.make_batches(train_set, t, pad_id, epoch, world.rank, world.size)
-        first_batch, skip = skip, 0  # a resumed run starts mid-epoch, where its checkpoint was
+    while at.step < run.plan.steps and not agree(signals, world) and not early:
+        batches = run.batches if at.epoch == 0 else data.make_batches(run.train_set, t, run.pad_id, at.epoch,
+                                                                       world.rank, world.size)
+        first_batch, at.batch_in_epoch = at.batch_in_epoch, 0  # a resumed run starts mid-epoch, where it stopped
         for first in range(first_batch, len(batches), t.grad_accum):
-            group = [b.to(device) for b in batches[first:first + t.grad_accum] if b is not None]
-            n_targets, = world.sum(sum(int((b.targets != data.IGNORE).sum()) for b in group))
-            step_loss, step_tokens = 0.0, 0
-            for b in group:  # accumulate: the mean over every target token of the step, on every rank
-                loss, _ = batch_loss(model, b, autocast_dtype, t.loss_chunk_tokens)
-                loss = loss / max(n_targets, 1)
-                (scaler.scale(loss) if scaler else loss).backward()
-                step_loss += float(loss.detach())
-                step_tokens += b.tokens
-            step_loss, step_tokens = world.sum(step_loss, step_tokens)
-            tokens += int(step_tokens)
-            world.sum_grads(params)
-            if not math.isfinite(step_loss):
-                raise JobError(f"the loss became {step_loss} at step {step + 1}; lower train.learning_rate "
-                               f"(now {t.learning_rate}) or check the data")
-            if scaler:
-                scaler.unscale_(optimizer)
-            grad_norm = float(torch.nn.utils.clip_grad_norm_(params, t.max_grad_norm or float("inf")))
-            lr = scheduler.get_last_lr()[0]
-            if scaler:
-                scaler.step(optimizer)
-                scaler.update()
-            else:
-                optimizer.step()
-            scheduler.step()
-            optimizer.zero_grad(set_to_none=True)
-            step += 1
+            step_loss, grad_norm, lr = optimizer_step(run, batches[first:first + t.grad_accum])
+            at.step += 1
             window_loss, window_count = window_loss + step_loss, window_count + 1
-            position = (epoch, min(first + t.grad_accum, len(batches)))  # where the next step starts
+            position = (at.epoch, min(first + t.grad_accum, len(batches)))  # where the next step starts
 
-            last = agree(signals, world) or step >= p.steps
-            evaluating = eval_batches and ((t.eval_steps and step % t.eval_steps == 0) or last)
-            if evaluating:
-                eval_loss = evaluate(model, eval_batches, device, autocast_dtype, t.loss_chunk_tokens, world)
-                best.observe(step, eval_loss, model)
-                board.evaluation(step, eval_loss)
-                if best.should_stop:
-                    early, last = best.why_stopped(t.early_stopping_min_delta), True
-                if prompts and world.main:
-                    publish(samples_event(model, tokenizer, prompts, device, t.sample_max_tokens, step))
-            if step % t.logging_steps == 0 or last:
+            last = agree(signals, world) or at.step >= run.plan.steps
+            if run.eval_batches and ((t.eval_steps and at.step % t.eval_steps == 0) or last):
+                eval_loss, early = evaluation(run, board)
+                last = last or bool(early)
+                if run.prompts and world.main:
+                    samples()
+            if at.step % t.logging_steps == 0 or last:
                 elapsed = time.monotonic() - start
-                publish(Progress(step=step, steps=p.steps, epoch=epoch + position[1] / len(batches),
-                                 loss=window_loss / window_count, lr=lr, grad_norm=grad_norm, tokens=tokens,
-                                 tokens_per_s=tokens / elapsed if elapsed > 0 else None, elapsed_s=elapsed,
-                                 eta_s=elapsed / step * (p.steps - step), peak_mib=peak_mib(device),
+                publish(Progress(step=at.step, steps=run.plan.steps, epoch=at.epoch + position[1] / len(batches),
+                                 loss=window_loss / window_count, lr=lr, grad_norm=grad_norm, tokens=at.tokens,
+                                 tokens_per_s=at.tokens / elapsed if elapsed > 0 else None, elapsed_s=elapsed,
+                                 eta_s=elapsed / at.step * (run.plan.steps - at.step), peak_mib=peak_mib(run.device),
                                  eval_loss=eval_loss, message=early))
                 window_loss, window_count = 0.0, 0
             paused = last and signals.pause  # as the ranks agreed it: a signal coming later is for no step
-            if world.main and ((t.save_steps and step % t.save_steps == 0 and not last) or paused):
-                path = save_checkpoint(model, optimizer, scheduler, out_dir, step, *position, tokens, best.state())
+            if world.main and ((t.save_steps and at.step % t.save_steps == 0 and not last) or paused):
+                path = save_checkpoint(run.model, run.optimizer, run.scheduler, run.out_dir, at.step, *position,
+                                       at.tokens, run.best.state())
                 board.copy_into(path)
-                emit(Checkpoint(step=step, path=str(path)))
+                emit(Checkpoint(step=at.step, path=str(path)))
             if last:
                 break
         else:
-            epoch += 1
-    if prompts and not eval_batches and world.main:  # what the adapter answers at the end (evaluations did already)
-        publish(samples_event(model, tokenizer, prompts, device, t.sample_max_tokens, step))
+            at.epoch += 1
+    if run.prompts and not run.eval_batches and world.main:  # what the adapter answers at the end
+        samples()
     board.close()
     paused = signals.pause if paused is None else paused
-    finished = finish(model, out_dir, step, p.steps, paused, best, early, save=world.main,
-                      as_lora=lambda m, out: save_plain_lora(m, out, initial, spec.request.lora))
+    finished = finish(run.model, run.out_dir, at.step, run.plan.steps, paused, run.best, early, save=world.main,
+                      as_lora=lambda m, out: save_plain_lora(m, out, run.initial, spec.request.lora))
     world.close()
     return finished
+
+
+def evaluation(run: Run, board) -> tuple[float, str]:
+    """The eval loss now, kept if it is the best so far; and why to stop early ("": go on)."""
+    t, step = run.spec.request.train, run.at.step
+    eval_loss = evaluate(run.model, run.eval_batches, run.device, run.autocast_dtype, t.loss_chunk_tokens, run.world)
+    run.best.observe(step, eval_loss, run.model)
+    board.evaluation(step, eval_loss)
+    return eval_loss, run.best.why_stopped(t.early_stopping_min_delta) if run.best.should_stop else ""
+
+
+def announce(run: Run) -> None:
+    """The Started event: how many steps, on what, from where."""
+    world = run.world
+    on = f"{world.size} x {run.device}" if world.size > 1 else run.device
+    resumed = f", resumed from step {run.resumed_from}" if run.resumed_from is not None else ""
+    emit(Started(steps=run.plan.steps, examples=len(run.train_set), eval_examples=len(run.eval_set), device=on,
+                 message=f"training {run.plan.steps} steps on {on} ({len(run.train_set)} examples, "
+                         f"{len(run.batches)} batches/epoch){resumed}"))
+
+
+def optimizer_step(run: Run, micro_batches: list) -> tuple[float, float, float]:
+    """One optimizer step over its micro-batches (accumulated; on every rank, gradients summed across them):
+    returns the step's loss (the mean over every target token), the gradient norm, and the lr it stepped with."""
+    t, world = run.spec.request.train, run.world
+    group = [b.to(run.device) for b in micro_batches if b is not None]
+    n_targets, = world.sum(sum(int((b.targets != data.IGNORE).sum()) for b in group))
+    step_loss, step_tokens = 0.0, 0
+    for b in group:
+        loss, _ = batch_loss(run.model, b, run.autocast_dtype, t.loss_chunk_tokens)
+        loss = loss / max(n_targets, 1)
+        (run.scaler.scale(loss) if run.scaler else loss).backward()
+        step_loss += float(loss.detach())
+        step_tokens += b.tokens
+    step_loss, step_tokens = world.sum(step_loss, step_tokens)
+    run.at.tokens += int(step_tokens)
+    world.sum_grads(run.params)
+    if not math.isfinite(step_loss):
+        raise JobError(f"the loss became {step_loss} at step {run.at.step + 1}; lower train.learning_rate "
+                       f"(now {t.learning_rate}) or check the data")
+    if run.scaler:
+        run.scaler.unscale_(run.optimizer)
+    grad_norm = float(torch.nn.utils.clip_grad_norm_(run.params, t.max_grad_norm or float("inf")))
+    lr = run.scheduler.get_last_lr()[0]
+    if run.scaler:
+        run.scaler.step(run.optimizer)
+        run.scaler.update()
+    else:
+        run.optimizer.step()
+    run.scheduler.step()
+    run.optimizer.zero_grad(set_to_none=True)
+    return step_loss, grad_norm, lr
 
 
 def finish(model, out_dir: Path, step: int, steps: int, paused: bool, best: BestEval, early: str,

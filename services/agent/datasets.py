@@ -70,7 +70,7 @@ class DatasetCache:
         if info is None:
             raise DatasetUnavailable(f"dataset {ref.name} was deleted after the job was submitted; upload it again "
                                      "(`jetlora datasets put`) and resubmit the job")
-        if info.sha256 != ref.sha256:
+        if info.sha256 != ref.sha256 and ref.sha256 is not None:
             raise DatasetUnavailable(f"dataset {ref.name} was replaced after the job was submitted (it held sha256 "
                                      f"{ref.sha256[:12]}…, now {info.sha256[:12]}…); resubmit the job to train on the "
                                      "new content")

@@ -163,6 +163,7 @@ async def unload(engine: Engine, name: str) -> str:
 
 
 def _placed(engine: Engine, name: str) -> Path:
+    assert engine.directory is not None, f"{engine.label} places no files"
     return engine.directory / (f"{name}.gguf" if engine.kind == "llamacpp" else name)
 
 

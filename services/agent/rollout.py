@@ -17,7 +17,7 @@ import msgspec
 from nats.aio.client import Client
 
 from schemas import names
-from schemas.registry import Alias, AdapterVersion, NodeAdapterStatus, StoredFile
+from schemas.registry import Alias, AdapterVersion, NodeAdapterStatus, NodeState, StoredFile
 from services.agent.engines import Engine, answering, load, restart, smoke, unload
 from services.artifacts.download import fetch_object, safe_extract
 from services.aio import sleep_unless_stopped
@@ -162,7 +162,8 @@ class Rollout:
         tmp.write_text(json.dumps(self.loaded))
         tmp.replace(self.state_file)
 
-    async def _report(self, engine: Engine, name: str, version: int, state: str, message: str, checked=None) -> None:
+    async def _report(self, engine: Engine, name: str, version: int, state: NodeState, message: str,
+                      checked=None) -> None:
         status = NodeAdapterStatus(name=name, version=version, node=self.node, engine=engine.label, state=state,
                                    message=message, smoke=checked, updated=time.time())
         log.info("adapter %s@%d on %s: %s %s", name, version, engine.label, state, message)

@@ -79,9 +79,15 @@ class TrainerRun:
         tail = " | ".join(self.stderr_tail)
         return Failed(message=f"training process exited unexpectedly (exit code {code})" + (f": {tail}" if tail else ""))
 
+    @property
+    def _lead(self) -> asyncio.subprocess.Process:
+        """Rank 0's process, once started."""
+        assert self.proc is not None, "the trainer has not started"
+        return self.proc
+
     async def _start(self, spec_path: Path, env: dict[str, str], rank: int) -> asyncio.subprocess.Process:
         """Rank 0 leads a new process group; the other ranks join it, so one signal reaches them all."""
-        group = 0 if rank == 0 else self.proc.pid
+        group = 0 if rank == 0 else self._lead.pid
         return await asyncio.create_subprocess_exec(
             *die_with_parent([*self.command, str(spec_path)], signal.SIGKILL), stdout=asyncio.subprocess.PIPE if rank == 0 else asyncio.subprocess.DEVNULL,
             stderr=asyncio.subprocess.PIPE, stdin=asyncio.subprocess.DEVNULL, cwd=self.workdir,
@@ -108,15 +114,16 @@ class TrainerRun:
                         self.spec.job, self.ranks - 1, RANKS_END_S)
 
     async def _end_all(self) -> None:
-        if any(p.returncode is None for p in [self.proc, *self.others]):
+        if any(p.returncode is None for p in [self._lead, *self.others]):
             self._signal(signal.SIGKILL)
-            for p in [self.proc, *self.others]:
+            for p in [self._lead, *self.others]:
                 await p.wait()
 
     async def _read_events(self, on_event) -> Finished | Failed | None:
         """Pass the trainer's events on as they come; the final one (Finished or Failed) is returned."""
         final = None
-        async for line in self.proc.stdout:
+        assert self._lead.stdout is not None  # rank 0's is a pipe
+        async for line in self._lead.stdout:
             line = line.strip()
             if not line.startswith(b"{"):
                 continue
@@ -132,6 +139,7 @@ class TrainerRun:
         return final
 
     async def _read_stderr(self, proc: asyncio.subprocess.Process, rank: int) -> None:
+        assert proc.stderr is not None  # every rank's is a pipe
         async for line in proc.stderr:
             text = line.decode(errors="replace").rstrip()
             if text:
@@ -173,7 +181,7 @@ class TrainerRun:
         """The whole process group: every rank, and their data loaders and compilers."""
         if any(p.returncode is None for p in [self.proc, *self.others] if p):
             try:
-                os.killpg(self.proc.pid, sig)
+                os.killpg(self._lead.pid, sig)
             except ProcessLookupError:
                 pass
 

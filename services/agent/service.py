@@ -16,12 +16,13 @@ from nats.aio.client import Client
 from schemas import names
 from schemas.events import (Cancelled, Checkpoint, DataFile, Failed, Finished, Preparing, Progress, Samples, Started,
                             StateChange, TrainerSpec)
-from schemas.jobs import ArtifactRef, CheckpointInfo, DatasetRef, JobId, JobState
+from schemas.jobs import ArtifactRef, CheckpointInfo, DatasetRef, JobState
 from schemas.nodes import (CPU_DEVICE, AssignAccepted, AssignRefused, Assignment, Control, ControlReply, Device,
                            Heartbeat, Reclaim, ReclaimReply, on_devices)
-from services import __version__, bus
-from services.aio import cancel_and_wait, sleep_unless_stopped
+from services import bus
+from services.aio import cancel_and_wait
 from services.bus import publish_durably
+from services.agent import heartbeats
 from services.agent.admission import refusal
 from services.agent.datasets import DatasetCache, DatasetUnavailable, LocalDataset
 from services.agent.devices import DeviceProbe
@@ -36,7 +37,6 @@ from services.procs import end_leftovers
 
 log = logging.getLogger(__name__)
 _enc = msgspec.json.Encoder()
-FINISHED_KEPT_S = 60.0  # how long a finished job stays listed in heartbeats
 SHUTDOWN_PUBLISH_S = 5.0  # how long a state published while shutting down is retried (NATS may be gone)
 
 
@@ -104,7 +104,7 @@ class Agent:
                 await self.nc.subscribe(subjects.reclaim, cb=on_reclaim)]
         await self.nc.flush()
         log.info("agent %s up with %d device(s)", self.cfg.node, len(self.devices))
-        beat = asyncio.create_task(self._heartbeats(stop))
+        beat = asyncio.create_task(heartbeats.every_interval(self, stop))
         rollout = asyncio.create_task(Rollout(self.nc, self.cfg.node, self.cfg.engines, self.cfg.work_dir).run(stop))
         yielding = asyncio.create_task(self.yielder.run(stop))
         await stop.wait()
@@ -136,34 +136,13 @@ class Agent:
         await self._beat()  # one last heartbeat that says we are draining
         await cancel_and_wait([beat])
 
-    # --- heartbeats ------------------------------------------------------------------------------
+    # --- heartbeats (services/agent/heartbeats.py) ---------------------------------------------------
     def heartbeat(self, read: tuple[list[Device], str] | None = None) -> Heartbeat:
         """This node's heartbeat, from `read` (what probe.read() returned) or a fresh read."""
-        devices, self.no_gpu_reason = read or self.probe.read()
-        on: dict[int, list[JobId]] = {}
-        for job_id, run in self.jobs.items():
-            for index in run.devices:
-                on.setdefault(index, []).append(job_id)
-        self.devices = devices = [msgspec.structs.replace(d, jobs=on.get(d.index, []), reclaim_mib=self.reclaim.get(d.index, 0))
-                                  for d in devices]
-        now = time.time()
-        self.finished = {j: t for j, t in self.finished.items() if now - t < FINISHED_KEPT_S}
-        return Heartbeat(node=self.cfg.node, agent_version=__version__, devices=devices, offers_cpu=self.cfg.offer_cpu,
-                         no_gpu_reason=self.no_gpu_reason, running=list(self.jobs), finished=list(self.finished),
-                         interval_s=self.cfg.heartbeat_interval, sent_at=now, draining=self.draining,
-                         models=self.models, engines=self.yielder.loads())
+        return heartbeats.compose(self, read or self.probe.read())
 
     async def _beat(self) -> None:
-        try:
-            read = await asyncio.to_thread(self.probe.read)  # NVML may block: not on the event loop
-            await self.nc.publish(names.node(self.cfg.node).heartbeat, _enc.encode(self.heartbeat(read)))
-        except Exception as e:  # disconnected: the client buffers and reconnects
-            log.warning("heartbeat not sent: %s", e)
-
-    async def _heartbeats(self, stop: asyncio.Event) -> None:
-        while not stop.is_set():
-            await self._beat()
-            await sleep_unless_stopped(stop, self.cfg.heartbeat_interval)
+        await heartbeats.send(self)
 
     # --- assignments -----------------------------------------------------------------------------
     async def _on_assign(self, a: Assignment) -> AssignAccepted | AssignRefused:
@@ -257,7 +236,7 @@ class Agent:
                 return
             await self._report(run, "uploading", f"{result.message or 'trained'}; storing the artifacts")
             artifacts = await ship_results(self.nc, self.cfg.node, a, result, job_dir / "out")
-            final = "stopped" if result.state == "stopped" else "succeeded"
+            final: JobState = "stopped" if result.state == "stopped" else "succeeded"
             stored = ", ".join(r.name for r in artifacts)
             await self._report(run, final, f"{result.message or result.state}; stored {stored}{run.yielded.summary()}",
                                artifacts)

@@ -11,7 +11,7 @@ from pathlib import Path
 import msgspec
 from nats.aio.client import Client
 
-from schemas.artifacts import ArtifactMeta
+from schemas.artifacts import ArtifactKind, ArtifactMeta
 from schemas.events import Checkpoint, Finished, Progress
 from schemas.jobs import ArtifactRef, CheckpointInfo
 from schemas.nodes import Assignment
@@ -38,7 +38,7 @@ def _meta(a: Assignment, filename: str, **more) -> ArtifactMeta:
                         filename=filename, attempt=a.attempt, **more)
 
 
-async def _upload(nc: Client, node: str, a: Assignment, kind: str, path: Path, meta: ArtifactMeta) -> ArtifactRef:
+async def _upload(nc: Client, node: str, a: Assignment, kind: ArtifactKind, path: Path, meta: ArtifactMeta) -> ArtifactRef:
     info = await upload_file(nc, node, a.job, kind, path, meta)
     return ArtifactRef(kind=kind, name=info.name, size=info.size, sha256=info.sha256)
 
@@ -68,11 +68,12 @@ async def ship_results(nc: Client, node: str, a: Assignment, result: Finished, o
         board_tar = out_dir / "tensorboard.tar.gz"
         await asyncio.to_thread(tar_dir, board, board_tar)
         files.append(("tensorboard", board_tar, msgspec.structs.replace(meta, filename=f"{a.job}-tensorboard.tar.gz")))
-    return [await _upload(nc, node, a, kind, path, m) for kind, path, m in files]
+    return [await _upload(nc, node, a, kind, path, m) for kind, path, m in files]  # type: ignore[arg-type]
 
 
 async def fetch_checkpoint(nc: Client, a: Assignment, job_dir: Path) -> Path:
     """The checkpoint named in the assignment, unpacked into the job's directory."""
     archive = job_dir / "resume.tar.gz"
+    assert a.resume_from is not None, "only an assignment that resumes has a checkpoint to fetch"
     await download_named(nc, a.resume_from, archive)
     return await asyncio.to_thread(safe_extract, archive, job_dir / "resume")

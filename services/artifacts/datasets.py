@@ -63,8 +63,10 @@ class DatasetSink:
             stats = self.checker.finish()
         except DatasetInvalid as e:
             raise Refused(str(e)) from None
-        self.writer.info.headers.update(dataset_headers(sha256, stats, self.tenants, self.owner))
-        return dataset_from_object(await self.writer.commit(digest))
+        self.writer.headers.update(dataset_headers(sha256, stats, self.tenants, self.owner))
+        stored = dataset_from_object(await self.writer.commit(digest))
+        assert stored is not None  # it carries jetlora's dataset headers
+        return stored
 
 
 class DatasetStore:

@@ -40,7 +40,7 @@ async def stored_name(obs, job: str, kind: str) -> str:
     mine = [a for a in map(info_from_object, objects) if a and a.job == job and a.kind == kind and a.step is not None]
     if not mine:
         raise DownloadError(f"no checkpoint for job {job}; `jetlora artifacts ls --job {job}` lists what it has")
-    return max(mine, key=lambda a: a.step).name
+    return max(mine, key=lambda a: a.step or 0).name
 
 
 async def download(nc: Client, job: str, kind: str, output: str | os.PathLike) -> ArtifactInfo:

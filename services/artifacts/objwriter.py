@@ -8,6 +8,8 @@ the object visible, is published only by commit(); abort() purges the chunks wri
 
 from __future__ import annotations
 
+from typing import Any
+
 import asyncio
 import base64
 import json
@@ -29,8 +31,10 @@ class ObjectWriter:
                  window: int = 16) -> None:
         self.js, self.bucket, self.name = js, bucket, name
         self.nuid = _nuid.next().decode()
+        self.headers: dict[str, Any] = headers or {}  # what the object's meta will carry (callers may add to it)
+        self.size = self.chunks = self.max_chunk_size = 0
         self.info = api.ObjectInfo(name=name, bucket=bucket, nuid=self.nuid, size=0, chunks=0, description=description,
-                                   headers=headers or {}, options=api.ObjectMetaOptions(max_chunk_size=0))
+                                   headers=self.headers, options=api.ObjectMetaOptions(max_chunk_size=0))
         self.store = names.objects(bucket)
         self.subject = self.store.chunks(self.nuid)
         self.window = window
@@ -41,9 +45,9 @@ class ObjectWriter:
         if not data:
             return
         self.pending.append(await self.js.publish_async(self.subject, data))
-        self.info.size += len(data)
-        self.info.chunks += 1
-        self.info.options.max_chunk_size = max(self.info.options.max_chunk_size, len(data))  # what readers size for
+        self.size += len(data)
+        self.chunks += 1
+        self.max_chunk_size = max(self.max_chunk_size, len(data))  # what readers size their reads for
         while len(self.pending) >= self.window:
             await self.pending.popleft()
 
@@ -59,6 +63,8 @@ class ObjectWriter:
             old = await store.get_info(self.name)
         except NotFoundError:
             old = None
+        self.info.size, self.info.chunks, self.info.headers = self.size, self.chunks, self.headers
+        self.info.options = api.ObjectMetaOptions(max_chunk_size=self.max_chunk_size)
         self.info.mtime = datetime.now(timezone.utc).isoformat()
         self.info.digest = "SHA-256=" + base64.urlsafe_b64encode(sha256).decode()
         await self.js.publish(self.store.meta(self.name), json.dumps(self.info.as_dict()).encode(),

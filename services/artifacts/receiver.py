@@ -12,7 +12,7 @@ import logging
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Generic, Protocol, TypeVar
 
 import msgspec
 
@@ -31,6 +31,20 @@ class Refused(Exception):
     """A sink refuses the upload: the reason goes back to the sender and nothing is stored."""
 
 
+class AnyChunk(Protocol):
+    """What every kind of chunk message holds (schemas.artifacts.Chunk, schemas.datasets.DatasetChunk)."""
+
+    upload: str
+    seq: int
+    data: bytes
+    last: bool
+    sha256: str
+    size: int
+
+
+C = TypeVar("C", bound=AnyChunk)
+
+
 class Sink(Protocol):
     writer: ObjectWriter
     what: str  # for logs: "gguf artifact of job X", "dataset chat-v2"
@@ -43,13 +57,13 @@ class Sink(Protocol):
 
 
 @dataclass
-class Upload:
-    chunk0: msgspec.Struct
+class Upload(Generic[C]):
+    chunk0: C
     sink: Sink
     expected: int = 0
     size: int = 0
     digest: "hashlib._Hash" = field(default_factory=hashlib.sha256)
-    ahead: dict[int, tuple[msgspec.Struct, object]] = field(default_factory=dict)
+    ahead: dict[int, tuple[C, Any]] = field(default_factory=dict)
     ahead_bytes: int = 0
     held: list = field(default_factory=list)  # a failed upload's out-of-order chunks, still to be answered
     touched: float = field(default_factory=time.monotonic)
@@ -57,17 +71,17 @@ class Upload:
     aborted: asyncio.Future | None = None
 
 
-class ChunkReceiver:
+class ChunkReceiver(Generic[C]):
     """Turns chunk messages (msgpack, each with upload, seq, data, last, sha256, size) into objects."""
 
-    def __init__(self, chunk_type: type, ack_type: type, target: Callable[[msgspec.Struct], str],
-                 open_sink: Callable[[msgspec.Struct, str], Awaitable[Sink]], stall_timeout: float = 30.0,
+    def __init__(self, chunk_type: type[C], ack_type: type, target: Callable[[C], str],
+                 open_sink: Callable[[C, str], Awaitable[Sink]], stall_timeout: float = 30.0,
                  ahead_mib_per_upload: int = AHEAD_MIB_PER_UPLOAD, ahead_mib_total: int = AHEAD_MIB_TOTAL) -> None:
         """open_sink(first chunk, its subject) -> where the upload goes; raises Refused to refuse it."""
-        self.decoder = msgspec.msgpack.Decoder(chunk_type)
+        self.decoder: msgspec.msgpack.Decoder[C] = msgspec.msgpack.Decoder(chunk_type)
         self.ack_type, self.target, self.open_sink = ack_type, target, open_sink
         self.stall_timeout = stall_timeout
-        self.uploads: dict[str, Upload] = {}
+        self.uploads: dict[str, Upload[C]] = {}
         self.failed: dict[str, tuple[str, float]] = {}  # upload -> reason, kept so late chunks get it
         self.stored = 0
         self.ahead_limit, self.ahead_total_limit = ahead_mib_per_upload << 20, ahead_mib_total << 20
@@ -119,7 +133,7 @@ class ChunkReceiver:
         while up.expected in up.ahead and not up.failed:
             await self._take(up, *self._release(up, up.expected))
 
-    def _over_ahead_limit(self, up: Upload, size: int) -> str:
+    def _over_ahead_limit(self, up: Upload[C], size: int) -> str:
         """Why `size` more bytes out of order is too much (or ''): memory is bounded whatever senders do."""
         if up.ahead_bytes + size > self.ahead_limit:
             return (f"chunk {up.expected} never arrived and the chunks after it exceed the {self.ahead_limit >> 20} MiB "
@@ -129,13 +143,13 @@ class ChunkReceiver:
                     f"{self.ahead_total_limit >> 20} MiB; retry the upload")
         return ""
 
-    def _release(self, up: Upload, seq: int) -> tuple:
+    def _release(self, up: Upload[C], seq: int) -> tuple:
         chunk, msg = up.ahead.pop(seq)
         up.ahead_bytes -= len(chunk.data)
         self.ahead_bytes -= len(chunk.data)
         return chunk, msg
 
-    async def _take(self, up: Upload, chunk, msg) -> None:
+    async def _take(self, up: Upload[C], chunk, msg) -> None:
         up.expected += 1
         up.size += len(chunk.data)
         up.digest.update(chunk.data)
@@ -163,22 +177,23 @@ class ChunkReceiver:
         log.info("upload %s: stored %s (%d bytes)", chunk.upload, up.sink.what, up.size)
         await self._reply(msg, chunk, stored=stored)
 
-    def fail(self, up: Upload, reason: str) -> None:
+    def fail(self, up: Upload[C], reason: str) -> None:
         if up.failed:
             return
         up.failed = reason
         up.held = [self._release(up, seq) for seq in list(up.ahead)]  # their memory goes back now
-        up.aborted = asyncio.ensure_future(up.sink.writer.abort())
-        self._aborts.add(up.aborted)
-        up.aborted.add_done_callback(self._aborts.discard)
+        up.aborted = aborted = asyncio.ensure_future(up.sink.writer.abort())
+        self._aborts.add(aborted)
+        aborted.add_done_callback(self._aborts.discard)
         self.uploads.pop(up.chunk0.upload, None)
         self.failed[up.chunk0.upload] = (reason, time.monotonic())
         log.warning("upload %s of %s failed: %s; nothing was stored", up.chunk0.upload, up.sink.what, reason)
 
-    async def _fail_reply(self, up: Upload, msg, chunk, reason: str) -> None:
+    async def _fail_reply(self, up: Upload[C], msg, chunk, reason: str) -> None:
         self.fail(up, reason)
         try:
-            await up.aborted  # its chunks are purged: no object appears
+            if up.aborted is not None:
+                await up.aborted  # its chunks are purged: no object appears
         except Exception as e:
             log.warning("upload %s: purging its chunks failed: %s", chunk.upload, e)
         await self._reply(msg, chunk, reason)

@@ -15,7 +15,7 @@ import nats.errors
 from nats.aio.client import Client
 
 from schemas import names
-from schemas.artifacts import CHUNK_BYTES, ArtifactInfo, ArtifactMeta, Chunk, ChunkAck
+from schemas.artifacts import CHUNK_BYTES, ArtifactInfo, ArtifactKind, ArtifactMeta, Chunk, ChunkAck
 from schemas.datasets import DatasetChunk, DatasetChunkAck, DatasetInfo, DatasetUpload
 
 log = logging.getLogger(__name__)
@@ -31,7 +31,7 @@ class Refusal(UploadError):
     """The service answered and refused the upload (a bad row, a name taken): sending it again will not help."""
 
 
-async def upload_file(nc: Client, node: str, job: str, kind: str, path: str | os.PathLike, meta: ArtifactMeta | None = None,
+async def upload_file(nc: Client, node: str, job: str, kind: ArtifactKind, path: str | os.PathLike, meta: ArtifactMeta | None = None,
                       window: int = 8, timeout: float = 15.0, attempts: int = 3,
                       chunk_bytes: int = CHUNK_BYTES) -> ArtifactInfo:
     """Upload an artifact of a job this node runs; retried from the start (as a new upload) when the service

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -41,8 +42,9 @@ class ArtifactSink:
 
     async def commit(self, sha256: str, digest: bytes) -> ArtifactInfo:
         key, value = sha256_header(sha256)
-        self.writer.info.headers[key] = value
+        self.writer.headers[key] = value
         stored = info_from_object(await self.writer.commit(digest))
+        assert stored is not None  # it carries jetlora's headers: it is an artifact
         if self.after_commit:
             try:
                 await self.after_commit(stored)
@@ -69,7 +71,7 @@ class ArtifactService:
         self.obs = await self.js.object_store(names.ARTIFACTS_BUCKET)
         self.jobs = JobStore(self.js, await self.js.key_value(names.JOBS_KV))
         views = [asyncio.create_task(v.run(stop)) for v in (self.objects, self.datasets.objects)]
-        limits = dict(pending_msgs_limit=4096, pending_bytes_limit=256 * 1024 * 1024)
+        limits: dict[str, Any] = dict(pending_msgs_limit=4096, pending_bytes_limit=256 * 1024 * 1024)
         subs = [await self.nc.subscribe(names.ARTIFACTS_UPLOAD_ALL, queue="jetlora-artifacts", cb=self.receiver.on_chunk,
                                         **limits),
                 await self.nc.subscribe(names.DATASETS_UPLOAD_ALL, queue="jetlora-datasets",
@@ -129,7 +131,7 @@ class ArtifactService:
         """A job's checkpoints beyond the newest KEEP_CHECKPOINTS are deleted once a new one is stored."""
         mine = [a for a in await self.list_artifacts(ArtifactQuery(job=stored.job, kind="checkpoint"))
                 if a.step is not None]
-        for old in sorted(mine, key=lambda a: a.step, reverse=True)[KEEP_CHECKPOINTS:]:
+        for old in sorted(mine, key=lambda a: a.step or 0, reverse=True)[KEEP_CHECKPOINTS:]:
             await self.obs.delete(old.name)
 
     # --- operators' requests -------------------------------------------------------------------

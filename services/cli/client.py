@@ -28,7 +28,7 @@ class CommandFailed(Exception):
 
 async def ask(nc: Client, subject: str, message, reply_type: type[T], timeout: float = bus.DEFAULT_TIMEOUT) -> T:
     """A request whose `Error` reply ends the command (CommandFailed); any other reply is returned."""
-    reply = await bus.request(nc, subject, message, reply_type | Error, timeout=timeout)
+    reply = await bus.request(nc, subject, message, reply_type | Error, timeout=timeout)  # type: ignore[operator]
     if isinstance(reply, Error):
         raise CommandFailed(reply.error)
     return reply

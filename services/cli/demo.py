@@ -114,7 +114,7 @@ async def run_demo(out_dir: Path, steps: int, keep: bool = False) -> int:
         sched = Scheduler(conns[1], SchedulerConfig())
         arts = ArtifactService(conns[2])
         agent = Agent(conns[3], AgentConfig(node="demo-node", work_dir=out_dir / "agent", offer_cpu=True))
-        dash = Dashboard(conns[4], server.ws_url, port=0)
+        dash = Dashboard(conns[4], server.ws_url or "", port=0)
         tasks += [asyncio.create_task(s.run(stop)) for s in (sched, arts, agent, dash)]
         await asyncio.wait_for(sched.leading.wait(), 15)
         await asyncio.wait_for(dash.ready.wait(), 15)

@@ -46,8 +46,8 @@ def cmd_submit(args) -> int:
         if args.json:
             print(msgspec.json.encode(reply).decode())
         else:
-            for e in reply.errors:
-                print(f"rejected: {e.field or '(request)'}: {printable(e.reason)}", file=sys.stderr)
+            for err in reply.errors:
+                print(f"rejected: {err.field or '(request)'}: {printable(err.reason)}", file=sys.stderr)
         return EXIT_REJECTED
 
     return run_client(args, go)
@@ -103,7 +103,7 @@ def _nodes_table(reply: NodeList) -> None:
 
     t = Table("node", "alive", "device", "free / total MiB", "jobs", "note")
     for n in reply.nodes:
-        for d in n.devices or [None]:
+        for d in [*n.devices] or [None]:  # type: ignore[list-item]  # a node without devices still gets a row
             t.add_row(n.node, "yes" if n.alive else "no", "" if d is None else f"{d.index} {d.name}",
                       "" if d is None else f"{d.free_mib} / {d.total_mib}", "" if d is None else ",".join(d.jobs),
                       cell(n.no_gpu_reason))

@@ -8,6 +8,7 @@ environment (nats-server expands `$VAR` in its config), so the repository holds 
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 
 from schemas import names
 
@@ -29,7 +30,7 @@ def _object_read() -> list[str]:
     return _read_stream(OBJ)
 
 
-def roles(nodes: list[str], tenants: list[str] = ()) -> dict[str, dict]:
+def roles(nodes: list[str], tenants: Sequence[str] = ()) -> dict[str, dict]:
     api = list(names.jobs_api()) + [names.LIST_NODES]  # an admin's
     datasets = [names.DATASETS_UPLOAD_ALL, names.DATASETS.list, names.DATASETS.show] + _read_stream(DATA)
     watch = _read_stream(JOBS)
@@ -88,7 +89,7 @@ def env_var(user: str) -> str:
     return "JETLORA_" + user.upper().replace("-", "_") + "_PASSWORD"
 
 
-def authorization_block(nodes: list[str], tenants: list[str] = ()) -> str:
+def authorization_block(nodes: list[str], tenants: Sequence[str] = ()) -> str:
     lines = ["authorization {", "  users = ["]
     for user, perms in roles(nodes, tenants).items():
         lines.append(f"    {{ user: {json.dumps(user)}, password: ${env_var(user)}, permissions: {{")

@@ -56,6 +56,7 @@ class Dashboard:
 
     async def run(self, stop: asyncio.Event) -> None:
         await self.start()
+        assert self._server is not None
         async with self._server:
             await stop.wait()
 

@@ -30,7 +30,7 @@ class Moved(RegistryError):
 
 def registry_view(js) -> LatestView:
     """Every alias, version and node status of the registry, decoded, kept current by one consumer."""
-    decoders = {"alias": _alias, "version": _version, "node": _status}
+    decoders: dict[str, msgspec.json.Decoder] = {"alias": _alias, "version": _version, "node": _status}
     return kv_view(js, names.ADAPTERS_KV, lambda key, data: decoders[key.partition(".")[0]].decode(data))
 
 

@@ -28,7 +28,7 @@ from services.scheduler.pausing import BY_USER, Pausing
 from services.scheduler.waiting import explain, with_reason
 
 log = logging.getLogger(__name__)
-Handler = Callable[[Any], Awaitable[str | None]]
+Handler = Callable[[Any], Awaitable[Any]]  # bus.handler(): answers, and returns an error reply's description
 
 
 class SchedulerApi:
@@ -44,7 +44,7 @@ class SchedulerApi:
         """(endpoint name, subject under names.API_GROUP, handler, how it runs): an admin's verbs, which see every
         job, and each tenant's (jetlora.api.<tenant>.<verb>), which see the tenant's own. Submissions are answered
         concurrently (each awaits KV writes), at most max_concurrent_submits at once."""
-        verbs = {"cancel": (JobQuery, lambda q, tenant: self._end_early(q, "cancel", tenant)),
+        verbs: dict[str, tuple[type, Callable[..., Awaitable[Any]]]] = {"cancel": (JobQuery, lambda q, tenant: self._end_early(q, "cancel", tenant)),
                  "stop": (JobQuery, lambda q, tenant: self._end_early(q, "stop", tenant)),
                  "job": (JobQuery, self._get_job),
                  "jobs": (JobListQuery, self._list_jobs),
@@ -292,7 +292,7 @@ class SchedulerApi:
                 return Error(f"job {job.id} was just placed; ask again", field="job")
         else:
             try:
-                reply = await bus.request(core.nc, names.node(job.status.node).control, Control(job.id, action),
+                reply = await bus.request(core.nc, names.node(job.status.node or "").control, Control(job.id, action),  # type: ignore[arg-type]
                                           ControlReply, timeout=core.cfg.assign_timeout)
                 if not reply.ok:
                     return Error(reply.message)

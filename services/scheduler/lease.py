@@ -50,7 +50,7 @@ class Lease:
 
     async def holder_now(self) -> str | None:
         try:
-            return (await self.kv.get(LEASE_KEY)).value.decode()
+            return ((await self.kv.get(LEASE_KEY)).value or b"").decode()
         except KeyNotFoundError:
             return None
         except Exception as e:

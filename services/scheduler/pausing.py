@@ -47,7 +47,7 @@ class Pausing:
             why = "is storing its artifacts and ends in a moment" if state == "uploading" else f"is {state}"
             return Error(f"job {job.id} {why}; only queued and running jobs pause", field="job")
         try:
-            reply = await bus.request(core.nc, names.node(job.status.node).control, Control(job.id, "pause", by),
+            reply = await bus.request(core.nc, names.node(job.status.node or "").control, Control(job.id, "pause", by),
                                       ControlReply, timeout=core.cfg.assign_timeout)
         except bus.RequestError as e:
             return Error(f"node {job.status.node} did not answer the pause ({e}); ask again", field="job")

@@ -184,7 +184,8 @@ class Fleet:
 
     def most_devices(self, need_mib: int, accelerator: str, node: str | None = None) -> tuple[int, str | None]:
         """The most devices with need_mib total memory one node has (whether free or not), and that node."""
-        kinds, best = self.kinds(accelerator), (0, None)
+        kinds = self.kinds(accelerator)
+        best: tuple[int, str | None] = (0, None)
         for name, view in self.views(node):
             count = sum(1 for d in view.devices.values() if d.kind in kinds and d.total_mib >= need_mib)
             best = max(best, (count, name), key=lambda b: b[0])

@@ -72,7 +72,7 @@ class Placer:
                     return False
                 for slot in slots:
                     core.fleet.reserve(slot, job_id)
-                held.pop(next((n for n, j in held.items() if j == job_id), None), None)
+                held.pop(next((n for n, j in held.items() if j == job_id), ""), None)
                 holding[tenant] = holding.get(tenant, 0) + len(slots)
                 job.status = msgspec.structs.replace(job.status, node=slots[0][0], device=slots[0][1],
                                                      devices=[i for _, i in slots] if len(slots) > 1 else [])

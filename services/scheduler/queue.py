@@ -43,7 +43,7 @@ class JobQueue:
         full of jobs too big for today's fleet costs a bounded amount per pass (backfill window).
         """
         heap = self._pinned.get(node, []) if node else self._any
-        missed = []
+        missed: list[tuple] = []
         try:
             while heap and len(missed) < window:
                 entry = heapq.heappop(heap)
