@@ -119,9 +119,10 @@ class SchedulerCore:
         self.nc, self.js = nc, nc.jetstream()
         self.cfg = config or SchedulerConfig()
         self.tasks: set[asyncio.Task] = set()
-        self._reset()
+        self.reset()
 
-    def _reset(self) -> None:
+    def reset(self) -> None:
+        """Forget everything held: a scheduler that stops leading starts from the store when it leads again."""
         self.jobs: dict[JobId, Job] = {}
         self.queue = JobQueue()
         self.fleet = Fleet()

@@ -72,7 +72,7 @@ class Scheduler:
             finally:
                 self.leading.clear()
                 await cancel_and_wait(list(core.tasks))
-                core._reset()
+                core.reset()
         await lease.release()
 
     async def _idempotency_bucket(self):
