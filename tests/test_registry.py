@@ -149,3 +149,4 @@ async def test_a_corrupted_or_unservable_adapter_is_refused_on_every_node_with_t
     await serving(nc, "wide", {"a1": (1, "loaded"), "a2": (1, "failed")})
     refusal = {n.node: n.message for n in (await show(nc, "wide")).nodes}["a2"]
     assert "rank 16 is above this engine's max LoRA rank 8" in refusal, (wide, refusal)
+    assert "vLLM with a larger --max-lora-rank" in refusal and "--engine-max-rank" in refusal, refusal  # the fix

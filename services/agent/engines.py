@@ -56,7 +56,9 @@ class Engine:
         """Why this engine cannot serve an adapter of its base model, or None (an adapter of another base model is
         never offered to it)."""
         if v.r > self.max_rank:
-            return f"its rank {v.r} is above this engine's max LoRA rank {self.max_rank} (vLLM --max-lora-rank)"
+            fix = ("start vLLM with a larger --max-lora-rank and the agent with a larger --engine-max-rank"
+                   if self.kind in ("vllm", "vllm-dir") else "start the agent with a larger --engine-max-rank")
+            return f"its rank {v.r} is above this engine's max LoRA rank {self.max_rank}; {fix}"
         if unknown := sorted(set(v.target_modules) - self.modules):
             return f"it adapts {', '.join(unknown)}, which this engine cannot serve"
         if self.kind == "llamacpp" and v.gguf is None:
