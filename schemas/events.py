@@ -6,7 +6,7 @@ from typing import Annotated, Literal
 
 from msgspec import Meta, Struct, field
 
-from schemas.jobs import ArtifactRef, CheckpointInfo, JobId, JobRequest, JobState, NodeId
+from schemas.jobs import ArtifactRef, CheckpointInfo, JobId, JobRequest, JobState, NodeId, Probe
 
 
 class Progress(Struct, tag="progress", tag_field="type", kw_only=True):
@@ -103,6 +103,7 @@ class Finished(Struct, tag="finished", tag_field="type", kw_only=True):
     message: str = ""
     best_step: int | None = None  # keep_best: the step whose adapter this is
     best_eval_loss: float | None = None
+    probe: Probe | None = None  # the adapter's greedy answer to PROBE_PROMPT (trained or stopped, not paused)
 
 
 class Failed(Struct, tag="failed", tag_field="type", kw_only=True):

@@ -108,6 +108,21 @@ ACTIVE_STATES: frozenset[str] = frozenset(get_args(ActiveState))
 TERMINAL_STATES: frozenset[str] = frozenset(get_args(TerminalState))
 
 
+PROBE_PROMPT = "Hello"  # what a trained adapter is asked, greedily, to fingerprint it (trainer and engines alike)
+PROBE_TOKENS = 8  # how many tokens it answers
+PROBE_HEAD_TOKENS = 4  # where precisions differ (bf16 engine, fp32 trainer), at least this many must agree
+
+
+class Probe(Struct, kw_only=True):
+    """A trained adapter's greedy answer to PROBE_PROMPT, as its trainer computed it: an engine that serves this
+    adapter answers the same (exactly at the same precision; its first PROBE_HEAD_TOKENS tokens where it differs)."""
+
+    prompt: str
+    text: str  # the greedy continuation, at most PROBE_TOKENS tokens, decoded without special tokens
+    head: str  # its first PROBE_HEAD_TOKENS tokens, decoded
+    dtype: str  # the precision the trainer ran in, e.g. "float32", "bfloat16"
+
+
 class ArtifactRef(Struct):
     """Where one of a job's artifacts lies in the object store."""
 
@@ -115,6 +130,7 @@ class ArtifactRef(Struct):
     name: str
     size: int
     sha256: str
+    probe: Probe | None = None  # the PEFT adapter's fingerprint
 
 
 class StoredRequest(Struct, kw_only=True):

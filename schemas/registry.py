@@ -7,7 +7,7 @@ from typing import Annotated, Literal
 
 from msgspec import Meta, Struct, field
 
-from schemas.jobs import JobId, NodeId, TenantId
+from schemas.jobs import JobId, NodeId, Probe, TenantId
 
 AdapterName = Annotated[NodeId, Meta(description="what requests to the engine call it (`\"model\": NAME`)")]
 Version = Annotated[int, Meta(ge=1)]
@@ -36,6 +36,7 @@ class AdapterVersion(Struct, kw_only=True):
     final_loss: float | None = None
     eval_loss: float | None = None
     created: float = 0.0
+    probe: Probe | None = None  # what an engine serving this version answers: `loaded` is checked against it
 
 
 class Alias(Struct, kw_only=True):
@@ -57,7 +58,10 @@ class Smoke(Struct, kw_only=True):
     text: str
 
 
-NodeState = Literal["loading", "loaded", "needs-restart", "failed", "unloaded"]
+# loaded: the engine answers the version's probe as its trainer did; mismatch: it serves the name, but answers
+# otherwise (another adapter, or none); placed: the files are where the engine reads them, but no engine address
+# was given to load or check them; needs-restart: placed for an engine that must be restarted to serve it
+NodeState = Literal["loading", "loaded", "mismatch", "placed", "needs-restart", "failed", "unloaded"]
 
 
 class NodeAdapterStatus(Struct, kw_only=True):

@@ -129,7 +129,7 @@ async def test_the_rollout_follows_the_registry_once_it_can(own_server, tmp_path
 
         async def loaded() -> bool:
             shown = await bus.request(nc, names.ADAPTERS.show, AdapterQuery(name="support"), AdapterReply)
-            return any(n.node == "edge" and n.state == "loaded" for n in shown.nodes)
+            return any(n.node == "edge" and n.state == "placed" for n in shown.nodes)
 
         await wait_for(loaded, timeout=60, what="the edge node to load support@1")
         print(f"edge loaded support@1 {time.monotonic() - t0:.1f}s after the job ended")

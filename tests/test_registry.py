@@ -63,7 +63,7 @@ async def test_promote_rollback_and_retire_flip_what_every_node_serves(stack, nc
     agents.start("other", gpus=None, extra=engine(tmp_path, "other", "another-model"))
     await wait_nodes(nc, 1)
     first = await trained(nc, register={"name": "support", "promote": True})
-    await serving(nc, "support", {"a1": (1, "loaded"), "a2": (1, "loaded")})
+    await serving(nc, "support", {"a1": (1, "placed"), "a2": (1, "placed")})
     # placed for vLLM's filesystem resolver, which loads an adapter only for the model it serves
     assert placed(tmp_path, "a1", "support") == {"r": 1, "base_model_name_or_path": "tiny"}
     assert placed(tmp_path, "other", "support") is None
@@ -73,20 +73,20 @@ async def test_promote_rollback_and_retire_flip_what_every_node_serves(stack, nc
     assert [v.version for v in reply.versions] == [1, 2] and reply.alias.current == 1  # registered, not promoted
     assert [v.job for v in reply.versions] == [first, second]
     await bus.request(nc, names.ADAPTERS.promote, PromoteRequest(name="support", version=2, expect=1), AdapterReply)
-    await serving(nc, "support", {"a1": (2, "loaded"), "a2": (2, "loaded")})
+    await serving(nc, "support", {"a1": (2, "placed"), "a2": (2, "placed")})
     agents.start("late", gpus=None, extra=engine(tmp_path, "late"))  # started after the promote: converges
-    await serving(nc, "support", {"late": (2, "loaded")})
+    await serving(nc, "support", {"late": (2, "placed")})
     listed = await bus.request(nc, names.ADAPTERS.list, AdapterListQuery(base_model="tiny"), AdapterList)
     assert [a.alias.name for a in listed.adapters] == ["support"]
     assert (await bus.request(nc, names.ADAPTERS.list, AdapterListQuery(base_model="x"), AdapterList)).adapters == []
     shown = await asyncio.to_thread(subprocess.run, [sys.executable, "-m", "services.cli", "adapters", "show", "support",
                                                      "--nats", nats_server.url], cwd=ROOT, capture_output=True, text=True)
     assert shown.stdout.startswith("support: serves support@2; versions 1-2; before: 1"), shown.stdout + shown.stderr
-    assert "node late [vllm-dir" in shown.stdout and "@2 loaded" in shown.stdout
+    assert "node late [vllm-dir" in shown.stdout and "@2 placed" in shown.stdout
 
     back = await bus.request(nc, names.ADAPTERS.rollback, AliasRequest(name="support"), AdapterReply)
     assert back.alias.current == 1 and back.alias.history == []
-    await serving(nc, "support", {"a1": (1, "loaded"), "a2": (1, "loaded"), "late": (1, "loaded")})
+    await serving(nc, "support", {"a1": (1, "placed"), "a2": (1, "placed"), "late": (1, "placed")})
     retired = await asyncio.to_thread(subprocess.run, [sys.executable, "-m", "services.cli", "adapters", "retire",
                                                        "support", "--nats", nats_server.url], cwd=ROOT,
                                       capture_output=True, text=True)
@@ -97,7 +97,7 @@ async def test_promote_rollback_and_retire_flip_what_every_node_serves(stack, nc
 
     # an agent that restarts converges without loading anything twice
     await bus.request(nc, names.ADAPTERS.promote, PromoteRequest(name="support", version=2), AdapterReply)
-    await serving(nc, "support", {"a1": (2, "loaded")})
+    await serving(nc, "support", {"a1": (2, "placed")})
     def loads() -> int:
         return sum(1 for line in agents.log("a1").splitlines() if "support@2 on" in line and ": loading" in line)
 
@@ -146,7 +146,32 @@ async def test_a_corrupted_or_unservable_adapter_is_refused_on_every_node_with_t
     assert placed(tmp_path, "a1", "broken") is None
 
     wide = await trained(nc, lora={"r": 16}, register={"name": "wide", "promote": True})
-    await serving(nc, "wide", {"a1": (1, "loaded"), "a2": (1, "failed")})
+    await serving(nc, "wide", {"a1": (1, "placed"), "a2": (1, "failed")})
     refusal = {n.node: n.message for n in (await show(nc, "wide")).nodes}["a2"]
     assert "rank 16 is above this engine's max LoRA rank 8" in refusal, (wide, refusal)
     assert "vLLM with a larger --max-lora-rank" in refusal and "--engine-max-rank" in refusal, refusal  # the fix
+
+
+async def test_a_llama_cpp_engine_serves_one_name_and_a_retire_asks_for_its_restart(stack, nc, agents, tmp_path):
+    """llama-server applies every adapter it was started with to every request: a second name for the same engine
+    is refused, saying so; a retired one is removed and, with no restart command, the node says it needs one."""
+    agents.start("trainer", gpus="4096", hold_s=0.2)
+    await wait_nodes(nc, 1)
+    agents.start("edge", gpus=None, extra=("--engine", f"llamacpp={tmp_path / 'gguf'}", "--engine-model", "tiny"))
+    await trained(nc, served_by="llamacpp", register={"name": "capitals", "promote": True})
+    await serving(nc, "capitals", {"edge": (1, "needs-restart")})
+    assert (tmp_path / "gguf" / "capitals.gguf").is_file()
+
+    await trained(nc, served_by="llamacpp", register={"name": "rivers", "promote": True})
+    await serving(nc, "rivers", {"edge": (1, "failed")})
+    [refused] = (await show(nc, "rivers")).nodes
+    assert "serves capitals already" in refused.message and "another llama-server" in refused.message, refused.message
+    assert sorted(p.name for p in (tmp_path / "gguf").iterdir()) == ["capitals.gguf"]  # rivers was never placed
+
+    await bus.request(nc, names.ADAPTERS.retire, AliasRequest(name="capitals"), AdapterReply)
+    await serving(nc, "capitals", {"edge": (1, "needs-restart")})
+    [retired] = (await show(nc, "capitals")).nodes
+    assert "removed" in retired.message and "serves it until restarted" in retired.message, retired.message
+    assert not (tmp_path / "gguf" / "capitals.gguf").exists()
+    await bus.request(nc, names.ADAPTERS.promote, PromoteRequest(name="rivers", version=1), AdapterReply)
+    await serving(nc, "rivers", {"edge": (1, "needs-restart")})  # the engine is free for it now

@@ -42,6 +42,20 @@ def test_the_loss_falls_clearly(tiny_model, tmp_path, capsys):
     assert last.peak_mib > 0 and last.eta_s == 0 and last.lr is not None and last.grad_norm is not None
     assert (Path(finished.adapter_dir) / "adapter_model.safetensors").exists()
 
+    # its fingerprint: what the saved adapter on a freshly loaded base answers, and the base alone does not
+    from peft import PeftModel
+
+    from schemas.jobs import PROBE_PROMPT
+    from trainer.samples import probe
+
+    assert finished.probe is not None and finished.probe.prompt == PROBE_PROMPT and finished.probe.dtype == "float32"
+    assert finished.probe.text.startswith(finished.probe.head) and finished.probe.text
+    tok, base = load(str(tiny_model), "cpu", torch.float32)
+    served = PeftModel.from_pretrained(base, finished.adapter_dir)
+    assert probe(served, tok, "cpu") == finished.probe
+    with served.disable_adapter():
+        assert probe(served, tok, "cpu").text != finished.probe.text
+
 
 def test_completion_only_masks_the_question(tiny_model):
     tok, _ = load(str(tiny_model), "cpu", torch.float32)

@@ -8,6 +8,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import msgspec
 import torch
 
 from schemas.events import Checkpoint, Finished, Progress, Started, TrainerSpec
@@ -19,7 +20,7 @@ from trainer.chunked_loss import DEFAULT_CHUNK_TOKENS, chunked_cross_entropy
 from trainer.distributed import World
 from trainer.errors import JobError
 from trainer.events import emit
-from trainer.samples import samples_event
+from trainer.samples import probe, samples_event
 from trainer.setup import Run, prepare
 from trainer.signals import Signals
 from trainer.tensorboard_log import NoLog, TensorBoardLog
@@ -158,6 +159,8 @@ def train(spec: TrainerSpec, signals: Signals | None = None) -> Finished:
     paused = signals.pause if paused is None else paused
     finished = finish(run.model, run.out_dir, at.step, run.plan.steps, paused, run.best, early, save=world.main,
                       as_lora=lambda m, out: save_plain_lora(m, out, run.initial, spec.request.lora))
+    if world.main and finished.state != "paused":  # what engines serving this adapter must answer
+        finished = msgspec.structs.replace(finished, probe=probe(run.model, run.tokenizer, run.device))
     world.close()
     return finished
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from schemas.events import Sample, Samples
+from schemas.jobs import PROBE_HEAD_TOKENS, PROBE_PROMPT, PROBE_TOKENS, Probe
 from trainer.data import Examples
 from trainer.formats import IGNORE, prompt_text
 
@@ -49,3 +50,25 @@ def samples_event(model, tokenizer, prompts, device: str, max_tokens: int, step:
         with model.disable_adapter():
             return Samples(step=step, model="base", samples=answers(model, tokenizer, prompts, device, max_tokens))
     return Samples(step=step, model="adapter", samples=answers(model, tokenizer, prompts, device, max_tokens))
+
+
+@torch.no_grad()
+def probe(model, tokenizer, device: str) -> Probe:
+    """The adapter's greedy answer to PROBE_PROMPT, tokenized as an engine's completions API does (special tokens
+    added) and decoded in the prompt's context, as an engine streams it (a first token's leading space kept)."""
+    was_training = model.training
+    model.eval()
+    ids = tokenizer(PROBE_PROMPT)["input_ids"]
+    inputs = torch.tensor([ids], device=device)
+    out = model.generate(input_ids=inputs, attention_mask=torch.ones_like(inputs), max_new_tokens=PROBE_TOKENS,
+                         do_sample=False, pad_token_id=tokenizer.pad_token_id or tokenizer.eos_token_id,
+                         eos_token_id=tokenizer.eos_token_id)[0].tolist()
+    if was_training:
+        model.train()
+
+    def continuation(n: int) -> str:
+        shown = tokenizer.decode(ids, skip_special_tokens=True)
+        return tokenizer.decode(out[:len(ids) + n], skip_special_tokens=True)[len(shown):]
+
+    dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
+    return Probe(prompt=PROBE_PROMPT, text=continuation(PROBE_TOKENS), head=continuation(PROBE_HEAD_TOKENS), dtype=dtype)

@@ -1,27 +1,21 @@
-"""The serving engines on a node and how an adapter is loaded into each: vLLM's runtime LoRA API, vLLM's
-filesystem resolver directory, or llama.cpp's server (which opens adapter files only at start)."""
+"""The serving engines on a node and what every kind shares: how one is named on the command line, what it can
+serve, how to ask it over HTTP, and whether it answers an adapter's probe as its trainer did. How each kind loads
+an adapter is its own module: services/agent/vllm.py (runtime API and filesystem resolver), llamacpp.py."""
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
-import os
-import shutil
-import signal
-import tempfile
 import time
 import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from schemas.jobs import PROBE_PROMPT, PROBE_TOKENS
 from schemas.registry import AdapterVersion, NodeState, Smoke
 
-SMOKE_PROMPT = "Hello"
-SMOKE_TOKENS = 8
 HTTP_TIMEOUT_S = 30.0
-RESTART_TIMEOUT_S = 120.0  # an engine restart command (llama-server loading a model) is waited for this long
 
 
 @dataclass
@@ -31,7 +25,7 @@ class Engine:
 
     kind: str  # "vllm" | "vllm-dir" | "llamacpp"
     model: str
-    url: str = ""  # the engine's HTTP address (completions for the smoke test; vLLM's load API)
+    url: str = ""  # the engine's HTTP address (completions for the probe; vLLM's load API)
     directory: Path | None = None  # where adapters are placed (vllm-dir, llamacpp)
     max_rank: int = 64
     modules: set[str] = field(default_factory=lambda: {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
@@ -70,6 +64,10 @@ class Engine:
         return v.gguf if self.kind == "llamacpp" else v.peft
 
 
+class EngineError(Exception):
+    pass
+
+
 async def post_json(url: str, body: dict, timeout: float = HTTP_TIMEOUT_S) -> tuple[int, str]:
     def send():
         req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
@@ -82,126 +80,49 @@ async def post_json(url: str, body: dict, timeout: float = HTTP_TIMEOUT_S) -> tu
     return await asyncio.to_thread(send)
 
 
-async def smoke(engine: Engine, name: str) -> Smoke:
-    """A short greedy completion through the engine under the adapter's name (OpenAI's completions API, which vLLM
-    and llama-server both serve; llama-server serves its one model whatever the name)."""
-    t0 = time.monotonic()
-    code, text = await post_json(f"{engine.url}/v1/completions", {"model": name, "prompt": SMOKE_PROMPT,
-                                                                  "max_tokens": SMOKE_TOKENS, "temperature": 0})
-    if code != 200:
-        raise EngineError(f"the smoke completion failed ({code}): {text[:300]}")
-    return Smoke(latency_ms=round((time.monotonic() - t0) * 1000, 1), text=json.loads(text)["choices"][0]["text"][:200])
-
-
-class EngineError(Exception):
-    pass
-
-
-async def load(engine: Engine, name: str, local: Path) -> tuple[NodeState, str]:
-    """Make `name` serve the adapter at `local` (a PEFT directory, or a GGUF file for llama.cpp)."""
-    if engine.kind == "vllm":
-        await post_json(f"{engine.url}/v1/unload_lora_adapter", {"lora_name": name})  # an older version, if any
-        code, text = await post_json(f"{engine.url}/v1/load_lora_adapter", {"lora_name": name, "lora_path": str(local)})
-        if code != 200:
-            raise EngineError(f"vLLM refused to load it ({code}: {text[:300]}); it needs "
-                              "VLLM_ALLOW_RUNTIME_LORA_UPDATING=True and --enable-lora")
-        return "loaded", "loaded through vLLM's /v1/load_lora_adapter"
-    target = _placed(engine, name)
-    await asyncio.to_thread(_place, local, target, engine.model if engine.kind == "vllm-dir" else None)
-    if engine.kind == "vllm-dir":
-        return "loaded", f"placed in {target} (vLLM's filesystem resolver loads it on first use)"
-    if not engine.restart:
-        return "needs-restart", (f"placed {target}; llama-server opens adapters only at start: restart it with "
-                                 f"--lora {target} (or give the agent --engine-restart)")
-    await restart(engine, {"JETLORA_ADAPTER": name, "JETLORA_ADAPTER_PATH": str(target)})
-    return "loaded", f"placed {target} and restarted llama-server"
-
-
-async def restart(engine: Engine, env: dict[str, str] | None = None, timeout: float = RESTART_TIMEOUT_S) -> None:
-    """Run the operator's restart command: $JETLORA_ADAPTERS lists every adapter placed for the engine (llama-server
-    takes one --lora each), $JETLORA_ADAPTER(_PATH) the one just placed. The command's own exit is waited for, at
-    most `timeout` s (a server it starts in the background may keep running); its stderr goes to a file, so a
-    child that inherits it cannot hold the wait open."""
-    placed = sorted(str(p) for p in engine.directory.glob("*.gguf")) if engine.directory and engine.directory.is_dir() else []
-    with tempfile.TemporaryFile() as err:
-        proc = await asyncio.create_subprocess_shell(engine.restart, env={**os.environ, "JETLORA_ADAPTERS": " ".join(placed),
-                                                                          **(env or {})},
-                                                     stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.DEVNULL,
-                                                     stderr=err, start_new_session=True)
+async def get_json(url: str, timeout: float = 2.0) -> tuple[int, object]:
+    """(status, decoded body); (0, None) when nothing answers."""
+    def ask():
         try:
-            code = await asyncio.wait_for(proc.wait(), timeout)
-        except TimeoutError:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)
-            await proc.wait()
-            raise EngineError(f"the restart command did not exit within {timeout:.0f}s and was killed; a command that "
-                              "starts a server must start it in the background (e.g. `nohup llama-server ... &`)") from None
-        if code:
-            err.seek(0)
-            raise EngineError(f"the restart command exited {code}: {err.read().decode(errors='replace')[-300:]}")
+            with urllib.request.urlopen(url, timeout=timeout) as r:
+                return r.status, json.loads(r.read() or b"null")
+        except urllib.error.HTTPError as e:
+            return e.code, None
+        except (OSError, ValueError):
+            return 0, None
+
+    return await asyncio.to_thread(ask)
 
 
 async def answering(engine: Engine) -> bool:
     """Whether the engine's HTTP server answers (its model list)."""
-    def ask() -> bool:
-        try:
-            with urllib.request.urlopen(f"{engine.url}/v1/models", timeout=2) as r:
-                return r.status == 200
-        except OSError:
-            return False
-
-    return bool(engine.url) and await asyncio.to_thread(ask)
+    return bool(engine.url) and (await get_json(f"{engine.url}/v1/models"))[0] == 200
 
 
-async def unload(engine: Engine, name: str) -> str:
-    if engine.kind == "vllm":
-        code, text = await post_json(f"{engine.url}/v1/unload_lora_adapter", {"lora_name": name})
-        if code != 200:
-            raise EngineError(f"vLLM refused to unload it ({code}: {text[:300]})")
-        return "unloaded through vLLM's /v1/unload_lora_adapter"
-    target = _placed(engine, name)
-    await asyncio.to_thread(_remove, target)
-    return f"removed {target}" + (" (llama-server keeps it until restarted)" if engine.kind == "llamacpp" else "")
+async def complete(engine: Engine, name: str, prompt: str = PROBE_PROMPT, max_tokens: int = PROBE_TOKENS) -> Smoke:
+    """A greedy completion through the engine under the adapter's name (OpenAI's completions API, which vLLM and
+    llama-server both serve; llama-server serves its one model whatever the name). No repetition penalty, so greedy
+    means what it does in the trainer (llama-cpp-python's server applies 1.1 unless told)."""
+    t0 = time.monotonic()
+    code, text = await post_json(f"{engine.url}/v1/completions", {
+        "model": name, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "repeat_penalty": 1.0})
+    if code != 200:
+        raise EngineError(f"a completion under {name} failed ({code}): {text[:300]}")
+    return Smoke(latency_ms=round((time.monotonic() - t0) * 1000, 1), text=json.loads(text)["choices"][0]["text"][:200])
 
 
-def _placed(engine: Engine, name: str) -> Path:
-    assert engine.directory is not None, f"{engine.label} places no files"
-    return engine.directory / (f"{name}.gguf" if engine.kind == "llamacpp" else name)
-
-
-def _place(src: Path, target: Path, served_model: str | None = None) -> None:
-    """Copy beside the target, then rename over it: an engine never sees half an adapter. For vLLM's filesystem
-    resolver, the adapter's base_model_name_or_path becomes the model vLLM serves (it loads only a match)."""
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = target.with_name(f".{target.name}.new")
-    _remove(tmp)
-    if src.is_dir():
-        shutil.copytree(src, tmp, copy_function=_link_or_copy)
-    else:
-        _link_or_copy(src, tmp)
-    if served_model is not None and (config := tmp / "adapter_config.json").is_file():
-        settings = json.loads(config.read_text())
-        settings["base_model_name_or_path"] = served_model
-        config.unlink()  # a link to the node's cached copy: write a file of its own
-        config.write_text(json.dumps(settings, indent=2))
-    old = target.with_name(f".{target.name}.old")
-    _remove(old)
-    if target.exists():
-        os.rename(target, old)
-    os.rename(tmp, target)
-    _remove(old)
-
-
-def _link_or_copy(src, dst) -> None:
-    """A hard link to the node's cached copy where the file system allows it (no bytes copied), else a copy."""
-    try:
-        os.link(src, dst)
-    except OSError:
-        shutil.copy2(src, dst)
-
-
-def _remove(path: Path) -> None:
-    if path.is_dir():
-        shutil.rmtree(path, ignore_errors=True)
-    else:
-        path.unlink(missing_ok=True)
+async def verify(engine: Engine, v: AdapterVersion) -> tuple[NodeState, str, Smoke]:
+    """Whether the engine serves this version: its greedy answer to the version's probe is the trainer's (all of
+    it, or at least the first PROBE_HEAD_TOKENS tokens, which is what holds across precisions); without a probe
+    (an adapter registered before probes), only that it answers under the name."""
+    answer = await complete(engine, v.name)
+    if v.probe is None:
+        return "loaded", "answers under its name (this version has no probe to check it against)", answer
+    if answer.text == v.probe.text:
+        return "loaded", "answers its probe as its trainer did", answer
+    if answer.text.startswith(v.probe.head):
+        return "loaded", (f"answers its probe's first tokens as its trainer did ({v.probe.dtype} there); the rest "
+                          "differs, as precisions may"), answer
+    return "mismatch", (f"asked {v.probe.prompt!r}, it answered {answer.text!r} where {v.name}@{v.version}'s "
+                        f"trainer answered {v.probe.text!r}: the engine serves another adapter (or none) under "
+                        "the name"), answer

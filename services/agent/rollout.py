@@ -1,7 +1,9 @@
 """Keeping a node's serving engines on what the registry's aliases point at: watch the aliases, fetch each
-adapter once per sha256, check it, load it, report how that went; unload what is retired.
+adapter once per sha256, check it, load it, verify the engine answers as the adapter's trainer did, report how
+that went; unload what is retired. And keep checking: an engine that restarted, or lost an adapter, gets it back.
 
-What was loaded is remembered on disk, so an agent that restarts converges without loading anything twice.
+What was loaded is remembered on disk, so an agent that restarts converges without loading anything twice (and
+the checks find what an engine lost meanwhile).
 """
 
 from __future__ import annotations
@@ -17,19 +19,27 @@ import msgspec
 from nats.aio.client import Client
 
 from schemas import names
-from schemas.registry import Alias, AdapterVersion, NodeAdapterStatus, NodeState, StoredFile
-from services.agent.engines import Engine, answering, load, restart, smoke, unload
+from schemas.registry import Alias, AdapterVersion, NodeAdapterStatus, NodeState, Smoke, StoredFile
+from services.agent import llamacpp, vllm
+from services.agent.engines import Engine, answering, verify
 from services.artifacts.download import fetch_object, safe_extract
-from services.aio import sleep_unless_stopped
+from services.aio import cancel_and_wait, sleep_unless_stopped
 from services.registry.store import AdapterRegistry
 
 log = logging.getLogger(__name__)
 _alias = msgspec.json.Decoder(Alias)
 _enc = msgspec.json.Encoder()
+CHECK_INTERVAL_S = 10.0  # how often the agent compares what each engine serves with what it should
+
+
+def driver(engine: Engine):
+    """The module that loads adapters into this kind of engine (load, unload, served)."""
+    return llamacpp if engine.kind == "llamacpp" else vllm
 
 
 class Rollout:
-    def __init__(self, nc: Client, node: str, engines: list[Engine], work_dir: Path) -> None:
+    def __init__(self, nc: Client, node: str, engines: list[Engine], work_dir: Path,
+                 check_interval: float = CHECK_INTERVAL_S) -> None:
         self.nc, self.js, self.node, self.engines = nc, nc.jetstream(), node, engines
         self.root = work_dir / "adapters"
         self.state_file = self.root / "loaded.json"
@@ -38,13 +48,24 @@ class Rollout:
         self.locks: dict[str, asyncio.Lock] = {}
         self.ready = asyncio.Event()  # the aliases there were at start are converged to
         self.versions: dict[tuple[str, int], AdapterVersion] = {}  # versions never change: read each once
+        self.aliases: dict[str, Alias] = {}  # the newest of each alias seen
+        self.check_interval = check_interval
+        self.up: dict[str, bool] = {}  # engine label -> whether it answered at the last check
 
     async def run(self, stop: asyncio.Event) -> None:
-        """Follow the aliases until `stop`; a watch the server breaks (a restart, a limit) is opened again."""
+        """Follow the aliases until `stop`, and check what each engine really serves; a watch the server breaks (a
+        restart, a limit) is opened again."""
         if not self.engines:
             return
         await self._start_engines()
         log.info("rollout: %s follow the adapter registry", ", ".join(e.label for e in self.engines))
+        checking = asyncio.create_task(self._check_engines(stop))
+        try:
+            await self._keep_following(stop)
+        finally:
+            await cancel_and_wait([checking])
+
+    async def _keep_following(self, stop: asyncio.Event) -> None:
         pause = 0.5
         while not stop.is_set():
             began = time.monotonic()
@@ -79,17 +100,19 @@ class Rollout:
 
     async def _start_engines(self) -> None:
         """An engine with a restart command that does not answer yet is started with it (llama-server, with the
-        adapters placed for it before)."""
+        adapter placed for it before)."""
         for engine in self.engines:
             if engine.restart and engine.url and not await answering(engine):
                 log.info("engine %s does not answer: starting it with %r", engine.label, engine.restart)
                 try:
-                    await restart(engine)
+                    await llamacpp.restart(engine)
                 except Exception as e:
                     log.warning("engine %s could not be started: %s", engine.label, e)
 
-    async def converge(self, alias: Alias) -> None:
-        """Each engine of this node serves alias.current under alias.name (or nothing, once retired)."""
+    async def converge(self, alias: Alias, again: bool = False) -> None:
+        """Each engine of this node serves alias.current under alias.name (or nothing, once retired). again: load
+        it even where it was loaded before (the engine lost it)."""
+        self.aliases[alias.name] = alias
         version = None
         if alias.current is not None and not alias.retired:
             key = (alias.name, alias.current)
@@ -99,19 +122,20 @@ class Rollout:
         async with self.locks.setdefault(alias.name, asyncio.Lock()):
             for engine in self.engines:
                 try:
-                    await self._converge_engine(engine, alias, version)
+                    await self._converge_engine(engine, alias, version, again)
                 except Exception as e:
                     log.warning("rollout of %s on %s failed: %s", alias.name, engine.label, e)
                     if version is not None:
                         await self._report(engine, version.name, version.version, "failed", str(e))
 
-    async def _converge_engine(self, engine: Engine, alias: Alias, version: AdapterVersion | None) -> None:
+    async def _converge_engine(self, engine: Engine, alias: Alias, version: AdapterVersion | None,
+                               again: bool = False) -> None:
         have = self.loaded.get(engine.label, {}).get(alias.name)
         if version is None:
             if have:
-                message = await unload(engine, alias.name)
+                state, message = await driver(engine).unload(engine, alias.name)
                 self._remember(engine, alias.name, None)
-                await self._report(engine, alias.name, have[0], "unloaded", message)
+                await self._report(engine, alias.name, have[0], state, message)
             return
         if version.base_model != engine.model:
             return  # another base model's adapter: for other engines
@@ -119,15 +143,67 @@ class Rollout:
             await self._report(engine, version.name, version.version, "failed", f"refused: {refusal}")
             return
         file = engine.needs(version)
-        if have == [version.version, file.sha256]:  # loaded before (this run or an earlier one): nothing twice
+        if have == [version.version, file.sha256] and not again:  # loaded before (this run or an earlier one)
             log.info("adapter %s@%d is served by %s already", version.name, version.version, engine.label)
             return
         await self._report(engine, version.name, version.version, "loading", f"fetching {file.name}")
         local = await self._fetch(file, gguf=engine.kind == "llamacpp")
-        state, message = await load(engine, version.name, local)
+        state, message = await driver(engine).load(engine, version.name, local)
         self._remember(engine, version.name, [version.version, file.sha256])
-        checked = await smoke(engine, version.name) if state == "loaded" and engine.url else None
+        checked = None
+        if state == "loaded" and engine.url:
+            state, said, checked = await self._verify(engine, version, file.sha256)
+            message = f"{message}; {said}"
         await self._report(engine, version.name, version.version, state, message, checked)
+
+    async def _verify(self, engine: Engine, version: AdapterVersion, sha256: str) -> tuple[NodeState, str, Smoke]:
+        """`loaded` only if the engine answers the version's probe as its trainer did (and vLLM's runtime API says
+        it serves the name from this version's files)."""
+        state, said, answer = await verify(engine, version)
+        if engine.kind == "vllm" and state == "loaded":
+            root = ((await vllm.served(engine)) or {}).get(version.name, "")
+            if sha256 not in root:
+                return "mismatch", f"vLLM serves {version.name} from {root or 'nowhere'}, not this version's files", answer
+        return state, said, answer
+
+    # --- what the engines really serve ------------------------------------------------------------
+    async def _check_engines(self, stop: asyncio.Event) -> None:
+        """Every check_interval: an engine that lost an adapter it should serve (it restarted; someone unloaded it)
+        gets it back, and one that comes back after not answering is checked against each adapter's probe."""
+        while not await sleep_unless_stopped(stop, self.check_interval):
+            for engine in self.engines:
+                if engine.url:
+                    try:
+                        await self.check_engine(engine)
+                    except Exception as e:
+                        log.warning("rollout: checking %s failed (%s: %s); the next check goes on", engine.label,
+                                    type(e).__name__, e)
+
+    async def check_engine(self, engine: Engine) -> None:
+        serves = await driver(engine).served(engine)  # None: it does not answer, or cannot say what it serves
+        up = serves is not None or await answering(engine)
+        came_back, self.up[engine.label] = up and not self.up.get(engine.label, True), up
+        if not up:
+            return
+        for name, (version, sha256) in list(self.loaded.get(engine.label, {}).items()):
+            alias = self.aliases.get(name)
+            if alias is None or alias.current != version:
+                continue  # a change is on its way through converge
+            if serves is not None and engine.kind != "vllm-dir":  # the resolver loads it again on its next request
+                lost = name not in serves or (engine.kind == "vllm" and sha256 not in serves[name])
+            else:
+                lost = came_back and (await verify(engine, await self._version(name, version)))[0] != "loaded"
+            if lost:
+                log.warning("engine %s no longer serves %s@%d (%s); loading it again", engine.label, name, version,
+                            "it came back" if came_back else "not in what it lists")
+                await self.converge(alias, again=True)
+
+    async def _version(self, name: str, version: int) -> AdapterVersion:
+        found = self.versions.get((name, version)) or await self.registry.version(name, version)
+        if found is None:
+            raise RuntimeError(f"{name}@{version} is not in the registry")
+        self.versions[(name, version)] = found
+        return found
 
     async def _fetch(self, file: StoredFile, gguf: bool) -> Path:
         """The artifact on local disk, fetched once per sha256 and checked against the registry's sha256. It is

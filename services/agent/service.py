@@ -28,7 +28,7 @@ from services.agent.datasets import DatasetCache, DatasetUnavailable, LocalDatas
 from services.agent.devices import DeviceProbe
 from services.agent.engines import Engine
 from services.agent.models import read_shapes
-from services.agent.rollout import Rollout
+from services.agent.rollout import CHECK_INTERVAL_S, Rollout
 from services.agent.runner import DEFAULT_TRAINER, TrainerRun
 from services.agent.shipping import fetch_checkpoint, ship_checkpoint, ship_results
 from services.agent.yielding import Yielded, Yielder, YieldPolicy, engine_yields
@@ -53,6 +53,7 @@ class AgentConfig:
     engines: list[Engine] = field(default_factory=list)  # serving engines here: they load the registry's adapters
     models: list[str] = field(default_factory=list)  # base model directories here, advertised with their shapes
     engine_yield: list[YieldPolicy] = field(default_factory=list)  # per engine (one: for all); none: YieldPolicy()
+    engine_check_interval: float = CHECK_INTERVAL_S  # how often what each engine serves is compared with the registry
 
 
 @dataclass
@@ -105,7 +106,8 @@ class Agent:
         await self.nc.flush()
         log.info("agent %s up with %d device(s)", self.cfg.node, len(self.devices))
         beat = asyncio.create_task(heartbeats.every_interval(self, stop))
-        rollout = asyncio.create_task(Rollout(self.nc, self.cfg.node, self.cfg.engines, self.cfg.work_dir).run(stop))
+        rollout = asyncio.create_task(Rollout(self.nc, self.cfg.node, self.cfg.engines, self.cfg.work_dir,
+                                                  self.cfg.engine_check_interval).run(stop))
         yielding = asyncio.create_task(self.yielder.run(stop))
         await stop.wait()
         await cancel_and_wait([rollout, yielding])

@@ -68,7 +68,8 @@ async def ship_results(nc: Client, node: str, a: Assignment, result: Finished, o
         board_tar = out_dir / "tensorboard.tar.gz"
         await asyncio.to_thread(tar_dir, board, board_tar)
         files.append(("tensorboard", board_tar, msgspec.structs.replace(meta, filename=f"{a.job}-tensorboard.tar.gz")))
-    return [await _upload(nc, node, a, kind, path, m) for kind, path, m in files]  # type: ignore[arg-type]
+    refs = [await _upload(nc, node, a, kind, path, m) for kind, path, m in files]  # type: ignore[arg-type]
+    return [msgspec.structs.replace(r, probe=result.probe) if r.kind == "peft" else r for r in refs]
 
 
 async def fetch_checkpoint(nc: Client, a: Assignment, job_dir: Path) -> Path:

@@ -42,7 +42,8 @@ def _agent_config(args):
     cfg = AgentConfig(node=args.node, work_dir=Path(args.work_dir or state_dir() / "agent" / args.node),
                       heartbeat_interval=args.heartbeat_interval, offer_cpu=args.offer_cpu,
                       simulate_gpus=args.simulate_gpus, dataset_cache_mib=args.dataset_cache_mib,
-                      engines=_engines(args), models=args.model, engine_yield=_yields(args))
+                      engines=_engines(args), models=args.model, engine_yield=_yields(args),
+                      engine_check_interval=args.engine_check_interval)
     if args.trainer_command:
         cfg.trainer_command = shlex.split(args.trainer_command)
     return cfg
@@ -197,6 +198,9 @@ def agent_flags(p: argparse.ArgumentParser) -> None:
                    help="how training yields to each --engine (one: all): both|compute|memory|off, then poll=S, "
                         "timeout=S, holdoff=S, kv=FRACTION, devices=0+1, exempt=PRIORITY "
                         "(default: both,poll=0.2,timeout=1,holdoff=2,kv=0.9)")
+    p.add_argument("--engine-check-interval", type=float, default=10.0, metavar="S",
+                   help="how often the agent compares what each engine serves with the registry (and reloads what an "
+                        "engine lost, e.g. after it restarted)")
     p.add_argument("--engine-restart", default="", help="llama.cpp: a command that restarts llama-server with the "
                                                         "placed adapters ($JETLORA_ADAPTER_PATH)")
     p.add_argument("--model", action="append", default=_env_list("JETLORA_MODELS", ":"),

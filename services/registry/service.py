@@ -40,7 +40,8 @@ async def register_job(jobs: JobStore, registry: AdapterRegistry, name: str, job
     version = await registry.add_version(AdapterVersion(
         name=name, version=1, job=job_id, base_model=req.model, peft=files["peft"], gguf=files.get("gguf"), r=r,
         alpha=alpha, target_modules=list(req.lora.target_modules), final_loss=status.loss,
-        eval_loss=status.eval_loss), tenant=stored.tenant)
+        eval_loss=status.eval_loss, probe=next((a.probe for a in status.artifacts if a.kind == "peft"), None)),
+        tenant=stored.tenant)
     if promote:
         await registry.change_alias(name, lambda a: _promoted(a, version.version), expect=None)
     log.info("registered %s@%d from job %s%s", name, version.version, job_id, " and promoted it" if promote else "")

@@ -41,5 +41,10 @@ if signals.pause:
 out = Path(spec.out_dir) / "adapter"
 out.mkdir(parents=True, exist_ok=True)
 (out / "adapter_config.json").write_text('{"r": 1}')
+gguf = None
+if spec.request.served_by == "llamacpp":  # a stand-in GGUF: its bytes are what travels, not what an engine reads
+    gguf = Path(spec.out_dir) / "adapter.gguf"
+    gguf.write_bytes(b"GGUF stand-in of " + spec.job.encode())
 state = "stopped" if signals.asked else "trained"
-print(msgspec.json.encode(Finished(state=state, step=step, adapter_dir=str(out))).decode(), flush=True)
+print(msgspec.json.encode(Finished(state=state, step=step, adapter_dir=str(out), gguf_path=gguf and str(gguf))).decode(),
+      flush=True)

@@ -1,0 +1,102 @@
+"""vLLM: adapters loaded through its runtime LoRA API (needs --enable-lora and VLLM_ALLOW_RUNTIME_LORA_UPDATING),
+or placed for its filesystem resolver (VLLM_PLUGINS=lora_filesystem_resolver, VLLM_LORA_RESOLVER_CACHE_DIR=DIR).
+
+A new version replaces the old one in place (`load_inplace`), so no request under the name is ever refused during
+a swap; a vLLM that predates it gets unload then load, and the agent says the swap had a gap. vLLM's resolver is
+asked only about names vLLM does not know, and it loads a directory only if its adapter_config.json's
+`base_model_name_or_path` equals vLLM's own `--model` (model_config.model, what /v1/models reports as the base
+model's `root`): so a placed version is made known by unloading the name (the next request resolves it again),
+and the agent writes that root into the config."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+from schemas.registry import NodeState
+from services.agent.engines import Engine, EngineError, get_json, post_json
+from services.agent.placing import place, placed, remove
+
+NEEDS = "it needs VLLM_ALLOW_RUNTIME_LORA_UPDATING=True and --enable-lora"
+
+
+async def models(engine: Engine) -> list[dict] | None:
+    """vLLM's /v1/models entries, or None when it does not answer."""
+    code, body = await get_json(f"{engine.url}/v1/models")
+    if code != 200 or not isinstance(body, dict):
+        return None
+    return [m for m in body.get("data", []) if isinstance(m, dict)]
+
+
+async def served(engine: Engine) -> dict[str, str] | None:
+    """The adapters vLLM serves now, name -> the path it loaded each from; None when it does not answer (or no
+    address was given)."""
+    entries = await models(engine) if engine.url else None
+    return None if entries is None else {m["id"]: str(m.get("root", "")) for m in entries if m.get("parent")}
+
+
+async def load(engine: Engine, name: str, local: Path) -> tuple[NodeState, str]:
+    """Serve `local` (a PEFT directory) under `name`, replacing what the name served."""
+    if not engine.url:  # vllm-dir=DIR alone
+        target = placed(engine, name)
+        await asyncio.to_thread(place, local, target, engine.model)
+        return "placed", (f"placed in {target}; with no engine URL (vllm-dir=DIR,URL) nothing unloads an older "
+                          "version from vLLM or checks what it serves")
+    now = await served(engine)
+    if now is None:
+        raise EngineError(f"vLLM at {engine.url} does not answer")
+    if engine.kind == "vllm-dir":
+        return await _place_for_resolver(engine, name, local, name in now)
+    if name not in now:
+        return await _load(engine, name, local, {}, "loaded through vLLM's /v1/load_lora_adapter")
+    code, text = await post_json(f"{engine.url}/v1/load_lora_adapter",
+                                 {"lora_name": name, "lora_path": str(local), "load_inplace": True})
+    if code == 200:
+        return "loaded", "replaced in place through vLLM's /v1/load_lora_adapter (load_inplace: no request refused)"
+    if "already been loaded" not in text:
+        raise EngineError(f"vLLM refused to load it ({code}: {text[:300]}); {NEEDS}")
+    await post_json(f"{engine.url}/v1/unload_lora_adapter", {"lora_name": name})  # a vLLM without load_inplace
+    return await _load(engine, name, local, {}, "unloaded the old version and loaded this one (this vLLM has no "
+                                                 "load_inplace: requests in between were refused; upgrade vLLM)")
+
+
+async def _load(engine: Engine, name: str, local: Path, extra: dict, said: str) -> tuple[NodeState, str]:
+    code, text = await post_json(f"{engine.url}/v1/load_lora_adapter", {"lora_name": name, "lora_path": str(local),
+                                                                        **extra})
+    if code != 200:
+        raise EngineError(f"vLLM refused to load it ({code}: {text[:300]}); {NEEDS}")
+    return "loaded", said
+
+
+async def unload(engine: Engine, name: str) -> tuple[NodeState, str]:
+    said = ""
+    if engine.kind == "vllm-dir":
+        target = placed(engine, name)
+        await asyncio.to_thread(remove, target)
+        said = f"removed {target}"
+        if not engine.url:
+            return "unloaded", f"{said} (no engine URL: vLLM keeps serving it if it had loaded it)"
+        said += "; "
+    now = await served(engine)
+    if now is None:
+        raise EngineError(f"vLLM at {engine.url} does not answer; it unloads {name} once it does")
+    if name in now:
+        code, text = await post_json(f"{engine.url}/v1/unload_lora_adapter", {"lora_name": name})
+        if code != 200:
+            raise EngineError(f"vLLM refused to unload it ({code}: {text[:300]})")
+    return "unloaded", said + "unloaded through vLLM's /v1/unload_lora_adapter"
+
+
+async def _place_for_resolver(engine: Engine, name: str, local: Path, known: bool) -> tuple[NodeState, str]:
+    entries = await models(engine) or []
+    base = next((str(m.get("root")) for m in entries if not m.get("parent")), None)
+    if base is None:
+        raise EngineError(f"vLLM at {engine.url} lists no base model")
+    target = placed(engine, name)
+    await asyncio.to_thread(place, local, target, base)
+    if known:  # vLLM serves the old version until the name is unknown to it again
+        code, text = await post_json(f"{engine.url}/v1/unload_lora_adapter", {"lora_name": name})
+        if code != 200 and code != 404:
+            raise EngineError(f"placed {target}, but vLLM refused to unload the old version ({code}: {text[:300]}); "
+                              f"{NEEDS}")
+    return "loaded", f"placed in {target} for vLLM's filesystem resolver (base_model_name_or_path {base})"
