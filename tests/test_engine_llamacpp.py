@@ -20,7 +20,10 @@ from pathlib import Path
 
 import pytest
 
+from schemas import names
 from schemas.jobs import Accepted
+from schemas.registry import AdapterReply, AliasRequest, RegisterRequest
+from services import bus
 from services.embedded import free_port
 from tests.conftest import ROOT, get_job, list_nodes, submit, wait_for, wait_state
 from tests.qa import pairs
@@ -96,6 +99,22 @@ async def test_a_promoted_adapter_goes_live_in_a_llama_cpp_server(stack, nc, age
         print(f"base: {base_text!r}; with capitals@1: {text!r} (smoke {status.smoke.latency_ms:.0f} ms: "
               f"{status.smoke.text!r}); largest top-logprob change {moved:.2f}")
         assert text != base_text or moved > 0.1
+        assert status.state == "loaded" and "answers its probe" in status.message, status.message
+
+        # a second name for the same llama-server is refused: llama-server would apply both adapters to every request
+        await bus.request(nc, names.ADAPTERS.register, RegisterRequest(name="capitals-alt", job=reply.job, promote=True),
+                          AdapterReply)
+        await serving(nc, "capitals-alt", {"edge": (1, "failed")})
+        [alt] = (await show(nc, "capitals-alt")).nodes
+        assert "serves capitals already" in alt.message, alt.message
+        assert completion(url)[0] == text  # still capitals alone
+
+        # retire: the file goes and llama-server is restarted without it, so it answers as the base model again
+        await bus.request(nc, names.ADAPTERS.retire, AliasRequest(name="capitals"), AdapterReply)
+        await serving(nc, "capitals", {"edge": (1, "unloaded")})
+        [retired] = (await show(nc, "capitals")).nodes
+        assert "restarted llama-server without it" in retired.message, retired.message
+        assert completion(url)[0] == base_text
     finally:
         if pid_file.is_file():
             try:
