@@ -49,6 +49,7 @@ class Alias(Struct, kw_only=True):
     retired: bool = False
     updated: float = 0.0
     tenant: TenantId | None = None  # whose name it is: the first registration claims it (None: an admin's)
+    changes: int = 0  # how many times what it serves changed (promote, rollback, retire): a caller's expect_changes
 
 
 class Smoke(Struct, kw_only=True):
@@ -90,15 +91,19 @@ class PromoteRequest(Struct, forbid_unknown_fields=True, kw_only=True):
     name: AdapterName
     version: Version
     expect: Annotated[int, Meta(ge=0, description=(
-        "the version the caller saw as current (0: none); the promote is refused if the alias moved since, so of "
-        "concurrent promotes from one state exactly one wins"))] | None = None
+        "the version the caller saw as current (0: none); the promote is refused if the alias serves another now"
+        ))] | None = None
+    expect_changes: Annotated[int, Meta(ge=0, description=(
+        "the alias's `changes` the caller saw; refused if it changed at all since (a 1 -> 2 -> 1 too), so of "
+        "concurrent changes from one state exactly one wins"))] | None = None
 
 
 class AliasRequest(Struct, forbid_unknown_fields=True, kw_only=True):
     """Rollback (to the version before) or retire (serve none, engines unload it) NAME."""
 
     name: AdapterName
-    expect: Annotated[int, Meta(ge=0)] | None = None
+    expect: Annotated[int, Meta(ge=0)] | None = None  # as PromoteRequest's
+    expect_changes: Annotated[int, Meta(ge=0)] | None = None  # as PromoteRequest's
 
 
 class AdapterQuery(Struct, forbid_unknown_fields=True, kw_only=True):

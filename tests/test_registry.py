@@ -109,7 +109,7 @@ async def test_promote_rollback_and_retire_flip_what_every_node_serves(stack, nc
     assert loads() == before == 2 and placed(tmp_path, "a1", "support")["r"] == 1
 
 
-async def test_versions_are_never_overwritten_and_concurrent_promotes_have_one_winner(stack, nc):
+async def test_versions_are_never_overwritten_and_concurrent_promotes_have_one_winner(stack, nc, nats_server):
     registry = AdapterRegistry(await nc.jetstream().key_value(names.ADAPTERS_KV))
     file = StoredFile(name="j/peft", sha256="0" * 64, size=1)
     draft = AdapterVersion(name="race", version=1, job="j", base_model="tiny", peft=file, r=8, alpha=16,
@@ -128,6 +128,27 @@ async def test_versions_are_never_overwritten_and_concurrent_promotes_have_one_w
     assert len(winners) == 1 and all("another change came first" in r.error or "changed while" in r.error
                                      for r in replies if isinstance(r, Error))
     assert (await show(nc, "race")).alias.current == winners[0].alias.current
+
+    # what the caller saw is the alias's change count: a 1 -> 2 -> 1 in between refuses the change, where comparing
+    # the version it serves would let it pass
+    seen = await show(nc, "race")
+    await bus.request(nc, names.ADAPTERS.promote, PromoteRequest(name="race", version=5), AdapterReply)
+    await bus.request(nc, names.ADAPTERS.rollback, AliasRequest(name="race"), AdapterReply)
+    assert (await show(nc, "race")).alias.current == seen.alias.current
+    stale = await bus.request(nc, names.ADAPTERS.promote, PromoteRequest(name="race", version=7, expect_changes=seen.alias.changes),
+                              AdapterReply | Error)
+    assert isinstance(stale, Error) and "changed since you looked" in stale.error, stale
+    assert (await show(nc, "race")).alias.current == seen.alias.current
+    now = (await show(nc, "race")).alias.changes
+    assert now == seen.alias.changes + 2
+    cli = [sys.executable, "-m", "services.cli", "adapters", "promote", "race@7", "--nats", nats_server.url,
+           "--expect-changes"]
+    refused = await asyncio.to_thread(subprocess.run, cli + [str(seen.alias.changes)], cwd=ROOT, capture_output=True,
+                                      text=True)
+    assert refused.returncode != 0 and "changed since you looked" in refused.stderr, refused.stdout + refused.stderr
+    done = await asyncio.to_thread(subprocess.run, cli + [str(now)], cwd=ROOT, capture_output=True, text=True)
+    assert done.returncode == 0 and done.stdout.startswith("race: serves race@7"), done.stdout + done.stderr
+    assert f"(change {now + 1}:" in done.stdout
 
 
 async def test_a_corrupted_or_unservable_adapter_is_refused_on_every_node_with_the_reason(stack, nc, agents, tmp_path):

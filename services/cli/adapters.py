@@ -21,7 +21,8 @@ def describe(r: AdapterReply) -> list[str]:
     a = r.alias
     serving = "retired" if a.retired else (f"serves {a.name}@{a.current}" if a.current else "serves no version yet")
     lines = [f"{a.name}: {serving}; versions 1-{a.latest}" + (f"; before: {', '.join(map(str, a.history))}"
-                                                              if a.history else "")]
+                                                              if a.history else "")
+             + f" (change {a.changes}: --expect-changes {a.changes} refuses a promote if it changes first)"]
     for v in r.versions:
         mark = "*" if v.version == a.current else " "
         loss = "" if v.final_loss is None else f" loss {v.final_loss:.4f}"
@@ -47,14 +48,14 @@ def cmd_adapters(args) -> int:
             reply = await ask(nc, names.ADAPTERS.show, AdapterQuery(name=args.name), AdapterReply)
         else:
             name, version = split_version(args.name)
-            current = await ask(nc, names.ADAPTERS.show, AdapterQuery(name=name), AdapterReply)
-            expect = current.alias.current or 0  # what this command saw: a change in between refuses it
+            seen = args.expect_changes  # what its caller saw (`adapters show` prints it): a change since refuses it
             if args.action == "promote":
                 if version is None:
                     raise CommandFailed("say which version: jetlora adapters promote NAME@N")
-                request, subject = PromoteRequest(name=name, version=version, expect=expect), names.ADAPTERS.promote
+                request, subject = (PromoteRequest(name=name, version=version, expect_changes=seen),
+                                    names.ADAPTERS.promote)
             else:
-                request, subject = AliasRequest(name=name, expect=expect), getattr(names.ADAPTERS, args.action)
+                request, subject = AliasRequest(name=name, expect_changes=seen), getattr(names.ADAPTERS, args.action)
             reply = await ask(nc, subject, request, AdapterReply)
         show(reply, args.json, lambda r: print("\n".join(describe(r))))
         return EXIT_OK
@@ -73,6 +74,9 @@ def register(sub: args_.SubCommands) -> None:
             r.add_argument("--base-model")
         else:
             r.add_argument("name", help="NAME@N" if verb == "promote" else "NAME")
+        if verb in ("promote", "rollback", "retire"):
+            r.add_argument("--expect-changes", type=int, metavar="N",
+                           help="refuse unless NAME is at change N, as `adapters show` printed it (compare-and-set)")
         if verb == "register":
             r.add_argument("job")
             r.add_argument("--promote", action="store_true")

@@ -124,9 +124,9 @@ class RegistryService:
     async def _show(self, q: AdapterQuery) -> AdapterReply | Error:
         return await self._reply(q.name)
 
-    async def _change(self, name: str, change, expect: int | None) -> AdapterReply | Error:
+    async def _change(self, name: str, change, q: PromoteRequest | AliasRequest) -> AdapterReply | Error:
         try:
-            await self.registry.change_alias(name, change, expect)
+            await self.registry.change_alias(name, change, q.expect, q.expect_changes)
         except RegistryError as e:
             return Error(str(e), field="name")
         return await self._reply(name)
@@ -135,10 +135,10 @@ class RegistryService:
         if await self.registry.version(q.name, q.version) is None:
             return Error(f"no version {q.name}@{q.version}; `jetlora adapters show {q.name}` lists its versions",
                          field="version")
-        return await self._change(q.name, lambda a: _promoted(a, q.version), q.expect)
+        return await self._change(q.name, lambda a: _promoted(a, q.version), q)
 
     async def _rollback(self, q: AliasRequest) -> AdapterReply | Error:
-        return await self._change(q.name, _rolled_back, q.expect)
+        return await self._change(q.name, _rolled_back, q)
 
     async def _retire(self, q: AliasRequest) -> AdapterReply | Error:
-        return await self._change(q.name, _retired, q.expect)
+        return await self._change(q.name, _retired, q)

@@ -97,9 +97,10 @@ class AdapterRegistry:
             return version
         raise RegistryError(f"could not register {draft.name}: its alias kept changing; try again")
 
-    async def change_alias(self, name: str, change, expect: int | None) -> Alias:
+    async def change_alias(self, name: str, change, expect: int | None, expect_changes: int | None = None) -> Alias:
         """Apply change(alias) -> alias by compare-and-set; `expect` (0: none) is the current version the caller
-        saw, and the change is refused (Moved) if the alias moved since."""
+        saw, `expect_changes` the alias's change count it saw, and the change is refused (Moved) if the alias
+        moved since."""
         for _ in range(CAS_ATTEMPTS):
             alias, revision = await self.alias(name)
             if alias is None:
@@ -108,10 +109,13 @@ class AdapterRegistry:
                 raise Moved(f"{name} serves {_at(alias)} now, not the expected "
                             f"{'no version' if not expect else f'{name}@{expect}'}: another change came first; "
                             "look again (`jetlora adapters show`) and repeat if still wanted")
-            changed = msgspec.structs.replace(change(alias), updated=time.time())
+            if expect_changes is not None and alias.changes != expect_changes:
+                raise Moved(f"{name} changed since you looked (change {alias.changes} now, not {expect_changes}; it "
+                            f"serves {_at(alias)}): look again (`jetlora adapters show`) and repeat if still wanted")
+            changed = msgspec.structs.replace(change(alias), updated=time.time(), changes=alias.changes + 1)
             if await self._put_alias(changed, revision):
                 return changed
-            if expect is not None:
+            if expect is not None or expect_changes is not None:
                 alias, _ = await self.alias(name)
                 raise Moved(f"{name} changed while this change was made (it serves {_at(alias)} now); look again "
                             "and repeat if still wanted")
