@@ -39,6 +39,16 @@ class AdapterVersion(Struct, kw_only=True):
     probe: Probe | None = None  # what an engine serving this version answers: `loaded` is checked against it
 
 
+class Canary(Struct, kw_only=True):
+    """A promote under way on a few nodes first: when each of them reports this version `loaded` (verified) by the
+    deadline, the alias serves it everywhere; a `failed` or `mismatch` on any, or the deadline, rolls it back."""
+
+    version: Version
+    nodes: list[NodeId]
+    deadline: float  # wall clock
+    started: float = 0.0
+
+
 class Alias(Struct, kw_only=True):
     """NAME: the version served now, the versions it pointed at before (newest last), the latest registered."""
 
@@ -50,6 +60,16 @@ class Alias(Struct, kw_only=True):
     updated: float = 0.0
     tenant: TenantId | None = None  # whose name it is: the first registration claims it (None: an admin's)
     changes: int = 0  # how many times what it serves changed (promote, rollback, retire): a caller's expect_changes
+    canary: Canary | None = None  # a promote under way: its nodes serve canary.version, the others `current`
+    last_rollout: str = ""  # how the last canary ended, and why
+
+    def serving(self, node: str) -> int | None:
+        """The version `node` serves: the canary's on a canary node, else the current one (None: retired)."""
+        if self.retired:
+            return None
+        if self.canary is not None and node in self.canary.nodes:
+            return self.canary.version
+        return self.current
 
 
 class Smoke(Struct, kw_only=True):
@@ -96,6 +116,10 @@ class PromoteRequest(Struct, forbid_unknown_fields=True, kw_only=True):
     expect_changes: Annotated[int, Meta(ge=0, description=(
         "the alias's `changes` the caller saw; refused if it changed at all since (a 1 -> 2 -> 1 too), so of "
         "concurrent changes from one state exactly one wins"))] | None = None
+    canary: Annotated[str, Meta(pattern=r"^[1-9][0-9]*%?$", description=(
+        "move the name on this many of the nodes serving it first (`2`), or this share of them (`10%`); the rest "
+        "follow once each canary node reports it loaded and verified"))] | None = None
+    canary_deadline_s: Annotated[float, Meta(gt=0)] = 600.0  # the canary nodes' time to verify it
 
 
 class AliasRequest(Struct, forbid_unknown_fields=True, kw_only=True):

@@ -8,6 +8,7 @@ import asyncio
 import json
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -196,3 +197,71 @@ async def test_a_llama_cpp_engine_serves_one_name_and_a_retire_asks_for_its_rest
     assert not (tmp_path / "gguf" / "capitals.gguf").exists()
     await bus.request(nc, names.ADAPTERS.promote, PromoteRequest(name="rivers", version=1), AdapterReply)
     await serving(nc, "rivers", {"edge": (1, "needs-restart")})  # the engine is free for it now
+
+
+async def test_a_canary_moves_a_few_nodes_first_and_the_registry_finishes_or_rolls_it_back(stack, nc):
+    """The registry decides each canary from what its nodes report (written here as the nodes' agents write them):
+    all verified -> every node; a mismatch on one -> rolled back with the reason; silence past the deadline -> the
+    same. Without a verified node there is nothing to try a canary beside."""
+    from schemas.registry import NodeAdapterStatus
+
+    registry = AdapterRegistry(await nc.jetstream().key_value(names.ADAPTERS_KV))
+    draft = AdapterVersion(name="canaried", version=1, job="j", base_model="tiny",
+                           peft=StoredFile(name="j/peft", sha256="0" * 64, size=1), r=8, alpha=16, target_modules=["q_proj"])
+    for _ in range(3):
+        await registry.add_version(draft)
+
+    async def report(version: int, state: str, *nodes: str) -> None:
+        for node in nodes:
+            await registry.put_node_status(NodeAdapterStatus(name="canaried", version=version, node=node,
+                                                             engine="vllm http://x", state=state, message=f"{state} here",
+                                                             updated=time.time()))
+
+    async def promote(version: int, **more):
+        return await bus.request(nc, names.ADAPTERS.promote, PromoteRequest(name="canaried", version=version, **more),
+                                 AdapterReply | Error)
+
+    async def alias():
+        return (await show(nc, "canaried")).alias
+
+    await promote(1)
+    refused = await promote(2, canary="1")
+    assert isinstance(refused, Error) and refused.field == "canary" and "no node serves" in refused.error, refused
+    await report(1, "loaded", "n1", "n2", "n3")
+    assert "is all of them" in (await promote(2, canary="3")).error
+
+    started = await promote(2, canary="1")  # n1 first
+    assert started.alias.canary.nodes == ["n1"] and started.alias.current == 1
+    assert started.alias.serving("n1") == 2 and started.alias.serving("n2") == 1
+    await report(2, "loading", "n1")
+    await report(2, "loaded", "n1")
+    await wait_for(lambda: alias_is(alias, current=2, canary=None), timeout=20, what="the canary to finish")
+    assert "passed on n1" in (await alias()).last_rollout and (await alias()).history == [1]
+
+    await report(2, "loaded", "n2", "n3")
+    trial = await promote(3, canary="34%")  # ceil(3 x 34%) = 2 nodes
+    assert trial.alias.canary.nodes == ["n1", "n2"]
+    await report(3, "loaded", "n1")
+    await report(3, "mismatch", "n2")
+    await wait_for(lambda: alias_is(alias, current=2, canary=None), timeout=20, what="the canary to roll back")
+    assert "node n2 reported mismatch: mismatch here" in (await alias()).last_rollout
+    await report(2, "loaded", "n1", "n2")  # their agents go back to @2
+
+    await promote(3, canary="1")  # n1's @3 `loaded` from the canary before does not count for this one
+    from services.registry.canary import outcome
+
+    now = await show(nc, "canaried")
+    assert now.alias.canary is not None and outcome(now.alias, now.nodes, time.time()) is None
+
+    await promote(1)  # a plain promote ends a canary under way
+    assert (await alias()).canary is None
+    await report(1, "loaded", "n1", "n2", "n3")
+    await promote(3, canary="1", canary_deadline_s=1.0)
+    await wait_for(lambda: alias_is(alias, current=1, canary=None), timeout=20, what="the deadline to roll it back")
+    last = (await alias()).last_rollout
+    assert "not verified within 1s" in last and "n1 loaded" not in last, last
+
+
+async def alias_is(alias, **want) -> bool:
+    a = await alias()
+    return all(getattr(a, k) == v for k, v in want.items())

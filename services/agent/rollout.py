@@ -110,12 +110,13 @@ class Rollout:
                     log.warning("engine %s could not be started: %s", engine.label, e)
 
     async def converge(self, alias: Alias, again: bool = False) -> None:
-        """Each engine of this node serves alias.current under alias.name (or nothing, once retired). again: load
-        it even where it was loaded before (the engine lost it)."""
+        """Each engine of this node serves the alias's version for this node (the canary's on a canary node, else
+        the current one) under alias.name, or nothing once retired. again: load it even where it was loaded
+        before (the engine lost it)."""
         self.aliases[alias.name] = alias
         version = None
-        if alias.current is not None and not alias.retired:
-            key = (alias.name, alias.current)
+        if (target := alias.serving(self.node)) is not None:
+            key = (alias.name, target)
             version = self.versions.get(key) or await self.registry.version(*key)
             if version is not None:
                 self.versions[key] = version
@@ -187,7 +188,7 @@ class Rollout:
             return
         for name, (version, sha256) in list(self.loaded.get(engine.label, {}).items()):
             alias = self.aliases.get(name)
-            if alias is None or alias.current != version:
+            if alias is None or alias.serving(self.node) != version:
                 continue  # a change is on its way through converge
             if serves is not None and engine.kind != "vllm-dir":  # the resolver loads it again on its next request
                 lost = name not in serves or (engine.kind == "vllm" and sha256 not in serves[name])

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 from schemas import names
 from schemas.registry import (AdapterList, AdapterListQuery, AdapterQuery, AdapterReply, AliasRequest, PromoteRequest,
                               RegisterRequest)
@@ -23,8 +25,14 @@ def describe(r: AdapterReply) -> list[str]:
     lines = [f"{a.name}: {serving}; versions 1-{a.latest}" + (f"; before: {', '.join(map(str, a.history))}"
                                                               if a.history else "")
              + f" (change {a.changes}: --expect-changes {a.changes} refuses a promote if it changes first)"]
+    if a.canary is not None:
+        left = a.canary.deadline - time.time()
+        lines.append(f"  canary: @{a.canary.version} on {', '.join(a.canary.nodes)} (the others serve @{a.current}), "
+                     f"{max(0.0, left):.0f}s left to verify it")
+    if a.last_rollout:
+        lines.append(f"  last rollout: {a.last_rollout}")
     for v in r.versions:
-        mark = "*" if v.version == a.current else " "
+        mark = "*" if v.version == a.current else ("c" if a.canary is not None and v.version == a.canary.version else " ")
         loss = "" if v.final_loss is None else f" loss {v.final_loss:.4f}"
         loss += "" if v.eval_loss is None else f" eval {v.eval_loss:.4f}"
         lines.append(f" {mark} @{v.version}  job {v.job}  {v.base_model}  r={v.r} alpha={v.alpha}{loss}  "
@@ -52,7 +60,8 @@ def cmd_adapters(args) -> int:
             if args.action == "promote":
                 if version is None:
                     raise CommandFailed("say which version: jetlora adapters promote NAME@N")
-                request, subject = (PromoteRequest(name=name, version=version, expect_changes=seen),
+                request, subject = (PromoteRequest(name=name, version=version, expect_changes=seen,
+                                                   canary=args.canary, canary_deadline_s=args.canary_deadline),
                                     names.ADAPTERS.promote)
             else:
                 request, subject = AliasRequest(name=name, expect_changes=seen), getattr(names.ADAPTERS, args.action)
@@ -74,6 +83,12 @@ def register(sub: args_.SubCommands) -> None:
             r.add_argument("--base-model")
         else:
             r.add_argument("name", help="NAME@N" if verb == "promote" else "NAME")
+        if verb == "promote":
+            r.add_argument("--canary", metavar="N|N%", help="move it on N of the nodes serving NAME first (or N%% of "
+                                                             "them); the rest follow once those verify it, and a "
+                                                             "failure or mismatch there rolls it back by itself")
+            r.add_argument("--canary-deadline", type=float, default=600.0, metavar="S",
+                           help="how long the canary nodes have to verify it (default 600)")
         if verb in ("promote", "rollback", "retire"):
             r.add_argument("--expect-changes", type=int, metavar="N",
                            help="refuse unless NAME is at change N, as `adapters show` printed it (compare-and-set)")

@@ -16,6 +16,7 @@ from schemas.registry import (AdapterList, AdapterListQuery, AdapterQuery, Adapt
                               AliasRequest, PromoteRequest, RegisterRequest, StoredFile)
 from services import __version__, bus
 from services.aio import cancel_and_wait
+from services.registry import canary
 from services.registry.store import AdapterRegistry, RegistryError, registry_view
 from services.scheduler.store import JobStore
 
@@ -57,18 +58,19 @@ def stored_rank(lora) -> tuple[int, float]:
 
 def _promoted(alias: Alias, version: int) -> Alias:
     history = alias.history + [alias.current] if alias.current is not None and alias.current != version else alias.history
-    return msgspec.structs.replace(alias, current=version, history=history, retired=False)
+    return msgspec.structs.replace(alias, current=version, history=history, retired=False, canary=None)
 
 
 def _rolled_back(alias: Alias) -> Alias:
     if not alias.history:
         raise RegistryError(f"{alias.name} has no earlier version to roll back to")
-    return msgspec.structs.replace(alias, current=alias.history[-1], history=alias.history[:-1], retired=False)
+    return msgspec.structs.replace(alias, current=alias.history[-1], history=alias.history[:-1], retired=False,
+                                   canary=None)
 
 
 def _retired(alias: Alias) -> Alias:
     history = alias.history + [alias.current] if alias.current is not None else alias.history
-    return msgspec.structs.replace(alias, current=None, history=history, retired=True)
+    return msgspec.structs.replace(alias, current=None, history=history, retired=True, canary=None)
 
 
 class RegistryService:
@@ -83,10 +85,11 @@ class RegistryService:
         self.registry = AdapterRegistry(await self.js.key_value(names.ADAPTERS_KV), view)
         self.jobs = JobStore(self.js, await self.js.key_value(names.JOBS_KV))
         following = asyncio.create_task(view.run(stop), name="registry-view")
+        guarding = asyncio.create_task(canary.guard(self.registry, stop), name="canaries")
         try:
             await self._serve(stop)
         finally:
-            await cancel_and_wait([following])
+            await cancel_and_wait([following, guarding])
 
     async def _serve(self, stop: asyncio.Event) -> None:
         service = await nats.micro.add_service(self.nc, name=names.ADAPTER_SERVICE, version=__version__,
@@ -135,7 +138,16 @@ class RegistryService:
         if await self.registry.version(q.name, q.version) is None:
             return Error(f"no version {q.name}@{q.version}; `jetlora adapters show {q.name}` lists its versions",
                          field="version")
-        return await self._change(q.name, lambda a: _promoted(a, q.version), q)
+        if q.canary is None:
+            return await self._change(q.name, lambda a: _promoted(a, q.version), q)
+        reply = await self._reply(q.name)
+        if isinstance(reply, Error):
+            return reply
+        try:
+            trial = canary.pick(reply, q.canary, q.version, q.canary_deadline_s)
+        except RegistryError as e:
+            return Error(str(e), field="canary")
+        return await self._change(q.name, lambda a: msgspec.structs.replace(a, canary=trial, retired=False), q)
 
     async def _rollback(self, q: AliasRequest) -> AdapterReply | Error:
         return await self._change(q.name, _rolled_back, q)

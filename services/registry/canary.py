@@ -1,0 +1,85 @@
+"""Canary rollouts: a promote moves the name on a few of the nodes serving it first, and the registry finishes it
+(every node) or rolls it back by itself, from what those nodes report."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import time
+
+import msgspec
+
+from schemas.registry import AdapterReply, Alias, Canary, NodeAdapterStatus
+from services.aio import sleep_unless_stopped
+from services.registry.store import AdapterRegistry, RegistryError
+
+log = logging.getLogger(__name__)
+CHECK_S = 0.5
+BAD = ("failed", "mismatch")
+
+
+def pick(reply: AdapterReply, spec: str, version: int, deadline_s: float) -> Canary:
+    """The canary nodes: the first `spec` (N, or N%) of the nodes that serve the name now, by name."""
+    alias = reply.alias
+    serving = sorted({n.node for n in reply.nodes if n.version == alias.current and n.state == "loaded"})
+    if not serving:
+        raise RegistryError(f"no node serves {alias.name} verified yet (`loaded`), so there is nothing to try "
+                            f"{alias.name}@{version} beside: promote it without --canary")
+    count = math.ceil(len(serving) * int(spec[:-1]) / 100) if spec.endswith("%") else int(spec)
+    if count >= len(serving):
+        raise RegistryError(f"a canary of {count} of the {len(serving)} nodes serving {alias.name} is all of them: "
+                            "ask for fewer, or promote without --canary")
+    now = time.time()
+    return Canary(version=version, nodes=serving[:max(1, count)], deadline=now + deadline_s, started=now)
+
+
+def outcome(alias: Alias, nodes: list[NodeAdapterStatus], now: float) -> tuple[bool, str] | None:
+    """(passed, why) once the canary is decided; None while it is not."""
+    canary = alias.canary
+    assert canary is not None
+    on = {n.node: n for n in nodes  # what each canary node said of this version since the canary began
+          if n.node in canary.nodes and n.version == canary.version and n.updated >= canary.started}
+    for node in canary.nodes:
+        if node in on and on[node].state in BAD:
+            return False, (f"canary of {alias.name}@{canary.version} rolled back: node {node} reported "
+                           f"{on[node].state}: {on[node].message}")
+    if all(node in on and on[node].state == "loaded" for node in canary.nodes):
+        return True, (f"canary of {alias.name}@{canary.version} passed on {', '.join(canary.nodes)} in "
+                      f"{now - canary.started:.1f}s; promoted on every node")
+    if now > canary.deadline:
+        waiting = ", ".join(f"{n} {on[n].state if n in on else 'silent'}" for n in canary.nodes
+                            if n not in on or on[n].state != "loaded")
+        return False, (f"canary of {alias.name}@{canary.version} rolled back: not verified within "
+                       f"{canary.deadline - canary.started:.0f}s ({waiting})")
+    return None
+
+
+def finished(alias: Alias, passed: bool, why: str) -> Alias:
+    canary = alias.canary
+    assert canary is not None
+    if not passed:
+        return msgspec.structs.replace(alias, canary=None, last_rollout=why)
+    history = alias.history + [alias.current] if alias.current is not None else alias.history
+    return msgspec.structs.replace(alias, current=canary.version, history=history, canary=None, last_rollout=why)
+
+
+async def guard(registry: AdapterRegistry, stop: asyncio.Event) -> None:
+    """Decide every canary under way as its nodes report; a change made meanwhile (compare-and-set) wins."""
+    while not await sleep_unless_stopped(stop, CHECK_S):
+        try:
+            replies = await registry.adapters()
+        except Exception as e:
+            log.warning("canaries: the registry could not be read (%s: %s); looking again", type(e).__name__, e)
+            continue
+        for reply in replies.values():
+            alias = reply.alias
+            if alias.canary is None or (decided := outcome(alias, reply.nodes, time.time())) is None:
+                continue
+            passed, why = decided
+            try:
+                await registry.change_alias(alias.name, lambda a, p=passed, w=why: finished(a, p, w), None,
+                                            alias.changes)
+                (log.info if passed else log.warning)("%s", why)
+            except RegistryError as e:  # it changed meanwhile (a promote, a rollback): that change decides
+                log.info("canary of %s: %s", alias.name, e)
