@@ -1,7 +1,12 @@
 """One promote reaching a fleet: 200 simulated serving nodes, each the real agent's rollout logic (watch the
-registry, fetch the artifact once, check its sha256, place it, report), with a vLLM filesystem-resolver engine
-(placing the directory is the load) in a temporary directory. Measured against one node alone in the same run,
-rounds alternating; each round promotes the other of two versions.
+registry, fetch the artifact once, check its sha256, unpack and place it, report), with a vLLM filesystem-resolver
+engine without an address (placing the directory is all it does: the node reports `placed`) in a temporary
+directory. Measured against one node alone in the same run, rounds alternating; each round promotes the other of
+two versions.
+
+All 200 nodes share this machine's one nats-server, one Python process and one disk, which a fleet does not: the
+fetching rounds move 200 x the artifact through the server and write 200 x its unpacked bytes to one disk, so they
+measure this machine's bytes per second more than the agent; the rounds with the artifact cached measure the agent.
 
     .venv/bin/python bench/rollout.py [--nodes 200] [--rounds 4] [--artifact-mib 4]
 """
@@ -95,7 +100,7 @@ class Listener:
 
     async def on_status(self, msg) -> None:
         s = _status.decode(msg.data)
-        if (self.target and s.state == "loaded" and s.name == self.target[0].adapter and s.version == self.target[1]
+        if (self.target and s.state in ("loaded", "placed") and s.name == self.target[0].adapter and s.version == self.target[1]
                 and s.node in self.target[0].names):
             self.target[0].loaded.setdefault(s.node, time.monotonic())
 

@@ -22,7 +22,7 @@ from schemas import names
 from schemas.registry import Alias, AdapterVersion, NodeAdapterStatus, NodeState, Smoke, StoredFile
 from services.agent import llamacpp, vllm
 from services.agent.engines import Engine, answering, verify
-from services.artifacts.download import fetch_object, safe_extract
+from services.artifacts.download import fetch_object, fetch_small, safe_extract
 from services.aio import cancel_and_wait, sleep_unless_stopped
 from services.registry.store import AdapterRegistry
 
@@ -213,6 +213,14 @@ class Rollout:
         target = self.root / file.sha256 / ("adapter.gguf" if gguf else "peft")
         if target.exists():
             return target
+        if not gguf:  # an adapter directory small enough to unpack from memory, in one thread hop
+            try:
+                data = await fetch_small(self.js, names.ARTIFACTS_BUCKET, file.name, file.sha256)
+            except Exception as e:
+                raise RuntimeError(f"refused {file.name}: {e}") from None
+            if data is not None:
+                await asyncio.to_thread(_unpack, data, target)
+                return target
         download = target.parent / ("adapter.gguf.part" if gguf else "peft.tar.gz")
         try:
             await fetch_object(self.js, names.ARTIFACTS_BUCKET, file.name, download, file.sha256)  # corrupted: refused
@@ -221,10 +229,7 @@ class Rollout:
         if gguf:
             download.replace(target)
             return target
-        partial = target.with_name("peft.partial")
-        await asyncio.to_thread(shutil.rmtree, partial, True)  # what an earlier crash left
-        await asyncio.to_thread(safe_extract, download, partial)
-        partial.replace(target)
+        await asyncio.to_thread(_unpack, download, target)
         download.unlink()
         return target
 
@@ -249,3 +254,12 @@ class Rollout:
             await self.nc.publish(names.adapter_status(self.node), _enc.encode(status))
         except Exception as e:  # NATS away: the next change reports again
             log.warning("adapter status not sent: %s", e)
+
+
+def _unpack(archive: Path | bytes, target: Path) -> None:
+    """Extract beside the target and rename it into place whole: a crash or a full disk half way leaves nothing
+    that looks fetched."""
+    partial = target.with_name(f"{target.name}.partial")
+    shutil.rmtree(partial, True)  # what an earlier crash left
+    safe_extract(archive, partial)
+    partial.replace(target)

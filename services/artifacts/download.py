@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import io
 import os
 import tarfile
 import tempfile
@@ -81,11 +82,12 @@ async def fetch_object(js, bucket: str, name: str, output: str | os.PathLike, sh
     fd, tmp = tempfile.mkstemp(dir=out.parent, prefix=f".{out.name}.")
     try:
         with os.fdopen(fd, "wb") as f:
-            if info.chunks <= SMALL_OBJECT_CHUNKS:
-                await _read_chunks(js, bucket, info, f)
+            if (info.chunks or 0) <= SMALL_OBJECT_CHUNKS:
+                got = await _read_chunks(js, bucket, info, f)
             else:
                 await obs.get(name, writeinto=f)  # writeinto: linear time (nats-py's in-memory get is quadratic)
-        got = await asyncio.to_thread(sha256_file, tmp)
+                got = ""
+        got = got or await asyncio.to_thread(sha256_file, tmp)
         if got != sha256:
             raise DownloadError(f"{name} arrived with sha256 {got}, expected {sha256}; try again")
         os.replace(tmp, out)
@@ -94,7 +96,22 @@ async def fetch_object(js, bucket: str, name: str, output: str | os.PathLike, sh
         raise
 
 
-async def _read_chunks(js, bucket: str, info, f) -> None:
+async def fetch_small(js, bucket: str, name: str, sha256: str) -> bytes | None:
+    """An object of at most SMALL_OBJECT_CHUNKS chunks, in memory, its sha256 checked as its chunks arrive (no file,
+    no second pass, no thread); None when it is larger (fetch_object it)."""
+    info = await (await js.object_store(bucket)).get_info(name)
+    if (info.chunks or 0) > SMALL_OBJECT_CHUNKS:
+        return None
+    buffer = io.BytesIO()
+    got = await _read_chunks(js, bucket, info, buffer)
+    if got != sha256:
+        raise DownloadError(f"{name} arrived with sha256 {got}, expected {sha256}; try again")
+    return buffer.getvalue()
+
+
+async def _read_chunks(js, bucket: str, info, f) -> str:
+    """Write the object's chunks into f in order; returns their sha256 (hex)."""
+    digest = hashlib.sha256()
     store = names.objects(bucket)
     subject, seq = store.chunks(info.nuid), 0
     for n in range(info.chunks or 0):
@@ -103,14 +120,19 @@ async def _read_chunks(js, bucket: str, info, f) -> None:
         except NotFoundError:
             raise DownloadError(f"{info.name} has {n} of its {info.chunks} chunks in the store; it is damaged") from None
         f.write(msg.data)
+        digest.update(msg.data)
         seq = msg.seq
+    return digest.hexdigest()
 
 
-def safe_extract(archive: str | os.PathLike, dest: str | os.PathLike) -> Path:
-    """Unpack a tar.gz, refusing members that would land outside `dest` or that are links or devices."""
+def safe_extract(archive: str | os.PathLike | bytes, dest: str | os.PathLike) -> Path:
+    """Unpack a tar.gz (a file, or its bytes), refusing members that would land outside `dest` or that are links or
+    devices."""
     dest = Path(dest).resolve()
     dest.mkdir(parents=True, exist_ok=True)
-    with tarfile.open(archive, "r:gz") as tar:
+    opened = (tarfile.open(fileobj=io.BytesIO(archive), mode="r:gz") if isinstance(archive, bytes)
+              else tarfile.open(archive, "r:gz"))
+    with opened as tar:
         for m in tar.getmembers():
             target = (dest / m.name).resolve()
             if m.name.startswith("/") or ".." in Path(m.name).parts or not target.is_relative_to(dest):
