@@ -14,6 +14,7 @@ import msgspec
 from schemas.datasets import (FORMATS, HEAD_CHARS, HEAD_ROWS, ROLES, ROW_TYPES, DatasetFormat, DatasetLimits,
                               DatasetStats)
 
+UTF8_BOM = b"\xef\xbb\xbf"
 _any = msgspec.json.Decoder()
 _decoders: dict[str, msgspec.json.Decoder] = {fmt: msgspec.json.Decoder(t) for fmt, t in ROW_TYPES.items()}
 _SIGNATURES: dict[DatasetFormat, set[str]] = {"chat": {"messages"}, "qa": {"q", "a"}, "alpaca": {"instruction", "output"}, "text": {"text"}}
@@ -119,6 +120,9 @@ class DatasetChecker:
 
     def _row(self, line: bytes) -> None:
         self.line += 1
+        if self.line == 1:
+            line = line.removeprefix(UTF8_BOM)  # Excel and Windows tools begin a UTF-8 file with one
+        line = line.removesuffix(b"\r")  # a CRLF file's line ends
         if len(line) > self.limits.max_row_bytes:
             self._refuse_long_row(self.line)
         if not line.strip():

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import msgspec
 import pytest
+import torch
 
 from schemas.datasets import ChatMessage, ChatRow
 from schemas.events import DataFile, Preparing, Progress
@@ -144,3 +145,19 @@ def test_a_held_out_dataset_is_evaluated(tiny_model, tmp_path, capsys):
     train(spec)
     evals = [e.eval_loss for e in events_from(capsys.readouterr().out) if isinstance(e, Progress) and e.eval_loss]
     assert len(evals) >= 2 and evals[-1] < evals[0]
+
+
+def test_a_file_with_a_byte_order_mark_and_crlf_lines_tokenizes_as_the_plain_one(tiny_model, tmp_path):
+    """Excel and Windows tools write a UTF-8 BOM and CRLF line ends: the same examples as the plain file."""
+    from trainer.model import load
+    from trainer.tokenize import tokenized
+
+    tok, _ = load(str(tiny_model), "cpu", torch.float32)
+    plain = dataset_file(tmp_path, "chat")
+    windows = tmp_path / "windows.jsonl"
+    windows.write_bytes(b"\xef\xbb\xbf" + Path(plain.path).read_bytes().replace(b"\n", b"\r\n"))
+    spotted = msgspec.structs.replace(plain, path=str(windows), sha256=hashlib.sha256(windows.read_bytes()).hexdigest())
+    a, _ = tokenized(plain, tok, str(tiny_model), 128, True, tmp_path / "tokens", lambda *_: None)
+    b, _ = tokenized(spotted, tok, str(tiny_model), 128, True, tmp_path / "tokens", lambda *_: None)
+    assert len(a) == len(b) == len(QA_PAIRS)
+    assert (a.ids == b.ids).all() and (a.targets == b.targets).all() and (a.offsets == b.offsets).all()

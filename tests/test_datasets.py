@@ -58,6 +58,16 @@ async def test_an_upload_is_checked_stored_and_described(stack, nc, tmp_path):
     assert isinstance(missing, Error) and missing.field == "name" and "jetlora datasets ls" in missing.error
 
 
+async def test_a_file_with_a_byte_order_mark_and_crlf_lines_is_taken(stack, nc, tmp_path):
+    """Excel and Windows tools begin a UTF-8 file with a BOM and end lines with CRLF: the file is taken as it is (its
+    bytes and sha256 unchanged), and its first row shown without either."""
+    path = tmp_path / "windows.jsonl"
+    path.write_bytes(b"\xef\xbb\xbf" + "".join(json.dumps(r) + "\r\n" for r in chat_rows(3)).encode())
+    info = await upload_dataset(nc, "windows", path)
+    assert info.sha256 == hashlib.sha256(path.read_bytes()).hexdigest() and info.stats.rows == 3
+    assert info.stats.head[0] == json.dumps(chat_rows(1)[0])
+
+
 async def test_one_bad_row_deep_inside_refuses_the_whole_file(stack, nc, tmp_path):
     rows = chat_rows(3000)
     rows[1203]["messages"][1]["role"] = "asistant"  # line 1,204
@@ -210,3 +220,14 @@ async def test_the_node_cache_keeps_its_budget_evicting_the_least_recently_used(
     kept = {p.stem for p in (agent_dir / "datasets").glob("*.jsonl")}
     assert kept == {shas["first"], shas["third"]}, kept
     assert agents.log("n1").count("fetched into") == 3  # first, second, third: the second "first" was a hit
+
+    # the budget counts tokenized copies too (the trainer's, written beside the rows): a copy of 0.8 MiB makes
+    # "third" 1.2 MiB, so fetching "second" again evicts "first" and then "third" with its copy
+    copy = agent_dir / "datasets" / "tokens" / f"{shas['third']}-0123456789abcdef"
+    copy.mkdir(parents=True)
+    (copy / "ids.bin").write_bytes(b"\0" * (800 << 10))
+    reply = await submit(nc, {"model": "tiny", "base_dir": "/models/tiny", "dataset": {"name": "second"}})
+    await wait_state(nc, reply.job, "succeeded", timeout=60)
+    kept = {p.stem for p in (agent_dir / "datasets").glob("*.jsonl")}
+    assert kept == {shas["second"]} and not copy.exists(), kept
+    assert "with its tokenized copies" in agents.log("n1")

@@ -20,6 +20,7 @@ from pathlib import Path
 import msgspec
 import numpy as np
 
+from schemas.dataset_check import UTF8_BOM
 from schemas.events import DataFile, Preparing
 from trainer.data import Examples, encode, split
 from trainer.errors import JobError
@@ -99,6 +100,8 @@ def _tokenize(data: DataFile, tokenizer, max_len: int, completions_only: bool, o
             block.clear()
 
         for line in src:
+            if not rows:
+                line = line.removeprefix(UTF8_BOM)  # the check at upload took it too
             if not line.strip():
                 continue
             block.append(decoder.decode(line))

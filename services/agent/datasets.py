@@ -80,18 +80,26 @@ class DatasetCache:
         return info
 
     def _evict(self) -> None:
-        """Remove least recently used datasets until the cache fits its budget; those in use stay."""
+        """Remove least recently used datasets, with their tokenized copies, until the cache fits its budget (which
+        counts both); those in use stay."""
         files = sorted(self.root.glob("*.jsonl"), key=lambda p: p.stat().st_mtime)
-        total = sum(p.stat().st_size for p in files)
+        sizes = {p.stem: self._size(p.stem) for p in files}
+        total = sum(sizes.values())
         for p in files:
             if total <= self.budget:
                 break
             sha = p.stem
             if sha in self.in_use:
                 continue
-            total -= p.stat().st_size
+            total -= sizes[sha]
             p.unlink(missing_ok=True)
             self._paths(sha)[1].unlink(missing_ok=True)
             for tokenized in self.tokens.glob(f"{sha}-*"):
                 shutil.rmtree(tokenized, ignore_errors=True)
-            log.info("dataset cache: evicted %s to stay under %d MiB", sha[:12], self.budget // 2**20)
+            log.info("dataset cache: evicted %s (%.1f MiB with its tokenized copies) to stay under %d MiB", sha[:12],
+                     sizes[sha] / 2**20, self.budget // 2**20)
+
+    def _size(self, sha256: str) -> int:
+        """The bytes one dataset holds here: its rows, its description, and every tokenized copy of it."""
+        own = sum(p.stat().st_size for p in self._paths(sha256) if p.is_file())
+        return own + sum(f.stat().st_size for d in self.tokens.glob(f"{sha256}-*") for f in d.rglob("*") if f.is_file())
