@@ -123,6 +123,7 @@ class DatasetChunkAck(Struct, kw_only=True):
 # --- requests ------------------------------------------------------------------------------------
 class DatasetQuery(Struct, forbid_unknown_fields=True, kw_only=True):
     name: DatasetName
+    force: bool = False  # delete: even while unfinished jobs pin it (they then fail on a node that has not fetched it)
 
 
 class DatasetListQuery(Struct, forbid_unknown_fields=True, kw_only=True):

@@ -145,12 +145,17 @@ async def test_two_jobs_on_one_dataset_fetch_it_once(stack, nc, agents, tmp_path
     assert hashlib.sha256(cached.read_bytes()).hexdigest() == sha
 
 
-async def test_a_dataset_deleted_after_submit_fails_the_job_saying_so(stack, nc, agents, tmp_path):
+async def test_a_dataset_named_by_unfinished_jobs_is_deleted_only_when_forced(stack, nc, agents, tmp_path):
+    """Deleting a dataset queued jobs name is refused, naming them; forced, it goes, and a job that had not fetched
+    it fails saying so."""
     write_rows(tmp_path / "chat.jsonl", chat_rows(10))
     await upload_dataset(nc, "brief", tmp_path / "chat.jsonl")
     reply = await submit(nc, {"model": "tiny", "base_dir": "/models/tiny", "dataset": {"name": "brief"}})
     assert isinstance(reply, Accepted)
-    await bus.request(nc, names.DATASETS.delete, DatasetQuery(name="brief"), DatasetDeleted)
+    refused = await bus.request(nc, names.DATASETS.delete, DatasetQuery(name="brief"), DatasetDeleted | Error)
+    assert isinstance(refused, Error) and refused.field == "name", refused
+    assert f"{reply.job} (queued)" in refused.error and "--force" in refused.error, refused.error
+    await bus.request(nc, names.DATASETS.delete, DatasetQuery(name="brief", force=True), DatasetDeleted)
     agents.start("n1", gpus="4096", hold_s=0.2)
     job = await wait_state(nc, reply.job, "failed", timeout=60)
     assert "dataset brief was deleted after the job was submitted" in job.message

@@ -15,6 +15,7 @@ from schemas.datasets import (DatasetChunk, DatasetChunkAck, DatasetDeleted, Dat
 from schemas.jobs import Error
 from services import bus
 from services.artifacts.objinfo import dataset_from_object, dataset_headers
+from services.scheduler.store import JobStore
 from services.artifacts.objwriter import ObjectWriter
 from services.artifacts.receiver import ChunkReceiver, Refused
 from services.streamview import object_view
@@ -74,6 +75,7 @@ class DatasetStore:
         self.nc, self.js, self.limits = nc, nc.jetstream(), limits
         self.receiver = ChunkReceiver(DatasetChunk, DatasetChunkAck, lambda c: c.name, self._open_sink, stall_timeout)
         self.objects = object_view(self.js, names.DATASETS_BUCKET)  # followed while the artifact service runs
+        self.jobs: JobStore | None = None  # the artifact service's, once it runs: which jobs pin a dataset
 
     async def add_endpoints(self, service) -> None:
         group = service.add_group(name=names.DATASETS_GROUP)
@@ -83,6 +85,16 @@ class DatasetStore:
                                  with_subject=True)
             await bus.add_endpoint(group, f"datasets-{verb}", answer, verb)
             await bus.add_endpoint(group, f"datasets-tenant-{verb}", answer, f"*.{verb}")
+
+    async def _pinned_by(self, stored: str) -> list[tuple[str, str]]:
+        """(job, state) of every unfinished job whose dataset or validation_dataset is this stored dataset."""
+        assert self.jobs is not None, "the artifact service sets the jobs store when it runs"
+        out = []
+        for request, status, _, job_id in await self.jobs.load_active():
+            refs = (request.request.dataset, request.request.validation_dataset) if request else ()
+            if any(r is not None and names.dataset_object(r.name, r.owner) == stored for r in refs):
+                out.append((job_id, status.state if status else "queued"))
+        return sorted(out)
 
     async def _open_sink(self, chunk: DatasetChunk, subject: str) -> DatasetSink:
         """A tenant's upload (its subject says whose) is stored under the tenant's prefix and shared with nobody."""
@@ -115,6 +127,11 @@ class DatasetStore:
         stored = names.dataset_object(q.name, tenant)
         if await find_dataset(self.js, stored) is None:
             return Error(f"no dataset named {q.name} of yours; `jetlora datasets ls` lists them", field="name")
+        if not q.force and (pinned := await self._pinned_by(stored)):
+            shown = ", ".join(f"{job} ({state})" for job, state in pinned[:5]) + (" ..." if len(pinned) > 5 else "")
+            return Error(f"dataset {q.name} is named by {len(pinned)} unfinished job(s): {shown}; a node that has not "
+                         "fetched it yet would fail them. Cancel them (or let them finish) first, or delete it anyway "
+                         "with --force", field="name")
         obs = await self.js.object_store(names.DATASETS_BUCKET)
         await obs.delete(stored)
         log.info("dataset %s deleted", stored)

@@ -69,7 +69,7 @@ class ArtifactService:
 
     async def run(self, stop: asyncio.Event) -> None:
         self.obs = await self.js.object_store(names.ARTIFACTS_BUCKET)
-        self.jobs = JobStore(self.js, await self.js.key_value(names.JOBS_KV))
+        self.jobs = self.datasets.jobs = JobStore(self.js, await self.js.key_value(names.JOBS_KV))
         views = [asyncio.create_task(v.run(stop)) for v in (self.objects, self.datasets.objects)]
         limits: dict[str, Any] = dict(pending_msgs_limit=4096, pending_bytes_limit=256 * 1024 * 1024)
         subs = [await self.nc.subscribe(names.ARTIFACTS_UPLOAD_ALL, queue="jetlora-artifacts", cb=self.receiver.on_chunk,

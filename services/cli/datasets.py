@@ -69,7 +69,8 @@ def cmd_datasets(args) -> int:
             reply = await ask(nc, names.datasets_api(args.tenant).show, DatasetQuery(name=args.name), DatasetReply)
             show(reply, args.json, lambda r: print("\n".join(describe(r.dataset))))
         elif args.action == "rm":
-            reply = await ask(nc, names.datasets_api(args.tenant).delete, DatasetQuery(name=args.name), DatasetDeleted)
+            reply = await ask(nc, names.datasets_api(args.tenant).delete, DatasetQuery(name=args.name, force=args.force),
+                              DatasetDeleted)
             print(f"deleted {reply.name}")
         else:
             await get(nc, args.name, args.output)
@@ -106,4 +107,7 @@ def register(sub: args_.SubCommands) -> None:
         d.add_argument("name")
         if verb == "get":
             d.add_argument("-o", "--output", required=True)
+        if verb == "rm":
+            d.add_argument("--force", action="store_true",
+                           help="delete it even while unfinished jobs name it (they fail where it was not fetched)")
     p.set_defaults(fn=cmd_datasets)
