@@ -139,21 +139,39 @@ class DatasetChecker:
             return self._bad(f"{_where(e)}; a {self.fmt} row is {FORMATS[self.fmt]}")
         except msgspec.DecodeError as e:
             return self._bad(f"not JSON ({e})")
+        if self.fmt == "chat":  # the common case at size: its rules and its stats in one pass over the messages
+            return self._chat(row, line)
         if reason := row_error(self.fmt, row):
             return self._bad(reason)
         self._count(row, line)
 
+    def _chat(self, row, line: bytes) -> None:
+        if not row.messages:
+            return self._bad(row_error("chat", row) or "")
+        chars = trained = 0
+        roles = self.roles
+        for m in row.messages:
+            role, weight = m.role, m.weight
+            if role not in ROLES or (weight is not None and (weight not in (0, 1) or role != "assistant")):
+                return self._bad(row_error("chat", row) or "")  # the rules' own words for what is wrong
+            chars += len(m.content)
+            roles[role] += 1
+            trained += role == "assistant" and weight != 0
+        if not trained:
+            return self._bad(row_error("chat", row) or "")
+        self.turns_trained += trained
+        self._counted(chars, line)
+
     def _count(self, row, line: bytes) -> None:
-        if self.fmt == "chat":
-            chars = sum(len(m.content) for m in row.messages)
-            self.roles.update(m.role for m in row.messages)
-            self.turns_trained += sum(1 for m in row.messages if m.role == "assistant" and m.weight != 0)
-        elif self.fmt == "qa":
+        if self.fmt == "qa":
             chars = len(row.q) + len(row.a)
         elif self.fmt == "alpaca":
             chars = len(row.instruction) + len(row.input) + len(row.output)
         else:
             chars = len(row.text)
+        self._counted(chars, line)
+
+    def _counted(self, chars: int, line: bytes) -> None:
         self.chars += chars
         self.chars_max = max(self.chars_max, chars)
         if len(self.head) < HEAD_ROWS:

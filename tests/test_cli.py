@@ -75,9 +75,13 @@ def test_exit_codes_a_script_can_rely_on(up, tmp_path):
 def test_datasets_through_the_cli(up, tmp_path):
     rows = [{"messages": [{"role": "user", "content": p["q"]}, {"role": "assistant", "content": p["a"]}]} for p in pairs(3)]
     bad = tmp_path / "bad.jsonl"
-    bad.write_text("\n".join(json.dumps(r) for r in rows) + '\n{"messages": [{"role": "bot", "content": "hi"}]}\n')
+    bad.write_text("\n".join(json.dumps(r) for r in rows) + '\n{"messages": [{"role": "bot", "content": "hi"}]}\n'
+                   '{"messages": []}\n')
     r = jetlora("datasets", "put", str(bad), "--nats", up, check=False)
-    assert r.returncode == 2 and "nothing was sent" in r.stderr and "line 4: message 1 has role 'bot'" in r.stderr
+    # the service refuses at the first bad row, storing nothing; the command lists the file's bad rows from its own check
+    assert r.returncode == 2 and "nothing was stored" in r.stderr and "line 4: message 1 has role 'bot'" in r.stderr
+    assert "the file's bad rows" in r.stderr and "line 5: messages is empty" in r.stderr, r.stderr
+    assert "bad" not in jetlora("datasets", "ls", "--nats", up).stdout
     good = tmp_path / "chats.jsonl"
     good.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
     put = jetlora("datasets", "put", str(good), "--nats", up)

@@ -5,6 +5,8 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
+import msgspec
+
 from nats.aio.client import Client
 from nats.js.errors import NotFoundError
 
@@ -108,7 +110,9 @@ class DatasetStore:
         if owner is not None and upload.share:
             raise Refused("a tenant's dataset is its own: only an admin's upload may --share it")
         writer = ObjectWriter(self.js, names.DATASETS_BUCKET, stored, upload.description)
-        return DatasetSink(writer, DatasetChecker(upload.format, self.limits), f"dataset {stored}", upload.share, owner)
+        first_bad_row = msgspec.structs.replace(self.limits, max_errors=1)  # stop the transfer there: `datasets put`
+        return DatasetSink(writer, DatasetChecker(upload.format, first_bad_row), f"dataset {stored}", upload.share,
+                           owner)  # lists the file's other bad rows itself
 
     async def _list(self, q: DatasetListQuery, tenant: str | None) -> DatasetList:
         found = [d for d in map(dataset_from_object, (await self.objects.snapshot()).values()) if d]
