@@ -20,8 +20,8 @@ __all__ = ["IGNORE", "Example", "Examples", "Batch", "encode", "split", "make_ba
 class Examples:
     """Examples back to back: ids[offsets[i]:offsets[i + 1]] is example i (through `rows`, a subset of them)."""
 
-    ids: np.ndarray  # int32
-    targets: np.ndarray  # int32, IGNORE where nothing is predicted
+    ids: np.ndarray  # int32, or uint16 where the vocabulary fits (the token cache stores them so)
+    targets: "np.ndarray | ShiftedTargets"  # int32, IGNORE where nothing is predicted
     offsets: np.ndarray  # int64, one more than the examples
     rows: np.ndarray | None = None  # which examples this set holds; None: all
 
@@ -45,7 +45,7 @@ class Examples:
     def __getitem__(self, i: int) -> tuple[np.ndarray, np.ndarray]:
         r = self._row(i)
         a, b = self.offsets[r], self.offsets[r + 1]
-        return self.ids[a:b], self.targets[a:b]
+        return self.ids[a:b].astype(np.int32, copy=False), self.targets[a:b]
 
     def subset(self, positions: np.ndarray) -> "Examples":
         rows = self.rows[positions] if self.rows is not None else positions
@@ -70,6 +70,23 @@ def split(examples: Examples, eval_fraction: float, seed: int) -> tuple[Examples
     order = np.random.default_rng(seed).permutation(len(examples))
     n_eval = max(1, int(len(examples) * eval_fraction)) if eval_fraction else 0
     return examples.subset(np.sort(order[n_eval:])), examples.subset(np.sort(order[:n_eval]))
+
+
+class ShiftedTargets:
+    """Targets kept as a mask: at a learnt position the target is the next token (ids[t + 1]), elsewhere IGNORE.
+    What the token cache stores (a byte a token instead of four); sliced like the array it stands for."""
+
+    def __init__(self, ids: np.ndarray, learnt: np.ndarray) -> None:
+        self.ids, self.learnt = ids, learnt
+
+    def __len__(self) -> int:
+        return len(self.learnt)
+
+    def __getitem__(self, span: slice) -> np.ndarray:
+        a, b, _ = span.indices(len(self.learnt))
+        following = np.full(b - a, IGNORE, np.int32)
+        following[:max(0, min(b, len(self.ids) - 1) - a)] = self.ids[a + 1:b + 1]
+        return np.where(self.learnt[a:b].astype(bool), following, np.int32(IGNORE))
 
 
 @dataclass

@@ -22,12 +22,12 @@ import numpy as np
 
 from schemas.dataset_check import UTF8_BOM
 from schemas.events import DataFile, Preparing
-from trainer.data import Examples, encode, split
+from trainer.data import IGNORE, Examples, ShiftedTargets, encode, split
 from trainer.errors import JobError
 from trainer.events import emit
 from trainer.formats import ROW_OF, examples_of, render
 
-CACHE_VERSION = 1  # raise when what is written changes
+CACHE_VERSION = 2  # raise when what is written changes (2: ids in the narrowest type, targets as a mask)
 BLOCK_ROWS = 512
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
 
@@ -42,11 +42,30 @@ def cache_key(data: DataFile, tokenizer, base_dir: str, max_len: int, completion
 
 
 def load(directory: Path) -> Examples:
+    meta = json.loads((directory / "meta.json").read_text())
+
     def mapped(name, dtype):
         path = directory / name
         return np.memmap(path, dtype=dtype, mode="r") if path.stat().st_size else np.zeros(0, dtype)
 
-    return Examples(mapped("ids.bin", np.int32), mapped("targets.bin", np.int32), mapped("offsets.bin", np.int64))
+    ids = mapped("ids.bin", np.dtype(meta["ids_dtype"]))
+    return Examples(ids, ShiftedTargets(ids, mapped("learnt.bin", np.uint8)), mapped("offsets.bin", np.int64))
+
+
+def ids_dtype(tokenizer) -> np.dtype:
+    """The narrowest integer type every token id of the tokenizer fits in."""
+    return np.dtype(np.uint16) if len(tokenizer) <= 2**16 else np.dtype(np.int32)
+
+
+def learnt_mask(ids: list[int], targets: list[int]) -> np.ndarray:
+    """1 where a target is learnt. The cache keeps targets so, which holds only if each learnt target is the next
+    token: a tokenizer path where it is not would corrupt training, so it stops here instead."""
+    learnt = np.asarray(targets, np.int64) != IGNORE
+    following = np.asarray(ids[1:] + [IGNORE], np.int64)
+    if (np.asarray(targets, np.int64)[learnt] != following[learnt]).any():
+        raise JobError("a target is not the token that follows it; the token cache cannot store this dataset "
+                       "(a bug in jetlora's formats: report it with the dataset's format)")
+    return learnt.astype(np.uint8)
 
 
 def tokenized(data: DataFile, tokenizer, base_dir: str, max_len: int, completions_only: bool, cache: Path,
@@ -79,7 +98,8 @@ def _tokenize(data: DataFile, tokenizer, max_len: int, completions_only: bool, o
     decoder = msgspec.json.Decoder(ROW_OF[data.format])
     rows = skipped = examples = tokens = 0
     last_report = 0.0
-    with (open(data.path, "rb") as src, open(out / "ids.bin", "wb") as ids_f, open(out / "targets.bin", "wb") as tgt_f,
+    id_type = ids_dtype(tokenizer)
+    with (open(data.path, "rb") as src, open(out / "ids.bin", "wb") as ids_f, open(out / "learnt.bin", "wb") as tgt_f,
           open(out / "offsets.bin", "wb") as off_f):
         off_f.write(array("q", [0]).tobytes())
         block = []
@@ -91,8 +111,8 @@ def _tokenize(data: DataFile, tokenizer, max_len: int, completions_only: bool, o
             for row_examples in examples_of(rendered, tokenizer, max_len):
                 skipped += not row_examples
                 for ex in row_examples:
-                    ids_f.write(np.asarray(ex.ids, np.int32).tobytes())
-                    tgt_f.write(np.asarray(ex.targets, np.int32).tobytes())
+                    ids_f.write(np.asarray(ex.ids, id_type).tobytes())
+                    tgt_f.write(learnt_mask(ex.ids, ex.targets).tobytes())
                     tokens += len(ex.ids)
                     ends.append(tokens)
             off_f.write(ends.tobytes())
@@ -114,7 +134,7 @@ def _tokenize(data: DataFile, tokenizer, max_len: int, completions_only: bool, o
         flush()
     report(rows, data.rows, f"tokenized {_count(rows)} rows: {examples:,} examples, {tokens:,} tokens"
                             + (f", {skipped:,} rows skipped (nothing to learn within max_seq_length)" if skipped else ""))
-    return {"rows": rows, "examples": examples, "tokens": tokens, "skipped": skipped}
+    return {"rows": rows, "examples": examples, "tokens": tokens, "skipped": skipped, "ids_dtype": id_type.name}
 
 
 def _count(n: int) -> str:
