@@ -185,6 +185,9 @@ class DatasetChecker:
             self._refuse_bad_rows()
 
     def _refuse_bad_rows(self) -> None:
+        if self.limits.max_errors == 1:  # the service: it stops the transfer at the first
+            raise DatasetInvalid(self.errors, f"{self.errors[0]}; nothing was stored (the check stops at the first "
+                                              "bad row)")
         more = " (and maybe more: the check stops there)" if len(self.errors) >= self.limits.max_errors else ""
         raise DatasetInvalid(self.errors, f"{self.bad_rows} bad row(s){more}, nothing was stored; "
                                           f"{'; '.join(self.errors)}")

@@ -13,6 +13,7 @@ from schemas import names
 from schemas.datasets import DatasetDeleted, DatasetLimits, DatasetList, DatasetListQuery, DatasetQuery, DatasetReply, DatasetUpload
 from schemas.jobs import Accepted, Error, Rejected, StoredRequest
 from services import bus
+from schemas.dataset_check import DatasetInvalid, check_file
 from services.artifacts.sender import Refusal, upload_dataset
 from tests.conftest import submit, wait_nodes, wait_state
 from tests.qa import QA_PAIRS
@@ -69,6 +70,8 @@ async def test_a_file_with_a_byte_order_mark_and_crlf_lines_is_taken(stack, nc, 
 
 
 async def test_one_bad_row_deep_inside_refuses_the_whole_file(stack, nc, tmp_path):
+    """The service refuses at the first bad row (the rest of a large file is not sent for nothing); the file's other
+    bad rows are what the command's own check lists (test_cli.py)."""
     rows = chat_rows(3000)
     rows[1203]["messages"][1]["role"] = "asistant"  # line 1,204
     rows[2500] = {"messages": [{"role": "user", "content": 5}]}  # line 2,501
@@ -76,8 +79,11 @@ async def test_one_bad_row_deep_inside_refuses_the_whole_file(stack, nc, tmp_pat
     with pytest.raises(Refusal) as refused:
         await upload_dataset(nc, "bad", tmp_path / "bad.jsonl", chunk_bytes=4096)
     text = str(refused.value)
-    assert "line 1,204: message 2 has role 'asistant'; roles are system, user, assistant" in text
-    assert "line 2,501: messages[0].content: Expected `str`, got `int`" in text and "nothing was stored" in text
+    assert text.startswith("line 1,204: message 2 has role 'asistant'; roles are system, user, assistant"), text
+    assert "nothing was stored" in text and "line 2,501" not in text
+    with pytest.raises(DatasetInvalid) as listed_here:
+        check_file(tmp_path / "bad.jsonl")
+    assert "line 2,501: messages[0].content: Expected `str`, got `int`" in str(listed_here.value)
     assert await stored_objects(nc) == 0  # not one chunk left behind
     listed = await bus.request(nc, names.DATASETS.list, DatasetListQuery(), DatasetList)
     assert listed.datasets == []
