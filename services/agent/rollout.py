@@ -190,6 +190,8 @@ class Rollout:
             alias = self.aliases.get(name)
             if alias is None or alias.serving(self.node) != version:
                 continue  # a change is on its way through converge
+            if engine.kind == "llamacpp" and not engine.restart:
+                continue  # it said needs-restart, and that stands until its operator restarts it
             if serves is not None and engine.kind != "vllm-dir":  # the resolver loads it again on its next request
                 lost = name not in serves or (engine.kind == "vllm" and sha256 not in serves[name])
             else:
