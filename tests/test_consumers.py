@@ -14,7 +14,7 @@ from schemas import names
 from schemas.artifacts import ArtifactList, ArtifactQuery
 from schemas.datasets import DatasetList, DatasetListQuery
 from schemas.events import EventPage, EventsQuery
-from schemas.jobs import Accepted, JobList, JobListQuery
+from schemas.jobs import Accepted, Error, JobList, JobListQuery
 from schemas.nodes import NodeList
 from schemas.registry import (AdapterList, AdapterListQuery, AdapterQuery, AdapterReply, AdapterVersion,
                               StoredFile)
@@ -127,9 +127,9 @@ async def test_the_rollout_follows_the_registry_once_it_can(own_server, tmp_path
         assert (await wait_state(nc, reply.job, ("succeeded", "failed"), timeout=60)).state == "succeeded"
         t0 = time.monotonic()
 
-        async def loaded() -> bool:
-            shown = await bus.request(nc, names.ADAPTERS.show, AdapterQuery(name="support"), AdapterReply)
-            return any(n.node == "edge" and n.state == "placed" for n in shown.nodes)
+        async def loaded() -> bool:  # registration follows the job's success: until then there is no "support"
+            shown = await bus.request(nc, names.ADAPTERS.show, AdapterQuery(name="support"), AdapterReply | Error)
+            return isinstance(shown, AdapterReply) and any(n.node == "edge" and n.state == "placed" for n in shown.nodes)
 
         await wait_for(loaded, timeout=60, what="the edge node to load support@1")
         print(f"edge loaded support@1 {time.monotonic() - t0:.1f}s after the job ended")
