@@ -32,7 +32,11 @@ async def served(engine: Engine) -> dict[str, str] | None:
     """The adapters vLLM serves now, name -> the path it loaded each from; None when it does not answer (or no
     address was given)."""
     entries = await models(engine) if engine.url else None
-    return None if entries is None else {m["id"]: str(m.get("root", "")) for m in entries if m.get("parent")}
+    return None if entries is None else _adapters(entries)
+
+
+def _adapters(entries: list[dict]) -> dict[str, str]:
+    return {m["id"]: str(m.get("root", "")) for m in entries if m.get("parent")}
 
 
 async def load(engine: Engine, name: str, local: Path) -> tuple[NodeState, str]:
@@ -42,13 +46,14 @@ async def load(engine: Engine, name: str, local: Path) -> tuple[NodeState, str]:
         await asyncio.to_thread(place, local, target, engine.model)
         return "placed", (f"placed in {target}; with no engine URL (vllm-dir=DIR,URL) nothing unloads an older "
                           "version from vLLM or checks what it serves")
-    now = await served(engine)
-    if now is None:
+    entries = await models(engine)
+    if entries is None:
         raise EngineError(f"vLLM at {engine.url} does not answer")
+    now = _adapters(entries)
     if engine.kind == "vllm-dir":
-        return await _place_for_resolver(engine, name, local, name in now)
+        return await _place_for_resolver(engine, name, local, entries)
     if name not in now:
-        return await _load(engine, name, local, {}, "loaded through vLLM's /v1/load_lora_adapter")
+        return await _load(engine, name, local, "loaded through vLLM's /v1/load_lora_adapter")
     code, text = await post_json(f"{engine.url}/v1/load_lora_adapter",
                                  {"lora_name": name, "lora_path": str(local), "load_inplace": True})
     if code == 200:
@@ -56,13 +61,12 @@ async def load(engine: Engine, name: str, local: Path) -> tuple[NodeState, str]:
     if "already been loaded" not in text:
         raise EngineError(f"vLLM refused to load it ({code}: {text[:300]}); {NEEDS}")
     await post_json(f"{engine.url}/v1/unload_lora_adapter", {"lora_name": name})  # a vLLM without load_inplace
-    return await _load(engine, name, local, {}, "unloaded the old version and loaded this one (this vLLM has no "
+    return await _load(engine, name, local, "unloaded the old version and loaded this one (this vLLM has no "
                                                  "load_inplace: requests in between were refused; upgrade vLLM)")
 
 
-async def _load(engine: Engine, name: str, local: Path, extra: dict, said: str) -> tuple[NodeState, str]:
-    code, text = await post_json(f"{engine.url}/v1/load_lora_adapter", {"lora_name": name, "lora_path": str(local),
-                                                                        **extra})
+async def _load(engine: Engine, name: str, local: Path, said: str) -> tuple[NodeState, str]:
+    code, text = await post_json(f"{engine.url}/v1/load_lora_adapter", {"lora_name": name, "lora_path": str(local)})
     if code != 200:
         raise EngineError(f"vLLM refused to load it ({code}: {text[:300]}); {NEEDS}")
     return "loaded", said
@@ -87,8 +91,8 @@ async def unload(engine: Engine, name: str) -> tuple[NodeState, str]:
     return "unloaded", said + "unloaded through vLLM's /v1/unload_lora_adapter"
 
 
-async def _place_for_resolver(engine: Engine, name: str, local: Path, known: bool) -> tuple[NodeState, str]:
-    entries = await models(engine) or []
+async def _place_for_resolver(engine: Engine, name: str, local: Path, entries: list[dict]) -> tuple[NodeState, str]:
+    known = name in _adapters(entries)
     base = next((str(m.get("root")) for m in entries if not m.get("parent")), None)
     if base is None:
         raise EngineError(f"vLLM at {engine.url} lists no base model")
