@@ -14,18 +14,17 @@ import shutil
 import tempfile
 import time
 from array import array
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
-import msgspec
 import numpy as np
 
 from schemas.dataset_check import UTF8_BOM
 from schemas.events import DataFile, Preparing
-from trainer.data import IGNORE, Examples, ShiftedTargets, encode, split
+from trainer.blocks import Blocks
+from trainer.data import Examples, ShiftedTargets, encode, split
 from trainer.errors import JobError
 from trainer.events import emit
-from trainer.formats import ROW_OF, examples_of, render
 
 CACHE_VERSION = 2  # raise when what is written changes (2: ids in the narrowest type, targets as a mask)
 BLOCK_ROWS = 512
@@ -57,17 +56,6 @@ def ids_dtype(tokenizer) -> np.dtype:
     return np.dtype(np.uint16) if len(tokenizer) <= 2**16 else np.dtype(np.int32)
 
 
-def learnt_mask(ids: list[int], targets: list[int]) -> np.ndarray:
-    """1 where a target is learnt. The cache keeps targets so, which holds only if each learnt target is the next
-    token: a tokenizer path where it is not would corrupt training, so it stops here instead."""
-    learnt = np.asarray(targets, np.int64) != IGNORE
-    following = np.asarray(ids[1:] + [IGNORE], np.int64)
-    if (np.asarray(targets, np.int64)[learnt] != following[learnt]).any():
-        raise JobError("a target is not the token that follows it; the token cache cannot store this dataset "
-                       "(a bug in jetlora's formats: report it with the dataset's format)")
-    return learnt.astype(np.uint8)
-
-
 def tokenized(data: DataFile, tokenizer, base_dir: str, max_len: int, completions_only: bool, cache: Path,
               report: Callable[[int, int, str], None]) -> tuple[Examples, dict]:
     """The dataset's examples, from the cache or tokenized into it; report(done, total, message) along the way."""
@@ -95,46 +83,40 @@ def _tokenize(data: DataFile, tokenizer, max_len: int, completions_only: bool, o
               report: Callable[[int, int, str], None]) -> dict:
     if tokenizer.eos_token is None:
         raise JobError("the tokenizer has no eos token; add one to tokenizer_config.json so answers can end")
-    decoder = msgspec.json.Decoder(ROW_OF[data.format])
     rows = skipped = examples = tokens = 0
     last_report = 0.0
     id_type = ids_dtype(tokenizer)
+    blocks = Blocks(data.format, tokenizer, max_len, completions_only)
     with (open(data.path, "rb") as src, open(out / "ids.bin", "wb") as ids_f, open(out / "learnt.bin", "wb") as tgt_f,
           open(out / "offsets.bin", "wb") as off_f):
         off_f.write(array("q", [0]).tobytes())
-        block = []
-
-        def flush() -> None:
-            nonlocal skipped, examples, tokens
-            rendered = [render(data.format, row, tokenizer, completions_only) for row in block]
-            ends = array("q")
-            for row_examples in examples_of(rendered, tokenizer, max_len):
-                skipped += not row_examples
-                for ex in row_examples:
-                    ids_f.write(np.asarray(ex.ids, id_type).tobytes())
-                    tgt_f.write(learnt_mask(ex.ids, ex.targets).tobytes())
-                    tokens += len(ex.ids)
-                    ends.append(tokens)
-            off_f.write(ends.tobytes())
-            examples += len(ends)
-            block.clear()
-
-        for line in src:
-            if not rows:
-                line = line.removeprefix(UTF8_BOM)  # the check at upload took it too
-            if not line.strip():
-                continue
-            block.append(decoder.decode(line))
-            rows += 1
-            if len(block) == BLOCK_ROWS:
-                flush()
-                if time.monotonic() - last_report > 1.0:
-                    last_report = time.monotonic()
-                    report(rows, data.rows, f"tokenizing {rows / max(data.rows, 1):.0%} of {_count(data.rows)} rows")
-        flush()
+        for block in blocks.tokenized(_row_blocks(src)):
+            ids_f.write(block.ids.astype(id_type).tobytes())
+            tgt_f.write(block.learnt.tobytes())
+            off_f.write((block.ends + tokens).tobytes())
+            rows, skipped, examples = rows + block.rows, skipped + block.skipped, examples + len(block.ends)
+            tokens += len(block.ids)
+            if time.monotonic() - last_report > 1.0:
+                last_report = time.monotonic()
+                report(rows, data.rows, f"tokenizing {rows / max(data.rows, 1):.0%} of {_count(data.rows)} rows")
     report(rows, data.rows, f"tokenized {_count(rows)} rows: {examples:,} examples, {tokens:,} tokens"
                             + (f", {skipped:,} rows skipped (nothing to learn within max_seq_length)" if skipped else ""))
     return {"rows": rows, "examples": examples, "tokens": tokens, "skipped": skipped, "ids_dtype": id_type.name}
+
+
+def _row_blocks(src) -> Iterator[list[bytes]]:
+    """The file's non-blank lines, BLOCK_ROWS at a time (a leading BOM dropped, as the check at upload does)."""
+    block: list[bytes] = []
+    for n, line in enumerate(src):
+        if not n:
+            line = line.removeprefix(UTF8_BOM)
+        if line.strip():
+            block.append(line)
+            if len(block) == BLOCK_ROWS:
+                yield block
+                block = []
+    if block:
+        yield block
 
 
 def _count(n: int) -> str:

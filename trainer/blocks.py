@@ -1,0 +1,110 @@
+"""Blocks of dataset rows to token arrays, across the node's cores.
+
+Each block is decoded, rendered and tokenized by itself, so blocks go to worker processes (forked from the
+trainer: they share its tokenizer without loading it again) and come back in file order; only a few are in
+flight at once, so memory stays bounded whatever the file's size. A chat dataset's first block is rendered both
+the fast way (each assistant turn found in one render) and the exact way; where they differ the whole file is
+done the exact way.
+"""
+
+from __future__ import annotations
+
+import itertools
+import multiprocessing
+import os
+from collections import deque
+from collections.abc import Iterable, Iterator
+from concurrent.futures import Future, ProcessPoolExecutor
+from dataclasses import dataclass
+
+import msgspec
+import numpy as np
+
+from trainer.formats import ROW_OF, render, token_rows
+
+MIN_BLOCKS_FOR_WORKERS = 8  # below this, starting workers costs more than it saves
+MAX_WORKERS = 16
+
+
+@dataclass
+class TokenBlock:
+    ids: np.ndarray  # int64, the block's examples back to back
+    learnt: np.ndarray  # uint8: 1 where the token after ids[t] is learnt
+    ends: np.ndarray  # int64: where each example ends, counted from the block's start
+    rows: int
+    skipped: int  # rows with nothing to learn within max_seq_length
+
+
+@dataclass
+class Blocks:
+    """How this dataset's rows become tokens: its format, tokenizer, max length and loss mask."""
+
+    fmt: str
+    tokenizer: object
+    max_len: int
+    completions_only: bool
+    fast: bool = True
+
+    def block(self, lines: list[bytes]) -> TokenBlock:
+        decoder = msgspec.json.Decoder(ROW_OF[self.fmt])
+        rendered = [render(self.fmt, decoder.decode(line), self.tokenizer, self.completions_only, self.fast)
+                    for line in lines]
+        rows = token_rows(rendered, self.tokenizer, self.max_len)
+        pieces = [example for row in rows for example in row]
+        lengths = np.fromiter((len(ids) for ids, _ in pieces), np.int64, len(pieces))
+        return TokenBlock(np.concatenate([ids for ids, _ in pieces]) if pieces else np.zeros(0, np.int64),
+                          np.concatenate([learnt for _, learnt in pieces]) if pieces else np.zeros(0, np.uint8),
+                          np.cumsum(lengths), len(lines), sum(not row for row in rows))
+
+    def check_fast(self, lines: list[bytes]) -> None:
+        """Keep the fast way only if it finds the same spans as the exact way on these rows."""
+        if self.fmt != "chat" or not self.completions_only:
+            return
+        decoder = msgspec.json.Decoder(ROW_OF[self.fmt])
+        rows = [decoder.decode(line) for line in lines]
+        self.fast = all(render(self.fmt, row, self.tokenizer, True, True)
+                        == render(self.fmt, row, self.tokenizer, True, False) for row in rows)
+
+    def tokenized(self, blocks: Iterable[list[bytes]], workers: int | None = None) -> Iterator[TokenBlock]:
+        """Each block's tokens, in order; the first block decides fast or exact, the rest go to workers."""
+        blocks = iter(blocks)
+        first = next(blocks, None)
+        if first is None:
+            return
+        self.check_fast(first)
+        yield self.block(first)
+        ahead = list(itertools.islice(blocks, MIN_BLOCKS_FOR_WORKERS))
+        rest = itertools.chain(ahead, blocks)
+        workers = usable_cores() if workers is None else workers
+        if workers < 2 or len(ahead) < MIN_BLOCKS_FOR_WORKERS:
+            yield from (self.block(b) for b in rest)
+        else:
+            yield from self._in_workers(rest, workers)
+
+    def _in_workers(self, blocks: Iterator[list[bytes]], workers: int) -> Iterator[TokenBlock]:
+        global _FORKED
+        _FORKED = self
+        pending: deque[Future] = deque()
+        with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("fork")) as pool:
+            for b in blocks:
+                pending.append(pool.submit(_block_in_worker, b))
+                if len(pending) >= 2 * workers:
+                    yield pending.popleft().result()
+            while pending:
+                yield pending.popleft().result()
+
+
+_FORKED: Blocks | None = None  # what a forked worker tokenizes with: set in the trainer before the fork
+
+
+def _block_in_worker(lines: list[bytes]) -> TokenBlock:
+    assert _FORKED is not None
+    return _FORKED.block(lines)
+
+
+def usable_cores() -> int:
+    """The cores this process may run on (its affinity, as a container's cpuset sets it), at most MAX_WORKERS."""
+    try:
+        return min(len(os.sched_getaffinity(0)), MAX_WORKERS)
+    except AttributeError:
+        return min(os.cpu_count() or 1, MAX_WORKERS)
