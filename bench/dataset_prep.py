@@ -2,7 +2,7 @@
 Face `datasets` (`Dataset.from_json(...).map(apply_chat_template + tokenize, batched=True)`, with the same
 tokenizer), in the same run.
 
-    .venv/bin/pip install datasets   # the baseline; jetlora does not need it
+    .venv/bin/pip install -e ".[bench]"   # the baseline, Hugging Face datasets; jetlora does not need it
     .venv/bin/python bench/dataset_prep.py [--rows 40000] [--rounds 3]
 
 Sides, each in its own fresh process (so each peak RSS is its own), alternating in each round: `hf` (one process,
