@@ -11,8 +11,7 @@ The subject tree is shaped so that permissions can be written against it:
     jetlora.job.<tenant>.<job>.<node>.progress   agent -> JOBS stream: a training event (on that node)
     jetlora.job.<tenant>.<job>.<node>.preparing  agent -> JOBS stream: tokenizing the data, before the first step
     jetlora.job.<tenant>.<job>.<node>.samples    agent -> JOBS stream: the adapter's answers to the sample prompts
-                                        (<tenant>: the job's tenant, `_` for an admin's job, so that a tenant may
-                                        subscribe to jetlora.job.<tenant>.> and read exactly its own jobs' events)
+                                        (<tenant>: the job's, `_` for an admin's: a tenant reads jetlora.job.<t>.>)
     jetlora.artifacts.upload.<node>.<job>  agent -> artifact service: one chunk (request/reply)
     jetlora.artifacts.<verb>            operators' artifact requests
     jetlora.datasets.upload.<name>      a client -> artifact service: one chunk of a dataset (request/reply)
@@ -41,6 +40,7 @@ JOB_INDEX_STREAM = "JETLORA_JOB_INDEX"  # jobs in submission and in finishing or
 ARTIFACTS_BUCKET = "jetlora_artifacts"  # object store of adapters and GGUF files
 DATASETS_BUCKET = "jetlora_datasets"  # object store of training data, one object per dataset name
 ADAPTERS_KV = "jetlora_adapters"  # the adapter registry: version.<name>.<n>, alias.<name>, node.<name>.<node>
+KEYS_KV, GATEWAY_JOBS_KV = "jetlora_keys", "jetlora_gateway_jobs"  # the OpenAI gateway's keys, and its jobs' requests
 SCHEDULER_CONSUMER = "jetlora_scheduler_states_v3"  # durable consumer of job states (v3: the tenant in the subject)
 OLD_SCHEDULER_CONSUMERS = ("jetlora_scheduler_states_v2",)  # filters that match no subject now: deleted at start
 

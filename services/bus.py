@@ -159,7 +159,8 @@ async def ensure_resources(nc: Client, replicas: int = 1) -> None:
             except BadRequestError:  # created by another service at the same moment
                 pass
     for bucket, kw in ((names.JOBS_KV, dict(history=1)), (names.LEASE_KV, dict(history=1, ttl=LEASE_TTL_S)),
-                       (names.ADAPTERS_KV, dict(history=16)), (names.IDEMPOTENCY_KV, dict(history=1, ttl=IDEMPOTENCY_S))):
+                       (names.ADAPTERS_KV, dict(history=16)), (names.IDEMPOTENCY_KV, dict(history=1, ttl=IDEMPOTENCY_S)), (names.KEYS_KV, dict(history=1)),
+                       (names.GATEWAY_JOBS_KV, dict(history=1))):
         try:
             await js.key_value(bucket)
         except (NotFoundError, BadRequestError):

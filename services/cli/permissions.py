@@ -55,6 +55,13 @@ def roles(nodes: list[str], tenants: Sequence[str] = ()) -> dict[str, dict]:
                       + _object_read(),
                       "subscribe": [names.HEARTBEATS_ALL]},
     }
+    any_tenant = "*"  # the gateway acts for the tenant of each request's key: a tenant's verbs, never an admin's
+    users["gateway"] = {"publish": list(names.jobs_api(any_tenant)) + list(names.datasets_api(any_tenant))
+                        + [names.dataset_upload("*", any_tenant)] + _read_stream(names.kv(names.KEYS_KV).stream)
+                        + _read_stream(names.kv(names.GATEWAY_JOBS_KV).stream)
+                        + [names.kv(names.GATEWAY_JOBS_KV).subjects, names.js_api("STREAM", "INFO", "*")],
+                        "subscribe": []}
+    users["operator"]["publish"] += [names.kv(names.KEYS_KV).subjects] + _read_stream(names.kv(names.KEYS_KV).stream)
     for tenant in tenants:  # its own verbs only: it sees, cancels and stops its own jobs
         names.check_tenant(tenant)
         users[f"tenant-{tenant}"] = {"publish": list(names.jobs_api(tenant)) + list(names.artifacts_api(tenant))

@@ -1,0 +1,87 @@
+"""`jetlora gateway` (the OpenAI-compatible API) and `jetlora keys` (its API keys, one tenant each)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+
+from services.cli import args as args_
+from services.cli.client import EXIT_FAILED, EXIT_OK, run_client, show
+from services.runtime import StartupError
+
+
+def base_models(specs: list[str], accelerator: str, served_by: str, save_steps: int) -> dict:
+    """--base-model NAME=DIR, repeated: the `model` values the API takes and where nodes have them."""
+    from services.gateway.openai_map import BaseModel
+
+    models = {}
+    for spec in specs:
+        name, _, base_dir = spec.partition("=")
+        if not name or not os.path.isabs(base_dir):
+            raise StartupError(f"--base-model {spec!r}: give NAME=DIR, DIR the absolute model directory on the nodes")
+        models[name] = BaseModel(name, base_dir, accelerator, served_by, save_steps)
+    return models
+
+
+async def run_gateway(nc, stop, args) -> None:
+    from services.gateway.app import Gateway
+
+    gateway = Gateway(nc, base_models(args.base_model, args.accelerator, args.served_by, args.save_steps), args.host, args.port)
+    try:
+        await gateway.start()
+    except OSError as e:
+        raise StartupError(f"cannot listen on {args.host}:{args.port} ({e.strerror}); choose another with --port") from None
+    print(f"gateway: http://{args.host}:{gateway.port}/v1", flush=True)
+    await gateway.run(stop)
+
+
+def cmd_keys(args) -> int:
+    from services.gateway.keys import KeyStore, new_key
+
+    async def go(nc) -> int:
+        store = await KeyStore.open(nc.jetstream())
+        if args.action == "create":
+            key, record = new_key(args.tenant, args.label)
+            await store.put(record)
+            print(f"{key}\n(tenant {record.tenant}, id {record.id}; shown once: it is stored hashed)")
+        elif args.action == "ls":
+            records = sorted(await store.records(), key=lambda r: r.created)
+            show(records, args.json, lambda _: print("\n".join(f"{r.id}\t{r.tenant}\t{time.ctime(r.created)}\t{r.label}"
+                                                                for r in records)))
+        elif not await store.delete(args.id):
+            print(f"error: no key with id {args.id}; `jetlora keys ls` lists them")
+            return EXIT_FAILED
+        else:
+            print(f"deleted key {args.id}")
+        return EXIT_OK
+
+    return run_client(args, go)
+
+
+def register(sub: args_.SubCommands) -> None:
+    from services.cli.serve import run_service
+
+    p = args_.service(sub, "gateway", "serve the OpenAI-compatible fine-tuning API (files, jobs, events, checkpoints)")
+    gateway_flags(p)
+    p.set_defaults(fn=lambda a: run_service(a, run_gateway, owns_resources=False))
+    p, actions = args_.group(sub, "keys", "the gateway's API keys, one tenant each: create / ls / rm")
+    a = args_.action(actions, "create", "make a key for a tenant (printed once)")
+    a.add_argument("--tenant", required=True)
+    a.add_argument("--label", default="", help="what the key is for")
+    args_.action(actions, "ls", "list keys (ids and tenants; never the secrets)")
+    a = args_.action(actions, "rm", "delete a key: requests with it are refused from then on")
+    a.add_argument("id")
+    p.set_defaults(fn=cmd_keys)
+
+
+def gateway_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--host", default="127.0.0.1", help="the address to listen on")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--base-model", action="append", default=[], metavar="NAME=DIR",
+                   help="a base model jobs may name as `model`, and its directory on the nodes (repeat)")
+    p.add_argument("--accelerator", choices=["gpu", "cpu", "any"], default="any",
+                   help="what the API's jobs train on (jetlora's `accelerator`)")
+    p.add_argument("--served-by", choices=["vllm", "llamacpp"], default="vllm",
+                   help="the engines that serve the fine-tuned models")
+    p.add_argument("--save-steps", type=int, default=100, help="a checkpoint every N steps (the job's checkpoints)")

@@ -1,0 +1,89 @@
+"""The gateway's HTTP server (aiohttp): every /v1 request carries `Authorization: Bearer <key>`; the key's tenant
+is the only tenant the request acts as. It talks to jetlora's services over NATS only, like any client."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from aiohttp import web
+
+from schemas import names
+from schemas.gateway import Page
+from services.bus import RequestError
+from services.gateway.errors import TENANT, OpenAIError, error_response, json_response
+from services.gateway.files import Files
+from services.gateway.jobs import Jobs
+from services.gateway.keys import KeyStore
+from services.gateway.openai_map import BaseModel
+
+log = logging.getLogger(__name__)
+MAX_UPLOAD = 8 * 2**30  # the artifact service's own limits (--dataset-max-mib) refuse sooner
+
+
+def make_app(nc, keys: KeyStore, jobs_kv, models: dict[str, BaseModel], spool_dir: str | None = None) -> web.Application:
+    @web.middleware
+    async def openai_errors(request: web.Request, handler):
+        try:
+            if request.path.startswith("/v1/"):
+                request[TENANT] = await _tenant(request, keys)
+            return await handler(request)
+        except OpenAIError as e:
+            return error_response(e)
+        except RequestError as e:  # a service did not answer: ours, not the client's
+            log.warning("%s %s: %s", request.method, request.path, e)
+            return error_response(OpenAIError(503, f"{e}", None, "service_unavailable", "server_error"))
+        except web.HTTPException as e:
+            return error_response(OpenAIError(e.status, e.reason, None, None))
+
+    async def models_list(request: web.Request) -> web.Response:
+        data = [{"id": m.name, "object": "model", "created": 0, "owned_by": "jetlora"} for m in models.values()]
+        return json_response(Page(data=data))
+
+    async def healthz(request: web.Request) -> web.Response:
+        return json_response({"ok": nc.is_connected})
+
+    app = web.Application(middlewares=[openai_errors], client_max_size=MAX_UPLOAD)
+    app.add_routes(Files(nc, spool_dir).routes() + Jobs(nc, jobs_kv, models).routes()
+                   + [web.get("/v1/models", models_list), web.get("/healthz", healthz)])
+    return app
+
+
+async def _tenant(request: web.Request, keys: KeyStore) -> str:
+    scheme, _, key = request.headers.get("Authorization", "").partition(" ")
+    tenant = await keys.tenant_of(key.strip()) if scheme.lower() == "bearer" else None
+    if tenant is None:
+        raise OpenAIError(401, "Incorrect API key provided. Keys are made with `jetlora keys create --tenant T`.",
+                          None, "invalid_api_key")
+    return tenant
+
+
+class Gateway:
+    """Bind first (a taken port stops the command before anything else), then serve until stopped."""
+
+    def __init__(self, nc, models: dict[str, BaseModel], host: str = "127.0.0.1", port: int = 8000,
+                 spool_dir: str | None = None) -> None:
+        self.nc, self.models, self.host, self.port, self.spool_dir = nc, models, host, port, spool_dir
+        self._runner: web.AppRunner | None = None
+
+    async def start(self) -> None:
+        js = self.nc.jetstream()
+        app = make_app(self.nc, await KeyStore.open(js), await js.key_value(names.GATEWAY_JOBS_KV), self.models,
+                       self.spool_dir)
+        self._runner = web.AppRunner(app, access_log=None)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, self.host, self.port)
+        await site.start()
+        if self.port == 0:
+            self.port = self._runner.addresses[0][1]
+
+    async def run(self, stop: asyncio.Event) -> None:
+        try:
+            await stop.wait()
+        finally:
+            await self.close()
+
+    async def close(self) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None

@@ -1,0 +1,112 @@
+"""jetlora's jobs, events and checkpoints as OpenAI's objects, and an OpenAI job request as jetlora's."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from schemas.events import EventEntry, Preparing, Progress, Samples, StateChange
+from schemas.gateway import CheckpointObject, CreateJob, FineTuningJob, GatewayJob, Hyperparameters, JobEventObject
+from schemas.gateway import ApiError
+from schemas.jobs import CheckpointInfo, DatasetRef, JobRequest, JobSummary, RegisterSpec
+from schemas.training import TrainConfig
+
+STATUS = {"queued": "queued", "paused": "paused", "assigned": "running", "preparing": "running",
+          "running": "running", "uploading": "running", "succeeded": "succeeded", "stopped": "succeeded",
+          "failed": "failed", "cancelled": "cancelled"}
+FINISHED = {"succeeded", "stopped", "failed", "cancelled"}
+FIELD_PARAMS = {"dataset": "training_file", "validation_dataset": "validation_file", "train.epochs": "hyperparameters.n_epochs",
+                "train.batch_size": "hyperparameters.batch_size",
+                "train.learning_rate": "hyperparameters.learning_rate_multiplier", "train.seed": "seed", "model": "model", "register.name": "suffix"}
+
+
+@dataclass(frozen=True)
+class BaseModel:
+    """A base model the gateway offers: OpenAI's `model`, the directory nodes have it in, and how jobs on it run."""
+
+    name: str
+    base_dir: str
+    accelerator: str = "any"
+    served_by: str = "vllm"
+    save_steps: int = 100  # a checkpoint every this many steps (OpenAI's clients list them)
+
+
+def hyperparameters(req: CreateJob) -> tuple[str, Hyperparameters]:
+    """The method and its hyperparameters, from `method` or the older top-level `hyperparameters`."""
+    method = req.method.type if req.method else "supervised"
+    settings = getattr(req.method, method, None) if req.method else None
+    return method, settings.hyperparameters if settings else (req.hyperparameters or Hyperparameters())
+
+
+def adapter_name(model: str, suffix: str | None, job: str) -> str:
+    """The registered adapter's name (what engines serve): one subject token, like OpenAI's ft:model:suffix:id."""
+    base = "".join(c if c.isalnum() or c in "_-" else "-" for c in model)[:60]
+    return "-".join(p for p in ("ft", base, suffix, job[:8]) if p)
+
+
+def job_request(req: CreateJob, model: BaseModel, hp: Hyperparameters, adapter: str, seed: int) -> JobRequest:
+    train = TrainConfig()
+    if hp.n_epochs != "auto":
+        train.epochs = float(hp.n_epochs)
+    if hp.batch_size != "auto":
+        train.batch_size = hp.batch_size
+    if hp.learning_rate_multiplier != "auto":
+        train.learning_rate = train.learning_rate * hp.learning_rate_multiplier
+    train.seed, train.save_steps = seed, model.save_steps
+    return JobRequest(model=model.name, base_dir=model.base_dir, accelerator=model.accelerator,  # type: ignore[arg-type]
+                      served_by=model.served_by,  # type: ignore[arg-type]
+                      dataset=DatasetRef(name=req.training_file),
+                      validation_dataset=DatasetRef(name=req.validation_file) if req.validation_file else None,
+                      train=train, register=RegisterSpec(name=adapter, promote=True), label=req.suffix or "")
+
+
+def shown_hyperparameters(hp: Hyperparameters, train: TrainConfig | None = None) -> dict:
+    """OpenAI shows the values used: jetlora's defaults where the request said auto."""
+    train = train or TrainConfig()
+    return {"n_epochs": hp.n_epochs if hp.n_epochs != "auto" else train.epochs,
+            "batch_size": hp.batch_size if hp.batch_size != "auto" else train.batch_size,
+            "learning_rate_multiplier": hp.learning_rate_multiplier if hp.learning_rate_multiplier != "auto" else 1.0}
+
+
+def fine_tuning_job(job: JobSummary, kept: GatewayJob | None) -> FineTuningJob:
+    status = STATUS[job.state]
+    finished = job.state in FINISHED
+    out = FineTuningJob(id=job.id, created_at=int(job.created), model=job.model, status=status,  # type: ignore[arg-type]
+                        training_file=kept.training_file if kept else None,
+                        validation_file=kept.validation_file if kept else None,
+                        finished_at=int(job.updated) if finished else None)
+    if kept:
+        out.seed, out.metadata, out.user_provided_suffix = kept.seed, kept.metadata, kept.suffix
+        out.hyperparameters = kept.hyperparameters
+        out.method = {"type": kept.method, kept.method: {"hyperparameters": kept.hyperparameters}}
+        out.fine_tuned_model = kept.fine_tuned_model if status == "succeeded" else None
+    if status == "failed":
+        out.error = ApiError(message=job.message or "the job failed", type="job_failed", code="job_failed")
+    out.result_files = [a.name for a in job.artifacts if a.kind in ("peft", "gguf")]
+    return out
+
+
+def event_object(entry: EventEntry) -> JobEventObject | None:
+    """One of the job's events as OpenAI shows it; None for what OpenAI has no place for (samples)."""
+    e, ident = entry.event, f"ftevent-{entry.seq}"
+    if isinstance(e, Progress):
+        data = {"step": e.step, "total_steps": e.steps, "train_loss": e.loss, "valid_loss": e.eval_loss,
+                "tokens": e.tokens, "learning_rate": e.lr}
+        loss = f"training loss={e.loss:.4f}" if e.loss is not None else "evaluated"
+        return JobEventObject(id=ident, created_at=int(e.ts), level="info", type="metrics",
+                              message=f"Step {e.step}/{e.steps}: {loss}", data=data)
+    if isinstance(e, StateChange):
+        text = f"{e.state}" + (f": {e.message}" if e.message else "")
+        level = "error" if e.state == "failed" else "warn" if e.state == "cancelled" else "info"
+        return JobEventObject(id=ident, created_at=int(e.ts), level=level, message=text)  # type: ignore[arg-type]
+    if isinstance(e, Preparing):
+        return JobEventObject(id=ident, created_at=int(e.ts), level="info", message=e.message)
+    assert isinstance(e, Samples)
+    return None
+
+
+def checkpoint_object(job: str, adapter: str, c: CheckpointInfo) -> CheckpointObject:
+    metrics = {k: v for k, v in (("step", float(c.step)), ("train_loss", c.loss), ("valid_loss", c.eval_loss))
+               if v is not None}
+    return CheckpointObject(id=f"ftckpt-{job}-{c.step}", created_at=int(c.created), step_number=c.step,
+                            fine_tuned_model_checkpoint=f"{adapter}:ckpt-step-{c.step}", fine_tuning_job_id=job,
+                            metrics=metrics)
