@@ -119,12 +119,32 @@ async def run_all(nc, stop, args) -> None:
         dash = Dashboard(nc, args.ws_url, port=args.port)
         await dash.start()
         print(f"dashboard: http://127.0.0.1:{dash.port}/", flush=True)
+    gateway = await _gateway(nc, args) if args.gateway_port is not None else None
     async with asyncio.TaskGroup() as tg:
         tg.create_task(run_scheduler(nc, stop, args))
         tg.create_task(run_artifacts(nc, stop, args))
         tg.create_task(run_agent(nc, stop, args))
         if dash:
             tg.create_task(dash.run(stop))
+        if gateway:
+            tg.create_task(gateway.run(stop))
+
+
+async def _gateway(nc, args):
+    """`up --gateway-port`: the OpenAI-compatible API beside the rest, its port bound before anything starts."""
+    from services.bus import ensure_resources
+    from services.cli.gateway import base_models
+    from services.gateway.app import Gateway
+
+    await ensure_resources(nc)  # its buckets: `up` owns the resources, but the scheduler makes them a moment later
+    gateway = Gateway(nc, base_models(args.base_model, args.gateway_accelerator, "vllm", args.save_steps), port=args.gateway_port)
+    try:
+        await gateway.start()
+    except OSError as e:
+        raise StartupError(f"the gateway cannot listen on port {args.gateway_port} ({e.strerror}); choose another "
+                           "with --gateway-port") from None
+    print(f"gateway: http://127.0.0.1:{gateway.port}/v1", flush=True)
+    return gateway
 
 
 def run_service(args, body, owns_resources: bool = True) -> int:
@@ -168,6 +188,12 @@ def register(sub: args_.SubCommands) -> None:
     args_.dataset_limits(p)
     scheduler_flags(p)
     dashboard_flags(p)
+    p.add_argument("--gateway-port", type=int, help="serve the OpenAI-compatible API on this port too")
+    p.add_argument("--gateway-accelerator", choices=["gpu", "cpu", "any"], default="any",
+                   help="what the API's jobs train on")
+    p.add_argument("--base-model", action="append", default=[], metavar="NAME=DIR",
+                   help="a base model the API's jobs may name (repeat)")
+    p.add_argument("--save-steps", type=int, default=100, help="the API's jobs: a checkpoint every N steps")
     p.set_defaults(fn=lambda a: run_service(a, run_all))
     p = args_.service(sub, "scheduler", "run the scheduler")
     scheduler_flags(p)
