@@ -63,7 +63,7 @@ def two_steps(shape, cuda: bool) -> float:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from trainer import data
-    from trainer.loop import batch_loss
+    from trainer.losses import batch_loss
 
     torch.manual_seed(0)
     *_, tokens, checkpointing, chunk, targets = shape

@@ -28,7 +28,7 @@ def one_step(chunk_tokens: int, tokens: int, vocab: int, hidden: int) -> dict:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from trainer import data
-    from trainer.loop import batch_loss
+    from trainer.losses import batch_loss
 
     torch.manual_seed(0)
     torch.set_num_threads(2)

@@ -17,7 +17,8 @@ from schemas.datasets import (FORMATS, HEAD_CHARS, HEAD_ROWS, ROLES, ROW_TYPES, 
 UTF8_BOM = b"\xef\xbb\xbf"
 _any = msgspec.json.Decoder()
 _decoders: dict[str, msgspec.json.Decoder] = {fmt: msgspec.json.Decoder(t) for fmt, t in ROW_TYPES.items()}
-_SIGNATURES: dict[DatasetFormat, set[str]] = {"chat": {"messages"}, "qa": {"q", "a"}, "alpaca": {"instruction", "output"}, "text": {"text"}}
+_SIGNATURES: dict[DatasetFormat, set[str]] = {"chat": {"messages"}, "qa": {"q", "a"}, "alpaca": {"instruction", "output"}, "text": {"text"},
+                                                 "preference": {"input", "preferred_output", "non_preferred_output"}}
 
 
 class DatasetInvalid(Exception):
@@ -53,6 +54,8 @@ def row_error(fmt: str, row) -> str | None:
         return None if row.instruction.strip() and row.output.strip() else "instruction and output must both have text"
     if fmt == "text":
         return None if row.text.strip() else "text is empty"
+    if fmt == "preference":
+        return _preference_error(row)
     if not row.messages:
         return "messages is empty; a conversation needs at least a user and an assistant message"
     for n, m in enumerate(row.messages, 1):
@@ -64,6 +67,21 @@ def row_error(fmt: str, row) -> str | None:
             return f"message {n} is a {m.role} message with a weight; only assistant messages take one"
     if not any(m.role == "assistant" and m.weight != 0 for m in row.messages):
         return "no assistant message to learn (none, or all have weight 0); add one or drop the row"
+    return None
+
+
+def _preference_error(row) -> str | None:
+    if not row.input.messages or row.input.messages[-1].role == "assistant":
+        return "input.messages must hold the conversation up to the answer, ending with a user (or system) message"
+    for n, m in enumerate(row.input.messages, 1):
+        if m.role not in ROLES:
+            return f"input.messages[{n}] has role {m.role!r}; roles are {', '.join(ROLES)}"
+    for side in ("preferred_output", "non_preferred_output"):
+        out = getattr(row, side)
+        if len(out) != 1 or out[0].role != "assistant" or not out[0].content.strip():
+            return f"{side} must be one assistant message with text, e.g. [{{\"role\": \"assistant\", \"content\": \"...\"}}]"
+    if row.preferred_output[0].content == row.non_preferred_output[0].content:
+        return "preferred_output and non_preferred_output are the same answer; a pair must differ to teach anything"
     return None
 
 
@@ -167,6 +185,8 @@ class DatasetChecker:
             chars = len(row.q) + len(row.a)
         elif self.fmt == "alpaca":
             chars = len(row.instruction) + len(row.input) + len(row.output)
+        elif self.fmt == "preference":
+            chars = sum(len(m.content) for m in row.input.messages + row.preferred_output + row.non_preferred_output)
         else:
             chars = len(row.text)
         self._counted(chars, line)

@@ -1,4 +1,4 @@
-"""Training data stored once and named by jobs: the four row formats, the upload's chunks, and the dataset API.
+"""Training data stored once and named by jobs: the row formats, the upload's chunks, and the dataset API.
 
 A dataset is a JSON-lines file: one example per line, in one of the formats below. Every row is checked
 before anything is stored (`schemas.dataset_check`), so a stored dataset is known to be well formed.
@@ -11,12 +11,14 @@ from typing import Annotated, Literal
 from msgspec import Meta, Struct, field
 
 from schemas.jobs import DatasetName, DatasetRef, TenantId  # noqa: F401 (a job names its data with a DatasetRef)
-DatasetFormat = Literal["qa", "chat", "alpaca", "text"]
+DatasetFormat = Literal["qa", "chat", "alpaca", "text", "preference"]
 FORMATS: dict[str, str] = {  # what each format's rows hold, as error messages show it
     "qa": '{"q": question, "a": answer}',
     "chat": '{"messages": [{"role": "system"|"user"|"assistant", "content": text, "weight": 0|1 (optional)}, ...]}',
     "alpaca": '{"instruction": text, "input": text (optional), "output": text}',
     "text": '{"text": text} (continued pre-training: the loss covers every token)',
+    "preference": '{"input": {"messages": [...]}, "preferred_output": [{"role": "assistant", "content": text}], '
+                  '"non_preferred_output": [{"role": "assistant", "content": text}]} (OpenAI\'s, for DPO)',
 }
 ROLES = ("system", "user", "assistant")
 
@@ -48,7 +50,20 @@ class TextRow(Struct):
     text: str
 
 
-ROW_TYPES: dict[str, type] = {"qa": QARow, "chat": ChatRow, "alpaca": AlpacaRow, "text": TextRow}
+class PreferenceInput(Struct):
+    messages: list[ChatMessage]
+
+
+class PreferenceRow(Struct):
+    """OpenAI's preference row: a conversation, then the answer preferred to it and the one not (DPO)."""
+
+    input: PreferenceInput
+    preferred_output: list[ChatMessage]
+    non_preferred_output: list[ChatMessage]
+
+
+ROW_TYPES: dict[str, type] = {"qa": QARow, "chat": ChatRow, "alpaca": AlpacaRow, "text": TextRow,
+                              "preference": PreferenceRow}
 
 
 # --- what is known about a stored dataset ----------------------------------------------------------

@@ -9,6 +9,15 @@ from msgspec import Meta, Struct, field
 from schemas.jobs import ArtifactRef, CheckpointInfo, JobId, JobRequest, JobState, NodeId, Probe
 
 
+class PreferenceMetrics(Struct, kw_only=True):
+    """A dpo job's figures over the logged steps' pairs: beta x log-ratio to the reference for each side."""
+
+    rewards_chosen: float
+    rewards_rejected: float
+    margin: float  # chosen minus rejected
+    accuracy: float  # the fraction of pairs where the chosen answer's reward is the higher
+
+
 class Progress(Struct, tag="progress", tag_field="type", kw_only=True):
     """One logging step of training (the fields of both seeds' progress)."""
 
@@ -27,6 +36,7 @@ class Progress(Struct, tag="progress", tag_field="type", kw_only=True):
     eval_loss: float | None = None
     message: str = ""
     ts: float = 0.0
+    preference: PreferenceMetrics | None = None  # dpo jobs
 
 
 class StateChange(Struct, tag="state", tag_field="type", kw_only=True):

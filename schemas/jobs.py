@@ -303,6 +303,9 @@ def check_request(req: JobRequest) -> list[FieldError]:
         errors.append(FieldError("lora.target_modules", f"{', '.join(unexportable)}: an adapter on the embeddings or the "
                                  "output head carries a copy of those base weights, which the GGUF export and vLLM "
                                  "do not take; train the attention and MLP layers instead"))
+    if t.method == "dpo" and (req.data or req.devices > 1):
+        errors.append(FieldError("data" if req.data else "devices", "dpo trains on a preference dataset (named in "
+                                 "dataset), on one device: upload the pairs with `jetlora datasets put` and name them"))
     errors += check_training(req.lora, t, req.accelerator, req.quantization, req.served_by)
     return errors
 

@@ -91,6 +91,11 @@ class TrainConfig(Struct, forbid_unknown_fields=True, kw_only=True):
         description="prompts answered (greedy) at each evaluation and at the end; auto: the first 3 held-out "
                     "examples' prompts")] = field(default_factory=list)
     sample_max_tokens: Annotated[int, Meta(ge=1, le=1024)] = 48
+    method: Annotated[Literal["sft", "dpo"], Meta(description=(
+        "sft: learn the answers (chat, qa, alpaca or text data); dpo: prefer one answer to another (preference "
+        "data), the base model with the adapter switched off being the reference"))] = "sft"
+    dpo_beta: Annotated[float, Meta(gt=0, le=10, description=(
+        "dpo's beta: how strongly the adapter is held to the reference (higher: closer)"))] = 0.1
 
 
 def check_training(lora: LoraConfig, t: TrainConfig, accelerator: str, quantization: str,
@@ -107,6 +112,8 @@ def check_training(lora: LoraConfig, t: TrainConfig, accelerator: str, quantizat
         where = "train.adam_betas" if t.adam_betas != ADAM_BETAS else "train.adam_eps"
         errors.append(FieldError(where, f"{where} applies to adamw and adamw_8bit, not {t.optimizer}: drop it or "
                                         "choose an AdamW optimizer"))
+    if t.method == "dpo" and t.grad_accum != 1:
+        errors.append(FieldError("train.grad_accum", "dpo takes train.batch_size pairs per step: set grad_accum to 1"))
     if lora.init == "loftq" and accelerator != "gpu":
         errors.append(FieldError("lora.init", "loftq quantises the base's weights with bitsandbytes on a GPU: set "
                                               "accelerator to 'gpu', or choose pissa or default to train on a CPU"))

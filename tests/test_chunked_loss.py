@@ -8,7 +8,7 @@ import torch
 from tests.conftest import spec_for
 from trainer import data, model as base
 from trainer.chunked_loss import IGNORE, chunked_cross_entropy
-from trainer.loop import batch_loss, output_head
+from trainer.losses import batch_loss, output_head
 from trainer.setup import lora_model
 
 

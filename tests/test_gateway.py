@@ -144,3 +144,32 @@ async def test_bad_input_is_refused_naming_the_field_and_tenants_see_only_their_
                                                                                        training_file=file.id)):
         with pytest.raises((openai.NotFoundError, openai.BadRequestError)):
             await ask
+
+
+async def test_a_dpo_job_through_the_openai_client_reports_its_rewards(nc, gateway, agents, tmp_path):
+    from tests.test_dpo import preference_rows
+
+    agents.start("cpu-node", gpus=None, offer_cpu=True, trainer=None, interval=0.5)
+    await wait_nodes(nc, 1)
+    client = await client_for(nc, gateway, "acme")
+    with open(chat_file(tmp_path / "prefs.jsonl", preference_rows()), "rb") as f:
+        prefs = await client.files.create(file=f, purpose="fine-tune")
+    with open(chat_file(tmp_path / "chat.jsonl"), "rb") as f:
+        chat = await client.files.create(file=f, purpose="fine-tune")
+    dpo = {"type": "dpo", "dpo": {"hyperparameters": {"beta": 0.2, "n_epochs": 2, "batch_size": 8,
+                                                        "learning_rate_multiplier": 50}}}
+    for file, method, param in ((chat.id, dpo, "training_file"), (prefs.id, {"type": "supervised"}, "training_file"),
+                                (prefs.id, {"type": "supervised", "supervised": {"hyperparameters": {"beta": 0.1}}},
+                                 "hyperparameters.beta")):
+        with pytest.raises(openai.BadRequestError) as e:  # the method and the file's rows must go together
+            await client.fine_tuning.jobs.create(model="tiny", training_file=file, method=method)
+        assert e.value.param == param, e.value.message
+
+    job = await client.fine_tuning.jobs.create(model="tiny", training_file=prefs.id, method=dpo)
+    assert job.method.type == "dpo" and job.hyperparameters.beta == 0.2
+    done = await finished(client, job.id)
+    assert done.status == "succeeded", (done.error, agents.log("cpu-node")[-2000:])
+    metrics = [e.data for e in [e async for e in client.fine_tuning.jobs.list_events(job.id, limit=100)]
+               if e.type == "metrics"]
+    assert len(metrics) == 4 and all("reward_margin" in m and "reward_accuracy" in m for m in metrics)
+    assert metrics[0]["reward_margin"] > metrics[-1]["reward_margin"]  # newest first: the margin grew

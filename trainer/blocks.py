@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import msgspec
 import numpy as np
 
-from trainer.formats import ROW_OF, render, token_rows
+from trainer.formats import ROW_OF, Rendered, render, render_pair, token_rows
 
 MIN_BLOCKS_FOR_WORKERS = 8  # below this, starting workers costs more than it saves
 MAX_WORKERS = 16
@@ -45,25 +45,33 @@ class Blocks:
     completions_only: bool
     fast: bool = True
 
+    def renders(self, row, fast: bool) -> list[Rendered]:
+        """What one row becomes: one text, or a preference pair's two (chosen, then rejected)."""
+        if self.fmt == "preference":
+            return list(render_pair(self.tokenizer, row, fast))
+        return [render(self.fmt, row, self.tokenizer, self.completions_only, fast)]
+
     def block(self, lines: list[bytes]) -> TokenBlock:
         decoder = msgspec.json.Decoder(ROW_OF[self.fmt])
-        rendered = [render(self.fmt, decoder.decode(line), self.tokenizer, self.completions_only, self.fast)
-                    for line in lines]
+        rendered = [r for line in lines for r in self.renders(decoder.decode(line), self.fast)]
         rows = token_rows(rendered, self.tokenizer, self.max_len)
-        pieces = [example for row in rows for example in row]
+        if self.fmt == "preference":  # a pair is kept whole or not at all: both answers must leave a token to learn
+            kept = [(c[0], r[0]) for c, r in zip(rows[::2], rows[1::2]) if c and r]
+            pieces, skipped = [example for pair in kept for example in pair], len(lines) - len(kept)
+        else:
+            pieces, skipped = [example for row in rows for example in row], sum(not row for row in rows)
         lengths = np.fromiter((len(ids) for ids, _ in pieces), np.int64, len(pieces))
         return TokenBlock(np.concatenate([ids for ids, _ in pieces]) if pieces else np.zeros(0, np.int64),
                           np.concatenate([learnt for _, learnt in pieces]) if pieces else np.zeros(0, np.uint8),
-                          np.cumsum(lengths), len(lines), sum(not row for row in rows))
+                          np.cumsum(lengths), len(lines), skipped)
 
     def check_fast(self, lines: list[bytes]) -> None:
         """Keep the fast way only if it finds the same spans as the exact way on these rows."""
-        if self.fmt != "chat" or not self.completions_only:
+        if self.fmt not in ("chat", "preference") or not (self.completions_only or self.fmt == "preference"):
             return
         decoder = msgspec.json.Decoder(ROW_OF[self.fmt])
         rows = [decoder.decode(line) for line in lines]
-        self.fast = all(render(self.fmt, row, self.tokenizer, True, True)
-                        == render(self.fmt, row, self.tokenizer, True, False) for row in rows)
+        self.fast = all(self.renders(row, True) == self.renders(row, False) for row in rows)
 
     def tokenized(self, blocks: Iterable[list[bytes]], workers: int | None = None) -> Iterator[TokenBlock]:
         """Each block's tokens, in order; the first block decides fast or exact, the rest go to workers."""

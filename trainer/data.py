@@ -13,7 +13,7 @@ import torch
 from trainer.errors import JobError
 from trainer.formats import IGNORE, Example, examples_of, prompt_text, prompt_tokens, render  # noqa: F401
 
-__all__ = ["IGNORE", "Example", "Examples", "Batch", "encode", "split", "make_batches", "prompt_text"]
+__all__ = ["IGNORE", "Example", "Examples", "Batch", "encode", "split", "split_pairs", "make_batches", "prompt_text"]
 
 
 @dataclass
@@ -70,6 +70,18 @@ def split(examples: Examples, eval_fraction: float, seed: int) -> tuple[Examples
     order = np.random.default_rng(seed).permutation(len(examples))
     n_eval = max(1, int(len(examples) * eval_fraction)) if eval_fraction else 0
     return examples.subset(np.sort(order[n_eval:])), examples.subset(np.sort(order[:n_eval]))
+
+
+def split_pairs(examples: Examples, eval_fraction: float, seed: int) -> tuple[Examples, Examples]:
+    """split() for preference data, where examples 2i and 2i + 1 are pair i's chosen and rejected answers: whole
+    pairs are held out, and each side keeps its pairs' two examples next to each other."""
+    pairs = len(examples) // 2
+    order = np.random.default_rng(seed).permutation(pairs)
+    n_eval = max(1, int(pairs * eval_fraction)) if eval_fraction else 0
+
+    def rows(chosen: np.ndarray) -> np.ndarray:
+        return np.stack([2 * chosen, 2 * chosen + 1], axis=1).reshape(-1)
+    return examples.subset(rows(np.sort(order[n_eval:]))), examples.subset(rows(np.sort(order[:n_eval])))
 
 
 class ShiftedTargets:
@@ -162,6 +174,15 @@ def padded_batches(examples: Examples | list[Example], batch_size: int, seed: in
     return Batches(examples, [order[s:s + batch_size] for s in range(0, len(order), batch_size)], False, pad_id)
 
 
+def pair_batches(examples: Examples, pairs_per_batch: int, seed: int, pad_id: int) -> Batches:
+    """Preference pairs (examples 2i, 2i + 1), pairs_per_batch to a batch: its chosen answers, then its rejected
+    ones in the same order, right-padded (what dpo.dpo_loss reads)."""
+    order = np.array(_shuffled(len(examples) // 2, seed), dtype=np.int64)
+    groups = [np.concatenate([2 * order[s:s + pairs_per_batch], 2 * order[s:s + pairs_per_batch] + 1])
+              for s in range(0, len(order), pairs_per_batch)]
+    return Batches(examples, groups, False, pad_id)
+
+
 def _pack(rows: list[tuple[np.ndarray, np.ndarray]]) -> Batch:
     ids = torch.from_numpy(np.concatenate([r[0] for r in rows]).astype(np.int64))
     targets = torch.from_numpy(np.concatenate([r[1] for r in rows]).astype(np.int64))
@@ -186,6 +207,8 @@ def make_batches(examples, train_cfg, pad_id: int, epoch: int, rank: int = 0, ra
     step sees the same examples as one process with that batch would."""
     seed = train_cfg.seed + epoch
     size = train_cfg.batch_size * ranks
+    if train_cfg.method == "dpo":  # one device (the request's checks): a rank's share would split pairs
+        return pair_batches(examples, train_cfg.batch_size, seed, pad_id)
     if train_cfg.packing:
         return packed_batches(examples, size * train_cfg.max_seq_length, seed).shard(rank, ranks)
     return padded_batches(examples, size, seed, pad_id).shard(rank, ranks)

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from schemas.datasets import AlpacaRow, ChatRow, QARow, TextRow
+from schemas.datasets import AlpacaRow, ChatMessage, ChatRow, PreferenceRow, QARow, TextRow
 from trainer.chat_render import render_messages
 from trainer.chat_spans import TurnMarks, assistant_spans, turn_marks
 from trainer.errors import JobError
@@ -93,6 +93,16 @@ def _exact_spans(tokenizer, row: ChatRow, messages: list[dict], text: str) -> li
     return spans
 
 
+def render_pair(tokenizer, row: PreferenceRow, fast: bool = True) -> tuple[Rendered, Rendered]:
+    """A preference row as two conversations, the chosen answer's and the rejected one's; each learns only its
+    answer (the input's own assistant turns are context)."""
+    context = [ChatMessage(m.role, m.content, weight=0 if m.role == "assistant" else None, name=m.name)
+               for m in row.input.messages]
+    chosen, rejected = (ChatRow(messages=context + [ChatMessage("assistant", side[0].content)])
+                        for side in (row.preferred_output, row.non_preferred_output))
+    return render_chat(tokenizer, chosen, True, fast), render_chat(tokenizer, rejected, True, fast)
+
+
 def render(fmt: str, row, tokenizer, completions_only: bool, fast: bool = True) -> Rendered:
     if fmt == "qa":
         return _completion(tokenizer, row.q, row.a, completions_only)
@@ -105,7 +115,7 @@ def render(fmt: str, row, tokenizer, completions_only: bool, fast: bool = True) 
     return Rendered(text, [(len(bos), len(text))], windows=True)
 
 
-ROW_OF = {"qa": QARow, "alpaca": AlpacaRow, "chat": ChatRow, "text": TextRow}
+ROW_OF = {"qa": QARow, "alpaca": AlpacaRow, "chat": ChatRow, "text": TextRow, "preference": PreferenceRow}
 
 
 def token_rows(rendered: list[Rendered], tokenizer, max_len: int) -> list[list[tuple[np.ndarray, np.ndarray]]]:

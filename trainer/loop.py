@@ -5,7 +5,6 @@ from __future__ import annotations
 import math
 import resource
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import msgspec
@@ -16,10 +15,11 @@ from trainer import data
 from trainer.adapter_init import save_plain_lora
 from trainer.best import BestEval
 from trainer.checkpoints import save_adapter, save_checkpoint
-from trainer.chunked_loss import DEFAULT_CHUNK_TOKENS, chunked_cross_entropy
+from trainer.chunked_loss import DEFAULT_CHUNK_TOKENS
 from trainer.distributed import World
 from trainer.errors import JobError
 from trainer.events import emit
+from trainer.objectives import Dpo, Sft
 from trainer.samples import probe, samples_event
 from trainer.setup import Run, prepare
 from trainer.signals import Signals
@@ -33,55 +33,19 @@ def peak_mib(device: str) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
 
 
-def batch_loss(model, batch: data.Batch, autocast_dtype,
-               chunk_tokens: int = DEFAULT_CHUNK_TOKENS) -> tuple[torch.Tensor, int]:
-    """Summed cross-entropy over the batch's target tokens, and how many there were. With chunk_tokens, through
-    the output projection a chunk at a time (same loss, same gradients, a fraction of the peak memory)."""
-    head = output_head(model) if chunk_tokens else None
-    inputs = dict(input_ids=batch.input_ids, position_ids=batch.position_ids, attention_mask=batch.attention_mask,
-                  use_cache=False)
-    targets = batch.targets.reshape(-1)
-    with torch.autocast(device_type=batch.input_ids.device.type, dtype=autocast_dtype,
-                        enabled=autocast_dtype != torch.float32):
-        out = head.decoder(**inputs).last_hidden_state if head else model(**inputs).logits
-    if head:
-        loss = chunked_cross_entropy(out.reshape(-1, out.shape[-1]), head.weight, targets, chunk_tokens, head.scale)
-    else:
-        loss = torch.nn.functional.cross_entropy(out.float().reshape(-1, out.shape[-1]), targets,
-                                                 ignore_index=data.IGNORE, reduction="sum")
-    return loss, int((targets != data.IGNORE).sum())
-
-
-@dataclass
-class OutputHead:
-    decoder: torch.nn.Module  # the model up to its last hidden state
-    weight: torch.Tensor  # the output projection, [vocab, hidden]
-    scale: float  # logits are divided by it (Granite's logits_scaling)
-
-
-def output_head(model) -> OutputHead | None:
-    """The decoder and the plain linear output projection of a causal LM (peft-wrapped or not); None when the
-    logits are more than a linear projection (a bias, soft-capping, a multiplier), and the plain loss is used."""
-    lm = model.get_base_model() if hasattr(model, "get_base_model") else model
-    head, config = lm.get_output_embeddings(), lm.config
-    if not isinstance(head, torch.nn.Linear) or head.bias is not None:
-        return None
-    if getattr(config, "final_logit_softcapping", None) or getattr(config, "logit_scale", None) is not None:
-        return None
-    return OutputHead(lm.get_decoder(), head.weight, float(getattr(config, "logits_scaling", 1.0) or 1.0))
-
-
 @torch.no_grad()
 def evaluate(model, batches, device, autocast_dtype, chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
-             world: World = World()) -> float | None:
-    """The mean loss per target token over the held-out batches (each rank's share of them, added up)."""
+             world: World = World(), objective: Sft | Dpo | None = None) -> float | None:
+    """The mean loss over the held-out batches (per target token, or per pair for dpo; each rank's share of
+    them, added up)."""
     if not batches:
         return None
+    objective = objective or Sft(autocast_dtype, chunk_tokens)
     model.eval()
     total, count = 0.0, 0
     for b in filter(None, batches):
-        loss, n = batch_loss(model, b.to(device), autocast_dtype, chunk_tokens)
-        total, count = total + float(loss), count + n
+        b = b.to(device)
+        total, count = total + float(objective.loss(model, b)), count + objective.count(b)
     model.train()
     total, count = world.sum(total, count)
     return total / max(count, 1)
@@ -141,7 +105,7 @@ def train(spec: TrainerSpec, signals: Signals | None = None) -> Finished:
                                  loss=window_loss / window_count, lr=lr, grad_norm=grad_norm, tokens=at.tokens,
                                  tokens_per_s=at.tokens / elapsed if elapsed > 0 else None, elapsed_s=elapsed,
                                  eta_s=elapsed / at.step * (run.plan.steps - at.step), peak_mib=peak_mib(run.device),
-                                 eval_loss=eval_loss, message=early))
+                                 eval_loss=eval_loss, message=early, preference=run.objective.metrics(world)))
                 window_loss, window_count = 0.0, 0
             paused = last and signals.pause  # as the ranks agreed it: a signal coming later is for no step
             if world.main and ((t.save_steps and at.step % t.save_steps == 0 and not last) or paused):
@@ -168,7 +132,8 @@ def train(spec: TrainerSpec, signals: Signals | None = None) -> Finished:
 def evaluation(run: Run, board) -> tuple[float, str]:
     """The eval loss now, kept if it is the best so far; and why to stop early ("": go on)."""
     t, step = run.spec.request.train, run.at.step
-    eval_loss = evaluate(run.model, run.eval_batches, run.device, run.autocast_dtype, t.loss_chunk_tokens, run.world)
+    eval_loss = evaluate(run.model, run.eval_batches, run.device, run.autocast_dtype, t.loss_chunk_tokens, run.world,
+                         run.objective)
     run.best.observe(step, eval_loss, run.model)
     board.evaluation(step, eval_loss)
     return eval_loss, run.best.why_stopped(t.early_stopping_min_delta) if run.best.should_stop else ""
@@ -186,14 +151,13 @@ def announce(run: Run) -> None:
 
 def optimizer_step(run: Run, micro_batches: list) -> tuple[float, float, float]:
     """One optimizer step over its micro-batches (accumulated; on every rank, gradients summed across them):
-    returns the step's loss (the mean over every target token), the gradient norm, and the lr it stepped with."""
+    returns the step's loss (the mean over every target token, or pair), the gradient norm, and the lr."""
     t, world = run.spec.request.train, run.world
     group = [b.to(run.device) for b in micro_batches if b is not None]
-    n_targets, = world.sum(sum(int((b.targets != data.IGNORE).sum()) for b in group))
+    n_targets, = world.sum(sum(run.objective.count(b) for b in group))
     step_loss, step_tokens = 0.0, 0
     for b in group:
-        loss, _ = batch_loss(run.model, b, run.autocast_dtype, t.loss_chunk_tokens)
-        loss = loss / max(n_targets, 1)
+        loss = run.objective.loss(run.model, b) / max(n_targets, 1)
         (run.scaler.scale(loss) if run.scaler else loss).backward()
         step_loss += float(loss.detach())
         step_tokens += b.tokens

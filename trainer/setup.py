@@ -21,6 +21,7 @@ from trainer.checkpoints import resume
 from trainer.distributed import World
 from trainer.errors import JobError
 from trainer.events import mute
+from trainer.objectives import Dpo, Sft, objective_for
 from trainer.optimizers import make_optimizer
 from trainer.samples import sample_prompts
 from trainer.tokenize import job_data
@@ -73,6 +74,7 @@ class Run:
     best: BestEval
     prompts: list
     initial: Any  # pissa/loftq's starting weights, to save the adapter as a plain LoRA of the original base
+    objective: Sft | Dpo  # what a step minimises
     at: Position = field(default_factory=Position)
     resumed_from: int | None = None
 
@@ -123,7 +125,8 @@ def prepare(spec: TrainerSpec) -> Run:
               train_set=train_set, eval_set=eval_set, batches=batches, eval_batches=eval_batches, plan=p,
               best=BestEval(t.early_stopping_patience, t.early_stopping_min_delta,
                             keep=bool(eval_batches) if t.keep_best is None else t.keep_best),
-              prompts=sample_prompts(t.sample_prompts, tokenizer, eval_set, train_set), initial=initial)
+              prompts=sample_prompts(t.sample_prompts, tokenizer, eval_set, train_set), initial=initial,
+              objective=objective_for(t, dtype if device == "cuda" else torch.float32))
     if spec.resume_from:
         state = resume(model, optimizer, run.scheduler, Path(spec.resume_from))
         run.at = Position(state["step"], state.get("tokens", 0), state["epoch"], state["batch_in_epoch"])

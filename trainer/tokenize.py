@@ -22,7 +22,7 @@ import numpy as np
 from schemas.dataset_check import UTF8_BOM
 from schemas.events import DataFile, Preparing
 from trainer.blocks import Blocks
-from trainer.data import Examples, ShiftedTargets, encode, split
+from trainer.data import Examples, ShiftedTargets, encode, split, split_pairs
 from trainer.errors import JobError
 from trainer.events import emit
 
@@ -145,4 +145,4 @@ def job_data(spec, tokenizer) -> tuple[Examples, Examples]:
         examples = Examples.of(encode(tokenizer, spec.request.data, t.max_seq_length, t.completions_only))
     if spec.validation is not None:
         return examples, of(spec.validation)
-    return split(examples, t.eval_fraction, t.seed)
+    return (split_pairs if t.method == "dpo" else split)(examples, t.eval_fraction, t.seed)

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from schemas import names
 from schemas.dataset_check import DatasetInvalid, check_file
-from schemas.datasets import (DatasetDeleted, DatasetInfo, DatasetList, DatasetListQuery, DatasetQuery, DatasetReply,
+from schemas.datasets import (FORMATS, DatasetDeleted, DatasetInfo, DatasetList, DatasetListQuery, DatasetQuery, DatasetReply,
                               DatasetUpload)
 from services.cli import args as args_
 from services.cli.client import EXIT_FAILED, EXIT_OK, EXIT_REJECTED, CommandFailed, ask, run_client, show
@@ -112,12 +112,12 @@ def register(sub: args_.SubCommands) -> None:
     d = args_.action(actions, "put", "check a JSON-lines file row by row, then upload it", tenant)
     d.add_argument("file")
     d.add_argument("--name", help="what jobs call it (default: the file's name up to its first dot)")
-    d.add_argument("--format", choices=["auto", "qa", "chat", "alpaca", "text"], default="auto")
+    d.add_argument("--format", choices=["auto", *FORMATS], default="auto")
     d.add_argument("--replace", action="store_true", help="replace a dataset of that name")
     d.add_argument("--share", metavar="TENANT,...", help="tenants whose jobs may train on it (default: admins' only)")
     d.add_argument("--description", default="")
     d = args_.action(actions, "ls", "list datasets", tenant)
-    d.add_argument("--format", choices=["qa", "chat", "alpaca", "text"])
+    d.add_argument("--format", choices=list(FORMATS))
     for verb, help_ in (("show", "its stats and first rows"), ("rm", "delete it"), ("get", "download it, sha256 checked")):
         d = args_.action(actions, verb, help_, tenant)
         d.add_argument("name")

@@ -71,8 +71,8 @@ class Jobs:
     async def create(self, request: web.Request) -> web.Response:
         tenant, req = request[TENANT], decode(await request.read(), CreateJob)
         method, hp = hyperparameters(req)
-        if method == "dpo":
-            raise bad_request("method 'dpo' is not served by this fleet yet; use 'supervised'", "method.type")
+        if method == "supervised" and hp.beta != "auto":
+            raise bad_request("beta is dpo's: drop it, or set method.type to 'dpo'", "hyperparameters.beta")
         model = self.models.get(req.model)
         if model is None:
             raise bad_request(f"model {req.model!r} is not a base model of this fleet; it offers "
@@ -83,7 +83,7 @@ class Jobs:
                 await self._check_file(tenant, file, param)
         seed = req.seed if req.seed is not None else secrets.randbelow(2**31)
         adapter = adapter_name(req.model, req.suffix, secrets.token_hex(4))
-        jr = job_request(req, model, hp, adapter, seed)
+        jr = job_request(req, model, method, hp, adapter, seed)
         reply = await bus.request(self.nc, names.jobs_api(tenant).submit, jr, Accepted | Rejected)
         if isinstance(reply, Rejected):
             first = reply.errors[0]

@@ -14,9 +14,11 @@ STATUS = {"queued": "queued", "paused": "paused", "assigned": "running", "prepar
           "running": "running", "uploading": "running", "succeeded": "succeeded", "stopped": "succeeded",
           "failed": "failed", "cancelled": "cancelled"}
 FINISHED = {"succeeded", "stopped", "failed", "cancelled"}
-FIELD_PARAMS = {"dataset": "training_file", "validation_dataset": "validation_file", "train.epochs": "hyperparameters.n_epochs",
-                "train.batch_size": "hyperparameters.batch_size",
-                "train.learning_rate": "hyperparameters.learning_rate_multiplier", "train.seed": "seed", "model": "model", "register.name": "suffix"}
+FIELD_PARAMS = {  # jetlora's field (a prefix of it) -> OpenAI's parameter
+    "dataset": "training_file", "validation_dataset": "validation_file", "model": "model", "train.seed": "seed",
+    "train.epochs": "hyperparameters.n_epochs", "train.batch_size": "hyperparameters.batch_size",
+    "train.learning_rate": "hyperparameters.learning_rate_multiplier", "train.dpo_beta": "hyperparameters.beta",
+    "register.name": "suffix"}
 
 
 @dataclass(frozen=True)
@@ -43,8 +45,11 @@ def adapter_name(model: str, suffix: str | None, job: str) -> str:
     return "-".join(p for p in ("ft", base, suffix, job[:8]) if p)
 
 
-def job_request(req: CreateJob, model: BaseModel, hp: Hyperparameters, adapter: str, seed: int) -> JobRequest:
-    train = TrainConfig()
+def job_request(req: CreateJob, model: BaseModel, method: str, hp: Hyperparameters, adapter: str,
+                seed: int) -> JobRequest:
+    train = TrainConfig(method="dpo" if method == "dpo" else "sft")
+    if hp.beta != "auto":
+        train.dpo_beta = hp.beta
     if hp.n_epochs != "auto":
         train.epochs = float(hp.n_epochs)
     if hp.batch_size != "auto":
@@ -62,9 +67,12 @@ def job_request(req: CreateJob, model: BaseModel, hp: Hyperparameters, adapter: 
 def shown_hyperparameters(hp: Hyperparameters, train: TrainConfig | None = None) -> dict:
     """OpenAI shows the values used: jetlora's defaults where the request said auto."""
     train = train or TrainConfig()
-    return {"n_epochs": hp.n_epochs if hp.n_epochs != "auto" else train.epochs,
-            "batch_size": hp.batch_size if hp.batch_size != "auto" else train.batch_size,
-            "learning_rate_multiplier": hp.learning_rate_multiplier if hp.learning_rate_multiplier != "auto" else 1.0}
+    shown = {"n_epochs": hp.n_epochs if hp.n_epochs != "auto" else train.epochs,
+             "batch_size": hp.batch_size if hp.batch_size != "auto" else train.batch_size,
+             "learning_rate_multiplier": hp.learning_rate_multiplier if hp.learning_rate_multiplier != "auto" else 1.0}
+    if train.method == "dpo":
+        shown["beta"] = train.dpo_beta
+    return shown
 
 
 def fine_tuning_job(job: JobSummary, kept: GatewayJob | None) -> FineTuningJob:
@@ -91,6 +99,10 @@ def event_object(entry: EventEntry) -> JobEventObject | None:
     if isinstance(e, Progress):
         data = {"step": e.step, "total_steps": e.steps, "train_loss": e.loss, "valid_loss": e.eval_loss,
                 "tokens": e.tokens, "learning_rate": e.lr}
+        if e.preference is not None:  # dpo's
+            p = e.preference
+            data |= {"rewards_chosen": p.rewards_chosen, "rewards_rejected": p.rewards_rejected,
+                     "reward_margin": p.margin, "reward_accuracy": p.accuracy}
         loss = f"training loss={e.loss:.4f}" if e.loss is not None else "evaluated"
         return JobEventObject(id=ident, created_at=int(e.ts), level="info", type="metrics",
                               message=f"Step {e.step}/{e.steps}: {loss}", data=data)

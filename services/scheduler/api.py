@@ -31,6 +31,13 @@ log = logging.getLogger(__name__)
 Handler = Callable[[Any], Awaitable[Any]]  # bus.handler(): answers, and returns an error reply's description
 
 
+def method_mismatch(name: str, fmt: str, method: str) -> str:
+    if method == "dpo":
+        return f"dataset {name} holds {fmt} rows; dpo trains on preference pairs: name a preference dataset"
+    return (f"dataset {name} holds preference pairs, which train.method 'dpo' trains on; set train.method to dpo, "
+            "or name a dataset of answers")
+
+
 class SchedulerApi:
     """The scheduler's request endpoints: every handler takes a typed request and returns its reply (bus.handler
     does the rest)."""
@@ -148,6 +155,9 @@ class SchedulerApi:
                 if where == "dataset" and fraction and found.stats.rows * fraction < 1:
                     errors.append(FieldError("train.eval_fraction", f"{fraction} of {found.stats.rows} rows holds out "
                                                                     "none; raise it or name a validation_dataset"))
+                if (found.stats.format == "preference") != (req.train.method == "dpo"):
+                    errors.append(FieldError(f"{where}.name", method_mismatch(ref.name, found.stats.format,
+                                                                             req.train.method)))
         return msgspec.structs.replace(req, **pinned), errors
 
     def _quota_errors(self, tenant: str | None) -> list[FieldError]:

@@ -1,0 +1,64 @@
+"""Direct preference optimisation (Rafailov et al., 2023), as TRL's DPOTrainer computes its sigmoid loss.
+
+A batch holds B pairs as 2B rows, the chosen answers first and the rejected after them, each learnt only over its
+answer. The reference is the base model itself, the adapter switched off (peft's disable_adapter), so no second
+copy of the weights is held. For each pair, with log-probabilities summed over the answer's tokens:
+
+    reward(answer) = beta * (log p_adapter(answer) - log p_reference(answer))
+    loss = -log sigmoid(reward(chosen) - reward(rejected))
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from trainer.chunked_loss import chunked_cross_entropy
+from trainer.data import IGNORE, Batch
+from trainer.losses import output_head
+
+
+def sequence_logps(model, batch: Batch, autocast_dtype, chunk_tokens: int) -> torch.Tensor:
+    """Each row's log-probability of its learnt tokens, summed: [rows]."""
+    head = output_head(model) if chunk_tokens else None
+    inputs = dict(input_ids=batch.input_ids, attention_mask=batch.attention_mask, use_cache=False)
+    with torch.autocast(device_type=batch.input_ids.device.type, dtype=autocast_dtype,
+                        enabled=autocast_dtype != torch.float32):
+        out = head.decoder(**inputs).last_hidden_state if head else model(**inputs).logits
+    if head:  # a row at a time through the chunked projection: no [rows x length x vocab] logits
+        return torch.stack([-chunked_cross_entropy(out[i], head.weight, batch.targets[i], chunk_tokens, head.scale)
+                            for i in range(out.shape[0])])
+    losses = F.cross_entropy(out.float().transpose(1, 2), batch.targets, ignore_index=IGNORE, reduction="none")
+    return -losses.sum(dim=-1)
+
+
+@dataclass
+class PairStats:
+    """Sums over pairs, so that steps and ranks add up before dividing."""
+
+    pairs: int = 0
+    chosen: float = 0.0
+    rejected: float = 0.0
+    correct: float = 0.0
+
+    def add(self, other: "PairStats") -> None:
+        self.pairs += other.pairs
+        self.chosen += other.chosen
+        self.rejected += other.rejected
+        self.correct += other.correct
+
+
+def dpo_loss(model, batch: Batch, beta: float, autocast_dtype, chunk_tokens: int) -> tuple[torch.Tensor, PairStats]:
+    """The batch's summed pair losses (divide by the pairs of the step), and its rewards."""
+    policy = sequence_logps(model, batch, autocast_dtype, chunk_tokens)
+    with torch.no_grad(), model.disable_adapter():
+        reference = sequence_logps(model, batch, autocast_dtype, chunk_tokens)
+    policy_chosen, policy_rejected = policy.chunk(2)
+    ref_chosen, ref_rejected = reference.chunk(2)
+    chosen, rejected = beta * (policy_chosen - ref_chosen), beta * (policy_rejected - ref_rejected)
+    losses = -F.logsigmoid(chosen - rejected)
+    chosen, rejected = chosen.detach(), rejected.detach()
+    return losses.sum(), PairStats(len(losses), float(chosen.sum()), float(rejected.sum()),
+                                   float((chosen > rejected).sum()))
