@@ -94,22 +94,37 @@ async def test_a_file_trains_through_the_openai_client_and_its_events_and_checkp
 
 
 async def test_pause_resume_and_cancel_through_the_openai_client(nc, gateway, agents, tmp_path):
-    agents.start("n1", gpus=None, offer_cpu=True, hold_s=60)
+    agents.start("n1", gpus=None, offer_cpu=True, hold_s=30)  # 10 steps of 3 s
     await wait_nodes(nc, 1)
     client = await client_for(nc, gateway, "acme")
     with open(chat_file(tmp_path / "d.jsonl"), "rb") as f:
         file = await client.files.create(file=f, purpose="fine-tune")
     job = await client.fine_tuning.jobs.create(model="tiny", training_file=file.id)
 
+    seen = []
+
     async def status(wanted):
-        return (await client.fine_tuning.jobs.retrieve(job.id)).status == wanted
-    await wait_for(lambda: status("running"), 30, what="running")
+        j = await client.fine_tuning.jobs.retrieve(job.id)
+        seen[:] = [j.status]
+        return j.status == wanted
+
+    async def becomes(wanted):
+        try:
+            await wait_for(lambda: status(wanted), 60, interval=0.2, what=wanted)
+        except AssertionError:
+            events = [(e.created_at, e.message) async for e in client.fine_tuning.jobs.list_events(job.id, limit=100)
+                      if e.type == "message"]
+            raise AssertionError(f"not {wanted}: {seen}; events {events[::-1]}; agent: {agents.log('n1')[-3000:]}") from None
+
+    async def stepped():  # the trainer runs (and takes signals) once it reports a step
+        return any([e async for e in client.fine_tuning.jobs.list_events(job.id) if e.type == "metrics"])
+    await wait_for(stepped, 60, interval=0.3, what="a first step")
     assert (await client.fine_tuning.jobs.pause(job.id)).status in ("running", "paused")
-    await wait_for(lambda: status("paused"), 30, what="paused")
+    await becomes("paused")
     await client.fine_tuning.jobs.resume(job.id)
-    await wait_for(lambda: status("running"), 30, what="running again")
+    await becomes("running")
     await client.fine_tuning.jobs.cancel(job.id)
-    await wait_for(lambda: status("cancelled"), 30, what="cancelled")
+    await becomes("cancelled")
     with pytest.raises(openai.BadRequestError) as e:  # over: nothing left to cancel
         await client.fine_tuning.jobs.cancel(job.id)
     assert e.value.code == "invalid_job_state"

@@ -132,3 +132,40 @@ async def test_what_each_role_must_not_do(secured):
     await wait_for(lambda: len(acme.violations) >= 3, what="the server to refuse all three")
     for c in (sched, agent, submitter, dashboard, acme):
         await c.nc.close()
+
+
+async def test_the_gateway_works_as_its_keys_tenants_under_the_deploy_permissions(secured, tmp_path):
+    import openai
+
+    from services.gateway.app import Gateway
+    from services.gateway.keys import KeyStore, new_key
+    from services.gateway.openai_map import BaseModel
+
+    sched_c, arts_c, op, gw = [await as_user(secured.url, u) for u in ("scheduler", "artifacts", "operator", "gateway")]
+    await bus.ensure_resources(sched_c.nc)
+    stop = asyncio.Event()
+    sched = Scheduler(sched_c.nc, SchedulerConfig(heartbeat_interval=0.25))
+    tasks = [asyncio.create_task(sched.run(stop)), asyncio.create_task(ArtifactService(arts_c.nc).run(stop))]
+    key, record = new_key("acme")
+    await (await KeyStore.open(op.nc.jetstream())).put(record)  # `jetlora keys create`, as the operator
+    gateway = Gateway(gw.nc, {"tiny": BaseModel("tiny", "/models/tiny")}, port=0)
+    try:
+        await asyncio.wait_for(sched.leading.wait(), 10)
+        await gateway.start()
+        client = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{gateway.port}/v1", api_key=key, max_retries=0)
+        (tmp_path / "d.jsonl").write_text('{"q": "What is jetlora?", "a": "A LoRA trainer."}\n' * 3)
+        with open(tmp_path / "d.jsonl", "rb") as f:
+            file = await client.files.create(file=f, purpose="fine-tune")
+        job = await client.fine_tuning.jobs.create(model="tiny", training_file=file.id)
+        assert (await client.fine_tuning.jobs.retrieve(job.id)).status == "queued"
+        assert [j.id for j in (await client.fine_tuning.jobs.list()).data] == [job.id]
+        assert gw.violations == []
+        await gw.nc.publish(names.SUBMIT, b"{}")  # the gateway itself may not act as an admin
+        await gw.nc.flush()
+        await wait_for(lambda: bool(gw.violations), what="the server to refuse the admin's submit")
+    finally:
+        await gateway.close()
+        stop.set()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        for c in (sched_c, arts_c, op, gw):
+            await c.nc.close()

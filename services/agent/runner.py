@@ -51,7 +51,11 @@ class TrainerRun:
                "PYTHONUNBUFFERED": "1"}
         if self.ranks > 1:
             env.update(rank_env(self.ranks))
+        if self.cancelled:  # before it started: nothing to start
+            return Cancelled()
         self.proc = await self._start(spec_path, env, 0)
+        if self.cancelled:  # while it was starting: the signal found no process
+            self._signal(signal.SIGKILL)
         pid_file = write_pid_file(self.workdir, self.proc.pid)
         readers = [asyncio.create_task(self._read_stderr(self.proc, 0))]
         tasks = list(readers)

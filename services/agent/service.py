@@ -162,6 +162,8 @@ class Agent:
         run = self.jobs.get(c.job)
         if run is None:
             return ControlReply(c.job, False, f"job {c.job} is not running on {self.cfg.node}")
+        log.info("%s asked for job %s (attempt %d): its trainer %s", c.action, c.job, run.assignment.attempt,
+                 "has not started" if run.trainer is None or run.trainer.proc is None else "runs")
         if c.action == "cancel":
             run.cancel_asked = True
             if run.trainer:
@@ -274,6 +276,8 @@ class Agent:
                            token_cache=str(self.datasets.tokens))
         run.trainer = TrainerRun(spec, job_dir, self.cfg.trainer_command, env, ranks=len(run.devices),
                                  niceness=self.yielder.niceness(run.devices))
+        if run.cancel_asked:  # asked while this task was cancelled at an await that can swallow it (3.11's wait_for)
+            run.trainer.cancel()
         if run.stop_asked:
             run.trainer.stop()
         if run.paused_by:
