@@ -76,6 +76,7 @@ class TrainerSpec(Struct, kw_only=True):
     dataset: DataFile | None = None  # request.dataset, fetched
     validation: DataFile | None = None  # request.validation_dataset, fetched
     token_cache: str | None = None  # where tokenized datasets are kept between jobs; None: in out_dir
+    init_adapter: str | None = None  # request.init_adapter's PEFT directory, fetched
 
 
 class Preparing(Struct, tag="preparing", tag_field="type", kw_only=True):

@@ -55,6 +55,15 @@ class RegisterSpec(Struct, forbid_unknown_fields=True, kw_only=True):
     promote: Annotated[bool, Meta(description="make it what NAME serves: engines of its base model load it")] = False
 
 
+class InitAdapter(Struct, forbid_unknown_fields=True, kw_only=True):
+    """A registered adapter the job starts from (dpo after sft, or more training): its version and stored PEFT
+    archive are pinned at submit."""
+
+    name: Annotated[NodeId, Meta(description="a registered adapter of yours, trained on the job's base model")]
+    version: Annotated[int, Meta(ge=1, description="which version; none: what the name serves now")] | None = None
+    peft: str | None = None  # set by the scheduler: the object-store name of that version's PEFT archive
+
+
 class JobRequest(Struct, forbid_unknown_fields=True, kw_only=True):
     """What a submitter publishes on the submit subject."""
 
@@ -82,6 +91,9 @@ class JobRequest(Struct, forbid_unknown_fields=True, kw_only=True):
     train: TrainConfig = field(default_factory=TrainConfig)
     gguf_type: Literal["f16", "f32", "bf16", "q8_0"] = "f16"
     register: RegisterSpec | None = None
+    init_adapter: Annotated[InitAdapter, Meta(description=(
+        "start from this registered adapter, its shape replacing lora's; a dpo job's reference is then that "
+        "adapter as it starts"))] | None = None
     integrations: Annotated[list[Integration], Meta(max_length=8, description=(
         "W&B and MLflow runs that receive the job's metrics and samples, besides TensorBoard"))] = field(
         default_factory=list)
@@ -303,6 +315,8 @@ def check_request(req: JobRequest) -> list[FieldError]:
         errors.append(FieldError("lora.target_modules", f"{', '.join(unexportable)}: an adapter on the embeddings or the "
                                  "output head carries a copy of those base weights, which the GGUF export and vLLM "
                                  "do not take; train the attention and MLP layers instead"))
+    if req.init_adapter is not None and req.lora.init != "default":
+        errors.append(FieldError("lora.init", "the job starts from init_adapter's weights: drop lora.init"))
     if t.method == "dpo" and (req.data or req.devices > 1):
         errors.append(FieldError("data" if req.data else "devices", "dpo trains on a preference dataset (named in "
                                  "dataset), on one device: upload the pairs with `jetlora datasets put` and name them"))

@@ -4,6 +4,8 @@ answers of pairs it never saw; preference rows are checked at upload."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import msgspec
 import pytest
 import torch
@@ -148,3 +150,64 @@ def test_a_dpo_job_names_a_preference_dataset_and_runs_on_one_device():
             parse_job_request(msgspec.json.encode({**base, **extra}))
         assert field in [err.field for err in e.value.errors], e.value.errors
     assert parse_job_request(msgspec.json.encode({**base, "dataset": {"name": "p"}})).train.dpo_beta == 0.1
+
+
+def test_dpo_after_sft_starts_from_the_adapter_and_holds_it_as_the_reference(tiny_model, tmp_path, capsys):
+    import math
+
+    from safetensors.torch import load_file
+
+    sft = loop.train(spec_for(tiny_model, tmp_path / "sft", max_steps=20))
+    capsys.readouterr()
+    spec = dpo_spec(tiny_model, tmp_path, preference_rows(), batch_size=4, max_steps=3, learning_rate=0.01,
+                    max_seq_length=128)
+    spec = msgspec.structs.replace(spec, init_adapter=sft.adapter_dir)
+    run = prepare(spec)
+    trained = load_file(f"{sft.adapter_dir}/adapter_model.safetensors")
+    start = {n.replace(".default", ""): p for n, p in run.model.named_parameters() if p.requires_grad}
+    assert len(start) == len(trained) and all(torch.equal(start[n], trained[n]) for n in trained)  # the sft adapter
+
+    finished = loop.train(spec)
+    progress = [e for e in events_from(capsys.readouterr().out) if isinstance(e, Progress)]
+    # the reference is the sft adapter as it started (not the base): the first step's policy equals it exactly
+    assert abs(progress[0].loss - math.log(2)) < 1e-6 and progress[0].preference.margin == 0
+    assert progress[-1].loss < progress[0].loss
+    saved = Path(finished.adapter_dir)
+    assert (saved / "adapter_model.safetensors").exists() and not (saved / "ref").exists()
+
+
+async def test_a_job_starting_from_an_adapter_is_pinned_to_its_version_or_refused_naming_the_field(stack, nc,
+                                                                                                  tmp_path):
+    from schemas import names
+    from schemas.datasets import DatasetUpload
+    from schemas.jobs import Accepted, Rejected, StoredRequest
+    from services.artifacts.sender import upload_dataset
+    from tests.conftest import submit
+    from tests.test_dashboard import promoted_with_a_node_status  # capitals@1 on base model tiny, peft j1/peft
+
+    await promoted_with_a_node_status(nc)
+    data = data_file(tmp_path / "p.jsonl", "preference", preference_rows())
+    await upload_dataset(nc, "prefs", data.path, DatasetUpload(share=["globex"]))
+    base = {"model": "tiny", "base_dir": "/models/tiny", "dataset": {"name": "prefs"}, "train": {"method": "dpo"}}
+    for init, field in (({"name": "nope"}, "init_adapter.name"), ({"name": "capitals", "version": 7},
+                                                                  "init_adapter.version")):
+        refused = await submit(nc, {**base, "init_adapter": init})
+        assert isinstance(refused, Rejected) and refused.errors[0].field == field, refused
+    other_base = await submit(nc, {**base, "model": "other", "init_adapter": {"name": "capitals"}})
+    assert isinstance(other_base, Rejected) and "trained on tiny" in other_base.errors[0].reason
+    as_tenant = await bus_submit_as(nc, "globex", {**base, "init_adapter": {"name": "capitals"}})
+    assert isinstance(as_tenant, Rejected) and "no adapter named capitals" in as_tenant.errors[0].reason
+
+    accepted = await submit(nc, {**base, "init_adapter": {"name": "capitals"}})
+    assert isinstance(accepted, Accepted)
+    kv = await nc.jetstream().key_value(names.JOBS_KV)
+    stored = msgspec.json.decode((await kv.get(f"request.{accepted.job}")).value, type=StoredRequest)
+    assert (stored.request.init_adapter.version, stored.request.init_adapter.peft) == (1, "j1/peft")
+
+
+async def bus_submit_as(nc, tenant: str, request: dict):
+    from schemas import names
+    from schemas.jobs import SubmitReply
+    from services import bus
+
+    return await bus.request(nc, names.jobs_api(tenant).submit, msgspec.json.encode(request), SubmitReply)

@@ -180,8 +180,17 @@ async def test_a_dpo_job_through_the_openai_client_reports_its_rewards(nc, gatew
             await client.fine_tuning.jobs.create(model="tiny", training_file=file, method=method)
         assert e.value.param == param, e.value.message
 
-    job = await client.fine_tuning.jobs.create(model="tiny", training_file=prefs.id, method=dpo)
-    assert job.method.type == "dpo" and job.hyperparameters.beta == 0.2
+    sft = await finished(client, (await client.fine_tuning.jobs.create(model="tiny", training_file=chat.id)).id)
+    assert sft.status == "succeeded", sft.error
+    other = await client_for(nc, gateway, "globex")
+    with open(tmp_path / "prefs.jsonl", "rb") as f:
+        their_prefs = await other.files.create(file=f, purpose="fine-tune")
+    with pytest.raises(openai.BadRequestError) as e:  # another tenant's fine-tuned model is not one to go on from
+        await other.fine_tuning.jobs.create(model=sft.fine_tuned_model, training_file=their_prefs.id, method=dpo)
+    assert e.value.param == "model" and "no adapter named" in e.value.message, e.value.message
+    # dpo after sft, as OpenAI's API does it: the fine-tuned model as `model`
+    job = await client.fine_tuning.jobs.create(model=sft.fine_tuned_model, training_file=prefs.id, method=dpo)
+    assert job.method.type == "dpo" and job.hyperparameters.beta == 0.2 and job.model == sft.fine_tuned_model
     done = await finished(client, job.id)
     assert done.status == "succeeded", (done.error, agents.log("cpu-node")[-2000:])
     metrics = [e.data for e in [e async for e in client.fine_tuning.jobs.list_events(job.id, limit=100)]

@@ -42,7 +42,7 @@ def save_plain_lora(model, out: Path, initial: dict[str, torch.Tensor] | None, l
     from safetensors.torch import load_file, save_file
 
     out.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(out, safe_serialization=True)
+    model.save_pretrained(out, safe_serialization=True, selected_adapters=["default"])  # not a dpo job's reference
     if initial is None:
         return out
     weights_file, config_file = out / "adapter_model.safetensors", out / "adapter_config.json"

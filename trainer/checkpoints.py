@@ -11,7 +11,7 @@ from trainer.errors import JobError
 
 def save_adapter(model, out: Path) -> Path:
     out.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(out, safe_serialization=True)
+    model.save_pretrained(out, safe_serialization=True, selected_adapters=["default"])  # not a dpo job's reference
     return out
 
 

@@ -2,7 +2,8 @@
 
 A batch holds B pairs as 2B rows, the chosen answers first and the rejected after them, each learnt only over its
 answer. The reference is the base model itself, the adapter switched off (peft's disable_adapter), so no second
-copy of the weights is held. For each pair, with log-probabilities summed over the answer's tokens:
+copy of the weights is held; a job that starts from a registered adapter (dpo after sft) keeps that adapter as it
+started, frozen, as the reference (a second LoRA, not a second model). For each pair, with log-probabilities summed over the answer's tokens:
 
     reward(answer) = beta * (log p_adapter(answer) - log p_reference(answer))
     loss = -log sigmoid(reward(chosen) - reward(rejected))
@@ -10,6 +11,7 @@ copy of the weights is held. For each pair, with log-probabilities summed over t
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -18,6 +20,23 @@ import torch.nn.functional as F
 from trainer.chunked_loss import chunked_cross_entropy
 from trainer.data import IGNORE, Batch
 from trainer.losses import output_head
+
+
+REFERENCE = "ref"  # the frozen starting adapter's name in the peft model, where the job started from one
+
+
+@contextmanager
+def reference(model):
+    """The model as the reference: the frozen starting adapter active, or the adapter switched off."""
+    if REFERENCE not in getattr(model, "peft_config", {}):
+        with model.disable_adapter():
+            yield
+        return
+    model.set_adapter(REFERENCE)  # peft makes the active adapter trainable: the trained one is made so again after
+    try:
+        yield
+    finally:
+        model.set_adapter("default")
 
 
 def sequence_logps(model, batch: Batch, autocast_dtype, chunk_tokens: int) -> torch.Tensor:
@@ -53,10 +72,10 @@ class PairStats:
 def dpo_loss(model, batch: Batch, beta: float, autocast_dtype, chunk_tokens: int) -> tuple[torch.Tensor, PairStats]:
     """The batch's summed pair losses (divide by the pairs of the step), and its rewards."""
     policy = sequence_logps(model, batch, autocast_dtype, chunk_tokens)
-    with torch.no_grad(), model.disable_adapter():
-        reference = sequence_logps(model, batch, autocast_dtype, chunk_tokens)
+    with torch.no_grad(), reference(model):
+        referenced = sequence_logps(model, batch, autocast_dtype, chunk_tokens)
     policy_chosen, policy_rejected = policy.chunk(2)
-    ref_chosen, ref_rejected = reference.chunk(2)
+    ref_chosen, ref_rejected = referenced.chunk(2)
     chosen, rejected = beta * (policy_chosen - ref_chosen), beta * (policy_rejected - ref_rejected)
     losses = -F.logsigmoid(chosen - rejected)
     chosen, rejected = chosen.detach(), rejected.detach()

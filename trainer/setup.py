@@ -19,6 +19,7 @@ from trainer.adapter_init import initial_weights, lora_config
 from trainer.best import BestEval
 from trainer.checkpoints import resume
 from trainer.distributed import World
+from trainer.dpo import REFERENCE
 from trainer.errors import JobError
 from trainer.events import mute
 from trainer.objectives import Dpo, Sft, objective_for
@@ -84,6 +85,16 @@ class Run:
 
 
 def lora_model(model, spec: TrainerSpec, device: str = "cpu"):
+    """The model with its trainable LoRA: a new one, or the registered adapter the job starts from (loaded a second
+    time, frozen, as a dpo job's reference `ref`)."""
+    if spec.init_adapter:
+        from peft import PeftModel
+
+        model = PeftModel.from_pretrained(model, spec.init_adapter, is_trainable=True)
+        if spec.request.train.method == "dpo":
+            model.load_adapter(spec.init_adapter, adapter_name=REFERENCE, is_trainable=False)
+            model.set_adapter("default")
+        return model
     lo = spec.request.lora
     present = {name.rsplit(".", 1)[-1] for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
     missing = [t for t in lo.target_modules if t not in present]

@@ -30,7 +30,7 @@ from services.agent.engines import Engine
 from services.agent.models import read_shapes
 from services.agent.rollout import CHECK_INTERVAL_S, Rollout
 from services.agent.runner import DEFAULT_TRAINER, TrainerRun
-from services.agent.shipping import fetch_checkpoint, ship_checkpoint, ship_results
+from services.agent.shipping import fetch_adapter, fetch_checkpoint, ship_checkpoint, ship_results
 from services.agent.yielding import Yielded, Yielder, YieldPolicy, engine_yields
 from services.artifacts.sender import UploadError
 from services.procs import end_leftovers
@@ -273,7 +273,8 @@ class Agent:
                            device="cuda" if gpu else "cpu", resume_from=await self._fetch_checkpoint(run, job_dir),
                            dataset=await self._fetch_dataset(run, a.request.dataset),
                            validation=await self._fetch_dataset(run, a.request.validation_dataset),
-                           token_cache=str(self.datasets.tokens))
+                           token_cache=str(self.datasets.tokens),
+                           init_adapter=await self._fetch_init_adapter(run, job_dir))
         run.trainer = TrainerRun(spec, job_dir, self.cfg.trainer_command, env, ranks=len(run.devices),
                                  niceness=self.yielder.niceness(run.devices))
         if run.cancel_asked:  # asked while this task was cancelled at an await that can swallow it (3.11's wait_for)
@@ -330,6 +331,14 @@ class Agent:
             return None
         await self._report(run, "preparing", f"resuming from checkpoint {a.resume_from}")
         return str(where)
+
+    async def _fetch_init_adapter(self, run: RunningJob, job_dir: Path) -> str | None:
+        """The registered adapter the job starts from, unpacked into its directory."""
+        ref = run.assignment.request.init_adapter
+        if ref is None or ref.peft is None:
+            return None
+        await self._report(run, "preparing", f"starting from adapter {ref.name}@{ref.version}")
+        return str(await fetch_adapter(self.nc, ref.peft, job_dir))
 
     async def _ship_checkpoint(self, run: RunningJob, ev: Checkpoint) -> None:
         """Checkpoints go to the object store as they come, so another node can resume if this one goes."""

@@ -72,6 +72,14 @@ async def ship_results(nc: Client, node: str, a: Assignment, result: Finished, o
     return [msgspec.structs.replace(r, probe=result.probe) if r.kind == "peft" else r for r in refs]
 
 
+async def fetch_adapter(nc: Client, peft: str, job_dir: Path) -> Path:
+    """A registered adapter version's PEFT archive, unpacked into the job's directory."""
+    archive = job_dir / "init-adapter.tar.gz"
+    job_dir.mkdir(parents=True, exist_ok=True)
+    await download_named(nc, peft, archive)
+    return await asyncio.to_thread(safe_extract, archive, job_dir / "init-adapter")
+
+
 async def fetch_checkpoint(nc: Client, a: Assignment, job_dir: Path) -> Path:
     """The checkpoint named in the assignment, unpacked into the job's directory."""
     archive = job_dir / "resume.tar.gz"

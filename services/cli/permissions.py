@@ -59,7 +59,8 @@ def roles(nodes: list[str], tenants: Sequence[str] = ()) -> dict[str, dict]:
     users["gateway"] = {"publish": list(names.jobs_api(any_tenant)) + list(names.datasets_api(any_tenant))
                         + [names.dataset_upload("*", any_tenant)] + _read_stream(names.kv(names.KEYS_KV).stream)
                         + _read_stream(names.kv(names.GATEWAY_JOBS_KV).stream)
-                        + [names.kv(names.GATEWAY_JOBS_KV).subjects, names.js_api("STREAM", "INFO", "*")],
+                        + [names.kv(names.GATEWAY_JOBS_KV).subjects, names.js_api("STREAM", "INFO", "*"),
+                           names.ADAPTERS.show],  # a fine-tuned model named as `model`: its base
                         "subscribe": []}
     users["operator"]["publish"] += [names.kv(names.KEYS_KV).subjects] + _read_stream(names.kv(names.KEYS_KV).stream)
     for tenant in tenants:  # its own verbs only: it sees, cancels and stops its own jobs

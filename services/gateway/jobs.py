@@ -14,7 +14,9 @@ from schemas import names
 from schemas.datasets import DatasetQuery, DatasetReply
 from schemas.events import CheckpointList, EventPage, EventsQuery
 from schemas.gateway import CreateJob, GatewayJob, Page
-from schemas.jobs import Accepted, Error, JobListQuery, JobList, JobQuery, JobReply, JobSummary, Rejected
+from schemas.jobs import (Accepted, Error, InitAdapter, JobList, JobListQuery, JobQuery, JobReply, JobSummary,
+                          Rejected)
+from schemas.registry import AdapterQuery, AdapterReply
 from services import bus
 from services.gateway.errors import TENANT, OpenAIError, bad_request, decode, json_response, not_found
 from services.gateway.openai_map import (FIELD_PARAMS, BaseModel, adapter_name, checkpoint_object, event_object,
@@ -73,17 +75,13 @@ class Jobs:
         method, hp = hyperparameters(req)
         if method == "supervised" and hp.beta != "auto":
             raise bad_request("beta is dpo's: drop it, or set method.type to 'dpo'", "hyperparameters.beta")
-        model = self.models.get(req.model)
-        if model is None:
-            raise bad_request(f"model {req.model!r} is not a base model of this fleet; it offers "
-                              f"{', '.join(sorted(self.models)) or 'none (start the gateway with --base-model)'}",
-                              "model", "model_not_available")
+        model, start = await self._model(req.model)
         for param, file in (("training_file", req.training_file), ("validation_file", req.validation_file)):
             if file is not None:
                 await self._check_file(tenant, file, param)
         seed = req.seed if req.seed is not None else secrets.randbelow(2**31)
         adapter = adapter_name(req.model, req.suffix, secrets.token_hex(4))
-        jr = job_request(req, model, method, hp, adapter, seed)
+        jr = msgspec.structs.replace(job_request(req, model, method, hp, adapter, seed), init_adapter=start)
         reply = await bus.request(self.nc, names.jobs_api(tenant).submit, jr, Accepted | Rejected)
         if isinstance(reply, Rejected):
             first = reply.errors[0]
@@ -96,6 +94,21 @@ class Jobs:
                           fine_tuned_model=adapter, created=time.time())
         await self.kv.put(gateway_job_key(tenant, reply.job), msgspec.json.encode(kept))
         return json_response(fine_tuning_job(await self._summary(tenant, reply.job), kept))
+
+    async def _model(self, name: str) -> tuple[BaseModel, InitAdapter | None]:
+        """A base model the gateway offers, or a fine-tuned model (a registered adapter) to go on from, on its base;
+        the scheduler checks at submit that the adapter is the tenant's own."""
+        if name in self.models:
+            return self.models[name], None
+        reply = await bus.request(self.nc, names.ADAPTERS.show, AdapterQuery(name=name), AdapterReply | Error) \
+            if _is_token(name) else None
+        if isinstance(reply, AdapterReply) and reply.alias.current is not None:
+            version = next((v for v in reply.versions if v.version == reply.alias.current), None)
+            if version is not None and version.base_model in self.models:
+                return self.models[version.base_model], InitAdapter(name=name, version=version.version)
+        raise bad_request(f"model {name!r} is neither a base model of this fleet nor a fine-tuned model of yours; "
+                          f"base models: {', '.join(sorted(self.models)) or 'none (start the gateway with --base-model)'}",
+                          "model", "model_not_available")
 
     async def _check_file(self, tenant: str, file: str, param: str) -> None:
         reply = await bus.request(self.nc, names.datasets_api(tenant).show, DatasetQuery(name=file),

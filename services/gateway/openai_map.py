@@ -18,7 +18,7 @@ FIELD_PARAMS = {  # jetlora's field (a prefix of it) -> OpenAI's parameter
     "dataset": "training_file", "validation_dataset": "validation_file", "model": "model", "train.seed": "seed",
     "train.epochs": "hyperparameters.n_epochs", "train.batch_size": "hyperparameters.batch_size",
     "train.learning_rate": "hyperparameters.learning_rate_multiplier", "train.dpo_beta": "hyperparameters.beta",
-    "register.name": "suffix"}
+    "register.name": "suffix", "init_adapter": "model"}
 
 
 @dataclass(frozen=True)
@@ -83,6 +83,7 @@ def fine_tuning_job(job: JobSummary, kept: GatewayJob | None) -> FineTuningJob:
                         validation_file=kept.validation_file if kept else None,
                         finished_at=int(job.updated) if finished else None)
     if kept:
+        out.model = kept.model  # as asked: a base model, or the fine-tuned model it went on from
         out.seed, out.metadata, out.user_provided_suffix = kept.seed, kept.metadata, kept.suffix
         out.hyperparameters = kept.hyperparameters
         out.method = {"type": kept.method, kept.method: {"hyperparameters": kept.hyperparameters}}

@@ -104,6 +104,8 @@ class SchedulerApi:
             if errors:
                 return Rejected(errors)
             request, errors = await self._pin_datasets(request, tenant)
+            if not errors and request.init_adapter is not None:
+                request, errors = await self._pin_init_adapter(request, tenant)
             if errors:
                 return Rejected(errors)
             return await self._store_new(request, size, tenant, job_id)
@@ -159,6 +161,26 @@ class SchedulerApi:
                     errors.append(FieldError(f"{where}.name", method_mismatch(ref.name, found.stats.format,
                                                                              req.train.method)))
         return msgspec.structs.replace(req, **pinned), errors
+
+    async def _pin_init_adapter(self, req: JobRequest, tenant: str | None) -> tuple[JobRequest, list[FieldError]]:
+        """The request with init_adapter pinned to a version and its PEFT archive; or why it cannot start there.
+        Another tenant's adapter is 'no adapter' to a tenant."""
+        ref = req.init_adapter
+        assert ref is not None
+        alias, _ = await self.core.adapters.alias(ref.name)
+        if alias is None or (tenant is not None and alias.tenant != tenant):
+            return req, [FieldError("init_adapter.name", f"no adapter named {ref.name} of yours; `jetlora adapters "
+                                                         "ls` lists them")]
+        number = ref.version or alias.current
+        version = await self.core.adapters.version(ref.name, number) if number else None
+        if version is None:
+            return req, [FieldError("init_adapter.version", f"{ref.name} has no version {number}" if number else
+                                    f"{ref.name} serves no version now (retired); name one with init_adapter.version")]
+        if version.base_model != req.model:
+            return req, [FieldError("init_adapter.name", f"{ref.name}@{version.version} was trained on "
+                                                         f"{version.base_model}, not this job's model {req.model}")]
+        pinned = msgspec.structs.replace(ref, version=version.version, peft=version.peft.name)
+        return msgspec.structs.replace(req, init_adapter=pinned), []
 
     def _quota_errors(self, tenant: str | None) -> list[FieldError]:
         core = self.core
