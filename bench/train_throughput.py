@@ -48,11 +48,14 @@ def peak_rss_mib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-def run_jetlora(model_dir, pairs, steps, lr, tokens_per_step, seq) -> dict:
+def run_jetlora(model_dir, pairs, steps, lr, tokens_per_step, seq, packing: bool = True,
+                batch: int | None = None) -> dict:
+    """Packed: rows of at most seq tokens, as many as tokens_per_step fills; padded: `batch` examples a step."""
     from trainer.loop import train
 
+    rows = batch if batch is not None else max(1, tokens_per_step // seq)
     req = msgspec.convert({"model": "bench", "base_dir": str(model_dir), "data": pairs, "lora": {"r": 16, "alpha": 32},
-                           "train": {"max_steps": steps, "learning_rate": lr, "batch_size": max(1, tokens_per_step // seq),
+                           "train": {"max_steps": steps, "learning_rate": lr, "batch_size": rows, "packing": packing,
                                      "max_seq_length": seq, "logging_steps": min(10, steps), "warmup_steps": 0,
                                      "lr_scheduler": "cosine"}}, JobRequest)
     raw = io.BytesIO()
@@ -145,6 +148,9 @@ def main() -> None:
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--seq", type=int, default=512)
     ap.add_argument("--rank-rounds", type=int, default=4, help="rounds of 2 ranks against 1 (0: skip)")
+    ap.add_argument("--rows", default="", metavar="1024,2048,4096",
+                    help="packed rows of these lengths against padded batches of as many tokens (empty: skip)")
+    ap.add_argument("--row-rounds", type=int, default=3)
     args = ap.parse_args()
     torch.set_num_threads(max(1, torch.get_num_threads()))
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "deploy" / "demo"))
@@ -181,6 +187,25 @@ def main() -> None:
                   f"{peak_rss_mib():.0f} MiB")
         if args.rank_rounds:
             compare_ranks(model_dir, pairs, args)
+        for seq in [int(x) for x in args.rows.split(",") if x]:
+            compare_packing(model_dir, pairs, args, seq, mean)
+
+
+def compare_packing(model_dir, pairs, args, seq: int, mean: float) -> None:
+    """Two packed rows of `seq` tokens a step against padded batches holding as many tokens on average: real
+    tokens per second, the sides alternating."""
+    batch = max(1, round(2 * seq / mean))
+    rounds = []
+    for r in range(args.row_rounds):
+        sides = [("packed", lambda: run_jetlora(model_dir, pairs, args.steps, args.lr, 2 * seq, seq)),
+                 ("padded", lambda: run_jetlora(model_dir, pairs, args.steps, args.lr, 0, seq, False, batch))]
+        rounds.append({name: run() for name, run in (sides if r % 2 == 0 else sides[::-1])})
+        print(f"  rows of {seq}: packed {rounds[-1]['packed']['tokens_per_s']:6.0f} tok/s, padded ({batch} a batch) "
+              f"{rounds[-1]['padded']['tokens_per_s']:6.0f} tok/s", flush=True)
+    ratios = sorted(x["packed"]["tokens_per_s"] / x["padded"]["tokens_per_s"] for x in rounds)
+    print(f"rows of {seq}: packed / padded median {statistics.median(ratios):.2f}x (rounds {ratios[0]:.2f}-"
+          f"{ratios[-1]:.2f}); final loss packed {rounds[-1]['packed']['loss']:.3f}, padded "
+          f"{rounds[-1]['padded']['loss']:.3f}")
 
 
 def compare_ranks(model_dir, pairs, args) -> None:

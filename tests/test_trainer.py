@@ -73,18 +73,28 @@ def test_completion_only_masks_the_question(tiny_model):
     assert sum(t != data.IGNORE for t in full.targets) == len(full.ids) - 1 > len(answer)
 
 
-def test_packing_gives_the_same_loss_as_padding(tiny_model):
-    tok, model = load(str(tiny_model), "cpu", torch.float32)
+def test_packed_rows_never_attend_across_examples(tiny_model):
+    """Examples packed into rows of at most max_seq_length, several rows a batch: each example is in exactly one
+    row, no row is longer than max_seq_length, and the batch's loss is the loss of its examples one by one."""
     from schemas.jobs import QA
+    from trainer.losses import batch_loss
 
-    examples = data.encode(tok, [QA(**p) for p in pairs()], 128)
-    packed = data.packed_batches(examples, 256, seed=0)
-    padded = data.padded_batches(examples, 4, seed=0, pad_id=tok.pad_token_id)
-    assert len(packed) < len(examples)  # several examples share a row
-    assert sum(b.input_ids.numel() for b in packed) == sum(len(e.ids) for e in examples)  # no padding at all
-    a = evaluate(model, packed, "cpu", torch.float32)
-    b = evaluate(model, padded, "cpu", torch.float32)
-    assert abs(a - b) < 1e-4 * max(a, b), (a, b)
+    tok, model = load(str(tiny_model), "cpu", torch.float32)
+    examples = data.encode(tok, [QA(**p) for p in pairs()] * 3, 128)
+    packed = data.packed_batches(examples, 128, 3, seed=0)
+    lengths = [len(e.ids) for e in examples]
+    rows = [row for group in packed.groups for row in group]
+    assert sorted(int(i) for row in rows for i in row) == list(range(len(examples)))
+    assert all(sum(lengths[i] for i in row) <= 128 for row in rows) and len(rows) < len(examples) / 3
+    assert all(b.input_ids.shape[0] <= 3 and b.input_ids.shape[1] <= 128 for b in packed)
+    assert sum(b.tokens for b in packed) == sum(lengths)  # padding only ends a row, and is not counted
+
+    with torch.no_grad():
+        together = sum(float(batch_loss(model, b, torch.float32)[0]) for b in packed)
+        alone = sum(float(batch_loss(model, b, torch.float32)[0]) for b in data.padded_batches(examples, 1, 0, 0))
+        padded = evaluate(model, data.padded_batches(examples, 4, seed=0, pad_id=tok.pad_token_id), "cpu", torch.float32)
+    assert abs(together - alone) < 1e-5 * alone, (together, alone)
+    assert abs(evaluate(model, packed, "cpu", torch.float32) - padded) < 1e-5 * padded
 
 
 def test_stop_and_save_gives_a_loadable_adapter_that_changes_the_model(tiny_model, tmp_path):

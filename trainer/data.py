@@ -1,8 +1,9 @@
 """Examples as flat token arrays (in memory, or memory-mapped from the token cache), and batches drawn from them
-on demand: packed without padding, or padded."""
+on demand: packed into rows of at most max_seq_length, or padded."""
 
 from __future__ import annotations
 
+import bisect
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -118,7 +119,8 @@ class Batch:
 class Batches(Sequence):
     """An epoch's batches as lists of example positions; each Batch's tensors are made when it is taken."""
 
-    def __init__(self, examples: Examples, groups: list[np.ndarray], packed: bool, pad_id: int) -> None:
+    def __init__(self, examples: Examples, groups: list, packed: bool, pad_id: int) -> None:
+        """groups: each batch's example positions; packed, a list of rows of them."""
         self.examples, self.groups, self.packed, self.pad_id = examples, groups, packed, pad_id
 
     def __len__(self) -> int:
@@ -127,10 +129,11 @@ class Batches(Sequence):
     def __getitem__(self, i):
         if isinstance(i, slice):
             return [self[j] for j in range(*i.indices(len(self)))]
-        rows = [self.examples[int(p)] for p in self.groups[i]]
-        if not rows:
+        if not len(self.groups[i]):
             return None  # a rank's share of a batch too small to go round
-        return _pack(rows) if self.packed else _pad(rows, self.pad_id)
+        if self.packed:
+            return _pack([[self.examples[int(p)] for p in row] for row in self.groups[i]], self.pad_id)
+        return _pad([self.examples[int(p)] for p in self.groups[i]], self.pad_id)
 
     def shard(self, rank: int, ranks: int) -> "Batches":
         """This rank's contiguous share of every batch: the ranks' shares together are the whole batch."""
@@ -146,24 +149,38 @@ def _shuffled(n: int, seed: int) -> list[int]:
     return order
 
 
-def packed_batches(examples: Examples | list[Example], tokens_per_batch: int, seed: int) -> Batches:
-    """Each batch is one row of whole examples back to back, positions restarting at each one.
+def packed_rows(lengths: np.ndarray, row_tokens: int, seed: int) -> list[list[int]]:
+    """Examples into rows of at most row_tokens, best-fit decreasing: each example, longest first (equal lengths in
+    a seeded order), goes into the row it leaves least room in; a row is opened when none has room."""
+    order = sorted(_shuffled(len(lengths), seed), key=lambda i: -int(lengths[i]))
+    free: list[tuple[int, int]] = []  # (room left, row), ascending
+    rows: list[list[int]] = []
+    for i in order:
+        n = int(lengths[i])
+        k = bisect.bisect_left(free, (n, -1))  # the least room that still holds it
+        if k < len(free):
+            room, r = free.pop(k)
+        else:
+            room, r = row_tokens, len(rows)
+            rows.append([])
+        rows[r].append(i)
+        if room > n:
+            bisect.insort(free, (room - n, r))
+    return rows
 
-    transformers sees position ids that restart and no attention mask, and builds a
-    block-diagonal causal mask (or the varlen path on flash attention): no example
-    attends to another, and no FLOP is spent on padding.
+
+def packed_batches(examples: Examples | list[Example], row_tokens: int, rows_per_batch: int, seed: int) -> Batches:
+    """Whole examples packed into rows of at most row_tokens (max_seq_length), rows_per_batch rows to a batch,
+    positions restarting at each example.
+
+    transformers sees position ids that restart and no attention mask, and builds a block-diagonal causal mask
+    per row (or takes the varlen path on flash attention): no example attends to another, attention costs the
+    square of a row, not of the batch, and only a row's tail is padding.
     """
     examples = examples if isinstance(examples, Examples) else Examples.of(examples)
-    lengths = examples.lengths()
-    groups, row, used = [], [], 0
-    for i in _shuffled(len(examples), seed):
-        if row and used + lengths[i] > tokens_per_batch:
-            groups.append(np.array(row))
-            row, used = [], 0
-        row.append(i)
-        used += int(lengths[i])
-    if row:
-        groups.append(np.array(row))
+    rows = packed_rows(examples.lengths(), row_tokens, seed)
+    order = _shuffled(len(rows), seed)  # long and short rows mixed through the epoch
+    groups = [[np.array(rows[r]) for r in order[s:s + rows_per_batch]] for s in range(0, len(order), rows_per_batch)]
     return Batches(examples, groups, packed=True, pad_id=0)
 
 
@@ -183,11 +200,25 @@ def pair_batches(examples: Examples, pairs_per_batch: int, seed: int, pad_id: in
     return Batches(examples, groups, False, pad_id)
 
 
-def _pack(rows: list[tuple[np.ndarray, np.ndarray]]) -> Batch:
-    ids = torch.from_numpy(np.concatenate([r[0] for r in rows]).astype(np.int64))
-    targets = torch.from_numpy(np.concatenate([r[1] for r in rows]).astype(np.int64))
-    positions = torch.from_numpy(np.concatenate([np.arange(len(r[0])) for r in rows]))
-    return Batch(ids[None], targets[None], positions[None], None, len(ids))
+def _pack(rows: list[list[tuple[np.ndarray, np.ndarray]]], pad_id: int) -> Batch:
+    """Rows of examples back to back; a row shorter than the longest ends in padding that is a sequence of its
+    own (positions restart there too), whose targets are IGNORE."""
+    width = max(sum(len(ex[0]) for ex in row) for row in rows)
+    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    targets = torch.full((len(rows), width), IGNORE, dtype=torch.long)
+    positions = torch.zeros((len(rows), width), dtype=torch.long)
+    real = 0
+    for n, row in enumerate(rows):
+        at = 0
+        for row_ids, row_targets in row:
+            k = len(row_ids)
+            ids[n, at:at + k] = torch.from_numpy(row_ids.astype(np.int64))
+            targets[n, at:at + k] = torch.from_numpy(np.asarray(row_targets, dtype=np.int64))
+            positions[n, at:at + k] = torch.arange(k)
+            at += k
+        positions[n, at:] = torch.arange(width - at)
+        real += at
+    return Batch(ids, targets, positions, None, real)
 
 
 def _pad(rows: list[tuple[np.ndarray, np.ndarray]], pad_id: int) -> Batch:
@@ -210,5 +241,5 @@ def make_batches(examples, train_cfg, pad_id: int, epoch: int, rank: int = 0, ra
     if train_cfg.method == "dpo":  # one device (the request's checks): a rank's share would split pairs
         return pair_batches(examples, train_cfg.batch_size, seed, pad_id)
     if train_cfg.packing:
-        return packed_batches(examples, size * train_cfg.max_seq_length, seed).shard(rank, ranks)
+        return packed_batches(examples, train_cfg.max_seq_length, size, seed).shard(rank, ranks)
     return padded_batches(examples, size, seed, pad_id).shard(rank, ranks)
