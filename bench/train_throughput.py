@@ -95,7 +95,7 @@ def run_ranks(model_dir, pairs, steps, lr, examples_per_step, seq, ranks: int) -
     return {"tokens_per_s": (last.tokens - first.tokens) / (last.elapsed_s - first.elapsed_s), "loss": last.loss}
 
 
-def run_baseline(model_dir, pairs, steps, lr, batch, seq) -> dict:
+def run_baseline(model_dir, pairs, steps, lr, batch, seq, cpu: bool = True) -> dict:
     from peft import LoraConfig, get_peft_model
     from transformers import (AutoModelForCausalLM, AutoTokenizer, DataCollatorForSeq2Seq, Trainer, TrainerCallback,
                               TrainingArguments)
@@ -131,7 +131,8 @@ def run_baseline(model_dir, pairs, steps, lr, batch, seq) -> dict:
 
     with tempfile.TemporaryDirectory() as tmp:
         args = TrainingArguments(output_dir=tmp, per_device_train_batch_size=batch, max_steps=steps, learning_rate=lr,
-                                 lr_scheduler_type="cosine", logging_steps=min(10, steps), report_to=[], use_cpu=True,
+                                 lr_scheduler_type="cosine", logging_steps=min(10, steps), report_to=[], use_cpu=cpu,
+                                 bf16=not cpu,
                                  save_strategy="no", disable_tqdm=True, remove_unused_columns=False, seed=42)
         trainer = Trainer(model=model, args=args, train_dataset=rows, data_collator=collate, callbacks=[Losses()])
         t0 = time.perf_counter()
