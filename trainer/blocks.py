@@ -67,8 +67,8 @@ class Blocks:
 
     def check_fast(self, lines: list[bytes]) -> None:
         """Keep the fast way only if it finds the same spans as the exact way on these rows."""
-        if self.fmt not in ("chat", "preference") or not (self.completions_only or self.fmt == "preference"):
-            return
+        if not (self.fmt == "preference" or (self.fmt == "chat" and self.completions_only)):
+            return  # only assistant turns are found the fast way
         decoder = msgspec.json.Decoder(ROW_OF[self.fmt])
         rows = [decoder.decode(line) for line in lines]
         self.fast = all(self.renders(row, True) == self.renders(row, False) for row in rows)
