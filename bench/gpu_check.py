@@ -79,7 +79,8 @@ def job(model_dir: Path, pairs: list[dict], device: str, steps: int, packing: bo
                            "train": {"max_steps": steps, "batch_size": batch, "packing": packing, "max_seq_length": seq,
                                      "precision": precision, "logging_steps": 1, "warmup_steps": 0}}, JobRequest)
     raw = io.BytesIO()
-    with tempfile.TemporaryDirectory() as tmp, redirect_stdout(io.TextIOWrapper(raw, write_through=True)):
+    out = io.TextIOWrapper(raw, write_through=True)  # kept: closing it (as collecting it does) closes raw
+    with tempfile.TemporaryDirectory() as tmp, redirect_stdout(out):
         finished = train(TrainerSpec(job="check", attempt=1, request=req, out_dir=tmp, device=device))
         adapter = Path(tempfile.mkdtemp(prefix="jetlora-check-adapter-"))
         shutil.copytree(finished.adapter_dir, adapter, dirs_exist_ok=True)
