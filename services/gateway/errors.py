@@ -5,6 +5,7 @@ from __future__ import annotations
 import msgspec
 from aiohttp import web
 
+from schemas import names
 from schemas.gateway import ApiError, ErrorBody
 from schemas.validate import field_error
 
@@ -27,6 +28,15 @@ def bad_request(message: str, param: str | None = None, code: str | None = None)
 
 def not_found(what: str, ident: str, param: str | None = None) -> OpenAIError:
     return OpenAIError(404, f"No {what} found with id '{ident}'.", param, f"{what.replace(' ', '_')}_not_found")
+
+
+def is_token(value: str) -> bool:
+    """Whether an id from a URL can name anything (names.check_token's rule); any other is simply not found."""
+    try:
+        names.check_token(value, "id")
+    except ValueError:
+        return False
+    return True
 
 
 def json_response(obj, status: int = 200) -> web.Response:

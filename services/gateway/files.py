@@ -18,7 +18,7 @@ from schemas.datasets import DatasetUpload
 from schemas.gateway import FileObject, Page
 from schemas.jobs import Error
 from services import bus
-from services.gateway.errors import TENANT, OpenAIError, bad_request, json_response, not_found
+from services.gateway.errors import TENANT, is_token, OpenAIError, bad_request, json_response, not_found
 
 SPOOL_CHUNK = 1 << 20
 
@@ -46,7 +46,7 @@ class Files:
                 web.get("/v1/files/{id}/content", self.content)]
 
     async def info(self, tenant: str, ident: str, param: str | None = None) -> DatasetInfo:
-        if not re.fullmatch(r"[A-Za-z0-9_-]{1,128}", ident):
+        if not is_token(ident):
             raise not_found("file", ident, param)
         reply = await bus.request(self.nc, names.datasets_api(tenant).show, DatasetQuery(name=ident),
                                   DatasetReply | Error)

@@ -18,7 +18,7 @@ from schemas.jobs import (Accepted, Error, InitAdapter, JobList, JobListQuery, J
                           Rejected)
 from schemas.registry import AdapterQuery, AdapterReply
 from services import bus
-from services.gateway.errors import TENANT, OpenAIError, bad_request, decode, json_response, not_found
+from services.gateway.errors import TENANT, is_token, OpenAIError, bad_request, decode, json_response, not_found
 from services.gateway.openai_map import (FIELD_PARAMS, BaseModel, adapter_name, checkpoint_object, event_object,
                                          fine_tuning_job, hyperparameters, job_request, shown_hyperparameters)
 
@@ -28,14 +28,6 @@ EVENTS_PAGE = 1000
 def gateway_job_key(tenant: str, job: str) -> str:
     """Where the gateway keeps what a job was created with, in its GATEWAY_JOBS_KV bucket."""
     return f"{tenant}.{job}"
-
-
-def _is_token(value: str) -> bool:
-    try:
-        names.check_token(value, "id")
-    except ValueError:
-        return False
-    return True
 
 
 def _limit(request: web.Request, default: int) -> int:
@@ -101,7 +93,7 @@ class Jobs:
         if name in self.models:
             return self.models[name], None
         reply = await bus.request(self.nc, names.ADAPTERS.show, AdapterQuery(name=name), AdapterReply | Error) \
-            if _is_token(name) else None
+            if is_token(name) else None
         if isinstance(reply, AdapterReply) and reply.alias.current is not None:
             version = next((v for v in reply.versions if v.version == reply.alias.current), None)
             if version is not None and version.base_model in self.models:
@@ -112,12 +104,12 @@ class Jobs:
 
     async def _check_file(self, tenant: str, file: str, param: str) -> None:
         reply = await bus.request(self.nc, names.datasets_api(tenant).show, DatasetQuery(name=file),
-                                  DatasetReply | Error) if _is_token(file) else None
+                                  DatasetReply | Error) if is_token(file) else None
         if not isinstance(reply, DatasetReply):
             raise bad_request(f"invalid {param}: no file '{file}' of yours; upload it with POST /v1/files", param)
 
     async def _summary(self, tenant: str, job: str) -> JobSummary:
-        if not _is_token(job):
+        if not is_token(job):
             raise not_found("fine-tuning job", job)
         reply = await bus.request(self.nc, names.jobs_api(tenant).job, JobQuery(job), JobReply | Error)
         if isinstance(reply, Error):
