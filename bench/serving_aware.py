@@ -56,8 +56,8 @@ def start_vllm(python: str, model: Path, port: int, log: Path) -> subprocess.Pop
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"}
     return subprocess.Popen([python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
                              "--served-model-name", "tiny", "--dtype", "float32", "--max-model-len", "256",
-                             "--port", str(port), "--host", "127.0.0.1"], env=env, stdout=log.open("wb"),
-                            stderr=subprocess.STDOUT)
+                             "--port", str(port), "--host", "127.0.0.1", "--enable-server-load-tracking"],
+                            env=env, stdout=log.open("wb"), stderr=subprocess.STDOUT)
 
 
 def wait_http(url: str, deadline_s: float, proc: subprocess.Popen) -> None:

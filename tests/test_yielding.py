@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import http.server
+import json
 import os
 import threading
 import time
@@ -55,14 +56,20 @@ llamacpp:requests_deferred {waiting}
 class Metrics:
     """An engine's /metrics on a local port, saying what the test sets."""
 
-    def __init__(self, template: str = VLLM) -> None:
+    def __init__(self, template: str = VLLM, load: float | None = None) -> None:
         self.template, self.values = template, {"running": 0.0, "waiting": 0.0, "kv": 0.05}
+        self.load = load  # vLLM's /load ({"server_load": N}); None: the engine has no such page
+        self.reads: dict[str, int] = {}
         outer = self
 
         class Handler(http.server.BaseHTTPRequestHandler):
             def do_GET(self):  # noqa: N802 (http.server's name)
-                body = outer.template.format(**outer.values).encode()
-                self.send_response(200 if self.path == "/metrics" else 404)
+                outer.reads[self.path] = outer.reads.get(self.path, 0) + 1
+                if self.path == "/load" and outer.load is not None:
+                    body, found = json.dumps({"server_load": outer.load}).encode(), True
+                else:
+                    body, found = outer.template.format(**outer.values).encode(), self.path == "/metrics"
+                self.send_response(200 if found else 404)
                 self.send_header("Content-Type", "text/plain; version=0.0.4")
                 self.send_header("Content-Length", str(len(body)))
                 self.end_headers()
@@ -122,6 +129,32 @@ def test_the_engines_metrics_are_read_in_both_formats_and_a_silent_engine_is_rep
     for bad in ("sometimes", "both,speed=3", "both,holdoff=soon", "both,devices=a", "both,nice=25"):
         with pytest.raises(ValueError, match="--engine-yield"):
             YieldPolicy.parse(bad)
+
+
+def test_vllms_load_page_is_read_at_every_poll_and_dropped_where_it_is_not_tracked():
+    tracked = Metrics(load=0)
+    untracked = Metrics(load=0)  # vLLM without --enable-server-load-tracking: /load says 0 whatever it serves
+    try:
+        watch = LoadWatch("vllm tracked", tracked.url, [], timeout=1.0, metrics_every_s=3600)
+        assert asyncio.run(watch.poll()).busy is False
+        tracked.load = 2  # arrived at the API server; the engine's own counts do not show it yet
+        reading = asyncio.run(watch.poll())
+        assert reading.busy and reading.in_flight == 2 and watch.load().running == 2
+        tracked.load = 0
+        assert asyncio.run(watch.poll()).busy is False
+        assert tracked.reads == {"/load": 3, "/metrics": 1}  # the full scrape once, not at every poll
+
+        watch = LoadWatch("vllm untracked", untracked.url, [], timeout=1.0, metrics_every_s=0)
+        untracked.set(running=1)
+        for _ in range(3):
+            reading = asyncio.run(watch.poll())
+        assert reading.busy and reading.in_flight is None and watch.use_load is False
+        before = untracked.reads["/load"]
+        asyncio.run(watch.poll())
+        assert untracked.reads["/load"] == before  # not asked again
+    finally:
+        tracked.close()
+        untracked.close()
 
 
 async def test_training_stops_while_the_engine_serves_and_goes_on_when_it_is_idle(stack, nc, agents, engine):

@@ -1,10 +1,14 @@
 """A serving engine's load, read from its own metrics: vLLM's Prometheus `/metrics`, or llama-server's (started
-with `--metrics`). Polled with a timeout; an engine that does not answer is reported as such, never guessed."""
+with `--metrics`), and where vLLM offers it (`--enable-server-load-tracking`) its `/load`: the requests in flight
+at its API server, counted from their arrival, at a twentieth of a `/metrics` scrape's CPU. Polled with a timeout;
+an engine that does not answer is reported as such, never guessed."""
 
 from __future__ import annotations
 
 import asyncio
 import collections
+import json
+import logging
 import re
 import time
 import urllib.error
@@ -20,6 +24,8 @@ KV_USAGE = ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc", "llamacpp:k
 PREEMPTIONS = ("vllm:num_preemptions_total", "vllm:num_preemptions")
 _SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+([-+0-9.eEinfINFaN]+)")
 BUSY_WINDOW = 600  # polls the busy fraction is taken over
+DISTRUST_AFTER = 3  # /metrics reads showing requests while /load says none, before /load is taken as untracked
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -28,10 +34,11 @@ class Reading:
     waiting: float = 0.0
     kv_usage: float | None = None
     preemptions: float | None = None
+    in_flight: float | None = None  # vLLM's /load, where it is read: it sees a request before the engine does
 
     @property
     def busy(self) -> bool:
-        return self.running + self.waiting > 0
+        return self.in_flight > 0 if self.in_flight is not None else self.running + self.waiting > 0
 
 
 def parse_metrics(text: str) -> Reading:
@@ -56,26 +63,44 @@ def parse_metrics(text: str) -> Reading:
                    kv_usage=None if kv is None else min(max(kv, 0.0), 1.0), preemptions=first(PREEMPTIONS))
 
 
-def fetch_metrics(url: str, timeout: float) -> str:
-    with urllib.request.urlopen(f"{url}/metrics", timeout=timeout) as r:
+def fetch_text(url: str, timeout: float) -> str:
+    with urllib.request.urlopen(url, timeout=timeout) as r:
         return r.read(4 * 2**20).decode(errors="replace")
+
+
+def fetch_in_flight(url: str, timeout: float) -> float | None:
+    """vLLM's `/load` (`{"server_load": N}`); None where the engine has no such page."""
+    try:
+        body = json.loads(fetch_text(f"{url}/load", timeout))
+    except urllib.error.HTTPError as e:
+        if e.code in (404, 405):
+            return None
+        raise
+    except ValueError:
+        return None
+    load = body.get("server_load") if isinstance(body, dict) else None
+    return float(load) if isinstance(load, (int, float)) else None
 
 
 class LoadWatch:
     """One engine's latest reading and how busy it has been lately."""
 
-    def __init__(self, label: str, url: str, devices: list[int], timeout: float) -> None:
+    def __init__(self, label: str, url: str, devices: list[int], timeout: float, metrics_every_s: float = 1.0) -> None:
         self.label, self.url, self.devices, self.timeout = label, url, devices, timeout
+        self.metrics_every_s = metrics_every_s  # between /metrics reads while /load tells whether it is busy
         self.reading: Reading | None = None
         self.error = ""
         self.polls: collections.deque[bool] = collections.deque(maxlen=BUSY_WINDOW)
         self.idle_since: float | None = None  # monotonic: when it was last seen turning idle
+        self.use_load: bool | None = None  # None: not tried yet
+        self.load_seen_busy = False
+        self.contradicted = 0
+        self.metrics_due = 0.0
 
     async def poll(self) -> Reading | None:
         """Read the engine once; None (and `error` says why) when it did not answer or made no sense."""
         try:
-            text = await asyncio.to_thread(fetch_metrics, self.url, self.timeout)
-            self.reading, self.error = parse_metrics(text), ""
+            self.reading, self.error = await self._read(), ""
         except (OSError, urllib.error.URLError, ValueError) as e:
             self.reading, self.error = None, f"{type(e).__name__}: {e}"
             return None
@@ -87,11 +112,43 @@ class LoadWatch:
             self.idle_since = time.monotonic()
         return self.reading
 
+    async def _read(self) -> Reading:
+        """/load every poll where it is tracked, /metrics every `metrics_every_s` (or every poll where it is not)."""
+        in_flight = None
+        if self.use_load is not False:
+            in_flight = await asyncio.to_thread(fetch_in_flight, self.url, self.timeout)
+            self.use_load = in_flight is not None
+        now = time.monotonic()
+        if in_flight is None or self.reading is None or now >= self.metrics_due:
+            metrics = parse_metrics(await asyncio.to_thread(fetch_text, f"{self.url}/metrics", self.timeout))
+            self.metrics_due = now + self.metrics_every_s
+            if in_flight is not None and self._untracked(in_flight, metrics):
+                in_flight = None
+        else:
+            metrics = self.reading
+        metrics.in_flight = in_flight
+        return metrics
+
+    def _untracked(self, in_flight: float, metrics: Reading) -> bool:
+        """vLLM answers /load with 0 unless started with --enable-server-load-tracking: /load is dropped once the
+        engine's own counts show requests at several reads where /load never has."""
+        self.load_seen_busy = self.load_seen_busy or in_flight > 0
+        if self.load_seen_busy or in_flight > 0 or metrics.running + metrics.waiting == 0:
+            return False
+        self.contradicted += 1
+        if self.contradicted < DISTRUST_AFTER:
+            return False
+        self.use_load = False
+        log.warning("%s: /load says no requests while /metrics shows some; reading /metrics at every poll instead "
+                    "(start vLLM with --enable-server-load-tracking for an earlier signal that costs it less)", self.label)
+        return True
+
     def idle_for(self) -> float:
         return 0.0 if self.idle_since is None else time.monotonic() - self.idle_since
 
     def load(self) -> EngineLoad:
         r = self.reading
-        return EngineLoad(engine=self.label, devices=self.devices, running=int(r.running) if r else 0,
+        running = max(r.running, r.in_flight or 0.0) if r else 0.0
+        return EngineLoad(engine=self.label, devices=self.devices, running=int(running),
                           waiting=int(r.waiting) if r else 0, kv_usage=r.kv_usage if r else None,
                           busy_fraction=sum(self.polls) / len(self.polls) if self.polls else 0.0, error=self.error)

@@ -20,7 +20,7 @@ MODES = ("both", "compute", "memory", "off")
 
 @dataclass(frozen=True)
 class YieldPolicy:
-    """`--engine-yield both,holdoff=2,kv=0.9,poll=0.2,timeout=1,devices=0+1,exempt=50`."""
+    """`--engine-yield both,holdoff=2,kv=0.9,poll=0.2,timeout=1,metrics=1,devices=0+1,exempt=50,nice=10`."""
 
     mode: str = "both"
     poll_s: float = 0.2
@@ -29,6 +29,7 @@ class YieldPolicy:
     kv_threshold: float = 0.9  # KV cache use at which the engine gets its memory back
     devices: tuple[int, ...] | None = None  # the engine's devices; None: every device of the node
     exempt_priority: int | None = None  # jobs above this priority do not yield
+    metrics_s: float = 1.0  # between full /metrics reads where vLLM's /load says whether it is busy
     nice: int = 10  # the trainers beside the engine run at this CPU niceness (compute modes), so its threads
     # take the CPU the moment they are runnable, before a poll has even seen the request
 
@@ -38,7 +39,7 @@ class YieldPolicy:
         if mode not in MODES:
             raise ValueError(f"--engine-yield {text!r}: start with one of {', '.join(MODES)}")
         keys = {"poll": "poll_s", "timeout": "timeout_s", "holdoff": "holdoff_s", "kv": "kv_threshold",
-                "devices": "devices", "exempt": "exempt_priority", "nice": "nice"}
+                "devices": "devices", "exempt": "exempt_priority", "nice": "nice", "metrics": "metrics_s"}
         values: dict = {"mode": mode}
         for setting in settings:
             key, _, value = setting.partition("=")
@@ -134,8 +135,7 @@ class Yielder:
             if reading.busy and not y.to:
                 trainer.suspend()
                 y.to, y.since = label, time.monotonic()
-                await self.agent.report_yield(run, f"yielding to {label}: {int(reading.running)} requests running, "
-                                                   f"{int(reading.waiting)} waiting")
+                await self.agent.report_yield(run, f"yielding to {label}: {describe(reading)}")
             elif y.to == label and engine.watch.idle_for() >= engine.policy.holdoff_s:
                 await self.go_on(run, f"training again: {label} idle for {engine.policy.holdoff_s:g}s")
 
@@ -175,6 +175,12 @@ class Yielder:
             engine.reclaiming = set()
 
 
+def describe(reading: Reading) -> str:
+    if reading.in_flight is not None:
+        return f"{int(reading.in_flight)} requests in flight"
+    return f"{int(reading.running)} requests running, {int(reading.waiting)} waiting"
+
+
 def engine_yields(config) -> list[EngineYield]:
     """A watch for every engine with an address, under its policy (the i-th --engine-yield, or the only one)."""
     policies = config.engine_yield or [YieldPolicy()]
@@ -182,6 +188,6 @@ def engine_yields(config) -> list[EngineYield]:
     for i, engine in enumerate(config.engines):
         policy = policies[i] if i < len(policies) else policies[-1]
         if engine.url:  # "off" still reads its load: heartbeats carry it, and placement prefers idle engines
-            out.append(EngineYield(LoadWatch(engine.label, engine.url, list(policy.devices or ()), policy.timeout_s),
-                                   policy))
+            watch = LoadWatch(engine.label, engine.url, list(policy.devices or ()), policy.timeout_s, policy.metrics_s)
+            out.append(EngineYield(watch, policy))
     return out
