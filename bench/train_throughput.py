@@ -95,10 +95,12 @@ def run_ranks(model_dir, pairs, steps, lr, examples_per_step, seq, ranks: int) -
     return {"tokens_per_s": (last.tokens - first.tokens) / (last.elapsed_s - first.elapsed_s), "loss": last.loss}
 
 
-def run_baseline(model_dir, pairs, steps, lr, batch, seq, cpu: bool = True) -> dict:
+def run_baseline(model_dir, pairs, steps, lr, batch, seq, cpu: bool = True, flatten: bool = False) -> dict:
+    """transformers.Trainer + peft, padding each batch (DataCollatorForSeq2Seq) or, with `flatten`, concatenating it
+    into one row told apart by position ids (DataCollatorWithFlattening, transformers' padding-free way)."""
     from peft import LoraConfig, get_peft_model
-    from transformers import (AutoModelForCausalLM, AutoTokenizer, DataCollatorForSeq2Seq, Trainer, TrainerCallback,
-                              TrainingArguments)
+    from transformers import (AutoModelForCausalLM, AutoTokenizer, DataCollatorForSeq2Seq, DataCollatorWithFlattening,
+                              Trainer, TrainerCallback, TrainingArguments)
 
     tok = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
     model = AutoModelForCausalLM.from_pretrained(model_dir, local_files_only=True, use_safetensors=True,
@@ -113,13 +115,14 @@ def run_baseline(model_dir, pairs, steps, lr, batch, seq, cpu: bool = True) -> d
         prompt = tok(prompt_text(tok, p["q"]), add_special_tokens=False)["input_ids"]
         answer = tok(p["a"], add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
         ids = (prompt + answer)[:seq]
-        rows.append({"input_ids": ids, "attention_mask": [1] * len(ids), "labels": ([-100] * len(prompt) + answer)[:seq]})
+        rows.append({"input_ids": ids, "labels": ([-100] * len(prompt) + answer)[:seq]}
+                    | ({} if flatten else {"attention_mask": [1] * len(ids)}))
     real = {"tokens": 0}
-    base_collate = DataCollatorForSeq2Seq(tok, padding=True)
+    base_collate = DataCollatorWithFlattening() if flatten else DataCollatorForSeq2Seq(tok, padding=True)
 
     def collate(features):
         batch = base_collate(features)
-        real["tokens"] += int(batch["attention_mask"].sum())
+        real["tokens"] += sum(len(f["input_ids"]) for f in features)
         return batch
 
     losses = []
@@ -193,20 +196,24 @@ def main() -> None:
 
 
 def compare_packing(model_dir, pairs, args, seq: int, mean: float) -> None:
-    """Two packed rows of `seq` tokens a step against padded batches holding as many tokens on average: real
-    tokens per second, the sides alternating."""
+    """Two packed rows of `seq` tokens a step against padded batches holding as many tokens on average, and against
+    transformers.Trainer with DataCollatorWithFlattening on those batches: real tokens per second, the sides
+    rotating round by round."""
     batch = max(1, round(2 * seq / mean))
     rounds = []
     for r in range(args.row_rounds):
         sides = [("packed", lambda: run_jetlora(model_dir, pairs, args.steps, args.lr, 2 * seq, seq)),
-                 ("padded", lambda: run_jetlora(model_dir, pairs, args.steps, args.lr, 0, seq, False, batch))]
-        rounds.append({name: run() for name, run in (sides if r % 2 == 0 else sides[::-1])})
-        print(f"  rows of {seq}: packed {rounds[-1]['packed']['tokens_per_s']:6.0f} tok/s, padded ({batch} a batch) "
-              f"{rounds[-1]['padded']['tokens_per_s']:6.0f} tok/s", flush=True)
-    ratios = sorted(x["packed"]["tokens_per_s"] / x["padded"]["tokens_per_s"] for x in rounds)
-    print(f"rows of {seq}: packed / padded median {statistics.median(ratios):.2f}x (rounds {ratios[0]:.2f}-"
-          f"{ratios[-1]:.2f}); final loss packed {rounds[-1]['packed']['loss']:.3f}, padded "
-          f"{rounds[-1]['padded']['loss']:.3f}")
+                 ("padded", lambda: run_jetlora(model_dir, pairs, args.steps, args.lr, 0, seq, False, batch)),
+                 ("flattening", lambda: run_baseline(model_dir, pairs, args.steps, args.lr, batch, seq, flatten=True))]
+        order = sides[r % 3:] + sides[:r % 3]
+        rounds.append({name: run() for name, run in order})
+        print(f"  rows of {seq}: " + ", ".join(f"{n} {rounds[-1][n]['tokens_per_s']:6.0f} tok/s (loss "
+                                               f"{rounds[-1][n]['loss']:.3f})" for n, _ in sides)
+              + f"; {batch} examples a batch", flush=True)
+    for other in ("padded", "flattening"):
+        ratios = sorted(x["packed"]["tokens_per_s"] / x[other]["tokens_per_s"] for x in rounds)
+        print(f"rows of {seq}: packed / {other} median {statistics.median(ratios):.2f}x (rounds {ratios[0]:.2f}-"
+              f"{ratios[-1]:.2f})")
 
 
 def compare_ranks(model_dir, pairs, args) -> None:
