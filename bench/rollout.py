@@ -1,14 +1,15 @@
 """One promote reaching a fleet: 200 simulated serving nodes, each the real agent's rollout logic (watch the
 registry, fetch the artifact once, check its sha256, unpack and place it, report), with a vLLM filesystem-resolver
 engine without an address (placing the directory is all it does: the node reports `placed`) in a temporary
-directory. Measured against one node alone in the same run, rounds alternating; each round promotes the other of
-two versions.
+directory. Measured against one node alone in the same run, sides alternating. Each round registers a new version
+(nodes stage it: fetch it before it is promoted; the time until all have is printed), then promotes it; with
+`--no-staging` the promotion fetches it.
 
 All 200 nodes share this machine's one nats-server, one Python process and one disk, which a fleet does not: the
 fetching rounds move 200 x the artifact through the server and write 200 x its unpacked bytes to one disk, so they
 measure this machine's bytes per second more than the agent; the rounds with the artifact cached measure the agent.
 
-    .venv/bin/python bench/rollout.py [--nodes 200] [--rounds 4] [--artifact-mib 4]
+    .venv/bin/python bench/rollout.py [--nodes 200] [--rounds 4] [--artifact-mib 4] [--no-staging]
 """
 
 from __future__ import annotations
@@ -63,8 +64,8 @@ def adapter_tar(path: Path, mib: int) -> Path:
 class Nodes:
     """n simulated serving nodes: a connection and a Rollout each."""
 
-    def __init__(self, url: str, prefix: str, n: int, tmp: Path) -> None:
-        self.url, self.names, self.tmp = url, [f"{prefix}{i:03d}" for i in range(n)], tmp
+    def __init__(self, url: str, prefix: str, n: int, tmp: Path, stage: bool) -> None:
+        self.url, self.names, self.tmp, self.stage = url, [f"{prefix}{i:03d}" for i in range(n)], tmp, stage
         self.adapter = self.model = prefix  # each side its own base model: neither loads the other's adapter
         self.loaded: dict[str, float] = {}
 
@@ -74,9 +75,21 @@ class Nodes:
             nc = await nats.connect(self.url)
             engine = Engine("vllm-dir", self.model, directory=self.tmp / node / "engine")
             self.conns.append(nc)
-            self.rollouts.append(Rollout(nc, node, [engine], self.tmp / node))
+            self.rollouts.append(Rollout(nc, node, [engine], self.tmp / node, stage=self.stage))
         self.tasks = [asyncio.create_task(r.run(stop)) for r in self.rollouts]
         await asyncio.gather(*(r.ready.wait() for r in self.rollouts))
+
+    async def staged(self, before: list[int], since: float) -> list[float]:
+        """Until every node has staged one more version than `before` counts: each node's time to it."""
+        done: dict[int, float] = {}
+        while len(done) < len(self.rollouts):
+            for i, r in enumerate(self.rollouts):
+                if i not in done and r.stager.staged > before[i]:
+                    done[i] = time.monotonic() - since
+            await asyncio.sleep(0.005)
+            if time.monotonic() - since > 120:
+                raise SystemExit(f"only {len(done)} of {len(self.names)} nodes staged within 120 s")
+        return list(done.values())
 
     def fetched_bytes(self) -> int:
         return sum(p.stat().st_size for node in self.names for p in (self.tmp / node / "adapters").rglob("*")
@@ -118,33 +131,44 @@ async def main(args) -> None:
                   asyncio.create_task(RegistryService(service_conns[1]).run(stop))]
         await asyncio.sleep(0.5)  # the services subscribe
         registry = AdapterRegistry(await nc.jetstream().key_value(names.ADAPTERS_KV))
-        fleet, alone = Nodes(server.url, "node", args.nodes, tmp), Nodes(server.url, "solo", 1, tmp)
-        for side in (fleet, alone):
-            for v in (1, 2):
-                job = f"{side.adapter}{v}"
-                await running_on(nc, job)
-                info = await upload_file(nc, "n1", job, "peft", adapter_tar(tmp / f"v{v}.tar.gz", args.artifact_mib))
-                await registry.add_version(AdapterVersion(
-                    name=side.adapter, version=v, job=job, base_model=side.model, r=16, alpha=32,
-                    target_modules=["q_proj", "v_proj"], peft=StoredFile(name=info.name, sha256=info.sha256,
-                                                                         size=info.size)))
+        stage = not args.no_staging
+        fleet, alone = Nodes(server.url, "node", args.nodes, tmp, stage), Nodes(server.url, "solo", 1, tmp, stage)
+
+        async def register(side: Nodes, v: int) -> None:
+            job = f"{side.adapter}{v}"
+            await running_on(nc, job)
+            info = await upload_file(nc, "n1", job, "peft", adapter_tar(tmp / f"{job}.tar.gz", args.artifact_mib))
+            await registry.add_version(AdapterVersion(
+                name=side.adapter, version=v, job=job, base_model=side.model, r=16, alpha=32,
+                target_modules=["q_proj", "v_proj"], peft=StoredFile(name=info.name, sha256=info.sha256, size=info.size)))
+
         listen = Listener()
         await nc.subscribe(names.adapter_status(), cb=listen.on_status)
         await fleet.start(stop)
         await alone.start(stop)
         tasks += fleet.tasks + alone.tasks
-        size = (tmp / "v1.tar.gz").stat().st_size
-        print(f"{args.nodes} nodes, artifacts of {size / 2**20:.1f} MiB, {args.rounds} rounds")
-        fleet_p50, fleet_p99, solo = [], [], []
+        for side in (alone, fleet):  # a first version that every node serves (fetched at its promotion)
+            await register(side, 1)
+            first = await promote_and_wait(nc, side, 1, listen)  # the fleet's, last
+        size = (tmp / "node1.tar.gz").stat().st_size
+        print(f"{args.nodes} nodes, artifacts of {size / 2**20:.1f} MiB, {args.rounds} rounds, "
+              f"{'staged when registered' if stage else 'fetched when promoted (--no-staging)'}")
+        print(f"  the first promote (fetching it): p50 {statistics.median(first) * 1000:.0f} ms, "
+              f"p99 {pct(first, 99) * 1000:.0f} ms")
+        fleet_p50, fleet_p99, solo, staging_p99 = [], [], [], []
         for r in range(args.rounds):
-            version = 1 + r % 2
+            version = 2 + r
             for side in ((fleet, alone) if r % 2 == 0 else (alone, fleet)):
+                before, t0 = [n.stager.staged if n.stager else 0 for n in side.rollouts], time.monotonic()
+                await register(side, version)
+                staged = await side.staged(before, t0) if stage else []
                 times = await promote_and_wait(nc, side, version, listen)
                 if side is fleet:
                     fleet_p50.append(statistics.median(times))
                     fleet_p99.append(pct(times, 99))
-                    kind = "fetching it" if r < 2 else "fetched before"
-                    print(f"  round {r + 1}: promote @{version} ({kind}): p50 {fleet_p50[-1] * 1000:.0f} ms, "
+                    staging_p99.extend([pct(staged, 99)] if staged else [])
+                    said = f" (staged in p99 {staging_p99[-1] * 1000:.0f} ms after registering)" if staged else ""
+                    print(f"  round {r + 1}: promote @{version}{said}: p50 {fleet_p50[-1] * 1000:.0f} ms, "
                           f"p99 {fleet_p99[-1] * 1000:.0f} ms")
                 else:
                     solo.append(times[0])
@@ -155,7 +179,7 @@ async def main(args) -> None:
               f"p99 / one node x{p99 / statistics.median(solo):.1f}")
         fetched = fleet.fetched_bytes()
         print(f"bytes fetched by the {args.nodes} nodes: {fetched / 2**20:,.0f} MiB = {fetched / size / args.nodes:.2f} "
-              f"x artifact size x nodes (both versions: each node fetches each version once)")
+              f"x artifact size x nodes x {args.rounds + 1} versions (each node fetches each version once)")
     finally:
         stop.set()
         await asyncio.gather(*tasks, return_exceptions=True)
@@ -167,4 +191,5 @@ if __name__ == "__main__":
     ap.add_argument("--nodes", type=int, default=200)
     ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--artifact-mib", type=int, default=4)
+    ap.add_argument("--no-staging", action="store_true", help="nodes fetch a version only when it is promoted")
     asyncio.run(main(ap.parse_args()))

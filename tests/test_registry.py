@@ -73,8 +73,14 @@ async def test_promote_rollback_and_retire_flip_what_every_node_serves(stack, nc
     reply = await bus.request(nc, names.ADAPTERS.register, RegisterRequest(name="support", job=second), AdapterReply)
     assert [v.version for v in reply.versions] == [1, 2] and reply.alias.current == 1  # registered, not promoted
     assert [v.job for v in reply.versions] == [first, second]
+    # registered for a name they serve: fetched ahead of its promotion, which then fetches nothing
+    staged = {n: agents.tmp / n / "adapters" / reply.versions[1].peft.sha256 / "peft" for n in ("a1", "a2")}
+    await wait_for(lambda: all(p.is_dir() for p in staged.values()), timeout=30, what="v2 staged on a1 and a2")
+    inodes = {n: p.stat().st_ino for n, p in staged.items()}
     await bus.request(nc, names.ADAPTERS.promote, PromoteRequest(name="support", version=2, expect=1), AdapterReply)
     await serving(nc, "support", {"a1": (2, "placed"), "a2": (2, "placed")})
+    assert {n: p.stat().st_ino for n, p in staged.items()} == inodes
+    assert "staged support@2" in agents.log("a1") and "staged support" not in agents.log("other")
     agents.start("late", gpus=None, extra=engine(tmp_path, "late"))  # started after the promote: converges
     await serving(nc, "support", {"late": (2, "placed")})
     listed = await bus.request(nc, names.ADAPTERS.list, AdapterListQuery(base_model="tiny"), AdapterList)

@@ -2,6 +2,7 @@
 adapter once per sha256, check it, load it, verify the engine answers as the adapter's trainer did, report how
 that went; unload what is retired. And keep checking: an engine that restarted, or lost an adapter, gets it back.
 
+A version registered for a name the node serves is fetched ahead of its promotion (staging.py).
 What was loaded is remembered on disk, so an agent that restarts converges without loading anything twice (and
 the checks find what an engine lost meanwhile).
 """
@@ -22,6 +23,7 @@ from schemas import names
 from schemas.registry import Alias, AdapterVersion, NodeAdapterStatus, NodeState, Smoke, StoredFile
 from services.agent import llamacpp, vllm
 from services.agent.engines import Engine, answering, verify
+from services.agent.staging import Stager
 from services.artifacts.download import fetch_object, fetch_small, safe_extract
 from services.aio import cancel_and_wait, sleep_unless_stopped
 from services.registry.store import AdapterRegistry
@@ -39,7 +41,7 @@ def driver(engine: Engine):
 
 class Rollout:
     def __init__(self, nc: Client, node: str, engines: list[Engine], work_dir: Path,
-                 check_interval: float = CHECK_INTERVAL_S) -> None:
+                 check_interval: float = CHECK_INTERVAL_S, stage: bool = True) -> None:
         self.nc, self.js, self.node, self.engines = nc, nc.jetstream(), node, engines
         self.root = work_dir / "adapters"
         self.state_file = self.root / "loaded.json"
@@ -51,6 +53,8 @@ class Rollout:
         self.aliases: dict[str, Alias] = {}  # the newest of each alias seen
         self.check_interval = check_interval
         self.up: dict[str, bool] = {}  # engine label -> whether it answered at the last check
+        self.fetching: dict[tuple[str, bool], asyncio.Task] = {}  # (sha256, gguf) -> its fetch under way
+        self.stager = Stager(self) if stage else None
 
     async def run(self, stop: asyncio.Event) -> None:
         """Follow the aliases until `stop`, and check what each engine really serves; a watch the server breaks (a
@@ -60,24 +64,11 @@ class Rollout:
         await self._start_engines()
         log.info("rollout: %s follow the adapter registry", ", ".join(e.label for e in self.engines))
         checking = asyncio.create_task(self._check_engines(stop))
+        staging = asyncio.create_task(_keep(stop, "staging new versions", self.stager.follow)) if self.stager else None
         try:
-            await self._keep_following(stop)
+            await _keep(stop, "following the adapter registry", self._follow)
         finally:
-            await cancel_and_wait([checking])
-
-    async def _keep_following(self, stop: asyncio.Event) -> None:
-        pause = 0.5
-        while not stop.is_set():
-            began = time.monotonic()
-            try:
-                await self._follow(stop)
-            except Exception as e:
-                if time.monotonic() - began > 60:  # it had worked for a while: a fresh failure
-                    pause = 0.5
-                log.warning("rollout: following the adapter registry failed (%s: %s); trying again in %.1fs",
-                            type(e).__name__, e, pause)
-                await sleep_unless_stopped(stop, pause)
-                pause = min(pause * 2, 30.0)
+            await cancel_and_wait([checking, staging, *self.fetching.values()])
 
     async def _follow(self, stop: asyncio.Event) -> None:
         kv = await self.js.key_value(names.ADAPTERS_KV)
@@ -147,8 +138,11 @@ class Rollout:
         if have == [version.version, file.sha256] and not again:  # loaded before (this run or an earlier one)
             log.info("adapter %s@%d is served by %s already", version.name, version.version, engine.label)
             return
-        await self._report(engine, version.name, version.version, "loading", f"fetching {file.name}")
-        local = await self._fetch(file, gguf=engine.kind == "llamacpp")
+        gguf = engine.kind == "llamacpp"
+        staged = self._local(file, gguf).exists()
+        await self._report(engine, version.name, version.version, "loading",
+                           f"{'staged' if staged else 'fetching'} {file.name}")
+        local = await self.fetch(file, gguf)
         state, message = await driver(engine).load(engine, version.name, local)
         self._remember(engine, version.name, [version.version, file.sha256])
         checked = None
@@ -208,11 +202,18 @@ class Rollout:
         self.versions[(name, version)] = found
         return found
 
+    async def fetch(self, file: StoredFile, gguf: bool) -> Path:
+        """The artifact on local disk, fetched once per sha256 (a promotion and its staging share one fetch)."""
+        key = (file.sha256, gguf)
+        if key not in self.fetching:
+            self.fetching[key] = asyncio.create_task(self._fetch(file, gguf))
+            self.fetching[key].add_done_callback(lambda _: self.fetching.pop(key, None))
+        return await asyncio.shield(self.fetching[key])
+
     async def _fetch(self, file: StoredFile, gguf: bool) -> Path:
-        """The artifact on local disk, fetched once per sha256 and checked against the registry's sha256. It is
-        fetched (and extracted) beside its place and renamed into it whole, so a crash or a full disk half way
-        leaves nothing that looks fetched."""
-        target = self.root / file.sha256 / ("adapter.gguf" if gguf else "peft")
+        """Fetched and checked against the registry's sha256, beside its place and renamed into it whole, so a
+        crash or a full disk half way leaves nothing that looks fetched."""
+        target = self._local(file, gguf)
         if target.exists():
             return target
         if not gguf:  # an adapter directory small enough to unpack from memory, in one thread hop
@@ -235,6 +236,9 @@ class Rollout:
         download.unlink()
         return target
 
+    def _local(self, file: StoredFile, gguf: bool) -> Path:
+        return self.root / file.sha256 / ("adapter.gguf" if gguf else "peft")
+
     def _remember(self, engine: Engine, name: str, what: list | None) -> None:
         served = self.loaded.setdefault(engine.label, {})
         if what is None:
@@ -256,6 +260,22 @@ class Rollout:
             await self.nc.publish(names.adapter_status(self.node), _enc.encode(status))
         except Exception as e:  # NATS away: the next change reports again
             log.warning("adapter status not sent: %s", e)
+
+
+async def _keep(stop: asyncio.Event, what: str, work) -> None:
+    """Run `work(stop)` until `stop`; one that fails (a watch the server broke: a restart, a limit) starts again,
+    with a backoff that grows while it keeps failing."""
+    pause = 0.5
+    while not stop.is_set():
+        began = time.monotonic()
+        try:
+            await work(stop)
+        except Exception as e:
+            if time.monotonic() - began > 60:  # it had worked for a while: a fresh failure
+                pause = 0.5
+            log.warning("rollout: %s failed (%s: %s); trying again in %.1fs", what, type(e).__name__, e, pause)
+            await sleep_unless_stopped(stop, pause)
+            pause = min(pause * 2, 30.0)
 
 
 def _unpack(archive: Path | bytes, target: Path) -> None:

@@ -54,6 +54,7 @@ class AgentConfig:
     models: list[str] = field(default_factory=list)  # base model directories here, advertised with their shapes
     engine_yield: list[YieldPolicy] = field(default_factory=list)  # per engine (one: for all); none: YieldPolicy()
     engine_check_interval: float = CHECK_INTERVAL_S  # how often what each engine serves is compared with the registry
+    stage_adapters: bool = True  # fetch a new version of a served adapter when it is registered, before its promotion
 
 
 @dataclass
@@ -107,7 +108,7 @@ class Agent:
         log.info("agent %s up with %d device(s)", self.cfg.node, len(self.devices))
         beat = asyncio.create_task(heartbeats.every_interval(self, stop))
         rollout = asyncio.create_task(Rollout(self.nc, self.cfg.node, self.cfg.engines, self.cfg.work_dir,
-                                                  self.cfg.engine_check_interval).run(stop))
+                                              self.cfg.engine_check_interval, self.cfg.stage_adapters).run(stop))
         yielding = asyncio.create_task(self.yielder.run(stop))
         await stop.wait()
         await cancel_and_wait([rollout, yielding])

@@ -43,7 +43,7 @@ def _agent_config(args):
                       heartbeat_interval=args.heartbeat_interval, offer_cpu=args.offer_cpu,
                       simulate_gpus=args.simulate_gpus, dataset_cache_mib=args.dataset_cache_mib,
                       engines=_engines(args), models=args.model, engine_yield=_yields(args),
-                      engine_check_interval=args.engine_check_interval)
+                      engine_check_interval=args.engine_check_interval, stage_adapters=not args.no_staging)
     if args.trainer_command:
         cfg.trainer_command = shlex.split(args.trainer_command)
     return cfg
@@ -227,6 +227,9 @@ def agent_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--engine-check-interval", type=float, default=10.0, metavar="S",
                    help="how often the agent compares what each engine serves with the registry (and reloads what an "
                         "engine lost, e.g. after it restarted)")
+    p.add_argument("--no-staging", action="store_true",
+                   help="fetch a new version of a served adapter only when it is promoted (by default it is fetched "
+                        "as soon as it is registered, so the promotion itself has nothing to fetch)")
     p.add_argument("--engine-restart", default="", help="llama.cpp: a command that restarts llama-server with the "
                                                         "placed adapters ($JETLORA_ADAPTER_PATH)")
     p.add_argument("--model", action="append", default=_env_list("JETLORA_MODELS", ":"),
