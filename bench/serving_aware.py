@@ -13,6 +13,7 @@ import asyncio
 import json
 import os
 import random
+import re
 import statistics
 import subprocess
 import sys
@@ -169,6 +170,14 @@ class Fleet:
     async def status(self, job: str):
         return (await bus.request(self.nc, names.GET_JOB, JobQuery(job), JobReply)).job
 
+    async def final_message(self, job: str) -> str:
+        deadline = time.monotonic() + 60
+        while (status := await self.status(job)).state not in ("cancelled", "failed", "succeeded"):
+            if time.monotonic() > deadline:
+                raise SystemExit(f"job {job} did not end within 60 s of its cancel: {status.state}")
+            await asyncio.sleep(0.2)
+        return status.message
+
     async def cancel(self, job: str) -> None:
         await bus.request(self.nc, names.CANCEL, JobQuery(job), JobReply | Error)  # type: ignore[arg-type]
 
@@ -193,10 +202,19 @@ async def run_case(fleet: Fleet, model: Path, case: str, args, seed: int) -> dic
         results, idle = await load(fleet.engine_url, args.rate, args.seconds, args.tokens, seed)
     minutes = (time.monotonic() - t0) / 60
     steps = ((await fleet.status(job)).step - step0) / minutes if job else 0.0
+    stopped = 0.0
     if job:
         await fleet.cancel(job)
+        stopped = yielded_s(await fleet.final_message(job)) / (minutes * 60)
         fleet.stop_agent()
-    return {"ttft": [r[0] for r in results], "total": [r[1] for r in results], "steps_min": steps, "idle": idle}
+    return {"ttft": [r[0] for r in results], "total": [r[1] for r in results], "steps_min": steps, "idle": idle,
+            "stopped": stopped}
+
+
+def yielded_s(message: str) -> float:
+    """The job's time stopped for serving, from its final message (`...; yielded 12.3s to serving`)."""
+    found = re.search(r"yielded ([0-9.]+)s to serving", message)
+    return float(found.group(1)) if found else 0.0
 
 
 def pct(xs: list[float], q: float) -> float:
@@ -246,7 +264,8 @@ def report(out: dict[str, list[dict]]) -> None:
         total = [x for r in rounds for x in r["total"]]
         rows[case] = dict(ttft50=pct(ttft, .5), ttft99=pct(ttft, .99), tot50=pct(total, .5), tot99=pct(total, .99),
                           steps=statistics.median(r["steps_min"] for r in rounds),
-                          idle=statistics.median(r["idle"] for r in rounds), n=len(total))
+                          idle=statistics.median(r["idle"] for r in rounds), n=len(total),
+                          stopped=statistics.median(r["stopped"] for r in rounds))
     base = rows["alone"]
     print(f"{'case':12}{'requests':>9}{'TTFT p50':>10}{'TTFT p99':>10}{'total p50':>11}{'total p99':>11}"
           f"{'p99 x alone':>12}{'steps/min':>11}   (latencies in ms)")
@@ -258,6 +277,10 @@ def report(out: dict[str, list[dict]]) -> None:
     print(f"serving leaves {base['idle']:.0%} of the time idle: yielding trained {rows['yielding']['steps']:.1f} "
           f"steps/min, {rows['yielding']['steps'] / allowed:.2f}x of the {allowed:.1f} that share allows "
           "(training alone x idle share)")
+    running = 1 - rows["yielding"]["stopped"]
+    print(f"the yielding job was stopped {rows['yielding']['stopped']:.0%} of the time; while it ran "
+          f"it made {rows['yielding']['steps'] / max(running, 1e-9):.1f} steps/min, "
+          f"{rows['yielding']['steps'] / max(running, 1e-9) / rows['train alone']['steps']:.2f}x training alone")
 
 
 if __name__ == "__main__":

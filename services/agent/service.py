@@ -21,7 +21,6 @@ from schemas.nodes import (CPU_DEVICE, AssignAccepted, AssignRefused, Assignment
                            Heartbeat, Reclaim, ReclaimReply, on_devices)
 from services import bus
 from services.aio import cancel_and_wait
-from services.bus import publish_durably
 from services.agent import heartbeats
 from services.agent.admission import refusal
 from services.agent.datasets import DatasetCache, DatasetUnavailable, LocalDataset
@@ -215,14 +214,14 @@ class Agent:
         ev = StateChange(job=a.job, state=state, node=self.cfg.node, attempt=a.attempt, message=message,
                          artifacts=artifacts or [], ts=time.time(), paused_by=paused_by, checkpoint=checkpoint)
         run.reports += 1
-        await publish_durably(self.js, self._subjects(a).state, _enc.encode(ev), f"{a.job}.{a.attempt}.s{run.reports}",
+        await bus.publish_durably(self.js, self._subjects(a).state, _enc.encode(ev), f"{a.job}.{a.attempt}.s{run.reports}",
                               give_up_after=give_up_after)
 
     async def _progress(self, run: RunningJob, p: Progress) -> None:
         a = run.assignment
         run.last_progress = p
         p = msgspec.structs.replace(p, job=a.job, ts=p.ts or time.time())
-        await publish_durably(self.js, self._subjects(a).progress, _enc.encode(p), f"{a.job}.{a.attempt}.p{p.step}")
+        await bus.publish_durably(self.js, self._subjects(a).progress, _enc.encode(p), f"{a.job}.{a.attempt}.p{p.step}")
 
     async def _run_job(self, run: RunningJob) -> None:
         a = run.assignment
@@ -233,11 +232,12 @@ class Agent:
             if run.checkpoint_upload:  # its state event must not come after the job's end
                 await run.checkpoint_upload
             if isinstance(result, (Failed, Cancelled)):
-                await self._report(run, "cancelled" if isinstance(result, Cancelled) else "failed", result.message)
+                await self._report(run, "cancelled" if isinstance(result, Cancelled) else "failed",
+                                   result.message + run.yielded.summary())
                 return
             if result.state == "paused":
-                await self._report(run, "paused", result.message or f"paused at step {result.step}",
-                                   paused_by=run.paused_by or "user")
+                await self._report(run, "paused", (result.message or f"paused at step {result.step}")
+                                   + run.yielded.summary(), paused_by=run.paused_by or "user")
                 return
             await self._report(run, "uploading", f"{result.message or 'trained'}; storing the artifacts")
             artifacts = await ship_results(self.nc, self.cfg.node, a, result, job_dir / "out")
@@ -292,11 +292,11 @@ class Agent:
                 await self._progress(run, ev)
             elif isinstance(ev, Preparing):
                 p = msgspec.structs.replace(ev, job=a.job, ts=ev.ts or time.time())
-                await publish_durably(self.js, self._subjects(a).preparing, _enc.encode(p),
+                await bus.publish_durably(self.js, self._subjects(a).preparing, _enc.encode(p),
                                       f"{a.job}.{a.attempt}.d{ev.done}")
             elif isinstance(ev, Samples):
                 samples = msgspec.structs.replace(ev, job=a.job, ts=ev.ts or time.time())
-                await publish_durably(self.js, self._subjects(a).samples, _enc.encode(samples),
+                await bus.publish_durably(self.js, self._subjects(a).samples, _enc.encode(samples),
                                       f"{a.job}.{a.attempt}.x{ev.step}{ev.model}")
             elif isinstance(ev, Checkpoint):
                 if run.paused_by and run.checkpoint_upload:  # the pause's checkpoint is what resume needs
