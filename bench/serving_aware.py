@@ -229,7 +229,7 @@ async def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--holdoff", type=float, default=0.25, help="idle seconds before training goes on")
     ap.add_argument("--poll", type=float, default=0.05, help="seconds between reads of the engine's metrics")
-    ap.add_argument("--nice", type=int, default=10, help="the yielding trainer's CPU niceness")
+    ap.add_argument("--nice", type=int, default=5, help="the yielding trainer's CPU niceness")
     args = ap.parse_args()
     python = os.environ.get("JETLORA_VLLM_PYTHON")
     if not python:

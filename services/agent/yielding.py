@@ -20,7 +20,7 @@ MODES = ("both", "compute", "memory", "off")
 
 @dataclass(frozen=True)
 class YieldPolicy:
-    """`--engine-yield both,holdoff=2,kv=0.9,poll=0.2,timeout=1,metrics=1,devices=0+1,exempt=50,nice=10`."""
+    """`--engine-yield both,holdoff=2,kv=0.9,poll=0.2,timeout=1,metrics=1,devices=0+1,exempt=50,nice=5`."""
 
     mode: str = "both"
     poll_s: float = 0.2
@@ -30,7 +30,7 @@ class YieldPolicy:
     devices: tuple[int, ...] | None = None  # the engine's devices; None: every device of the node
     exempt_priority: int | None = None  # jobs above this priority do not yield
     metrics_s: float = 1.0  # between full /metrics reads where vLLM's /load says whether it is busy
-    nice: int = 10  # the trainers beside the engine run at this CPU niceness (compute modes), so its threads
+    nice: int = 5  # the trainers beside the engine run at this CPU niceness (compute modes), so its threads
     # take the CPU the moment they are runnable, before a poll has even seen the request
 
     @classmethod
@@ -51,7 +51,7 @@ class YieldPolicy:
             except ValueError:
                 raise ValueError(f"--engine-yield {text!r}: {key} takes a number"
                                  + (" list like 0+1" if key == "devices" else "")) from None
-        if not 0 <= values.get("nice", 10) <= 19:
+        if not 0 <= values.get("nice", 5) <= 19:
             raise ValueError(f"--engine-yield {text!r}: nice is 0 (none) to 19")
         return cls(**values)
 

@@ -223,7 +223,7 @@ def agent_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--engine-yield", action="append", default=[], metavar="MODE[,KEY=VALUE...]",
                    help="how training yields to each --engine (one: all): both|compute|memory|off, then poll=S, "
                         "timeout=S, holdoff=S, kv=FRACTION, metrics=S, devices=0+1, exempt=PRIORITY, nice=N "
-                        "(default: both,poll=0.2,timeout=1,holdoff=2,kv=0.9,metrics=1,nice=10)")
+                        "(default: both,poll=0.2,timeout=1,holdoff=2,kv=0.9,metrics=1,nice=5)")
     p.add_argument("--engine-check-interval", type=float, default=10.0, metavar="S",
                    help="how often the agent compares what each engine serves with the registry (and reloads what an "
                         "engine lost, e.g. after it restarted)")
