@@ -11,6 +11,7 @@ import torch
 from peft import LoftQConfig, LoraConfig, get_peft_model_state_dict
 
 from schemas.training import MUTATING_INITS
+from trainer.checkpoints import save_adapter
 from trainer.errors import bitsandbytes_on_gpu
 
 PEFT_INIT = {"default": True, "gaussian": "gaussian", "pissa": "pissa", "loftq": "loftq"}
@@ -41,8 +42,7 @@ def save_plain_lora(model, out: Path, initial: dict[str, torch.Tensor] | None, l
     A' = [A; A0] and B' = [B, -B0 * k], with alpha chosen so that the scale s stays the same."""
     from safetensors.torch import load_file, save_file
 
-    out.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(out, safe_serialization=True, selected_adapters=["default"])  # not a dpo job's reference
+    save_adapter(model, out)
     if initial is None:
         return out
     weights_file, config_file = out / "adapter_model.safetensors", out / "adapter_config.json"

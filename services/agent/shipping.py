@@ -74,15 +74,18 @@ async def ship_results(nc: Client, node: str, a: Assignment, result: Finished, o
 
 async def fetch_adapter(nc: Client, peft: str, job_dir: Path) -> Path:
     """A registered adapter version's PEFT archive, unpacked into the job's directory."""
-    archive = job_dir / "init-adapter.tar.gz"
-    job_dir.mkdir(parents=True, exist_ok=True)
-    await download_named(nc, peft, archive)
-    return await asyncio.to_thread(safe_extract, archive, job_dir / "init-adapter")
+    return await _fetch_unpacked(nc, peft, job_dir / "init-adapter")
 
 
 async def fetch_checkpoint(nc: Client, a: Assignment, job_dir: Path) -> Path:
     """The checkpoint named in the assignment, unpacked into the job's directory."""
-    archive = job_dir / "resume.tar.gz"
     assert a.resume_from is not None, "only an assignment that resumes has a checkpoint to fetch"
-    await download_named(nc, a.resume_from, archive)
-    return await asyncio.to_thread(safe_extract, archive, job_dir / "resume")
+    return await _fetch_unpacked(nc, a.resume_from, job_dir / "resume")
+
+
+async def _fetch_unpacked(nc: Client, name: str, where: Path) -> Path:
+    """A stored archive downloaded beside `where` and unpacked into it."""
+    archive = where.with_name(f"{where.name}.tar.gz")
+    where.parent.mkdir(parents=True, exist_ok=True)
+    await download_named(nc, name, archive)
+    return await asyncio.to_thread(safe_extract, archive, where)

@@ -51,9 +51,10 @@ class YieldPolicy:
             except ValueError:
                 raise ValueError(f"--engine-yield {text!r}: {key} takes a number"
                                  + (" list like 0+1" if key == "devices" else "")) from None
-        if not 0 <= values.get("nice", 5) <= 19:
+        policy = cls(**values)
+        if not 0 <= policy.nice <= 19:
             raise ValueError(f"--engine-yield {text!r}: nice is 0 (none) to 19")
-        return cls(**values)
+        return policy
 
     def yields(self, priority: int) -> bool:
         return self.exempt_priority is None or priority <= self.exempt_priority
