@@ -64,6 +64,9 @@ class DataFile(Struct, kw_only=True):
     rows: int
 
 
+RENDEZVOUS_ENV = "JETLORA_RENDEZVOUS"  # the file through which a multi-device job's ranks meet (torch's FileStore)
+
+
 class TrainerSpec(Struct, kw_only=True):
     """The file the agent writes for `python -m trainer JOB.json`."""
 

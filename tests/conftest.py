@@ -193,6 +193,15 @@ async def get_job(nc, job: str):
     return reply.job
 
 
+async def at_step(nc, job: str, step: int) -> bool:
+    """Whether the job reached `step`; a job that ended before it fails the test at once, with its message."""
+    status = await get_job(nc, job)
+    if status.step >= step:
+        return True
+    assert status.state not in ("failed", "succeeded", "cancelled"), f"the job ended before step {step}: {status}"
+    return False
+
+
 async def list_jobs(nc, **query):
     return (await bus.request(nc, names.LIST_JOBS, JobListQuery(**query), JobList)).jobs
 

@@ -17,7 +17,7 @@ from schemas.events import Progress
 from schemas.jobs import Accepted, JobQuery, JobReply, Rejected
 from services import bus
 from services.procs import start_time
-from tests.conftest import STACK_CONFIG, get_job, stream_events, submit, wait_for, wait_nodes, wait_state
+from tests.conftest import STACK_CONFIG, at_step, get_job, stream_events, submit, wait_for, wait_nodes, wait_state
 from tests.qa import pairs
 
 
@@ -116,7 +116,7 @@ async def test_a_killed_rank_fails_the_job_within_seconds_and_leaves_no_process(
     await wait_nodes(nc, 1)
     job = (await submit(nc, real_job(tiny_model, 100_000))).job
     await wait_for(lambda: get_job(nc, job), what="the job")
-    await wait_for(lambda: _at_step(nc, job, 2), timeout=120, what="two steps on two ranks")
+    await wait_for(lambda: at_step(nc, job, 2), timeout=120, what="two steps on two ranks")
     ranks = ranks_of(job)
     assert sorted(ranks) == [0, 1], ranks
     killed = time.monotonic()
@@ -128,10 +128,6 @@ async def test_a_killed_rank_fails_the_job_within_seconds_and_leaves_no_process(
     assert took < STACK_CONFIG.window + 5
     assert all(start_time(pid) is None for pid in ranks.values()), "a rank outlived the job"
     assert not ranks_of(job)
-
-
-async def _at_step(nc, job: str, step: int) -> bool:
-    return (await get_job(nc, job)).step >= step
 
 
 @pytest.mark.parametrize("packing", [True])
@@ -154,7 +150,7 @@ async def test_two_ranks_take_one_process_steps_on_twice_the_batch_through_a_pau
     await wait_nodes(nc, 1)
     reply = await submit(nc, request)
     assert isinstance(reply, Accepted), reply
-    await wait_for(lambda: _at_step(nc, reply.job, 6), timeout=120, what="six steps before the pause")
+    await wait_for(lambda: at_step(nc, reply.job, 6), timeout=120, what="six steps before the pause")
     await bus.request(nc, names.PAUSE, JobQuery(reply.job), JobReply)
     paused = await wait_state(nc, reply.job, ("paused", "failed"), timeout=60)
     assert paused.state == "paused", paused.message

@@ -20,7 +20,7 @@ from schemas.jobs import Accepted
 from services import bus
 from services.agent.engine_load import LoadWatch, parse_metrics
 from services.agent.yielding import YieldPolicy
-from tests.conftest import get_job, list_nodes, submit, wait_for, wait_nodes, wait_state
+from tests.conftest import at_step, get_job, list_nodes, submit, wait_for, wait_nodes, wait_state
 from tests.qa import pairs
 
 # as vLLM 0.32 (CPU) writes them, trimmed to the families read here and a few around them
@@ -163,7 +163,7 @@ async def test_training_stops_while_the_engine_serves_and_goes_on_when_it_is_idl
     reply = await submit(nc, {"model": "tiny", "base_dir": "/models/tiny", "data": pairs(1), "gpu_mib": 1000})
     assert isinstance(reply, Accepted), reply
     job = reply.job
-    await wait_for(lambda: _at_step(nc, job, 2), timeout=30, what="the job under way")
+    await wait_for(lambda: at_step(nc, job, 2), timeout=30, what="the job under way")
 
     pid = int((agents.tmp / "n1" / "jobs" / f"{job}-1" / "trainer.pid").read_text().split()[0])
     assert int(open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[16]) == 5  # niced beside the engine
@@ -187,7 +187,7 @@ async def test_a_full_kv_cache_pauses_the_job_and_it_resumes_from_its_checkpoint
     agent_with(agents, "n1", engine, "memory,poll=0.05,holdoff=0.3,kv=0.9")
     await wait_nodes(nc, 1)
     job = (await submit(nc, {"model": "tiny", "base_dir": "/models/tiny", "data": pairs(1), "gpu_mib": 1000})).job
-    await wait_for(lambda: _at_step(nc, job, 2), timeout=30, what="the job under way")
+    await wait_for(lambda: at_step(nc, job, 2), timeout=30, what="the job under way")
     engine.set(kv=0.95)
     paused = await wait_state(nc, job, "paused", timeout=30)
     assert paused.paused_by.startswith("engine n1/"), paused
@@ -216,9 +216,6 @@ async def test_placement_prefers_the_device_beside_an_idle_engine(stack, nc, age
     finally:
         idle.close()
 
-
-async def _at_step(nc, job: str, step: int) -> bool:
-    return (await get_job(nc, job)).step >= step
 
 
 async def _seen_after(nc, node: str, when: float) -> bool:
@@ -270,7 +267,7 @@ async def test_a_real_vllm_serving_makes_the_job_yield_and_idle_lets_it_go_on(st
                                                            "--engine-yield", "compute,poll=0.05,holdoff=0.5"))
         await wait_nodes(nc, 1)
         job = (await submit(nc, {"model": "tiny", "base_dir": "/models/tiny", "data": pairs(1), "gpu_mib": 1000})).job
-        await wait_for(lambda: _at_step(nc, job, 1), timeout=30, what="the job under way")
+        await wait_for(lambda: at_step(nc, job, 1), timeout=30, what="the job under way")
         serving.set()
         clients = [threading.Thread(target=traffic, daemon=True) for _ in range(2)]
         for c in clients:

@@ -1,6 +1,6 @@
 """One job on several devices of a node: which rank this process is, and the few collectives the loop needs.
 
-The agent starts one trainer per device with RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT set. Every rank
+The agent starts one trainer per device with RANK, WORLD_SIZE and the rendezvous file (RENDEZVOUS_ENV) set. Every rank
 holds the whole LoRA model and takes its share of each step's batch; summed gradients and target counts make
 the step exactly the one a single process would take on the whole batch. Rank 0 alone speaks to the agent and
 writes checkpoints and the adapter.
@@ -13,6 +13,8 @@ import os
 from dataclasses import dataclass
 
 import torch
+
+from schemas.events import RENDEZVOUS_ENV
 
 COLLECTIVE_TIMEOUT = datetime.timedelta(minutes=30)  # rank 0 may tokenize a big dataset while the others wait
 
@@ -35,8 +37,9 @@ class World:
         rank = int(os.environ["RANK"])
         if device == "cuda":  # "cuda" is this rank's own device from here on
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
-        torch.distributed.init_process_group("nccl" if device == "cuda" else "gloo", rank=rank, world_size=size,
-                                             timeout=COLLECTIVE_TIMEOUT)
+        meet = f"file://{os.environ[RENDEZVOUS_ENV]}" if RENDEZVOUS_ENV in os.environ else "env://"  # env: torchrun's
+        torch.distributed.init_process_group("nccl" if device == "cuda" else "gloo", init_method=meet, rank=rank,
+                                             world_size=size, timeout=COLLECTIVE_TIMEOUT)
         return cls(rank, size)
 
     def sum(self, *values: float) -> list[float]:

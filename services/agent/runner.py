@@ -8,14 +8,13 @@ import collections
 import logging
 import os
 import signal
-import socket
 import sys
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import msgspec
 
-from schemas.events import Cancelled, Failed, Finished, TrainerEvent, TrainerSpec
+from schemas.events import RENDEZVOUS_ENV, Cancelled, Failed, Finished, TrainerEvent, TrainerSpec
 from services.aio import cancel_and_wait
 from services.procs import die_with_parent, niced, write_pid_file
 
@@ -50,7 +49,7 @@ class TrainerRun:
         env = {**os.environ, **self.env, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])),
                "PYTHONUNBUFFERED": "1"}
         if self.ranks > 1:
-            env.update(rank_env(self.ranks))
+            env.update(rank_env(self.ranks, self.workdir))
         if self.cancelled:  # before it started: nothing to start
             return Cancelled()
         self.proc = await self._start(spec_path, env, 0)
@@ -190,9 +189,10 @@ class TrainerRun:
                 pass
 
 
-def rank_env(ranks: int) -> dict[str, str]:
-    """What torch.distributed needs to gather a job's ranks on this node (each rank adds its RANK)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    return {"WORLD_SIZE": str(ranks), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+def rank_env(ranks: int, workdir: Path) -> dict[str, str]:
+    """What torch.distributed needs to gather a job's ranks on this node (each rank adds its RANK): they meet
+    through a file in the job's directory, not a port picked here that another process could take before rank 0
+    binds it."""
+    rendezvous = workdir / "rendezvous"
+    rendezvous.unlink(missing_ok=True)  # a run before this one (paused, resumed) may have left it
+    return {"WORLD_SIZE": str(ranks), RENDEZVOUS_ENV: str(rendezvous)}
