@@ -17,6 +17,8 @@ from schemas.datasets import (FORMATS, HEAD_CHARS, HEAD_ROWS, ROLES, ROW_TYPES, 
 UTF8_BOM = b"\xef\xbb\xbf"
 _any = msgspec.json.Decoder()
 _decoders: dict[str, msgspec.json.Decoder] = {fmt: msgspec.json.Decoder(t) for fmt, t in ROW_TYPES.items()}
+_block_decoders: dict[str, msgspec.json.Decoder] = {fmt: msgspec.json.Decoder(list[t])  # type: ignore[valid-type]
+                                                    for fmt, t in ROW_TYPES.items()}  # many rows in one call
 _SIGNATURES: dict[DatasetFormat, set[str]] = {"chat": {"messages"}, "qa": {"q", "a"}, "alpaca": {"instruction", "output"}, "text": {"text"},
                                                  "preference": {"input", "preferred_output", "non_preferred_output"}}
 
@@ -116,12 +118,36 @@ class DatasetChecker:
         if self.size > self.limits.max_bytes:
             self._refuse(f"the file is over {self.limits.max_bytes:,} bytes, the service's limit (max_bytes); "
                          "split it, or raise the limit (jetlora artifacts --dataset-max-mib)")
-        lines = (self.partial + data).split(b"\n")
-        self.partial = lines.pop()
+        data = self.partial + data
+        end = data.rfind(b"\n")
+        self.partial = data[end + 1:]
+        if end >= 0 and not self._block(data[:end]):
+            for line in data[:end].split(b"\n"):
+                self._row(line)
         if len(self.partial) > self.limits.max_row_bytes:
             self._refuse_long_row(self.line + 1)
-        for line in lines:
-            self._row(line)
+
+    def _block(self, lines: bytes) -> bool:
+        """Whole lines checked at once (one decode for all of them), where that gives what the line by line check
+        would; False where it may not (the first rows, a blank line, any error): then they go line by line."""
+        if self.fmt is None or len(self.head) < HEAD_ROWS or len(lines) > self.limits.max_row_bytes:
+            return False
+        try:  # a JSON string holds no raw newline: each one ends a row
+            rows = _block_decoders[self.fmt].decode(b"[" + lines.replace(b"\n", b",") + b"]")
+        except msgspec.DecodeError:
+            return False
+        if len(rows) != lines.count(b"\n") + 1 or self.rows + len(rows) > self.limits.max_rows:
+            return False  # a line with two rows in it; or over the limit, refused at its line
+        self.rows += len(rows)
+        for row in rows:
+            self.line += 1
+            if self.fmt == "chat":
+                self._chat(row, b"")
+            elif reason := row_error(self.fmt, row):
+                self._bad(reason)
+            else:
+                self._count(row, b"")
+        return True
 
     def finish(self) -> DatasetStats:
         if self.partial:

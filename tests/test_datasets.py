@@ -13,7 +13,7 @@ from schemas import names
 from schemas.datasets import DatasetDeleted, DatasetLimits, DatasetList, DatasetListQuery, DatasetQuery, DatasetReply, DatasetUpload
 from schemas.jobs import Accepted, Error, Rejected, StoredRequest
 from services import bus
-from schemas.dataset_check import DatasetInvalid, check_file
+from schemas.dataset_check import DatasetChecker, DatasetInvalid, check_file
 from services.artifacts.sender import Refusal, upload_dataset
 from tests.conftest import submit, wait_nodes, wait_state
 from tests.qa import QA_PAIRS
@@ -87,6 +87,43 @@ async def test_one_bad_row_deep_inside_refuses_the_whole_file(stack, nc, tmp_pat
     assert await stored_objects(nc) == 0  # not one chunk left behind
     listed = await bus.request(nc, names.DATASETS.list, DatasetListQuery(), DatasetList)
     assert listed.datasets == []
+
+
+class LineByLine(DatasetChecker):
+    """The checker with its many-rows-at-once path off: what every row's verdict must equal."""
+
+    def _block(self, lines: bytes) -> bool:
+        return False
+
+
+def verdict(checker: DatasetChecker, data: bytes, piece: int):
+    try:
+        for i in range(0, len(data), piece):
+            checker.feed(data[i:i + piece])
+        return checker.finish()
+    except DatasetInvalid as e:
+        return e.errors
+
+
+@pytest.mark.parametrize("piece", [700, 4096, 1 << 20])
+def test_rows_checked_many_at_once_get_the_verdict_of_one_by_one(piece):
+    """Blank and CRLF lines, two rows on one line, bad JSON, a wrong type, a broken rule, in every format: the same
+    stats or the same errors at the same lines, whatever pieces the file arrives in."""
+    rows = [json.dumps(r) for r in chat_rows(400)]
+    rows[50] = ""  # a blank line
+    rows[120] = rows[120] + "\r"
+    rows[200] = rows[200] + ", " + rows[201]  # two rows on one line
+    rows[260] = rows[260][:-3]  # cut short
+    rows[300] = json.dumps({"messages": [{"role": "user", "content": 5}]})
+    rows[350] = json.dumps({"messages": [{"role": "user", "content": "hi", "weight": 1}]})
+    files = {"clean": rows[:50] + rows[51:120] + rows[121:200] + rows[201:260], "bad": rows,
+             "qa": [json.dumps({"q": q, "a": a if i != 70 else " "}) for i, (q, a) in enumerate(QA_PAIRS * 20)]}
+    for name, lines in files.items():
+        data = ("\n".join(lines) + "\n").encode()
+        for limits in (DatasetLimits(), DatasetLimits(max_errors=1)):
+            expected = verdict(LineByLine("auto", limits), data, piece)
+            assert verdict(DatasetChecker("auto", limits), data, piece) == expected, name
+            assert isinstance(expected, list) == (name != "clean"), expected
 
 
 async def test_limits_and_unknown_shapes_are_refused_with_the_fix(services, nc, tmp_path):
