@@ -193,6 +193,6 @@ def rank_env(ranks: int, workdir: Path) -> dict[str, str]:
     """What torch.distributed needs to gather a job's ranks on this node (each rank adds its RANK): they meet
     through a file in the job's directory, not a port picked here that another process could take before rank 0
     binds it."""
-    rendezvous = workdir / "rendezvous"
+    rendezvous = workdir.resolve() / "rendezvous"  # the ranks start in the job directory: a relative path would miss
     rendezvous.unlink(missing_ok=True)  # a run before this one (paused, resumed) may have left it
     return {"WORLD_SIZE": str(ranks), RENDEZVOUS_ENV: str(rendezvous)}

@@ -39,7 +39,7 @@ def _agent_config(args):
     from services.agent.service import AgentConfig
     from services.embedded import state_dir
 
-    cfg = AgentConfig(node=args.node, work_dir=Path(args.work_dir or state_dir() / "agent" / args.node),
+    cfg = AgentConfig(node=args.node, work_dir=Path(args.work_dir or state_dir() / "agent" / args.node).resolve(),
                       heartbeat_interval=args.heartbeat_interval, offer_cpu=args.offer_cpu,
                       simulate_gpus=args.simulate_gpus, dataset_cache_mib=args.dataset_cache_mib,
                       engines=_engines(args), models=args.model, engine_yield=_yields(args),
