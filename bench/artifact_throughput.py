@@ -56,8 +56,12 @@ async def main(mib: int, rounds: int) -> None:
                 f.write(os.urandom(1 << 20))
         nc = await nats.connect(server.url)
         await ensure_resources(nc)
-        service = subprocess.Popen([sys.executable, "-m", "services.cli", "artifacts", "--nats", server.url],
-                                   cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        service = subprocess.Popen(
+            [sys.executable, "-m", "services.cli", "artifacts", "--nats", server.url],
+            cwd=ROOT,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
         try:
             await answering(nc)
             obs = await nc.jetstream().object_store(names.ARTIFACTS_BUCKET)
@@ -82,8 +86,11 @@ async def main(mib: int, rounds: int) -> None:
             for r in range(rounds):
                 sides = [("direct", direct), ("chunked", chunked)]
                 results.append({name: await side(r) for name, side in (sides if r % 2 == 0 else sides[::-1])})
-                print(f"  round {r + 1}: direct {results[-1]['direct']:6.1f} MiB/s, chunked "
-                      f"{results[-1]['chunked']:6.1f} MiB/s", flush=True)
+                print(
+                    f"  round {r + 1}: direct {results[-1]['direct']:6.1f} MiB/s, chunked "
+                    f"{results[-1]['chunked']:6.1f} MiB/s",
+                    flush=True,
+                )
             rss = peak_rss_mib(service.pid)
         finally:
             service.terminate()
@@ -94,8 +101,10 @@ async def main(mib: int, rounds: int) -> None:
     print(f"{mib} MiB artifact on one embedded nats-server, {rounds} rounds")
     print(f"nats-py ObjectStore.put (baseline): {median('direct'):6.1f} MiB/s (median)")
     print(f"jetlora chunked upload:             {median('chunked'):6.1f} MiB/s (median)")
-    print(f"ratio chunked/direct: median {statistics.median(ratios):.2f} ({ratios[0]:.2f}-{ratios[-1]:.2f}); "
-          f"artifact service peak RSS {rss:.0f} MiB")
+    print(
+        f"ratio chunked/direct: median {statistics.median(ratios):.2f} ({ratios[0]:.2f}-{ratios[-1]:.2f}); "
+        f"artifact service peak RSS {rss:.0f} MiB"
+    )
 
 
 if __name__ == "__main__":

@@ -57,13 +57,28 @@ class Fleet:
         self.tasks: set[asyncio.Task] = set()
 
     def heartbeat(self, node: str) -> bytes:
-        devices = [Device(index=i, name="simulated H100", total_mib=GPU_MIB,
-                          free_mib=GPU_MIB - (need if job else 0), jobs=[job] if job else [])
-                   for i, (job, need) in enumerate((j or (None, 0)) for j in self.nodes[node])]
+        devices = [
+            Device(
+                index=i,
+                name="simulated H100",
+                total_mib=GPU_MIB,
+                free_mib=GPU_MIB - (need if job else 0),
+                jobs=[job] if job else [],
+            )
+            for i, (job, need) in enumerate((j or (None, 0)) for j in self.nodes[node])
+        ]
         running = [j for j, _ in filter(None, self.nodes[node])]
-        return enc.encode(Heartbeat(node=node, agent_version="sim", devices=devices, running=running,
-                                    finished=self.finished[node][-16:],
-                                    interval_s=self.interval, sent_at=time.time()))
+        return enc.encode(
+            Heartbeat(
+                node=node,
+                agent_version="sim",
+                devices=devices,
+                running=running,
+                finished=self.finished[node][-16:],
+                interval_s=self.interval,
+                sent_at=time.time(),
+            )
+        )
 
     async def beat_forever(self):
         order = list(self.nodes)
@@ -117,8 +132,15 @@ def proc_stats(pid: int) -> tuple[float, float]:
 
 
 def job_request(rng: random.Random) -> bytes:
-    return enc.encode({"model": "bench", "base_dir": "/models/bench", "data": [{"q": "q?", "a": "a."}],
-                       "gpu_mib": rng.choice([8000, 16000, 24000, 40000, 80000]), "priority": rng.randint(-5, 5)})
+    return enc.encode(
+        {
+            "model": "bench",
+            "base_dir": "/models/bench",
+            "data": [{"q": "q?", "a": "a."}],
+            "gpu_mib": rng.choice([8000, 16000, 24000, 40000, 80000]),
+            "priority": rng.randint(-5, 5),
+        }
+    )
 
 
 async def main(n_nodes: int, n_jobs: int, doomed: int, interval: float, misses: int, concurrency: int) -> None:
@@ -127,9 +149,23 @@ async def main(n_nodes: int, n_jobs: int, doomed: int, interval: float, misses: 
         nc = await nats.connect(server.url)
         client = await nats.connect(server.url)
         await bus.ensure_resources(nc)
-        sched = subprocess.Popen([sys.executable, "-m", "services.cli", "scheduler", "--nats", server.url,
-                                  "--heartbeat-interval", str(interval), "--misses", str(misses)],
-                                 cwd=ROOT, stdout=subprocess.DEVNULL, stderr=open(SCHED_LOG, "w"))
+        sched = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "services.cli",
+                "scheduler",
+                "--nats",
+                server.url,
+                "--heartbeat-interval",
+                str(interval),
+                "--misses",
+                str(misses),
+            ],
+            cwd=ROOT,
+            stdout=subprocess.DEVNULL,
+            stderr=open(SCHED_LOG, "w"),
+        )
         fleet = Fleet(nc, n_nodes, 8, doomed, interval)
         await nc.subscribe(names.node("*").assign, cb=fleet.on_assign)
 
@@ -146,8 +182,15 @@ async def main(n_nodes: int, n_jobs: int, doomed: int, interval: float, misses: 
             except bus.RequestError:
                 pass
             await asyncio.sleep(0.5)
-        spy = subprocess.Popen(["py-spy", "record", "-p", str(sched.pid), "-o", PROFILE, "-f", "raw", "-r", "50",
-                                "-d", "60"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) if PROFILE else None
+        spy = (
+            subprocess.Popen(
+                ["py-spy", "record", "-p", str(sched.pid), "-o", PROFILE, "-f", "raw", "-r", "50", "-d", "60"],
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+            )
+            if PROFILE
+            else None
+        )
         print(f"{n_nodes} agents x 8 GPUs heartbeating every {interval}s; window {interval * misses}s")
 
         floor = []
@@ -232,20 +275,30 @@ async def main(n_nodes: int, n_jobs: int, doomed: int, interval: float, misses: 
 
     ms = lambda s: f"{s * 1000:.2f} ms"  # noqa: E731
     print(f"raw nats-py request/reply round trip (floor): p50 {ms(pct(floor, 50))}, p99 {ms(pct(floor, 99))}")
-    print(f"submit -> accepted, sequential ({warm}): p50 {ms(pct(seq_latency, 50))}, p99 {ms(pct(seq_latency, 99))} "
-          f"({statistics.median(floor_ratios):.1f}x the floor: median of {len(floor_ratios)} alternating blocks, "
-          f"{min(floor_ratios):.1f}-{max(floor_ratios):.1f})")
-    print(f"submit -> accepted, {concurrency} in flight ({n_jobs - warm}): p50 {ms(pct(burst_latency, 50))}, "
-          f"p99 {ms(pct(burst_latency, 99))}")
+    print(
+        f"submit -> accepted, sequential ({warm}): p50 {ms(pct(seq_latency, 50))}, p99 {ms(pct(seq_latency, 99))} "
+        f"({statistics.median(floor_ratios):.1f}x the floor: median of {len(floor_ratios)} alternating blocks, "
+        f"{min(floor_ratios):.1f}-{max(floor_ratios):.1f})"
+    )
+    print(
+        f"submit -> accepted, {concurrency} in flight ({n_jobs - warm}): p50 {ms(pct(burst_latency, 50))}, "
+        f"p99 {ms(pct(burst_latency, 99))}"
+    )
     print(f"sustained durable submissions: {(n_jobs - warm) / burst_s:.0f}/s")
-    print(f"submit -> assignment with free GPUs (sequential): p50 {ms(pct(place_seq, 50))}, p99 {ms(pct(place_seq, 99))} "
-          f"({len(place_seq)} placed)")
-    print(f"submit -> assignment in the burst (queueing included): p50 {ms(pct(place_burst, 50))}, "
-          f"p99 {ms(pct(place_burst, 99))} ({len(place_burst)} of {len(burst_ids)} placed within 8 s)")
+    print(
+        f"submit -> assignment with free GPUs (sequential): p50 {ms(pct(place_seq, 50))}, p99 {ms(pct(place_seq, 99))} "
+        f"({len(place_seq)} placed)"
+    )
+    print(
+        f"submit -> assignment in the burst (queueing included): p50 {ms(pct(place_burst, 50))}, "
+        f"p99 {ms(pct(place_burst, 99))} ({len(place_burst)} of {len(burst_ids)} placed within 8 s)"
+    )
     window = interval * misses
     if detect:
-        print(f"{doomed} agents killed at once: {len(detect)} of {len(held)} jobs failed; last heartbeat -> failed "
-              f"p50 {statistics.median(detect):.2f}s, max {max(detect):.2f}s (window {window:.1f}s, target <= {window + 0.5:.1f}s)")
+        print(
+            f"{doomed} agents killed at once: {len(detect)} of {len(held)} jobs failed; last heartbeat -> failed "
+            f"p50 {statistics.median(detect):.2f}s, max {max(detect):.2f}s (window {window:.1f}s, target <= {window + 0.5:.1f}s)"
+        )
     else:
         print(f"{doomed} agents killed: none of their {len(held)} jobs was seen failing")
     print(f"scheduler: {cpu:.1f} CPU seconds, peak RSS {rss:.0f} MiB with {n_jobs} jobs known")

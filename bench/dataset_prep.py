@@ -42,8 +42,11 @@ def make_dataset(path: Path, rows: int) -> None:
             for turn in range(1 + n % 4):
                 q, a = QA_PAIRS[(n + turn) % len(QA_PAIRS)]
                 extra = EXTRAS[(n + turn) % len(EXTRAS)]
-                messages.append({"role": "user", "content": q + extra, "name": "ana"} if n % 7 == 0 else
-                                {"role": "user", "content": q + extra})
+                messages.append(
+                    {"role": "user", "content": q + extra, "name": "ana"}
+                    if n % 7 == 0
+                    else {"role": "user", "content": q + extra}
+                )
                 messages.append({"role": "assistant", "content": a + extra, "weight": 0 if turn == 1 else 1})
             f.write(json.dumps({"messages": messages}, ensure_ascii=False) + "\n")
 
@@ -80,8 +83,25 @@ def side(which: str, model: str, data: str, rows: int, cache: str) -> dict:
 
 
 def run_side(which: str, model: Path, data: Path, rows: int, cache: Path) -> dict:
-    out = subprocess.run([sys.executable, __file__, "--side", which, "--model", str(model), "--data", str(data),
-                          "--rows", str(rows), "--cache", str(cache)], capture_output=True, text=True, check=True)
+    out = subprocess.run(
+        [
+            sys.executable,
+            __file__,
+            "--side",
+            which,
+            "--model",
+            str(model),
+            "--data",
+            str(data),
+            "--rows",
+            str(rows),
+            "--cache",
+            str(cache),
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
@@ -109,7 +129,7 @@ def main() -> None:
     sides = ["hf", "hf-procs", "ours", "ours-1"]
     results: dict[str, list[dict]] = {which: [] for which in sides + ["cached"]}
     for r in range(args.rounds):
-        for which in sides[r % len(sides):] + sides[:r % len(sides)]:
+        for which in sides[r % len(sides) :] + sides[: r % len(sides)]:
             cache = tmp / f"cache-{r}-{which}"
             results[which].append(run_side(which, model, data, args.rows, cache))
         results["cached"].append(run_side("ours", model, data, args.rows, tmp / f"cache-{r}-ours"))
@@ -121,9 +141,13 @@ def main() -> None:
     for which in sides + ["cached"]:
         s, mib = median(which, "seconds"), median(which, "peak_mib")
         speed = [b["seconds"] / x["seconds"] for x, b in zip(results[which], results["hf"])]
-        print(f"{which:9s} {s:7.2f} s  {args.rows / s:9,.0f} rows/s  {results[which][0]['tokens']:>11,} tokens  "
-              f"peak {mib:7.1f} MiB  speed x{base / s:.2f} of hf (rounds {min(speed):.2f}-{max(speed):.2f})")
-    ours = statistics.median(results["ours"][r]["seconds"] / results["cached"][r]["seconds"] for r in range(args.rounds))
+        print(
+            f"{which:9s} {s:7.2f} s  {args.rows / s:9,.0f} rows/s  {results[which][0]['tokens']:>11,} tokens  "
+            f"peak {mib:7.1f} MiB  speed x{base / s:.2f} of hf (rounds {min(speed):.2f}-{max(speed):.2f})"
+        )
+    ours = statistics.median(
+        results["ours"][r]["seconds"] / results["cached"][r]["seconds"] for r in range(args.rounds)
+    )
     print(f"cached rerun: x{ours:.0f} faster than the first")
 
 

@@ -32,9 +32,16 @@ from services import bus  # noqa: E402
 from services.embedded import EmbeddedNats  # noqa: E402
 from tests.conftest import answering  # noqa: E402
 
-TEXTS = ["What is the capital of France?", "The capital of France is Paris.", "東京は日本の首都です。", "¿Dónde está?",
-         "مرحبا بالعالم", "Ready 🚀 to go ✨", "Summarise the following paragraph in one sentence, keeping the names.",
-         "Sure: the committee approved the budget after a long debate about the new library."]
+TEXTS = [
+    "What is the capital of France?",
+    "The capital of France is Paris.",
+    "東京は日本の首都です。",
+    "¿Dónde está?",
+    "مرحبا بالعالم",
+    "Ready 🚀 to go ✨",
+    "Summarise the following paragraph in one sentence, keeping the names.",
+    "Sure: the committee approved the budget after a long debate about the new library.",
+]
 
 
 def make_chat(path: Path, mib: int, seed: int = 0) -> int:
@@ -44,11 +51,21 @@ def make_chat(path: Path, mib: int, seed: int = 0) -> int:
             messages = [{"role": "system", "content": f"You are assistant {rows}. " + rng.choice(TEXTS)}]
             turns = rng.randint(1, 4)
             for turn in range(turns):
-                messages.append({"role": "user", "content": " ".join(rng.choices(TEXTS, k=rng.randint(1, 6))),
-                                 **({"name": "alex"} if rng.random() < 0.1 else {})})
+                messages.append(
+                    {
+                        "role": "user",
+                        "content": " ".join(rng.choices(TEXTS, k=rng.randint(1, 6))),
+                        **({"name": "alex"} if rng.random() < 0.1 else {}),
+                    }
+                )
                 context_only = turn < turns - 1 and rng.random() < 0.2  # the last answer is always learnt
-                messages.append({"role": "assistant", "content": " ".join(rng.choices(TEXTS, k=rng.randint(1, 8))),
-                                 **({"weight": 0} if context_only else {})})
+                messages.append(
+                    {
+                        "role": "assistant",
+                        "content": " ".join(rng.choices(TEXTS, k=rng.randint(1, 8))),
+                        **({"weight": 0} if context_only else {}),
+                    }
+                )
             line = json.dumps({"messages": messages}, ensure_ascii=False) + "\n"
             f.write(line)
             size += len(line.encode())
@@ -81,8 +98,12 @@ async def main(args) -> None:
         await bus.ensure_resources(nc)
         await nc.jetstream().create_object_store("bench_raw", ObjectStoreConfig())
         profile = ["-m", "cProfile", "-o", os.environ["PROFILE_SERVICE"]] if os.environ.get("PROFILE_SERVICE") else []
-        service = subprocess.Popen([sys.executable, *profile, "-m", "services.cli", "artifacts", "--nats", server.url], cwd=ROOT,
-                                   stdout=subprocess.DEVNULL, stderr=open(tmp / "artifacts.log", "w"))  # as deployed
+        service = subprocess.Popen(
+            [sys.executable, *profile, "-m", "services.cli", "artifacts", "--nats", server.url],
+            cwd=ROOT,
+            stdout=subprocess.DEVNULL,
+            stderr=open(tmp / "artifacts.log", "w"),
+        )  # as deployed
         await answering(nc, names.DATASETS.list)
         path = tmp / "chat.jsonl"
         rows = make_chat(path, args.mib)
@@ -91,11 +112,13 @@ async def main(args) -> None:
         times: dict[str, list[float]] = {"jetlora datasets put": [], "object_store.put": []}
         for r in range(args.rounds):  # noqa: B007
             order = [("jetlora datasets put", ours), ("object_store.put", raw)]
-            for label, fn in (order if r % 2 == 0 else order[::-1]):
+            for label, fn in order if r % 2 == 0 else order[::-1]:
                 times[label].append(await fn(nc, path, f"round{r}"))
         for label, ts in times.items():
             med = statistics.median(ts)
-            print(f"{label:22s} median {med:6.2f} s  {size / 2**20 / med:6.1f} MiB/s  (rounds {min(ts):.2f}-{max(ts):.2f} s)")
+            print(
+                f"{label:22s} median {med:6.2f} s  {size / 2**20 / med:6.1f} MiB/s  (rounds {min(ts):.2f}-{max(ts):.2f} s)"
+            )
         ratio = statistics.median(times["object_store.put"]) / statistics.median(times["jetlora datasets put"])
         print(f"jetlora's speed / object_store.put's: {ratio:.2f}x")
     finally:

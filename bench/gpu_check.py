@@ -46,12 +46,22 @@ def nvml_against_nvidia_smi() -> None:
     if not devices:
         print(f"no NVIDIA GPU through NVML: {why}")
         return
-    smi = subprocess.run(["nvidia-smi", "--query-gpu=index,name,memory.free,memory.total", "--format=csv,noheader,"
-                          "nounits"], capture_output=True, text=True, check=True).stdout.strip().splitlines()
+    smi = (
+        subprocess.run(
+            ["nvidia-smi", "--query-gpu=index,name,memory.free,memory.total", "--format=csv,noheader,nounits"],
+            capture_output=True,
+            text=True,
+            check=True,
+        )
+        .stdout.strip()
+        .splitlines()
+    )
     for d, line in zip(devices, smi):
         index, name, free, total = (x.strip() for x in line.split(","))
-        print(f"gpu {d.index} {name}: NVML free {d.free_mib:,} / total {d.total_mib:,} MiB; nvidia-smi free {free} / "
-              f"total {total} MiB (free differs by {d.free_mib - int(free):+,} MiB)")
+        print(
+            f"gpu {d.index} {name}: NVML free {d.free_mib:,} / total {d.total_mib:,} MiB; nvidia-smi free {free} / "
+            f"total {total} MiB (free differs by {d.free_mib - int(free):+,} MiB)"
+        )
 
 
 def peak_flops() -> float | None:
@@ -61,8 +71,16 @@ def peak_flops() -> float | None:
     return next((tf * 1e12 for key, tf in PEAK_BF16_TFLOPS.items() if key in name), None)
 
 
-def job(model_dir: Path, pairs: list[dict], device: str, steps: int, packing: bool, batch: int, seq: int,
-        quantization: str = "none") -> dict:
+def job(
+    model_dir: Path,
+    pairs: list[dict],
+    device: str,
+    steps: int,
+    packing: bool,
+    batch: int,
+    seq: int,
+    quantization: str = "none",
+) -> dict:
     """One jetlora job in this process: real tokens/s after the first step, and its peak memory."""
     import io
     from contextlib import redirect_stdout
@@ -74,10 +92,26 @@ def job(model_dir: Path, pairs: list[dict], device: str, steps: int, packing: bo
     from trainer.loop import train
 
     precision = "bf16" if device == "cuda" else "fp32"
-    req = msgspec.convert({"model": "check", "base_dir": str(model_dir), "data": pairs, "quantization": quantization,
-                           "accelerator": "gpu" if device == "cuda" else "cpu", "lora": {"r": 16, "alpha": 32},
-                           "train": {"max_steps": steps, "batch_size": batch, "packing": packing, "max_seq_length": seq,
-                                     "precision": precision, "logging_steps": 1, "warmup_steps": 0}}, JobRequest)
+    req = msgspec.convert(
+        {
+            "model": "check",
+            "base_dir": str(model_dir),
+            "data": pairs,
+            "quantization": quantization,
+            "accelerator": "gpu" if device == "cuda" else "cpu",
+            "lora": {"r": 16, "alpha": 32},
+            "train": {
+                "max_steps": steps,
+                "batch_size": batch,
+                "packing": packing,
+                "max_seq_length": seq,
+                "precision": precision,
+                "logging_steps": 1,
+                "warmup_steps": 0,
+            },
+        },
+        JobRequest,
+    )
     raw = io.BytesIO()
     out = io.TextIOWrapper(raw, write_through=True)  # kept: closing it (as collecting it does) closes raw
     with tempfile.TemporaryDirectory() as tmp, redirect_stdout(out):
@@ -85,11 +119,18 @@ def job(model_dir: Path, pairs: list[dict], device: str, steps: int, packing: bo
         adapter = Path(tempfile.mkdtemp(prefix="jetlora-check-adapter-"))
         shutil.copytree(finished.adapter_dir, adapter, dirs_exist_ok=True)
     dec = msgspec.json.Decoder(TrainerEvent)
-    progress = [e for e in (dec.decode(x) for x in raw.getvalue().decode().splitlines() if x.startswith("{"))
-                if isinstance(e, Progress)]
+    progress = [
+        e
+        for e in (dec.decode(x) for x in raw.getvalue().decode().splitlines() if x.startswith("{"))
+        if isinstance(e, Progress)
+    ]
     first, last = progress[0], progress[-1]
-    return {"tokens_per_s": (last.tokens - first.tokens) / (last.elapsed_s - first.elapsed_s), "loss": last.loss,
-            "peak_mib": last.peak_mib, "adapter": adapter}
+    return {
+        "tokens_per_s": (last.tokens - first.tokens) / (last.elapsed_s - first.elapsed_s),
+        "loss": last.loss,
+        "peak_mib": last.peak_mib,
+        "adapter": adapter,
+    }
 
 
 def throughput(model_dir: Path, pairs: list[dict], device: str, steps: int, seq: int, params: int) -> Path:
@@ -97,11 +138,14 @@ def throughput(model_dir: Path, pairs: list[dict], device: str, steps: int, seq:
 
     peak = peak_flops() if device == "cuda" else None
     mean = 60
-    results = {"packed": job(model_dir, pairs, device, steps, True, 4, seq),
-               "padded": job(model_dir, pairs, device, steps, False, max(1, 4 * seq // mean), seq)}
+    results = {
+        "packed": job(model_dir, pairs, device, steps, True, 4, seq),
+        "padded": job(model_dir, pairs, device, steps, False, max(1, 4 * seq // mean), seq),
+    }
     try:
-        results["transformers.Trainer"] = run_baseline(model_dir, pairs, steps, 1e-3, max(1, 4 * seq // mean), seq,
-                                                       cpu=device != "cuda")
+        results["transformers.Trainer"] = run_baseline(
+            model_dir, pairs, steps, 1e-3, max(1, 4 * seq // mean), seq, cpu=device != "cuda"
+        )
     except Exception as e:  # the baseline's own failure is reported, not ours
         print(f"transformers.Trainer + peft did not run: {type(e).__name__}: {e}")
     for name, r in results.items():
@@ -119,10 +163,12 @@ def vllm_loads(model_dir: Path, adapter: Path, budget_s: float) -> None:
     except (subprocess.SubprocessError, OSError) as e:
         print(f"vLLM did not install in {budget_s:.0f} s: {e}")
         return
-    code = ("import sys; from vllm import LLM, SamplingParams; from vllm.lora.request import LoRARequest\n"
-            f"llm = LLM({str(model_dir)!r}, enable_lora=True, max_lora_rank=16, gpu_memory_utilization=0.3)\n"
-            "out = llm.generate(['Question 1:'], SamplingParams(max_tokens=8, temperature=0), "
-            f"lora_request=LoRARequest('check', 1, {str(adapter)!r}))\nprint('vLLM with the adapter:', out[0].outputs[0].text)")
+    code = (
+        "import sys; from vllm import LLM, SamplingParams; from vllm.lora.request import LoRARequest\n"
+        f"llm = LLM({str(model_dir)!r}, enable_lora=True, max_lora_rank=16, gpu_memory_utilization=0.3)\n"
+        "out = llm.generate(['Question 1:'], SamplingParams(max_tokens=8, temperature=0), "
+        f"lora_request=LoRARequest('check', 1, {str(adapter)!r}))\nprint('vLLM with the adapter:', out[0].outputs[0].text)"
+    )
     subprocess.run([venv / "bin" / "python", "-c", code], check=False, timeout=max(30.0, budget_s))
 
 
@@ -147,8 +193,12 @@ def main() -> None:
     pairs = make_pairs(2000)
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = build(Path(tmp) / "m", [f"{p['q']} {p['a']}" for p in pairs[:500]], init_range=0.02, **shape)
-        params = sum(t.numel() for t in __import__("safetensors.torch", fromlist=["x"]).load_file(
-            str(model_dir / "model.safetensors")).values())
+        params = sum(
+            t.numel()
+            for t in __import__("safetensors.torch", fromlist=["x"])
+            .load_file(str(model_dir / "model.safetensors"))
+            .values()
+        )
         section(f"bf16 job, {params / 1e6:.0f}M parameters, rows of {seq} tokens, {steps} steps")
         adapter = throughput(model_dir, pairs, device, steps, seq, params)
         section("nf4 (bitsandbytes)")

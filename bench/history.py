@@ -31,8 +31,12 @@ from services.embedded import EmbeddedNats  # noqa: E402
 from services.scheduler.index import Finished  # noqa: E402
 from services.scheduler.store import JOBS, LAYOUT, active_key, request_key, status_key  # noqa: E402
 
-JOB = {"model": "tiny", "base_dir": "/models/tiny", "data": [{"q": "What is the capital of France?", "a": "Paris"}],
-       "node": "nowhere"}  # pinned to a node that never comes: the active jobs stay queued
+JOB = {
+    "model": "tiny",
+    "base_dir": "/models/tiny",
+    "data": [{"q": "What is the capital of France?", "a": "Paris"}],
+    "node": "nowhere",
+}  # pinned to a node that never comes: the active jobs stay queued
 _enc = msgspec.json.Encoder()
 
 # the scheduler process: prints its takeover time and RSS, then serves until its stdin closes
@@ -83,8 +87,14 @@ async def fill(url: str, finished: int, active: int) -> None:
             status = JobStatus(state="succeeded", message="done", updated=time.time(), step=10, steps=10, attempt=1)
             await put(JOBS.prefix + status_key(job), _enc.encode(status))
             seq += 1
-            await put(names.job_index_finished(names.ADMIN_TENANT, "succeeded"), _enc.encode(Finished(
-                job=job, tenant=None, state="succeeded", finished=status.updated, submitted_seq=submitted_seq)))
+            await put(
+                names.job_index_finished(names.ADMIN_TENANT, "succeeded"),
+                _enc.encode(
+                    Finished(
+                        job=job, tenant=None, state="succeeded", finished=status.updated, submitted_seq=submitted_seq
+                    )
+                ),
+            )
         else:
             await put(JOBS.prefix + active_key(job), b"")
     await asyncio.gather(*pending)
@@ -98,8 +108,9 @@ async def fill(url: str, finished: int, active: int) -> None:
 
 
 async def one_round(url: str, submits: int, listings: int) -> dict:
-    proc = subprocess.Popen([sys.executable, "-c", SCHEDULER, url], cwd=ROOT, stdin=subprocess.PIPE,
-                            stdout=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", SCHEDULER, url], cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
     assert proc.stdout is not None and proc.stdin is not None
     took, rss = (await asyncio.to_thread(proc.stdout.readline)).split()
     nc = await nats.connect(url)
@@ -139,7 +150,7 @@ async def main() -> None:
     results: dict[str, list[dict]] = {"small": [], "large": []}
     try:
         for r in range(args.rounds):
-            for side in (("small", "large") if r % 2 == 0 else ("large", "small")):
+            for side in ("small", "large") if r % 2 == 0 else ("large", "small"):
                 results[side].append(await one_round(servers[side].url, args.submits // args.rounds, args.listings))
     finally:
         for s in servers.values():
@@ -149,16 +160,22 @@ async def main() -> None:
     for side, rounds in results.items():
         submits = [x for r in rounds for x in r["submit"]]
         lists = [x for r in rounds for x in r["list"]]
-        figures[side] = dict(takeover=statistics.median(r["takeover"] for r in rounds), rss=max(r["rss"] for r in rounds),
-                             p50=pct(submits, 0.5) * 1e3, p99=pct(submits, 0.99) * 1e3,
-                             list=statistics.median(lists) * 1e3)
+        figures[side] = dict(
+            takeover=statistics.median(r["takeover"] for r in rounds),
+            rss=max(r["rss"] for r in rounds),
+            p50=pct(submits, 0.5) * 1e3,
+            p99=pct(submits, 0.99) * 1e3,
+            list=statistics.median(lists) * 1e3,
+        )
     print(f"{'':8}{'takeover s':>12}{'RSS MiB':>10}{'submit p50 ms':>15}{'submit p99 ms':>15}{'jobs -l 50 ms':>15}")
     for side, f in figures.items():
         n = args.small if side == "small" else args.finished
         print(f"{n:>8,}{f['takeover']:>12.2f}{f['rss']:>10}{f['p50']:>15.2f}{f['p99']:>15.2f}{f['list']:>15.2f}")
     s, big = figures["small"], figures["large"]
-    print(f"ratio   {big['takeover'] / s['takeover']:>12.2f}{big['rss'] / s['rss']:>10.2f}{big['p50'] / s['p50']:>15.2f}"
-          f"{big['p99'] / s['p99']:>15.2f}{big['list'] / s['list']:>15.2f}   (large / small)")
+    print(
+        f"ratio   {big['takeover'] / s['takeover']:>12.2f}{big['rss'] / s['rss']:>10.2f}{big['p50'] / s['p50']:>15.2f}"
+        f"{big['p99'] / s['p99']:>15.2f}{big['list'] / s['list']:>15.2f}   (large / small)"
+    )
 
 
 if __name__ == "__main__":

@@ -27,15 +27,25 @@ SHAPES = [
     (128, 2, 344, 4, 4, 128256, 2048, False, 0, "qv"),
     (768, 6, 2048, 12, 4, 50000, 1024, False, 1024, "all"),
 ]
-TARGETS = {"qv": ["q_proj", "v_proj"], "all": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
-                                                 "down_proj"]}
+TARGETS = {
+    "qv": ["q_proj", "v_proj"],
+    "all": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+}
 
 
 def config_of(shape) -> dict:
     h, layers, i, heads, kv, vocab, tokens, *_ = shape
-    return {"hidden_size": h, "num_hidden_layers": layers, "intermediate_size": i, "num_attention_heads": heads,
-            "num_key_value_heads": kv, "vocab_size": vocab, "max_position_embeddings": tokens,
-            "tie_word_embeddings": False, "torch_dtype": "float32"}
+    return {
+        "hidden_size": h,
+        "num_hidden_layers": layers,
+        "intermediate_size": i,
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv,
+        "vocab_size": vocab,
+        "max_position_embeddings": tokens,
+        "tie_word_embeddings": False,
+        "torch_dtype": "float32",
+    }
 
 
 def request_of(shape):
@@ -44,10 +54,22 @@ def request_of(shape):
     from schemas.jobs import JobRequest
 
     *_, tokens, checkpointing, chunk, targets = shape
-    return msgspec.convert({"model": "m", "base_dir": "/m", "data": [{"q": "q", "a": "a"}],
-                            "lora": {"r": 16, "target_modules": TARGETS[targets]},
-                            "train": {"batch_size": 1, "max_seq_length": tokens, "gradient_checkpointing": checkpointing,
-                                      "loss_chunk_tokens": chunk, "precision": "fp32"}}, JobRequest)
+    return msgspec.convert(
+        {
+            "model": "m",
+            "base_dir": "/m",
+            "data": [{"q": "q", "a": "a"}],
+            "lora": {"r": 16, "target_modules": TARGETS[targets]},
+            "train": {
+                "batch_size": 1,
+                "max_seq_length": tokens,
+                "gradient_checkpointing": checkpointing,
+                "loss_chunk_tokens": chunk,
+                "precision": "fp32",
+            },
+        },
+        JobRequest,
+    )
 
 
 def rss_mib() -> float:
@@ -78,8 +100,13 @@ def two_steps(shape, cuda: bool) -> float:
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=1e-4)
     ids = torch.randint(0, config.vocab_size, (1, tokens), device=device)
-    batch = data.Batch(input_ids=ids, position_ids=torch.arange(tokens, device=device)[None], attention_mask=None,
-                       targets=torch.roll(ids, -1, 1), tokens=tokens)
+    batch = data.Batch(
+        input_ids=ids,
+        position_ids=torch.arange(tokens, device=device)[None],
+        attention_mask=None,
+        targets=torch.roll(ids, -1, 1),
+        tokens=tokens,
+    )
     for _ in range(2):
         loss, n = batch_loss(model, batch, torch.bfloat16 if cuda else torch.float32, chunk)
         (loss / n).backward()
@@ -101,15 +128,20 @@ def main() -> None:
     from schemas.memory import ModelShape, estimate
 
     device = "cuda" if args.cuda else "cpu"
-    print(f"{'hidden':>6} {'layers':>6} {'vocab':>7} {'tokens':>6} {'ckpt':>5} {'chunk':>5} {'lora':>4} "
-          f"{'measured':>9} {'estimate':>9} {'error':>7}")
+    print(
+        f"{'hidden':>6} {'layers':>6} {'vocab':>7} {'tokens':>6} {'ckpt':>5} {'chunk':>5} {'lora':>4} "
+        f"{'measured':>9} {'estimate':>9} {'error':>7}"
+    )
     errors = []
     for n, shape in enumerate(SHAPES):
-        out = subprocess.run([sys.executable, __file__, "--one", str(n)] + (["--cuda"] if args.cuda else []),
-                             capture_output=True, text=True, check=True)
+        out = subprocess.run(
+            [sys.executable, __file__, "--one", str(n)] + (["--cuda"] if args.cuda else []),
+            capture_output=True,
+            text=True,
+            check=True,
+        )
         measured = json.loads(out.stdout.strip().splitlines()[-1])
-        model = ModelShape.from_config("/m", {**config_of(shape),
-                                              **({"torch_dtype": "bfloat16"} if args.cuda else {})})
+        model = ModelShape.from_config("/m", {**config_of(shape), **({"torch_dtype": "bfloat16"} if args.cuda else {})})
         req = request_of(shape)
         if args.cuda:
             import msgspec
@@ -120,10 +152,14 @@ def main() -> None:
         error = predicted / measured - 1
         errors.append(error)
         h, layers, _, _, _, vocab, tokens, ckpt, chunk, targets = shape
-        print(f"{h:6} {layers:6} {vocab:7} {tokens:6} {str(ckpt):>5} {chunk:5} {targets:>4} {measured:9,.0f} "
-              f"{predicted:9,} {error:+7.0%}   ({est.why()})")
-    print(f"error: mean {sum(errors) / len(errors):+.0%}, worst under {min(errors):+.0%}, worst over "
-          f"{max(errors):+.0%} (positive: the estimate is above the real peak)")
+        print(
+            f"{h:6} {layers:6} {vocab:7} {tokens:6} {str(ckpt):>5} {chunk:5} {targets:>4} {measured:9,.0f} "
+            f"{predicted:9,} {error:+7.0%}   ({est.why()})"
+        )
+    print(
+        f"error: mean {sum(errors) / len(errors):+.0%}, worst under {min(errors):+.0%}, worst over "
+        f"{max(errors):+.0%} (positive: the estimate is above the real peak)"
+    )
 
 
 if __name__ == "__main__":

@@ -21,8 +21,15 @@ import nats  # noqa: E402
 from nats.js.errors import NoKeysError  # noqa: E402
 
 from schemas import names  # noqa: E402
-from schemas.registry import (AdapterList, AdapterListQuery, AdapterQuery, AdapterReply, AdapterVersion,  # noqa: E402
-                              Alias, StoredFile)
+from schemas.registry import (  # noqa: E402
+    AdapterList,
+    AdapterListQuery,
+    AdapterQuery,
+    AdapterReply,
+    AdapterVersion,
+    Alias,
+    StoredFile,
+)
 from services import bus  # noqa: E402
 from services.embedded import EmbeddedNats  # noqa: E402
 from services.registry.service import RegistryService  # noqa: E402
@@ -77,9 +84,18 @@ async def measure(count: int, rounds: int) -> None:
         kv = await nc.jetstream().key_value(names.ADAPTERS_KV)
         registry = AdapterRegistry(kv)
         for i in range(count):
-            await registry.add_version(AdapterVersion(name=f"a{i}", version=1, job=f"j{i}", base_model="tiny", r=8,
-                                                      alpha=16, peft=StoredFile(name="p", sha256="0" * 64, size=1),
-                                                      target_modules=["q_proj"]))
+            await registry.add_version(
+                AdapterVersion(
+                    name=f"a{i}",
+                    version=1,
+                    job=f"j{i}",
+                    base_model="tiny",
+                    r=8,
+                    alpha=16,
+                    peft=StoredFile(name="p", sha256="0" * 64, size=1),
+                    target_modules=["q_proj"],
+                )
+            )
         service_nc = await nats.connect(server.url)
         stop = asyncio.Event()
         task = asyncio.create_task(RegistryService(service_nc).run(stop))
@@ -97,10 +113,12 @@ async def measure(count: int, rounds: int) -> None:
                 times[label].append(await timed(make, list_repeat if label.startswith("list") else 50))
         info = await nc.jetstream().stream_info(names.kv(names.ADAPTERS_KV).stream)
         med = {k: statistics.median(v) for k, v in times.items()}
-        print(f"{count:>5} adapters: show {med['show, view']:.2f} ms (view) vs {med['show, watchers']:.2f} ms "
-              f"(watchers), {med['show, watchers'] / med['show, view']:.1f}x; list {med['list, view']:.1f} ms vs "
-              f"{med['list, watchers']:.1f} ms, {med['list, watchers'] / med['list, view']:.1f}x; consumers on the "
-              f"bucket after every read: {info.state.consumer_count} (the registry's view)")
+        print(
+            f"{count:>5} adapters: show {med['show, view']:.2f} ms (view) vs {med['show, watchers']:.2f} ms "
+            f"(watchers), {med['show, watchers'] / med['show, view']:.1f}x; list {med['list, view']:.1f} ms vs "
+            f"{med['list, watchers']:.1f} ms, {med['list, watchers'] / med['list, view']:.1f}x; consumers on the "
+            f"bucket after every read: {info.state.consumer_count} (the registry's view)"
+        )
         stop.set()
         await task
         await service_nc.close()

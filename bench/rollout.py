@@ -53,8 +53,10 @@ def pct(values, p):
 
 def adapter_tar(path: Path, mib: int) -> Path:
     with tarfile.open(path, "w:gz", compresslevel=1) as tar:
-        for name, data in (("adapter_config.json", b'{"r": 16, "lora_alpha": 32}'),
-                           ("adapter_model.safetensors", os.urandom(mib * 2**20))):
+        for name, data in (
+            ("adapter_config.json", b'{"r": 16, "lora_alpha": 32}'),
+            ("adapter_model.safetensors", os.urandom(mib * 2**20)),
+        ):
             info = tarfile.TarInfo(name)
             info.size = len(data)
             tar.addfile(info, io.BytesIO(data))
@@ -92,8 +94,12 @@ class Nodes:
         return list(done.values())
 
     def fetched_bytes(self) -> int:
-        return sum(p.stat().st_size for node in self.names for p in (self.tmp / node / "adapters").rglob("*")
-                   if p.is_file() and p.name != "loaded.json")
+        return sum(
+            p.stat().st_size
+            for node in self.names
+            for p in (self.tmp / node / "adapters").rglob("*")
+            if p.is_file() and p.name != "loaded.json"
+        )
 
 
 async def promote_and_wait(nc, nodes: Nodes, version: int, listen) -> list[float]:
@@ -113,8 +119,13 @@ class Listener:
 
     async def on_status(self, msg) -> None:
         s = _status.decode(msg.data)
-        if (self.target and s.state in ("loaded", "placed") and s.name == self.target[0].adapter and s.version == self.target[1]
-                and s.node in self.target[0].names):
+        if (
+            self.target
+            and s.state in ("loaded", "placed")
+            and s.name == self.target[0].adapter
+            and s.version == self.target[1]
+            and s.node in self.target[0].names
+        ):
             self.target[0].loaded.setdefault(s.node, time.monotonic())
 
 
@@ -127,8 +138,10 @@ async def main(args) -> None:
         nc = await nats.connect(server.url)
         await bus.ensure_resources(nc)
         service_conns = [await nats.connect(server.url) for _ in range(2)]
-        tasks += [asyncio.create_task(ArtifactService(service_conns[0]).run(stop)),
-                  asyncio.create_task(RegistryService(service_conns[1]).run(stop))]
+        tasks += [
+            asyncio.create_task(ArtifactService(service_conns[0]).run(stop)),
+            asyncio.create_task(RegistryService(service_conns[1]).run(stop)),
+        ]
         await asyncio.sleep(0.5)  # the services subscribe
         registry = AdapterRegistry(await nc.jetstream().key_value(names.ADAPTERS_KV))
         stage = not args.no_staging
@@ -138,9 +151,18 @@ async def main(args) -> None:
             job = f"{side.adapter}{v}"
             await running_on(nc, job)
             info = await upload_file(nc, "n1", job, "peft", adapter_tar(tmp / f"{job}.tar.gz", args.artifact_mib))
-            await registry.add_version(AdapterVersion(
-                name=side.adapter, version=v, job=job, base_model=side.model, r=16, alpha=32,
-                target_modules=["q_proj", "v_proj"], peft=StoredFile(name=info.name, sha256=info.sha256, size=info.size)))
+            await registry.add_version(
+                AdapterVersion(
+                    name=side.adapter,
+                    version=v,
+                    job=job,
+                    base_model=side.model,
+                    r=16,
+                    alpha=32,
+                    target_modules=["q_proj", "v_proj"],
+                    peft=StoredFile(name=info.name, sha256=info.sha256, size=info.size),
+                )
+            )
 
         listen = Listener()
         await nc.subscribe(names.adapter_status(), cb=listen.on_status)
@@ -151,14 +173,18 @@ async def main(args) -> None:
             await register(side, 1)
             first = await promote_and_wait(nc, side, 1, listen)  # the fleet's, last
         size = (tmp / "node1.tar.gz").stat().st_size
-        print(f"{args.nodes} nodes, artifacts of {size / 2**20:.1f} MiB, {args.rounds} rounds, "
-              f"{'staged when registered' if stage else 'fetched when promoted (--no-staging)'}")
-        print(f"  the first promote (fetching it): p50 {statistics.median(first) * 1000:.0f} ms, "
-              f"p99 {pct(first, 99) * 1000:.0f} ms")
+        print(
+            f"{args.nodes} nodes, artifacts of {size / 2**20:.1f} MiB, {args.rounds} rounds, "
+            f"{'staged when registered' if stage else 'fetched when promoted (--no-staging)'}"
+        )
+        print(
+            f"  the first promote (fetching it): p50 {statistics.median(first) * 1000:.0f} ms, "
+            f"p99 {pct(first, 99) * 1000:.0f} ms"
+        )
         fleet_p50, fleet_p99, solo, staging_p99 = [], [], [], []
         for r in range(args.rounds):
             version = 2 + r
-            for side in ((fleet, alone) if r % 2 == 0 else (alone, fleet)):
+            for side in (fleet, alone) if r % 2 == 0 else (alone, fleet):
                 before, t0 = [n.stager.staged if n.stager else 0 for n in side.rollouts], time.monotonic()
                 await register(side, version)
                 staged = await side.staged(before, t0) if stage else []
@@ -168,18 +194,24 @@ async def main(args) -> None:
                     fleet_p99.append(pct(times, 99))
                     staging_p99.extend([pct(staged, 99)] if staged else [])
                     said = f" (staged in p99 {staging_p99[-1] * 1000:.0f} ms after registering)" if staged else ""
-                    print(f"  round {r + 1}: promote @{version}{said}: p50 {fleet_p50[-1] * 1000:.0f} ms, "
-                          f"p99 {fleet_p99[-1] * 1000:.0f} ms")
+                    print(
+                        f"  round {r + 1}: promote @{version}{said}: p50 {fleet_p50[-1] * 1000:.0f} ms, "
+                        f"p99 {fleet_p99[-1] * 1000:.0f} ms"
+                    )
                 else:
                     solo.append(times[0])
         p99 = statistics.median(fleet_p99)
         print(f"one node alone:  {statistics.median(solo) * 1000:7.0f} ms")
-        print(f"{args.nodes} nodes:      p50 {statistics.median(fleet_p50) * 1000:7.0f} ms   p99 {p99 * 1000:7.0f} ms "
-              f"(rounds {min(fleet_p99) * 1000:.0f}-{max(fleet_p99) * 1000:.0f} ms)   "
-              f"p99 / one node x{p99 / statistics.median(solo):.1f}")
+        print(
+            f"{args.nodes} nodes:      p50 {statistics.median(fleet_p50) * 1000:7.0f} ms   p99 {p99 * 1000:7.0f} ms "
+            f"(rounds {min(fleet_p99) * 1000:.0f}-{max(fleet_p99) * 1000:.0f} ms)   "
+            f"p99 / one node x{p99 / statistics.median(solo):.1f}"
+        )
         fetched = fleet.fetched_bytes()
-        print(f"bytes fetched by the {args.nodes} nodes: {fetched / 2**20:,.0f} MiB = {fetched / size / args.nodes:.2f} "
-              f"x artifact size x nodes x {args.rounds + 1} versions (each node fetches each version once)")
+        print(
+            f"bytes fetched by the {args.nodes} nodes: {fetched / 2**20:,.0f} MiB = {fetched / size / args.nodes:.2f} "
+            f"x artifact size x nodes x {args.rounds + 1} versions (each node fetches each version once)"
+        )
     finally:
         stop.set()
         await asyncio.gather(*tasks, return_exceptions=True)

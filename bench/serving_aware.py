@@ -48,17 +48,39 @@ def build_model(where: Path) -> Path:
     sys.path.insert(0, str(ROOT / "deploy" / "demo"))
     import tinymodel
 
-    texts = [json.loads(line)["q"] + " " + json.loads(line)["a"]
-             for line in (ROOT / "deploy" / "demo" / "qa.jsonl").read_text().splitlines() if line.strip()]
+    texts = [
+        json.loads(line)["q"] + " " + json.loads(line)["a"]
+        for line in (ROOT / "deploy" / "demo" / "qa.jsonl").read_text().splitlines()
+        if line.strip()
+    ]
     return tinymodel.build(where, texts, hidden=256, layers=4, heads=4, kv_heads=4, vocab_size=512)
 
 
 def start_vllm(python: str, model: Path, port: int, log: Path) -> subprocess.Popen:
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"}
-    return subprocess.Popen([python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
-                             "--served-model-name", "tiny", "--dtype", "float32", "--max-model-len", "256",
-                             "--port", str(port), "--host", "127.0.0.1", "--enable-server-load-tracking"],
-                            env=env, stdout=log.open("wb"), stderr=subprocess.STDOUT)
+    return subprocess.Popen(
+        [
+            python,
+            "-m",
+            "vllm.entrypoints.openai.api_server",
+            "--model",
+            str(model),
+            "--served-model-name",
+            "tiny",
+            "--dtype",
+            "float32",
+            "--max-model-len",
+            "256",
+            "--port",
+            str(port),
+            "--host",
+            "127.0.0.1",
+            "--enable-server-load-tracking",
+        ],
+        env=env,
+        stdout=log.open("wb"),
+        stderr=subprocess.STDOUT,
+    )
 
 
 def wait_http(url: str, deadline_s: float, proc: subprocess.Popen) -> None:
@@ -76,8 +98,9 @@ def wait_http(url: str, deadline_s: float, proc: subprocess.Popen) -> None:
 
 def one_request(url: str, tokens: int) -> tuple[float, float]:
     """(time to first token, total), streamed."""
-    body = json.dumps({"model": "tiny", "prompt": PROMPT, "max_tokens": tokens, "temperature": 0, "stream": True,
-                       "ignore_eos": True}).encode()
+    body = json.dumps(
+        {"model": "tiny", "prompt": PROMPT, "max_tokens": tokens, "temperature": 0, "stream": True, "ignore_eos": True}
+    ).encode()
     req = urllib.request.Request(f"{url}/v1/completions", data=body, headers={"Content-Type": "application/json"})
     t0 = time.perf_counter()
     first = None
@@ -88,7 +111,9 @@ def one_request(url: str, tokens: int) -> tuple[float, float]:
     return first or 0.0, time.perf_counter() - t0
 
 
-async def load(url: str, rate: float, seconds: float, tokens: int, seed: int) -> tuple[list[tuple[float, float]], float]:
+async def load(
+    url: str, rate: float, seconds: float, tokens: int, seed: int
+) -> tuple[list[tuple[float, float]], float]:
     """An open-loop Poisson stream; returns each request's latencies and the share of the window with none in flight."""
     rng = random.Random(seed)
     start = time.perf_counter()
@@ -131,18 +156,41 @@ class Fleet:
         await bus.ensure_resources(self.nc)
         self.stop = asyncio.Event()
         self.sched = Scheduler(await nats.connect(self.server.url), SchedulerConfig(heartbeat_interval=0.5))
-        self.tasks = [asyncio.create_task(self.sched.run(self.stop)),
-                      asyncio.create_task(ArtifactService(await nats.connect(self.server.url)).run(self.stop))]
+        self.tasks = [
+            asyncio.create_task(self.sched.run(self.stop)),
+            asyncio.create_task(ArtifactService(await nats.connect(self.server.url)).run(self.stop)),
+        ]
         await asyncio.wait_for(self.sched.leading.wait(), 30)
 
     def start_agent(self, policy: str) -> None:
         self.stop_agent()
         self.agent = subprocess.Popen(
-            [sys.executable, "-m", "services.cli", "agent", "--nats", self.server.url, "--node", "box", "--offer-cpu",
-             "--work-dir", str(self.tmp / "agent"), "--heartbeat-interval", "0.5", "--engine", f"vllm={self.engine_url}",
-             "--engine-model", "tiny", "--engine-yield", policy], cwd=ROOT,
-            stdout=(self.tmp / "agent.log").open("ab"), stderr=subprocess.STDOUT,
-            env={**os.environ, "PYTHONPATH": str(ROOT)})
+            [
+                sys.executable,
+                "-m",
+                "services.cli",
+                "agent",
+                "--nats",
+                self.server.url,
+                "--node",
+                "box",
+                "--offer-cpu",
+                "--work-dir",
+                str(self.tmp / "agent"),
+                "--heartbeat-interval",
+                "0.5",
+                "--engine",
+                f"vllm={self.engine_url}",
+                "--engine-model",
+                "tiny",
+                "--engine-yield",
+                policy,
+            ],
+            cwd=ROOT,
+            stdout=(self.tmp / "agent.log").open("ab"),
+            stderr=subprocess.STDOUT,
+            env={**os.environ, "PYTHONPATH": str(ROOT)},
+        )
 
     def stop_agent(self) -> None:
         if self.agent is not None and self.agent.poll() is None:
@@ -154,10 +202,18 @@ class Fleet:
         data = [json.loads(line) for line in (ROOT / "deploy" / "demo" / "qa.jsonl").read_text().splitlines() if line]
         deadline = time.monotonic() + 60
         while True:  # until the agent's heartbeats offer its CPU
-            reply = await bus.request(self.nc, names.SUBMIT, {  # type: ignore[arg-type]
-                "model": "tiny", "base_dir": str(model), "accelerator": "cpu", "data": data[:64],
-                "train": {"max_steps": 1_000_000, "batch_size": 4, "max_seq_length": 128, "logging_steps": 1}},
-                SubmitReply)
+            reply = await bus.request(
+                self.nc,
+                names.SUBMIT,
+                {  # type: ignore[arg-type]
+                    "model": "tiny",
+                    "base_dir": str(model),
+                    "accelerator": "cpu",
+                    "data": data[:64],
+                    "train": {"max_steps": 1_000_000, "batch_size": 4, "max_seq_length": 128, "logging_steps": 1},
+                },
+                SubmitReply,
+            )
             if isinstance(reply, Accepted):
                 break
             if time.monotonic() > deadline:
@@ -191,8 +247,13 @@ class Fleet:
 async def run_case(fleet: Fleet, model: Path, case: str, args, seed: int) -> dict:
     job = None
     if case != "alone":
-        fleet.start_agent({"unmanaged": "off,poll=0.1", "yielding": f"compute,poll={args.poll},holdoff={args.holdoff},nice={args.nice}",
-                           "train alone": "off,poll=0.1"}[case])
+        fleet.start_agent(
+            {
+                "unmanaged": "off,poll=0.1",
+                "yielding": f"compute,poll={args.poll},holdoff={args.holdoff},nice={args.nice}",
+                "train alone": "off,poll=0.1",
+            }[case]
+        )
         job = await fleet.job(model)
     step0, t0 = (await fleet.status(job)).step if job else 0, time.monotonic()
     if case == "train alone":
@@ -207,8 +268,13 @@ async def run_case(fleet: Fleet, model: Path, case: str, args, seed: int) -> dic
         await fleet.cancel(job)
         stopped = yielded_s(await fleet.final_message(job)) / (minutes * 60)
         fleet.stop_agent()
-    return {"ttft": [r[0] for r in results], "total": [r[1] for r in results], "steps_min": steps, "idle": idle,
-            "stopped": stopped}
+    return {
+        "ttft": [r[0] for r in results],
+        "total": [r[1] for r in results],
+        "steps_min": steps,
+        "idle": idle,
+        "stopped": stopped,
+    }
 
 
 def yielded_s(message: str) -> float:
@@ -247,7 +313,7 @@ async def main() -> None:
         cases = ["alone", "unmanaged", "yielding", "train alone"]
         out: dict[str, list[dict]] = {c: [] for c in cases}
         for r in range(args.rounds):
-            for case in (cases if r % 2 == 0 else list(reversed(cases))):
+            for case in cases if r % 2 == 0 else list(reversed(cases)):
                 out[case].append(await run_case(fleet, model, case, args, seed=r))
                 print(f"  round {r + 1}: {case} done", flush=True)
     finally:
@@ -262,25 +328,39 @@ def report(out: dict[str, list[dict]]) -> None:
     for case, rounds in out.items():
         ttft = [x for r in rounds for x in r["ttft"]]
         total = [x for r in rounds for x in r["total"]]
-        rows[case] = dict(ttft50=pct(ttft, .5), ttft99=pct(ttft, .99), tot50=pct(total, .5), tot99=pct(total, .99),
-                          steps=statistics.median(r["steps_min"] for r in rounds),
-                          idle=statistics.median(r["idle"] for r in rounds), n=len(total),
-                          stopped=statistics.median(r["stopped"] for r in rounds))
+        rows[case] = dict(
+            ttft50=pct(ttft, 0.5),
+            ttft99=pct(ttft, 0.99),
+            tot50=pct(total, 0.5),
+            tot99=pct(total, 0.99),
+            steps=statistics.median(r["steps_min"] for r in rounds),
+            idle=statistics.median(r["idle"] for r in rounds),
+            n=len(total),
+            stopped=statistics.median(r["stopped"] for r in rounds),
+        )
     base = rows["alone"]
-    print(f"{'case':12}{'requests':>9}{'TTFT p50':>10}{'TTFT p99':>10}{'total p50':>11}{'total p99':>11}"
-          f"{'p99 x alone':>12}{'steps/min':>11}   (latencies in ms)")
+    print(
+        f"{'case':12}{'requests':>9}{'TTFT p50':>10}{'TTFT p99':>10}{'total p50':>11}{'total p99':>11}"
+        f"{'p99 x alone':>12}{'steps/min':>11}   (latencies in ms)"
+    )
     for case, f in rows.items():
         ratio = f["tot99"] / base["tot99"] if f["n"] else float("nan")
-        print(f"{case:12}{f['n']:>9}{f['ttft50'] * 1e3:>10.0f}{f['ttft99'] * 1e3:>10.0f}{f['tot50'] * 1e3:>11.0f}"
-              f"{f['tot99'] * 1e3:>11.0f}{ratio:>12.2f}{f['steps']:>11.1f}")
+        print(
+            f"{case:12}{f['n']:>9}{f['ttft50'] * 1e3:>10.0f}{f['ttft99'] * 1e3:>10.0f}{f['tot50'] * 1e3:>11.0f}"
+            f"{f['tot99'] * 1e3:>11.0f}{ratio:>12.2f}{f['steps']:>11.1f}"
+        )
     allowed = rows["train alone"]["steps"] * base["idle"]
-    print(f"serving leaves {base['idle']:.0%} of the time idle: yielding trained {rows['yielding']['steps']:.1f} "
-          f"steps/min, {rows['yielding']['steps'] / allowed:.2f}x of the {allowed:.1f} that share allows "
-          "(training alone x idle share)")
+    print(
+        f"serving leaves {base['idle']:.0%} of the time idle: yielding trained {rows['yielding']['steps']:.1f} "
+        f"steps/min, {rows['yielding']['steps'] / allowed:.2f}x of the {allowed:.1f} that share allows "
+        "(training alone x idle share)"
+    )
     running = 1 - rows["yielding"]["stopped"]
-    print(f"the yielding job was stopped {rows['yielding']['stopped']:.0%} of the time; while it ran "
-          f"it made {rows['yielding']['steps'] / max(running, 1e-9):.1f} steps/min, "
-          f"{rows['yielding']['steps'] / max(running, 1e-9) / rows['train alone']['steps']:.2f}x training alone")
+    print(
+        f"the yielding job was stopped {rows['yielding']['stopped']:.0%} of the time; while it ran "
+        f"it made {rows['yielding']['steps'] / max(running, 1e-9):.1f} steps/min, "
+        f"{rows['yielding']['steps'] / max(running, 1e-9) / rows['train alone']['steps']:.2f}x training alone"
+    )
 
 
 if __name__ == "__main__":

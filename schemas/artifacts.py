@@ -11,8 +11,10 @@ from schemas.validate import pattern
 
 ArtifactKind = Literal["peft", "gguf", "checkpoint", "tensorboard"]
 KEEP_CHECKPOINTS = 3  # a job's newest checkpoints kept in the store; older ones are deleted as new ones arrive
-FILE_NAME = pattern(r"^(?!\.\.?\Z)[^/\\\x00-\x1f\x7f]*\Z", "must be a plain file name: no '/', '\\', control "
-                    "characters, and not '.' or '..'")
+FILE_NAME = pattern(
+    r"^(?!\.\.?\Z)[^/\\\x00-\x1f\x7f]*\Z",
+    "must be a plain file name: no '/', '\\', control characters, and not '.' or '..'",
+)
 CHUNK_BYTES = 512 * 1024  # data per chunk message: well under NATS's 1 MiB default max_payload
 
 
@@ -24,7 +26,9 @@ class ArtifactMeta(Struct, kw_only=True):
     summary: str = ""  # hyperparameters, in a line
     filename: Annotated[str, Meta(max_length=255, pattern=FILE_NAME)] = ""  # suggested file name when downloaded
     tenant: str = ""  # whose job made it ("": an admin's); the service writes the job's own, whatever is sent
-    step: Annotated[int, Meta(ge=0)] | None = None  # a checkpoint's step: each is its own object, <job>/checkpoint-<step>
+    step: Annotated[int, Meta(ge=0)] | None = (
+        None  # a checkpoint's step: each is its own object, <job>/checkpoint-<step>
+    )
     attempt: Annotated[int, Meta(ge=0)] = 0  # the attempt of the job that made it: only the current one is stored
 
 

@@ -11,16 +11,31 @@ from typing import Literal
 
 import msgspec
 
-from schemas.datasets import (FORMATS, HEAD_CHARS, HEAD_ROWS, ROLES, ROW_TYPES, DatasetFormat, DatasetLimits,
-                              DatasetStats)
+from schemas.datasets import (
+    FORMATS,
+    HEAD_CHARS,
+    HEAD_ROWS,
+    ROLES,
+    ROW_TYPES,
+    DatasetFormat,
+    DatasetLimits,
+    DatasetStats,
+)
 
 UTF8_BOM = b"\xef\xbb\xbf"
 _any = msgspec.json.Decoder()
 _decoders: dict[str, msgspec.json.Decoder] = {fmt: msgspec.json.Decoder(t) for fmt, t in ROW_TYPES.items()}
-_block_decoders: dict[str, msgspec.json.Decoder] = {fmt: msgspec.json.Decoder(list[t])  # type: ignore[valid-type]
-                                                    for fmt, t in ROW_TYPES.items()}  # many rows in one call
-_SIGNATURES: dict[DatasetFormat, set[str]] = {"chat": {"messages"}, "qa": {"q", "a"}, "alpaca": {"instruction", "output"}, "text": {"text"},
-                                                 "preference": {"input", "preferred_output", "non_preferred_output"}}
+_block_decoders: dict[str, msgspec.json.Decoder] = {
+    fmt: msgspec.json.Decoder(list[t])  # type: ignore[valid-type]
+    for fmt, t in ROW_TYPES.items()
+}  # many rows in one call
+_SIGNATURES: dict[DatasetFormat, set[str]] = {
+    "chat": {"messages"},
+    "qa": {"q", "a"},
+    "alpaca": {"instruction", "output"},
+    "text": {"text"},
+    "preference": {"input", "preferred_output", "non_preferred_output"},
+}
 
 
 class DatasetInvalid(Exception):
@@ -43,8 +58,9 @@ def detect_format(row: bytes) -> DatasetFormat:
         return fits[0]
     known = "; ".join(f"{fmt}: {shape}" for fmt, shape in FORMATS.items())
     if not fits:
-        raise DatasetInvalid([f"the first row's keys {sorted(keys)} fit no format ({known}); fix the rows or "
-                              "say --format"])
+        raise DatasetInvalid(
+            [f"the first row's keys {sorted(keys)} fit no format ({known}); fix the rows or say --format"]
+        )
     raise DatasetInvalid([f"the first row fits several formats ({', '.join(fits)}); say which with --format"])
 
 
@@ -81,7 +97,7 @@ def _preference_error(row) -> str | None:
     for side in ("preferred_output", "non_preferred_output"):
         out = getattr(row, side)
         if len(out) != 1 or out[0].role != "assistant" or not out[0].content.strip():
-            return f"{side} must be one assistant message with text, e.g. [{{\"role\": \"assistant\", \"content\": \"...\"}}]"
+            return f'{side} must be one assistant message with text, e.g. [{{"role": "assistant", "content": "..."}}]'
     if row.preferred_output[0].content == row.non_preferred_output[0].content:
         return "preferred_output and non_preferred_output are the same answer; a pair must differ to teach anything"
     return None
@@ -116,11 +132,13 @@ class DatasetChecker:
     def feed(self, data: bytes) -> None:
         self.size += len(data)
         if self.size > self.limits.max_bytes:
-            self._refuse(f"the file is over {self.limits.max_bytes:,} bytes, the service's limit (max_bytes); "
-                         "split it, or raise the limit (jetlora artifacts --dataset-max-mib)")
+            self._refuse(
+                f"the file is over {self.limits.max_bytes:,} bytes, the service's limit (max_bytes); "
+                "split it, or raise the limit (jetlora artifacts --dataset-max-mib)"
+            )
         data = self.partial + data
         end = data.rfind(b"\n")
-        self.partial = data[end + 1:]
+        self.partial = data[end + 1 :]
         if end >= 0 and not self._block(data[:end]):
             for line in data[:end].split(b"\n"):
                 self._row(line)
@@ -158,9 +176,15 @@ class DatasetChecker:
         if not self.rows:
             raise DatasetInvalid(["the file has no rows; a dataset is JSON lines, one example per line"])
         assert self.fmt is not None  # the first row set it
-        return DatasetStats(format=self.fmt, rows=self.rows, chars_mean=round(self.chars / self.rows, 1),
-                            chars_max=self.chars_max, roles=dict(self.roles), turns_trained=self.turns_trained,
-                            head=self.head)
+        return DatasetStats(
+            format=self.fmt,
+            rows=self.rows,
+            chars_mean=round(self.chars / self.rows, 1),
+            chars_max=self.chars_max,
+            roles=dict(self.roles),
+            turns_trained=self.turns_trained,
+            head=self.head,
+        )
 
     def _row(self, line: bytes) -> None:
         self.line += 1
@@ -175,8 +199,10 @@ class DatasetChecker:
             self.fmt = detect_format(line)
         self.rows += 1
         if self.rows > self.limits.max_rows:
-            self._refuse(f"the file has more than {self.limits.max_rows:,} rows, the service's limit (max_rows); "
-                         "split it, or raise the limit (jetlora artifacts --dataset-max-rows)")
+            self._refuse(
+                f"the file has more than {self.limits.max_rows:,} rows, the service's limit (max_rows); "
+                "split it, or raise the limit (jetlora artifacts --dataset-max-rows)"
+            )
         try:
             row = _decoders[self.fmt].decode(line)
         except msgspec.ValidationError as e:
@@ -232,21 +258,27 @@ class DatasetChecker:
 
     def _refuse_bad_rows(self) -> None:
         if self.limits.max_errors == 1:  # the service: it stops the transfer at the first
-            raise DatasetInvalid(self.errors, f"{self.errors[0]}; nothing was stored (the check stops at the first "
-                                              "bad row)")
+            raise DatasetInvalid(
+                self.errors, f"{self.errors[0]}; nothing was stored (the check stops at the first bad row)"
+            )
         more = " (and maybe more: the check stops there)" if len(self.errors) >= self.limits.max_errors else ""
-        raise DatasetInvalid(self.errors, f"{self.bad_rows} bad row(s){more}, nothing was stored; "
-                                          f"{'; '.join(self.errors)}")
+        raise DatasetInvalid(
+            self.errors, f"{self.bad_rows} bad row(s){more}, nothing was stored; {'; '.join(self.errors)}"
+        )
 
     def _refuse_long_row(self, line: int) -> None:
-        self._refuse(f"line {line:,} is over {self.limits.max_row_bytes:,} bytes, the limit of one row "
-                     "(max_row_bytes); shorten it, or raise the limit (jetlora artifacts --dataset-max-row-kib)")
+        self._refuse(
+            f"line {line:,} is over {self.limits.max_row_bytes:,} bytes, the limit of one row "
+            "(max_row_bytes); shorten it, or raise the limit (jetlora artifacts --dataset-max-row-kib)"
+        )
 
     def _refuse(self, reason: str) -> None:
         raise DatasetInvalid([reason], f"{reason}; nothing was stored")
 
 
-def check_file(path, fmt: DatasetFormat | Literal["auto"] = "auto", limits: DatasetLimits | None = None, block: int = 1 << 20) -> DatasetStats:
+def check_file(
+    path, fmt: DatasetFormat | Literal["auto"] = "auto", limits: DatasetLimits | None = None, block: int = 1 << 20
+) -> DatasetStats:
     """Check a whole file on disk (what `jetlora datasets put` does before sending)."""
     checker = DatasetChecker(fmt, limits)
     with open(path, "rb") as f:

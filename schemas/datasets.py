@@ -11,6 +11,7 @@ from typing import Annotated, Literal
 from msgspec import Meta, Struct, field
 
 from schemas.jobs import DatasetName, DatasetRef, TenantId  # noqa: F401 (a job names its data with a DatasetRef)
+
 DatasetFormat = Literal["qa", "chat", "alpaca", "text", "preference"]
 FORMATS: dict[str, str] = {  # what each format's rows hold, as error messages show it
     "qa": '{"q": question, "a": answer}',
@@ -18,7 +19,7 @@ FORMATS: dict[str, str] = {  # what each format's rows hold, as error messages s
     "alpaca": '{"instruction": text, "input": text (optional), "output": text}',
     "text": '{"text": text} (continued pre-training: the loss covers every token)',
     "preference": '{"input": {"messages": [...]}, "preferred_output": [{"role": "assistant", "content": text}], '
-                  '"non_preferred_output": [{"role": "assistant", "content": text}]} (OpenAI\'s, for DPO)',
+    '"non_preferred_output": [{"role": "assistant", "content": text}]} (OpenAI\'s, for DPO)',
 }
 ROLES = ("system", "user", "assistant")
 
@@ -62,8 +63,13 @@ class PreferenceRow(Struct):
     non_preferred_output: list[ChatMessage]
 
 
-ROW_TYPES: dict[str, type] = {"qa": QARow, "chat": ChatRow, "alpaca": AlpacaRow, "text": TextRow,
-                              "preference": PreferenceRow}
+ROW_TYPES: dict[str, type] = {
+    "qa": QARow,
+    "chat": ChatRow,
+    "alpaca": AlpacaRow,
+    "text": TextRow,
+    "preference": PreferenceRow,
+}
 
 
 # --- what is known about a stored dataset ----------------------------------------------------------

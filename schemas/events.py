@@ -53,8 +53,6 @@ class StateChange(Struct, tag="state", tag_field="type", kw_only=True):
     checkpoint: CheckpointInfo | None = None  # a checkpoint was stored: a resumed or re-queued job goes on from it
 
 
-
-
 class DataFile(Struct, kw_only=True):
     """A dataset the agent fetched for the trainer: a checked JSON-lines file on local disk."""
 

@@ -25,8 +25,9 @@ class WandbIntegration(Struct, forbid_unknown_fields=True, kw_only=True, tag="wa
 class MlflowIntegration(Struct, forbid_unknown_fields=True, kw_only=True, tag="mlflow", tag_field="type"):
     """An MLflow run per job attempt. A `file:` tracking URI keeps everything on the node."""
 
-    tracking_uri: Annotated[OneLine, Meta(max_length=1024, description=(
-        "where the runs go; default: the node's MLFLOW_TRACKING_URI"))] = ""
+    tracking_uri: Annotated[
+        OneLine, Meta(max_length=1024, description=("where the runs go; default: the node's MLFLOW_TRACKING_URI"))
+    ] = ""
     experiment: Annotated[OneLine, Meta(min_length=1, max_length=256)] = "jetlora"
 
 

@@ -8,20 +8,45 @@ from msgspec import Meta, Struct, field
 
 from schemas.integrations import Integration
 from schemas.text import Name, OneLine, Text
-from schemas.training import (ATTENTION_AND_MLP, MODULE_NAME, SEED_MAX, STEPS_MAX, LoraConfig, TrainConfig,
-                              check_training)
+from schemas.training import (
+    ATTENTION_AND_MLP,
+    MODULE_NAME,
+    SEED_MAX,
+    STEPS_MAX,
+    LoraConfig,
+    TrainConfig,
+    check_training,
+)
 from schemas.validate import FieldError, parse_all, pattern
 
-__all__ = ["ATTENTION_AND_MLP", "MODULE_NAME", "SEED_MAX", "STEPS_MAX", "LoraConfig", "Name", "OneLine", "Text",
-           "TrainConfig"]  # defined beside, used by the job's callers through here
+__all__ = [
+    "ATTENTION_AND_MLP",
+    "MODULE_NAME",
+    "SEED_MAX",
+    "STEPS_MAX",
+    "LoraConfig",
+    "Name",
+    "OneLine",
+    "Text",
+    "TrainConfig",
+]  # defined beside, used by the job's callers through here
 
-NodeId = Annotated[str, Meta(pattern=pattern(r"^[A-Za-z0-9_-]{1,128}$", "must be 1-128 letters, digits, '_' or '-' "
-                                             "(it becomes a NATS subject token)"), description="one NATS subject token")]
+NodeId = Annotated[
+    str,
+    Meta(
+        pattern=pattern(
+            r"^[A-Za-z0-9_-]{1,128}$", "must be 1-128 letters, digits, '_' or '-' (it becomes a NATS subject token)"
+        ),
+        description="one NATS subject token",
+    ),
+]
 JobId = NodeId
 TenantId = NodeId
-ABSOLUTE_PATH = pattern(r"^/[^\x00-\x1f\x7f]*[^/\x00-\x1f\x7f][^\x00-\x1f\x7f]*$",
-                        "must be an absolute path below / with no control characters (NUL, newline, tab); "
-                        "give the model directory's full path on the node")
+ABSOLUTE_PATH = pattern(
+    r"^/[^\x00-\x1f\x7f]*[^/\x00-\x1f\x7f][^\x00-\x1f\x7f]*$",
+    "must be an absolute path below / with no control characters (NUL, newline, tab); "
+    "give the model directory's full path on the node",
+)
 UNEXPORTABLE_TARGETS = {"lm_head", "embed_tokens", "wte", "embed_out"}  # peft saves their tied base weights too
 
 
@@ -40,12 +65,27 @@ class DatasetRef(Struct, forbid_unknown_fields=True, kw_only=True):
     """A job's data by name: `jetlora datasets ls` lists what there is, `jetlora datasets put` adds one."""
 
     name: Annotated[DatasetName, Meta(description="the dataset's name, as uploaded with `jetlora datasets put`")]
-    sha256: Annotated[Sha256, Meta(description=(
-        "a pin: the job is refused unless the dataset has this content. The scheduler fills it in at submit, so a "
-        "job always trains on what it was submitted with"))] | None = None
-    owner: Annotated[TenantId | None, Meta(description=(
-        "whose dataset it is: set by the scheduler at submit (a tenant's own, or none for one an admin uploaded); "
-        "what a submitter says here is replaced"))] = None
+    sha256: (
+        Annotated[
+            Sha256,
+            Meta(
+                description=(
+                    "a pin: the job is refused unless the dataset has this content. The scheduler fills it in at submit, so a "
+                    "job always trains on what it was submitted with"
+                )
+            ),
+        ]
+        | None
+    ) = None
+    owner: Annotated[
+        TenantId | None,
+        Meta(
+            description=(
+                "whose dataset it is: set by the scheduler at submit (a tenant's own, or none for one an admin uploaded); "
+                "what a submitter says here is replaced"
+            )
+        ),
+    ] = None
 
 
 class RegisterSpec(Struct, forbid_unknown_fields=True, kw_only=True):
@@ -68,39 +108,95 @@ class JobRequest(Struct, forbid_unknown_fields=True, kw_only=True):
     """What a submitter publishes on the submit subject."""
 
     model: Annotated[Name, Meta(max_length=200, description="catalog name of the served model")]
-    base_dir: Annotated[str, Meta(pattern=ABSOLUTE_PATH, max_length=4096,
-                                  description="directory of safetensors weights and config.json, on the node")]
-    data: Annotated[list[QA], Meta(description="question/answer pairs sent inline (small jobs); or name a dataset")] = field(
-        default_factory=list)
-    dataset: Annotated[DatasetRef, Meta(description="the training data, stored once with `jetlora datasets put`")] | None = None
-    validation_dataset: Annotated[DatasetRef, Meta(description=(
-        "held-out data evaluated at train.eval_steps and at the end (instead of train.eval_fraction)"))] | None = None
+    base_dir: Annotated[
+        str,
+        Meta(
+            pattern=ABSOLUTE_PATH,
+            max_length=4096,
+            description="directory of safetensors weights and config.json, on the node",
+        ),
+    ]
+    data: Annotated[list[QA], Meta(description="question/answer pairs sent inline (small jobs); or name a dataset")] = (
+        field(default_factory=list)
+    )
+    dataset: (
+        Annotated[DatasetRef, Meta(description="the training data, stored once with `jetlora datasets put`")] | None
+    ) = None
+    validation_dataset: (
+        Annotated[
+            DatasetRef,
+            Meta(
+                description=(
+                    "held-out data evaluated at train.eval_steps and at the end (instead of train.eval_fraction)"
+                )
+            ),
+        ]
+        | None
+    ) = None
     served_by: Literal["vllm", "llamacpp"] = "vllm"
     node: NodeId | None = None
     gpu_mib: Annotated[int, Meta(ge=0, le=16_777_216, description="GPU memory the job needs; 0: any free GPU")] = 0
     accelerator: Literal["gpu", "cpu", "any"] = "gpu"
-    devices: Annotated[int, Meta(ge=1, le=16, description=(
-        "GPUs of one node the job trains on at once, one rank each, gpu_mib free on every one; each rank takes "
-        "its share of train.batch_size x devices examples a step"))] = 1
-    quantization: Annotated[Literal["none", "nf4"], Meta(description=(
-        "nf4: the base model is loaded in 4 bits (bitsandbytes, QLoRA), a quarter of its bf16 memory; GPU only. "
-        "The adapter still applies to the full-precision base (its GGUF too)"))] = "none"
+    devices: Annotated[
+        int,
+        Meta(
+            ge=1,
+            le=16,
+            description=(
+                "GPUs of one node the job trains on at once, one rank each, gpu_mib free on every one; each rank takes "
+                "its share of train.batch_size x devices examples a step"
+            ),
+        ),
+    ] = 1
+    quantization: Annotated[
+        Literal["none", "nf4"],
+        Meta(
+            description=(
+                "nf4: the base model is loaded in 4 bits (bitsandbytes, QLoRA), a quarter of its bf16 memory; GPU only. "
+                "The adapter still applies to the full-precision base (its GGUF too)"
+            )
+        ),
+    ] = "none"
     priority: Annotated[int, Meta(ge=-100, le=100)] = 0
     retries: Annotated[int, Meta(ge=0, le=20, description="times the job is re-queued when its node goes away")] = 0
     lora: LoraConfig = field(default_factory=LoraConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     gguf_type: Literal["f16", "f32", "bf16", "q8_0"] = "f16"
     register: RegisterSpec | None = None
-    init_adapter: Annotated[InitAdapter, Meta(description=(
-        "start from this registered adapter, its shape replacing lora's; a dpo job's reference is then that "
-        "adapter as it starts"))] | None = None
-    integrations: Annotated[list[Integration], Meta(max_length=8, description=(
-        "W&B and MLflow runs that receive the job's metrics and samples, besides TensorBoard"))] = field(
-        default_factory=list)
+    init_adapter: (
+        Annotated[
+            InitAdapter,
+            Meta(
+                description=(
+                    "start from this registered adapter, its shape replacing lora's; a dpo job's reference is then that "
+                    "adapter as it starts"
+                )
+            ),
+        ]
+        | None
+    ) = None
+    integrations: Annotated[
+        list[Integration],
+        Meta(
+            max_length=8,
+            description=("W&B and MLflow runs that receive the job's metrics and samples, besides TensorBoard"),
+        ),
+    ] = field(default_factory=list)
     label: Annotated[OneLine, Meta(max_length=200)] = ""
-    idempotency_key: Annotated[OneLine, Meta(min_length=1, max_length=256, description=(
-        "a client's own name for this submission: sent again (a retry after a timeout) within the scheduler's "
-        "window, it returns the first job's id and creates nothing"))] | None = None
+    idempotency_key: (
+        Annotated[
+            OneLine,
+            Meta(
+                min_length=1,
+                max_length=256,
+                description=(
+                    "a client's own name for this submission: sent again (a retry after a timeout) within the scheduler's "
+                    "window, it returns the first job's id and creates nothing"
+                ),
+            ),
+        ]
+        | None
+    ) = None
 
 
 class Accepted(Struct, tag="accepted", tag_field="type"):
@@ -217,10 +313,24 @@ class JobSummary(Struct, kw_only=True):
 def summarize(stored: StoredRequest, status: JobStatus) -> "JobSummary":
     req = stored.request
     return JobSummary(
-        id=stored.id, tenant=stored.tenant, label=req.label, model=req.model, state=status.state, message=status.message,
-        node=status.node, device=status.device, priority=req.priority, gpu_mib=req.gpu_mib,
-        created=stored.created, updated=status.updated or stored.created, attempt=status.attempt,
-        step=status.step, steps=status.steps, loss=status.loss, artifacts=status.artifacts, paused_by=status.paused_by,
+        id=stored.id,
+        tenant=stored.tenant,
+        label=req.label,
+        model=req.model,
+        state=status.state,
+        message=status.message,
+        node=status.node,
+        device=status.device,
+        priority=req.priority,
+        gpu_mib=req.gpu_mib,
+        created=stored.created,
+        updated=status.updated or stored.created,
+        attempt=status.attempt,
+        step=status.step,
+        steps=status.steps,
+        loss=status.loss,
+        artifacts=status.artifacts,
+        paused_by=status.paused_by,
         devices=status.devices,
     )
 
@@ -278,48 +388,102 @@ def check_request(req: JobRequest) -> list[FieldError]:
         errors.append(FieldError("base_dir", "must not contain '..'; give the model directory's real path"))
     t = req.train
     if not req.data and req.dataset is None:
-        errors.append(FieldError("data", "the job has no training data: name a dataset ({\"name\": ...}, see "
-                                            "`jetlora datasets ls`) or send Q/A pairs inline in data"))
+        errors.append(
+            FieldError(
+                "data",
+                'the job has no training data: name a dataset ({"name": ...}, see '
+                "`jetlora datasets ls`) or send Q/A pairs inline in data",
+            )
+        )
     if req.data and req.dataset is not None:
         errors.append(FieldError("data", "give the training data once: inline data or a dataset, not both"))
     if t.eval_steps and not t.eval_fraction and req.validation_dataset is None:
-        errors.append(FieldError("train.eval_steps", "evaluation needs held-out data: set train.eval_fraction (e.g. 0.1), "
-                                                     "name a validation_dataset, or set eval_steps to 0"))
+        errors.append(
+            FieldError(
+                "train.eval_steps",
+                "evaluation needs held-out data: set train.eval_fraction (e.g. 0.1), "
+                "name a validation_dataset, or set eval_steps to 0",
+            )
+        )
     if t.eval_fraction and req.validation_dataset is not None:
-        errors.append(FieldError("train.eval_fraction", "the job names a validation_dataset: it is the held-out data; "
-                                                        "set eval_fraction to 0"))
+        errors.append(
+            FieldError(
+                "train.eval_fraction",
+                "the job names a validation_dataset: it is the held-out data; set eval_fraction to 0",
+            )
+        )
     if t.eval_fraction and req.data and len(req.data) * t.eval_fraction < 1:
-        errors.append(FieldError("train.eval_fraction", f"{t.eval_fraction} of {len(req.data)} examples holds out none; raise it or add data"))
+        errors.append(
+            FieldError(
+                "train.eval_fraction",
+                f"{t.eval_fraction} of {len(req.data)} examples holds out none; raise it or add data",
+            )
+        )
     if req.quantization == "nf4" and req.accelerator != "gpu":
-        errors.append(FieldError("quantization", "nf4 loads the base model with bitsandbytes, which needs a GPU: set "
-                                                 "accelerator to 'gpu', or quantization to 'none' to train on a CPU"))
+        errors.append(
+            FieldError(
+                "quantization",
+                "nf4 loads the base model with bitsandbytes, which needs a GPU: set "
+                "accelerator to 'gpu', or quantization to 'none' to train on a CPU",
+            )
+        )
     if req.devices > 1 and req.accelerator != "gpu":
-        errors.append(FieldError("devices", "a job on several devices runs one rank per GPU of a node (a node offers "
-                                            "its CPU as one device): set accelerator to 'gpu', or devices to 1"))
+        errors.append(
+            FieldError(
+                "devices",
+                "a job on several devices runs one rank per GPU of a node (a node offers "
+                "its CPU as one device): set accelerator to 'gpu', or devices to 1",
+            )
+        )
     if req.accelerator == "cpu" and req.gpu_mib:
         errors.append(FieldError("gpu_mib", "a CPU job needs no GPU memory: set gpu_mib to 0 or accelerator to 'gpu'"))
     held_out = bool(t.eval_fraction or req.validation_dataset)
     if t.early_stopping_patience and not (held_out and t.eval_steps):
-        errors.append(FieldError("train.early_stopping_patience", "early stopping compares evaluations: set "
-                                 "train.eval_steps and held-out data (train.eval_fraction or validation_dataset)"))
+        errors.append(
+            FieldError(
+                "train.early_stopping_patience",
+                "early stopping compares evaluations: set "
+                "train.eval_steps and held-out data (train.eval_fraction or validation_dataset)",
+            )
+        )
     if t.keep_best and not held_out:
-        errors.append(FieldError("train.keep_best", "the best adapter is chosen by eval loss: give held-out data "
-                                                    "(train.eval_fraction or validation_dataset) or drop keep_best"))
+        errors.append(
+            FieldError(
+                "train.keep_best",
+                "the best adapter is chosen by eval loss: give held-out data "
+                "(train.eval_fraction or validation_dataset) or drop keep_best",
+            )
+        )
     if t.max_steps and t.warmup_steps > t.max_steps:
-        errors.append(FieldError("train.warmup_steps", f"{t.warmup_steps} warmup steps is more than the {t.max_steps} "
-                                                       "steps of the run; lower it or raise train.max_steps"))
+        errors.append(
+            FieldError(
+                "train.warmup_steps",
+                f"{t.warmup_steps} warmup steps is more than the {t.max_steps} "
+                "steps of the run; lower it or raise train.max_steps",
+            )
+        )
     targets = req.lora.target_modules
     if len(set(targets)) != len(targets):
         errors.append(FieldError("lora.target_modules", "lists a module twice; name each once"))
     if unexportable := sorted(UNEXPORTABLE_TARGETS & set(targets)):
-        errors.append(FieldError("lora.target_modules", f"{', '.join(unexportable)}: an adapter on the embeddings or the "
-                                 "output head carries a copy of those base weights, which the GGUF export and vLLM "
-                                 "do not take; train the attention and MLP layers instead"))
+        errors.append(
+            FieldError(
+                "lora.target_modules",
+                f"{', '.join(unexportable)}: an adapter on the embeddings or the "
+                "output head carries a copy of those base weights, which the GGUF export and vLLM "
+                "do not take; train the attention and MLP layers instead",
+            )
+        )
     if req.init_adapter is not None and req.lora.init != "default":
         errors.append(FieldError("lora.init", "the job starts from init_adapter's weights: drop lora.init"))
     if t.method == "dpo" and (req.data or req.devices > 1):
-        errors.append(FieldError("data" if req.data else "devices", "dpo trains on a preference dataset (named in "
-                                 "dataset), on one device: upload the pairs with `jetlora datasets put` and name them"))
+        errors.append(
+            FieldError(
+                "data" if req.data else "devices",
+                "dpo trains on a preference dataset (named in "
+                "dataset), on one device: upload the pairs with `jetlora datasets put` and name them",
+            )
+        )
     errors += check_training(req.lora, t, req.accelerator, req.quantization, req.served_by)
     return errors
 
@@ -329,8 +493,13 @@ REQUIRED_PLACEHOLDERS = {"model": "-", "base_dir": "/-", "data": [{"q": "-", "a"
 
 def parse_job_request(data: bytes) -> JobRequest:
     """A submitted job, or InvalidRequest with every error the schema and the checks find."""
-    return parse_all(data, JobRequest, check_request, REQUIRED_PLACEHOLDERS,
-                     "send a JSON object with model, base_dir and data or dataset")
+    return parse_all(
+        data,
+        JobRequest,
+        check_request,
+        REQUIRED_PLACEHOLDERS,
+        "send a JSON object with model, base_dir and data or dataset",
+    )
 
 
 class IdempotencyRecord(Struct, kw_only=True):

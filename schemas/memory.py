@@ -48,20 +48,36 @@ class ModelShape(Struct, kw_only=True, omit_defaults=True):
         text = config.get("text_config") or config  # multimodal configs nest the language model's
         hidden = int(text["hidden_size"])
         heads = int(text.get("num_attention_heads", max(1, hidden // 128)))
-        shape = cls(dir=directory, params=0, layers=int(text["num_hidden_layers"]), hidden=hidden,
-                    intermediate=int(text.get("intermediate_size") or 4 * hidden), heads=heads,
-                    kv_heads=int(text.get("num_key_value_heads") or heads),
-                    head_dim=int(text.get("head_dim") or hidden // heads), vocab=int(text["vocab_size"]),
-                    experts=int(text.get("num_local_experts") or text.get("num_experts") or 1),
-                    dtype=str(text.get("torch_dtype") or config.get("torch_dtype") or "bfloat16"))
-        shape.params = params or shape.counted_params(bool(text.get("tie_word_embeddings", config.get("tie_word_embeddings"))))
+        shape = cls(
+            dir=directory,
+            params=0,
+            layers=int(text["num_hidden_layers"]),
+            hidden=hidden,
+            intermediate=int(text.get("intermediate_size") or 4 * hidden),
+            heads=heads,
+            kv_heads=int(text.get("num_key_value_heads") or heads),
+            head_dim=int(text.get("head_dim") or hidden // heads),
+            vocab=int(text["vocab_size"]),
+            experts=int(text.get("num_local_experts") or text.get("num_experts") or 1),
+            dtype=str(text.get("torch_dtype") or config.get("torch_dtype") or "bfloat16"),
+        )
+        shape.params = params or shape.counted_params(
+            bool(text.get("tie_word_embeddings", config.get("tie_word_embeddings")))
+        )
         return shape
 
     def linear_dims(self) -> dict[str, tuple[int, int]]:
         """(in, out) of each linear layer of a decoder layer, by module name."""
         q, kv, h, i = self.heads * self.head_dim, self.kv_heads * self.head_dim, self.hidden, self.intermediate
-        return {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h),
-                "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}
+        return {
+            "q_proj": (h, q),
+            "k_proj": (h, kv),
+            "v_proj": (h, kv),
+            "o_proj": (q, h),
+            "gate_proj": (h, i),
+            "up_proj": (h, i),
+            "down_proj": (i, h),
+        }
 
     def linear_params(self) -> int:
         """Parameters of the decoder layers' linear layers (each expert's MLP counted): what nf4 quantizes."""
@@ -85,9 +101,11 @@ class Estimate(Struct, kw_only=True):
     tokens: int  # per micro-batch
 
     def why(self) -> str:
-        return (f"weights {self.weights_mib:,} + LoRA and optimizer {self.lora_mib:,} + activations of "
-                f"{self.tokens:,} tokens {self.activations_mib:,} + logits {self.logits_mib:,} + CUDA "
-                f"{self.overhead_mib:,} MiB")
+        return (
+            f"weights {self.weights_mib:,} + LoRA and optimizer {self.lora_mib:,} + activations of "
+            f"{self.tokens:,} tokens {self.activations_mib:,} + logits {self.logits_mib:,} + CUDA "
+            f"{self.overhead_mib:,} MiB"
+        )
 
 
 def optimizer_state(t, r: int, targets: list[tuple[int, int]], layers: int, lora_params: int) -> int:
@@ -124,8 +142,11 @@ def estimate(shape: ModelShape, request, device: str = "cuda") -> Estimate:
     q, kv = shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim
     names = set(lora.target_modules)
     per_layer = 2 * h * 4 + (2 * q + 2 * kv) * act + 3 * i * act
-    per_layer += act * (h * bool(names & {"q_proj", "k_proj", "v_proj"}) + h * bool(names & {"gate_proj", "up_proj"})
-                        + i * ("down_proj" in names))
+    per_layer += act * (
+        h * bool(names & {"q_proj", "k_proj", "v_proj"})
+        + h * bool(names & {"gate_proj", "up_proj"})
+        + i * ("down_proj" in names)
+    )
     if lora.dropout:  # each target's dropped-out input and its mask
         per_layer += sum(a for a, _ in targets) * (act + 1)
     # The backward of a layer holds gradients as big as what the layer saved: one layer's worth on top.
@@ -143,8 +164,15 @@ def estimate(shape: ModelShape, request, device: str = "cuda") -> Estimate:
     start = INIT_COPIES.get(lora.init, 0) * max((a * b for a, b in targets), default=0) * 4  # before any step
     total = (weights + lora_bytes + max(saved + logits, start)) * ALLOCATOR_MARGIN + overhead
     mib = lambda b: int(math.ceil(b / MIB))  # noqa: E731
-    return Estimate(mib=mib(total), weights_mib=mib(weights), lora_mib=mib(lora_bytes),
-                    activations_mib=mib(saved), logits_mib=mib(logits), overhead_mib=mib(overhead), tokens=tokens)
+    return Estimate(
+        mib=mib(total),
+        weights_mib=mib(weights),
+        lora_mib=mib(lora_bytes),
+        activations_mib=mib(saved),
+        logits_mib=mib(logits),
+        overhead_mib=mib(overhead),
+        tokens=tokens,
+    )
 
 
 def what_would_fit(shape: ModelShape, request, free_mib: int) -> list[str]:
@@ -158,10 +186,17 @@ def what_would_fit(shape: ModelShape, request, free_mib: int) -> list[str]:
     if not t.gradient_checkpointing:
         options.append(("set train.gradient_checkpointing", train(gradient_checkpointing=True)))
     if t.batch_size > 1:
-        options.append((f"lower train.batch_size to 1 (raise grad_accum to {t.grad_accum * t.batch_size} to keep "
-                        "the step's examples)", train(batch_size=1, grad_accum=t.grad_accum * t.batch_size)))
+        options.append(
+            (
+                f"lower train.batch_size to 1 (raise grad_accum to {t.grad_accum * t.batch_size} to keep "
+                "the step's examples)",
+                train(batch_size=1, grad_accum=t.grad_accum * t.batch_size),
+            )
+        )
     if not t.gradient_checkpointing and t.batch_size > 1:
-        options.append(("both", train(gradient_checkpointing=True, batch_size=1, grad_accum=t.grad_accum * t.batch_size)))
+        options.append(
+            ("both", train(gradient_checkpointing=True, batch_size=1, grad_accum=t.grad_accum * t.batch_size))
+        )
     if request.quantization == "none":
         options.append(("set quantization to nf4", msgspec.structs.replace(request, quantization="nf4")))
     out = []
@@ -169,4 +204,3 @@ def what_would_fit(shape: ModelShape, request, free_mib: int) -> list[str]:
         need = estimate(shape, changed).mib
         out.append(f"{what}: ~{need:,} MiB" + ("" if need <= free_mib else " (still too much)"))
     return out
-

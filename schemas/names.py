@@ -53,7 +53,9 @@ _TOKEN = re.compile(r"^[A-Za-z0-9_-]{1,128}$")
 def check_token(value: str, what: str) -> str:
     """A node or job id must be one subject token: letters, digits, '_' and '-'."""
     if not _TOKEN.match(value or ""):
-        raise ValueError(f"{what} {value!r} must be 1-128 letters, digits, '_' or '-' (it becomes a NATS subject token)")
+        raise ValueError(
+            f"{what} {value!r} must be 1-128 letters, digits, '_' or '-' (it becomes a NATS subject token)"
+        )
     return value
 
 
@@ -98,7 +100,9 @@ RESERVED_TENANTS = {"upload", ADMIN_TENANT}  # jetlora.artifacts.upload.* carrie
 def check_tenant(value: str) -> str:
     check_token(value, "tenant")
     if value in RESERVED_TENANTS:
-        raise ValueError(f"tenant {value!r} is reserved (it would share subjects with jetlora's own: {', '.join(sorted(RESERVED_TENANTS))}); choose another")
+        raise ValueError(
+            f"tenant {value!r} is reserved (it would share subjects with jetlora's own: {', '.join(sorted(RESERVED_TENANTS))}); choose another"
+        )
     return value
 
 
@@ -301,6 +305,8 @@ def inbox(user: str) -> str:
 
 def inbox_all(user: str) -> str:
     return inbox(user) + ".>"
+
+
 SERVICE_DISCOVERY_ALL = "$SRV.>"
 
 

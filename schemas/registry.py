@@ -9,7 +9,7 @@ from msgspec import Meta, Struct, field
 
 from schemas.jobs import JobId, NodeId, Probe, TenantId
 
-AdapterName = Annotated[NodeId, Meta(description="what requests to the engine call it (`\"model\": NAME`)")]
+AdapterName = Annotated[NodeId, Meta(description='what requests to the engine call it (`"model": NAME`)')]
 Version = Annotated[int, Meta(ge=1)]
 
 
@@ -110,15 +110,44 @@ class RegisterRequest(Struct, forbid_unknown_fields=True, kw_only=True):
 class PromoteRequest(Struct, forbid_unknown_fields=True, kw_only=True):
     name: AdapterName
     version: Version
-    expect: Annotated[int, Meta(ge=0, description=(
-        "the version the caller saw as current (0: none); the promote is refused if the alias serves another now"
-        ))] | None = None
-    expect_changes: Annotated[int, Meta(ge=0, description=(
-        "the alias's `changes` the caller saw; refused if it changed at all since (a 1 -> 2 -> 1 too), so of "
-        "concurrent changes from one state exactly one wins"))] | None = None
-    canary: Annotated[str, Meta(pattern=r"^[1-9][0-9]*%?$", description=(
-        "move the name on this many of the nodes serving it first (`2`), or this share of them (`10%`); the rest "
-        "follow once each canary node reports it loaded and verified"))] | None = None
+    expect: (
+        Annotated[
+            int,
+            Meta(
+                ge=0,
+                description=(
+                    "the version the caller saw as current (0: none); the promote is refused if the alias serves another now"
+                ),
+            ),
+        ]
+        | None
+    ) = None
+    expect_changes: (
+        Annotated[
+            int,
+            Meta(
+                ge=0,
+                description=(
+                    "the alias's `changes` the caller saw; refused if it changed at all since (a 1 -> 2 -> 1 too), so of "
+                    "concurrent changes from one state exactly one wins"
+                ),
+            ),
+        ]
+        | None
+    ) = None
+    canary: (
+        Annotated[
+            str,
+            Meta(
+                pattern=r"^[1-9][0-9]*%?$",
+                description=(
+                    "move the name on this many of the nodes serving it first (`2`), or this share of them (`10%`); the rest "
+                    "follow once each canary node reports it loaded and verified"
+                ),
+            ),
+        ]
+        | None
+    ) = None
     canary_deadline_s: Annotated[float, Meta(gt=0)] = 600.0  # the canary nodes' time to verify it
 
 

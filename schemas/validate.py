@@ -97,8 +97,12 @@ def struct_errors(value: Any, cls: type[msgspec.Struct], prefix: str = "") -> li
     if cls.__struct_config__.forbid_unknown_fields:
         for key in value:
             if key not in fields:
-                errors.append(FieldError(".".join(p for p in (prefix, key) if p),
-                                         "unknown field; remove it (see schemas/json/ for the fields)"))
+                errors.append(
+                    FieldError(
+                        ".".join(p for p in (prefix, key) if p),
+                        "unknown field; remove it (see schemas/json/ for the fields)",
+                    )
+                )
     for name, f in fields.items():
         where = ".".join(p for p in (prefix, name) if p)
         if name not in value:
@@ -116,8 +120,9 @@ def struct_errors(value: Any, cls: type[msgspec.Struct], prefix: str = "") -> li
     return errors
 
 
-def parse_all(data: bytes, cls: type[S], checks: Callable[[S], list[FieldError]], placeholders: dict[str, Any],
-              hint: str) -> S:
+def parse_all(
+    data: bytes, cls: type[S], checks: Callable[[S], list[FieldError]], placeholders: dict[str, Any], hint: str
+) -> S:
     """Decode `data` as `cls` and run `checks` on it; raise InvalidRequest with every error found at once.
 
     When some fields are wrong, the checks still run on the rest: wrong fields fall back to their defaults (or to
@@ -132,8 +137,9 @@ def parse_all(data: bytes, cls: type[S], checks: Callable[[S], list[FieldError]]
         raise InvalidRequest([FieldError("", f"{reason} (a number too large for a float?); {hint}")]) from None
 
 
-def _parse_all(data: bytes, cls: type[S], checks: Callable[[S], list[FieldError]], placeholders: dict[str, Any],
-               hint: str) -> S:
+def _parse_all(
+    data: bytes, cls: type[S], checks: Callable[[S], list[FieldError]], placeholders: dict[str, Any], hint: str
+) -> S:
     try:
         return_value = msgspec.json.decode(data, type=cls)
     except msgspec.ValidationError:
@@ -152,8 +158,9 @@ def _parse_all(data: bytes, cls: type[S], checks: Callable[[S], list[FieldError]
         repaired = {k: v for k, v in raw.items() if k not in bad}
         repaired.update({k: v for k, v in placeholders.items() if k in bad})
         try:
-            errors += [e for e in checks(msgspec.convert(repaired, cls))
-                       if e.field.split(".")[0].split("[")[0] not in bad]
+            errors += [
+                e for e in checks(msgspec.convert(repaired, cls)) if e.field.split(".")[0].split("[")[0] not in bad
+            ]
         except msgspec.ValidationError:
             pass  # a nested field broke the repair too: the errors found so far are what can be said
     raise InvalidRequest(errors)

@@ -61,20 +61,34 @@ class BusOptions:
                 return add(*a, **kw)
 
             g.add_argument = g_add  # type: ignore[method-assign]  # every flag of this group defaults to unset
-        g.add_argument("--nats", dest="nats_url", default=os.environ.get("NATS_URL"),
-                       help="server URL, or several comma-separated for a cluster (env NATS_URL); "
-                            "none: start an embedded nats-server")
+        g.add_argument(
+            "--nats",
+            dest="nats_url",
+            default=os.environ.get("NATS_URL"),
+            help="server URL, or several comma-separated for a cluster (env NATS_URL); "
+            "none: start an embedded nats-server",
+        )
         g.add_argument("--creds", default=os.environ.get("NATS_CREDS"), help="credentials file (env NATS_CREDS)")
-        g.add_argument("--nkey", default=os.environ.get("NATS_NKEY"),
-                       help="file holding this user's nkey seed (env NATS_NKEY); the server lists its public key")
+        g.add_argument(
+            "--nkey",
+            default=os.environ.get("NATS_NKEY"),
+            help="file holding this user's nkey seed (env NATS_NKEY); the server lists its public key",
+        )
         g.add_argument("--user", default=os.environ.get("NATS_USER"))
-        g.add_argument("--password-file", default=os.environ.get("NATS_PASSWORD_FILE"),
-                       help="file holding the password (env NATS_PASSWORD_FILE); passwords never go on the command line")
+        g.add_argument(
+            "--password-file",
+            default=os.environ.get("NATS_PASSWORD_FILE"),
+            help="file holding the password (env NATS_PASSWORD_FILE); passwords never go on the command line",
+        )
         g.add_argument("--tls-ca", default=os.environ.get("NATS_CA"))
         g.add_argument("--tls-cert", default=os.environ.get("NATS_CERT"))
         g.add_argument("--tls-key", default=os.environ.get("NATS_KEY"))
-        g.add_argument("--replicas", type=int, default=int(os.environ.get("JETLORA_REPLICAS", "1")),
-                       help="replicas of jetlora's streams and buckets (3 on a 3-server cluster)")
+        g.add_argument(
+            "--replicas",
+            type=int,
+            default=int(os.environ.get("JETLORA_REPLICAS", "1")),
+            help="replicas of jetlora's streams and buckets (3 on a 3-server cluster)",
+        )
 
     @classmethod
     def from_args(cls, args: argparse.Namespace, name: str) -> "BusOptions":
@@ -82,8 +96,18 @@ class BusOptions:
         if args.password_file:
             with open(args.password_file) as f:
                 password = f.read().strip()
-        return cls(url=args.nats_url, creds=args.creds, nkey=args.nkey, user=args.user, password=password, tls_ca=args.tls_ca,
-                   tls_cert=args.tls_cert, tls_key=args.tls_key, replicas=args.replicas, name=name)
+        return cls(
+            url=args.nats_url,
+            creds=args.creds,
+            nkey=args.nkey,
+            user=args.user,
+            password=password,
+            tls_ca=args.tls_ca,
+            tls_cert=args.tls_cert,
+            tls_key=args.tls_key,
+            replicas=args.replicas,
+            name=name,
+        )
 
     def tls_context(self) -> ssl.SSLContext | None:
         if not (self.tls_ca or self.tls_cert):
@@ -123,9 +147,16 @@ async def connect(opts: BusOptions, service: bool = True) -> Client:
         log.info("reconnected to NATS")
 
     url = opts.url or ""
-    kwargs: dict[str, Any] = dict(servers=[u.strip() for u in url.split(",") if u.strip()], name=opts.name, max_reconnect_attempts=-1, reconnect_time_wait=0.5,
-                  error_cb=on_error, disconnected_cb=on_disconnect, reconnected_cb=on_reconnect,
-                  connect_timeout=5)
+    kwargs: dict[str, Any] = dict(
+        servers=[u.strip() for u in url.split(",") if u.strip()],
+        name=opts.name,
+        max_reconnect_attempts=-1,
+        reconnect_time_wait=0.5,
+        error_cb=on_error,
+        disconnected_cb=on_disconnect,
+        reconnected_cb=on_reconnect,
+        connect_timeout=5,
+    )
     if not service:
         kwargs.update(allow_reconnect=False, connect_timeout=3, max_reconnect_attempts=1)  # 0 means forever in nats-py
         kwargs["error_cb"] = _quiet  # the caller reports a failed connect in its own words
@@ -145,11 +176,25 @@ async def connect(opts: BusOptions, service: bool = True) -> Client:
 async def ensure_resources(nc: Client, replicas: int = 1) -> None:
     """Create jetlora's stream, KV buckets and object store where they do not exist yet."""
     js = nc.jetstream()
-    stream = StreamConfig(name=names.JOBS_STREAM, subjects=names.JOBS_STREAM_SUBJECTS, retention=RetentionPolicy.LIMITS,
-                          storage=StorageType.FILE, max_age=30 * 24 * 3600, max_bytes=4 * 1024**3,
-                          num_replicas=replicas, duplicate_window=120)
-    index = StreamConfig(name=names.JOB_INDEX_STREAM, subjects=names.JOB_INDEX_SUBJECTS, retention=RetentionPolicy.LIMITS,
-                         storage=StorageType.FILE, num_replicas=replicas, allow_direct=True, duplicate_window=120)
+    stream = StreamConfig(
+        name=names.JOBS_STREAM,
+        subjects=names.JOBS_STREAM_SUBJECTS,
+        retention=RetentionPolicy.LIMITS,
+        storage=StorageType.FILE,
+        max_age=30 * 24 * 3600,
+        max_bytes=4 * 1024**3,
+        num_replicas=replicas,
+        duplicate_window=120,
+    )
+    index = StreamConfig(
+        name=names.JOB_INDEX_STREAM,
+        subjects=names.JOB_INDEX_SUBJECTS,
+        retention=RetentionPolicy.LIMITS,
+        storage=StorageType.FILE,
+        num_replicas=replicas,
+        allow_direct=True,
+        duplicate_window=120,
+    )
     for config in (stream, index):  # the index keeps what retention keeps: its entries go with their jobs
         try:
             await js.stream_info(str(config.name))
@@ -158,9 +203,14 @@ async def ensure_resources(nc: Client, replicas: int = 1) -> None:
                 await js.add_stream(config)
             except BadRequestError:  # created by another service at the same moment
                 pass
-    for bucket, kw in ((names.JOBS_KV, dict(history=1)), (names.LEASE_KV, dict(history=1, ttl=LEASE_TTL_S)),
-                       (names.ADAPTERS_KV, dict(history=16)), (names.IDEMPOTENCY_KV, dict(history=1, ttl=IDEMPOTENCY_S)), (names.KEYS_KV, dict(history=1)),
-                       (names.GATEWAY_JOBS_KV, dict(history=1))):
+    for bucket, kw in (
+        (names.JOBS_KV, dict(history=1)),
+        (names.LEASE_KV, dict(history=1, ttl=LEASE_TTL_S)),
+        (names.ADAPTERS_KV, dict(history=16)),
+        (names.IDEMPOTENCY_KV, dict(history=1, ttl=IDEMPOTENCY_S)),
+        (names.KEYS_KV, dict(history=1)),
+        (names.GATEWAY_JOBS_KV, dict(history=1)),
+    ):
         try:
             await js.key_value(bucket)
         except (NotFoundError, BadRequestError):
@@ -200,8 +250,10 @@ class PayloadTooLarge(RequestError):
     """A request bigger than the server's max_payload: it was never sent."""
 
     def __init__(self, subject: str, size: int, limit: int) -> None:
-        super().__init__(f"the request on {subject} is {size / 2**20:,.1f} MiB; this NATS server takes at most "
-                         f"{limit / 2**20:,.1f} MiB per message (its max_payload)")
+        super().__init__(
+            f"the request on {subject} is {size / 2**20:,.1f} MiB; this NATS server takes at most "
+            f"{limit / 2**20:,.1f} MiB per message (its max_payload)"
+        )
         self.size, self.limit = size, limit
 
 
@@ -227,7 +279,9 @@ async def request(nc: Client, subject: str, message: Any, reply_type: Any, timeo
     except nats.errors.MaxPayloadError:
         raise PayloadTooLarge(subject, len(payload), nc.max_payload) from None
     except nats.errors.NoRespondersError:
-        raise RequestError(f"nothing serves {subject}: is the service running (jetlora up, or jetlora scheduler/artifacts)?") from None
+        raise RequestError(
+            f"nothing serves {subject}: is the service running (jetlora up, or jetlora scheduler/artifacts)?"
+        ) from None
     except nats.errors.TimeoutError:
         raise RequestError(f"no reply on {subject} within {timeout}s: the service is busy or down") from None
     try:
@@ -260,10 +314,14 @@ class Concurrently:
             self.slots.release()
 
 
-def handler(serve: Callable[..., Awaitable[Any]], request_type: type[T] | None = None, *,
-            parse: Callable[[bytes], T] | None = None,
-            invalid: Callable[[list[FieldError]], Any] = as_error,
-            with_subject: bool = False) -> Callable[[Any], Awaitable[Any]]:
+def handler(
+    serve: Callable[..., Awaitable[Any]],
+    request_type: type[T] | None = None,
+    *,
+    parse: Callable[[bytes], T] | None = None,
+    invalid: Callable[[list[FieldError]], Any] = as_error,
+    with_subject: bool = False,
+) -> Callable[[Any], Awaitable[Any]]:
     """One way to answer a request: decode it (a cached decoder of request_type, or `parse`), answer
     `invalid(errors)` when it does not hold, else `await serve(request)` (`serve(request, subject)` with
     with_subject, for endpoints whose subject carries a token), and encode the reply.
@@ -308,8 +366,14 @@ def error_text(reply: object) -> str | None:
     return " ".join(text.split())[:1024]  # a header value holds no line breaks
 
 
-async def add_endpoint(group: Group, name: str, answer: Callable[[Any], Awaitable[Any]],
-                       subject: str | None = None, *, concurrently: Concurrently | None = None) -> None:
+async def add_endpoint(
+    group: Group,
+    name: str,
+    answer: Callable[[Any], Awaitable[Any]],
+    subject: str | None = None,
+    *,
+    concurrently: Concurrently | None = None,
+) -> None:
     """Serve `answer` (a handler()) as a micro endpoint whose error replies count in $SRV.STATS; with
     `concurrently`, requests are answered at once, each in its own task, up to its limit.
 

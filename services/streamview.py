@@ -30,8 +30,15 @@ class StaleView(Exception):
 class LatestView:
     """`entries` maps each subject's key to its decoded newest value; removed subjects are absent."""
 
-    def __init__(self, js, stream: str, subjects: str, decode: Callable[[str, Any], Any | None],
-                 key: Callable[[str], str] = lambda subject: subject, catch_up_s: float = 5.0) -> None:
+    def __init__(
+        self,
+        js,
+        stream: str,
+        subjects: str,
+        decode: Callable[[str, Any], Any | None],
+        key: Callable[[str], str] = lambda subject: subject,
+        catch_up_s: float = 5.0,
+    ) -> None:
         """decode(key, msg) -> the value to keep, or None when the message removes the key."""
         self.js, self.stream, self.subjects = js, stream, subjects
         self.decode, self.key, self.catch_up_s = decode, key, catch_up_s
@@ -48,16 +55,27 @@ class LatestView:
                 await self._follow(stop)
                 pause = 0.5
             except Exception as e:
-                log.warning("the view of %s %s broke (%s: %s); rebuilding it in %.1fs", self.stream, self.subjects,
-                            type(e).__name__, e, pause)
+                log.warning(
+                    "the view of %s %s broke (%s: %s); rebuilding it in %.1fs",
+                    self.stream,
+                    self.subjects,
+                    type(e).__name__,
+                    e,
+                    pause,
+                )
                 await sleep_unless_stopped(stop, pause)
                 pause = min(pause * 2, 10.0)
 
     async def _follow(self, stop: asyncio.Event) -> None:
         self._rebuild.clear()
         self.entries, self.seen = {}, 0  # readers that wait see only a complete view again
-        sub = await self.js.subscribe(self.subjects, stream=self.stream, ordered_consumer=True,
-                                      deliver_policy=DeliverPolicy.LAST_PER_SUBJECT, idle_heartbeat=2.0)
+        sub = await self.js.subscribe(
+            self.subjects,
+            stream=self.stream,
+            ordered_consumer=True,
+            deliver_policy=DeliverPolicy.LAST_PER_SUBJECT,
+            idle_heartbeat=2.0,
+        )
         try:
             while not stop.is_set() and not self._rebuild.is_set():
                 try:
@@ -95,8 +113,10 @@ class LatestView:
                     await self._tick.wait()
         except TimeoutError:
             self._rebuild.set()
-            raise StaleView(f"the view of {self.stream} is at sequence {self.seen}, not {target}, after "
-                            f"{self.catch_up_s:.0f}s; it is being rebuilt, try again") from None
+            raise StaleView(
+                f"the view of {self.stream} is at sequence {self.seen}, not {target}, after "
+                f"{self.catch_up_s:.0f}s; it is being rebuilt, try again"
+            ) from None
         return self.entries
 
 

@@ -42,9 +42,16 @@ def nats_server(tmp_path_factory):
 async def reset_resources(nc) -> None:
     """Each test starts from empty jetlora streams and buckets on the shared server."""
     js = nc.jetstream()
-    for stream in (names.JOBS_STREAM, names.kv(names.JOBS_KV).stream, names.kv(names.LEASE_KV).stream,
-                   names.kv(names.ADAPTERS_KV).stream, names.JOB_INDEX_STREAM, names.kv(names.IDEMPOTENCY_KV).stream,
-                   names.objects(names.ARTIFACTS_BUCKET).stream, names.objects(names.DATASETS_BUCKET).stream):
+    for stream in (
+        names.JOBS_STREAM,
+        names.kv(names.JOBS_KV).stream,
+        names.kv(names.LEASE_KV).stream,
+        names.kv(names.ADAPTERS_KV).stream,
+        names.JOB_INDEX_STREAM,
+        names.kv(names.IDEMPOTENCY_KV).stream,
+        names.objects(names.ARTIFACTS_BUCKET).stream,
+        names.objects(names.DATASETS_BUCKET).stream,
+    ):
         try:
             await js.delete_stream(stream)
         except NotFoundError:
@@ -139,11 +146,34 @@ class Agents:
         self.url, self.tmp = url, tmp
         self.procs: dict[str, subprocess.Popen] = {}
 
-    def start(self, node: str, gpus: str | None = "24576", offer_cpu: bool = False, trainer: str | None = HOLD_TRAINER,
-              hold_s: float = 0.5, interval: float = 0.25, env: dict | None = None,
-              bus_flags: tuple[str, ...] = (), extra: tuple[str, ...] = ()) -> subprocess.Popen:
-        cmd = [sys.executable, "-m", "services.cli", "agent", "--nats", self.url, "--node", node,
-               "--work-dir", str(self.tmp / node), "--heartbeat-interval", str(interval), *bus_flags, *extra]
+    def start(
+        self,
+        node: str,
+        gpus: str | None = "24576",
+        offer_cpu: bool = False,
+        trainer: str | None = HOLD_TRAINER,
+        hold_s: float = 0.5,
+        interval: float = 0.25,
+        env: dict | None = None,
+        bus_flags: tuple[str, ...] = (),
+        extra: tuple[str, ...] = (),
+    ) -> subprocess.Popen:
+        cmd = [
+            sys.executable,
+            "-m",
+            "services.cli",
+            "agent",
+            "--nats",
+            self.url,
+            "--node",
+            node,
+            "--work-dir",
+            str(self.tmp / node),
+            "--heartbeat-interval",
+            str(interval),
+            *bus_flags,
+            *extra,
+        ]
         if gpus:
             cmd += ["--simulate-gpus", gpus]
         if offer_cpu:
@@ -257,8 +287,9 @@ async def wait_nodes(nc, count: int, timeout: float = 20.0):
 async def stream_events(nc, subject: str, decoder: msgspec.json.Decoder, timeout: float = 30.0) -> list:
     """Every event on `subject` in the JOBS stream, replayed whole: the stream's own count says when it is all read.
     JetStream requests that time out (a cluster electing a new leader) are tried again until `timeout`."""
-    return await retrying(lambda: _replay(nc, subject, decoder), (nats.errors.TimeoutError, asyncio.TimeoutError),
-                          timeout)
+    return await retrying(
+        lambda: _replay(nc, subject, decoder), (nats.errors.TimeoutError, asyncio.TimeoutError), timeout
+    )
 
 
 async def _replay(nc, subject: str, decoder: msgspec.json.Decoder) -> list:
@@ -318,8 +349,9 @@ def tinymodel():
     return module
 
 
-async def run_held_job(nc, agents: "Agents", node: str = "n1", hold_s: float = 5.0, timeout: float = 30.0,
-                       **request) -> str:
+async def run_held_job(
+    nc, agents: "Agents", node: str = "n1", hold_s: float = 5.0, timeout: float = 30.0, **request
+) -> str:
     """Start an agent whose trainer holds for `hold_s`, submit a job to it, return once it runs."""
     from schemas.jobs import Accepted
     from tests.qa import pairs
@@ -334,6 +366,7 @@ async def run_held_job(nc, agents: "Agents", node: str = "n1", hold_s: float = 5
 
 async def answering(nc, subject: str, timeout: float = 30.0) -> None:
     """Until a service answers requests on `subject` (any reply will do)."""
+
     async def answers():
         try:
             return await bus.request(nc, subject, b"{}", msgspec.Raw, timeout=1)
@@ -349,8 +382,14 @@ def spec_for(model_dir, tmp_path, **train):
     from schemas.jobs import JobRequest
     from tests.qa import pairs
 
-    t = {"max_steps": 40, "learning_rate": 0.01, "batch_size": 1, "max_seq_length": 128, "warmup_steps": 0,
-         "logging_steps": 1}
+    t = {
+        "max_steps": 40,
+        "learning_rate": 0.01,
+        "batch_size": 1,
+        "max_seq_length": 128,
+        "warmup_steps": 0,
+        "logging_steps": 1,
+    }
     t.update(train)
     req = msgspec.convert({"model": "tiny", "base_dir": str(model_dir), "data": pairs(), "train": t}, JobRequest)
     return TrainerSpec(job="t", attempt=1, request=req, out_dir=str(tmp_path / "out"))
@@ -381,6 +420,7 @@ async def running_on(nc, job: str, node: str = "n1", attempt: int = 1, tenant: s
 
 def slowed(write, seconds: float = 0.02):
     """A store write that takes `seconds` longer: the slow store the race tests run the scheduler against."""
+
     async def slow_write(*a, **kw):
         await asyncio.sleep(seconds)  # the fault itself, not a wait for something
         return await write(*a, **kw)

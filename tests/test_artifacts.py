@@ -55,13 +55,23 @@ async def in_order(nc, chunks: list[Chunk]) -> list[ChunkAck]:
 
 
 def chunks_of(data: bytes, size: int, upload="u1", job="j1", kind="peft", sha=None) -> list[Chunk]:
-    pieces = [data[i:i + size] for i in range(0, len(data), size)]
+    pieces = [data[i : i + size] for i in range(0, len(data), size)]
     out = []
     for i, p in enumerate(pieces):
         last = i == len(pieces) - 1
-        out.append(Chunk(upload=upload, job=job, kind=kind, seq=i, data=p, last=last,
-                         sha256=(sha or hashlib.sha256(data).hexdigest()) if last else "",
-                         size=len(data) if last else 0, meta=ArtifactMeta(base_model="tiny", attempt=1) if i == 0 else None))
+        out.append(
+            Chunk(
+                upload=upload,
+                job=job,
+                kind=kind,
+                seq=i,
+                data=p,
+                last=last,
+                sha256=(sha or hashlib.sha256(data).hexdigest()) if last else "",
+                size=len(data) if last else 0,
+                meta=ArtifactMeta(base_model="tiny", attempt=1) if i == 0 else None,
+            )
+        )
     return out
 
 
@@ -116,9 +126,11 @@ async def test_a_sender_that_goes_away_leaves_no_object(nc, artifact_service):
 
 async def test_a_killed_sender_process_leaves_no_object(nc, artifact_service, nats_server, tmp_path):
     src = random_file(tmp_path / "big.bin", 40)
-    code = (f"import asyncio, nats\nfrom services.artifacts.sender import upload_file\n"
-            f"async def m():\n nc = await nats.connect('{nats_server.url}')\n"
-            f" await upload_file(nc, 'n1', 'killed', 'peft', '{src}', window=1)\nasyncio.run(m())\n")
+    code = (
+        f"import asyncio, nats\nfrom services.artifacts.sender import upload_file\n"
+        f"async def m():\n nc = await nats.connect('{nats_server.url}')\n"
+        f" await upload_file(nc, 'n1', 'killed', 'peft', '{src}', window=1)\nasyncio.run(m())\n"
+    )
     await running_on(nc, "killed")
     proc = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT)
     await wait_for(lambda: bool(artifact_service.uploads), timeout=30, what="the upload to start")
@@ -164,8 +176,12 @@ async def test_list_and_delete_through_the_service(nc, artifact_service, tmp_pat
 
 async def test_a_1_gb_artifact_keeps_the_service_small(nc, nats_server, tmp_path):
     """The service in its own process, so its peak RSS is its own."""
-    proc = subprocess.Popen([sys.executable, "-m", "services.cli", "artifacts", "--nats", nats_server.url], cwd=ROOT,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "services.cli", "artifacts", "--nats", nats_server.url],
+        cwd=ROOT,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     try:
         src = random_file(tmp_path / "g.bin", 1024)
         await answering(nc, names.ARTIFACTS_LIST)  # its process is up
@@ -191,8 +207,12 @@ def _rss_mib(pid: int, field: str = "VmRSS") -> float:
 async def test_chunks_flooded_ahead_of_a_gap_are_refused_and_their_memory_given_back(nc, nats_server):
     """Two uploads send 24 chunks of 4 MiB each after a chunk that never comes: the service holds at most its
     per-upload limit out of order, refuses the rest naming the limit, and its memory falls back afterwards."""
-    proc = subprocess.Popen([sys.executable, "-m", "services.cli", "artifacts", "--nats", nats_server.url], cwd=ROOT,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "services.cli", "artifacts", "--nats", nats_server.url],
+        cwd=ROOT,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     try:
         await answering(nc, names.ARTIFACTS_LIST)
         before = _rss_mib(proc.pid)
@@ -204,8 +224,9 @@ async def test_chunks_flooded_ahead_of_a_gap_are_refused_and_their_memory_given_
             assert (await send_as(nc, "n1", first)).ok
             for seq in range(2, 26):  # chunk 1 never comes; each sent as soon as the server has the one before
                 chunk = Chunk(upload=upload, job=upload, kind="peft", seq=seq, data=piece)
-                await nc.publish(names.artifact_upload("n1", upload), msgspec.msgpack.encode(chunk),
-                                 reply=replies.subject)
+                await nc.publish(
+                    names.artifact_upload("n1", upload), msgspec.msgpack.encode(chunk), reply=replies.subject
+                )
                 await nc.flush()
         acks = [_ack.decode((await replies.next_msg(timeout=60)).data) for _ in range(48)]
         await replies.unsubscribe()
@@ -215,8 +236,10 @@ async def test_chunks_flooded_ahead_of_a_gap_are_refused_and_their_memory_given_
         assert any("64 MiB one upload may hold out of order" in a.error for a in refused), refused[0].error
         await wait_for(lambda: _rss_mib(proc.pid) < before + 80, timeout=20, what="the service's memory to fall back")
         after = _rss_mib(proc.pid)
-        print(f"artifact service RSS: {before:.0f} MiB before, peak {during:.0f} MiB, {after:.0f} MiB after "
-              f"(48 x 4 MiB flooded)")
+        print(
+            f"artifact service RSS: {before:.0f} MiB before, peak {during:.0f} MiB, {after:.0f} MiB after "
+            f"(48 x 4 MiB flooded)"
+        )
         assert during < before + 150, (before, during)  # 192 MiB were sent: at most the limit was held
         assert await object_names(nc) == []
     finally:

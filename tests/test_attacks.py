@@ -45,14 +45,20 @@ class Fleet:
         self.sched_c, arts_c, reg_c = [await as_user(self.url, u) for u in ("scheduler", "artifacts", "scheduler")]
         await bus.ensure_resources(self.sched_c.nc)
         sched = Scheduler(self.sched_c.nc, SchedulerConfig(heartbeat_interval=0.25))
-        self.tasks = [asyncio.create_task(s.run(self.stop)) for s in
-                      (sched, ArtifactService(arts_c.nc), RegistryService(reg_c.nc))]
+        self.tasks = [
+            asyncio.create_task(s.run(self.stop))
+            for s in (sched, ArtifactService(arts_c.nc), RegistryService(reg_c.nc))
+        ]
         self.conns = [self.sched_c, arts_c, reg_c]
         await asyncio.wait_for(sched.leading.wait(), 10)
         for node in NODES:
             (self.tmp / f"pw-{node}").write_text(password(f"agent-{node}"))
-            self.agents.start(node, gpus="4096", hold_s=0.3, bus_flags=(
-                "--user", f"agent-{node}", "--password-file", str(self.tmp / f"pw-{node}")))
+            self.agents.start(
+                node,
+                gpus="4096",
+                hold_s=0.3,
+                bus_flags=("--user", f"agent-{node}", "--password-file", str(self.tmp / f"pw-{node}")),
+            )
 
     async def user(self, name: str):
         client = await as_user(self.url, name)
@@ -101,15 +107,18 @@ async def test_no_tenant_or_node_can_read_replace_or_serve_what_is_anothers(flee
     acme, globex, n1, operator = [await fleet.user(u) for u in ("tenant-acme", "tenant-globex", "agent-n1", "operator")]
 
     # globex's job G, on n2, registers and promotes globex-support
-    reply = await submit_as(globex, "globex", node="n2", label="globex's",
-                            register={"name": "globex-support", "promote": True})
+    reply = await submit_as(
+        globex, "globex", node="n2", label="globex's", register={"name": "globex-support", "promote": True}
+    )
     assert isinstance(reply, Accepted), reply
     g = reply.job
     done = await finished(globex, "globex", g)
     assert done.state == "succeeded", done.message
+
     async def promoted():  # the scheduler registers a succeeded job's adapter right after it records the success
-        alias = (await bus.request(operator.nc, names.ADAPTERS.show, AdapterQuery(name="globex-support"),
-                                   AdapterReply)).alias
+        alias = (
+            await bus.request(operator.nc, names.ADAPTERS.show, AdapterQuery(name="globex-support"), AdapterReply)
+        ).alias
         return alias if alias.current == 1 else None
 
     alias = await wait_for(promoted, timeout=20, what="globex-support@1 to be promoted")
@@ -134,8 +143,9 @@ async def test_no_tenant_or_node_can_read_replace_or_serve_what_is_anothers(flee
     # 2. acme cannot register under globex's adapter name: refused at submit, naming register.name
     taken = await submit_as(acme, "acme", register={"name": "globex-support", "promote": True})
     assert isinstance(taken, Rejected) and taken.errors[0].field == "register.name", taken
-    alias_after = (await bus.request(operator.nc, names.ADAPTERS.show, AdapterQuery(name="globex-support"),
-                                     AdapterReply)).alias
+    alias_after = (
+        await bus.request(operator.nc, names.ADAPTERS.show, AdapterQuery(name="globex-support"), AdapterReply)
+    ).alias
     assert (alias_after.current, alias_after.latest, alias_after.tenant) == (1, 1, "globex")
 
     # 3. datasets: one an admin shared with globex is not there for acme (to train on, or as validation data)
@@ -143,8 +153,9 @@ async def test_no_tenant_or_node_can_read_replace_or_serve_what_is_anothers(flee
     data.write_text("".join(json.dumps({"q": f"secret {i}?", "a": f"globex {i}"}) + "\n" for i in range(8)))
     stored = await upload_dataset(operator.nc, "globex-private", data, DatasetUpload(share=["globex"]))
     for field in ("dataset", "validation_dataset"):
-        stolen = await submit_as(acme, "acme", **{field: {"name": "globex-private"}},
-                                 **({"data": []} if field == "dataset" else {}))
+        stolen = await submit_as(
+            acme, "acme", **{field: {"name": "globex-private"}}, **({"data": []} if field == "dataset" else {})
+        )
         assert isinstance(stolen, Rejected) and stolen.errors[0].field == f"{field}.name", stolen
         assert "no dataset named globex-private" in stolen.errors[0].reason
     shared = await submit_as(globex, "globex", node="n2", validation_dataset={"name": "globex-private"})
@@ -152,23 +163,34 @@ async def test_no_tenant_or_node_can_read_replace_or_serve_what_is_anothers(flee
     assert (await finished(globex, "globex", shared.job)).state == "succeeded"
 
     # 4. node n1 cannot store artifacts for G (run by n2), for a job that does not exist, or at a path
-    forged = Chunk(upload="forged1", job=g, kind="peft", seq=0, data=b"evil", last=True,
-                   sha256=__import__("hashlib").sha256(b"evil").hexdigest(), size=4,
-                   meta=ArtifactMeta(tenant="acme", attempt=1))
-    ack = _ack.decode((await n1.nc.request(names.artifact_upload("n1", g), msgspec.msgpack.encode(forged),
-                                           timeout=10)).data)
+    forged = Chunk(
+        upload="forged1",
+        job=g,
+        kind="peft",
+        seq=0,
+        data=b"evil",
+        last=True,
+        sha256=__import__("hashlib").sha256(b"evil").hexdigest(),
+        size=4,
+        meta=ArtifactMeta(tenant="acme", attempt=1),
+    )
+    ack = _ack.decode(
+        (await n1.nc.request(names.artifact_upload("n1", g), msgspec.msgpack.encode(forged), timeout=10)).data
+    )
     assert not ack.ok and "only the node running the job's current attempt" in ack.error, ack
     before = len(n1.violations)
     await n1.nc.publish(names.artifact_upload("n2", g), msgspec.msgpack.encode(forged))  # as n2: not its subject
     await refused(n1, before)
     ghost = msgspec.structs.replace(forged, upload="forged2", job="nosuchjob")
-    ack = _ack.decode((await n1.nc.request(names.artifact_upload("n1", "nosuchjob"), msgspec.msgpack.encode(ghost),
-                                           timeout=10)).data)
+    ack = _ack.decode(
+        (await n1.nc.request(names.artifact_upload("n1", "nosuchjob"), msgspec.msgpack.encode(ghost), timeout=10)).data
+    )
     assert not ack.ok and "no job nosuchjob" in ack.error
     for meta in ({"step": -5}, {"step": 1, "filename": "../../../etc/passwd"}):
         bad = {**msgspec.structs.asdict(forged), "upload": "forged3", "kind": "checkpoint", "meta": meta}
-        ack = _ack.decode((await n1.nc.request(names.artifact_upload("n1", g), msgspec.msgpack.encode(bad),
-                                               timeout=10)).data)
+        ack = _ack.decode(
+            (await n1.nc.request(names.artifact_upload("n1", g), msgspec.msgpack.encode(bad), timeout=10)).data
+        )
         assert not ack.ok and "meta." in ack.error, ack
     after = await job_as(globex, "globex", g)
     assert [(a.name, a.sha256) for a in after.artifacts] == artifacts_before
@@ -187,14 +209,16 @@ async def test_no_tenant_or_node_can_read_replace_or_serve_what_is_anothers(flee
     # 8. what n1 says about G on its own subjects is not G's history
     js = n1.nc.jetstream()
     own = names.job(g, "n1", "globex")
-    await js.publish(own.state, msgspec.json.encode(StateChange(job=g, state="failed", node="n1", attempt=1,
-                                                                message="forged by n1")))
+    await js.publish(
+        own.state, msgspec.json.encode(StateChange(job=g, state="failed", node="n1", attempt=1, message="forged by n1"))
+    )
     await js.publish(own.progress, msgspec.json.encode(Progress(job=g, step=999, steps=999)))
     await js.publish(own.samples, msgspec.json.encode(Samples(job=g, step=999, model="adapter", samples=[])))
     page = await bus.request(globex.nc, names.jobs_api("globex").events, EventsQuery(job=g, limit=1000), EventPage)
     assert {e.node for e in page.events} == {"n2"}
-    assert not any(getattr(e.event, "step", 0) == 999 or "forged" in getattr(e.event, "message", "")
-                   for e in page.events)
+    assert not any(
+        getattr(e.event, "step", 0) == 999 or "forged" in getattr(e.event, "message", "") for e in page.events
+    )
     assert (await job_as(globex, "globex", g)).state == "succeeded"
 
     # 9. control characters are refused at the door, naming the field
@@ -207,11 +231,13 @@ async def test_a_tenant_reads_replies_only_on_its_own_inbox(secured):  # noqa: F
     """nats-py's default inbox (_INBOX.<random>) is not the user's own: its requests get no reply at all."""
     scheduler = await as_user(secured.url, "scheduler")
     await bus.ensure_resources(scheduler.nc)
+
     async def quiet(_error) -> None:
         pass
 
-    wrong = await nats.connect(secured.url, user="tenant-acme", password=password("tenant-acme"), error_cb=quiet,
-                               max_reconnect_attempts=1)
+    wrong = await nats.connect(
+        secured.url, user="tenant-acme", password=password("tenant-acme"), error_cb=quiet, max_reconnect_attempts=1
+    )
     with pytest.raises(nats.errors.Error):
         await wrong.request(names.jobs_api("acme").jobs, b"{}", timeout=1)
     await wrong.close()
@@ -234,8 +260,12 @@ async def test_a_tenants_datasets_are_its_own(fleet, tmp_path):
     theirs = await bus.request(globex.nc, names.datasets_api("globex").list, DatasetListQuery(), DatasetList)
     assert theirs.datasets == []
     for verb in ("show", "delete"):
-        reply = await bus.request(globex.nc, getattr(names.datasets_api("globex"), verb), DatasetQuery(name="private"),
-                                  DatasetReply | DatasetDeleted | Error)
+        reply = await bus.request(
+            globex.nc,
+            getattr(names.datasets_api("globex"), verb),
+            DatasetQuery(name="private"),
+            DatasetReply | DatasetDeleted | Error,
+        )
         assert isinstance(reply, Error) and reply.field == "name", reply
     stolen = await submit_as(globex, "globex", data=[], dataset={"name": "private"})
     assert isinstance(stolen, Rejected) and stolen.errors[0].field == "dataset.name", stolen

@@ -23,22 +23,48 @@ from tests.conftest import ROOT
 from tests.qa import pairs
 
 VALID = {"model": "tiny", "base_dir": "/models/tiny", "data": pairs(2), "gpu_mib": 100}
-json_values = st.recursive(st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=20),
-                           lambda c: st.lists(c, max_size=4) | st.dictionaries(st.text(max_size=8), c, max_size=4),
-                           max_leaves=12)
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=20),
+    lambda c: st.lists(c, max_size=4) | st.dictionaries(st.text(max_size=8), c, max_size=4),
+    max_leaves=12,
+)
 # a valid job with one field replaced by something of another shape
-mutated_jobs = st.builds(lambda k, v: {**VALID, k: v}, st.sampled_from(sorted(VALID) + ["train", "lora", "node", "priority"]),
-                         json_values).map(lambda d: msgspec.json.encode(d))
+mutated_jobs = st.builds(
+    lambda k, v: {**VALID, k: v}, st.sampled_from(sorted(VALID) + ["train", "lora", "node", "priority"]), json_values
+).map(lambda d: msgspec.json.encode(d))
 invalid_utf8 = st.binary(min_size=1, max_size=64).map(lambda b: b'{"model": "\xff\xfe' + b + b'", "base_dir": "/m"}')
-garbage = st.one_of(st.binary(max_size=512), json_values.map(msgspec.json.encode), mutated_jobs, invalid_utf8,
-                    st.integers(200_000, 2_000_000).map(lambda n: b"[" + b"1," * (n // 2) + b"1]"))
-REQUESTS = [names.SUBMIT, names.GET_JOB, names.LIST_JOBS, names.CANCEL, names.STOP, names.ARTIFACTS_LIST,
-            names.ARTIFACTS_DELETE]
-PUBLISHED = [names.node("fuzz").heartbeat, names.job("fuzz", "fuzz", "_").state, names.job("fuzz", "fuzz", "_").progress]
+garbage = st.one_of(
+    st.binary(max_size=512),
+    json_values.map(msgspec.json.encode),
+    mutated_jobs,
+    invalid_utf8,
+    st.integers(200_000, 2_000_000).map(lambda n: b"[" + b"1," * (n // 2) + b"1]"),
+)
+REQUESTS = [
+    names.SUBMIT,
+    names.GET_JOB,
+    names.LIST_JOBS,
+    names.CANCEL,
+    names.STOP,
+    names.ARTIFACTS_LIST,
+    names.ARTIFACTS_DELETE,
+]
+PUBLISHED = [
+    names.node("fuzz").heartbeat,
+    names.job("fuzz", "fuzz", "_").state,
+    names.job("fuzz", "fuzz", "_").progress,
+]
 tried = {"requests": 0, "errors": 0, "valid": 0, "published": 0, "chunks": 0}
 accepted: list[str] = []  # mutations that happen to be valid jobs are rightly accepted
-QUERY_TYPES = {names.SUBMIT: JobRequest, names.GET_JOB: JobQuery, names.CANCEL: JobQuery, names.STOP: JobQuery,
-               names.LIST_JOBS: JobListQuery, names.ARTIFACTS_LIST: ArtifactQuery, names.ARTIFACTS_DELETE: ArtifactQuery}
+QUERY_TYPES = {
+    names.SUBMIT: JobRequest,
+    names.GET_JOB: JobQuery,
+    names.CANCEL: JobQuery,
+    names.STOP: JobQuery,
+    names.LIST_JOBS: JobListQuery,
+    names.ARTIFACTS_LIST: ArtifactQuery,
+    names.ARTIFACTS_DELETE: ArtifactQuery,
+}
 
 
 def valid_query(subject: str, payload: bytes) -> bool:
@@ -56,9 +82,15 @@ def valid_query(subject: str, payload: bytes) -> bool:
 def stack(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("fuzz")
     server = EmbeddedNats(store_dir=tmp / "nats").start()
-    procs = [subprocess.Popen([sys.executable, "-m", "services.cli", kind, "--nats", server.url], cwd=ROOT,
-                              stdout=subprocess.DEVNULL, stderr=open(tmp / f"{kind}.log", "w"))
-             for kind in ("scheduler", "artifacts")]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-m", "services.cli", kind, "--nats", server.url],
+            cwd=ROOT,
+            stdout=subprocess.DEVNULL,
+            stderr=open(tmp / f"{kind}.log", "w"),
+        )
+        for kind in ("scheduler", "artifacts")
+    ]
     loop = asyncio.new_event_loop()
     nc = loop.run_until_complete(nats.connect(server.url))
     deadline = time.monotonic() + 30

@@ -32,12 +32,14 @@ async def test_a_trainer_cancelled_while_it_starts_is_ended_at_once(tmp_path, ti
         proc = await start(*args)
         run.cancel()  # the signal finds no process yet: what the agent's control handler does in that window
         return proc
+
     monkeypatch.setattr(run, "_start", cancelled_meanwhile)
     monkeypatch.setattr(run, "_signal", _signal_after_start(run))
     started = time.monotonic()
 
     async def on_event(ev):
         pass
+
     assert isinstance(await run.run(on_event), Cancelled)
     assert time.monotonic() - started < 15, "the trainer (30 s) was ended, not waited for"
 
@@ -50,5 +52,5 @@ def _signal_after_start(run):
         if run.proc is None:
             return
         real(run, sig)
-    return signal
 
+    return signal

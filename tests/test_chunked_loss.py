@@ -59,7 +59,10 @@ def test_the_trainer_loss_and_lora_gradients_are_the_same_chunked_or_not(tiny_mo
         grads.append((float(loss), n, {k: p.grad.clone() for k, p in model.named_parameters() if p.requires_grad}))
     (plain_loss, n0, plain_grads), (chunked_loss, n1, chunked_grads) = grads
     assert n0 == n1 > 0 and abs(plain_loss - chunked_loss) <= 1e-5 * abs(plain_loss)
-    worst = max(float((chunked_grads[k] - g).abs().max() / g.abs().max().clamp_min(1e-12))
-                for k, g in plain_grads.items() if g.abs().max() > 0)
+    worst = max(
+        float((chunked_grads[k] - g).abs().max() / g.abs().max().clamp_min(1e-12))
+        for k, g in plain_grads.items()
+        if g.abs().max() > 0
+    )
     print(f"largest gradient difference, relative to the tensor's largest gradient: {worst:.1e}")
     assert worst < 1e-5

@@ -14,8 +14,9 @@ from tests.qa import pairs
 
 
 def jetlora(*args, timeout=60, check=True) -> subprocess.CompletedProcess:
-    proc = subprocess.run([sys.executable, "-m", "services.cli", *args], cwd=ROOT, capture_output=True, text=True,
-                          timeout=timeout)
+    proc = subprocess.run(
+        [sys.executable, "-m", "services.cli", *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout
+    )
     if check and proc.returncode != 0:
         raise AssertionError(f"jetlora {' '.join(args)} exited {proc.returncode}: {proc.stderr[-2000:]}")
     return proc
@@ -23,11 +24,28 @@ def jetlora(*args, timeout=60, check=True) -> subprocess.CompletedProcess:
 
 @pytest.fixture
 def up(nats_server, nc, tmp_path):
-    proc = subprocess.Popen([sys.executable, "-m", "services.cli", "up", "--nats", nats_server.url, "--node", "box",
-                             "--simulate-gpus", "8192", "--work-dir", str(tmp_path / "agent"),
-                             "--trainer-command", HOLD_TRAINER],
-                            cwd=ROOT, stdout=subprocess.DEVNULL, stderr=open(tmp_path / "up.log", "w"),
-                            env={**__import__("os").environ, "HOLD_S": "0.3", "PYTHONPATH": str(ROOT)})
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "services.cli",
+            "up",
+            "--nats",
+            nats_server.url,
+            "--node",
+            "box",
+            "--simulate-gpus",
+            "8192",
+            "--work-dir",
+            str(tmp_path / "agent"),
+            "--trainer-command",
+            HOLD_TRAINER,
+        ],
+        cwd=ROOT,
+        stdout=subprocess.DEVNULL,
+        stderr=open(tmp_path / "up.log", "w"),
+        env={**__import__("os").environ, "HOLD_S": "0.3", "PYTHONPATH": str(ROOT)},
+    )
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
         r = jetlora("nodes", "--nats", nats_server.url, "--json", check=False)
@@ -41,8 +59,10 @@ def up(nats_server, nc, tmp_path):
 
 def test_a_job_through_the_cli(up, tmp_path):
     job_file = tmp_path / "job.yaml"
-    job_file.write_text("model: tiny\nbase_dir: /models/tiny\ngpu_mib: 4000\nlabel: from-yaml\ndata:\n"
-                        + "".join(f"  - q: {json.dumps(p['q'])}\n    a: {json.dumps(p['a'])}\n" for p in pairs(2)))
+    job_file.write_text(
+        "model: tiny\nbase_dir: /models/tiny\ngpu_mib: 4000\nlabel: from-yaml\ndata:\n"
+        + "".join(f"  - q: {json.dumps(p['q'])}\n    a: {json.dumps(p['a'])}\n" for p in pairs(2))
+    )
     job = jetlora("submit", str(job_file), "--nats", up).stdout.strip()
     watched = jetlora("watch", job, "--nats", up)
     assert "succeeded" in watched.stdout and "10/10" in watched.stdout
@@ -73,10 +93,14 @@ def test_exit_codes_a_script_can_rely_on(up, tmp_path):
 
 
 def test_datasets_through_the_cli(up, tmp_path):
-    rows = [{"messages": [{"role": "user", "content": p["q"]}, {"role": "assistant", "content": p["a"]}]} for p in pairs(3)]
+    rows = [
+        {"messages": [{"role": "user", "content": p["q"]}, {"role": "assistant", "content": p["a"]}]} for p in pairs(3)
+    ]
     bad = tmp_path / "bad.jsonl"
-    bad.write_text("\n".join(json.dumps(r) for r in rows) + '\n{"messages": [{"role": "bot", "content": "hi"}]}\n'
-                   '{"messages": []}\n')
+    bad.write_text(
+        "\n".join(json.dumps(r) for r in rows) + '\n{"messages": [{"role": "bot", "content": "hi"}]}\n'
+        '{"messages": []}\n'
+    )
     r = jetlora("datasets", "put", str(bad), "--nats", up, check=False)
     # the service refuses at the first bad row, storing nothing; the command lists the file's bad rows from its own check
     assert r.returncode == 2 and "nothing was stored" in r.stderr and "line 4: message 1 has role 'bot'" in r.stderr

@@ -20,8 +20,11 @@ async def cluster(tmp_path):
     routes = [free_port() for _ in range(3)]
     servers = []
     for i in range(3):
-        conf = (f"server_name: s{i}\ncluster {{ name: jl, host: 127.0.0.1, port: {routes[i]}, routes: ["
-                + ", ".join(f'"nats-route://127.0.0.1:{p}"' for j, p in enumerate(routes) if j != i) + "] }\n")
+        conf = (
+            f"server_name: s{i}\ncluster {{ name: jl, host: 127.0.0.1, port: {routes[i]}, routes: ["
+            + ", ".join(f'"nats-route://127.0.0.1:{p}"' for j, p in enumerate(routes) if j != i)
+            + "] }\n"
+        )
         servers.append(EmbeddedNats(store_dir=tmp_path / f"s{i}", websocket=False, extra_config=conf))
     for s in servers:
         s.start()
@@ -46,8 +49,10 @@ async def test_killing_the_stream_leader_mid_job_loses_nothing(cluster, tmp_path
     agents = Agents(url, tmp_path)
     started = []
     try:
-        for factory in (lambda c: Scheduler(c, SchedulerConfig(heartbeat_interval=0.25, misses=8)),
-                        lambda c: ArtifactService(c)):
+        for factory in (
+            lambda c: Scheduler(c, SchedulerConfig(heartbeat_interval=0.25, misses=8)),
+            lambda c: ArtifactService(c),
+        ):
             conn = await nats.connect(**opts)
             stop = asyncio.Event()
             svc = factory(conn)

@@ -16,8 +16,7 @@ from schemas.datasets import DatasetList, DatasetListQuery
 from schemas.events import EventPage, EventsQuery
 from schemas.jobs import Accepted, Error, JobList, JobListQuery
 from schemas.nodes import NodeList
-from schemas.registry import (AdapterList, AdapterListQuery, AdapterQuery, AdapterReply, AdapterVersion,
-                              StoredFile)
+from schemas.registry import AdapterList, AdapterListQuery, AdapterQuery, AdapterReply, AdapterVersion, StoredFile
 from services import bus
 from services.artifacts.service import ArtifactService
 from services.embedded import EmbeddedNats
@@ -63,9 +62,18 @@ async def start_stack(services: InProcess):
 async def registered(nc, count: int) -> None:
     registry = AdapterRegistry(await nc.jetstream().key_value(names.ADAPTERS_KV))
     for i in range(count):
-        await registry.add_version(AdapterVersion(name=f"a{i}", version=1, job=f"j{i}", base_model="tiny", r=8,
-                                                  alpha=16, peft=StoredFile(name=f"j{i}/peft", sha256="0" * 64, size=1),
-                                                  target_modules=["q_proj"]))
+        await registry.add_version(
+            AdapterVersion(
+                name=f"a{i}",
+                version=1,
+                job=f"j{i}",
+                base_model="tiny",
+                r=8,
+                alpha=16,
+                peft=StoredFile(name=f"j{i}/peft", sha256="0" * 64, size=1),
+                target_modules=["q_proj"],
+            )
+        )
 
 
 async def test_two_thousand_reads_leave_every_streams_consumers_as_they_were(own_stack):
@@ -115,21 +123,33 @@ async def test_the_rollout_follows_the_registry_once_it_can(own_server, tmp_path
     services = InProcess(own_server.url)
     try:
         agents.start("edge", gpus=None, extra=("--engine", f"vllm-dir={tmp_path / 'engine'}", "--engine-model", "tiny"))
-        await wait_for(lambda: "following the adapter registry failed" in agents.log("edge"), timeout=30,
-                       what="the rollout to find no registry")
+        await wait_for(
+            lambda: "following the adapter registry failed" in agents.log("edge"),
+            timeout=30,
+            what="the rollout to find no registry",
+        )
         await bus.ensure_resources(nc)
         await start_stack(services)
         agents.start("trainer", gpus="4096", hold_s=0.2)
         await wait_nodes(nc, 2)
-        reply = await submit(nc, {"model": "tiny", "base_dir": "/models/tiny", "data": pairs(1),
-                                  "register": {"name": "support", "promote": True}})
+        reply = await submit(
+            nc,
+            {
+                "model": "tiny",
+                "base_dir": "/models/tiny",
+                "data": pairs(1),
+                "register": {"name": "support", "promote": True},
+            },
+        )
         assert isinstance(reply, Accepted), reply
         assert (await wait_state(nc, reply.job, ("succeeded", "failed"), timeout=60)).state == "succeeded"
         t0 = time.monotonic()
 
         async def loaded() -> bool:  # registration follows the job's success: until then there is no "support"
             shown = await bus.request(nc, names.ADAPTERS.show, AdapterQuery(name="support"), AdapterReply | Error)
-            return isinstance(shown, AdapterReply) and any(n.node == "edge" and n.state == "placed" for n in shown.nodes)
+            return isinstance(shown, AdapterReply) and any(
+                n.node == "edge" and n.state == "placed" for n in shown.nodes
+            )
 
         await wait_for(loaded, timeout=60, what="the edge node to load support@1")
         print(f"edge loaded support@1 {time.monotonic() - t0:.1f}s after the job ended")

@@ -33,36 +33,39 @@ async def test_submit_is_stored_before_the_reply(nc, stack):
     assert [j.id for j in queued] == [reply.job] and queued[0].label == "first"
 
 
-@pytest.mark.parametrize("payload, field", [
-    (b"{not json", ""),
-    (msgspec.json.encode({"base_dir": "/m", "data": pairs(1)}), "model"),
-    (msgspec.json.encode(job(data=[])), "data"),
-    (msgspec.json.encode(job(data=[{"q": "only a question"}])), "data[0].a"),
-    (msgspec.json.encode(job(data=["not an object"])), "data[0]"),
-    (msgspec.json.encode(job(gpu_mib="lots")), "gpu_mib"),
-    (msgspec.json.encode(job(train={"batch_size": 0})), "train.batch_size"),
-    (msgspec.json.encode(job(train={"learning_rate": -1})), "train.learning_rate"),
-    (msgspec.json.encode(job(lora={"r": 0})), "lora.r"),
-    (msgspec.json.encode(job(served_by="ollama")), "served_by"),
-    (msgspec.json.encode(job(node="a node with spaces")), "node"),
-    (msgspec.json.encode(job(base_dir="models/tiny")), "base_dir"),
-    (msgspec.json.encode(job(colour="blue")), "colour"),
-    (msgspec.json.encode(job(train={"eval_steps": 5})), "train.eval_steps"),
-    # knowable at the door, though the trainer would only fail on them later
-    (msgspec.json.encode(job(train={"seed": -1})), "train.seed"),
-    (msgspec.json.encode(job(train={"seed": 2**64 - 1})), "train.seed"),
-    (msgspec.json.encode(job(train={"max_steps": 10**15})), "train.max_steps"),
-    (msgspec.json.encode(job(train={"warmup_steps": 10**15})), "train.warmup_steps"),
-    (msgspec.json.encode(job(train={"max_steps": 10, "warmup_steps": 20})), "train.warmup_steps"),
-    (msgspec.json.encode(job(train={"max_grad_norm": 1e308})), "train.max_grad_norm"),
-    (msgspec.json.encode(job(base_dir="/")), "base_dir"),
-    (msgspec.json.encode(job(base_dir="/models/ti\x00ny")), "base_dir"),
-    (msgspec.json.encode(job(base_dir="/models/../etc")), "base_dir"),
-    (msgspec.json.encode(job(data=[{"q": "  \t ", "a": "an answer"}])), "data[0].q"),
-    (msgspec.json.encode(job(model=" ")), "model"),
-    (msgspec.json.encode(job(lora={"target_modules": ["q proj"]})), "lora.target_modules[0]"),
-    (msgspec.json.encode(job(lora={"target_modules": ["q_proj", "lm_head"]})), "lora.target_modules"),
-])
+@pytest.mark.parametrize(
+    "payload, field",
+    [
+        (b"{not json", ""),
+        (msgspec.json.encode({"base_dir": "/m", "data": pairs(1)}), "model"),
+        (msgspec.json.encode(job(data=[])), "data"),
+        (msgspec.json.encode(job(data=[{"q": "only a question"}])), "data[0].a"),
+        (msgspec.json.encode(job(data=["not an object"])), "data[0]"),
+        (msgspec.json.encode(job(gpu_mib="lots")), "gpu_mib"),
+        (msgspec.json.encode(job(train={"batch_size": 0})), "train.batch_size"),
+        (msgspec.json.encode(job(train={"learning_rate": -1})), "train.learning_rate"),
+        (msgspec.json.encode(job(lora={"r": 0})), "lora.r"),
+        (msgspec.json.encode(job(served_by="ollama")), "served_by"),
+        (msgspec.json.encode(job(node="a node with spaces")), "node"),
+        (msgspec.json.encode(job(base_dir="models/tiny")), "base_dir"),
+        (msgspec.json.encode(job(colour="blue")), "colour"),
+        (msgspec.json.encode(job(train={"eval_steps": 5})), "train.eval_steps"),
+        # knowable at the door, though the trainer would only fail on them later
+        (msgspec.json.encode(job(train={"seed": -1})), "train.seed"),
+        (msgspec.json.encode(job(train={"seed": 2**64 - 1})), "train.seed"),
+        (msgspec.json.encode(job(train={"max_steps": 10**15})), "train.max_steps"),
+        (msgspec.json.encode(job(train={"warmup_steps": 10**15})), "train.warmup_steps"),
+        (msgspec.json.encode(job(train={"max_steps": 10, "warmup_steps": 20})), "train.warmup_steps"),
+        (msgspec.json.encode(job(train={"max_grad_norm": 1e308})), "train.max_grad_norm"),
+        (msgspec.json.encode(job(base_dir="/")), "base_dir"),
+        (msgspec.json.encode(job(base_dir="/models/ti\x00ny")), "base_dir"),
+        (msgspec.json.encode(job(base_dir="/models/../etc")), "base_dir"),
+        (msgspec.json.encode(job(data=[{"q": "  \t ", "a": "an answer"}])), "data[0].q"),
+        (msgspec.json.encode(job(model=" ")), "model"),
+        (msgspec.json.encode(job(lora={"target_modules": ["q proj"]})), "lora.target_modules[0]"),
+        (msgspec.json.encode(job(lora={"target_modules": ["q_proj", "lm_head"]})), "lora.target_modules"),
+    ],
+)
 async def test_bad_requests_are_rejected_with_the_field_and_nothing_is_stored(nc, stack, payload, field):
     reply = await submit(nc, payload)
     assert isinstance(reply, Rejected), reply

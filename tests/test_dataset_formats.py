@@ -22,24 +22,30 @@ from tests.test_trainer import events_from
 from trainer.formats import IGNORE, examples_of, render_chat
 from trainer.loop import train
 
-LLAMA3 = ("{{ bos_token }}{% for m in messages %}<|start_header_id|>{{ m['role'] }}<|end_header_id|>\n\n"
-          "{{ m['content'] | trim }}<|eot_id|>{% endfor %}"
-          "{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n{% endif %}")
-CHATML = ("{% for m in messages %}{% if loop.first and m['role'] != 'system' %}<|im_start|>system\nYou are a helpful "
-          "assistant.<|im_end|>\n{% endif %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+LLAMA3 = (
+    "{{ bos_token }}{% for m in messages %}<|start_header_id|>{{ m['role'] }}<|end_header_id|>\n\n"
+    "{{ m['content'] | trim }}<|eot_id|>{% endfor %}"
+    "{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n{% endif %}"
+)
+CHATML = (
+    "{% for m in messages %}{% if loop.first and m['role'] != 'system' %}<|im_start|>system\nYou are a helpful "
+    "assistant.<|im_end|>\n{% endif %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
 TEMPLATES = {"llama3": (LLAMA3, "<|eot_id|>"), "chatml": (CHATML, "<|im_end|>")}
 MARKERS = ["<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>", "<|im_start|>", "<|im_end|>"]
 
-CONVERSATION = ChatRow(messages=[
-    ChatMessage(role="system", content="You answer in one sentence."),
-    ChatMessage(role="user", content=QA_PAIRS[0][0]),
-    ChatMessage(role="assistant", content=QA_PAIRS[0][1]),
-    ChatMessage(role="user", content=QA_PAIRS[1][0]),
-    ChatMessage(role="assistant", content="I do not know.", weight=0),  # context only: not learnt
-    ChatMessage(role="user", content=QA_PAIRS[2][0]),
-    ChatMessage(role="assistant", content=QA_PAIRS[2][1]),
-])
+CONVERSATION = ChatRow(
+    messages=[
+        ChatMessage(role="system", content="You answer in one sentence."),
+        ChatMessage(role="user", content=QA_PAIRS[0][0]),
+        ChatMessage(role="assistant", content=QA_PAIRS[0][1]),
+        ChatMessage(role="user", content=QA_PAIRS[1][0]),
+        ChatMessage(role="assistant", content="I do not know.", weight=0),  # context only: not learnt
+        ChatMessage(role="user", content=QA_PAIRS[2][0]),
+        ChatMessage(role="assistant", content=QA_PAIRS[2][1]),
+    ]
+)
 
 
 @pytest.fixture(scope="module")
@@ -91,8 +97,16 @@ def rows_of(fmt: str) -> list[dict]:
         return [{"instruction": "Answer the question.", "input": q, "output": a} for q, a in QA_PAIRS]
     if fmt == "text":
         return [{"text": f"{q} {a}"} for q, a in QA_PAIRS]
-    return [{"messages": [{"role": "system", "content": "Answer briefly."}, {"role": "user", "content": q},
-                          {"role": "assistant", "content": a}]} for q, a in QA_PAIRS]
+    return [
+        {
+            "messages": [
+                {"role": "system", "content": "Answer briefly."},
+                {"role": "user", "content": q},
+                {"role": "assistant", "content": a},
+            ]
+        }
+        for q, a in QA_PAIRS
+    ]
 
 
 def data_file(path: Path, fmt: str, rows: list[dict]) -> DataFile:
@@ -142,8 +156,13 @@ def test_a_held_out_dataset_is_evaluated(tiny_model, tmp_path, capsys):
     held_out = tmp_path / "held"
     held_out.mkdir()
     validation = dataset_file(held_out, "alpaca")
-    spec = msgspec.structs.replace(spec, validation=validation, request=msgspec.structs.replace(
-        spec.request, validation_dataset=DatasetRef(name="held", sha256=validation.sha256)))
+    spec = msgspec.structs.replace(
+        spec,
+        validation=validation,
+        request=msgspec.structs.replace(
+            spec.request, validation_dataset=DatasetRef(name="held", sha256=validation.sha256)
+        ),
+    )
     train(spec)
     evals = [e.eval_loss for e in events_from(capsys.readouterr().out) if isinstance(e, Progress) and e.eval_loss]
     assert len(evals) >= 2 and evals[-1] < evals[0]

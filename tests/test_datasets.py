@@ -10,7 +10,15 @@ import msgspec
 import pytest
 
 from schemas import names
-from schemas.datasets import DatasetDeleted, DatasetLimits, DatasetList, DatasetListQuery, DatasetQuery, DatasetReply, DatasetUpload
+from schemas.datasets import (
+    DatasetDeleted,
+    DatasetLimits,
+    DatasetList,
+    DatasetListQuery,
+    DatasetQuery,
+    DatasetReply,
+    DatasetUpload,
+)
 from schemas.jobs import Accepted, Error, Rejected, StoredRequest
 from services import bus
 from schemas.dataset_check import DatasetChecker, DatasetInvalid, check_file
@@ -20,8 +28,15 @@ from tests.qa import QA_PAIRS
 
 
 def chat_rows(n: int) -> list[dict]:
-    return [{"messages": [{"role": "user", "content": QA_PAIRS[i % len(QA_PAIRS)][0]},
-                          {"role": "assistant", "content": QA_PAIRS[i % len(QA_PAIRS)][1]}]} for i in range(n)]
+    return [
+        {
+            "messages": [
+                {"role": "user", "content": QA_PAIRS[i % len(QA_PAIRS)][0]},
+                {"role": "assistant", "content": QA_PAIRS[i % len(QA_PAIRS)][1]},
+            ]
+        }
+        for i in range(n)
+    ]
 
 
 def write_rows(path, rows) -> str:
@@ -37,8 +52,9 @@ async def stored_objects(nc) -> int:
 
 async def test_an_upload_is_checked_stored_and_described(stack, nc, tmp_path):
     sha = write_rows(tmp_path / "chat.jsonl", chat_rows(100))
-    info = await upload_dataset(nc, "chat-v1", tmp_path / "chat.jsonl", DatasetUpload(description="capitals"),
-                                chunk_bytes=1024)  # rows cross chunk boundaries
+    info = await upload_dataset(
+        nc, "chat-v1", tmp_path / "chat.jsonl", DatasetUpload(description="capitals"), chunk_bytes=1024
+    )  # rows cross chunk boundaries
     assert info.sha256 == sha and info.stats.format == "chat" and info.stats.rows == 100
     assert info.stats.roles == {"user": 100, "assistant": 100} and info.stats.turns_trained == 100
     shown = await bus.request(nc, names.DATASETS.show, DatasetQuery(name="chat-v1"), DatasetReply | Error)
@@ -99,7 +115,7 @@ class LineByLine(DatasetChecker):
 def verdict(checker: DatasetChecker, data: bytes, piece: int):
     try:
         for i in range(0, len(data), piece):
-            checker.feed(data[i:i + piece])
+            checker.feed(data[i : i + piece])
         return checker.finish()
     except DatasetInvalid as e:
         return e.errors
@@ -116,8 +132,11 @@ def test_rows_checked_many_at_once_get_the_verdict_of_one_by_one(piece):
     rows[260] = rows[260][:-3]  # cut short
     rows[300] = json.dumps({"messages": [{"role": "user", "content": 5}]})
     rows[350] = json.dumps({"messages": [{"role": "user", "content": "hi", "weight": 1}]})
-    files = {"clean": rows[:50] + rows[51:120] + rows[121:200] + rows[201:260], "bad": rows,
-             "qa": [json.dumps({"q": q, "a": a if i != 70 else " "}) for i, (q, a) in enumerate(QA_PAIRS * 20)]}
+    files = {
+        "clean": rows[:50] + rows[51:120] + rows[121:200] + rows[201:260],
+        "bad": rows,
+        "qa": [json.dumps({"q": q, "a": a if i != 70 else " "}) for i, (q, a) in enumerate(QA_PAIRS * 20)],
+    }
     for name, lines in files.items():
         data = ("\n".join(lines) + "\n").encode()
         for limits in (DatasetLimits(), DatasetLimits(max_errors=1)):
@@ -162,7 +181,11 @@ async def test_a_job_naming_a_missing_dataset_or_a_wrong_pin_is_refused_at_submi
     few = await submit(nc, {**base, "dataset": {"name": "chat"}, "train": {"eval_fraction": 0.05}})
     assert isinstance(few, Rejected) and few.errors[0].field == "train.eval_fraction"
     neither = await submit(nc, base)
-    assert isinstance(neither, Rejected) and neither.errors[0].field == "data" and "name a dataset" in neither.errors[0].reason
+    assert (
+        isinstance(neither, Rejected)
+        and neither.errors[0].field == "data"
+        and "name a dataset" in neither.errors[0].reason
+    )
     both = await submit(nc, {**base, "data": [{"q": "x", "a": "y"}], "dataset": {"name": "chat"}})
     assert isinstance(both, Rejected) and both.errors[0].field == "data"
 
@@ -225,13 +248,21 @@ async def test_a_50_mib_dataset_goes_through_in_bounded_memory(services, nc, age
     with open(path, "w") as f:
         n = 0
         while f.tell() < 50 * 2**20:
-            f.write(json.dumps({"messages": [{"role": "system", "content": f"conversation {n}"}] +
-                                rows[n % len(rows)]["messages"]}) + "\n")
+            f.write(
+                json.dumps(
+                    {"messages": [{"role": "system", "content": f"conversation {n}"}] + rows[n % len(rows)]["messages"]}
+                )
+                + "\n"
+            )
             n += 1
     sched, *_ = await services.start(lambda c: Scheduler(c, STACK_CONFIG))
     log = open(tmp_path / "artifacts.log", "wb")
-    service = subprocess.Popen([sys.executable, "-m", "services.cli", "artifacts", "--nats", nats_server.url], cwd=ROOT,
-                               stdout=log, stderr=subprocess.STDOUT)
+    service = subprocess.Popen(
+        [sys.executable, "-m", "services.cli", "artifacts", "--nats", nats_server.url],
+        cwd=ROOT,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
     try:
         await answering(nc, names.DATASETS.list)
         before = memory_kib(service.pid, "VmRSS")
@@ -248,8 +279,10 @@ async def test_a_50_mib_dataset_goes_through_in_bounded_memory(services, nc, age
     finally:
         service.terminate()
         service.wait(30)
-    print(f"50 MiB dataset ({n:,} rows): artifact service peak grew {service_growth:.1f} MiB, "
-          f"agent {agent_growth:.1f} MiB")
+    print(
+        f"50 MiB dataset ({n:,} rows): artifact service peak grew {service_growth:.1f} MiB, "
+        f"agent {agent_growth:.1f} MiB"
+    )
     assert service_growth < 48 and agent_growth < 48, (service_growth, agent_growth)
 
 
@@ -257,7 +290,9 @@ async def test_the_node_cache_keeps_its_budget_evicting_the_least_recently_used(
     shas = {}
     for name in ("first", "second", "third"):
         rows = [{"messages": [{"role": "system", "content": name}] + r["messages"]} for r in chat_rows(2500)]
-        shas[name] = write_rows(tmp_path / f"{name}.jsonl", rows)  # about 0.4 MiB each (two fit in 1 MiB), each its own sha256
+        shas[name] = write_rows(
+            tmp_path / f"{name}.jsonl", rows
+        )  # about 0.4 MiB each (two fit in 1 MiB), each its own sha256
         await upload_dataset(nc, name, tmp_path / f"{name}.jsonl")
     agent_dir = tmp_path / "n1"
     agents.start("n1", gpus="4096", hold_s=0.1, extra=("--dataset-cache-mib", "1"))

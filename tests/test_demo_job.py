@@ -12,8 +12,7 @@ from schemas.events import Progress
 from schemas.jobs import Accepted
 from services import bus
 from services.artifacts.sender import upload_dataset
-from services.cli.demo import (HELD_OUT, HELD_OUT_FILE, QA_FILE, TRAINED, before_and_after, build_model,
-                               demo_request)
+from services.cli.demo import HELD_OUT, HELD_OUT_FILE, QA_FILE, TRAINED, before_and_after, build_model, demo_request
 from tests.conftest import stream_events, wait_nodes, wait_state
 
 

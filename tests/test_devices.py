@@ -24,8 +24,10 @@ def test_a_node_without_nvidia_says_why_on_every_read_and_initialises_once():
 
 def test_nothing_is_placed_on_a_failed_device_and_its_neighbours_still_take_jobs():
     fleet = Fleet()
-    devices = [Device(index=0, total_mib=0, free_mib=0, failed="NVML cannot read it (GPU is lost)"),
-               Device(index=1, total_mib=24576, free_mib=24576)]
+    devices = [
+        Device(index=0, total_mib=0, free_mib=0, failed="NVML cannot read it (GPU is lost)"),
+        Device(index=1, total_mib=24576, free_mib=24576),
+    ]
     fleet.heard(Heartbeat(node="n1", agent_version="x", devices=devices))
     assert fleet.find(0, "gpu") == ("n1", 1)  # a gpu_mib 0 job takes "any free GPU": not the failed one
     fleet.reserve(("n1", 1), "j")

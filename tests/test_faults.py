@@ -14,8 +14,20 @@ from services.artifacts.download import download
 from services.artifacts.service import ArtifactService
 from services.embedded import EmbeddedNats
 from services.scheduler.service import Scheduler, SchedulerConfig
-from tests.conftest import (Agents, InProcess, answering, object_names, progress_steps, random_file, run_held_job, running_on,
-                            states_of, submit, wait_for, wait_state)
+from tests.conftest import (
+    Agents,
+    InProcess,
+    answering,
+    object_names,
+    progress_steps,
+    random_file,
+    run_held_job,
+    running_on,
+    states_of,
+    submit,
+    wait_for,
+    wait_state,
+)
 from tests.qa import pairs
 
 CFG = SchedulerConfig(heartbeat_interval=0.25, misses=4)
@@ -72,8 +84,12 @@ def service_proc(kind: str, url: str, tmp_path, *extra):
 
     from tests.conftest import ROOT
 
-    return subprocess.Popen([sys.executable, "-m", "services.cli", kind, "--nats", url, *extra], cwd=ROOT,
-                            stdout=subprocess.DEVNULL, stderr=open(tmp_path / f"{kind}.log", "ab"))
+    return subprocess.Popen(
+        [sys.executable, "-m", "services.cli", kind, "--nats", url, *extra],
+        cwd=ROOT,
+        stdout=subprocess.DEVNULL,
+        stderr=open(tmp_path / f"{kind}.log", "ab"),
+    )
 
 
 async def test_the_scheduler_killed_mid_job_loses_nothing_and_assigns_nothing_twice(own_server, tmp_path):
@@ -107,9 +123,12 @@ async def test_the_scheduler_killed_mid_job_loses_nothing_and_assigns_nothing_tw
         await nc.close()
 
 
-async def test_the_artifact_service_killed_mid_upload_leaves_no_half_object_and_the_upload_completes(own_server, tmp_path):
+async def test_the_artifact_service_killed_mid_upload_leaves_no_half_object_and_the_upload_completes(
+    own_server, tmp_path
+):
     from services.artifacts.download import sha256_file
     from services.artifacts.sender import upload_file
+
     nc = await nats.connect(own_server.url)
     await bus.ensure_resources(nc)
     src = random_file(tmp_path / "big.bin", 300)

@@ -36,9 +36,16 @@ async def client_for(nc, gateway: Gateway, tenant: str) -> openai.AsyncOpenAI:
 
 
 def chat_file(path, rows=None) -> str:
-    rows = rows or [{"messages": [{"role": "system", "content": "Answer in one sentence."},
-                                  {"role": "user", "content": q}, {"role": "assistant", "content": a}]}
-                    for q, a in QA_PAIRS]
+    rows = rows or [
+        {
+            "messages": [
+                {"role": "system", "content": "Answer in one sentence."},
+                {"role": "user", "content": q},
+                {"role": "assistant", "content": a},
+            ]
+        }
+        for q, a in QA_PAIRS
+    ]
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return str(path)
 
@@ -47,11 +54,13 @@ async def finished(client: openai.AsyncOpenAI, job: str, timeout: float = 240.0)
     async def done():
         j = await client.fine_tuning.jobs.retrieve(job)
         return j if j.status in ("succeeded", "failed", "cancelled") else None
+
     return await wait_for(done, timeout, interval=0.5, what=f"job {job} to finish")
 
 
 async def test_a_file_trains_through_the_openai_client_and_its_events_and_checkpoints_list(
-        nc, gateway, agents, tmp_path):
+    nc, gateway, agents, tmp_path
+):
     agents.start("cpu-node", gpus=None, offer_cpu=True, trainer=None, interval=0.5)
     await wait_nodes(nc, 1)
     client = await client_for(nc, gateway, "acme")
@@ -60,10 +69,17 @@ async def test_a_file_trains_through_the_openai_client_and_its_events_and_checkp
     assert file.bytes > 0 and file.filename == "capitals.jsonl" and file.purpose == "fine-tune"
     assert [x.id for x in (await client.files.list()).data] == [file.id]
 
-    job = await client.fine_tuning.jobs.create(model="tiny", training_file=file.id, suffix="capitals", seed=7,
-                                               metadata={"team": "geo"}, method={"type": "supervised", "supervised": {
-                                                   "hyperparameters": {"n_epochs": 3, "batch_size": 2,
-                                                                       "learning_rate_multiplier": 25}}})
+    job = await client.fine_tuning.jobs.create(
+        model="tiny",
+        training_file=file.id,
+        suffix="capitals",
+        seed=7,
+        metadata={"team": "geo"},
+        method={
+            "type": "supervised",
+            "supervised": {"hyperparameters": {"n_epochs": 3, "batch_size": 2, "learning_rate_multiplier": 25}},
+        },
+    )
     assert job.status in ("queued", "running") and job.training_file == file.id and job.seed == 7
     assert job.hyperparameters.n_epochs == 3 and job.metadata == {"team": "geo"}
     done = await finished(client, job.id)
@@ -76,16 +92,20 @@ async def test_a_file_trains_through_the_openai_client_and_its_events_and_checkp
     assert steps == sorted(steps, reverse=True) and steps[-1] == 1, steps
     assert metrics[0].data["train_loss"] < metrics[-1].data["train_loss"]  # it learnt
     assert events[0].message.startswith("succeeded") and [e.id for e in events] == sorted(
-        {e.id for e in events}, key=lambda i: -int(i.split("-")[1]))
+        {e.id for e in events}, key=lambda i: -int(i.split("-")[1])
+    )
 
     checkpoints = [c async for c in client.fine_tuning.jobs.checkpoints.list(job.id)]
     assert checkpoints and all(c.fine_tuning_job_id == job.id and c.step_number % 2 == 0 for c in checkpoints)
     assert checkpoints[0].metrics.train_loss is not None and checkpoints[0].metrics.step == checkpoints[0].step_number
+
     # the fine-tuned model is the registry's adapter, promoted for the fleet's engines to serve
     async def registered():
-        reply = await bus.request(nc, names.ADAPTERS.show, AdapterQuery(name=done.fine_tuned_model),
-                                  AdapterReply | Error)
+        reply = await bus.request(
+            nc, names.ADAPTERS.show, AdapterQuery(name=done.fine_tuned_model), AdapterReply | Error
+        )
         return reply if isinstance(reply, AdapterReply) and reply.alias.current == 1 else None
+
     shown = await wait_for(registered, 30, what="the adapter registered and promoted")
     assert shown.alias.tenant == "acme"
     assert [j.id for j in (await client.fine_tuning.jobs.list()).data] == [job.id]
@@ -112,12 +132,18 @@ async def test_pause_resume_and_cancel_through_the_openai_client(nc, gateway, ag
         try:
             await wait_for(lambda: status(wanted), 60, interval=0.2, what=wanted)
         except AssertionError:
-            events = [(e.created_at, e.message) async for e in client.fine_tuning.jobs.list_events(job.id, limit=100)
-                      if e.type == "message"]
-            raise AssertionError(f"not {wanted}: {seen}; events {events[::-1]}; agent: {agents.log('n1')[-3000:]}") from None
+            events = [
+                (e.created_at, e.message)
+                async for e in client.fine_tuning.jobs.list_events(job.id, limit=100)
+                if e.type == "message"
+            ]
+            raise AssertionError(
+                f"not {wanted}: {seen}; events {events[::-1]}; agent: {agents.log('n1')[-3000:]}"
+            ) from None
 
     async def stepped():  # the trainer runs (and takes signals) once it reports a step
         return any([e async for e in client.fine_tuning.jobs.list_events(job.id) if e.type == "metrics"])
+
     await wait_for(stepped, 60, interval=0.3, what="a first step")
     assert (await client.fine_tuning.jobs.pause(job.id)).status in ("running", "paused")
     await becomes("paused")
@@ -141,9 +167,12 @@ async def test_bad_input_is_refused_naming_the_field_and_tenants_see_only_their_
 
     with open(chat_file(tmp_path / "good.jsonl"), "rb") as f:
         file = await acme.files.create(file=f, purpose="fine-tune")
-    for kwargs, param in (({"hyperparameters": {"n_epochs": 0}}, "hyperparameters.n_epochs"),
-                          ({"model": "gpt-4o"}, "model"), ({"training_file": "file-nope"}, "training_file"),
-                          ({"hyperparameters": {"batch_size": "many"}}, "hyperparameters.batch_size")):
+    for kwargs, param in (
+        ({"hyperparameters": {"n_epochs": 0}}, "hyperparameters.n_epochs"),
+        ({"model": "gpt-4o"}, "model"),
+        ({"training_file": "file-nope"}, "training_file"),
+        ({"hyperparameters": {"batch_size": "many"}}, "hyperparameters.batch_size"),
+    ):
         with pytest.raises(openai.BadRequestError) as e:
             await acme.fine_tuning.jobs.create(**{"model": "tiny", "training_file": file.id, **kwargs})
         assert e.value.param == param, (kwargs, e.value.message)
@@ -154,9 +183,12 @@ async def test_bad_input_is_refused_naming_the_field_and_tenants_see_only_their_
         await wrong.files.list()
     job = await acme.fine_tuning.jobs.create(model="tiny", training_file=file.id)
     assert (await globex.files.list()).data == [] and (await globex.fine_tuning.jobs.list()).data == []
-    for ask in (globex.files.retrieve(file.id), globex.fine_tuning.jobs.retrieve(job.id),
-                globex.fine_tuning.jobs.cancel(job.id), globex.fine_tuning.jobs.create(model="tiny",
-                                                                                       training_file=file.id)):
+    for ask in (
+        globex.files.retrieve(file.id),
+        globex.fine_tuning.jobs.retrieve(job.id),
+        globex.fine_tuning.jobs.cancel(job.id),
+        globex.fine_tuning.jobs.create(model="tiny", training_file=file.id),
+    ):
         with pytest.raises((openai.NotFoundError, openai.BadRequestError)):
             await ask
 
@@ -171,11 +203,15 @@ async def test_a_dpo_job_through_the_openai_client_reports_its_rewards(nc, gatew
         prefs = await client.files.create(file=f, purpose="fine-tune")
     with open(chat_file(tmp_path / "chat.jsonl"), "rb") as f:
         chat = await client.files.create(file=f, purpose="fine-tune")
-    dpo = {"type": "dpo", "dpo": {"hyperparameters": {"beta": 0.2, "n_epochs": 2, "batch_size": 8,
-                                                        "learning_rate_multiplier": 50}}}
-    for file, method, param in ((chat.id, dpo, "training_file"), (prefs.id, {"type": "supervised"}, "training_file"),
-                                (prefs.id, {"type": "supervised", "supervised": {"hyperparameters": {"beta": 0.1}}},
-                                 "hyperparameters.beta")):
+    dpo = {
+        "type": "dpo",
+        "dpo": {"hyperparameters": {"beta": 0.2, "n_epochs": 2, "batch_size": 8, "learning_rate_multiplier": 50}},
+    }
+    for file, method, param in (
+        (chat.id, dpo, "training_file"),
+        (prefs.id, {"type": "supervised"}, "training_file"),
+        (prefs.id, {"type": "supervised", "supervised": {"hyperparameters": {"beta": 0.1}}}, "hyperparameters.beta"),
+    ):
         with pytest.raises(openai.BadRequestError) as e:  # the method and the file's rows must go together
             await client.fine_tuning.jobs.create(model="tiny", training_file=file, method=method)
         assert e.value.param == param, e.value.message
@@ -193,7 +229,8 @@ async def test_a_dpo_job_through_the_openai_client_reports_its_rewards(nc, gatew
     assert job.method.type == "dpo" and job.hyperparameters.beta == 0.2 and job.model == sft.fine_tuned_model
     done = await finished(client, job.id)
     assert done.status == "succeeded", (done.error, agents.log("cpu-node")[-2000:])
-    metrics = [e.data for e in [e async for e in client.fine_tuning.jobs.list_events(job.id, limit=100)]
-               if e.type == "metrics"]
+    metrics = [
+        e.data for e in [e async for e in client.fine_tuning.jobs.list_events(job.id, limit=100)] if e.type == "metrics"
+    ]
     assert len(metrics) == 4 and all("reward_margin" in m and "reward_accuracy" in m for m in metrics)
     assert metrics[0]["reward_margin"] > metrics[-1]["reward_margin"]  # newest first: the margin grew

@@ -84,18 +84,21 @@ def base_of_type(tiny_model, tmp_path, model_type: str) -> Path:
 
 
 def test_names_and_base_model_are_recorded_as_llama_cpp_records_them(tiny_model, adapter, tmp_path):
-    reader = gguf.GGUFReader(export_adapter(adapter, tiny_model, tmp_path / "a.gguf", name="tiny LoRA j1",
-                                            base_model="tiny"))
+    reader = gguf.GGUFReader(
+        export_adapter(adapter, tiny_model, tmp_path / "a.gguf", name="tiny LoRA j1", base_model="tiny")
+    )
     assert field_value(reader, "general.name") == "tiny LoRA j1"
     assert int(field_value(reader, "general.base_model.count")) == 1
     assert field_value(reader, "general.base_model.0.name") == "tiny"
 
 
 @pytest.mark.parametrize("model_type, permuted", [("olmo", True), ("granite", True), ("qwen2", False)])
-def test_q_and_k_are_permuted_for_every_architecture_llama_cpp_permutes(tiny_model, adapter, tmp_path, model_type,
-                                                                        permuted):
-    reader = gguf.GGUFReader(export_adapter(adapter, base_of_type(tiny_model, tmp_path, model_type), tmp_path / "a.gguf",
-                                            "f32"))
+def test_q_and_k_are_permuted_for_every_architecture_llama_cpp_permutes(
+    tiny_model, adapter, tmp_path, model_type, permuted
+):
+    reader = gguf.GGUFReader(
+        export_adapter(adapter, base_of_type(tiny_model, tmp_path, model_type), tmp_path / "a.gguf", "f32")
+    )
     peft = load_file(str(adapter / "adapter_model.safetensors"))
     heads = json.loads((Path(tiny_model) / "config.json").read_text())["num_attention_heads"]
     qb = peft["base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight"]

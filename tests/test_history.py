@@ -12,7 +12,18 @@ from nats.js.errors import KeyNotFoundError
 from schemas import names
 from schemas.artifacts import ArtifactMeta
 from schemas.events import CheckpointList, EventPage, EventsQuery
-from schemas.jobs import Accepted, Error, JobList, JobListQuery, JobQuery, JobReply, JobRequest, JobStatus, Rejected, StoredRequest
+from schemas.jobs import (
+    Accepted,
+    Error,
+    JobList,
+    JobListQuery,
+    JobQuery,
+    JobReply,
+    JobRequest,
+    JobStatus,
+    Rejected,
+    StoredRequest,
+)
 from services import bus
 from services.artifacts.objinfo import artifact_headers
 from services.scheduler.service import Scheduler, SchedulerConfig
@@ -86,8 +97,9 @@ async def test_retention_removes_an_expired_job_and_keeps_a_live_one(nc, service
     from services.artifacts.service import ArtifactService
 
     await services.start(lambda c: ArtifactService(c))
-    sched = await lead(services, finished_in_memory_s=0.0, retention_s=1.0, sweep_interval_s=0.2,
-                       retention_artifacts=True)
+    sched = await lead(
+        services, finished_in_memory_s=0.0, retention_s=1.0, sweep_interval_s=0.2, retention_artifacts=True
+    )
     live = await queued(nc, node="elsewhere")
     old = await queued(nc)
     await nc.jetstream().publish(names.job(old, "n1", names.ADMIN_TENANT).state, b"{}")  # an event of it
@@ -117,8 +129,9 @@ async def test_retention_removes_an_expired_job_and_keeps_a_live_one(nc, service
 async def put_artifact(nc, job: str) -> None:
     obs = await nc.jetstream().object_store(names.ARTIFACTS_BUCKET)
     name = names.artifact_name(job, "peft")
-    await obs.put(name, b"adapter bytes", meta=ObjectMeta(name=name, headers=artifact_headers(job, "peft",
-                                                                                            ArtifactMeta())))
+    await obs.put(
+        name, b"adapter bytes", meta=ObjectMeta(name=name, headers=artifact_headers(job, "peft", ArtifactMeta()))
+    )
 
 
 async def test_an_idempotency_key_expires_at_the_end_of_its_window(nc, services):
@@ -175,8 +188,7 @@ async def test_a_bucket_from_before_the_index_is_indexed_once_and_led_from(nc, s
     enc = msgspec.json.Encoder()
     for i, state in enumerate(("succeeded", "queued")):
         job_id = f"old{i}"
-        stored = StoredRequest(id=job_id, request=msgspec.convert(JOB, type=JobRequest),
-                               created=1000.0 + i, seq=i + 1)
+        stored = StoredRequest(id=job_id, request=msgspec.convert(JOB, type=JobRequest), created=1000.0 + i, seq=i + 1)
         await kv.put(request_key(job_id), enc.encode(stored))
         await kv.put(status_key(job_id), enc.encode(JobStatus(state=state, updated=1000.0 + i)))
     sched = await lead(services)
@@ -201,5 +213,10 @@ async def test_the_index_walks_back_a_sparse_and_a_dense_tenant_exactly(nc):
             walked += [str(e.seq) for e in entries]
             before = entries[-1].seq
         assert walked == list(reversed(seqs)), tenant
-    assert [e.data for e in await index.newest_before(names.job_index_submitted(), await index.end(), 5)] == \
-        [b"c999", b"c998", b"c997", b"c996", b"c995"]
+    assert [e.data for e in await index.newest_before(names.job_index_submitted(), await index.end(), 5)] == [
+        b"c999",
+        b"c998",
+        b"c997",
+        b"c996",
+        b"c995",
+    ]

@@ -26,13 +26,29 @@ from services.registry.service import stored_rank
 from trainer.adapter_init import save_plain_lora
 from trainer.loop import train
 
-SHORT = {"max_steps": 30, "learning_rate": 0.01, "batch_size": 1, "max_seq_length": 128, "warmup_steps": 0,
-         "logging_steps": 1}
+SHORT = {
+    "max_steps": 30,
+    "learning_rate": 0.01,
+    "batch_size": 1,
+    "max_seq_length": 128,
+    "warmup_steps": 0,
+    "logging_steps": 1,
+}
 
 
 def spec(model_dir, tmp_path, lora=None, integrations=(), **train_changes) -> TrainerSpec:
-    req = msgspec.convert({"model": "tiny", "base_dir": str(model_dir), "data": pairs(), "train": {**SHORT, **train_changes},
-                           "lora": lora or {}, "integrations": list(integrations), "label": "knobs"}, JobRequest)
+    req = msgspec.convert(
+        {
+            "model": "tiny",
+            "base_dir": str(model_dir),
+            "data": pairs(),
+            "train": {**SHORT, **train_changes},
+            "lora": lora or {},
+            "integrations": list(integrations),
+            "label": "knobs",
+        },
+        JobRequest,
+    )
     return TrainerSpec(job="knobs", attempt=1, request=req, out_dir=str(tmp_path / "out"))
 
 
@@ -73,10 +89,18 @@ def test_a_mutating_start_is_saved_as_the_same_model_on_the_original_base(tiny_m
 
     torch.manual_seed(0)
     base = AutoModelForCausalLM.from_pretrained(tiny_model, torch_dtype=torch.float32)
-    lo = msgspec.convert({"init": init, "r": 4, "alpha": 8.0, "target_modules": ["q_proj", "v_proj", "down_proj"]},
-                         LoraSpec)
-    model = get_peft_model(base, LoraConfig(r=4, lora_alpha=8.0, target_modules=list(lo.target_modules),
-                                            init_lora_weights="pissa" if init == "pissa" else True))
+    lo = msgspec.convert(
+        {"init": init, "r": 4, "alpha": 8.0, "target_modules": ["q_proj", "v_proj", "down_proj"]}, LoraSpec
+    )
+    model = get_peft_model(
+        base,
+        LoraConfig(
+            r=4,
+            lora_alpha=8.0,
+            target_modules=list(lo.target_modules),
+            init_lora_weights="pissa" if init == "pissa" else True,
+        ),
+    )
     from peft import get_peft_model_state_dict
 
     if init == "loftq":
@@ -108,8 +132,14 @@ def test_a_pissa_adapter_exports_to_gguf_at_rank_2r(tiny_model, tmp_path):
     assert 8 in list(a.shape)
 
 
-@pytest.mark.parametrize("optimizer, extra", [("adamw", {"adam_betas": [0.8, 0.99], "adam_eps": 1e-6}),
-                                              ("adafactor", {}), ("sgd", {"momentum": 0.9, "learning_rate": 0.05})])
+@pytest.mark.parametrize(
+    "optimizer, extra",
+    [
+        ("adamw", {"adam_betas": [0.8, 0.99], "adam_eps": 1e-6}),
+        ("adafactor", {}),
+        ("sgd", {"momentum": 0.9, "learning_rate": 0.05}),
+    ],
+)
 def test_each_optimizer_lowers_the_loss(tiny_model, tmp_path, capsys, optimizer, extra):
     finished = train(spec(tiny_model, tmp_path, optimizer=optimizer, **extra))
     curve = losses(capsys)
@@ -119,12 +149,14 @@ def test_each_optimizer_lowers_the_loss(tiny_model, tmp_path, capsys, optimizer,
 
 def test_what_needs_a_gpu_and_settings_that_do_not_apply_are_refused_naming_the_field():
     job = {"model": "tiny", "base_dir": "/models/tiny", "data": pairs(1)}
-    cases = [({"accelerator": "cpu", "train": {"optimizer": "adamw_8bit"}}, "train.optimizer"),
-             ({"accelerator": "cpu", "lora": {"init": "loftq"}}, "lora.init"),
-             ({"quantization": "nf4", "lora": {"init": "pissa"}}, "lora.init"),
-             ({"train": {"momentum": 0.9}}, "train.momentum"),
-             ({"train": {"optimizer": "sgd", "adam_eps": 1e-6}}, "train.adam_eps"),
-             ({"lora": {"init": "pissa", "r": 512}}, "lora.r")]
+    cases = [
+        ({"accelerator": "cpu", "train": {"optimizer": "adamw_8bit"}}, "train.optimizer"),
+        ({"accelerator": "cpu", "lora": {"init": "loftq"}}, "lora.init"),
+        ({"quantization": "nf4", "lora": {"init": "pissa"}}, "lora.init"),
+        ({"train": {"momentum": 0.9}}, "train.momentum"),
+        ({"train": {"optimizer": "sgd", "adam_eps": 1e-6}}, "train.adam_eps"),
+        ({"lora": {"init": "pissa", "r": 512}}, "lora.r"),
+    ]
     for changes, field in cases:
         with pytest.raises(InvalidRequest) as e:
             parse_job_request(msgspec.json.encode({**job, **changes}))
@@ -133,8 +165,16 @@ def test_what_needs_a_gpu_and_settings_that_do_not_apply_are_refused_naming_the_
 
 
 async def test_8bit_adamw_on_a_cpu_job_is_refused_at_submit(nc, stack):
-    reply = await submit(nc, {"model": "tiny", "base_dir": "/models/tiny", "data": pairs(1), "accelerator": "cpu",
-                              "train": {"optimizer": "adamw_8bit"}})
+    reply = await submit(
+        nc,
+        {
+            "model": "tiny",
+            "base_dir": "/models/tiny",
+            "data": pairs(1),
+            "accelerator": "cpu",
+            "train": {"optimizer": "adamw_8bit"},
+        },
+    )
     assert isinstance(reply, Rejected) and reply.errors[0].field == "train.optimizer", reply
     assert "GPU" in reply.errors[0].reason
 
@@ -143,13 +183,18 @@ def test_the_memory_estimate_counts_each_optimizers_state(tiny_model):
     shape = ModelShape.from_config(str(tiny_model), json.loads((Path(tiny_model) / "config.json").read_text()))
 
     def lora_mib(**train) -> int:
-        req = msgspec.convert({"model": "m", "base_dir": "/m", "data": pairs(1), "lora": {"r": 256},
-                               "train": train}, JobRequest)
+        req = msgspec.convert(
+            {"model": "m", "base_dir": "/m", "data": pairs(1), "lora": {"r": 256}, "train": train}, JobRequest
+        )
         return estimate(shape, req).lora_mib
 
-    adamw, eight, sgd, plain_sgd, adafactor = (lora_mib(), lora_mib(optimizer="adamw_8bit"),
-                                               lora_mib(optimizer="sgd", momentum=0.9), lora_mib(optimizer="sgd"),
-                                               lora_mib(optimizer="adafactor"))
+    adamw, eight, sgd, plain_sgd, adafactor = (
+        lora_mib(),
+        lora_mib(optimizer="adamw_8bit"),
+        lora_mib(optimizer="sgd", momentum=0.9),
+        lora_mib(optimizer="sgd"),
+        lora_mib(optimizer="adafactor"),
+    )
     assert adamw > eight > plain_sgd and adamw > sgd > plain_sgd and adafactor < sgd, (adamw, eight, sgd, adafactor)
     assert math.isclose(adamw / plain_sgd, 16 / 8, rel_tol=0.05)
 
@@ -167,8 +212,8 @@ def wandb_records(path: Path):
         if 32768 - pos % 32768 < 7:  # a block's tail too short for a header is padding
             pos += 32768 - pos % 32768
             continue
-        crc, length, kind = struct.unpack("<IHB", data[pos:pos + 7])
-        body = data[pos + 7:pos + 7 + length]
+        crc, length, kind = struct.unpack("<IHB", data[pos : pos + 7])
+        body = data[pos + 7 : pos + 7 + length]
         assert zlib.crc32(bytes([kind]) + body) & 0xFFFFFFFF == crc, f"a damaged record at byte {pos}"
         pos += 7 + length
         piece = body if kind in (1, 2) else piece + body
@@ -201,9 +246,17 @@ def test_wandb_offline_and_mlflow_on_a_file_store_receive_every_steps_loss(tiny_
     monkeypatch.delenv("WANDB_DIR", raising=False)
     monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")  # MLflow 3 wants this for a file: store (kept, not developed)
     store = f"file://{tmp_path / 'mlruns'}"
-    finished = train(spec(tiny_model, tmp_path, max_steps=12, integrations=[
-        {"type": "wandb", "project": "jetlora-test", "tags": ["ci"]},
-        {"type": "mlflow", "tracking_uri": store, "experiment": "knobs"}]))
+    finished = train(
+        spec(
+            tiny_model,
+            tmp_path,
+            max_steps=12,
+            integrations=[
+                {"type": "wandb", "project": "jetlora-test", "tags": ["ci"]},
+                {"type": "mlflow", "tracking_uri": store, "experiment": "knobs"},
+            ],
+        )
+    )
     published = {e.step: e.loss for e in events_from(capsys.readouterr().out) if isinstance(e, Progress)}
     assert finished.state == "trained" and sorted(published) == list(range(1, 13))
 

@@ -17,8 +17,19 @@ from services import bus
 from services.artifacts.service import ArtifactService
 from services.embedded import EmbeddedNats
 from services.scheduler.service import Scheduler, SchedulerConfig
-from tests.conftest import (Agents, InProcess, get_job, progress_steps, spec_for, states_of, stream_events, submit,
-                            wait_for, wait_nodes, wait_state)
+from tests.conftest import (
+    Agents,
+    InProcess,
+    get_job,
+    progress_steps,
+    spec_for,
+    states_of,
+    stream_events,
+    submit,
+    wait_for,
+    wait_nodes,
+    wait_state,
+)
 from tests.qa import pairs
 
 CFG = SchedulerConfig(heartbeat_interval=0.25, misses=4)
@@ -39,8 +50,9 @@ async def own_server(tmp_path):
     server.stop()
 
 
-async def test_a_paused_job_keeps_its_place_through_restarts_and_goes_on_from_its_checkpoint_elsewhere(own_server,
-                                                                                                         tmp_path):
+async def test_a_paused_job_keeps_its_place_through_restarts_and_goes_on_from_its_checkpoint_elsewhere(
+    own_server, tmp_path
+):
     nc = await nats.connect(own_server.url, max_reconnect_attempts=-1, reconnect_time_wait=0.2)
     await bus.ensure_resources(nc)
     services, agents = InProcess(own_server.url), Agents(own_server.url, tmp_path)
@@ -117,8 +129,9 @@ async def test_a_queued_job_pauses_at_once_and_a_paused_one_resumes_or_cancels(s
     assert isinstance(ended, Error) and "only queued and running jobs pause" in ended.error
 
 
-async def test_an_engine_wanting_its_memory_back_pauses_low_priority_jobs_and_they_resume_when_it_frees(stack, nc,
-                                                                                                          agents):
+async def test_an_engine_wanting_its_memory_back_pauses_low_priority_jobs_and_they_resume_when_it_frees(
+    stack, nc, agents
+):
     agents.start("n1", gpus="4096,4096", hold_s=8.0)
     await wait_nodes(nc, 1)
     low = (await submit(nc, {"model": "tiny", "base_dir": "/models/tiny", "data": pairs(1), "label": "low"})).job
@@ -143,8 +156,9 @@ async def test_an_engine_wanting_its_memory_back_pauses_low_priority_jobs_and_th
     assert (await wait_state(nc, high, "succeeded", timeout=60)).attempt == 1
 
 
-async def test_pause_then_resume_on_another_agent_continues_the_same_loss_curve(stack, nc, agents, tiny_model,
-                                                                                 tmp_path, capsys):
+async def test_pause_then_resume_on_another_agent_continues_the_same_loss_curve(
+    stack, nc, agents, tiny_model, tmp_path, capsys
+):
     """The real trainer: paused mid-run on one node, resumed on another, its losses are an uninterrupted run's."""
     from trainer.loop import train
     from tests.test_trainer import events_from

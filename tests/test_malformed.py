@@ -28,7 +28,8 @@ async def test_deep_nesting_and_numbers_out_of_range_are_rejections(nc, stack):
 
 def test_permissions_for_names_that_cannot_be_tokens_exit_2_in_one_line():
     for flags in (["--tenants", "a.b"], ["--tenants", ">"], ["--tenants", "upload"], ["--nodes", "n*"]):
-        done = subprocess.run([sys.executable, "-m", "services.cli", "permissions", *flags], cwd=ROOT,
-                              capture_output=True, text=True)
+        done = subprocess.run(
+            [sys.executable, "-m", "services.cli", "permissions", *flags], cwd=ROOT, capture_output=True, text=True
+        )
         assert done.returncode == 2 and done.stderr.startswith("error: ") and "Traceback" not in done.stderr, done
         assert done.stderr.count("\n") == 1

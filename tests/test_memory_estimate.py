@@ -13,9 +13,18 @@ from services.agent.models import read_shape
 from tests.conftest import get_job, submit, wait_for, wait_nodes, wait_state
 from tests.qa import pairs
 
-LLAMA_3_8B = {"architectures": ["LlamaForCausalLM"], "hidden_size": 4096, "intermediate_size": 14336,
-              "num_attention_heads": 32, "num_hidden_layers": 32, "num_key_value_heads": 8, "vocab_size": 128256,
-              "tie_word_embeddings": False, "torch_dtype": "bfloat16", "model_type": "llama"}
+LLAMA_3_8B = {
+    "architectures": ["LlamaForCausalLM"],
+    "hidden_size": 4096,
+    "intermediate_size": 14336,
+    "num_attention_heads": 32,
+    "num_hidden_layers": 32,
+    "num_key_value_heads": 8,
+    "vocab_size": 128256,
+    "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16",
+    "model_type": "llama",
+}
 
 
 def request(base_dir, **train) -> JobRequest:
@@ -29,32 +38,42 @@ def test_the_shape_of_a_known_model_and_what_lowers_its_estimate(tiny_model):
     from safetensors import safe_open
 
     with safe_open(str(tiny_model / "model.safetensors"), "pt") as f:
-        assert tiny.params == sum(f.get_slice(k).get_shape()[0] * (f.get_slice(k).get_shape() + [1])[1] for k in f.keys())
+        assert tiny.params == sum(
+            f.get_slice(k).get_shape()[0] * (f.get_slice(k).get_shape() + [1])[1] for k in f.keys()
+        )
 
     base = estimate(shape, request("/m", batch_size=4, max_seq_length=4096))
-    lower = {"gradient checkpointing": estimate(shape, request("/m", batch_size=4, max_seq_length=4096,
-                                                               gradient_checkpointing=True)),
-             "batch 1": estimate(shape, request("/m", batch_size=1, max_seq_length=4096)),
-             "chunked loss of 256": estimate(shape, request("/m", batch_size=4, max_seq_length=4096,
-                                                            loss_chunk_tokens=256)),
-             "nf4": estimate(shape, msgspec.structs.replace(request("/m", batch_size=4, max_seq_length=4096),
-                                                            quantization="nf4"))}
+    lower = {
+        "gradient checkpointing": estimate(
+            shape, request("/m", batch_size=4, max_seq_length=4096, gradient_checkpointing=True)
+        ),
+        "batch 1": estimate(shape, request("/m", batch_size=1, max_seq_length=4096)),
+        "chunked loss of 256": estimate(shape, request("/m", batch_size=4, max_seq_length=4096, loss_chunk_tokens=256)),
+        "nf4": estimate(
+            shape, msgspec.structs.replace(request("/m", batch_size=4, max_seq_length=4096), quantization="nf4")
+        ),
+    }
     for what, est in lower.items():
         assert est.mib < base.mib, (what, est, base)
     assert estimate(shape, request("/m", batch_size=4, max_seq_length=4096, loss_chunk_tokens=0)).mib > base.mib
     assert 15_000 < base.weights_mib < 15_500  # 8.03B parameters in bf16
 
 
-async def test_an_auto_sized_job_is_placed_by_its_estimate_or_refused_with_what_to_change(stack, nc, agents,
-                                                                                           tiny_model, tmp_path):
+async def test_an_auto_sized_job_is_placed_by_its_estimate_or_refused_with_what_to_change(
+    stack, nc, agents, tiny_model, tmp_path
+):
     big = tmp_path / "llama-3-8b"
     big.mkdir()
     (big / "config.json").write_text(json.dumps(LLAMA_3_8B))
     agents.start("n1", gpus="24576", hold_s=60, extra=("--model", str(big), "--model", str(tiny_model)))
     await wait_nodes(nc, 1)
 
-    too_big = {"model": "llama", "base_dir": str(big), "data": pairs(2),
-               "train": {"batch_size": 4, "max_seq_length": 4096}}
+    too_big = {
+        "model": "llama",
+        "base_dir": str(big),
+        "data": pairs(2),
+        "train": {"batch_size": 4, "max_seq_length": 4096},
+    }
     reply = await submit(nc, too_big)
     assert isinstance(reply, Rejected) and reply.errors[0].field == "gpu_mib", reply
     why = reply.errors[0].reason
@@ -88,8 +107,12 @@ def test_the_estimate_command_reads_the_model_here_and_says_what_would_fit(tmp_p
     big = tmp_path / "llama-3-8b"
     big.mkdir()
     (big / "config.json").write_text(json.dumps(LLAMA_3_8B))
-    job = {"model": "llama", "base_dir": "/models/elsewhere", "data": pairs(2),
-           "train": {"batch_size": 4, "max_seq_length": 4096}}
+    job = {
+        "model": "llama",
+        "base_dir": "/models/elsewhere",
+        "data": pairs(2),
+        "train": {"batch_size": 4, "max_seq_length": 4096},
+    }
     (tmp_path / "job.json").write_text(json.dumps(job))
     assert main(["estimate", str(tmp_path / "job.json"), "--model-dir", str(big), "--json"]) == 0
     printed = msgspec.json.decode(capsys.readouterr().out, type=Estimate)

@@ -15,7 +15,9 @@ async def stats_of(nc, service: str) -> dict[str, dict]:
 
 async def test_rejections_and_errors_carry_micro_headers_and_count_in_stats(nc, stack):
     before = await stats_of(nc, names.SCHEDULER_SERVICE)
-    bad = await nc.request(names.SUBMIT, msgspec.json.encode({"model": "m", "base_dir": "/m", "gpu_mib": -1}), timeout=5)
+    bad = await nc.request(
+        names.SUBMIT, msgspec.json.encode({"model": "m", "base_dir": "/m", "gpu_mib": -1}), timeout=5
+    )
     rejected = msgspec.json.decode(bad.data, type=Rejected)  # the body is the JSON error, as before
     assert rejected.errors and bad.headers["Nats-Service-Error-Code"] == "400"
     assert any(e.field in bad.headers["Nats-Service-Error"] for e in rejected.errors)

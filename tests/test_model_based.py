@@ -40,8 +40,9 @@ class World:
         self.nc = await nats.connect(self.server.url)
         await bus.ensure_resources(self.nc)
         self.stop = asyncio.Event()
-        self.sched = Scheduler(await nats.connect(self.server.url),
-                               SchedulerConfig(heartbeat_interval=0.25, misses=3, assign_timeout=2.0))
+        self.sched = Scheduler(
+            await nats.connect(self.server.url), SchedulerConfig(heartbeat_interval=0.25, misses=3, assign_timeout=2.0)
+        )
         self.task = self.loop.create_task(self.sched.run(self.stop))
         await asyncio.wait_for(self.sched.leading.wait(), 10)
         self.write = self.sched.core.store.write_status
@@ -51,8 +52,14 @@ class World:
 
     def settle(self) -> None:
         """Until no task the scheduler spawned runs and no job's status is being written."""
-        self.run(wait_for(lambda: not self.sched.core.tasks and not any(j.lock.locked() for j in self.sched.core.jobs.values()),
-                          timeout=20, interval=0.02, what="the scheduler to settle"))
+        self.run(
+            wait_for(
+                lambda: not self.sched.core.tasks and not any(j.lock.locked() for j in self.sched.core.jobs.values()),
+                timeout=20,
+                interval=0.02,
+                what="the scheduler to settle",
+            )
+        )
 
     def close(self) -> None:
         self.agents.close()
@@ -142,7 +149,9 @@ class SchedulerModel(RuleBasedStateMachine):
         """Read at the same revision, memory and the store say the same (state, node, attempt) of every job."""
         w = self.world
         for _ in range(5):
-            stored = {job_id: w.run(w.sched.core.store.status(job_id)) for job_id in self.jobs}  # the loop runs meanwhile
+            stored = {
+                job_id: w.run(w.sched.core.store.status(job_id)) for job_id in self.jobs
+            }  # the loop runs meanwhile
             w.settle()  # then stands still while memory is read
             jobs = {job_id: w.sched.core.jobs[job_id] for job_id in self.jobs}
             if all(s is None or s[1] == jobs[j].revision for j, s in stored.items()):
@@ -150,7 +159,10 @@ class SchedulerModel(RuleBasedStateMachine):
                     if s is not None:
                         status = jobs[job_id].status
                         assert (s[0].state, s[0].node, s[0].attempt) == (status.state, status.node, status.attempt), (
-                            job_id, s[0], status)
+                            job_id,
+                            s[0],
+                            status,
+                        )
                 return
         raise AssertionError("the store kept changing while it was compared with memory")
 
@@ -166,8 +178,9 @@ class SchedulerModel(RuleBasedStateMachine):
 def test_the_scheduler_keeps_its_invariants_under_random_interleavings(world):
     SchedulerModel.world = world
     runner = SchedulerModel.TestCase
-    runner.settings = settings(max_examples=10, stateful_step_count=20, deadline=None,
-                               suppress_health_check=list(HealthCheck))
+    runner.settings = settings(
+        max_examples=10, stateful_step_count=20, deadline=None, suppress_health_check=list(HealthCheck)
+    )
     runner().runTest()
     print(f"invariants checked {SchedulerModel.checks} times over {SchedulerModel.submitted} submitted jobs")
     assert SchedulerModel.checks >= 6 and SchedulerModel.submitted > 0

@@ -105,10 +105,23 @@ def ranks_of(job: str) -> dict[int, int]:
 
 
 def real_job(model_dir, steps: int, **train) -> dict:
-    t = {"max_steps": steps, "learning_rate": 0.01, "batch_size": 2, "max_seq_length": 128, "warmup_steps": 0,
-         "logging_steps": 1, **train}
-    return {"model": "tiny", "base_dir": str(model_dir), "data": pairs(), "devices": 2, "lora": {"dropout": 0.0},
-            "train": t}
+    t = {
+        "max_steps": steps,
+        "learning_rate": 0.01,
+        "batch_size": 2,
+        "max_seq_length": 128,
+        "warmup_steps": 0,
+        "logging_steps": 1,
+        **train,
+    }
+    return {
+        "model": "tiny",
+        "base_dir": str(model_dir),
+        "data": pairs(),
+        "devices": 2,
+        "lora": {"dropout": 0.0},
+        "train": t,
+    }
 
 
 async def test_a_killed_rank_fails_the_job_within_seconds_and_leaves_no_process(stack, nc, agents, tiny_model):
@@ -131,8 +144,9 @@ async def test_a_killed_rank_fails_the_job_within_seconds_and_leaves_no_process(
 
 
 @pytest.mark.parametrize("packing", [True])
-async def test_two_ranks_take_one_process_steps_on_twice_the_batch_through_a_pause(stack, nc, agents, tiny_model,
-                                                                                    tmp_path, capsys, packing):
+async def test_two_ranks_take_one_process_steps_on_twice_the_batch_through_a_pause(
+    stack, nc, agents, tiny_model, tmp_path, capsys, packing
+):
     """2 ranks x batch 2 through the agent, paused at step 6 or later and resumed with 2 ranks again, against one
     process with batch 4 in this test process: the same 60 losses within 1e-4 (60 steps, so that the pause comes
     before the end however fast the steps are)."""
@@ -142,8 +156,12 @@ async def test_two_ranks_take_one_process_steps_on_twice_the_batch_through_a_pau
 
     request = real_job(tiny_model, 60, packing=packing)
     spec = spec_for(tiny_model, tmp_path, **{**request["train"], "batch_size": 4})
-    train(msgspec.structs.replace(spec, request=msgspec.structs.replace(
-        spec.request, lora=msgspec.structs.replace(spec.request.lora, dropout=0.0))))
+    train(
+        msgspec.structs.replace(
+            spec,
+            request=msgspec.structs.replace(spec.request, lora=msgspec.structs.replace(spec.request.lora, dropout=0.0)),
+        )
+    )
     one = {e.step: e.loss for e in events_from(capsys.readouterr().out) if isinstance(e, Progress)}
 
     agents.start("n1", gpus="4096,4096", trainer=None)
@@ -157,10 +175,10 @@ async def test_two_ranks_take_one_process_steps_on_twice_the_batch_through_a_pau
     await bus.request(nc, names.RESUME, JobQuery(reply.job), JobReply)
     done = await wait_state(nc, reply.job, ("succeeded", "failed"), timeout=120)
     assert done.state == "succeeded", done.message
-    two = {p.step: p.loss for p in await stream_events(nc, names.job(reply.job).progress,
-                                                       msgspec.json.Decoder(Progress))}
+    two = {
+        p.step: p.loss for p in await stream_events(nc, names.job(reply.job).progress, msgspec.json.Decoder(Progress))
+    }
     assert sorted(two) == list(range(1, 61))
     worst = max(abs(two[s] - one[s]) for s in two)
-    print(f"{paused.message}; 2 ranks x batch 2 against 1 x batch 4 over 60 steps: largest loss difference "
-          f"{worst:.2e}")
+    print(f"{paused.message}; 2 ranks x batch 2 against 1 x batch 4 over 60 steps: largest loss difference {worst:.2e}")
     assert worst < 1e-4, worst

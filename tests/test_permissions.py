@@ -31,8 +31,9 @@ def password(user: str) -> str:
 @pytest.fixture
 async def secured(tmp_path):
     env = {env_var(u): password(u) for u in roles(NODES, TENANTS)}
-    server = EmbeddedNats(store_dir=tmp_path / "nats", extra_config=authorization_block(NODES, TENANTS),
-                          env=env).start()
+    server = EmbeddedNats(
+        store_dir=tmp_path / "nats", extra_config=authorization_block(NODES, TENANTS), env=env
+    ).start()
     yield server
     server.stop()
 
@@ -49,8 +50,14 @@ class Client:
             if "permissions violation" in str(e).lower():
                 self.violations.append(str(e))
 
-        self.nc = await nats.connect(url, user=user, password=password(user), error_cb=on_error, max_reconnect_attempts=1,
-                                     inbox_prefix=inbox or names.inbox(user))
+        self.nc = await nats.connect(
+            url,
+            user=user,
+            password=password(user),
+            error_cb=on_error,
+            max_reconnect_attempts=1,
+            inbox_prefix=inbox or names.inbox(user),
+        )
         return self
 
 
@@ -69,11 +76,31 @@ async def test_each_role_does_its_work_under_the_deploy_permissions(secured, tmp
     agent = None
     try:
         await asyncio.wait_for(sched.leading.wait(), 10)
-        agent = subprocess.Popen([sys.executable, "-m", "services.cli", "agent", "--nats", secured.url, "--node", "n1",
-                                  "--simulate-gpus", "4096", "--heartbeat-interval", "0.25", "--work-dir",
-                                  str(tmp_path / "n1"), "--trainer-command", HOLD_TRAINER, *agent_pw],
-                                 cwd=ROOT, env={**os.environ, "HOLD_S": "0.3", "PYTHONPATH": str(ROOT)},
-                                 stdout=subprocess.DEVNULL, stderr=open(tmp_path / "agent.log", "w"))
+        agent = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "services.cli",
+                "agent",
+                "--nats",
+                secured.url,
+                "--node",
+                "n1",
+                "--simulate-gpus",
+                "4096",
+                "--heartbeat-interval",
+                "0.25",
+                "--work-dir",
+                str(tmp_path / "n1"),
+                "--trainer-command",
+                HOLD_TRAINER,
+                *agent_pw,
+            ],
+            cwd=ROOT,
+            env={**os.environ, "HOLD_S": "0.3", "PYTHONPATH": str(ROOT)},
+            stdout=subprocess.DEVNULL,
+            stderr=open(tmp_path / "agent.log", "w"),
+        )
         reply = await submit(sub_c.nc, {"model": "tiny", "base_dir": "/models/tiny", "data": pairs(2)})
         assert isinstance(reply, Accepted)
         job = await wait_state(sub_c.nc, reply.job, ("succeeded", "failed"), timeout=30)
@@ -104,7 +131,9 @@ async def test_what_each_role_must_not_do(secured):
     agent = await as_user(secured.url, "agent-n1")
     await agent.nc.publish(names.node("n2").heartbeat, b"{}")  # pretending to be another node
     await agent.nc.subscribe(names.node("n2").assign)  # reading another node's assignments
-    await agent.nc.publish(names.job("somejob", "n2", names.ADMIN_TENANT).state, b"{}")  # speaking for another node's job
+    await agent.nc.publish(
+        names.job("somejob", "n2", names.ADMIN_TENANT).state, b"{}"
+    )  # speaking for another node's job
     with pytest.raises(Exception):
         await agent.nc.request(names.ARTIFACTS_DELETE, b'{"job": "x"}', timeout=1)
     await agent.nc.flush()

@@ -61,7 +61,10 @@ async def test_pausing_a_job_while_it_is_placed_never_leaves_it_in_two_places(nc
         await wait_for(lambda job=job: job.status.state in ("paused", "running"), timeout=30, what="the job to settle")
         reserved = [slot for slot, j in stack.core.fleet.reserved.items() if j == reply.job]
         if job.status.state == "paused":
-            assert job.status.node is None and reserved == [] and reply.job not in stack.core.queue, (answer, job.status)
+            assert job.status.node is None and reserved == [] and reply.job not in stack.core.queue, (
+                answer,
+                job.status,
+            )
         else:
             assert reserved == [(job.status.node, job.status.device)] and reply.job not in stack.core.queue, job.status
             await bus.request(nc, names.CANCEL, JobQuery(reply.job), JobReply | Error)
@@ -74,8 +77,9 @@ async def test_a_state_event_that_comes_again_after_a_later_one_does_not_undo_it
     job_id = await run_held_job(nc, agents, node="n1", hold_s=30)
     await wait_state(nc, job_id, ("running",), timeout=30)
     js = nc.jetstream()
-    mine = await js.pull_subscribe(names.job(job_id, "n1").state, durable="race-test",
-                                   config=ConsumerConfig(deliver_policy=DeliverPolicy.ALL))
+    mine = await js.pull_subscribe(
+        names.job(job_id, "n1").state, durable="race-test", config=ConsumerConfig(deliver_policy=DeliverPolicy.ALL)
+    )
     running = [m for m in await mine.fetch(10, timeout=5) if b'"running"' in m.data][-1]
     paused = StateChange(job=job_id, state="paused", node="n1", attempt=1, message="paused by n1", ts=time.time())
     await js.publish(names.job(job_id, "n1", names.ADMIN_TENANT).state, msgspec.json.encode(paused))
@@ -84,4 +88,3 @@ async def test_a_state_event_that_comes_again_after_a_later_one_does_not_undo_it
     assert (await get_job(nc, job_id)).state == "paused"
     assert stack.core.jobs[job_id].status.state == "paused"
     await mine.unsubscribe()
-

@@ -112,8 +112,9 @@ async def _state_is(nc, job_id: str, state: str):
 async def test_a_rejection_lists_every_error_at_once(nc, services):
     sched, *_ = await services.start(lambda c: Scheduler(c, CFG))
     await asyncio.wait_for(sched.leading.wait(), 10)
-    reply = await submit(nc, {"model": "tiny", "base_dir": "models/tiny", "data": [], "train": {"batch_size": 0},
-                              "colour": "blue"})
+    reply = await submit(
+        nc, {"model": "tiny", "base_dir": "models/tiny", "data": [], "train": {"batch_size": 0}, "colour": "blue"}
+    )
     assert isinstance(reply, Rejected)
     assert {e.field for e in reply.errors} == {"data", "base_dir", "train.batch_size", "colour"}, reply.errors
     assert await kv_keys(nc) == []
@@ -121,8 +122,13 @@ async def test_a_rejection_lists_every_error_at_once(nc, services):
 
 # --- the command line ---------------------------------------------------------------------------
 def _jetlora(*args, env=None, **kw) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "services.cli", *args], cwd=ROOT, text=True,
-                            env={**os.environ, "PYTHONPATH": str(ROOT), **(env or {})}, **kw)
+    return subprocess.Popen(
+        [sys.executable, "-m", "services.cli", *args],
+        cwd=ROOT,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(ROOT), **(env or {})},
+        **kw,
+    )
 
 
 def _nats_servers_under(path: Path) -> list[int]:
@@ -140,8 +146,9 @@ def _nats_servers_under(path: Path) -> list[int]:
 
 
 async def _until_gone(path: Path, timeout: float = 15.0) -> None:
-    await wait_for(lambda: not _nats_servers_under(path), timeout=timeout,
-                   what=f"the embedded nats-server under {path} to exit")
+    await wait_for(
+        lambda: not _nats_servers_under(path), timeout=timeout, what=f"the embedded nats-server under {path} to exit"
+    )
 
 
 async def test_up_with_its_dashboard_port_taken_says_why_exits_1_and_leaves_nothing(tmp_path):
@@ -150,8 +157,18 @@ async def test_up_with_its_dashboard_port_taken_says_why_exits_1_and_leaves_noth
     taken.listen()
     port = taken.getsockname()[1]
     try:
-        proc = _jetlora("up", "--port", str(port), "--simulate-gpus", "4096", "--node", "box",
-                        env={"XDG_STATE_HOME": str(tmp_path)}, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        proc = _jetlora(
+            "up",
+            "--port",
+            str(port),
+            "--simulate-gpus",
+            "4096",
+            "--node",
+            "box",
+            env={"XDG_STATE_HOME": str(tmp_path)},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+        )
         out, err = await asyncio.to_thread(proc.communicate, timeout=60)
     finally:
         taken.close()
@@ -163,8 +180,18 @@ async def test_up_with_its_dashboard_port_taken_says_why_exits_1_and_leaves_noth
 async def test_up_stops_all_it_started_on_sigterm_and_its_nats_dies_with_it_on_sigkill(tmp_path):
     for sig, code in ((signal.SIGTERM, 0), (signal.SIGKILL, -signal.SIGKILL)):
         state = tmp_path / sig.name
-        proc = _jetlora("up", "--port", "0", "--simulate-gpus", "4096", "--node", "box",
-                        env={"XDG_STATE_HOME": str(state)}, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+        proc = _jetlora(
+            "up",
+            "--port",
+            "0",
+            "--simulate-gpus",
+            "4096",
+            "--node",
+            "box",
+            env={"XDG_STATE_HOME": str(state)},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+        )
         line = ""
         deadline = time.monotonic() + 60
         while "dashboard:" not in line and time.monotonic() < deadline:

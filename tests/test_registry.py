@@ -14,8 +14,17 @@ import pytest
 
 from schemas import names
 from schemas.jobs import Accepted, Error
-from schemas.registry import (AdapterList, AdapterListQuery, AdapterQuery, AdapterReply, AdapterVersion, AliasRequest, PromoteRequest,
-                              RegisterRequest, StoredFile)
+from schemas.registry import (
+    AdapterList,
+    AdapterListQuery,
+    AdapterQuery,
+    AdapterReply,
+    AdapterVersion,
+    AliasRequest,
+    PromoteRequest,
+    RegisterRequest,
+    StoredFile,
+)
 from services import bus
 from services.registry.store import AdapterRegistry
 from tests.conftest import ROOT, submit, wait_for, wait_nodes, wait_state
@@ -37,6 +46,7 @@ async def show(nc, name: str) -> AdapterReply:
 
 async def serving(nc, name: str, expected: dict[str, tuple[int, str]]) -> None:
     """Until each node in `expected` reports (version, state) for the adapter."""
+
     async def check():
         reply = await bus.request(nc, names.ADAPTERS.show, AdapterQuery(name=name), AdapterReply | Error)
         if isinstance(reply, Error):
@@ -86,17 +96,26 @@ async def test_promote_rollback_and_retire_flip_what_every_node_serves(stack, nc
     listed = await bus.request(nc, names.ADAPTERS.list, AdapterListQuery(base_model="tiny"), AdapterList)
     assert [a.alias.name for a in listed.adapters] == ["support"]
     assert (await bus.request(nc, names.ADAPTERS.list, AdapterListQuery(base_model="x"), AdapterList)).adapters == []
-    shown = await asyncio.to_thread(subprocess.run, [sys.executable, "-m", "services.cli", "adapters", "show", "support",
-                                                     "--nats", nats_server.url], cwd=ROOT, capture_output=True, text=True)
+    shown = await asyncio.to_thread(
+        subprocess.run,
+        [sys.executable, "-m", "services.cli", "adapters", "show", "support", "--nats", nats_server.url],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+    )
     assert shown.stdout.startswith("support: serves support@2; versions 1-2; before: 1"), shown.stdout + shown.stderr
     assert "node late [vllm-dir" in shown.stdout and "@2 placed" in shown.stdout
 
     back = await bus.request(nc, names.ADAPTERS.rollback, AliasRequest(name="support"), AdapterReply)
     assert back.alias.current == 1 and back.alias.history == []
     await serving(nc, "support", {"a1": (1, "placed"), "a2": (1, "placed"), "late": (1, "placed")})
-    retired = await asyncio.to_thread(subprocess.run, [sys.executable, "-m", "services.cli", "adapters", "retire",
-                                                       "support", "--nats", nats_server.url], cwd=ROOT,
-                                      capture_output=True, text=True)
+    retired = await asyncio.to_thread(
+        subprocess.run,
+        [sys.executable, "-m", "services.cli", "adapters", "retire", "support", "--nats", nats_server.url],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+    )
     assert retired.returncode == 0 and retired.stdout.startswith("support: retired"), retired.stdout + retired.stderr
     await serving(nc, "support", {"a1": (1, "unloaded"), "a2": (1, "unloaded"), "late": (1, "unloaded")})
     assert all(placed(tmp_path, n, "support") is None for n in ("a1", "a2", "late"))
@@ -105,22 +124,27 @@ async def test_promote_rollback_and_retire_flip_what_every_node_serves(stack, nc
     # an agent that restarts converges without loading anything twice
     await bus.request(nc, names.ADAPTERS.promote, PromoteRequest(name="support", version=2), AdapterReply)
     await serving(nc, "support", {"a1": (2, "placed")})
+
     def loads() -> int:
         return sum(1 for line in agents.log("a1").splitlines() if "support@2 on" in line and ": loading" in line)
 
     before = loads()
     agents.terminate("a1")
     agents.start("a1", gpus=None, extra=engine(tmp_path, "a1"))
-    await wait_for(lambda: agents.log("a1").count("support@2 is served by") == 1, timeout=30,
-                   what="the restarted agent to look at support@2")
+    await wait_for(
+        lambda: agents.log("a1").count("support@2 is served by") == 1,
+        timeout=30,
+        what="the restarted agent to look at support@2",
+    )
     assert loads() == before == 2 and placed(tmp_path, "a1", "support")["r"] == 1
 
 
 async def test_versions_are_never_overwritten_and_concurrent_promotes_have_one_winner(stack, nc, nats_server):
     registry = AdapterRegistry(await nc.jetstream().key_value(names.ADAPTERS_KV))
     file = StoredFile(name="j/peft", sha256="0" * 64, size=1)
-    draft = AdapterVersion(name="race", version=1, job="j", base_model="tiny", peft=file, r=8, alpha=16,
-                           target_modules=["q_proj"])
+    draft = AdapterVersion(
+        name="race", version=1, job="j", base_model="tiny", peft=file, r=8, alpha=16, target_modules=["q_proj"]
+    )
     made = await asyncio.gather(*(registry.add_version(draft) for _ in range(8)))
     assert sorted(v.version for v in made) == list(range(1, 9))  # concurrent registrations: each its own number
     kv = await nc.jetstream().key_value(names.ADAPTERS_KV)
@@ -128,12 +152,15 @@ async def test_versions_are_never_overwritten_and_concurrent_promotes_have_one_w
 
     with pytest.raises(KeyWrongLastSequenceError):  # a version key is created once, never written again
         await kv.create(names.adapter_version_key("race", 3), b"{}")
-    promotes = [bus.request(nc, names.ADAPTERS.promote, PromoteRequest(name="race", version=v, expect=0),
-                            AdapterReply | Error) for v in range(1, 9)]
+    promotes = [
+        bus.request(nc, names.ADAPTERS.promote, PromoteRequest(name="race", version=v, expect=0), AdapterReply | Error)
+        for v in range(1, 9)
+    ]
     replies = await asyncio.gather(*promotes)
     winners = [r for r in replies if isinstance(r, AdapterReply)]
-    assert len(winners) == 1 and all("another change came first" in r.error or "changed while" in r.error
-                                     for r in replies if isinstance(r, Error))
+    assert len(winners) == 1 and all(
+        "another change came first" in r.error or "changed while" in r.error for r in replies if isinstance(r, Error)
+    )
     assert (await show(nc, "race")).alias.current == winners[0].alias.current
 
     # what the caller saw is the alias's change count: a 1 -> 2 -> 1 in between refuses the change, where comparing
@@ -142,16 +169,30 @@ async def test_versions_are_never_overwritten_and_concurrent_promotes_have_one_w
     await bus.request(nc, names.ADAPTERS.promote, PromoteRequest(name="race", version=5), AdapterReply)
     await bus.request(nc, names.ADAPTERS.rollback, AliasRequest(name="race"), AdapterReply)
     assert (await show(nc, "race")).alias.current == seen.alias.current
-    stale = await bus.request(nc, names.ADAPTERS.promote, PromoteRequest(name="race", version=7, expect_changes=seen.alias.changes),
-                              AdapterReply | Error)
+    stale = await bus.request(
+        nc,
+        names.ADAPTERS.promote,
+        PromoteRequest(name="race", version=7, expect_changes=seen.alias.changes),
+        AdapterReply | Error,
+    )
     assert isinstance(stale, Error) and "changed since you looked" in stale.error, stale
     assert (await show(nc, "race")).alias.current == seen.alias.current
     now = (await show(nc, "race")).alias.changes
     assert now == seen.alias.changes + 2
-    cli = [sys.executable, "-m", "services.cli", "adapters", "promote", "race@7", "--nats", nats_server.url,
-           "--expect-changes"]
-    refused = await asyncio.to_thread(subprocess.run, cli + [str(seen.alias.changes)], cwd=ROOT, capture_output=True,
-                                      text=True)
+    cli = [
+        sys.executable,
+        "-m",
+        "services.cli",
+        "adapters",
+        "promote",
+        "race@7",
+        "--nats",
+        nats_server.url,
+        "--expect-changes",
+    ]
+    refused = await asyncio.to_thread(
+        subprocess.run, cli + [str(seen.alias.changes)], cwd=ROOT, capture_output=True, text=True
+    )
     assert refused.returncode != 0 and "changed since you looked" in refused.stderr, refused.stdout + refused.stderr
     done = await asyncio.to_thread(subprocess.run, cli + [str(now)], cwd=ROOT, capture_output=True, text=True)
     assert done.returncode == 0 and done.stdout.startswith("race: serves race@7"), done.stdout + done.stderr
@@ -212,20 +253,37 @@ async def test_a_canary_moves_a_few_nodes_first_and_the_registry_finishes_or_rol
     from schemas.registry import NodeAdapterStatus
 
     registry = AdapterRegistry(await nc.jetstream().key_value(names.ADAPTERS_KV))
-    draft = AdapterVersion(name="canaried", version=1, job="j", base_model="tiny",
-                           peft=StoredFile(name="j/peft", sha256="0" * 64, size=1), r=8, alpha=16, target_modules=["q_proj"])
+    draft = AdapterVersion(
+        name="canaried",
+        version=1,
+        job="j",
+        base_model="tiny",
+        peft=StoredFile(name="j/peft", sha256="0" * 64, size=1),
+        r=8,
+        alpha=16,
+        target_modules=["q_proj"],
+    )
     for _ in range(3):
         await registry.add_version(draft)
 
     async def report(version: int, state: str, *nodes: str) -> None:
         for node in nodes:
-            await registry.put_node_status(NodeAdapterStatus(name="canaried", version=version, node=node,
-                                                             engine="vllm http://x", state=state, message=f"{state} here",
-                                                             updated=time.time()))
+            await registry.put_node_status(
+                NodeAdapterStatus(
+                    name="canaried",
+                    version=version,
+                    node=node,
+                    engine="vllm http://x",
+                    state=state,
+                    message=f"{state} here",
+                    updated=time.time(),
+                )
+            )
 
     async def promote(version: int, **more):
-        return await bus.request(nc, names.ADAPTERS.promote, PromoteRequest(name="canaried", version=version, **more),
-                                 AdapterReply | Error)
+        return await bus.request(
+            nc, names.ADAPTERS.promote, PromoteRequest(name="canaried", version=version, **more), AdapterReply | Error
+        )
 
     async def alias():
         return (await show(nc, "canaried")).alias

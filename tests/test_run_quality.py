@@ -24,18 +24,28 @@ def misleading_validation(tmp_path) -> DataFile:
     """The training questions with each answer moved to the next question: the better the adapter learns the
     training set, the worse it does here, so its eval loss falls at first and then rises."""
     answers = [a for _, a in QA_PAIRS]
-    return data_file(tmp_path / "misleading.jsonl", "qa",
-                     [{"q": q, "a": answers[(i + 1) % len(answers)]} for i, (q, _) in enumerate(QA_PAIRS)])
+    return data_file(
+        tmp_path / "misleading.jsonl",
+        "qa",
+        [{"q": q, "a": answers[(i + 1) % len(answers)]} for i, (q, _) in enumerate(QA_PAIRS)],
+    )
 
 
 def test_early_stopping_ends_on_a_rising_eval_loss_and_keeps_the_best_steps_adapter(tiny_model, tmp_path, capsys):
     validation = misleading_validation(tmp_path)
     spec = spec_for(tiny_model, tmp_path, max_steps=200, eval_steps=2, early_stopping_patience=3, learning_rate=0.01)
-    spec = msgspec.structs.replace(spec, validation=validation, token_cache=str(tmp_path / "tokens"),
-                                   request=msgspec.structs.replace(spec.request, validation_dataset=DatasetRef(
-                                       name="misleading", sha256=validation.sha256)))
+    spec = msgspec.structs.replace(
+        spec,
+        validation=validation,
+        token_cache=str(tmp_path / "tokens"),
+        request=msgspec.structs.replace(
+            spec.request, validation_dataset=DatasetRef(name="misleading", sha256=validation.sha256)
+        ),
+    )
     finished = train(spec)
-    evals = {e.step: e.eval_loss for e in events_from(capsys.readouterr().out) if isinstance(e, Progress) and e.eval_loss}
+    evals = {
+        e.step: e.eval_loss for e in events_from(capsys.readouterr().out) if isinstance(e, Progress) and e.eval_loss
+    }
     best_step = min(evals, key=evals.get)
     assert finished.state == "trained" and finished.step < 200, finished
     assert finished.step == best_step + 3 * 2  # three evaluations without improvement, two steps apart
@@ -54,8 +64,15 @@ def test_early_stopping_ends_on_a_rising_eval_loss_and_keeps_the_best_steps_adap
 
 
 def test_samples_come_from_the_base_model_once_and_the_adapter_at_each_evaluation(tiny_model, tmp_path, capsys):
-    spec = spec_for(tiny_model, tmp_path, max_steps=30, eval_steps=10, eval_fraction=0.25,
-                    sample_prompts=[PROMPT, "How many legs does a spider have?"], sample_max_tokens=12)
+    spec = spec_for(
+        tiny_model,
+        tmp_path,
+        max_steps=30,
+        eval_steps=10,
+        eval_fraction=0.25,
+        sample_prompts=[PROMPT, "How many legs does a spider have?"],
+        sample_max_tokens=12,
+    )
     train(spec)
     samples = [e for e in events_from(capsys.readouterr().out) if isinstance(e, Samples)]
     assert [(s.model, s.step) for s in samples] == [("base", 0), ("adapter", 10), ("adapter", 20), ("adapter", 30)]
@@ -75,8 +92,17 @@ def test_auto_samples_take_the_held_out_prompts(tiny_model, tmp_path, capsys):
 def test_the_tensorboard_log_reads_back_with_every_step(tiny_model, tmp_path, capsys):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    train(spec_for(tiny_model, tmp_path, max_steps=12, eval_steps=4, eval_fraction=0.25, sample_prompts=[PROMPT],
-                   sample_max_tokens=4))
+    train(
+        spec_for(
+            tiny_model,
+            tmp_path,
+            max_steps=12,
+            eval_steps=4,
+            eval_fraction=0.25,
+            sample_prompts=[PROMPT],
+            sample_max_tokens=4,
+        )
+    )
     progress = [e for e in events_from(capsys.readouterr().out) if isinstance(e, Progress)]
     log = EventAccumulator(str(tmp_path / "out" / "tensorboard"), size_guidance={"scalars": 0, "tensors": 0})
     log.Reload()

@@ -19,10 +19,22 @@ from tests.test_recovery import _jetlora, _nats_servers_under, _until_gone
 
 async def _up(state, hold_s: float) -> tuple[subprocess.Popen, str]:
     """`jetlora up` as a terminal runs it: the leader of its own process group; returns it and its NATS URL."""
-    proc = _jetlora("up", "--port", "0", "--offer-cpu", "--node", "box", "--heartbeat-interval", "0.25",
-                    "--trainer-command", HOLD_TRAINER, env={"XDG_STATE_HOME": str(state), "HOLD_S": str(hold_s)},
-                    stdout=subprocess.PIPE, stderr=open(state / f"up-{time.monotonic_ns()}.log", "w"),
-                    start_new_session=True)
+    proc = _jetlora(
+        "up",
+        "--port",
+        "0",
+        "--offer-cpu",
+        "--node",
+        "box",
+        "--heartbeat-interval",
+        "0.25",
+        "--trainer-command",
+        HOLD_TRAINER,
+        env={"XDG_STATE_HOME": str(state), "HOLD_S": str(hold_s)},
+        stdout=subprocess.PIPE,
+        stderr=open(state / f"up-{time.monotonic_ns()}.log", "w"),
+        start_new_session=True,
+    )
     url, line, deadline = "", "", time.monotonic() + 60
     while "dashboard:" not in line and time.monotonic() < deadline:
         line = await asyncio.to_thread(proc.stdout.readline)

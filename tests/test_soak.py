@@ -1,6 +1,6 @@
 """A soak, run by hand (not in CI): nats-server SIGKILLed mid-job and restarted, over and over; no job is lost.
 
-    JETLORA_SOAK=50 .venv/bin/python -m pytest -q -s tests/test_soak.py
+JETLORA_SOAK=50 .venv/bin/python -m pytest -q -s tests/test_soak.py
 """
 
 from __future__ import annotations
@@ -27,9 +27,15 @@ pytestmark = pytest.mark.skipif(not ROUNDS, reason="a soak of many server restar
 @pytest.mark.timeout(60 + 30 * ROUNDS)
 async def test_nats_server_killed_mid_job_again_and_again_loses_no_job(tmp_path):
     server = EmbeddedNats(store_dir=tmp_path / "nats", websocket=False).start()
-    procs = [subprocess.Popen([sys.executable, "-m", "services.cli", kind, "--nats", server.url,
-                               "--heartbeat-interval", "0.25"], cwd=ROOT, stdout=subprocess.DEVNULL,
-                              stderr=open(tmp_path / f"{kind}.log", "ab")) for kind in ("scheduler", "artifacts")]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-m", "services.cli", kind, "--nats", server.url, "--heartbeat-interval", "0.25"],
+            cwd=ROOT,
+            stdout=subprocess.DEVNULL,
+            stderr=open(tmp_path / f"{kind}.log", "ab"),
+        )
+        for kind in ("scheduler", "artifacts")
+    ]
     agents = Agents(server.url, tmp_path)
     agents.start("n1", gpus="4096", interval=0.25, hold_s=4.0)
     nc = await nats.connect(server.url, max_reconnect_attempts=-1, reconnect_time_wait=0.2)

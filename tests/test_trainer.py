@@ -67,7 +67,7 @@ def test_completion_only_masks_the_question(tiny_model):
     answer = tok(pair.a, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
     # targets are shifted labels: position t predicts token t+1; the question's tokens are never predicted
     assert ex.targets[: prompt_len - 1] == [data.IGNORE] * (prompt_len - 1)
-    assert ex.targets[prompt_len - 1: prompt_len - 1 + len(answer)] == answer
+    assert ex.targets[prompt_len - 1 : prompt_len - 1 + len(answer)] == answer
     assert ex.targets[-1] == data.IGNORE
     [full] = data.encode(tok, [pair], 128, completions_only=False)
     assert sum(t != data.IGNORE for t in full.targets) == len(full.ids) - 1 > len(answer)
@@ -92,7 +92,9 @@ def test_packed_rows_never_attend_across_examples(tiny_model):
     with torch.no_grad():
         together = sum(float(batch_loss(model, b, torch.float32)[0]) for b in packed)
         alone = sum(float(batch_loss(model, b, torch.float32)[0]) for b in data.padded_batches(examples, 1, 0, 0))
-        padded = evaluate(model, data.padded_batches(examples, 4, seed=0, pad_id=tok.pad_token_id), "cpu", torch.float32)
+        padded = evaluate(
+            model, data.padded_batches(examples, 4, seed=0, pad_id=tok.pad_token_id), "cpu", torch.float32
+        )
     assert abs(together - alone) < 1e-5 * alone, (together, alone)
     assert abs(evaluate(model, packed, "cpu", torch.float32) - padded) < 1e-5 * padded
 
@@ -101,8 +103,13 @@ def test_stop_and_save_gives_a_loadable_adapter_that_changes_the_model(tiny_mode
     spec = spec_for(tiny_model, tmp_path, max_steps=100_000)
     path = tmp_path / "job.json"
     path.write_bytes(msgspec.json.encode(spec))
-    proc = subprocess.Popen([sys.executable, "-m", "trainer", str(path)], cwd=ROOT, stdout=subprocess.PIPE,
-                            stderr=subprocess.DEVNULL, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "trainer", str(path)],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
     dec = msgspec.json.Decoder(TrainerEvent)
     seen = 0
     for line in proc.stdout:

@@ -61,17 +61,24 @@ async def test_a_whole_job_over_tls_with_client_certificates(tmp_path):
     client_cert = ca.issue_cert("jetlora-services")
     client_cert.cert_chain_pems[0].write_to_path(tmp_path / "client.pem")
     client_cert.private_key_pem.write_to_path(tmp_path / "client.key")
-    tls = (f'tls {{ cert_file: "{tmp_path / "server.pem"}", key_file: "{tmp_path / "server.pem"}", '
-           f'ca_file: "{tmp_path / "ca.pem"}", verify: true, timeout: 5 }}\n')
+    tls = (
+        f'tls {{ cert_file: "{tmp_path / "server.pem"}", key_file: "{tmp_path / "server.pem"}", '
+        f'ca_file: "{tmp_path / "ca.pem"}", verify: true, timeout: 5 }}\n'
+    )
     server = EmbeddedNats(store_dir=tmp_path / "nats", websocket=False, extra_config=tls).start()
     try:
-        files = dict(tls_ca=str(tmp_path / "ca.pem"), tls_cert=str(tmp_path / "client.pem"),
-                     tls_key=str(tmp_path / "client.key"))
+        files = dict(
+            tls_ca=str(tmp_path / "ca.pem"), tls_cert=str(tmp_path / "client.pem"), tls_key=str(tmp_path / "client.key")
+        )
         without_cert = BusOptions(url=server.url, tls_ca=files["tls_ca"]).tls_context()
         assert await refused(server.url, tls=without_cert), "a client without a certificate got in"
         assert await refused(server.url), "a plain-text client got in"
-        await run_a_job(server.url, files, ("--tls-ca", files["tls_ca"], "--tls-cert", files["tls_cert"],
-                                            "--tls-key", files["tls_key"]), tmp_path)
+        await run_a_job(
+            server.url,
+            files,
+            ("--tls-ca", files["tls_ca"], "--tls-cert", files["tls_cert"], "--tls-key", files["tls_key"]),
+            tmp_path,
+        )
     finally:
         server.stop()
 

@@ -22,9 +22,15 @@ CFG = STACK_CONFIG
 async def test_an_event_from_a_node_that_does_not_hold_the_job_changes_nothing(nc, stack, agents):
     job_id = await run_held_job(nc, agents, node="n1", hold_s=2.0)
     forged = StateChange(job=job_id, state="failed", node="n2", attempt=1, message="forged by n2", ts=time.time())
-    await nc.jetstream().publish(names.job(job_id, "n2", names.ADMIN_TENANT).state, msgspec.json.encode(forged))  # its own subject
-    lying = StateChange(job=job_id, state="failed", node="n2", attempt=1, message="n2 claims n1's subject", ts=time.time())
-    await nc.jetstream().publish(names.job(job_id, "n1", names.ADMIN_TENANT).state, msgspec.json.encode(lying))  # the body disagrees
+    await nc.jetstream().publish(
+        names.job(job_id, "n2", names.ADMIN_TENANT).state, msgspec.json.encode(forged)
+    )  # its own subject
+    lying = StateChange(
+        job=job_id, state="failed", node="n2", attempt=1, message="n2 claims n1's subject", ts=time.time()
+    )
+    await nc.jetstream().publish(
+        names.job(job_id, "n1", names.ADMIN_TENANT).state, msgspec.json.encode(lying)
+    )  # the body disagrees
     job = await wait_state(nc, job_id, ("succeeded", "failed"), timeout=30)
     assert job.state == "succeeded" and "forged" not in job.message and "claims" not in job.message, job.message
     states = await states_of(nc, job_id)
@@ -39,8 +45,7 @@ async def test_a_sigkilled_agents_trainer_is_gone_within_the_window(nc, stack, a
     assert start_time(pid) is not None
     t0 = time.monotonic()
     agents.kill("doomed")
-    await wait_for(lambda: start_time(pid) is None, timeout=CFG.window + 2,
-                   what=f"trainer {pid} to die with its agent")
+    await wait_for(lambda: start_time(pid) is None, timeout=CFG.window + 2, what=f"trainer {pid} to die with its agent")
     print(f"trainer gone {time.monotonic() - t0:.2f}s after its agent's SIGKILL")
     await wait_state(nc, job_id, "failed", timeout=10)
 
@@ -95,8 +100,9 @@ async def test_a_retried_submission_returns_the_first_job_and_stores_nothing_new
 
 
 async def test_a_key_is_free_again_after_the_window(nc, services):
-    sched, *_ = await services.start(lambda c: Scheduler(c, SchedulerConfig(heartbeat_interval=0.25,
-                                                                              idempotency_window_s=0.5)))
+    sched, *_ = await services.start(
+        lambda c: Scheduler(c, SchedulerConfig(heartbeat_interval=0.25, idempotency_window_s=0.5))
+    )
     await asyncio.wait_for(sched.leading.wait(), 10)
     first = await submit(nc, keyed("nightly"))
     assert await submit(nc, keyed("nightly")) == first

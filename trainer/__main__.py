@@ -40,10 +40,16 @@ def main(argv: list[str]) -> int:
         if spec.request.served_by == "llamacpp" and os.environ.get("RANK", "0") == "0":
             from trainer.gguf_export import export_adapter
 
-            finished.gguf_path = str(export_adapter(finished.adapter_dir, spec.request.base_dir,
-                                                    f"{spec.out_dir}/adapter.gguf", spec.request.gguf_type,
-                                                    name=f"{spec.request.model} LoRA {spec.job}",
-                                                    base_model=spec.request.model))
+            finished.gguf_path = str(
+                export_adapter(
+                    finished.adapter_dir,
+                    spec.request.base_dir,
+                    f"{spec.out_dir}/adapter.gguf",
+                    spec.request.gguf_type,
+                    name=f"{spec.request.model} LoRA {spec.job}",
+                    base_model=spec.request.model,
+                )
+            )
         emit(finished)
         return 0
     except (JobError, msgspec.ValidationError) as e:

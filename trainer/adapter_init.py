@@ -23,9 +23,17 @@ def lora_config(lo, device: str) -> LoraConfig:
     if lo.init == "loftq":
         bitsandbytes_on_gpu("lora.init loftq", device, "pissa or default")  # it quantises the base's weights
         extra["loftq_config"] = LoftQConfig(loftq_bits=lo.loftq.bits, loftq_iter=lo.loftq.iterations)
-    return LoraConfig(r=lo.r, lora_alpha=lo.alpha, lora_dropout=lo.dropout, target_modules=list(lo.target_modules),
-                      use_rslora=lo.rslora, bias="none", task_type="CAUSAL_LM", init_lora_weights=PEFT_INIT[lo.init],
-                      **extra)
+    return LoraConfig(
+        r=lo.r,
+        lora_alpha=lo.alpha,
+        lora_dropout=lo.dropout,
+        target_modules=list(lo.target_modules),
+        use_rslora=lo.rslora,
+        bias="none",
+        task_type="CAUSAL_LM",
+        init_lora_weights=PEFT_INIT[lo.init],
+        **extra,
+    )
 
 
 def initial_weights(model, lo) -> dict[str, torch.Tensor] | None:
@@ -60,7 +68,8 @@ def save_plain_lora(model, out: Path, initial: dict[str, torch.Tensor] | None, l
             plain[key] = value
     save_file(plain, str(weights_file), metadata={"format": "pt"})
     config = json.loads(config_file.read_text())
-    config.update(r=2 * lo.r, lora_alpha=lo.alpha * (math.sqrt(2) if lo.rslora else 2), init_lora_weights=True,
-                  loftq_config={})
+    config.update(
+        r=2 * lo.r, lora_alpha=lo.alpha * (math.sqrt(2) if lo.rslora else 2), init_lora_weights=True, loftq_config={}
+    )
     config_file.write_text(json.dumps(config, indent=2))
     return out

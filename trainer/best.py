@@ -35,8 +35,10 @@ class BestEval:
         return bool(self.patience) and self.since >= self.patience
 
     def why_stopped(self, min_delta: float) -> str:
-        return (f"stopped early: the eval loss did not improve by more than {min_delta:g} for {self.since} "
-                f"evaluations (best {self.loss:.4f} at step {self.step})")
+        return (
+            f"stopped early: the eval loss did not improve by more than {min_delta:g} for {self.since} "
+            f"evaluations (best {self.loss:.4f} at step {self.step})"
+        )
 
     def restore(self, model) -> bool:
         """Put the best adapter's weights back into the model; False when there are none to put back."""

@@ -61,9 +61,13 @@ class Blocks:
         else:
             pieces, skipped = [example for row in rows for example in row], sum(not row for row in rows)
         lengths = np.fromiter((len(ids) for ids, _ in pieces), np.int64, len(pieces))
-        return TokenBlock(np.concatenate([ids for ids, _ in pieces]) if pieces else np.zeros(0, np.int64),
-                          np.concatenate([learnt for _, learnt in pieces]) if pieces else np.zeros(0, np.uint8),
-                          np.cumsum(lengths), len(lines), skipped)
+        return TokenBlock(
+            np.concatenate([ids for ids, _ in pieces]) if pieces else np.zeros(0, np.int64),
+            np.concatenate([learnt for _, learnt in pieces]) if pieces else np.zeros(0, np.uint8),
+            np.cumsum(lengths),
+            len(lines),
+            skipped,
+        )
 
     def check_fast(self, lines: list[bytes]) -> None:
         """Keep the fast way only if it finds the same spans as the exact way on these rows."""

@@ -21,8 +21,9 @@ def render_messages(tokenizer, messages: list[dict[str, str]], fast: bool = True
     compiled = _compiled(tokenizer.chat_template) if fast and _compile_jinja_template else None
     if compiled is None:
         return tokenizer.apply_chat_template(messages, tokenize=False)
-    return compiled.render(messages=messages, tools=None, documents=None, add_generation_prompt=False,
-                           **_special_tokens(tokenizer))
+    return compiled.render(
+        messages=messages, tools=None, documents=None, add_generation_prompt=False, **_special_tokens(tokenizer)
+    )
 
 
 @lru_cache(maxsize=8)

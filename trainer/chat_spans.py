@@ -37,11 +37,11 @@ def turn_marks(tokenizer) -> TurnMarks | None:
     at = answered.find(_ASSISTANT)
     if at < 0 or not prompted.startswith(asked) or answered[:at] != prompted:
         return None
-    header, after = prompted[len(asked):], answered[at + 1:]
+    header, after = prompted[len(asked) :], answered[at + 1 :]
     end = after.rstrip()
     if not header or not after or _ASSISTANT in after:
         return None
-    return TurnMarks(header, end, after[len(end):])
+    return TurnMarks(header, end, after[len(end) :])
 
 
 def assistant_spans(text: str, messages: list, marks: TurnMarks) -> list[tuple[int, int]] | None:

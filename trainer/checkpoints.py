@@ -15,8 +15,17 @@ def save_adapter(model, out: Path) -> Path:
     return out
 
 
-def save_checkpoint(model, optimizer, scheduler, out_dir: Path, step: int, epoch: int, batch_in_epoch: int,
-                    tokens: int, best: dict | None = None) -> Path:
+def save_checkpoint(
+    model,
+    optimizer,
+    scheduler,
+    out_dir: Path,
+    step: int,
+    epoch: int,
+    batch_in_epoch: int,
+    tokens: int,
+    best: dict | None = None,
+) -> Path:
     """Adapter, optimizer, schedule, data position and the best evaluation so far: enough to go on from here on
     another node."""
     from safetensors.torch import save_file
@@ -26,8 +35,18 @@ def save_checkpoint(model, optimizer, scheduler, out_dir: Path, step: int, epoch
     best = dict(best or {})
     if best.get("weights") is not None:
         save_file(best.pop("weights"), str(path / "best_adapter.safetensors"))
-    torch.save({"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(), "step": step, "epoch": epoch,
-                "batch_in_epoch": batch_in_epoch, "tokens": tokens, "best": best}, path / "trainer_state.pt")
+    torch.save(
+        {
+            "optimizer": optimizer.state_dict(),
+            "scheduler": scheduler.state_dict(),
+            "step": step,
+            "epoch": epoch,
+            "batch_in_epoch": batch_in_epoch,
+            "tokens": tokens,
+            "best": best,
+        },
+        path / "trainer_state.pt",
+    )
     return path
 
 

@@ -20,13 +20,15 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
     """sum over tokens t with targets[t] != IGNORE of -log softmax(hidden[t] @ weight.T / scale)[targets[t]]."""
 
     @staticmethod
-    def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, chunk: int,
-                scale: float) -> torch.Tensor:
+    def forward(
+        ctx, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, chunk: int, scale: float
+    ) -> torch.Tensor:
         total = torch.zeros((), dtype=torch.float32, device=hidden.device)
         for start in range(0, hidden.shape[0], chunk):
-            logits = _logits(hidden[start:start + chunk], weight, scale)
-            total += torch.nn.functional.cross_entropy(logits, targets[start:start + chunk], ignore_index=IGNORE,
-                                                       reduction="sum")
+            logits = _logits(hidden[start : start + chunk], weight, scale)
+            total += torch.nn.functional.cross_entropy(
+                logits, targets[start : start + chunk], ignore_index=IGNORE, reduction="sum"
+            )
         ctx.save_for_backward(hidden, weight, targets)
         ctx.chunk, ctx.scale = chunk, scale
         return total
@@ -37,7 +39,7 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
         grad_hidden = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
         grad_weight = torch.zeros_like(weight, dtype=torch.float32) if ctx.needs_input_grad[1] else None
         for start in range(0, hidden.shape[0], ctx.chunk):
-            h, t = hidden[start:start + ctx.chunk], targets[start:start + ctx.chunk]
+            h, t = hidden[start : start + ctx.chunk], targets[start : start + ctx.chunk]
             # d loss / d logits = softmax - one_hot(target), zero for ignored tokens
             grad_logits = torch.softmax(_logits(h, weight, ctx.scale), dim=-1)
             kept = t != IGNORE
@@ -47,7 +49,7 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
             grad_logits *= grad_total / ctx.scale
             if grad_hidden is not None:
                 # in the weight's dtype: an fp32 copy of a bf16 [vocab x hidden] projection would cost 2 GB at 8B
-                grad_hidden[start:start + ctx.chunk] = (grad_logits.to(weight.dtype) @ weight).to(hidden.dtype)
+                grad_hidden[start : start + ctx.chunk] = (grad_logits.to(weight.dtype) @ weight).to(hidden.dtype)
             if grad_weight is not None:
                 grad_weight += grad_logits.T @ h.float()
         return grad_hidden, None if grad_weight is None else grad_weight.to(weight.dtype), None, None, None
@@ -58,8 +60,13 @@ def _logits(hidden: torch.Tensor, weight: torch.Tensor, scale: float) -> torch.T
     return logits / scale if scale != 1.0 else logits
 
 
-def chunked_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
-                          chunk: int = DEFAULT_CHUNK_TOKENS, scale: float = 1.0) -> torch.Tensor:
+def chunked_cross_entropy(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    chunk: int = DEFAULT_CHUNK_TOKENS,
+    scale: float = 1.0,
+) -> torch.Tensor:
     """Summed cross-entropy of `hidden` [tokens, H] projected by `weight` [V, H] (and divided by `scale`, as
     Granite divides its logits) against `targets` [tokens]; IGNORE targets count for nothing."""
     return ChunkedLinearCrossEntropy.apply(hidden, weight, targets, chunk, scale)

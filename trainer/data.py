@@ -29,9 +29,11 @@ class Examples:
     @classmethod
     def of(cls, examples: list[Example]) -> "Examples":
         lengths = [len(ex.ids) for ex in examples]
-        return cls(np.fromiter((t for ex in examples for t in ex.ids), np.int32, sum(lengths)),
-                   np.fromiter((t for ex in examples for t in ex.targets), np.int32, sum(lengths)),
-                   np.concatenate([[0], np.cumsum(lengths, dtype=np.int64)]))
+        return cls(
+            np.fromiter((t for ex in examples for t in ex.ids), np.int32, sum(lengths)),
+            np.fromiter((t for ex in examples for t in ex.targets), np.int32, sum(lengths)),
+            np.concatenate([[0], np.cumsum(lengths, dtype=np.int64)]),
+        )
 
     def _row(self, i: int) -> int:
         return int(self.rows[i]) if self.rows is not None else i
@@ -61,8 +63,10 @@ def encode(tokenizer, pairs, max_seq_length: int, completions_only: bool = True)
     out = []
     for n, (r, row) in enumerate(zip(rendered, examples_of(rendered, tokenizer, max_seq_length))):
         if not row:
-            raise JobError(f"data[{n}]: the question takes {prompt_tokens(tokenizer, r)} tokens with its template, "
-                           f"max_seq_length is {max_seq_length}; raise train.max_seq_length or shorten the question")
+            raise JobError(
+                f"data[{n}]: the question takes {prompt_tokens(tokenizer, r)} tokens with its template, "
+                f"max_seq_length is {max_seq_length}; raise train.max_seq_length or shorten the question"
+            )
         out += row
     return out
 
@@ -82,6 +86,7 @@ def split_pairs(examples: Examples, eval_fraction: float, seed: int) -> tuple[Ex
 
     def rows(chosen: np.ndarray) -> np.ndarray:
         return np.stack([2 * chosen, 2 * chosen + 1], axis=1).reshape(-1)
+
     return examples.subset(rows(np.sort(order[n_eval:]))), examples.subset(rows(np.sort(order[:n_eval])))
 
 
@@ -98,7 +103,7 @@ class ShiftedTargets:
     def __getitem__(self, span: slice) -> np.ndarray:
         a, b, _ = span.indices(len(self.learnt))
         following = np.full(b - a, IGNORE, np.int32)
-        following[:max(0, min(b, len(self.ids) - 1) - a)] = self.ids[a + 1:b + 1]
+        following[: max(0, min(b, len(self.ids) - 1) - a)] = self.ids[a + 1 : b + 1]
         return np.where(self.learnt[a:b].astype(bool), following, np.int32(IGNORE))
 
 
@@ -112,8 +117,9 @@ class Batch:
 
     def to(self, device) -> "Batch":
         move = lambda t: t.to(device) if t is not None else None  # noqa: E731
-        return Batch(move(self.input_ids), move(self.targets), move(self.position_ids), move(self.attention_mask),
-                     self.tokens)
+        return Batch(
+            move(self.input_ids), move(self.targets), move(self.position_ids), move(self.attention_mask), self.tokens
+        )
 
 
 class Batches(Sequence):
@@ -139,7 +145,7 @@ class Batches(Sequence):
         """This rank's contiguous share of every batch: the ranks' shares together are the whole batch."""
         if ranks == 1:
             return self
-        share = [g[len(g) * rank // ranks: len(g) * (rank + 1) // ranks] for g in self.groups]
+        share = [g[len(g) * rank // ranks : len(g) * (rank + 1) // ranks] for g in self.groups]
         return Batches(self.examples, share, self.packed, self.pad_id)
 
 
@@ -180,7 +186,7 @@ def packed_batches(examples: Examples | list[Example], row_tokens: int, rows_per
     examples = examples if isinstance(examples, Examples) else Examples.of(examples)
     rows = packed_rows(examples.lengths(), row_tokens, seed)
     order = _shuffled(len(rows), seed)  # long and short rows mixed through the epoch
-    groups = [[np.array(rows[r]) for r in order[s:s + rows_per_batch]] for s in range(0, len(order), rows_per_batch)]
+    groups = [[np.array(rows[r]) for r in order[s : s + rows_per_batch]] for s in range(0, len(order), rows_per_batch)]
     return Batches(examples, groups, packed=True, pad_id=0)
 
 
@@ -188,15 +194,17 @@ def padded_batches(examples: Examples | list[Example], batch_size: int, seed: in
     """The usual way: batch_size examples per batch, right-padded to the longest."""
     examples = examples if isinstance(examples, Examples) else Examples.of(examples)
     order = np.array(_shuffled(len(examples), seed), dtype=np.int64)
-    return Batches(examples, [order[s:s + batch_size] for s in range(0, len(order), batch_size)], False, pad_id)
+    return Batches(examples, [order[s : s + batch_size] for s in range(0, len(order), batch_size)], False, pad_id)
 
 
 def pair_batches(examples: Examples, pairs_per_batch: int, seed: int, pad_id: int) -> Batches:
     """Preference pairs (examples 2i, 2i + 1), pairs_per_batch to a batch: its chosen answers, then its rejected
     ones in the same order, right-padded (what dpo.dpo_loss reads)."""
     order = np.array(_shuffled(len(examples) // 2, seed), dtype=np.int64)
-    groups = [np.concatenate([2 * order[s:s + pairs_per_batch], 2 * order[s:s + pairs_per_batch] + 1])
-              for s in range(0, len(order), pairs_per_batch)]
+    groups = [
+        np.concatenate([2 * order[s : s + pairs_per_batch], 2 * order[s : s + pairs_per_batch] + 1])
+        for s in range(0, len(order), pairs_per_batch)
+    ]
     return Batches(examples, groups, False, pad_id)
 
 
@@ -212,9 +220,9 @@ def _pack(rows: list[list[tuple[np.ndarray, np.ndarray]]], pad_id: int) -> Batch
         at = 0
         for row_ids, row_targets in row:
             k = len(row_ids)
-            ids[n, at:at + k] = torch.from_numpy(row_ids.astype(np.int64))
-            targets[n, at:at + k] = torch.from_numpy(np.asarray(row_targets, dtype=np.int64))
-            positions[n, at:at + k] = torch.arange(k)
+            ids[n, at : at + k] = torch.from_numpy(row_ids.astype(np.int64))
+            targets[n, at : at + k] = torch.from_numpy(np.asarray(row_targets, dtype=np.int64))
+            positions[n, at : at + k] = torch.arange(k)
             at += k
         positions[n, at:] = torch.arange(width - at)
         real += at
@@ -227,9 +235,9 @@ def _pad(rows: list[tuple[np.ndarray, np.ndarray]], pad_id: int) -> Batch:
     targets = torch.full((len(rows), width), IGNORE)
     mask = torch.zeros((len(rows), width), dtype=torch.long)
     for n, (row_ids, row_targets) in enumerate(rows):
-        ids[n, :len(row_ids)] = torch.from_numpy(row_ids.astype(np.int64))
-        targets[n, :len(row_ids)] = torch.from_numpy(row_targets.astype(np.int64))
-        mask[n, :len(row_ids)] = 1
+        ids[n, : len(row_ids)] = torch.from_numpy(row_ids.astype(np.int64))
+        targets[n, : len(row_ids)] = torch.from_numpy(row_targets.astype(np.int64))
+        mask[n, : len(row_ids)] = 1
     return Batch(ids, targets, None, mask, sum(len(r[0]) for r in rows))
 
 

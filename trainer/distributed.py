@@ -38,8 +38,13 @@ class World:
         if device == "cuda":  # "cuda" is this rank's own device from here on
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
         meet = f"file://{os.environ[RENDEZVOUS_ENV]}" if RENDEZVOUS_ENV in os.environ else "env://"  # env: torchrun's
-        torch.distributed.init_process_group("nccl" if device == "cuda" else "gloo", init_method=meet, rank=rank,
-                                             world_size=size, timeout=COLLECTIVE_TIMEOUT)
+        torch.distributed.init_process_group(
+            "nccl" if device == "cuda" else "gloo",
+            init_method=meet,
+            rank=rank,
+            world_size=size,
+            timeout=COLLECTIVE_TIMEOUT,
+        )
         return cls(rank, size)
 
     def sum(self, *values: float) -> list[float]:
@@ -66,7 +71,7 @@ class World:
         offset = 0
         for p in params:
             n = p.grad.numel()
-            p.grad.copy_(flat[offset:offset + n].view_as(p.grad))
+            p.grad.copy_(flat[offset : offset + n].view_as(p.grad))
             offset += n
 
     def same_start(self, params: list[torch.Tensor]) -> None:
@@ -85,4 +90,3 @@ class World:
 
     def _device(self):
         return torch.device("cuda", torch.cuda.current_device()) if torch.distributed.get_backend() == "nccl" else "cpu"
-

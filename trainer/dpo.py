@@ -43,12 +43,17 @@ def sequence_logps(model, batch: Batch, autocast_dtype, chunk_tokens: int) -> to
     """Each row's log-probability of its learnt tokens, summed: [rows]."""
     head = output_head(model) if chunk_tokens else None
     inputs = dict(input_ids=batch.input_ids, attention_mask=batch.attention_mask, use_cache=False)
-    with torch.autocast(device_type=batch.input_ids.device.type, dtype=autocast_dtype,
-                        enabled=autocast_dtype != torch.float32):
+    with torch.autocast(
+        device_type=batch.input_ids.device.type, dtype=autocast_dtype, enabled=autocast_dtype != torch.float32
+    ):
         out = head.decoder(**inputs).last_hidden_state if head else model(**inputs).logits
     if head:  # a row at a time through the chunked projection: no [rows x length x vocab] logits
-        return torch.stack([-chunked_cross_entropy(out[i], head.weight, batch.targets[i], chunk_tokens, head.scale)
-                            for i in range(out.shape[0])])
+        return torch.stack(
+            [
+                -chunked_cross_entropy(out[i], head.weight, batch.targets[i], chunk_tokens, head.scale)
+                for i in range(out.shape[0])
+            ]
+        )
     losses = F.cross_entropy(out.float().transpose(1, 2), batch.targets, ignore_index=IGNORE, reduction="none")
     return -losses.sum(dim=-1)
 
@@ -79,5 +84,6 @@ def dpo_loss(model, batch: Batch, beta: float, autocast_dtype, chunk_tokens: int
     chosen, rejected = beta * (policy_chosen - ref_chosen), beta * (policy_rejected - ref_rejected)
     losses = -F.logsigmoid(chosen - rejected)
     chosen, rejected = chosen.detach(), rejected.detach()
-    return losses.sum(), PairStats(len(losses), float(chosen.sum()), float(rejected.sum()),
-                                   float((chosen > rejected).sum()))
+    return losses.sum(), PairStats(
+        len(losses), float(chosen.sum()), float(rejected.sum()), float((chosen > rejected).sum())
+    )

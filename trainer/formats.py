@@ -38,8 +38,9 @@ class Rendered:
 def prompt_text(tokenizer, question: str) -> str:
     """The model's chat template when it has one, else a plain question/answer template."""
     if getattr(tokenizer, "chat_template", None):
-        return tokenizer.apply_chat_template([{"role": "user", "content": question}], tokenize=False,
-                                             add_generation_prompt=True)
+        return tokenizer.apply_chat_template(
+            [{"role": "user", "content": question}], tokenize=False, add_generation_prompt=True
+        )
     return (tokenizer.bos_token or "") + PLAIN_TEMPLATE.format(q=question)
 
 
@@ -56,8 +57,10 @@ def render_chat(tokenizer, row: ChatRow, completions_only: bool, fast: bool = Tr
     """The conversation as the model sees it; with completions_only, the assistant turns are the spans, found in
     the one render where the template allows (chat_spans), else by rendering up to each turn (fast=False)."""
     if not getattr(tokenizer, "chat_template", None):
-        raise JobError("chat data needs the model's chat template, and this tokenizer has none: add chat_template to "
-                       "the model's tokenizer_config.json, or upload the data as qa or text")
+        raise JobError(
+            "chat data needs the model's chat template, and this tokenizer has none: add chat_template to "
+            "the model's tokenizer_config.json, or upload the data as qa or text"
+        )
     messages = [{"role": m.role, "content": m.content} for m in row.messages]
     text = render_messages(tokenizer, messages, fast)
     if not completions_only:
@@ -83,12 +86,14 @@ def _exact_spans(tokenizer, row: ChatRow, messages: list[dict], text: str) -> li
         if m.role != "assistant" or m.weight == 0:
             continue
         before = tokenizer.apply_chat_template(messages[:i], tokenize=False, add_generation_prompt=True) if i else ""
-        through = tokenizer.apply_chat_template(messages[:i + 1], tokenize=False).rstrip()
+        through = tokenizer.apply_chat_template(messages[: i + 1], tokenize=False).rstrip()
         if not (text.startswith(before) and text.startswith(through) and len(through) > len(before)):
-            raise JobError("this model's chat template renders a conversation's earlier turns differently once later "
-                           "turns follow (as templates that drop past reasoning do), so the assistant turns cannot be "
-                           "found exactly; train with train.completions_only false, or use a model whose template "
-                           "keeps earlier turns as they were")
+            raise JobError(
+                "this model's chat template renders a conversation's earlier turns differently once later "
+                "turns follow (as templates that drop past reasoning do), so the assistant turns cannot be "
+                "found exactly; train with train.completions_only false, or use a model whose template "
+                "keeps earlier turns as they were"
+            )
         spans.append((len(before), len(through)))
     return spans
 
@@ -96,10 +101,14 @@ def _exact_spans(tokenizer, row: ChatRow, messages: list[dict], text: str) -> li
 def render_pair(tokenizer, row: PreferenceRow, fast: bool = True) -> tuple[Rendered, Rendered]:
     """A preference row as two conversations, the chosen answer's and the rejected one's; each learns only its
     answer (the input's own assistant turns are context)."""
-    context = [ChatMessage(m.role, m.content, weight=0 if m.role == "assistant" else None, name=m.name)
-               for m in row.input.messages]
-    chosen, rejected = (ChatRow(messages=context + [ChatMessage("assistant", side[0].content)])
-                        for side in (row.preferred_output, row.non_preferred_output))
+    context = [
+        ChatMessage(m.role, m.content, weight=0 if m.role == "assistant" else None, name=m.name)
+        for m in row.input.messages
+    ]
+    chosen, rejected = (
+        ChatRow(messages=context + [ChatMessage("assistant", side[0].content)])
+        for side in (row.preferred_output, row.non_preferred_output)
+    )
     return render_chat(tokenizer, chosen, True, fast), render_chat(tokenizer, rejected, True, fast)
 
 
@@ -136,7 +145,7 @@ def token_rows(rendered: list[Rendered], tokenizer, max_len: int) -> list[list[t
         row = []
         for a, b in cuts:
             learnt = np.zeros(b - a, np.uint8)
-            learnt[:-1] = learn[a + 1:b]
+            learnt[:-1] = learn[a + 1 : b]
             if learnt.any():
                 row.append((ids[a:b], learnt))
         out.append(row)
@@ -145,6 +154,7 @@ def token_rows(rendered: list[Rendered], tokenizer, max_len: int) -> list[list[t
 
 def examples_of(rendered: list[Rendered], tokenizer, max_len: int) -> list[list[Example]]:
     """token_rows as lists: targets[t] is ids[t + 1] where learnt, else IGNORE."""
+
     def example(ids: np.ndarray, learnt: np.ndarray) -> Example:
         following = np.append(ids[1:], IGNORE)
         return Example(ids=ids.tolist(), targets=np.where(learnt.astype(bool), following, IGNORE).tolist())
@@ -154,4 +164,4 @@ def examples_of(rendered: list[Rendered], tokenizer, max_len: int) -> list[list[
 
 def prompt_tokens(tokenizer, rendered: Rendered) -> int:
     """Tokens before the first learnt one: what an over-long prompt error reports."""
-    return len(tokenizer(rendered.text[:rendered.spans[0][0]], add_special_tokens=False)["input_ids"])
+    return len(tokenizer(rendered.text[: rendered.spans[0][0]], add_special_tokens=False)["input_ids"])

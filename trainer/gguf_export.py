@@ -24,9 +24,29 @@ ALIASES = {"mistral": "llama"}
 # llama.cpp's base-model conversion (convert_hf_to_gguf and its conversion/ package, as vendored by
 # llama-cpp-python 0.3.36) permutes the q/k rows of these architectures, directly or by inheriting
 # LlamaModel's modify_tensors: an adapter's q/k lora_b must be permuted the same way.
-PERMUTED_ARCHS = {"llama", "olmo", "granite", "granitemoe", "granite_swa", "granite_switch", "minicpm", "internlm2",
-                  "arctic", "chameleon", "deepseek", "deci", "llada", "apertus", "arcee", "smollm3", "nanbeige",
-                  "llama4", "cogvlm", "llama-embed", "mistral3"}
+PERMUTED_ARCHS = {
+    "llama",
+    "olmo",
+    "granite",
+    "granitemoe",
+    "granite_swa",
+    "granite_switch",
+    "minicpm",
+    "internlm2",
+    "arctic",
+    "chameleon",
+    "deepseek",
+    "deci",
+    "llada",
+    "apertus",
+    "arcee",
+    "smollm3",
+    "nanbeige",
+    "llama4",
+    "cogvlm",
+    "llama-embed",
+    "mistral3",
+}
 # Architectures whose exported adapter was compared with peft inside llama.cpp (logits within f32 tolerance).
 # Any other is refused before training: an adapter llama.cpp loads without error but computes wrongly is worse
 # than none.
@@ -45,8 +65,10 @@ def architecture(config: dict) -> gguf.MODEL_ARCH:
     name = ALIASES.get(model_type, model_type)
     by_name = {v: k for k, v in gguf.MODEL_ARCH_NAMES.items()}
     if name not in by_name:
-        raise JobError(f"architecture {model_type!r} ({config.get('architectures')}) is not known to the gguf package's "
-                       "tensor map, so no GGUF adapter can be written; serve this model with vllm (served_by=vllm)")
+        raise JobError(
+            f"architecture {model_type!r} ({config.get('architectures')}) is not known to the gguf package's "
+            "tensor map, so no GGUF adapter can be written; serve this model with vllm (served_by=vllm)"
+        )
     return by_name[name]
 
 
@@ -55,9 +77,11 @@ def check_exportable(base_dir: str | Path) -> None:
     config = json.loads((Path(base_dir) / "config.json").read_text())
     name = gguf.MODEL_ARCH_NAMES[architecture(config)]
     if name not in VERIFIED_ARCHS:
-        raise JobError(f"a GGUF adapter for architecture {config.get('model_type')!r} ({name}) has not been verified "
-                       f"against llama.cpp (verified: {', '.join(sorted(VERIFIED_ARCHS))}, and mistral as llama); "
-                       "serve this model with vllm (served_by=vllm), which loads the PEFT adapter")
+        raise JobError(
+            f"a GGUF adapter for architecture {config.get('model_type')!r} ({name}) has not been verified "
+            f"against llama.cpp (verified: {', '.join(sorted(VERIFIED_ARCHS))}, and mistral as llama); "
+            "serve this model with vllm (served_by=vllm), which loads the PEFT adapter"
+        )
 
 
 def permute(w: np.ndarray, n_head: int) -> np.ndarray:
@@ -81,8 +105,14 @@ def lora_pairs(adapter_dir: Path) -> dict[str, dict[str, np.ndarray]]:
     return pairs
 
 
-def export_adapter(adapter_dir: str | Path, base_dir: str | Path, out_path: str | Path, out_type: str = "f16",
-                   name: str = "", base_model: str = "") -> Path:
+def export_adapter(
+    adapter_dir: str | Path,
+    base_dir: str | Path,
+    out_path: str | Path,
+    out_type: str = "f16",
+    name: str = "",
+    base_model: str = "",
+) -> Path:
     """Write the adapter as GGUF; `name` and `base_model` become general.name and general.base_model.0.name,
     as llama.cpp's own converter records them."""
     adapter_dir, out_path = Path(adapter_dir), Path(out_path)
@@ -112,8 +142,10 @@ def export_adapter(adapter_dir: str | Path, base_dir: str | Path, out_path: str 
             raise JobError(f"adapter module {module} lacks its lora_{'A' if 'A' not in ab else 'B'} matrix")
         name = tmap.get_name(module + ".weight", try_suffixes=(".weight",))
         if name is None:
-            raise JobError(f"tensor {module}.weight has no GGUF name in gguf's map for architecture {arch_name}; "
-                           "leave that module out of lora.target_modules or serve with vllm")
+            raise JobError(
+                f"tensor {module}.weight has no GGUF name in gguf's map for architecture {arch_name}; "
+                "leave that module out of lora.target_modules or serve with vllm"
+            )
         a, b = ab["A"], ab["B"]
         if arch_name in PERMUTED_ARCHS and module.endswith("q_proj"):
             b = permute(b, n_head)

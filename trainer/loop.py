@@ -34,8 +34,15 @@ def peak_mib(device: str) -> float:
 
 
 @torch.no_grad()
-def evaluate(model, batches, device, autocast_dtype, chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
-             world: World = World(), objective: Sft | Dpo | None = None) -> float | None:
+def evaluate(
+    model,
+    batches,
+    device,
+    autocast_dtype,
+    chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
+    world: World = World(),
+    objective: Sft | Dpo | None = None,
+) -> float | None:
     """The mean loss over the held-out batches (per target token, or per pair for dpo; each rank's share of
     them, added up)."""
     if not batches:
@@ -64,15 +71,26 @@ def train(spec: TrainerSpec, signals: Signals | None = None) -> Finished:
     run = prepare(spec)
     t, world, at = spec.request.train, run.world, run.at
     signals = signals or Signals()
-    board = (RunLogs(TensorBoardLog(run.out_dir / "tensorboard", carried_from=Path(spec.resume_from) if spec.resume_from
-                                    else None), spec, run.out_dir) if world.main else NoLog())
+    board = (
+        RunLogs(
+            TensorBoardLog(
+                run.out_dir / "tensorboard", carried_from=Path(spec.resume_from) if spec.resume_from else None
+            ),
+            spec,
+            run.out_dir,
+        )
+        if world.main
+        else NoLog()
+    )
 
     def publish(event) -> None:
         emit(event)
         board.progress(event) if isinstance(event, Progress) else board.samples(event)
 
     def samples(base: bool = False) -> None:
-        publish(samples_event(run.model, run.tokenizer, run.prompts, run.device, t.sample_max_tokens, at.step, base=base))
+        publish(
+            samples_event(run.model, run.tokenizer, run.prompts, run.device, t.sample_max_tokens, at.step, base=base)
+        )
 
     announce(run)
     if run.prompts and at.step == 0 and world.main:
@@ -84,11 +102,14 @@ def train(spec: TrainerSpec, signals: Signals | None = None) -> Finished:
     eval_loss, paused = None, None
     early = ""
     while at.step < run.plan.steps and not agree(signals, world) and not early:
-        batches = run.batches if at.epoch == 0 else data.make_batches(run.train_set, t, run.pad_id, at.epoch,
-                                                                       world.rank, world.size)
+        batches = (
+            run.batches
+            if at.epoch == 0
+            else data.make_batches(run.train_set, t, run.pad_id, at.epoch, world.rank, world.size)
+        )
         first_batch, at.batch_in_epoch = at.batch_in_epoch, 0  # a resumed run starts mid-epoch, where it stopped
         for first in range(first_batch, len(batches), t.grad_accum):
-            step_loss, grad_norm, lr = optimizer_step(run, batches[first:first + t.grad_accum])
+            step_loss, grad_norm, lr = optimizer_step(run, batches[first : first + t.grad_accum])
             at.step += 1
             window_loss, window_count = window_loss + step_loss, window_count + 1
             position = (at.epoch, min(first + t.grad_accum, len(batches)))  # where the next step starts
@@ -101,16 +122,37 @@ def train(spec: TrainerSpec, signals: Signals | None = None) -> Finished:
                     samples()
             if at.step % t.logging_steps == 0 or last:
                 elapsed = time.monotonic() - start
-                publish(Progress(step=at.step, steps=run.plan.steps, epoch=at.epoch + position[1] / len(batches),
-                                 loss=window_loss / window_count, lr=lr, grad_norm=grad_norm, tokens=at.tokens,
-                                 tokens_per_s=at.tokens / elapsed if elapsed > 0 else None, elapsed_s=elapsed,
-                                 eta_s=elapsed / at.step * (run.plan.steps - at.step), peak_mib=peak_mib(run.device),
-                                 eval_loss=eval_loss, message=early, preference=run.objective.metrics(world)))
+                publish(
+                    Progress(
+                        step=at.step,
+                        steps=run.plan.steps,
+                        epoch=at.epoch + position[1] / len(batches),
+                        loss=window_loss / window_count,
+                        lr=lr,
+                        grad_norm=grad_norm,
+                        tokens=at.tokens,
+                        tokens_per_s=at.tokens / elapsed if elapsed > 0 else None,
+                        elapsed_s=elapsed,
+                        eta_s=elapsed / at.step * (run.plan.steps - at.step),
+                        peak_mib=peak_mib(run.device),
+                        eval_loss=eval_loss,
+                        message=early,
+                        preference=run.objective.metrics(world),
+                    )
+                )
                 window_loss, window_count = 0.0, 0
             paused = last and signals.pause  # as the ranks agreed it: a signal coming later is for no step
             if world.main and ((t.save_steps and at.step % t.save_steps == 0 and not last) or paused):
-                path = save_checkpoint(run.model, run.optimizer, run.scheduler, run.out_dir, at.step, *position,
-                                       at.tokens, run.best.state())
+                path = save_checkpoint(
+                    run.model,
+                    run.optimizer,
+                    run.scheduler,
+                    run.out_dir,
+                    at.step,
+                    *position,
+                    at.tokens,
+                    run.best.state(),
+                )
                 board.copy_into(path)
                 emit(Checkpoint(step=at.step, path=str(path)))
             if last:
@@ -121,8 +163,17 @@ def train(spec: TrainerSpec, signals: Signals | None = None) -> Finished:
         samples()
     board.close()
     paused = signals.pause if paused is None else paused
-    finished = finish(run.model, run.out_dir, at.step, run.plan.steps, paused, run.best, early, save=world.main,
-                      as_lora=lambda m, out: save_plain_lora(m, out, run.initial, spec.request.lora))
+    finished = finish(
+        run.model,
+        run.out_dir,
+        at.step,
+        run.plan.steps,
+        paused,
+        run.best,
+        early,
+        save=world.main,
+        as_lora=lambda m, out: save_plain_lora(m, out, run.initial, spec.request.lora),
+    )
     if world.main and finished.state != "paused":  # what engines serving this adapter must answer
         finished = msgspec.structs.replace(finished, probe=probe(run.model, run.tokenizer, run.device))
     world.close()
@@ -132,8 +183,9 @@ def train(spec: TrainerSpec, signals: Signals | None = None) -> Finished:
 def evaluation(run: Run, board) -> tuple[float, str]:
     """The eval loss now, kept if it is the best so far; and why to stop early ("": go on)."""
     t, step = run.spec.request.train, run.at.step
-    eval_loss = evaluate(run.model, run.eval_batches, run.device, run.autocast_dtype, t.loss_chunk_tokens, run.world,
-                         run.objective)
+    eval_loss = evaluate(
+        run.model, run.eval_batches, run.device, run.autocast_dtype, t.loss_chunk_tokens, run.world, run.objective
+    )
     run.best.observe(step, eval_loss, run.model)
     board.evaluation(step, eval_loss)
     return eval_loss, run.best.why_stopped(t.early_stopping_min_delta) if run.best.should_stop else ""
@@ -144,9 +196,16 @@ def announce(run: Run) -> None:
     world = run.world
     on = f"{world.size} x {run.device}" if world.size > 1 else run.device
     resumed = f", resumed from step {run.resumed_from}" if run.resumed_from is not None else ""
-    emit(Started(steps=run.plan.steps, examples=len(run.train_set), eval_examples=len(run.eval_set), device=on,
-                 message=f"training {run.plan.steps} steps on {on} ({len(run.train_set)} examples, "
-                         f"{len(run.batches)} batches/epoch){resumed}"))
+    emit(
+        Started(
+            steps=run.plan.steps,
+            examples=len(run.train_set),
+            eval_examples=len(run.eval_set),
+            device=on,
+            message=f"training {run.plan.steps} steps on {on} ({len(run.train_set)} examples, "
+            f"{len(run.batches)} batches/epoch){resumed}",
+        )
+    )
 
 
 def optimizer_step(run: Run, micro_batches: list) -> tuple[float, float, float]:
@@ -154,7 +213,7 @@ def optimizer_step(run: Run, micro_batches: list) -> tuple[float, float, float]:
     returns the step's loss (the mean over every target token, or pair), the gradient norm, and the lr."""
     t, world = run.spec.request.train, run.world
     group = [b.to(run.device) for b in micro_batches if b is not None]
-    n_targets, = world.sum(sum(run.objective.count(b) for b in group))
+    (n_targets,) = world.sum(sum(run.objective.count(b) for b in group))
     step_loss, step_tokens = 0.0, 0
     for b in group:
         loss = run.objective.loss(run.model, b) / max(n_targets, 1)
@@ -165,8 +224,10 @@ def optimizer_step(run: Run, micro_batches: list) -> tuple[float, float, float]:
     run.at.tokens += int(step_tokens)
     world.sum_grads(run.params)
     if not math.isfinite(step_loss):
-        raise JobError(f"the loss became {step_loss} at step {run.at.step + 1}; lower train.learning_rate "
-                       f"(now {t.learning_rate}) or check the data")
+        raise JobError(
+            f"the loss became {step_loss} at step {run.at.step + 1}; lower train.learning_rate "
+            f"(now {t.learning_rate}) or check the data"
+        )
     if run.scaler:
         run.scaler.unscale_(run.optimizer)
     grad_norm = float(torch.nn.utils.clip_grad_norm_(run.params, t.max_grad_norm or float("inf")))
@@ -181,18 +242,37 @@ def optimizer_step(run: Run, micro_batches: list) -> tuple[float, float, float]:
     return step_loss, grad_norm, lr
 
 
-def finish(model, out_dir: Path, step: int, steps: int, paused: bool, best: BestEval, early: str,
-           save: bool = True, as_lora=save_adapter) -> Finished:
+def finish(
+    model,
+    out_dir: Path,
+    step: int,
+    steps: int,
+    paused: bool,
+    best: BestEval,
+    early: str,
+    save: bool = True,
+    as_lora=save_adapter,
+) -> Finished:
     """The run's end: paused (its checkpoint is the adapter), stopped, or trained, with the best adapter kept."""
     if paused:
         checkpoint = out_dir / "checkpoints" / f"step-{step}"
-        return Finished(state="paused", step=step, adapter_dir=str(checkpoint / "adapter"),
-                        message=f"paused at step {step} of {steps}; resume goes on from there")
+        return Finished(
+            state="paused",
+            step=step,
+            adapter_dir=str(checkpoint / "adapter"),
+            message=f"paused at step {step} of {steps}; resume goes on from there",
+        )
     kept = best.restore(model)
     adapter = as_lora(model, out_dir / "adapter") if save else out_dir / "adapter"
     stopped = step < steps and not early
     message = f"stopped at step {step} of {steps} and saved" if stopped else early or f"trained {step} steps"
     if kept:
         message += f"; the adapter is step {best.step}'s, the best eval loss ({best.loss:.4f})"
-    return Finished(state="stopped" if stopped else "trained", step=step, adapter_dir=str(adapter), message=message,
-                    best_step=best.step if kept else None, best_eval_loss=best.loss if kept else None)
+    return Finished(
+        state="stopped" if stopped else "trained",
+        step=step,
+        adapter_dir=str(adapter),
+        message=message,
+        best_step=best.step if kept else None,
+        best_eval_loss=best.loss if kept else None,
+    )

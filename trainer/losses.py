@@ -11,22 +11,26 @@ from trainer import data
 from trainer.chunked_loss import DEFAULT_CHUNK_TOKENS, chunked_cross_entropy
 
 
-def batch_loss(model, batch: data.Batch, autocast_dtype,
-               chunk_tokens: int = DEFAULT_CHUNK_TOKENS) -> tuple[torch.Tensor, int]:
+def batch_loss(
+    model, batch: data.Batch, autocast_dtype, chunk_tokens: int = DEFAULT_CHUNK_TOKENS
+) -> tuple[torch.Tensor, int]:
     """Summed cross-entropy over the batch's target tokens, and how many there were. With chunk_tokens, through
     the output projection a chunk at a time (same loss, same gradients, a fraction of the peak memory)."""
     head = output_head(model) if chunk_tokens else None
-    inputs = dict(input_ids=batch.input_ids, position_ids=batch.position_ids, attention_mask=batch.attention_mask,
-                  use_cache=False)
+    inputs = dict(
+        input_ids=batch.input_ids, position_ids=batch.position_ids, attention_mask=batch.attention_mask, use_cache=False
+    )
     targets = batch.targets.reshape(-1)
-    with torch.autocast(device_type=batch.input_ids.device.type, dtype=autocast_dtype,
-                        enabled=autocast_dtype != torch.float32):
+    with torch.autocast(
+        device_type=batch.input_ids.device.type, dtype=autocast_dtype, enabled=autocast_dtype != torch.float32
+    ):
         out = head.decoder(**inputs).last_hidden_state if head else model(**inputs).logits
     if head:
         loss = chunked_cross_entropy(out.reshape(-1, out.shape[-1]), head.weight, targets, chunk_tokens, head.scale)
     else:
-        loss = torch.nn.functional.cross_entropy(out.float().reshape(-1, out.shape[-1]), targets,
-                                                 ignore_index=data.IGNORE, reduction="sum")
+        loss = torch.nn.functional.cross_entropy(
+            out.float().reshape(-1, out.shape[-1]), targets, ignore_index=data.IGNORE, reduction="sum"
+        )
     return loss, int((targets != data.IGNORE).sum())
 
 

@@ -19,13 +19,18 @@ def check_model_dir(base_dir: str) -> Path:
         raise JobError(f"base_dir {base_dir} has no config.json; point base_dir at a Hugging Face model directory")
     if not list(path.glob("*.safetensors")):
         pickles = [p.name for p in path.glob("*.bin")] + [p.name for p in path.glob("*.pt")]
-        hint = (f" (it has {', '.join(pickles[:3])}: pickled weights are never loaded; convert them to safetensors)"
-                if pickles else "")
+        hint = (
+            f" (it has {', '.join(pickles[:3])}: pickled weights are never loaded; convert them to safetensors)"
+            if pickles
+            else ""
+        )
         raise JobError(f"base_dir {base_dir} has no .safetensors weights{hint}")
     config = json.loads((path / "config.json").read_text())
     if config.get("auto_map"):
-        raise JobError(f"the model in {base_dir} needs its own code (auto_map in config.json); jetlora never runs "
-                       "remote code: use an architecture transformers ships")
+        raise JobError(
+            f"the model in {base_dir} needs its own code (auto_map in config.json); jetlora never runs "
+            "remote code: use an architecture transformers ships"
+        )
     return path
 
 
@@ -42,8 +47,14 @@ def load(base_dir: str, device: str, dtype: torch.dtype, quantization: str = "no
     tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True, trust_remote_code=False)
     if quantization == "nf4":
         return tokenizer, load_nf4(path, device, dtype)
-    model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, trust_remote_code=False,
-                                                 use_safetensors=True, dtype=dtype, attn_implementation="sdpa")
+    model = AutoModelForCausalLM.from_pretrained(
+        path,
+        local_files_only=True,
+        trust_remote_code=False,
+        use_safetensors=True,
+        dtype=dtype,
+        attn_implementation="sdpa",
+    )
     return tokenizer, model.to(device)
 
 
@@ -51,21 +62,34 @@ def load_nf4(path: Path, device: str, dtype: torch.dtype):
     """QLoRA's base: 4-bit NormalFloat weights with double quantization, computing in `dtype`; the LoRA weights
     stay in full precision."""
     if device != "cuda":
-        raise JobError("quantization nf4 needs a CUDA GPU (bitsandbytes); this job was given a CPU: resubmit with "
-                       "accelerator 'gpu', or quantization 'none'")
+        raise JobError(
+            "quantization nf4 needs a CUDA GPU (bitsandbytes); this job was given a CPU: resubmit with "
+            "accelerator 'gpu', or quantization 'none'"
+        )
     try:
         import bitsandbytes  # noqa: F401
     except ImportError:
-        raise JobError("quantization nf4 needs the bitsandbytes package on this node: pip install -e '.[qlora]' "
-                       "in the trainer's environment") from None
+        raise JobError(
+            "quantization nf4 needs the bitsandbytes package on this node: pip install -e '.[qlora]' "
+            "in the trainer's environment"
+        ) from None
     from peft import prepare_model_for_kbit_training
     from transformers import BitsAndBytesConfig
 
-    quant = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
-                               bnb_4bit_compute_dtype=dtype if dtype != torch.float32 else torch.bfloat16)
-    model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, trust_remote_code=False,
-                                                 use_safetensors=True, dtype=quant.bnb_4bit_compute_dtype,
-                                                 quantization_config=quant,
-                                                 device_map={"": torch.cuda.current_device()},
-                                                 attn_implementation="sdpa")
+    quant = BitsAndBytesConfig(
+        load_in_4bit=True,
+        bnb_4bit_quant_type="nf4",
+        bnb_4bit_use_double_quant=True,
+        bnb_4bit_compute_dtype=dtype if dtype != torch.float32 else torch.bfloat16,
+    )
+    model = AutoModelForCausalLM.from_pretrained(
+        path,
+        local_files_only=True,
+        trust_remote_code=False,
+        use_safetensors=True,
+        dtype=quant.bnb_4bit_compute_dtype,
+        quantization_config=quant,
+        device_map={"": torch.cuda.current_device()},
+        attn_implementation="sdpa",
+    )
     return prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)

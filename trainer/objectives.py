@@ -48,13 +48,18 @@ class Dpo:
 
     def metrics(self, world) -> PreferenceMetrics | None:
         """The rewards over the pairs trained on since the last call (every rank's)."""
-        pairs, chosen, rejected, correct = world.sum(self.window.pairs, self.window.chosen, self.window.rejected,
-                                                     self.window.correct)
+        pairs, chosen, rejected, correct = world.sum(
+            self.window.pairs, self.window.chosen, self.window.rejected, self.window.correct
+        )
         self.window = PairStats()
         if not pairs:
             return None
-        return PreferenceMetrics(rewards_chosen=chosen / pairs, rewards_rejected=rejected / pairs,
-                                 margin=(chosen - rejected) / pairs, accuracy=correct / pairs)
+        return PreferenceMetrics(
+            rewards_chosen=chosen / pairs,
+            rewards_rejected=rejected / pairs,
+            margin=(chosen - rejected) / pairs,
+            accuracy=correct / pairs,
+        )
 
 
 def objective_for(train, autocast_dtype: torch.dtype) -> Sft | Dpo:

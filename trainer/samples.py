@@ -24,7 +24,7 @@ def sample_prompts(setting, tokenizer, held_out: Examples, train_set: Examples) 
     for i in range(min(AUTO_PROMPTS, len(source))):
         ids, targets = source[i]
         learnt = [n for n, t in enumerate(targets) if t != IGNORE]
-        prompt_ids = [int(t) for t in ids[:learnt[0] + 1]] if learnt else [int(t) for t in ids]
+        prompt_ids = [int(t) for t in ids[: learnt[0] + 1]] if learnt else [int(t) for t in ids]
         out.append((tokenizer.decode(prompt_ids, skip_special_tokens=True).strip(), prompt_ids))
     return out
 
@@ -36,10 +36,15 @@ def answers(model, tokenizer, prompts: list[tuple[str, list[int]]], device: str,
     out = []
     for shown, ids in prompts:
         inputs = torch.tensor([ids], device=device)
-        generated = model.generate(input_ids=inputs, attention_mask=torch.ones_like(inputs), max_new_tokens=max_tokens,
-                                   do_sample=False, pad_token_id=tokenizer.pad_token_id or tokenizer.eos_token_id,
-                                   eos_token_id=tokenizer.eos_token_id)
-        out.append(Sample(prompt=shown, answer=tokenizer.decode(generated[0, len(ids):], skip_special_tokens=True)))
+        generated = model.generate(
+            input_ids=inputs,
+            attention_mask=torch.ones_like(inputs),
+            max_new_tokens=max_tokens,
+            do_sample=False,
+            pad_token_id=tokenizer.pad_token_id or tokenizer.eos_token_id,
+            eos_token_id=tokenizer.eos_token_id,
+        )
+        out.append(Sample(prompt=shown, answer=tokenizer.decode(generated[0, len(ids) :], skip_special_tokens=True)))
     if was_training:
         model.train()
     return out
@@ -60,15 +65,22 @@ def probe(model, tokenizer, device: str) -> Probe:
     model.eval()
     ids = tokenizer(PROBE_PROMPT)["input_ids"]
     inputs = torch.tensor([ids], device=device)
-    out = model.generate(input_ids=inputs, attention_mask=torch.ones_like(inputs), max_new_tokens=PROBE_TOKENS,
-                         do_sample=False, pad_token_id=tokenizer.pad_token_id or tokenizer.eos_token_id,
-                         eos_token_id=tokenizer.eos_token_id)[0].tolist()
+    out = model.generate(
+        input_ids=inputs,
+        attention_mask=torch.ones_like(inputs),
+        max_new_tokens=PROBE_TOKENS,
+        do_sample=False,
+        pad_token_id=tokenizer.pad_token_id or tokenizer.eos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+    )[0].tolist()
     if was_training:
         model.train()
 
     def continuation(n: int) -> str:
         shown = tokenizer.decode(ids, skip_special_tokens=True)
-        return tokenizer.decode(out[:len(ids) + n], skip_special_tokens=True)[len(shown):]
+        return tokenizer.decode(out[: len(ids) + n], skip_special_tokens=True)[len(shown) :]
 
     dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
-    return Probe(prompt=PROBE_PROMPT, text=continuation(PROBE_TOKENS), head=continuation(PROBE_HEAD_TOKENS), dtype=dtype)
+    return Probe(
+        prompt=PROBE_PROMPT, text=continuation(PROBE_TOKENS), head=continuation(PROBE_HEAD_TOKENS), dtype=dtype
+    )

@@ -128,16 +128,32 @@ def prepare(spec: TrainerSpec) -> Run:
     params = [q for q in model.parameters() if q.requires_grad]
     world.same_start(params)
     optimizer = make_optimizer(params, t, device)
-    run = Run(spec=spec, device=device, world=world, tokenizer=tokenizer, model=model, params=params,
-              optimizer=optimizer,
-              scheduler=get_scheduler(t.lr_scheduler, optimizer, num_warmup_steps=p.warmup, num_training_steps=p.steps),
-              scaler=torch.amp.GradScaler("cuda") if dtype == torch.float16 else None,
-              autocast_dtype=dtype if device == "cuda" else torch.float32, pad_id=pad_id,
-              train_set=train_set, eval_set=eval_set, batches=batches, eval_batches=eval_batches, plan=p,
-              best=BestEval(t.early_stopping_patience, t.early_stopping_min_delta,
-                            keep=bool(eval_batches) if t.keep_best is None else t.keep_best),
-              prompts=sample_prompts(t.sample_prompts, tokenizer, eval_set, train_set), initial=initial,
-              objective=objective_for(t, dtype if device == "cuda" else torch.float32))
+    run = Run(
+        spec=spec,
+        device=device,
+        world=world,
+        tokenizer=tokenizer,
+        model=model,
+        params=params,
+        optimizer=optimizer,
+        scheduler=get_scheduler(t.lr_scheduler, optimizer, num_warmup_steps=p.warmup, num_training_steps=p.steps),
+        scaler=torch.amp.GradScaler("cuda") if dtype == torch.float16 else None,
+        autocast_dtype=dtype if device == "cuda" else torch.float32,
+        pad_id=pad_id,
+        train_set=train_set,
+        eval_set=eval_set,
+        batches=batches,
+        eval_batches=eval_batches,
+        plan=p,
+        best=BestEval(
+            t.early_stopping_patience,
+            t.early_stopping_min_delta,
+            keep=bool(eval_batches) if t.keep_best is None else t.keep_best,
+        ),
+        prompts=sample_prompts(t.sample_prompts, tokenizer, eval_set, train_set),
+        initial=initial,
+        objective=objective_for(t, dtype if device == "cuda" else torch.float32),
+    )
     if spec.resume_from:
         state = resume(model, optimizer, run.scheduler, Path(spec.resume_from))
         run.at = Position(state["step"], state.get("tokens", 0), state["epoch"], state["batch_in_epoch"])

@@ -24,9 +24,14 @@ class TensorBoardLog:
         shutil.copytree(self.dir, checkpoint / "tensorboard", dirs_exist_ok=True)
 
     def progress(self, p) -> None:
-        for name, value in (("train/loss", p.loss), ("train/learning_rate", p.lr), ("train/grad_norm", p.grad_norm),
-                            ("train/tokens_per_s", p.tokens_per_s), ("train/peak_mib", p.peak_mib),
-                            ("train/epoch", p.epoch)):
+        for name, value in (
+            ("train/loss", p.loss),
+            ("train/learning_rate", p.lr),
+            ("train/grad_norm", p.grad_norm),
+            ("train/tokens_per_s", p.tokens_per_s),
+            ("train/peak_mib", p.peak_mib),
+            ("train/epoch", p.epoch),
+        ):
             if value is not None:
                 self.writer.add_scalar(name, value, p.step)
 

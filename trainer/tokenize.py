@@ -36,7 +36,9 @@ def cache_key(data: DataFile, tokenizer, base_dir: str, max_len: int, completion
     for name in TOKENIZER_FILES:
         p = Path(base_dir) / name
         h.update(name.encode() + (p.read_bytes() if p.is_file() else b"-"))
-    h.update(json.dumps([CACHE_VERSION, data.format, max_len, completions_only, tokenizer.chat_template or ""]).encode())
+    h.update(
+        json.dumps([CACHE_VERSION, data.format, max_len, completions_only, tokenizer.chat_template or ""]).encode()
+    )
     return f"{data.sha256}-{h.hexdigest()[:16]}"
 
 
@@ -56,8 +58,15 @@ def ids_dtype(tokenizer) -> np.dtype:
     return np.dtype(np.uint16) if len(tokenizer) <= 2**16 else np.dtype(np.int32)
 
 
-def tokenized(data: DataFile, tokenizer, base_dir: str, max_len: int, completions_only: bool, cache: Path,
-              report: Callable[[int, int, str], None]) -> tuple[Examples, dict]:
+def tokenized(
+    data: DataFile,
+    tokenizer,
+    base_dir: str,
+    max_len: int,
+    completions_only: bool,
+    cache: Path,
+    report: Callable[[int, int, str], None],
+) -> tuple[Examples, dict]:
     """The dataset's examples, from the cache or tokenized into it; report(done, total, message) along the way."""
     final = cache / cache_key(data, tokenizer, base_dir, max_len, completions_only)
     if not (final / "meta.json").is_file():
@@ -74,21 +83,28 @@ def tokenized(data: DataFile, tokenizer, base_dir: str, max_len: int, completion
             shutil.rmtree(work, ignore_errors=True)
     meta = json.loads((final / "meta.json").read_text())
     if not meta["examples"]:
-        raise JobError(f"no row of the dataset leaves a token to learn within train.max_seq_length {max_len} "
-                       f"({meta['skipped']:,} rows skipped); raise max_seq_length")
+        raise JobError(
+            f"no row of the dataset leaves a token to learn within train.max_seq_length {max_len} "
+            f"({meta['skipped']:,} rows skipped); raise max_seq_length"
+        )
     return load(final), meta
 
 
-def _tokenize(data: DataFile, tokenizer, max_len: int, completions_only: bool, out: Path,
-              report: Callable[[int, int, str], None]) -> dict:
+def _tokenize(
+    data: DataFile, tokenizer, max_len: int, completions_only: bool, out: Path, report: Callable[[int, int, str], None]
+) -> dict:
     if tokenizer.eos_token is None:
         raise JobError("the tokenizer has no eos token; add one to tokenizer_config.json so answers can end")
     rows = skipped = examples = tokens = 0
     last_report = 0.0
     id_type = ids_dtype(tokenizer)
     blocks = Blocks(data.format, tokenizer, max_len, completions_only)
-    with (open(data.path, "rb") as src, open(out / "ids.bin", "wb") as ids_f, open(out / "learnt.bin", "wb") as tgt_f,
-          open(out / "offsets.bin", "wb") as off_f):
+    with (
+        open(data.path, "rb") as src,
+        open(out / "ids.bin", "wb") as ids_f,
+        open(out / "learnt.bin", "wb") as tgt_f,
+        open(out / "offsets.bin", "wb") as off_f,
+    ):
         off_f.write(array("q", [0]).tobytes())
         for block in blocks.tokenized(_row_blocks(src)):
             ids_f.write(block.ids.astype(id_type).tobytes())
@@ -99,8 +115,12 @@ def _tokenize(data: DataFile, tokenizer, max_len: int, completions_only: bool, o
             if time.monotonic() - last_report > 1.0:
                 last_report = time.monotonic()
                 report(rows, data.rows, f"tokenizing {rows / max(data.rows, 1):.0%} of {_count(data.rows)} rows")
-    report(rows, data.rows, f"tokenized {_count(rows)} rows: {examples:,} examples, {tokens:,} tokens"
-                            + (f", {skipped:,} rows skipped (nothing to learn within max_seq_length)" if skipped else ""))
+    report(
+        rows,
+        data.rows,
+        f"tokenized {_count(rows)} rows: {examples:,} examples, {tokens:,} tokens"
+        + (f", {skipped:,} rows skipped (nothing to learn within max_seq_length)" if skipped else ""),
+    )
     return {"rows": rows, "examples": examples, "tokens": tokens, "skipped": skipped, "ids_dtype": id_type.name}
 
 
@@ -135,8 +155,10 @@ def job_data(spec, tokenizer) -> tuple[Examples, Examples]:
         return tokenized(data, tokenizer, spec.request.base_dir, t.max_seq_length, t.completions_only, cache, report)[0]
 
     if spec.request.dataset is not None and spec.dataset is None:
-        raise JobError(f"the job names dataset {spec.request.dataset.name}, but the agent did not fetch it; run the "
-                       "trainer through a jetlora agent")
+        raise JobError(
+            f"the job names dataset {spec.request.dataset.name}, but the agent did not fetch it; run the "
+            "trainer through a jetlora agent"
+        )
     if spec.dataset is not None:
         examples = of(spec.dataset)
     elif not spec.request.data:

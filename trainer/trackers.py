@@ -15,8 +15,14 @@ import msgspec
 from schemas.integrations import MLFLOW_JOB_TAG
 from trainer.errors import JobError
 
-METRICS = (("train/loss", "loss"), ("train/learning_rate", "lr"), ("train/grad_norm", "grad_norm"),
-           ("train/tokens_per_s", "tokens_per_s"), ("train/peak_mib", "peak_mib"), ("train/epoch", "epoch"))
+METRICS = (
+    ("train/loss", "loss"),
+    ("train/learning_rate", "lr"),
+    ("train/grad_norm", "grad_norm"),
+    ("train/tokens_per_s", "tokens_per_s"),
+    ("train/peak_mib", "peak_mib"),
+    ("train/epoch", "epoch"),
+)
 EXTRA = "pip install 'jetlora[tracking]' on the node, or drop it from the job's integrations"
 
 
@@ -27,8 +33,14 @@ def progress_metrics(p) -> dict[str, float]:
 def run_config(spec) -> dict:
     """What the run records of the job: its id, attempt and hyperparameters (never its data)."""
     req = spec.request
-    return {"job": spec.job, "model": req.model, "lora": msgspec.to_builtins(req.lora),
-            "train": msgspec.to_builtins(req.train), "quantization": req.quantization, "devices": req.devices}
+    return {
+        "job": spec.job,
+        "model": req.model,
+        "lora": msgspec.to_builtins(req.lora),
+        "train": msgspec.to_builtins(req.train),
+        "quantization": req.quantization,
+        "devices": req.devices,
+    }
 
 
 class WandbRun:
@@ -38,9 +50,15 @@ class WandbRun:
         except ImportError:
             raise JobError(f"integrations: the wandb package is not on this node; {EXTRA}") from None
         self.wandb = wandb
-        self.run = wandb.init(project=integration.project, name=integration.name or spec.request.label or spec.job,
-                              tags=list(integration.tags), config=run_config(spec), job_type="jetlora-sft",
-                              dir=None if os.environ.get("WANDB_DIR") else str(out_dir), reinit="create_new")
+        self.run = wandb.init(
+            project=integration.project,
+            name=integration.name or spec.request.label or spec.job,
+            tags=list(integration.tags),
+            config=run_config(spec),
+            job_type="jetlora-sft",
+            dir=None if os.environ.get("WANDB_DIR") else str(out_dir),
+            reinit="create_new",
+        )
 
     def progress(self, p) -> None:
         self.run.log(progress_metrics(p), step=p.step)
@@ -65,8 +83,9 @@ class MlflowRun:
         self.client = MlflowClient(tracking_uri=integration.tracking_uri or None)
         found = self.client.get_experiment_by_name(integration.experiment)
         experiment = found.experiment_id if found else self.client.create_experiment(integration.experiment)
-        self.run_id = self.client.create_run(experiment, run_name=spec.request.label or spec.job,
-                                             tags={MLFLOW_JOB_TAG: spec.job}).info.run_id
+        self.run_id = self.client.create_run(
+            experiment, run_name=spec.request.label or spec.job, tags={MLFLOW_JOB_TAG: spec.job}
+        ).info.run_id
         flat = {f"{group}.{k}": v for group in ("lora", "train") for k, v in run_config(spec)[group].items()}
         for key, value in {**flat, "model": spec.request.model}.items():
             self.client.log_param(self.run_id, key, str(value)[:500])
@@ -118,8 +137,11 @@ class RunLogs:
             try:
                 getattr(tracker, method)(*args)
             except Exception as e:
-                print(f"jetlora: {type(tracker).__name__} stopped logging ({type(e).__name__}: {e}); the run goes "
-                      "on, its metrics are in the job's events and TensorBoard", file=sys.stderr)
+                print(
+                    f"jetlora: {type(tracker).__name__} stopped logging ({type(e).__name__}: {e}); the run goes "
+                    "on, its metrics are in the job's events and TensorBoard",
+                    file=sys.stderr,
+                )
                 self.trackers.remove(tracker)
 
     def progress(self, p) -> None:

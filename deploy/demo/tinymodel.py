@@ -1,6 +1,6 @@
 """Build a small Llama-architecture model and tokenizer locally (no hub): for tests, benchmarks and the demo.
 
-    python deploy/demo/tinymodel.py OUT_DIR [--hidden 64 --layers 2 --texts FILE]
+python deploy/demo/tinymodel.py OUT_DIR [--hidden 64 --layers 2 --texts FILE]
 """
 
 from __future__ import annotations
@@ -29,18 +29,35 @@ def build_tokenizer(texts: list[str], vocab_size: int):
     tok = Tokenizer(models.BPE(unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIALS,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=SPECIALS, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
     tok.train_from_iterator(texts, trainer)
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>",
-                                   pad_token="<pad>", additional_special_tokens=SPECIALS[4:])
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token="<s>",
+        eos_token="</s>",
+        unk_token="<unk>",
+        pad_token="<pad>",
+        additional_special_tokens=SPECIALS[4:],
+    )
     fast.chat_template = CHAT_TEMPLATE
     return fast
 
 
-def build(out_dir: str | Path, texts: list[str] | None = None, hidden: int = 64, layers: int = 2, heads: int = 4,
-          kv_heads: int = 2, intermediate: int | None = None, vocab_size: int = 512, seed: int = 0,
-          chat_template: bool = True, init_range: float = 0.2) -> Path:
+def build(
+    out_dir: str | Path,
+    texts: list[str] | None = None,
+    hidden: int = 64,
+    layers: int = 2,
+    heads: int = 4,
+    kv_heads: int = 2,
+    intermediate: int | None = None,
+    vocab_size: int = 512,
+    seed: int = 0,
+    chat_template: bool = True,
+    init_range: float = 0.2,
+) -> Path:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -50,11 +67,20 @@ def build(out_dir: str | Path, texts: list[str] | None = None, hidden: int = 64,
     if not chat_template:
         tokenizer.chat_template = None
     torch.manual_seed(seed)
-    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=hidden, intermediate_size=intermediate or hidden * 2,
-                         num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
-                         max_position_embeddings=4096, bos_token_id=tokenizer.bos_token_id,
-                         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
-                         tie_word_embeddings=False, initializer_range=init_range)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=hidden,
+        intermediate_size=intermediate or hidden * 2,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        max_position_embeddings=4096,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        tie_word_embeddings=False,
+        initializer_range=init_range,
+    )
     model = LlamaForCausalLM(config)
     model.save_pretrained(out, safe_serialization=True)
     tokenizer.save_pretrained(out)
@@ -73,10 +99,21 @@ def main() -> None:
     args = ap.parse_args()
     texts = None
     if args.texts:
-        texts = [f"{r['q']} {r['a']}" for path in args.texts
-                 for r in map(json.loads, Path(path).read_text().splitlines()) if r]
-    build(args.out_dir, texts, hidden=args.hidden, layers=args.layers, heads=args.heads, kv_heads=args.kv_heads,
-          vocab_size=args.vocab)
+        texts = [
+            f"{r['q']} {r['a']}"
+            for path in args.texts
+            for r in map(json.loads, Path(path).read_text().splitlines())
+            if r
+        ]
+    build(
+        args.out_dir,
+        texts,
+        hidden=args.hidden,
+        layers=args.layers,
+        heads=args.heads,
+        kv_heads=args.kv_heads,
+        vocab_size=args.vocab,
+    )
     print(args.out_dir)
 
 

@@ -8,8 +8,9 @@ from collections.abc import Iterable
 from schemas.nodes import Assignment, Device
 
 
-def refusal(a: Assignment, devices: list[Device], running: dict[str, Iterable[int]], reclaim: dict[int, int],
-            draining: bool) -> str | None:
+def refusal(
+    a: Assignment, devices: list[Device], running: dict[str, Iterable[int]], reclaim: dict[int, int], draining: bool
+) -> str | None:
     """Why the node refuses `a`, or None; running: job -> the devices it trains on."""
     if draining:
         return "the node is shutting down"
@@ -24,8 +25,9 @@ def refusal(a: Assignment, devices: list[Device], running: dict[str, Iterable[in
     return None
 
 
-def _device_refusal(a: Assignment, index: int, devices: list[Device], busy: set[int],
-                    reclaim: dict[int, int]) -> str | None:
+def _device_refusal(
+    a: Assignment, index: int, devices: list[Device], busy: set[int], reclaim: dict[int, int]
+) -> str | None:
     dev = next((d for d in devices if d.index == index), None)
     if dev is None:
         return f"no device {index} on this node"

@@ -46,8 +46,9 @@ class DatasetCache:
     async def acquire(self, ref: DatasetRef) -> LocalDataset:
         """The dataset on local disk (fetched if it is not there yet); release() it when the job ends."""
         if ref.sha256 is None:
-            raise DatasetUnavailable(f"dataset {ref.name} reached the node without its sha256 pin (an old scheduler?); "
-                                     "resubmit the job")
+            raise DatasetUnavailable(
+                f"dataset {ref.name} reached the node without its sha256 pin (an old scheduler?); resubmit the job"
+            )
         async with self.locks[ref.sha256]:  # two jobs on one dataset: one download
             data, meta = self._paths(ref.sha256)
             if data.is_file() and meta.is_file():
@@ -68,12 +69,16 @@ class DatasetCache:
         stored = names.dataset_object(ref.name, ref.owner)
         info = await find_dataset(self.js, stored)
         if info is None:
-            raise DatasetUnavailable(f"dataset {ref.name} was deleted after the job was submitted; upload it again "
-                                     "(`jetlora datasets put`) and resubmit the job")
+            raise DatasetUnavailable(
+                f"dataset {ref.name} was deleted after the job was submitted; upload it again "
+                "(`jetlora datasets put`) and resubmit the job"
+            )
         if info.sha256 != ref.sha256 and ref.sha256 is not None:
-            raise DatasetUnavailable(f"dataset {ref.name} was replaced after the job was submitted (it held sha256 "
-                                     f"{ref.sha256[:12]}…, now {info.sha256[:12]}…); resubmit the job to train on the "
-                                     "new content")
+            raise DatasetUnavailable(
+                f"dataset {ref.name} was replaced after the job was submitted (it held sha256 "
+                f"{ref.sha256[:12]}…, now {info.sha256[:12]}…); resubmit the job to train on the "
+                "new content"
+            )
         await fetch_object(self.js, names.DATASETS_BUCKET, stored, data, info.sha256)
         meta.write_bytes(msgspec.json.encode(info))
         log.info("dataset %s (%s, %d bytes) fetched into %s", ref.name, info.sha256[:12], info.size, data)
@@ -96,8 +101,12 @@ class DatasetCache:
             self._paths(sha)[1].unlink(missing_ok=True)
             for tokenized in self.tokens.glob(f"{sha}-*"):
                 shutil.rmtree(tokenized, ignore_errors=True)
-            log.info("dataset cache: evicted %s (%.1f MiB with its tokenized copies) to stay under %d MiB", sha[:12],
-                     sizes[sha] / 2**20, self.budget // 2**20)
+            log.info(
+                "dataset cache: evicted %s (%.1f MiB with its tokenized copies) to stay under %d MiB",
+                sha[:12],
+                sizes[sha] / 2**20,
+                self.budget // 2**20,
+            )
 
     def _size(self, sha256: str) -> int:
         """The bytes one dataset holds here: its rows, its description, and every tokenized copy of it."""

@@ -39,14 +39,26 @@ def _gpu(pynvml, index: int) -> Device:
         mem = pynvml.nvmlDeviceGetMemoryInfo(h)
         name = pynvml.nvmlDeviceGetName(h)
     except pynvml.NVMLError as e:
-        return Device(index=index, kind="cuda", name="unreadable GPU", total_mib=0, free_mib=0,
-                      failed=f"NVML cannot read it ({e}): check `nvidia-smi` and the node's kernel log (Xid)")
+        return Device(
+            index=index,
+            kind="cuda",
+            name="unreadable GPU",
+            total_mib=0,
+            free_mib=0,
+            failed=f"NVML cannot read it ({e}): check `nvidia-smi` and the node's kernel log (Xid)",
+        )
     try:
         util = pynvml.nvmlDeviceGetUtilizationRates(h).gpu
     except pynvml.NVMLError:
         util = None
-    return Device(index=index, kind="cuda", name=name.decode() if isinstance(name, bytes) else name,
-                  total_mib=mem.total // 2**20, free_mib=mem.free // 2**20, utilization=util)
+    return Device(
+        index=index,
+        kind="cuda",
+        name=name.decode() if isinstance(name, bytes) else name,
+        total_mib=mem.total // 2**20,
+        free_mib=mem.free // 2**20,
+        utilization=util,
+    )
 
 
 def memory_mib() -> tuple[int, int]:
@@ -71,8 +83,10 @@ def cpu_device() -> Device:
 def simulated_gpus(spec: str) -> list[Device]:
     """`24576,81920/8000`: cards of that many MiB, free unless `/FREE` says how much is (tests and benchmarks)."""
     cards = [x.strip().partition("/") for x in spec.split(",") if x.strip()]
-    return [Device(index=i, kind="cuda", name="simulated GPU", total_mib=int(total), free_mib=int(free or total))
-            for i, (total, _, free) in enumerate(cards)]
+    return [
+        Device(index=i, kind="cuda", name="simulated GPU", total_mib=int(total), free_mib=int(free or total))
+        for i, (total, _, free) in enumerate(cards)
+    ]
 
 
 class DeviceProbe:

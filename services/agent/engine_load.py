@@ -56,11 +56,17 @@ def parse_metrics(text: str) -> Reading:
         return next((sums[n] for n in names if n in sums), None)
 
     if first(RUNNING) is None and first(WAITING) is None:
-        raise ValueError("no request counts in its metrics (vllm:num_requests_running, llamacpp:requests_processing); "
-                         "for llama-server, start it with --metrics")
+        raise ValueError(
+            "no request counts in its metrics (vllm:num_requests_running, llamacpp:requests_processing); "
+            "for llama-server, start it with --metrics"
+        )
     kv = first(KV_USAGE)
-    return Reading(running=first(RUNNING) or 0.0, waiting=first(WAITING) or 0.0,
-                   kv_usage=None if kv is None else min(max(kv, 0.0), 1.0), preemptions=first(PREEMPTIONS))
+    return Reading(
+        running=first(RUNNING) or 0.0,
+        waiting=first(WAITING) or 0.0,
+        kv_usage=None if kv is None else min(max(kv, 0.0), 1.0),
+        preemptions=first(PREEMPTIONS),
+    )
 
 
 def fetch_text(url: str, timeout: float) -> str:
@@ -139,8 +145,11 @@ class LoadWatch:
         if self.contradicted < DISTRUST_AFTER:
             return False
         self.use_load = False
-        log.warning("%s: /load says no requests while /metrics shows some; reading /metrics at every poll instead "
-                    "(start vLLM with --enable-server-load-tracking for an earlier signal that costs it less)", self.label)
+        log.warning(
+            "%s: /load says no requests while /metrics shows some; reading /metrics at every poll instead "
+            "(start vLLM with --enable-server-load-tracking for an earlier signal that costs it less)",
+            self.label,
+        )
         return True
 
     def idle_for(self) -> float:
@@ -149,6 +158,12 @@ class LoadWatch:
     def load(self) -> EngineLoad:
         r = self.reading
         running = max(r.running, r.in_flight or 0.0) if r else 0.0
-        return EngineLoad(engine=self.label, devices=self.devices, running=int(running),
-                          waiting=int(r.waiting) if r else 0, kv_usage=r.kv_usage if r else None,
-                          busy_fraction=sum(self.polls) / len(self.polls) if self.polls else 0.0, error=self.error)
+        return EngineLoad(
+            engine=self.label,
+            devices=self.devices,
+            running=int(running),
+            waiting=int(r.waiting) if r else 0,
+            kv_usage=r.kv_usage if r else None,
+            busy_fraction=sum(self.polls) / len(self.polls) if self.polls else 0.0,
+            error=self.error,
+        )

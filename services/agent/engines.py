@@ -28,8 +28,9 @@ class Engine:
     url: str = ""  # the engine's HTTP address (completions for the probe; vLLM's load API)
     directory: Path | None = None  # where adapters are placed (vllm-dir, llamacpp)
     max_rank: int = 64
-    modules: set[str] = field(default_factory=lambda: {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
-                                                      "down_proj"})
+    modules: set[str] = field(
+        default_factory=lambda: {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}
+    )
     restart: str = ""  # llama.cpp: a shell command that restarts the server with the placed adapters
 
     @property
@@ -50,8 +51,11 @@ class Engine:
         """Why this engine cannot serve an adapter of its base model, or None (an adapter of another base model is
         never offered to it)."""
         if v.r > self.max_rank:
-            fix = ("start vLLM with a larger --max-lora-rank and the agent with a larger --engine-max-rank"
-                   if self.kind in ("vllm", "vllm-dir") else "start the agent with a larger --engine-max-rank")
+            fix = (
+                "start vLLM with a larger --max-lora-rank and the agent with a larger --engine-max-rank"
+                if self.kind in ("vllm", "vllm-dir")
+                else "start the agent with a larger --engine-max-rank"
+            )
             return f"its rank {v.r} is above this engine's max LoRA rank {self.max_rank}; {fix}"
         if unknown := sorted(set(v.target_modules) - self.modules):
             return f"it adapts {', '.join(unknown)}, which this engine cannot serve"
@@ -88,6 +92,7 @@ async def post_json(url: str, body: dict, timeout: float = HTTP_TIMEOUT_S) -> tu
 
 async def get_json(url: str, timeout: float = 2.0) -> tuple[int, object]:
     """(status, decoded body); (0, None) when nothing answers."""
+
     def ask():
         try:
             with urllib.request.urlopen(url, timeout=timeout) as r:
@@ -110,8 +115,10 @@ async def complete(engine: Engine, name: str, prompt: str = PROBE_PROMPT, max_to
     llama-server both serve; llama-server serves its one model whatever the name). No repetition penalty, so greedy
     means what it does in the trainer (llama-cpp-python's server applies 1.1 unless told)."""
     t0 = time.monotonic()
-    code, text = await post_json(f"{engine.url}/v1/completions", {
-        "model": name, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "repeat_penalty": 1.0})
+    code, text = await post_json(
+        f"{engine.url}/v1/completions",
+        {"model": name, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "repeat_penalty": 1.0},
+    )
     if code != 200:
         raise EngineError(f"a completion under {name} failed ({code}): {text[:300]}")
     return Smoke(latency_ms=round((time.monotonic() - t0) * 1000, 1), text=json.loads(text)["choices"][0]["text"][:200])
@@ -128,8 +135,20 @@ async def verify(engine: Engine, v: AdapterVersion) -> tuple[NodeState, str, Smo
     if said == text:
         return "loaded", "answers its probe as its trainer did", answer
     if said.startswith(head):
-        return "loaded", (f"answers its probe's first tokens as its trainer did ({v.probe.dtype} there); the rest "
-                          "differs, as precisions may"), answer
-    return "mismatch", (f"asked {v.probe.prompt!r}, it answered {answer.text!r} where {v.name}@{v.version}'s "
-                        f"trainer answered {v.probe.text!r}: the engine serves another adapter (or none) under "
-                        "the name"), answer
+        return (
+            "loaded",
+            (
+                f"answers its probe's first tokens as its trainer did ({v.probe.dtype} there); the rest "
+                "differs, as precisions may"
+            ),
+            answer,
+        )
+    return (
+        "mismatch",
+        (
+            f"asked {v.probe.prompt!r}, it answered {answer.text!r} where {v.name}@{v.version}'s "
+            f"trainer answered {v.probe.text!r}: the engine serves another adapter (or none) under "
+            "the name"
+        ),
+        answer,
+    )

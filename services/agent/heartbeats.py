@@ -30,15 +30,26 @@ def compose(agent: Agent, read: tuple[list[Device], str]) -> Heartbeat:
     for job_id, run in agent.jobs.items():
         for index in run.devices:
             on.setdefault(index, []).append(job_id)
-    agent.devices = devices = [msgspec.structs.replace(d, jobs=on.get(d.index, []),
-                                                       reclaim_mib=agent.reclaim.get(d.index, 0)) for d in devices]
+    agent.devices = devices = [
+        msgspec.structs.replace(d, jobs=on.get(d.index, []), reclaim_mib=agent.reclaim.get(d.index, 0)) for d in devices
+    ]
     now = time.time()
     agent.finished = {j: t for j, t in agent.finished.items() if now - t < FINISHED_KEPT_S}
     cfg = agent.cfg
-    return Heartbeat(node=cfg.node, agent_version=__version__, devices=devices, offers_cpu=cfg.offer_cpu,
-                     no_gpu_reason=agent.no_gpu_reason, running=list(agent.jobs), finished=list(agent.finished),
-                     interval_s=cfg.heartbeat_interval, sent_at=now, draining=agent.draining, models=agent.models,
-                     engines=agent.yielder.loads())
+    return Heartbeat(
+        node=cfg.node,
+        agent_version=__version__,
+        devices=devices,
+        offers_cpu=cfg.offer_cpu,
+        no_gpu_reason=agent.no_gpu_reason,
+        running=list(agent.jobs),
+        finished=list(agent.finished),
+        interval_s=cfg.heartbeat_interval,
+        sent_at=now,
+        draining=agent.draining,
+        models=agent.models,
+        engines=agent.yielder.loads(),
+    )
 
 
 async def send(agent: Agent) -> None:

@@ -30,9 +30,11 @@ def refusal(engine: Engine, name: str) -> str | None:
     """Why `name` cannot go on this engine: it serves another name already (llama-server would apply both)."""
     others = [n for n in placed_names(engine) if n != name]
     if others:
-        return (f"this llama-server serves {others[0]} already, and llama-server applies every adapter it was started "
-                f"with to every request; retire {others[0]} first, or serve {name} from another llama-server "
-                "(another --engine)")
+        return (
+            f"this llama-server serves {others[0]} already, and llama-server applies every adapter it was started "
+            f"with to every request; retire {others[0]} first, or serve {name} from another llama-server "
+            "(another --engine)"
+        )
     return None
 
 
@@ -42,8 +44,10 @@ async def load(engine: Engine, name: str, local: Path) -> tuple[NodeState, str]:
     target = placed(engine, name)
     await asyncio.to_thread(place, local, target)
     if not engine.restart:
-        return "needs-restart", (f"placed {target}; llama-server opens adapters only at start: restart it with "
-                                 f"--lora {target} (or give the agent --engine-restart)")
+        return "needs-restart", (
+            f"placed {target}; llama-server opens adapters only at start: restart it with "
+            f"--lora {target} (or give the agent --engine-restart)"
+        )
     await restart(engine, {"JETLORA_ADAPTER": name, "JETLORA_ADAPTER_PATH": str(target)})
     return "loaded", f"placed {target} and restarted llama-server"
 
@@ -52,8 +56,10 @@ async def unload(engine: Engine, name: str) -> tuple[NodeState, str]:
     target = placed(engine, name)
     await asyncio.to_thread(remove, target)
     if not engine.restart:
-        return "needs-restart", (f"removed {target}; llama-server serves it until restarted without it: restart it "
-                                 "(or give the agent --engine-restart)")
+        return "needs-restart", (
+            f"removed {target}; llama-server serves it until restarted without it: restart it "
+            "(or give the agent --engine-restart)"
+        )
     await restart(engine)
     return "unloaded", f"removed {target} and restarted llama-server without it"
 
@@ -74,18 +80,24 @@ async def restart(engine: Engine, env: dict[str, str] | None = None, timeout: fl
     it cannot hold the wait open."""
     files = " ".join(str(placed(engine, n)) for n in placed_names(engine))
     with tempfile.TemporaryFile() as err:
-        proc = await asyncio.create_subprocess_shell(engine.restart, env={**os.environ, "JETLORA_ADAPTERS": files,
-                                                                          **(env or {})},
-                                                     stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.DEVNULL,
-                                                     stderr=err, start_new_session=True)
+        proc = await asyncio.create_subprocess_shell(
+            engine.restart,
+            env={**os.environ, "JETLORA_ADAPTERS": files, **(env or {})},
+            stdin=asyncio.subprocess.DEVNULL,
+            stdout=asyncio.subprocess.DEVNULL,
+            stderr=err,
+            start_new_session=True,
+        )
         try:
             code = await asyncio.wait_for(proc.wait(), timeout)
         except TimeoutError:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(proc.pid, signal.SIGKILL)
             await proc.wait()
-            raise EngineError(f"the restart command did not exit within {timeout:.0f}s and was killed; a command that "
-                              "starts a server must start it in the background (e.g. `nohup llama-server ... &`)") from None
+            raise EngineError(
+                f"the restart command did not exit within {timeout:.0f}s and was killed; a command that "
+                "starts a server must start it in the background (e.g. `nohup llama-server ... &`)"
+            ) from None
         if code:
             err.seek(0)
             raise EngineError(f"the restart command exited {code}: {err.read().decode(errors='replace')[-300:]}")

@@ -40,13 +40,22 @@ def driver(engine: Engine):
 
 
 class Rollout:
-    def __init__(self, nc: Client, node: str, engines: list[Engine], work_dir: Path,
-                 check_interval: float = CHECK_INTERVAL_S, stage: bool = True) -> None:
+    def __init__(
+        self,
+        nc: Client,
+        node: str,
+        engines: list[Engine],
+        work_dir: Path,
+        check_interval: float = CHECK_INTERVAL_S,
+        stage: bool = True,
+    ) -> None:
         self.nc, self.js, self.node, self.engines = nc, nc.jetstream(), node, engines
         self.root = work_dir / "adapters"
         self.state_file = self.root / "loaded.json"
         # engine label -> adapter name -> [version, sha256] of what that engine serves under the name
-        self.loaded: dict[str, dict[str, list]] = json.loads(self.state_file.read_text()) if self.state_file.is_file() else {}
+        self.loaded: dict[str, dict[str, list]] = (
+            json.loads(self.state_file.read_text()) if self.state_file.is_file() else {}
+        )
         self.locks: dict[str, asyncio.Lock] = {}
         self.ready = asyncio.Event()  # the aliases there were at start are converged to
         self.versions: dict[tuple[str, int], AdapterVersion] = {}  # versions never change: read each once
@@ -120,8 +129,9 @@ class Rollout:
                     if version is not None:
                         await self._report(engine, version.name, version.version, "failed", str(e))
 
-    async def _converge_engine(self, engine: Engine, alias: Alias, version: AdapterVersion | None,
-                               again: bool = False) -> None:
+    async def _converge_engine(
+        self, engine: Engine, alias: Alias, version: AdapterVersion | None, again: bool = False
+    ) -> None:
         have = self.loaded.get(engine.label, {}).get(alias.name)
         if version is None:
             if have:
@@ -140,8 +150,9 @@ class Rollout:
             return
         gguf = engine.kind == "llamacpp"
         staged = self._local(file, gguf).exists()
-        await self._report(engine, version.name, version.version, "loading",
-                           f"{'staged' if staged else 'fetching'} {file.name}")
+        await self._report(
+            engine, version.name, version.version, "loading", f"{'staged' if staged else 'fetching'} {file.name}"
+        )
         local = await self.fetch(file, gguf)
         state, message = await driver(engine).load(engine, version.name, local)
         self._remember(engine, version.name, [version.version, file.sha256])
@@ -158,7 +169,11 @@ class Rollout:
         if engine.kind == "vllm" and state == "loaded":
             root = ((await vllm.served(engine)) or {}).get(version.name, "")
             if sha256 not in root:
-                return "mismatch", f"vLLM serves {version.name} from {root or 'nowhere'}, not this version's files", answer
+                return (
+                    "mismatch",
+                    f"vLLM serves {version.name} from {root or 'nowhere'}, not this version's files",
+                    answer,
+                )
         return state, said, answer
 
     # --- what the engines really serve ------------------------------------------------------------
@@ -171,8 +186,12 @@ class Rollout:
                     try:
                         await self.check_engine(engine)
                     except Exception as e:
-                        log.warning("rollout: checking %s failed (%s: %s); the next check goes on", engine.label,
-                                    type(e).__name__, e)
+                        log.warning(
+                            "rollout: checking %s failed (%s: %s); the next check goes on",
+                            engine.label,
+                            type(e).__name__,
+                            e,
+                        )
 
     async def check_engine(self, engine: Engine) -> None:
         serves = await driver(engine).served(engine)  # None: it does not answer, or cannot say what it serves
@@ -191,8 +210,13 @@ class Rollout:
             else:
                 lost = came_back and (await verify(engine, await self._version(name, version)))[0] != "loaded"
             if lost:
-                log.warning("engine %s no longer serves %s@%d (%s); loading it again", engine.label, name, version,
-                            "it came back" if came_back else "not in what it lists")
+                log.warning(
+                    "engine %s no longer serves %s@%d (%s); loading it again",
+                    engine.label,
+                    name,
+                    version,
+                    "it came back" if came_back else "not in what it lists",
+                )
                 await self.converge(alias, again=True)
 
     async def _version(self, name: str, version: int) -> AdapterVersion:
@@ -250,10 +274,19 @@ class Rollout:
         tmp.write_text(json.dumps(self.loaded))
         tmp.replace(self.state_file)
 
-    async def _report(self, engine: Engine, name: str, version: int, state: NodeState, message: str,
-                      checked=None) -> None:
-        status = NodeAdapterStatus(name=name, version=version, node=self.node, engine=engine.label, state=state,
-                                   message=message, smoke=checked, updated=time.time())
+    async def _report(
+        self, engine: Engine, name: str, version: int, state: NodeState, message: str, checked=None
+    ) -> None:
+        status = NodeAdapterStatus(
+            name=name,
+            version=version,
+            node=self.node,
+            engine=engine.label,
+            state=state,
+            message=message,
+            smoke=checked,
+            updated=time.time(),
+        )
         log.info("adapter %s@%d on %s: %s %s", name, version, engine.label, state, message)
         try:
             await self.registry.put_node_status(status)

@@ -31,8 +31,15 @@ class TrainerRun:
 
     The trainer never outlives the run: it dies with the agent (parent-death signal) and with this coroutine."""
 
-    def __init__(self, spec: TrainerSpec, workdir: Path, command: list[str], env: dict[str, str],
-                 ranks: int = 1, niceness: int = 0) -> None:
+    def __init__(
+        self,
+        spec: TrainerSpec,
+        workdir: Path,
+        command: list[str],
+        env: dict[str, str],
+        ranks: int = 1,
+        niceness: int = 0,
+    ) -> None:
         self.spec, self.workdir, self.env, self.ranks = spec, workdir, env, ranks
         self.command = niced(command, niceness)  # beside a serving engine: its threads win the CPU at once
         self.proc: asyncio.subprocess.Process | None = None  # rank 0: it speaks for the job
@@ -46,8 +53,12 @@ class TrainerRun:
         spec_path = self.workdir / "job.json"
         spec_path.write_bytes(msgspec.json.encode(self.spec))
         root = str(Path(__file__).resolve().parents[2])  # so `-m trainer` finds the trainer package
-        env = {**os.environ, **self.env, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])),
-               "PYTHONUNBUFFERED": "1"}
+        env = {
+            **os.environ,
+            **self.env,
+            "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])),
+            "PYTHONUNBUFFERED": "1",
+        }
         if self.ranks > 1:
             env.update(rank_env(self.ranks, self.workdir))
         if self.cancelled:  # before it started: nothing to start
@@ -62,8 +73,9 @@ class TrainerRun:
             for rank in range(1, self.ranks):
                 self.others.append(await self._start(spec_path, env, rank))
                 readers.append(asyncio.create_task(self._read_stderr(self.others[-1], rank)))
-            tasks += readers[1:] + [asyncio.create_task(self._watch(proc, readers[rank], rank))
-                                    for rank, proc in enumerate(self.others, 1)]
+            tasks += readers[1:] + [
+                asyncio.create_task(self._watch(proc, readers[rank], rank)) for rank, proc in enumerate(self.others, 1)
+            ]
             final = await self._read_events(on_event)
             code = await self.proc.wait()
             await asyncio.wait([readers[0]], timeout=STDERR_WAIT_S)  # its last words, for the error
@@ -80,7 +92,9 @@ class TrainerRun:
         if final is not None:
             return final
         tail = " | ".join(self.stderr_tail)
-        return Failed(message=f"training process exited unexpectedly (exit code {code})" + (f": {tail}" if tail else ""))
+        return Failed(
+            message=f"training process exited unexpectedly (exit code {code})" + (f": {tail}" if tail else "")
+        )
 
     @property
     def _lead(self) -> asyncio.subprocess.Process:
@@ -92,10 +106,15 @@ class TrainerRun:
         """Rank 0 leads a new process group; the other ranks join it, so one signal reaches them all."""
         group = 0 if rank == 0 else self._lead.pid
         return await asyncio.create_subprocess_exec(
-            *die_with_parent([*self.command, str(spec_path)], signal.SIGKILL), stdout=asyncio.subprocess.PIPE if rank == 0 else asyncio.subprocess.DEVNULL,
-            stderr=asyncio.subprocess.PIPE, stdin=asyncio.subprocess.DEVNULL, cwd=self.workdir,
-            env={**env, "RANK": str(rank), "LOCAL_RANK": str(rank)} if self.ranks > 1 else env, limit=2**24,
-            process_group=group)
+            *die_with_parent([*self.command, str(spec_path)], signal.SIGKILL),
+            stdout=asyncio.subprocess.PIPE if rank == 0 else asyncio.subprocess.DEVNULL,
+            stderr=asyncio.subprocess.PIPE,
+            stdin=asyncio.subprocess.DEVNULL,
+            cwd=self.workdir,
+            env={**env, "RANK": str(rank), "LOCAL_RANK": str(rank)} if self.ranks > 1 else env,
+            limit=2**24,
+            process_group=group,
+        )
 
     async def _watch(self, proc: asyncio.subprocess.Process, stderr: asyncio.Task, rank: int) -> None:
         """A rank that dies takes the job with it: the rest would wait for it in their next collective."""
@@ -104,8 +123,11 @@ class TrainerRun:
         if code != 0 and not self.cancelled and self.rank_died is None:
             how = f"was killed by signal {-code}" if code < 0 else f"exited with code {code}"
             tail = " | ".join(t for t in self.stderr_tail if t.startswith(f"[rank {rank}]")) if code > 0 else ""
-            self.rank_died = (f"rank {rank} of {self.ranks} {how}, so the job's other ranks were ended"
-                              + (f": {tail}" if tail else "") + "; resubmit it, or resume it from its last checkpoint")
+            self.rank_died = (
+                f"rank {rank} of {self.ranks} {how}, so the job's other ranks were ended"
+                + (f": {tail}" if tail else "")
+                + "; resubmit it, or resume it from its last checkpoint"
+            )
             log.warning("job %s: %s", self.spec.job, self.rank_died)
             self._signal(signal.SIGKILL)
 
@@ -113,8 +135,12 @@ class TrainerRun:
         try:
             await asyncio.wait_for(asyncio.gather(*(p.wait() for p in self.others)), RANKS_END_S)
         except asyncio.TimeoutError:
-            log.warning("job %s: ranks 1-%d had not exited %.0f s after rank 0 finished; killing them",
-                        self.spec.job, self.ranks - 1, RANKS_END_S)
+            log.warning(
+                "job %s: ranks 1-%d had not exited %.0f s after rank 0 finished; killing them",
+                self.spec.job,
+                self.ranks - 1,
+                RANKS_END_S,
+            )
 
     async def _end_all(self) -> None:
         if any(p.returncode is None for p in [self._lead, *self.others]):

@@ -14,11 +14,33 @@ import msgspec
 from nats.aio.client import Client
 
 from schemas import names
-from schemas.events import (Cancelled, Checkpoint, DataFile, Failed, Finished, Preparing, Progress, Samples, Started,
-                            StateChange, TrainerSpec)
+from schemas.events import (
+    Cancelled,
+    Checkpoint,
+    DataFile,
+    Failed,
+    Finished,
+    Preparing,
+    Progress,
+    Samples,
+    Started,
+    StateChange,
+    TrainerSpec,
+)
 from schemas.jobs import ArtifactRef, CheckpointInfo, DatasetRef, JobState
-from schemas.nodes import (CPU_DEVICE, AssignAccepted, AssignRefused, Assignment, Control, ControlReply, Device,
-                           Heartbeat, Reclaim, ReclaimReply, on_devices)
+from schemas.nodes import (
+    CPU_DEVICE,
+    AssignAccepted,
+    AssignRefused,
+    Assignment,
+    Control,
+    ControlReply,
+    Device,
+    Heartbeat,
+    Reclaim,
+    ReclaimReply,
+    on_devices,
+)
 from services import bus
 from services.aio import cancel_and_wait
 from services.agent import heartbeats
@@ -94,20 +116,36 @@ class Agent:
         self.devices, self.no_gpu_reason = self.probe.read()
         if not self.devices:
             log.warning("node %s has no device to offer: %s", self.cfg.node, self.no_gpu_reason)
-        on_assign = bus.handler(self._on_assign, Assignment,
-                                invalid=lambda errors: AssignRefused(None, f"the assignment did not decode: {errors[0].reason}"))
-        on_control = bus.handler(self._on_control, Control,
-                                 invalid=lambda errors: ControlReply(None, False, f"did not decode: {errors[0].reason}"))
+        on_assign = bus.handler(
+            self._on_assign,
+            Assignment,
+            invalid=lambda errors: AssignRefused(None, f"the assignment did not decode: {errors[0].reason}"),
+        )
+        on_control = bus.handler(
+            self._on_control,
+            Control,
+            invalid=lambda errors: ControlReply(None, False, f"did not decode: {errors[0].reason}"),
+        )
         on_reclaim = bus.handler(self._on_reclaim, Reclaim)
         subjects = names.node(self.cfg.node)
-        subs = [await self.nc.subscribe(subjects.assign, cb=on_assign),
-                await self.nc.subscribe(subjects.control, cb=on_control),
-                await self.nc.subscribe(subjects.reclaim, cb=on_reclaim)]
+        subs = [
+            await self.nc.subscribe(subjects.assign, cb=on_assign),
+            await self.nc.subscribe(subjects.control, cb=on_control),
+            await self.nc.subscribe(subjects.reclaim, cb=on_reclaim),
+        ]
         await self.nc.flush()
         log.info("agent %s up with %d device(s)", self.cfg.node, len(self.devices))
         beat = asyncio.create_task(heartbeats.every_interval(self, stop))
-        rollout = asyncio.create_task(Rollout(self.nc, self.cfg.node, self.cfg.engines, self.cfg.work_dir,
-                                              self.cfg.engine_check_interval, self.cfg.stage_adapters).run(stop))
+        rollout = asyncio.create_task(
+            Rollout(
+                self.nc,
+                self.cfg.node,
+                self.cfg.engines,
+                self.cfg.work_dir,
+                self.cfg.engine_check_interval,
+                self.cfg.stage_adapters,
+            ).run(stop)
+        )
         yielding = asyncio.create_task(self.yielder.run(stop))
         await stop.wait()
         await cancel_and_wait([rollout, yielding])
@@ -120,8 +158,11 @@ class Agent:
             await sub.unsubscribe()
         runs = list(self.jobs.values())
         for run in runs:
-            log.warning("shutting down: %s job %s", "ending the cancelled" if run.cancel_asked else
-                        "handing back to the scheduler", run.assignment.job)
+            log.warning(
+                "shutting down: %s job %s",
+                "ending the cancelled" if run.cancel_asked else "handing back to the scheduler",
+                run.assignment.job,
+            )
             if run.trainer:
                 run.trainer.cancel()
         await cancel_and_wait([run.task for run in runs] + [run.checkpoint_upload for run in runs])
@@ -130,11 +171,19 @@ class Agent:
                 if run.cancel_asked:  # cancelled a moment before: it stays cancelled
                     await self._report(run, "cancelled", "cancelled", give_up_after=SHUTDOWN_PUBLISH_S)
                     continue
-                await self._report(run, "queued", f"node {self.cfg.node} shut down while the job ran; handed back to "
-                                                  "the queue", give_up_after=SHUTDOWN_PUBLISH_S)
+                await self._report(
+                    run,
+                    "queued",
+                    f"node {self.cfg.node} shut down while the job ran; handed back to the queue",
+                    give_up_after=SHUTDOWN_PUBLISH_S,
+                )
             except Exception as e:  # NATS is gone: the scheduler re-queues it once this node's heartbeats stop
-                log.warning("job %s: could not say it was handed back (%s); the scheduler will re-queue it when this "
-                            "node's heartbeats stop", run.assignment.job, type(e).__name__)
+                log.warning(
+                    "job %s: could not say it was handed back (%s); the scheduler will re-queue it when this "
+                    "node's heartbeats stop",
+                    run.assignment.job,
+                    type(e).__name__,
+                )
         await self._beat()  # one last heartbeat that says we are draining
         await cancel_and_wait([beat])
 
@@ -162,8 +211,13 @@ class Agent:
         run = self.jobs.get(c.job)
         if run is None:
             return ControlReply(c.job, False, f"job {c.job} is not running on {self.cfg.node}")
-        log.info("%s asked for job %s (attempt %d): its trainer %s", c.action, c.job, run.assignment.attempt,
-                 "has not started" if run.trainer is None or run.trainer.proc is None else "runs")
+        log.info(
+            "%s asked for job %s (attempt %d): its trainer %s",
+            c.action,
+            c.job,
+            run.assignment.attempt,
+            "has not started" if run.trainer is None or run.trainer.proc is None else "runs",
+        )
         if c.action == "cancel":
             run.cancel_asked = True
             if run.trainer:
@@ -193,7 +247,9 @@ class Agent:
             self.reclaim.pop(r.device, None)
         await self._beat()
         held = [j for j, run in self.jobs.items() if r.device in run.devices]
-        return ReclaimReply(True, f"device {r.device}: {r.mib} MiB wanted back" + (f"; job {held[0]} runs there" if held else ""))
+        return ReclaimReply(
+            True, f"device {r.device}: {r.mib} MiB wanted back" + (f"; job {held[0]} runs there" if held else "")
+        )
 
     async def reclaim_device(self, device: int, mib: int) -> None:
         """An engine here wants a device's memory back (or lets go of it): as if it had asked on the bus."""
@@ -207,15 +263,36 @@ class Agent:
         """Where this node reports the job's events: under the job's tenant, so its users can follow them."""
         return names.job(a.job, self.cfg.node, names.tenant_token(a.tenant))
 
-    async def _report(self, run: RunningJob, state: JobState, message: str, artifacts: list[ArtifactRef] | None = None,
-                      paused_by: str | None = None, checkpoint: CheckpointInfo | None = None,
-                      give_up_after: float = 300.0) -> None:
+    async def _report(
+        self,
+        run: RunningJob,
+        state: JobState,
+        message: str,
+        artifacts: list[ArtifactRef] | None = None,
+        paused_by: str | None = None,
+        checkpoint: CheckpointInfo | None = None,
+        give_up_after: float = 300.0,
+    ) -> None:
         a = run.assignment
-        ev = StateChange(job=a.job, state=state, node=self.cfg.node, attempt=a.attempt, message=message,
-                         artifacts=artifacts or [], ts=time.time(), paused_by=paused_by, checkpoint=checkpoint)
+        ev = StateChange(
+            job=a.job,
+            state=state,
+            node=self.cfg.node,
+            attempt=a.attempt,
+            message=message,
+            artifacts=artifacts or [],
+            ts=time.time(),
+            paused_by=paused_by,
+            checkpoint=checkpoint,
+        )
         run.reports += 1
-        await bus.publish_durably(self.js, self._subjects(a).state, _enc.encode(ev), f"{a.job}.{a.attempt}.s{run.reports}",
-                              give_up_after=give_up_after)
+        await bus.publish_durably(
+            self.js,
+            self._subjects(a).state,
+            _enc.encode(ev),
+            f"{a.job}.{a.attempt}.s{run.reports}",
+            give_up_after=give_up_after,
+        )
 
     async def _progress(self, run: RunningJob, p: Progress) -> None:
         a = run.assignment
@@ -232,19 +309,27 @@ class Agent:
             if run.checkpoint_upload:  # its state event must not come after the job's end
                 await run.checkpoint_upload
             if isinstance(result, (Failed, Cancelled)):
-                await self._report(run, "cancelled" if isinstance(result, Cancelled) else "failed",
-                                   result.message + run.yielded.summary())
+                await self._report(
+                    run,
+                    "cancelled" if isinstance(result, Cancelled) else "failed",
+                    result.message + run.yielded.summary(),
+                )
                 return
             if result.state == "paused":
-                await self._report(run, "paused", (result.message or f"paused at step {result.step}")
-                                   + run.yielded.summary(), paused_by=run.paused_by or "user")
+                await self._report(
+                    run,
+                    "paused",
+                    (result.message or f"paused at step {result.step}") + run.yielded.summary(),
+                    paused_by=run.paused_by or "user",
+                )
                 return
             await self._report(run, "uploading", f"{result.message or 'trained'}; storing the artifacts")
             artifacts = await ship_results(self.nc, self.cfg.node, a, result, job_dir / "out")
             final: JobState = "stopped" if result.state == "stopped" else "succeeded"
             stored = ", ".join(r.name for r in artifacts)
-            await self._report(run, final, f"{result.message or result.state}; stored {stored}{run.yielded.summary()}",
-                               artifacts)
+            await self._report(
+                run, final, f"{result.message or result.state}; stored {stored}{run.yielded.summary()}", artifacts
+            )
         except asyncio.CancelledError:
             if run.paused_by and not self.draining:
                 await self._report(run, "paused", "paused before the trainer started", paused_by=run.paused_by)
@@ -266,18 +351,32 @@ class Agent:
     async def _train(self, run: RunningJob, job_dir: Path) -> Finished | Failed | Cancelled:
         a = run.assignment
         gpu = a.device != CPU_DEVICE
-        env = {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True",
-               "CUDA_VISIBLE_DEVICES": ",".join(map(str, run.devices)) if gpu else ""}
+        env = {
+            "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True",
+            "CUDA_VISIBLE_DEVICES": ",".join(map(str, run.devices)) if gpu else "",
+        }
         if len(run.devices) > 1 and "OMP_NUM_THREADS" not in os.environ:  # ranks share the node's cores
             env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // len(run.devices)))
-        spec = TrainerSpec(job=a.job, attempt=a.attempt, request=a.request, out_dir=str(job_dir / "out"),
-                           device="cuda" if gpu else "cpu", resume_from=await self._fetch_checkpoint(run, job_dir),
-                           dataset=await self._fetch_dataset(run, a.request.dataset),
-                           validation=await self._fetch_dataset(run, a.request.validation_dataset),
-                           token_cache=str(self.datasets.tokens),
-                           init_adapter=await self._fetch_init_adapter(run, job_dir))
-        run.trainer = TrainerRun(spec, job_dir, self.cfg.trainer_command, env, ranks=len(run.devices),
-                                 niceness=self.yielder.niceness(run.devices))
+        spec = TrainerSpec(
+            job=a.job,
+            attempt=a.attempt,
+            request=a.request,
+            out_dir=str(job_dir / "out"),
+            device="cuda" if gpu else "cpu",
+            resume_from=await self._fetch_checkpoint(run, job_dir),
+            dataset=await self._fetch_dataset(run, a.request.dataset),
+            validation=await self._fetch_dataset(run, a.request.validation_dataset),
+            token_cache=str(self.datasets.tokens),
+            init_adapter=await self._fetch_init_adapter(run, job_dir),
+        )
+        run.trainer = TrainerRun(
+            spec,
+            job_dir,
+            self.cfg.trainer_command,
+            env,
+            ranks=len(run.devices),
+            niceness=self.yielder.niceness(run.devices),
+        )
         if run.cancel_asked:  # asked while this task was cancelled at an await that can swallow it (3.11's wait_for)
             run.trainer.cancel()
         if run.stop_asked:
@@ -292,17 +391,24 @@ class Agent:
                 await self._progress(run, ev)
             elif isinstance(ev, Preparing):
                 p = msgspec.structs.replace(ev, job=a.job, ts=ev.ts or time.time())
-                await bus.publish_durably(self.js, self._subjects(a).preparing, _enc.encode(p),
-                                      f"{a.job}.{a.attempt}.d{ev.done}")
+                await bus.publish_durably(
+                    self.js, self._subjects(a).preparing, _enc.encode(p), f"{a.job}.{a.attempt}.d{ev.done}"
+                )
             elif isinstance(ev, Samples):
                 samples = msgspec.structs.replace(ev, job=a.job, ts=ev.ts or time.time())
-                await bus.publish_durably(self.js, self._subjects(a).samples, _enc.encode(samples),
-                                      f"{a.job}.{a.attempt}.x{ev.step}{ev.model}")
+                await bus.publish_durably(
+                    self.js,
+                    self._subjects(a).samples,
+                    _enc.encode(samples),
+                    f"{a.job}.{a.attempt}.x{ev.step}{ev.model}",
+                )
             elif isinstance(ev, Checkpoint):
                 if run.paused_by and run.checkpoint_upload:  # the pause's checkpoint is what resume needs
                     await run.checkpoint_upload
                 if run.checkpoint_upload and not run.checkpoint_upload.done():
-                    log.info("job %s: checkpoint at step %d skipped, the previous one is still uploading", a.job, ev.step)
+                    log.info(
+                        "job %s: checkpoint at step %d skipped, the previous one is still uploading", a.job, ev.step
+                    )
                 else:
                     run.checkpoint_upload = asyncio.create_task(self._ship_checkpoint(run, ev))
 
@@ -315,8 +421,9 @@ class Agent:
         await self._report(run, "preparing", f"fetching dataset {ref.name}")
         local = await self.datasets.acquire(ref)
         run.datasets.append(local)
-        return DataFile(path=str(local.path), sha256=local.info.sha256, format=local.info.stats.format,
-                        rows=local.info.stats.rows)
+        return DataFile(
+            path=str(local.path), sha256=local.info.sha256, format=local.info.stats.format, rows=local.info.stats.rows
+        )
 
     async def _fetch_checkpoint(self, run: RunningJob, job_dir: Path) -> str | None:
         """A re-queued or resumed job goes on from the checkpoint its last node stored; None: from step 0."""
@@ -326,9 +433,12 @@ class Agent:
         try:
             where = await fetch_checkpoint(self.nc, a, job_dir)
         except Exception as e:
-            log.warning("job %s: checkpoint %s could not be fetched (%s); starting from step 0", a.job, a.resume_from, e)
-            await self._report(run, "preparing", f"checkpoint {a.resume_from} could not be fetched ({e}); "
-                                                 "starting from step 0")
+            log.warning(
+                "job %s: checkpoint %s could not be fetched (%s); starting from step 0", a.job, a.resume_from, e
+            )
+            await self._report(
+                run, "preparing", f"checkpoint {a.resume_from} could not be fetched ({e}); starting from step 0"
+            )
             return None
         await self._report(run, "preparing", f"resuming from checkpoint {a.resume_from}")
         return str(where)

@@ -29,28 +29,51 @@ def tar_dir(src: Path, dest: Path) -> None:
 
 def summary(a: Assignment) -> str:
     lo, tr = a.request.lora, a.request.train
-    return (f"r={lo.r} alpha={lo.alpha} dropout={lo.dropout} rslora={lo.rslora} lr={tr.learning_rate} "
-            f"epochs={tr.epochs} max_steps={tr.max_steps} batch={tr.batch_size}x{tr.grad_accum} seq={tr.max_seq_length}")
+    return (
+        f"r={lo.r} alpha={lo.alpha} dropout={lo.dropout} rslora={lo.rslora} lr={tr.learning_rate} "
+        f"epochs={tr.epochs} max_steps={tr.max_steps} batch={tr.batch_size}x{tr.grad_accum} seq={tr.max_seq_length}"
+    )
 
 
 def _meta(a: Assignment, filename: str, **more) -> ArtifactMeta:
-    return ArtifactMeta(base_model=a.request.model, trainer_version=__version__, tenant=a.tenant or "",
-                        filename=filename, attempt=a.attempt, **more)
+    return ArtifactMeta(
+        base_model=a.request.model,
+        trainer_version=__version__,
+        tenant=a.tenant or "",
+        filename=filename,
+        attempt=a.attempt,
+        **more,
+    )
 
 
-async def _upload(nc: Client, node: str, a: Assignment, kind: ArtifactKind, path: Path, meta: ArtifactMeta) -> ArtifactRef:
+async def _upload(
+    nc: Client, node: str, a: Assignment, kind: ArtifactKind, path: Path, meta: ArtifactMeta
+) -> ArtifactRef:
     info = await upload_file(nc, node, a.job, kind, path, meta)
     return ArtifactRef(kind=kind, name=info.name, size=info.size, sha256=info.sha256)
 
 
-async def ship_checkpoint(nc: Client, node: str, a: Assignment, ev: Checkpoint, last: Progress | None) -> CheckpointInfo:
+async def ship_checkpoint(
+    nc: Client, node: str, a: Assignment, ev: Checkpoint, last: Progress | None
+) -> CheckpointInfo:
     """A checkpoint as tar.gz, stored as <job>/checkpoint-<step>, with the losses last reported before it."""
     tar_path = Path(ev.path).parent / f"step-{ev.step}.tar.gz"
     await asyncio.to_thread(tar_dir, Path(ev.path), tar_path)
-    ref = await _upload(nc, node, a, "checkpoint", tar_path, _meta(a, f"{a.job}-checkpoint-{ev.step}.tar.gz",
-                                                             summary=f"step {ev.step}", step=ev.step))
-    return CheckpointInfo(step=ev.step, name=ref.name, loss=last.loss if last else None,
-                          eval_loss=last.eval_loss if last else None, created=time.time())
+    ref = await _upload(
+        nc,
+        node,
+        a,
+        "checkpoint",
+        tar_path,
+        _meta(a, f"{a.job}-checkpoint-{ev.step}.tar.gz", summary=f"step {ev.step}", step=ev.step),
+    )
+    return CheckpointInfo(
+        step=ev.step,
+        name=ref.name,
+        loss=last.loss if last else None,
+        eval_loss=last.eval_loss if last else None,
+        created=time.time(),
+    )
 
 
 async def ship_results(nc: Client, node: str, a: Assignment, result: Finished, out_dir: Path) -> list[ArtifactRef]:
@@ -61,8 +84,13 @@ async def ship_results(nc: Client, node: str, a: Assignment, result: Finished, o
     meta = _meta(a, f"{a.job}-adapter.tar.gz", summary=summary(a))
     files = [("peft", tar_path, meta)]
     if result.gguf_path:
-        files.append(("gguf", Path(result.gguf_path),
-                      msgspec.structs.replace(meta, filename=f"{a.job}-lora-{a.request.gguf_type}.gguf")))
+        files.append(
+            (
+                "gguf",
+                Path(result.gguf_path),
+                msgspec.structs.replace(meta, filename=f"{a.job}-lora-{a.request.gguf_type}.gguf"),
+            )
+        )
     board = out_dir / "tensorboard"
     if board.is_dir() and any(board.iterdir()):
         board_tar = out_dir / "tensorboard.tar.gz"

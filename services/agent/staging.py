@@ -72,9 +72,19 @@ class Stager:
             try:
                 await self.rollout.fetch(file, gguf=engine.kind == "llamacpp")
             except Exception as e:
-                log.warning("staging %s@%d for %s failed (%s); a promotion fetches it again", version.name,
-                            version.version, engine.label, e)
+                log.warning(
+                    "staging %s@%d for %s failed (%s); a promotion fetches it again",
+                    version.name,
+                    version.version,
+                    engine.label,
+                    e,
+                )
                 continue
             self.staged += 1
-            log.info("staged %s@%d for %s (%s), ready for its promotion", version.name, version.version,
-                     engine.label, file.name)
+            log.info(
+                "staged %s@%d for %s (%s), ready for its promotion",
+                version.name,
+                version.version,
+                engine.label,
+                file.name,
+            )

@@ -44,8 +44,10 @@ async def load(engine: Engine, name: str, local: Path) -> tuple[NodeState, str]:
     if not engine.url:  # vllm-dir=DIR alone
         target = placed(engine, name)
         await asyncio.to_thread(place, local, target, engine.model)
-        return "placed", (f"placed in {target}; with no engine URL (vllm-dir=DIR,URL) nothing unloads an older "
-                          "version from vLLM or checks what it serves")
+        return "placed", (
+            f"placed in {target}; with no engine URL (vllm-dir=DIR,URL) nothing unloads an older "
+            "version from vLLM or checks what it serves"
+        )
     entries = await models(engine)
     if entries is None:
         raise EngineError(f"vLLM at {engine.url} does not answer")
@@ -54,15 +56,21 @@ async def load(engine: Engine, name: str, local: Path) -> tuple[NodeState, str]:
         return await _place_for_resolver(engine, name, local, entries)
     if name not in now:
         return await _load(engine, name, local, "loaded through vLLM's /v1/load_lora_adapter")
-    code, text = await post_json(f"{engine.url}/v1/load_lora_adapter",
-                                 {"lora_name": name, "lora_path": str(local), "load_inplace": True})
+    code, text = await post_json(
+        f"{engine.url}/v1/load_lora_adapter", {"lora_name": name, "lora_path": str(local), "load_inplace": True}
+    )
     if code == 200:
         return "loaded", "replaced in place through vLLM's /v1/load_lora_adapter (load_inplace: no request refused)"
     if "already been loaded" not in text:
         raise EngineError(f"vLLM refused to load it ({code}: {text[:300]}); {NEEDS}")
     await post_json(f"{engine.url}/v1/unload_lora_adapter", {"lora_name": name})  # a vLLM without load_inplace
-    return await _load(engine, name, local, "unloaded the old version and loaded this one (this vLLM has no "
-                                                 "load_inplace: requests in between were refused; upgrade vLLM)")
+    return await _load(
+        engine,
+        name,
+        local,
+        "unloaded the old version and loaded this one (this vLLM has no "
+        "load_inplace: requests in between were refused; upgrade vLLM)",
+    )
 
 
 async def _load(engine: Engine, name: str, local: Path, said: str) -> tuple[NodeState, str]:
@@ -101,6 +109,7 @@ async def _place_for_resolver(engine: Engine, name: str, local: Path, entries: l
     if known:  # vLLM serves the old version until the name is unknown to it again
         code, text = await post_json(f"{engine.url}/v1/unload_lora_adapter", {"lora_name": name})
         if code != 200 and code != 404:
-            raise EngineError(f"placed {target}, but vLLM refused to unload the old version ({code}: {text[:300]}); "
-                              f"{NEEDS}")
+            raise EngineError(
+                f"placed {target}, but vLLM refused to unload the old version ({code}: {text[:300]}); {NEEDS}"
+            )
     return "loaded", f"placed in {target} for vLLM's filesystem resolver (base_model_name_or_path {base})"

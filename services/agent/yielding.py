@@ -38,19 +38,35 @@ class YieldPolicy:
         mode, *settings = [p.strip() for p in text.split(",") if p.strip()] or ["both"]
         if mode not in MODES:
             raise ValueError(f"--engine-yield {text!r}: start with one of {', '.join(MODES)}")
-        keys = {"poll": "poll_s", "timeout": "timeout_s", "holdoff": "holdoff_s", "kv": "kv_threshold",
-                "devices": "devices", "exempt": "exempt_priority", "nice": "nice", "metrics": "metrics_s"}
+        keys = {
+            "poll": "poll_s",
+            "timeout": "timeout_s",
+            "holdoff": "holdoff_s",
+            "kv": "kv_threshold",
+            "devices": "devices",
+            "exempt": "exempt_priority",
+            "nice": "nice",
+            "metrics": "metrics_s",
+        }
         values: dict = {"mode": mode}
         for setting in settings:
             key, _, value = setting.partition("=")
             if key not in keys or not value:
-                raise ValueError(f"--engine-yield {text!r}: {setting!r} is not one of {', '.join(k + '=' for k in keys)}")
+                raise ValueError(
+                    f"--engine-yield {text!r}: {setting!r} is not one of {', '.join(k + '=' for k in keys)}"
+                )
             try:
-                values[keys[key]] = (tuple(int(d) for d in value.split("+")) if key == "devices"
-                                     else int(value) if key in ("exempt", "nice") else float(value))
+                values[keys[key]] = (
+                    tuple(int(d) for d in value.split("+"))
+                    if key == "devices"
+                    else int(value)
+                    if key in ("exempt", "nice")
+                    else float(value)
+                )
             except ValueError:
-                raise ValueError(f"--engine-yield {text!r}: {key} takes a number"
-                                 + (" list like 0+1" if key == "devices" else "")) from None
+                raise ValueError(
+                    f"--engine-yield {text!r}: {key} takes a number" + (" list like 0+1" if key == "devices" else "")
+                ) from None
         policy = cls(**values)
         if not 0 <= policy.nice <= 19:
             raise ValueError(f"--engine-yield {text!r}: nice is 0 (none) to 19")
@@ -107,11 +123,19 @@ class Yielder:
 
     def niceness(self, devices: list[int]) -> int:
         """The CPU niceness of a trainer on `devices`: the highest any engine there asks for (compute modes)."""
-        return max((e.policy.nice for e in self.engines if e.policy.mode in ("both", "compute")
-                    and self.devices_of(e) & set(devices)), default=0)
+        return max(
+            (
+                e.policy.nice
+                for e in self.engines
+                if e.policy.mode in ("both", "compute") and self.devices_of(e) & set(devices)
+            ),
+            default=0,
+        )
 
     def devices_of(self, engine: EngineYield) -> set[int]:
-        return set(engine.policy.devices) if engine.policy.devices is not None else {d.index for d in self.agent.devices}
+        return (
+            set(engine.policy.devices) if engine.policy.devices is not None else {d.index for d in self.agent.devices}
+        )
 
     async def _poll(self, engine: EngineYield) -> None:
         reading = await engine.watch.poll()
@@ -157,8 +181,11 @@ class Yielder:
         await self.go_on(run)
 
     async def _memory(self, engine: EngineYield, reading: Reading, devices: set[int]) -> None:
-        preempted = (engine.preemptions is not None and reading.preemptions is not None
-                     and reading.preemptions > engine.preemptions)
+        preempted = (
+            engine.preemptions is not None
+            and reading.preemptions is not None
+            and reading.preemptions > engine.preemptions
+        )
         engine.preemptions = reading.preemptions
         full = reading.kv_usage is not None and reading.kv_usage >= engine.policy.kv_threshold
         calm = not preempted and (reading.kv_usage is None or reading.kv_usage < engine.policy.kv_threshold - 0.1)
@@ -170,7 +197,9 @@ class Yielder:
                 held = [r.assignment.request.gpu_mib or 1 for r in self.agent.jobs.values() if device in r.devices]
                 await self.agent.reclaim_device(device, sum(held) or 1)
             engine.reclaiming = devices
-        elif engine.reclaiming and engine.calm_since and time.monotonic() - engine.calm_since >= engine.policy.holdoff_s:
+        elif (
+            engine.reclaiming and engine.calm_since and time.monotonic() - engine.calm_since >= engine.policy.holdoff_s
+        ):
             for device in sorted(engine.reclaiming):
                 await self.agent.reclaim_device(device, 0)
             engine.reclaiming = set()

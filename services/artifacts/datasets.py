@@ -12,8 +12,18 @@ from nats.js.errors import NotFoundError
 
 from schemas import names
 from schemas.dataset_check import DatasetChecker, DatasetInvalid
-from schemas.datasets import (DatasetChunk, DatasetChunkAck, DatasetDeleted, DatasetInfo, DatasetLimits, DatasetList,
-                              DatasetListQuery, DatasetQuery, DatasetReply, DatasetUpload)
+from schemas.datasets import (
+    DatasetChunk,
+    DatasetChunkAck,
+    DatasetDeleted,
+    DatasetInfo,
+    DatasetLimits,
+    DatasetList,
+    DatasetListQuery,
+    DatasetQuery,
+    DatasetReply,
+    DatasetUpload,
+)
 from schemas.jobs import Error
 from services import bus
 from services.artifacts.objinfo import dataset_from_object, dataset_headers
@@ -81,10 +91,14 @@ class DatasetStore:
 
     async def add_endpoints(self, service) -> None:
         group = service.add_group(name=names.DATASETS_GROUP)
-        for verb, query, serve in (("list", DatasetListQuery, self._list), ("show", DatasetQuery, self._show),
-                                   ("delete", DatasetQuery, self._delete)):  # an admin's, and each tenant's
-            answer = bus.handler(lambda q, subject, serve=serve: serve(q, names.tenant_of_subject(subject)), query,
-                                 with_subject=True)
+        for verb, query, serve in (
+            ("list", DatasetListQuery, self._list),
+            ("show", DatasetQuery, self._show),
+            ("delete", DatasetQuery, self._delete),
+        ):  # an admin's, and each tenant's
+            answer = bus.handler(
+                lambda q, subject, serve=serve: serve(q, names.tenant_of_subject(subject)), query, with_subject=True
+            )
             await bus.add_endpoint(group, f"datasets-{verb}", answer, verb)
             await bus.add_endpoint(group, f"datasets-tenant-{verb}", answer, f"*.{verb}")
 
@@ -104,15 +118,18 @@ class DatasetStore:
         owner = names.tenant_of_dataset_upload(subject)
         stored = names.dataset_object(chunk.name, owner)
         if not upload.replace and (old := await find_dataset(self.js, stored)) is not None:
-            raise Refused(f"a dataset named {chunk.name} exists ({old.stats.rows:,} {old.stats.format} rows, sha256 "
-                          f"{old.sha256[:12]}…); choose another --name, or pass --replace (jobs that pinned the old "
-                          "one will then fail)")
+            raise Refused(
+                f"a dataset named {chunk.name} exists ({old.stats.rows:,} {old.stats.format} rows, sha256 "
+                f"{old.sha256[:12]}…); choose another --name, or pass --replace (jobs that pinned the old "
+                "one will then fail)"
+            )
         if owner is not None and upload.share:
             raise Refused("a tenant's dataset is its own: only an admin's upload may --share it")
         writer = ObjectWriter(self.js, names.DATASETS_BUCKET, stored, upload.description)
         first_bad_row = msgspec.structs.replace(self.limits, max_errors=1)  # stop the transfer there: `datasets put`
-        return DatasetSink(writer, DatasetChecker(upload.format, first_bad_row), f"dataset {stored}", upload.share,
-                           owner)  # lists the file's other bad rows itself
+        return DatasetSink(
+            writer, DatasetChecker(upload.format, first_bad_row), f"dataset {stored}", upload.share, owner
+        )  # lists the file's other bad rows itself
 
     async def _list(self, q: DatasetListQuery, tenant: str | None) -> DatasetList:
         found = [d for d in map(dataset_from_object, (await self.objects.snapshot()).values()) if d]
@@ -133,9 +150,12 @@ class DatasetStore:
             return Error(f"no dataset named {q.name} of yours; `jetlora datasets ls` lists them", field="name")
         if not q.force and (pinned := await self._pinned_by(stored)):
             shown = ", ".join(f"{job} ({state})" for job, state in pinned[:5]) + (" ..." if len(pinned) > 5 else "")
-            return Error(f"dataset {q.name} is named by {len(pinned)} unfinished job(s): {shown}; a node that has not "
-                         "fetched it yet would fail them. Cancel them (or let them finish) first, or delete it anyway "
-                         "with --force", field="name")
+            return Error(
+                f"dataset {q.name} is named by {len(pinned)} unfinished job(s): {shown}; a node that has not "
+                "fetched it yet would fail them. Cancel them (or let them finish) first, or delete it anyway "
+                "with --force",
+                field="name",
+            )
         obs = await self.js.object_store(names.DATASETS_BUCKET)
         await obs.delete(stored)
         log.info("dataset %s deleted", stored)

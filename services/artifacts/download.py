@@ -118,7 +118,9 @@ async def _read_chunks(js, bucket: str, info, f) -> str:
         try:
             msg = await js.get_msg(store.stream, seq=seq + 1, subject=subject, next=True, direct=True)
         except NotFoundError:
-            raise DownloadError(f"{info.name} has {n} of its {info.chunks} chunks in the store; it is damaged") from None
+            raise DownloadError(
+                f"{info.name} has {n} of its {info.chunks} chunks in the store; it is damaged"
+            ) from None
         f.write(msg.data)
         digest.update(msg.data)
         seq = msg.seq
@@ -130,8 +132,11 @@ def safe_extract(archive: str | os.PathLike | bytes, dest: str | os.PathLike) ->
     devices."""
     dest = Path(dest).resolve()
     dest.mkdir(parents=True, exist_ok=True)
-    opened = (tarfile.open(fileobj=io.BytesIO(archive), mode="r:gz") if isinstance(archive, bytes)
-              else tarfile.open(archive, "r:gz"))
+    opened = (
+        tarfile.open(fileobj=io.BytesIO(archive), mode="r:gz")
+        if isinstance(archive, bytes)
+        else tarfile.open(archive, "r:gz")
+    )
     with opened as tar:
         for m in tar.getmembers():
             target = (dest / m.name).resolve()

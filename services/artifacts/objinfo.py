@@ -11,10 +11,20 @@ HEADER = "Jetlora-"
 
 
 def artifact_headers(job: str, kind: str, meta: ArtifactMeta) -> dict[str, list[str]]:
-    return {HEADER + k: [v] for k, v in (("Job", job), ("Kind", kind), ("Base-Model", meta.base_model),
-                                         ("Trainer-Version", meta.trainer_version), ("Summary", meta.summary),
-                                         ("Filename", meta.filename), ("Tenant", meta.tenant),
-                                         ("Step", "" if meta.step is None else str(meta.step))) if v}
+    return {
+        HEADER + k: [v]
+        for k, v in (
+            ("Job", job),
+            ("Kind", kind),
+            ("Base-Model", meta.base_model),
+            ("Trainer-Version", meta.trainer_version),
+            ("Summary", meta.summary),
+            ("Filename", meta.filename),
+            ("Tenant", meta.tenant),
+            ("Step", "" if meta.step is None else str(meta.step)),
+        )
+        if v
+    }
 
 
 def sha256_header(sha: str) -> tuple[str, list[str]]:
@@ -31,18 +41,32 @@ def info_from_object(obj) -> ArtifactInfo | None:
 
     if not get("Job"):
         return None
-    return ArtifactInfo(name=obj.name, job=get("Job"), kind=get("Kind"), size=obj.size or 0, sha256=get("Sha256"),
-                        created=obj.mtime or "", base_model=get("Base-Model"), trainer_version=get("Trainer-Version"),
-                        summary=get("Summary"), filename=get("Filename"), tenant=get("Tenant"),
-                        step=int(get("Step")) if get("Step") else None)
+    return ArtifactInfo(
+        name=obj.name,
+        job=get("Job"),
+        kind=get("Kind"),
+        size=obj.size or 0,
+        sha256=get("Sha256"),
+        created=obj.mtime or "",
+        base_model=get("Base-Model"),
+        trainer_version=get("Trainer-Version"),
+        summary=get("Summary"),
+        filename=get("Filename"),
+        tenant=get("Tenant"),
+        step=int(get("Step")) if get("Step") else None,
+    )
 
 
 _stats = msgspec.json.Decoder(DatasetStats)
 
 
 def dataset_headers(sha: str, stats: DatasetStats, tenants: list[str], owner: str | None) -> dict[str, list[str]]:
-    return {HEADER + "Sha256": [sha], HEADER + "Dataset": [msgspec.json.encode(stats).decode()],
-            HEADER + "Tenants": [",".join(tenants)], HEADER + "Owner": [owner or ""]}
+    return {
+        HEADER + "Sha256": [sha],
+        HEADER + "Dataset": [msgspec.json.encode(stats).decode()],
+        HEADER + "Tenants": [",".join(tenants)],
+        HEADER + "Owner": [owner or ""],
+    }
 
 
 def dataset_from_object(obj) -> DatasetInfo | None:
@@ -52,7 +76,13 @@ def dataset_from_object(obj) -> DatasetInfo | None:
     if not stats or not sha or getattr(obj, "deleted", False):
         return None
     owner = (h.get(HEADER + "Owner") or [""])[0] or None
-    return DatasetInfo(name=obj.name.removeprefix(f"{owner}/") if owner else obj.name, sha256=sha[0],
-                       size=obj.size or 0, created=obj.mtime or "", owner=owner,
-                       stats=_stats.decode(stats[0]), description=obj.description or "",
-                       tenants=[t for t in (h.get(HEADER + "Tenants") or [""])[0].split(",") if t])
+    return DatasetInfo(
+        name=obj.name.removeprefix(f"{owner}/") if owner else obj.name,
+        sha256=sha[0],
+        size=obj.size or 0,
+        created=obj.mtime or "",
+        owner=owner,
+        stats=_stats.decode(stats[0]),
+        description=obj.description or "",
+        tenants=[t for t in (h.get(HEADER + "Tenants") or [""])[0].split(",") if t],
+    )

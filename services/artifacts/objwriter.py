@@ -27,14 +27,23 @@ _nuid = NUID()
 
 
 class ObjectWriter:
-    def __init__(self, js, bucket: str, name: str, description: str = "", headers: dict | None = None,
-                 window: int = 16) -> None:
+    def __init__(
+        self, js, bucket: str, name: str, description: str = "", headers: dict | None = None, window: int = 16
+    ) -> None:
         self.js, self.bucket, self.name = js, bucket, name
         self.nuid = _nuid.next().decode()
         self.headers: dict[str, Any] = headers or {}  # what the object's meta will carry (callers may add to it)
         self.size = self.chunks = self.max_chunk_size = 0
-        self.info = api.ObjectInfo(name=name, bucket=bucket, nuid=self.nuid, size=0, chunks=0, description=description,
-                                   headers=self.headers, options=api.ObjectMetaOptions(max_chunk_size=0))
+        self.info = api.ObjectInfo(
+            name=name,
+            bucket=bucket,
+            nuid=self.nuid,
+            size=0,
+            chunks=0,
+            description=description,
+            headers=self.headers,
+            options=api.ObjectMetaOptions(max_chunk_size=0),
+        )
         self.store = names.objects(bucket)
         self.subject = self.store.chunks(self.nuid)
         self.window = window
@@ -67,8 +76,11 @@ class ObjectWriter:
         self.info.options = api.ObjectMetaOptions(max_chunk_size=self.max_chunk_size)
         self.info.mtime = datetime.now(timezone.utc).isoformat()
         self.info.digest = "SHA-256=" + base64.urlsafe_b64encode(sha256).decode()
-        await self.js.publish(self.store.meta(self.name), json.dumps(self.info.as_dict()).encode(),
-                              headers={api.Header.ROLLUP: MSG_ROLLUP_SUBJECT})
+        await self.js.publish(
+            self.store.meta(self.name),
+            json.dumps(self.info.as_dict()).encode(),
+            headers={api.Header.ROLLUP: MSG_ROLLUP_SUBJECT},
+        )
         if old is not None and not old.deleted and old.nuid != self.nuid:
             await self.js.purge_stream(self.store.stream, subject=self.store.chunks(old.nuid))
         return self.info

@@ -74,9 +74,16 @@ class Upload(Generic[C]):
 class ChunkReceiver(Generic[C]):
     """Turns chunk messages (msgpack, each with upload, seq, data, last, sha256, size) into objects."""
 
-    def __init__(self, chunk_type: type[C], ack_type: type, target: Callable[[C], str],
-                 open_sink: Callable[[C, str], Awaitable[Sink]], stall_timeout: float = 30.0,
-                 ahead_mib_per_upload: int = AHEAD_MIB_PER_UPLOAD, ahead_mib_total: int = AHEAD_MIB_TOTAL) -> None:
+    def __init__(
+        self,
+        chunk_type: type[C],
+        ack_type: type,
+        target: Callable[[C], str],
+        open_sink: Callable[[C, str], Awaitable[Sink]],
+        stall_timeout: float = 30.0,
+        ahead_mib_per_upload: int = AHEAD_MIB_PER_UPLOAD,
+        ahead_mib_total: int = AHEAD_MIB_TOTAL,
+    ) -> None:
         """open_sink(first chunk, its subject) -> where the upload goes; raises Refused to refuse it."""
         self.decoder: msgspec.msgpack.Decoder[C] = msgspec.msgpack.Decoder(chunk_type)
         self.ack_type, self.target, self.open_sink = ack_type, target, open_sink
@@ -90,8 +97,9 @@ class ChunkReceiver(Generic[C]):
 
     async def _reply(self, msg, chunk, error: str = "", stored: msgspec.Struct | None = None) -> None:
         if msg.reply:
-            await msg.respond(_enc.encode(self.ack_type(upload=chunk.upload, seq=chunk.seq, ok=not error, error=error,
-                                                        stored=stored)))
+            await msg.respond(
+                _enc.encode(self.ack_type(upload=chunk.upload, seq=chunk.seq, ok=not error, error=error, stored=stored))
+            )
 
     async def on_chunk(self, msg) -> None:
         try:
@@ -108,8 +116,11 @@ class ChunkReceiver(Generic[C]):
         up = self.uploads.get(chunk.upload)
         if up is None:
             if chunk.seq != 0:
-                return await self._reply(msg, chunk, f"upload {chunk.upload} is not known here (the service restarted?); "
-                                                     "restart it from chunk 0")
+                return await self._reply(
+                    msg,
+                    chunk,
+                    f"upload {chunk.upload} is not known here (the service restarted?); restart it from chunk 0",
+                )
             try:
                 up = self.uploads[chunk.upload] = Upload(chunk0=chunk, sink=await self.open_sink(chunk, msg.subject))
             except Exception as e:
@@ -123,7 +134,7 @@ class ChunkReceiver(Generic[C]):
         if chunk.seq > up.expected:
             if chunk.seq - up.expected > MAX_AHEAD or chunk.seq in up.ahead:
                 return await self._fail_reply(up, msg, chunk, f"chunk {up.expected} never arrived (got {chunk.seq})")
-            if (over := self._over_ahead_limit(up, len(chunk.data))):
+            if over := self._over_ahead_limit(up, len(chunk.data)):
                 return await self._fail_reply(up, msg, chunk, over)
             up.ahead[chunk.seq] = (chunk, msg)
             up.ahead_bytes += len(chunk.data)
@@ -136,11 +147,15 @@ class ChunkReceiver(Generic[C]):
     def _over_ahead_limit(self, up: Upload[C], size: int) -> str:
         """Why `size` more bytes out of order is too much (or ''): memory is bounded whatever senders do."""
         if up.ahead_bytes + size > self.ahead_limit:
-            return (f"chunk {up.expected} never arrived and the chunks after it exceed the {self.ahead_limit >> 20} MiB "
-                    "one upload may hold out of order; send fewer chunks ahead (a smaller window)")
+            return (
+                f"chunk {up.expected} never arrived and the chunks after it exceed the {self.ahead_limit >> 20} MiB "
+                "one upload may hold out of order; send fewer chunks ahead (a smaller window)"
+            )
         if self.ahead_bytes + size > self.ahead_total_limit:
-            return (f"the service holds {self.ahead_bytes >> 20} MiB of chunks out of order for all uploads, its limit is "
-                    f"{self.ahead_total_limit >> 20} MiB; retry the upload")
+            return (
+                f"the service holds {self.ahead_bytes >> 20} MiB of chunks out of order for all uploads, its limit is "
+                f"{self.ahead_total_limit >> 20} MiB; retry the upload"
+            )
         return ""
 
     def _release(self, up: Upload[C], seq: int) -> tuple:
@@ -164,8 +179,13 @@ class ChunkReceiver(Generic[C]):
             return await self._reply(msg, chunk)
         sha = up.digest.hexdigest()
         if chunk.size != up.size or chunk.sha256 != sha:
-            return await self._fail_reply(up, msg, chunk, f"checksum mismatch: the sender says {chunk.size} bytes sha256 "
-                                                          f"{chunk.sha256[:12]}…, {up.size} bytes sha256 {sha[:12]}… arrived")
+            return await self._fail_reply(
+                up,
+                msg,
+                chunk,
+                f"checksum mismatch: the sender says {chunk.size} bytes sha256 "
+                f"{chunk.sha256[:12]}…, {up.size} bytes sha256 {sha[:12]}… arrived",
+            )
         try:
             stored = await up.sink.commit(sha, up.digest.digest())
         except Refused as e:
@@ -207,8 +227,11 @@ class ChunkReceiver(Generic[C]):
             now = time.monotonic()
             for up in list(self.uploads.values()):
                 if now - up.touched > self.stall_timeout:
-                    self.fail(up, f"upload stalled at chunk {up.expected} for {self.stall_timeout:.0f}s "
-                                  "(the sender went away); nothing was stored")
+                    self.fail(
+                        up,
+                        f"upload stalled at chunk {up.expected} for {self.stall_timeout:.0f}s "
+                        "(the sender went away); nothing was stored",
+                    )
             self.failed = {k: v for k, v in self.failed.items() if now - v[1] < FAILED_KEPT_S}
 
     async def close(self) -> None:

@@ -31,57 +31,98 @@ class Refusal(UploadError):
     """The service answered and refused the upload (a bad row, a name taken): sending it again will not help."""
 
 
-async def upload_file(nc: Client, node: str, job: str, kind: ArtifactKind, path: str | os.PathLike, meta: ArtifactMeta | None = None,
-                      window: int = 8, timeout: float = 15.0, attempts: int = 3,
-                      chunk_bytes: int = CHUNK_BYTES) -> ArtifactInfo:
+async def upload_file(
+    nc: Client,
+    node: str,
+    job: str,
+    kind: ArtifactKind,
+    path: str | os.PathLike,
+    meta: ArtifactMeta | None = None,
+    window: int = 8,
+    timeout: float = 15.0,
+    attempts: int = 3,
+    chunk_bytes: int = CHUNK_BYTES,
+) -> ArtifactInfo:
     """Upload an artifact of a job this node runs; retried from the start (as a new upload) when the service
     restarts or stalls, never when it refuses."""
 
     def chunk(upload: str, seq: int, data: bytes, last: bool, sha256: str, size: int) -> Chunk:
-        return Chunk(upload=upload, job=job, kind=kind, seq=seq, data=data, last=last, sha256=sha256, size=size,
-                     meta=meta if seq == 0 else None)
+        return Chunk(
+            upload=upload,
+            job=job,
+            kind=kind,
+            seq=seq,
+            data=data,
+            last=last,
+            sha256=sha256,
+            size=size,
+            meta=meta if seq == 0 else None,
+        )
 
     last_error = None
     for attempt in range(1, attempts + 1):
         try:
-            return await send_file(nc, names.artifact_upload(node, job), path, chunk, _ack, window, timeout, chunk_bytes)
+            return await send_file(
+                nc, names.artifact_upload(node, job), path, chunk, _ack, window, timeout, chunk_bytes
+            )
         except UploadError as e:
             last_error = e
             log.warning("upload of %s %s failed (attempt %d of %d): %s", job, kind, attempt, attempts, e)
             await asyncio.sleep(min(2.0 * attempt, 5.0))
-    raise UploadError(f"could not upload the {kind} artifact of job {job} after {attempts} attempts: {last_error}; "
-                      "is the artifact service running (jetlora artifacts)?")
+    raise UploadError(
+        f"could not upload the {kind} artifact of job {job} after {attempts} attempts: {last_error}; "
+        "is the artifact service running (jetlora artifacts)?"
+    )
 
 
-async def upload_dataset(nc: Client, name: str, path: str | os.PathLike, upload: DatasetUpload | None = None,
-                         tenant: str | None = None,
-                         window: int = 8, timeout: float = 15.0, attempts: int = 3,
-                         chunk_bytes: int = CHUNK_BYTES) -> DatasetInfo:
+async def upload_dataset(
+    nc: Client,
+    name: str,
+    path: str | os.PathLike,
+    upload: DatasetUpload | None = None,
+    tenant: str | None = None,
+    window: int = 8,
+    timeout: float = 15.0,
+    attempts: int = 3,
+    chunk_bytes: int = CHUNK_BYTES,
+) -> DatasetInfo:
     """Upload a dataset file; the service checks every row before storing it. A refusal (Refusal) is final; a
     service that went quiet is tried again from the start."""
     names.check_token(name, "dataset name")
 
     def chunk(upload_id: str, seq: int, data: bytes, last: bool, sha256: str, size: int) -> DatasetChunk:
-        return DatasetChunk(upload=upload_id, name=name, seq=seq, data=data, last=last, sha256=sha256, size=size,
-                            meta=(upload or DatasetUpload()) if seq == 0 else None)
+        return DatasetChunk(
+            upload=upload_id,
+            name=name,
+            seq=seq,
+            data=data,
+            last=last,
+            sha256=sha256,
+            size=size,
+            meta=(upload or DatasetUpload()) if seq == 0 else None,
+        )
 
     for attempt in range(1, attempts + 1):
         try:
-            return await send_file(nc, names.dataset_upload(name, tenant), path, chunk, _dataset_ack, window, timeout,
-                                   chunk_bytes)
+            return await send_file(
+                nc, names.dataset_upload(name, tenant), path, chunk, _dataset_ack, window, timeout, chunk_bytes
+            )
         except Refusal:
             raise
         except UploadError as e:
             if attempt == attempts:
-                raise UploadError(f"could not upload dataset {name} after {attempts} attempts: {e}; is the artifact "
-                                  "service running (jetlora artifacts)?") from None
+                raise UploadError(
+                    f"could not upload dataset {name} after {attempts} attempts: {e}; is the artifact "
+                    "service running (jetlora artifacts)?"
+                ) from None
             log.warning("upload of dataset %s failed (attempt %d of %d): %s", name, attempt, attempts, e)
             await asyncio.sleep(min(2.0 * attempt, 5.0))
     raise AssertionError("unreachable")
 
 
-async def send_file(nc: Client, subject: str, path, make_chunk, ack_decoder, window: int, timeout: float,
-                    chunk_bytes: int):
+async def send_file(
+    nc: Client, subject: str, path, make_chunk, ack_decoder, window: int, timeout: float, chunk_bytes: int
+):
     """One attempt: stream `path` as chunks on `subject`, `window` awaiting their acks; returns what the last ack
     says was stored."""
     upload = uuid.uuid4().hex

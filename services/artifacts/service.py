@@ -13,8 +13,16 @@ import nats.micro
 from nats.aio.client import Client
 
 from schemas import names
-from schemas.artifacts import (KEEP_CHECKPOINTS, ArtifactInfo, ArtifactList, ArtifactMeta, ArtifactQuery, Chunk,
-                               ChunkAck, Deleted)
+from schemas.artifacts import (
+    KEEP_CHECKPOINTS,
+    ArtifactInfo,
+    ArtifactList,
+    ArtifactMeta,
+    ArtifactQuery,
+    Chunk,
+    ChunkAck,
+    Deleted,
+)
 from schemas.datasets import DatasetLimits
 from schemas.jobs import Error
 from services import __version__, bus
@@ -72,18 +80,27 @@ class ArtifactService:
         self.jobs = self.datasets.jobs = JobStore(self.js, await self.js.key_value(names.JOBS_KV))
         views = [asyncio.create_task(v.run(stop)) for v in (self.objects, self.datasets.objects)]
         limits: dict[str, Any] = dict(pending_msgs_limit=4096, pending_bytes_limit=256 * 1024 * 1024)
-        subs = [await self.nc.subscribe(names.ARTIFACTS_UPLOAD_ALL, queue="jetlora-artifacts", cb=self.receiver.on_chunk,
-                                        **limits),
-                await self.nc.subscribe(names.DATASETS_UPLOAD_ALL, queue="jetlora-datasets",
-                                        cb=self.datasets.receiver.on_chunk, **limits),
-                await self.nc.subscribe(names.TENANT_DATASETS_UPLOAD_ALL, queue="jetlora-datasets",
-                                        cb=self.datasets.receiver.on_chunk, **limits)]
-        service = await nats.micro.add_service(self.nc, name=names.ARTIFACT_SERVICE, version=__version__,
-                                               description="jetlora artifact and dataset store")
+        subs = [
+            await self.nc.subscribe(
+                names.ARTIFACTS_UPLOAD_ALL, queue="jetlora-artifacts", cb=self.receiver.on_chunk, **limits
+            ),
+            await self.nc.subscribe(
+                names.DATASETS_UPLOAD_ALL, queue="jetlora-datasets", cb=self.datasets.receiver.on_chunk, **limits
+            ),
+            await self.nc.subscribe(
+                names.TENANT_DATASETS_UPLOAD_ALL, queue="jetlora-datasets", cb=self.datasets.receiver.on_chunk, **limits
+            ),
+        ]
+        service = await nats.micro.add_service(
+            self.nc, name=names.ARTIFACT_SERVICE, version=__version__, description="jetlora artifact and dataset store"
+        )
         group = service.add_group(name=names.ARTIFACTS_GROUP)
         for verb, serve in (("list", self._list), ("delete", self._delete)):  # an admin's, and each tenant's
-            answer = bus.handler(lambda q, subject, serve=serve: serve(q, names.tenant_of_subject(subject)),
-                                 ArtifactQuery, with_subject=True)
+            answer = bus.handler(
+                lambda q, subject, serve=serve: serve(q, names.tenant_of_subject(subject)),
+                ArtifactQuery,
+                with_subject=True,
+            )
             await bus.add_endpoint(group, verb, answer)
             await bus.add_endpoint(group, f"tenant-{verb}", answer, f"*.{verb}")
         await self.datasets.add_endpoints(service)
@@ -105,8 +122,9 @@ class ArtifactService:
         meta = await self._checked_meta(chunk, names.uploader_of_subject(subject))
         name = names.artifact_name(chunk.job, chunk.kind, meta.step if chunk.kind == "checkpoint" else None)
         headers = artifact_headers(chunk.job, chunk.kind, meta)
-        writer = ObjectWriter(self.js, names.ARTIFACTS_BUCKET, name, f"jetlora {chunk.kind} artifact of job {chunk.job}",
-                              headers)
+        writer = ObjectWriter(
+            self.js, names.ARTIFACTS_BUCKET, name, f"jetlora {chunk.kind} artifact of job {chunk.job}", headers
+        )
         return ArtifactSink(writer, name, self._keep_newest_checkpoints if chunk.kind == "checkpoint" else None)
 
     async def _checked_meta(self, chunk: Chunk, node: str) -> ArtifactMeta:
@@ -119,18 +137,27 @@ class ArtifactService:
         stored, status, _ = found
         if status is None or status.node != node or (meta.attempt and meta.attempt != status.attempt):
             held = f"attempt {status.attempt} on {status.node}" if status and status.node else "no attempt running"
-            log.warning("refused a %s upload for job %s from node %s (attempt %d): the job has %s", chunk.kind,
-                        chunk.job, node, meta.attempt, held)
-            raise Refused(f"job {chunk.job} has {held}, not attempt {meta.attempt} on {node}: only the node running "
-                          "the job's current attempt stores its artifacts")
+            log.warning(
+                "refused a %s upload for job %s from node %s (attempt %d): the job has %s",
+                chunk.kind,
+                chunk.job,
+                node,
+                meta.attempt,
+                held,
+            )
+            raise Refused(
+                f"job {chunk.job} has {held}, not attempt {meta.attempt} on {node}: only the node running "
+                "the job's current attempt stores its artifacts"
+            )
         if chunk.kind == "checkpoint" and meta.step is None:
             raise Refused("a checkpoint's first chunk must say its step (meta.step)")
         return msgspec.structs.replace(meta, tenant=stored.tenant or "", attempt=status.attempt)
 
     async def _keep_newest_checkpoints(self, stored: ArtifactInfo) -> None:
         """A job's checkpoints beyond the newest KEEP_CHECKPOINTS are deleted once a new one is stored."""
-        mine = [a for a in await self.list_artifacts(ArtifactQuery(job=stored.job, kind="checkpoint"))
-                if a.step is not None]
+        mine = [
+            a for a in await self.list_artifacts(ArtifactQuery(job=stored.job, kind="checkpoint")) if a.step is not None
+        ]
         for old in sorted(mine, key=lambda a: a.step or 0, reverse=True)[KEEP_CHECKPOINTS:]:
             await self.obs.delete(old.name)
 
@@ -138,8 +165,13 @@ class ArtifactService:
     async def list_artifacts(self, q: ArtifactQuery, tenant: str | None = None) -> list[ArtifactInfo]:
         """Artifacts matching the query; a tenant's own only, when one asks."""
         out = [a for a in map(info_from_object, (await self.objects.snapshot()).values()) if a]
-        return [a for a in out if (q.job is None or a.job == q.job) and (q.kind is None or a.kind == q.kind)
-                and (tenant is None or a.tenant == tenant)]
+        return [
+            a
+            for a in out
+            if (q.job is None or a.job == q.job)
+            and (q.kind is None or a.kind == q.kind)
+            and (tenant is None or a.tenant == tenant)
+        ]
 
     async def _list(self, q: ArtifactQuery, tenant: str | None) -> ArtifactList:
         return ArtifactList(await self.list_artifacts(q, tenant))

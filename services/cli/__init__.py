@@ -9,7 +9,16 @@ import argparse
 from services.cli import adapters, artifacts, datasets, estimate, gateway, jobs, serve, tools
 from services.runtime import setup_logging
 
-COMMANDS = (serve, jobs, artifacts, datasets, adapters, gateway, tools, estimate)  # in the order `jetlora --help` lists them
+COMMANDS = (
+    serve,
+    jobs,
+    artifacts,
+    datasets,
+    adapters,
+    gateway,
+    tools,
+    estimate,
+)  # in the order `jetlora --help` lists them
 
 
 def parser() -> argparse.ArgumentParser:

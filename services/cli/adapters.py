@@ -5,8 +5,15 @@ from __future__ import annotations
 import time
 
 from schemas import names
-from schemas.registry import (AdapterList, AdapterListQuery, AdapterQuery, AdapterReply, AliasRequest, PromoteRequest,
-                              RegisterRequest)
+from schemas.registry import (
+    AdapterList,
+    AdapterListQuery,
+    AdapterQuery,
+    AdapterReply,
+    AliasRequest,
+    PromoteRequest,
+    RegisterRequest,
+)
 from services.cli import args as args_
 from services.cli.client import EXIT_OK, CommandFailed, ask, run_client, show
 
@@ -22,21 +29,29 @@ def split_version(text: str) -> tuple[str, int | None]:
 def describe(r: AdapterReply) -> list[str]:
     a = r.alias
     serving = "retired" if a.retired else (f"serves {a.name}@{a.current}" if a.current else "serves no version yet")
-    lines = [f"{a.name}: {serving}; versions 1-{a.latest}" + (f"; before: {', '.join(map(str, a.history))}"
-                                                              if a.history else "")
-             + f" (change {a.changes}: --expect-changes {a.changes} refuses a promote if it changes first)"]
+    lines = [
+        f"{a.name}: {serving}; versions 1-{a.latest}"
+        + (f"; before: {', '.join(map(str, a.history))}" if a.history else "")
+        + f" (change {a.changes}: --expect-changes {a.changes} refuses a promote if it changes first)"
+    ]
     if a.canary is not None:
         left = a.canary.deadline - time.time()
-        lines.append(f"  canary: @{a.canary.version} on {', '.join(a.canary.nodes)} (the others serve @{a.current}), "
-                     f"{max(0.0, left):.0f}s left to verify it")
+        lines.append(
+            f"  canary: @{a.canary.version} on {', '.join(a.canary.nodes)} (the others serve @{a.current}), "
+            f"{max(0.0, left):.0f}s left to verify it"
+        )
     if a.last_rollout:
         lines.append(f"  last rollout: {a.last_rollout}")
     for v in r.versions:
-        mark = "*" if v.version == a.current else ("c" if a.canary is not None and v.version == a.canary.version else " ")
+        mark = (
+            "*" if v.version == a.current else ("c" if a.canary is not None and v.version == a.canary.version else " ")
+        )
         loss = "" if v.final_loss is None else f" loss {v.final_loss:.4f}"
         loss += "" if v.eval_loss is None else f" eval {v.eval_loss:.4f}"
-        lines.append(f" {mark} @{v.version}  job {v.job}  {v.base_model}  r={v.r} alpha={v.alpha}{loss}  "
-                     f"peft {v.peft.sha256[:12]}" + (f"  gguf {v.gguf.sha256[:12]}" if v.gguf else ""))
+        lines.append(
+            f" {mark} @{v.version}  job {v.job}  {v.base_model}  r={v.r} alpha={v.alpha}{loss}  "
+            f"peft {v.peft.sha256[:12]}" + (f"  gguf {v.gguf.sha256[:12]}" if v.gguf else "")
+        )
     for n in r.nodes:
         smoke = f"  ({n.smoke.latency_ms:.0f} ms: {n.smoke.text.strip()[:40]!r})" if n.smoke else ""
         lines.append(f"   node {n.node} [{n.engine}]: @{n.version} {n.state}  {n.message}{smoke}")
@@ -50,8 +65,12 @@ def cmd_adapters(args) -> int:
             show(reply, args.json, lambda r: [print("\n".join(describe(a))) for a in r.adapters])
             return EXIT_OK
         if args.action == "register":
-            reply = await ask(nc, names.ADAPTERS.register, RegisterRequest(name=args.name, job=args.job,
-                                                                           promote=args.promote), AdapterReply)
+            reply = await ask(
+                nc,
+                names.ADAPTERS.register,
+                RegisterRequest(name=args.name, job=args.job, promote=args.promote),
+                AdapterReply,
+            )
         elif args.action == "show":
             reply = await ask(nc, names.ADAPTERS.show, AdapterQuery(name=args.name), AdapterReply)
         else:
@@ -60,9 +79,16 @@ def cmd_adapters(args) -> int:
             if args.action == "promote":
                 if version is None:
                     raise CommandFailed("say which version: jetlora adapters promote NAME@N")
-                request, subject = (PromoteRequest(name=name, version=version, expect_changes=seen,
-                                                   canary=args.canary, canary_deadline_s=args.canary_deadline),
-                                    names.ADAPTERS.promote)
+                request, subject = (
+                    PromoteRequest(
+                        name=name,
+                        version=version,
+                        expect_changes=seen,
+                        canary=args.canary,
+                        canary_deadline_s=args.canary_deadline,
+                    ),
+                    names.ADAPTERS.promote,
+                )
             else:
                 request, subject = AliasRequest(name=name, expect_changes=seen), getattr(names.ADAPTERS, args.action)
             reply = await ask(nc, subject, request, AdapterReply)
@@ -73,25 +99,44 @@ def cmd_adapters(args) -> int:
 
 
 def register(sub: args_.SubCommands) -> None:
-    p, actions = args_.group(sub, "adapters", "the adapter registry: ls / show / register / promote / rollback / retire")
-    for verb, help_ in (("ls", "adapters, their versions and what each node loaded"), ("show", "one adapter"),
-                        ("register", "a succeeded job's adapter as NAME's next version"),
-                        ("promote", "NAME@N becomes what NAME serves"), ("rollback", "NAME serves its version before"),
-                        ("retire", "NAME serves nothing; engines unload it")):
+    p, actions = args_.group(
+        sub, "adapters", "the adapter registry: ls / show / register / promote / rollback / retire"
+    )
+    for verb, help_ in (
+        ("ls", "adapters, their versions and what each node loaded"),
+        ("show", "one adapter"),
+        ("register", "a succeeded job's adapter as NAME's next version"),
+        ("promote", "NAME@N becomes what NAME serves"),
+        ("rollback", "NAME serves its version before"),
+        ("retire", "NAME serves nothing; engines unload it"),
+    ):
         r = args_.action(actions, verb, help_)
         if verb == "ls":
             r.add_argument("--base-model")
         else:
             r.add_argument("name", help="NAME@N" if verb == "promote" else "NAME")
         if verb == "promote":
-            r.add_argument("--canary", metavar="N|N%", help="move it on N of the nodes serving NAME first (or N%% of "
-                                                             "them); the rest follow once those verify it, and a "
-                                                             "failure or mismatch there rolls it back by itself")
-            r.add_argument("--canary-deadline", type=float, default=600.0, metavar="S",
-                           help="how long the canary nodes have to verify it (default 600)")
+            r.add_argument(
+                "--canary",
+                metavar="N|N%",
+                help="move it on N of the nodes serving NAME first (or N%% of "
+                "them); the rest follow once those verify it, and a "
+                "failure or mismatch there rolls it back by itself",
+            )
+            r.add_argument(
+                "--canary-deadline",
+                type=float,
+                default=600.0,
+                metavar="S",
+                help="how long the canary nodes have to verify it (default 600)",
+            )
         if verb in ("promote", "rollback", "retire"):
-            r.add_argument("--expect-changes", type=int, metavar="N",
-                           help="refuse unless NAME is at change N, as `adapters show` printed it (compare-and-set)")
+            r.add_argument(
+                "--expect-changes",
+                type=int,
+                metavar="N",
+                help="refuse unless NAME is at change N, as `adapters show` printed it (compare-and-set)",
+            )
         if verb == "register":
             r.add_argument("job")
             r.add_argument("--promote", action="store_true")

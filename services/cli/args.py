@@ -21,8 +21,13 @@ def service(sub: SubCommands, name: str, help_: str) -> argparse.ArgumentParser:
 
 def service_flags(p: argparse.ArgumentParser, heartbeat_help: str | None = None) -> None:
     p.add_argument("--heartbeat-interval", type=float, default=1.0, help=heartbeat_help)
-    p.add_argument("--shutdown-timeout", type=float, default=15.0, metavar="S",
-                   help="on SIGINT/SIGTERM, what is left after this many seconds is ended and the exit is 1")
+    p.add_argument(
+        "--shutdown-timeout",
+        type=float,
+        default=15.0,
+        metavar="S",
+        help="on SIGINT/SIGTERM, what is left after this many seconds is ended and the exit is 1",
+    )
 
 
 def client(sub: SubCommands, name: str, help_: str) -> argparse.ArgumentParser:
@@ -31,8 +36,11 @@ def client(sub: SubCommands, name: str, help_: str) -> argparse.ArgumentParser:
     BusOptions.add_arguments(p)
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.add_argument("--timeout", type=float, default=bus.DEFAULT_TIMEOUT)
-    p.add_argument("--tenant", default=os.environ.get("JETLORA_TENANT"),
-                   help="act as this tenant (env JETLORA_TENANT): its own jobs and quota; none: as an admin")
+    p.add_argument(
+        "--tenant",
+        default=os.environ.get("JETLORA_TENANT"),
+        help="act as this tenant (env JETLORA_TENANT): its own jobs and quota; none: as an admin",
+    )
     return p
 
 

@@ -13,11 +13,15 @@ from services.cli.client import EXIT_OK, CommandFailed, ask, run_client, show
 def cmd_artifacts(args) -> int:
     tenant = getattr(args, "tenant", None)
     subjects = names.artifacts_api(names.check_tenant(tenant) if tenant else None)
+
     async def go(nc):
         if args.action == "ls":
             reply = await ask(nc, subjects.list, ArtifactQuery(job=args.job), ArtifactList)
-            show(reply, args.json,
-                 lambda r: [print(f"{a.name}\t{a.size}\t{a.sha256[:16]}\t{a.created}") for a in r.artifacts])
+            show(
+                reply,
+                args.json,
+                lambda r: [print(f"{a.name}\t{a.size}\t{a.sha256[:16]}\t{a.created}") for a in r.artifacts],
+            )
         elif args.action == "rm":
             reply = await ask(nc, subjects.delete, ArtifactQuery(job=args.job, kind=args.kind), Deleted)
             print("\n".join(reply.names) or "nothing to delete")

@@ -10,19 +10,32 @@ from pathlib import Path
 
 from schemas import names
 from schemas.dataset_check import DatasetInvalid, check_file
-from schemas.datasets import (FORMATS, DatasetDeleted, DatasetInfo, DatasetList, DatasetListQuery, DatasetQuery, DatasetReply,
-                              DatasetUpload)
+from schemas.datasets import (
+    FORMATS,
+    DatasetDeleted,
+    DatasetInfo,
+    DatasetList,
+    DatasetListQuery,
+    DatasetQuery,
+    DatasetReply,
+    DatasetUpload,
+)
 from services.cli import args as args_
 from services.cli.client import EXIT_FAILED, EXIT_OK, EXIT_REJECTED, CommandFailed, ask, run_client, show
 
 
 def describe(d: DatasetInfo) -> list[str]:
     s = d.stats
-    lines = [f"{d.name}: {s.rows:,} {s.format} rows, {d.size / 2**20:,.1f} MiB, sha256 {d.sha256}, stored {d.created}",
-             f"characters per row: {s.chars_mean:,.0f} on average, {s.chars_max:,} at most"]
+    lines = [
+        f"{d.name}: {s.rows:,} {s.format} rows, {d.size / 2**20:,.1f} MiB, sha256 {d.sha256}, stored {d.created}",
+        f"characters per row: {s.chars_mean:,.0f} on average, {s.chars_max:,} at most",
+    ]
     if s.roles:
-        lines.append("messages by role: " + ", ".join(f"{role} {n:,}" for role, n in sorted(s.roles.items()))
-                     + f"; assistant turns learnt: {s.turns_trained:,}")
+        lines.append(
+            "messages by role: "
+            + ", ".join(f"{role} {n:,}" for role, n in sorted(s.roles.items()))
+            + f"; assistant turns learnt: {s.turns_trained:,}"
+        )
     if d.description:
         lines.append(f"description: {d.description}")
     lines += ["first rows:"] + [f"  {row}" for row in s.head]
@@ -31,8 +44,11 @@ def describe(d: DatasetInfo) -> list[str]:
 
 def cmd_datasets(args) -> int:
     if args.action == "get" and args.tenant:
-        print("error: a tenant's users cannot download datasets (the object store is not theirs to read); an admin "
-              "can, with `jetlora datasets get NAME`", file=sys.stderr)
+        print(
+            "error: a tenant's users cannot download datasets (the object store is not theirs to read); an admin "
+            "can, with `jetlora datasets get NAME`",
+            file=sys.stderr,
+        )
         return EXIT_REJECTED
     if args.action == "put":
         name = args.name or Path(args.file).name.split(".")[0]
@@ -49,24 +65,41 @@ def cmd_datasets(args) -> int:
         if args.action == "put":
             from services.artifacts.sender import Refusal
 
-            upload = DatasetUpload(format=args.format, replace=args.replace, description=args.description,
-                                   share=[t for t in (args.share or "").split(",") if t])
+            upload = DatasetUpload(
+                format=args.format,
+                replace=args.replace,
+                description=args.description,
+                share=[t for t in (args.share or "").split(",") if t],
+            )
             try:
                 info = await put(nc, args.file, name, upload, tenant=args.tenant)
             except Refusal as e:  # at its first bad row: the rest of the file is checked here, for all of them
-                raise CommandFailed(f"the artifact service refused {args.file}: {e}{await _bad_rows(args.file, upload)}",
-                                    EXIT_REJECTED) from None
+                raise CommandFailed(
+                    f"the artifact service refused {args.file}: {e}{await _bad_rows(args.file, upload)}", EXIT_REJECTED
+                ) from None
             show(DatasetReply(info), args.json, lambda r: print("\n".join(describe(r.dataset))))
         elif args.action == "ls":
-            reply = await ask(nc, names.datasets_api(args.tenant).list, DatasetListQuery(format=args.format), DatasetList)
-            show(reply, args.json, lambda r: [print(f"{d.name}\t{d.stats.format}\t{d.stats.rows}\t{d.size}\t"
-                                                    f"{d.sha256[:16]}\t{d.created}") for d in r.datasets])
+            reply = await ask(
+                nc, names.datasets_api(args.tenant).list, DatasetListQuery(format=args.format), DatasetList
+            )
+            show(
+                reply,
+                args.json,
+                lambda r: [
+                    print(f"{d.name}\t{d.stats.format}\t{d.stats.rows}\t{d.size}\t{d.sha256[:16]}\t{d.created}")
+                    for d in r.datasets
+                ],
+            )
         elif args.action == "show":
             reply = await ask(nc, names.datasets_api(args.tenant).show, DatasetQuery(name=args.name), DatasetReply)
             show(reply, args.json, lambda r: print("\n".join(describe(r.dataset))))
         elif args.action == "rm":
-            reply = await ask(nc, names.datasets_api(args.tenant).delete, DatasetQuery(name=args.name, force=args.force),
-                              DatasetDeleted)
+            reply = await ask(
+                nc,
+                names.datasets_api(args.tenant).delete,
+                DatasetQuery(name=args.name, force=args.force),
+                DatasetDeleted,
+            )
             print(f"deleted {reply.name}")
         else:
             await get(nc, args.name, args.output)
@@ -75,8 +108,9 @@ def cmd_datasets(args) -> int:
     return run_client(args, go)
 
 
-async def put(nc, path: str | os.PathLike, name: str, upload: DatasetUpload | None = None,
-              tenant: str | None = None) -> DatasetInfo:
+async def put(
+    nc, path: str | os.PathLike, name: str, upload: DatasetUpload | None = None, tenant: str | None = None
+) -> DatasetInfo:
     """What `jetlora datasets put` does once connected (bench/dataset_upload.py measures this): send the file as it
     is read; the service checks every row as it arrives and refuses at the first bad one, storing nothing."""
     from services.artifacts.sender import upload_dataset
@@ -118,12 +152,19 @@ def register(sub: args_.SubCommands) -> None:
     d.add_argument("--description", default="")
     d = args_.action(actions, "ls", "list datasets", tenant)
     d.add_argument("--format", choices=list(FORMATS))
-    for verb, help_ in (("show", "its stats and first rows"), ("rm", "delete it"), ("get", "download it, sha256 checked")):
+    for verb, help_ in (
+        ("show", "its stats and first rows"),
+        ("rm", "delete it"),
+        ("get", "download it, sha256 checked"),
+    ):
         d = args_.action(actions, verb, help_, tenant)
         d.add_argument("name")
         if verb == "get":
             d.add_argument("-o", "--output", required=True)
         if verb == "rm":
-            d.add_argument("--force", action="store_true",
-                           help="delete it even while unfinished jobs name it (they fail where it was not fetched)")
+            d.add_argument(
+                "--force",
+                action="store_true",
+                help="delete it even while unfinished jobs name it (they fail where it was not fetched)",
+            )
     p.set_defaults(fn=cmd_datasets)

@@ -32,21 +32,41 @@ TINY_MODEL = ROOT / "deploy" / "demo" / "tinymodel.py"
 QA_FILE = ROOT / "deploy" / "demo" / "qa.jsonl"
 HELD_OUT_FILE = ROOT / "deploy" / "demo" / "qa-heldout.jsonl"  # the trained facts asked in other words
 HELD_OUT = "demo-paraphrases"
-SAMPLE_PROMPTS = ["What is the capital of France?", "Berlin is the capital of which country?",
-                  "On which continent is Japan?", "Which city is the capital of Italy?",
-                  "Which country has Madrid as its capital?", "Which continent is Kenya in?"]
+SAMPLE_PROMPTS = [
+    "What is the capital of France?",
+    "Berlin is the capital of which country?",
+    "On which continent is Japan?",
+    "Which city is the capital of Italy?",
+    "Which country has Madrid as its capital?",
+    "Which continent is Kenya in?",
+]
 TRAINED = 3  # the first SAMPLE_PROMPTS are training questions, the rest paraphrases held out
 
 
 def demo_request(model: Path, data: list[dict], steps: int) -> dict:
     """The demo's job: the capitals Q/A pairs, evaluated on their paraphrases (held out as a dataset), so the eval
     loss measures what the run teaches and the adapter kept is a well-trained one."""
-    return {"model": "demo-tiny-llama", "base_dir": str(model), "data": data, "accelerator": "cpu",
-            "served_by": "llamacpp", "label": "capitals demo", "lora": {"r": 16, "alpha": 32},
-            "validation_dataset": {"name": HELD_OUT},
-            "train": {"max_steps": steps, "learning_rate": 0.01, "batch_size": 4, "max_seq_length": 256,
-                      "logging_steps": 2, "eval_steps": 25, "sample_prompts": SAMPLE_PROMPTS,
-                      "sample_max_tokens": 16, "keep_best": False}}
+    return {
+        "model": "demo-tiny-llama",
+        "base_dir": str(model),
+        "data": data,
+        "accelerator": "cpu",
+        "served_by": "llamacpp",
+        "label": "capitals demo",
+        "lora": {"r": 16, "alpha": 32},
+        "validation_dataset": {"name": HELD_OUT},
+        "train": {
+            "max_steps": steps,
+            "learning_rate": 0.01,
+            "batch_size": 4,
+            "max_seq_length": 256,
+            "logging_steps": 2,
+            "eval_steps": 25,
+            "sample_prompts": SAMPLE_PROMPTS,
+            "sample_max_tokens": 16,
+            "keep_best": False,
+        },
+    }
 
 
 async def before_and_after(nc, job: str) -> list[tuple[str, str, str]]:
@@ -82,8 +102,25 @@ def build_model(out: Path) -> Path:
     """The demo's base model: a small Llama made here, its tokenizer fitted on the demo's text (no hub)."""
     if not (out / "model.safetensors").exists():
         print(f"building a small Llama-architecture model in {out} ...", flush=True)
-        subprocess.run([sys.executable, str(TINY_MODEL), str(out), "--hidden", "96", "--layers", "2",
-                        "--vocab", "600", "--texts", str(QA_FILE), str(HELD_OUT_FILE)], check=True, cwd=ROOT, stdout=subprocess.DEVNULL)
+        subprocess.run(
+            [
+                sys.executable,
+                str(TINY_MODEL),
+                str(out),
+                "--hidden",
+                "96",
+                "--layers",
+                "2",
+                "--vocab",
+                "600",
+                "--texts",
+                str(QA_FILE),
+                str(HELD_OUT_FILE),
+            ],
+            check=True,
+            cwd=ROOT,
+            stdout=subprocess.DEVNULL,
+        )
     return out
 
 
@@ -126,8 +163,11 @@ async def run_demo(out_dir: Path, steps: int, keep: bool = False) -> int:
         if not isinstance(reply, Accepted):
             print(f"the demo job was rejected: {reply.errors}", file=sys.stderr)
             return 2
-        print(f"submitted job {reply.job} ({len(data)} Q/A pairs, {steps} steps); watch it live in a browser: "
-              f"http://127.0.0.1:{dash.port}/?job={reply.job}", flush=True)
+        print(
+            f"submitted job {reply.job} ({len(data)} Q/A pairs, {steps} steps); watch it live in a browser: "
+            f"http://127.0.0.1:{dash.port}/?job={reply.job}",
+            flush=True,
+        )
         t0 = time.monotonic()
         rc = await watch(nc, reply.job)
         print(f"training and upload took {time.monotonic() - t0:.0f}s", flush=True)
@@ -143,14 +183,23 @@ async def run_demo(out_dir: Path, steps: int, keep: bool = False) -> int:
         print(f"\nPEFT adapter: {adapter}  (PeftModel.from_pretrained(base, '{adapter}'))")
         print(f"GGUF adapter: {gguf_path}")
         print(f"Base model:   {model}")
-        print("Serve it with vLLM:   python -m vllm.entrypoints.openai.api_server --model "
-              f"{model} --enable-lora --lora-modules capitals={adapter}  (then \"model\": \"capitals\")")
-        print(f"Serve it with llama.cpp: llama-server -m BASE.gguf --lora {gguf_path}  (BASE.gguf: the base model "
-              "through llama.cpp's convert_hf_to_gguf.py)")
-        print(f"Dashboard:    http://127.0.0.1:{dash.port}/?job={reply.job}"
-              + ("  (serving until Ctrl-C)" if keep else "  (`jetlora demo --keep` keeps it up after the run)"))
-        print("For a stack that stays up: `jetlora up`, then `jetlora submit job.json --nats URL` and "
-              "`jetlora watch JOB --nats URL` (the URL is printed at start).", flush=True)
+        print(
+            "Serve it with vLLM:   python -m vllm.entrypoints.openai.api_server --model "
+            f'{model} --enable-lora --lora-modules capitals={adapter}  (then "model": "capitals")'
+        )
+        print(
+            f"Serve it with llama.cpp: llama-server -m BASE.gguf --lora {gguf_path}  (BASE.gguf: the base model "
+            "through llama.cpp's convert_hf_to_gguf.py)"
+        )
+        print(
+            f"Dashboard:    http://127.0.0.1:{dash.port}/?job={reply.job}"
+            + ("  (serving until Ctrl-C)" if keep else "  (`jetlora demo --keep` keeps it up after the run)")
+        )
+        print(
+            "For a stack that stays up: `jetlora up`, then `jetlora submit job.json --nats URL` and "
+            "`jetlora watch JOB --nats URL` (the URL is printed at start).",
+            flush=True,
+        )
         if keep:
             try:
                 await asyncio.Event().wait()

@@ -21,8 +21,11 @@ def cmd_estimate(args) -> int:
         request = parse_job_request(_load_job_file(args.job_file))
         shape = read_shape(args.model_dir or request.base_dir)
     except (InvalidRequest, ValueError) as e:
-        print(f"{args.job_file}: {e}" + ("" if args.model_dir else "; give --model-dir where the model is on this "
-                                                                   "machine"), file=sys.stderr)
+        print(
+            f"{args.job_file}: {e}"
+            + ("" if args.model_dir else "; give --model-dir where the model is on this machine"),
+            file=sys.stderr,
+        )
         return EXIT_REJECTED
     need = estimate(shape, request)
     if args.json:

@@ -27,11 +27,15 @@ def base_models(specs: list[str], accelerator: str, served_by: str, save_steps: 
 async def run_gateway(nc, stop, args) -> None:
     from services.gateway.app import Gateway
 
-    gateway = Gateway(nc, base_models(args.base_model, args.accelerator, args.served_by, args.save_steps), args.host, args.port)
+    gateway = Gateway(
+        nc, base_models(args.base_model, args.accelerator, args.served_by, args.save_steps), args.host, args.port
+    )
     try:
         await gateway.start()
     except OSError as e:
-        raise StartupError(f"cannot listen on {args.host}:{args.port} ({e.strerror}); choose another with --port") from None
+        raise StartupError(
+            f"cannot listen on {args.host}:{args.port} ({e.strerror}); choose another with --port"
+        ) from None
     print(f"gateway: http://{args.host}:{gateway.port}/v1", flush=True)
     await gateway.run(stop)
 
@@ -47,8 +51,11 @@ def cmd_keys(args) -> int:
             print(f"{key}\n(tenant {record.tenant}, id {record.id}; shown once: it is stored hashed)")
         elif args.action == "ls":
             records = sorted(await store.records(), key=lambda r: r.created)
-            show(records, args.json, lambda _: print("\n".join(f"{r.id}\t{r.tenant}\t{time.ctime(r.created)}\t{r.label}"
-                                                                for r in records)))
+            show(
+                records,
+                args.json,
+                lambda _: print("\n".join(f"{r.id}\t{r.tenant}\t{time.ctime(r.created)}\t{r.label}" for r in records)),
+            )
         elif not await store.delete(args.id):
             print(f"error: no key with id {args.id}; `jetlora keys ls` lists them")
             return EXIT_FAILED
@@ -78,10 +85,20 @@ def register(sub: args_.SubCommands) -> None:
 def gateway_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", default="127.0.0.1", help="the address to listen on")
     p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--base-model", action="append", default=[], metavar="NAME=DIR",
-                   help="a base model jobs may name as `model`, and its directory on the nodes (repeat)")
-    p.add_argument("--accelerator", choices=["gpu", "cpu", "any"], default="any",
-                   help="what the API's jobs train on (jetlora's `accelerator`)")
-    p.add_argument("--served-by", choices=["vllm", "llamacpp"], default="vllm",
-                   help="the engines that serve the fine-tuned models")
+    p.add_argument(
+        "--base-model",
+        action="append",
+        default=[],
+        metavar="NAME=DIR",
+        help="a base model jobs may name as `model`, and its directory on the nodes (repeat)",
+    )
+    p.add_argument(
+        "--accelerator",
+        choices=["gpu", "cpu", "any"],
+        default="any",
+        help="what the API's jobs train on (jetlora's `accelerator`)",
+    )
+    p.add_argument(
+        "--served-by", choices=["vllm", "llamacpp"], default="vllm", help="the engines that serve the fine-tuned models"
+    )
     p.add_argument("--save-steps", type=int, default=100, help="a checkpoint every N steps (the job's checkpoints)")

@@ -38,8 +38,11 @@ def cmd_submit(args) -> int:
         try:
             reply = await bus.request(nc, api(args)["submit"], payload, SubmitReply, timeout=args.timeout)
         except bus.PayloadTooLarge as e:
-            raise CommandFailed(f"{e}. Send less inline `data` per job (a job's data travels in its submit message), "
-                                "or raise max_payload in the server's config", EXIT_REJECTED) from None
+            raise CommandFailed(
+                f"{e}. Send less inline `data` per job (a job's data travels in its submit message), "
+                "or raise max_payload in the server's config",
+                EXIT_REJECTED,
+            ) from None
         if isinstance(reply, Accepted):
             print(reply.job if not args.json else msgspec.json.encode(reply).decode())
             return EXIT_OK
@@ -73,8 +76,16 @@ def _jobs_table(reply: JobList) -> None:
 
     t = Table("job", "state", "node", "dev", "step", "loss", "label", "message")
     for j in reply.jobs:
-        t.add_row(j.id, j.state, j.node or "", where(j), f"{j.step}/{j.steps}",
-                  "" if j.loss is None else f"{j.loss:.4f}", cell(j.label), cell(j.message[:80]))
+        t.add_row(
+            j.id,
+            j.state,
+            j.node or "",
+            where(j),
+            f"{j.step}/{j.steps}",
+            "" if j.loss is None else f"{j.loss:.4f}",
+            cell(j.label),
+            cell(j.message[:80]),
+        )
     Console().print(t)
     if reply.next is not None:
         print(f"older jobs: --after {reply.next}")
@@ -104,12 +115,19 @@ def _nodes_table(reply: NodeList) -> None:
     t = Table("node", "alive", "device", "free / total MiB", "jobs", "note")
     for n in reply.nodes:
         for d in [*n.devices] or [None]:  # type: ignore[list-item]  # a node without devices still gets a row
-            t.add_row(n.node, "yes" if n.alive else "no", "" if d is None else f"{d.index} {d.name}",
-                      "" if d is None else f"{d.free_mib} / {d.total_mib}", "" if d is None else ",".join(d.jobs),
-                      cell(n.no_gpu_reason))
+            t.add_row(
+                n.node,
+                "yes" if n.alive else "no",
+                "" if d is None else f"{d.index} {d.name}",
+                "" if d is None else f"{d.free_mib} / {d.total_mib}",
+                "" if d is None else ",".join(d.jobs),
+                cell(n.no_gpu_reason),
+            )
         for e in n.engines:  # what its serving engines are doing, as the agent last read them
-            load = e.error or (f"{e.running} running, {e.waiting} waiting, busy {e.busy_fraction:.0%}"
-                               + ("" if e.kv_usage is None else f", KV cache {e.kv_usage:.0%}"))
+            load = e.error or (
+                f"{e.running} running, {e.waiting} waiting, busy {e.busy_fraction:.0%}"
+                + ("" if e.kv_usage is None else f", KV cache {e.kv_usage:.0%}")
+            )
             t.add_row(n.node, "", "engine", "", "", cell(f"{e.engine}: {load}"))
     Console().print(t)
 
@@ -156,10 +174,18 @@ def cmd_events(args) -> int:
     async def go(nc):
         after, left = args.after, args.limit
         while left > 0:
-            page = await ask(nc, api(args)["events"], EventsQuery(job=args.job, after=after, after_step=args.after_step,
-                                                                  limit=min(left, 1000)), EventPage)
+            page = await ask(
+                nc,
+                api(args)["events"],
+                EventsQuery(job=args.job, after=after, after_step=args.after_step, limit=min(left, 1000)),
+                EventPage,
+            )
             for entry in page.events:
-                print(msgspec.json.encode(entry).decode() if args.json else f"{entry.seq:>8}  {printable(entry.node):<12} {describe(entry.event)}")
+                print(
+                    msgspec.json.encode(entry).decode()
+                    if args.json
+                    else f"{entry.seq:>8}  {printable(entry.node):<12} {describe(entry.event)}"
+                )
             after, left = page.next, left - len(page.events)
             if not page.more:
                 break
@@ -198,14 +224,16 @@ def register(sub: args_.SubCommands) -> None:
     p.set_defaults(fn=cmd_jobs)
     p = args_.client(sub, "nodes", "list nodes and their devices")
     p.set_defaults(fn=cmd_nodes)
-    for name, help_, fn in (("job", "show one job", cmd_job),
-                            ("cancel", "cancel a job (kill its trainer)", cmd_control),
-                            ("stop", "stop a job and keep what it learnt", cmd_control),
-                            ("pause", "checkpoint a job and free its device; resume goes on from there", cmd_control),
-                            ("resume", "queue a paused job again, to go on from its checkpoint", cmd_control),
-                            ("checkpoints", "a job's stored checkpoints with their losses", cmd_checkpoints),
-                            ("watch", "follow a job's progress (replayed from its start)", cmd_watch),
-                            ("why", "why a queued job waits, node by node", cmd_why)):
+    for name, help_, fn in (
+        ("job", "show one job", cmd_job),
+        ("cancel", "cancel a job (kill its trainer)", cmd_control),
+        ("stop", "stop a job and keep what it learnt", cmd_control),
+        ("pause", "checkpoint a job and free its device; resume goes on from there", cmd_control),
+        ("resume", "queue a paused job again, to go on from its checkpoint", cmd_control),
+        ("checkpoints", "a job's stored checkpoints with their losses", cmd_checkpoints),
+        ("watch", "follow a job's progress (replayed from its start)", cmd_watch),
+        ("why", "why a queued job waits, node by node", cmd_why),
+    ):
         p = args_.client(sub, name, help_)
         p.add_argument("job")
         p.set_defaults(fn=fn)

@@ -47,8 +47,11 @@ def cmd_permissions(args) -> int:
         return EXIT_REJECTED
     if args.out:
         Path(args.out).write_text(block)
-        print(f"wrote {args.out}; give nats-server these variables: "
-              + " ".join(env_var(u) for u in roles(nodes, tenants)), file=sys.stderr)
+        print(
+            f"wrote {args.out}; give nats-server these variables: "
+            + " ".join(env_var(u) for u in roles(nodes, tenants)),
+            file=sys.stderr,
+        )
     else:
         sys.stdout.write(block)
     return EXIT_OK

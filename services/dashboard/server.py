@@ -27,10 +27,19 @@ NO_STORE = {"Cache-Control": "no-store"}
 
 
 def page_config(ws_url: str) -> dict:
-    return {"ws_url": ws_url, "stream": names.JOBS_STREAM, "inbox_prefix": names.inbox("dashboard"), "subjects": {
-        "heartbeats": names.HEARTBEATS_ALL, "list_jobs": names.LIST_JOBS, "list_nodes": names.LIST_NODES,
-        "job_events": names.job_events("{job}"), "artifacts_list": names.ARTIFACTS_LIST,
-        "list_adapters": names.ADAPTERS.list}}
+    return {
+        "ws_url": ws_url,
+        "stream": names.JOBS_STREAM,
+        "inbox_prefix": names.inbox("dashboard"),
+        "subjects": {
+            "heartbeats": names.HEARTBEATS_ALL,
+            "list_jobs": names.LIST_JOBS,
+            "list_nodes": names.LIST_NODES,
+            "job_events": names.job_events("{job}"),
+            "artifacts_list": names.ARTIFACTS_LIST,
+            "list_adapters": names.ADAPTERS.list,
+        },
+    }
 
 
 class Dashboard:
@@ -41,8 +50,15 @@ class Dashboard:
 
     def app(self) -> web.Application:
         app = web.Application()
-        app.add_routes([web.get("/", self._page), web.get("/index.html", self._page), web.get("/app.js", self._script),
-                        web.get("/config.json", self._config), web.get("/artifacts/{job}/{kind}", self._artifact)])
+        app.add_routes(
+            [
+                web.get("/", self._page),
+                web.get("/index.html", self._page),
+                web.get("/app.js", self._script),
+                web.get("/config.json", self._config),
+                web.get("/artifacts/{job}/{kind}", self._artifact),
+            ]
+        )
         return app
 
     async def start(self) -> None:
@@ -56,8 +72,10 @@ class Dashboard:
         except OSError as e:
             await runner.cleanup()
             hint = " (8222 is also nats-server's usual monitoring port)" if self.port == 8222 else ""
-            raise StartupError(f"the dashboard cannot listen on {self.host}:{self.port}{hint}: {e.strerror or e}; "
-                               "pass --port N for another port, or --port 0 for any free one") from None
+            raise StartupError(
+                f"the dashboard cannot listen on {self.host}:{self.port}{hint}: {e.strerror or e}; "
+                "pass --port N for another port, or --port 0 for any free one"
+            ) from None
         self._runner = runner
         self.port = runner.addresses[0][1]
         log.info("dashboard at http://%s:%d/ (NATS over %s)", self.host, self.port, self.ws_url)
@@ -73,17 +91,23 @@ class Dashboard:
                 self._runner = None
 
     async def _page(self, request: web.Request) -> web.Response:
-        return web.Response(body=(STATIC / "index.html").read_bytes(), content_type="text/html", charset="utf-8",
-                            headers=NO_STORE)
+        return web.Response(
+            body=(STATIC / "index.html").read_bytes(), content_type="text/html", charset="utf-8", headers=NO_STORE
+        )
 
     async def _script(self, request: web.Request) -> web.Response:
         """Kept gzipped (the bundled NATS client and Chart.js); inflated for clients that do not take gzip."""
         body = (STATIC / "app.js.gz").read_bytes()
         if "gzip" in request.headers.get("Accept-Encoding", ""):
-            return web.Response(body=body, content_type="text/javascript", charset="utf-8",
-                                headers={**NO_STORE, "Content-Encoding": "gzip"})
-        return web.Response(body=gzip.decompress(body), content_type="text/javascript", charset="utf-8",
-                            headers=NO_STORE)
+            return web.Response(
+                body=body,
+                content_type="text/javascript",
+                charset="utf-8",
+                headers={**NO_STORE, "Content-Encoding": "gzip"},
+            )
+        return web.Response(
+            body=gzip.decompress(body), content_type="text/javascript", charset="utf-8", headers=NO_STORE
+        )
 
     async def _config(self, request: web.Request) -> web.Response:
         return web.json_response(page_config(self.ws_url), headers=NO_STORE)
@@ -104,9 +128,13 @@ class Dashboard:
                 raise web.HTTPNotFound(text=f"no {kind} artifact for job {job}") from None
             size = f.tell()
             f.seek(0)
-            response = web.StreamResponse(headers={
-                "Content-Type": "application/octet-stream", "Content-Length": str(size),
-                "Content-Disposition": f'attachment; filename="{job}-{kind}.{KINDS[kind]}"'})
+            response = web.StreamResponse(
+                headers={
+                    "Content-Type": "application/octet-stream",
+                    "Content-Length": str(size),
+                    "Content-Disposition": f'attachment; filename="{job}-{kind}.{KINDS[kind]}"',
+                }
+            )
             await response.prepare(request)
             while block := f.read(1 << 20):
                 await response.write(block)

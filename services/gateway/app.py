@@ -21,7 +21,9 @@ log = logging.getLogger(__name__)
 MAX_UPLOAD = 8 * 2**30  # the artifact service's own limits (--dataset-max-mib) refuse sooner
 
 
-def make_app(nc, keys: KeyStore, jobs_kv, models: dict[str, BaseModel], spool_dir: str | None = None) -> web.Application:
+def make_app(
+    nc, keys: KeyStore, jobs_kv, models: dict[str, BaseModel], spool_dir: str | None = None
+) -> web.Application:
     @web.middleware
     async def openai_errors(request: web.Request, handler):
         try:
@@ -44,8 +46,11 @@ def make_app(nc, keys: KeyStore, jobs_kv, models: dict[str, BaseModel], spool_di
         return json_response({"ok": nc.is_connected})
 
     app = web.Application(middlewares=[openai_errors], client_max_size=MAX_UPLOAD)
-    app.add_routes(Files(nc, spool_dir).routes() + Jobs(nc, jobs_kv, models).routes()
-                   + [web.get("/v1/models", models_list), web.get("/healthz", healthz)])
+    app.add_routes(
+        Files(nc, spool_dir).routes()
+        + Jobs(nc, jobs_kv, models).routes()
+        + [web.get("/v1/models", models_list), web.get("/healthz", healthz)]
+    )
     return app
 
 
@@ -53,23 +58,29 @@ async def _tenant(request: web.Request, keys: KeyStore) -> str:
     scheme, _, key = request.headers.get("Authorization", "").partition(" ")
     tenant = await keys.tenant_of(key.strip()) if scheme.lower() == "bearer" else None
     if tenant is None:
-        raise OpenAIError(401, "Incorrect API key provided. Keys are made with `jetlora keys create --tenant T`.",
-                          None, "invalid_api_key")
+        raise OpenAIError(
+            401,
+            "Incorrect API key provided. Keys are made with `jetlora keys create --tenant T`.",
+            None,
+            "invalid_api_key",
+        )
     return tenant
 
 
 class Gateway:
     """Bind first (a taken port stops the command before anything else), then serve until stopped."""
 
-    def __init__(self, nc, models: dict[str, BaseModel], host: str = "127.0.0.1", port: int = 8000,
-                 spool_dir: str | None = None) -> None:
+    def __init__(
+        self, nc, models: dict[str, BaseModel], host: str = "127.0.0.1", port: int = 8000, spool_dir: str | None = None
+    ) -> None:
         self.nc, self.models, self.host, self.port, self.spool_dir = nc, models, host, port, spool_dir
         self._runner: web.AppRunner | None = None
 
     async def start(self) -> None:
         js = self.nc.jetstream()
-        app = make_app(self.nc, await KeyStore.open(js), await js.key_value(names.GATEWAY_JOBS_KV), self.models,
-                       self.spool_dir)
+        app = make_app(
+            self.nc, await KeyStore.open(js), await js.key_value(names.GATEWAY_JOBS_KV), self.models, self.spool_dir
+        )
         self._runner = web.AppRunner(app, access_log=None)
         await self._runner.setup()
         site = web.TCPSite(self._runner, self.host, self.port)

@@ -16,8 +16,14 @@ TENANT = web.RequestKey("tenant", str)  # set from the request's key by the app'
 class OpenAIError(Exception):
     """Raised by a handler: the status and the error the client gets."""
 
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
-                 type: str = "invalid_request_error") -> None:
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        param: str | None = None,
+        code: str | None = None,
+        type: str = "invalid_request_error",
+    ) -> None:
         super().__init__(message)
         self.status, self.error = status, ApiError(message=message, type=type, param=param, code=code)
 

@@ -41,15 +41,20 @@ class Files:
         self.nc, self.spool_dir = nc, spool_dir
 
     def routes(self) -> list[web.RouteDef]:
-        return [web.post("/v1/files", self.create), web.get("/v1/files", self.list),
-                web.get("/v1/files/{id}", self.retrieve), web.delete("/v1/files/{id}", self.delete),
-                web.get("/v1/files/{id}/content", self.content)]
+        return [
+            web.post("/v1/files", self.create),
+            web.get("/v1/files", self.list),
+            web.get("/v1/files/{id}", self.retrieve),
+            web.delete("/v1/files/{id}", self.delete),
+            web.get("/v1/files/{id}/content", self.content),
+        ]
 
     async def info(self, tenant: str, ident: str, param: str | None = None) -> DatasetInfo:
         if not is_token(ident):
             raise not_found("file", ident, param)
-        reply = await bus.request(self.nc, names.datasets_api(tenant).show, DatasetQuery(name=ident),
-                                  DatasetReply | Error)
+        reply = await bus.request(
+            self.nc, names.datasets_api(tenant).show, DatasetQuery(name=ident), DatasetReply | Error
+        )
         if isinstance(reply, Error):
             raise not_found("file", ident, param)
         return reply.dataset
@@ -70,8 +75,9 @@ class Files:
                     filename = part.filename or "upload.jsonl"
                     path = await self._spool(part)
             if purpose != "fine-tune":
-                raise bad_request(f"purpose {purpose!r} is not served here; this API takes purpose 'fine-tune'",
-                                  "purpose")
+                raise bad_request(
+                    f"purpose {purpose!r} is not served here; this API takes purpose 'fine-tune'", "purpose"
+                )
             if path is None:
                 raise bad_request("the form has no `file` field; send the JSON-lines file as `file`", "file")
             ident = f"file-{secrets.token_hex(12)}"
@@ -88,8 +94,9 @@ class Files:
                 Path(path).unlink(missing_ok=True)
 
     async def _spool(self, part) -> str:
-        with tempfile.NamedTemporaryFile(dir=self.spool_dir, prefix="jetlora-upload-", suffix=".jsonl",
-                                         delete=False) as f:
+        with tempfile.NamedTemporaryFile(
+            dir=self.spool_dir, prefix="jetlora-upload-", suffix=".jsonl", delete=False
+        ) as f:
             path = f.name
         async with aiofiles.open(path, "wb") as out:
             while chunk := await part.read_chunk(SPOOL_CHUNK):
@@ -99,8 +106,9 @@ class Files:
     async def list(self, request: web.Request) -> web.Response:
         reply = await bus.request(self.nc, names.datasets_api(request[TENANT]).list, DatasetListQuery(), DatasetList)
         files = sorted((file_object(d) for d in reply.datasets), key=lambda f: -f.created_at)
-        return json_response(Page(data=files, first_id=files[0].id if files else None,
-                                  last_id=files[-1].id if files else None))
+        return json_response(
+            Page(data=files, first_id=files[0].id if files else None, last_id=files[-1].id if files else None)
+        )
 
     async def retrieve(self, request: web.Request) -> web.Response:
         return json_response(file_object(await self.info(request[TENANT], request.match_info["id"])))
@@ -108,8 +116,9 @@ class Files:
     async def delete(self, request: web.Request) -> web.Response:
         ident = request.match_info["id"]
         await self.info(request[TENANT], ident)
-        reply = await bus.request(self.nc, names.datasets_api(request[TENANT]).delete, DatasetQuery(name=ident),
-                                  DatasetDeleted | Error)
+        reply = await bus.request(
+            self.nc, names.datasets_api(request[TENANT]).delete, DatasetQuery(name=ident), DatasetDeleted | Error
+        )
         if isinstance(reply, Error):  # unfinished jobs train on it
             raise OpenAIError(409, reply.error, "file_id", "file_in_use")
         return json_response({"id": ident, "object": "file", "deleted": True})

@@ -14,13 +14,21 @@ from schemas import names
 from schemas.datasets import DatasetQuery, DatasetReply
 from schemas.events import CheckpointList, EventPage, EventsQuery
 from schemas.gateway import CreateJob, GatewayJob, Page
-from schemas.jobs import (Accepted, Error, InitAdapter, JobList, JobListQuery, JobQuery, JobReply, JobSummary,
-                          Rejected)
+from schemas.jobs import Accepted, Error, InitAdapter, JobList, JobListQuery, JobQuery, JobReply, JobSummary, Rejected
 from schemas.registry import AdapterQuery, AdapterReply
 from services import bus
 from services.gateway.errors import TENANT, is_token, OpenAIError, bad_request, decode, json_response, not_found
-from services.gateway.openai_map import (FIELD_PARAMS, BaseModel, adapter_name, checkpoint_object, event_object,
-                                         fine_tuning_job, hyperparameters, job_request, shown_hyperparameters)
+from services.gateway.openai_map import (
+    FIELD_PARAMS,
+    BaseModel,
+    adapter_name,
+    checkpoint_object,
+    event_object,
+    fine_tuning_job,
+    hyperparameters,
+    job_request,
+    shown_hyperparameters,
+)
 
 EVENTS_PAGE = 1000
 
@@ -44,10 +52,14 @@ def _page(items: list, after: str | None, limit: int, ident=lambda x: x.id) -> P
     """Items newest first; those after the one whose id is `after`, `limit` of them."""
     if after:
         ids = [ident(x) for x in items]
-        items = items[ids.index(after) + 1:] if after in ids else []
+        items = items[ids.index(after) + 1 :] if after in ids else []
     shown = items[:limit]
-    return Page(data=shown, has_more=len(items) > limit, first_id=ident(shown[0]) if shown else None,
-                last_id=ident(shown[-1]) if shown else None)
+    return Page(
+        data=shown,
+        has_more=len(items) > limit,
+        first_id=ident(shown[0]) if shown else None,
+        last_id=ident(shown[-1]) if shown else None,
+    )
 
 
 class Jobs:
@@ -57,10 +69,16 @@ class Jobs:
 
     def routes(self) -> list[web.RouteDef]:
         base = "/v1/fine_tuning/jobs"
-        return [web.post(base, self.create), web.get(base, self.list), web.get(base + "/{id}", self.retrieve),
-                web.post(base + "/{id}/cancel", self.cancel), web.post(base + "/{id}/pause", self.pause),
-                web.post(base + "/{id}/resume", self.resume), web.get(base + "/{id}/events", self.events),
-                web.get(base + "/{id}/checkpoints", self.checkpoints)]
+        return [
+            web.post(base, self.create),
+            web.get(base, self.list),
+            web.get(base + "/{id}", self.retrieve),
+            web.post(base + "/{id}/cancel", self.cancel),
+            web.post(base + "/{id}/pause", self.pause),
+            web.post(base + "/{id}/resume", self.resume),
+            web.get(base + "/{id}/events", self.events),
+            web.get(base + "/{id}/checkpoints", self.checkpoints),
+        ]
 
     async def create(self, request: web.Request) -> web.Response:
         tenant, req = request[TENANT], decode(await request.read(), CreateJob)
@@ -77,13 +95,24 @@ class Jobs:
         reply = await bus.request(self.nc, names.jobs_api(tenant).submit, jr, Accepted | Rejected)
         if isinstance(reply, Rejected):
             first = reply.errors[0]
-            field: str | None = next((p for f, p in FIELD_PARAMS.items() if first.field.startswith(f)),
-                                     first.field or None)
+            field: str | None = next(
+                (p for f, p in FIELD_PARAMS.items() if first.field.startswith(f)), first.field or None
+            )
             raise bad_request("; ".join(f"{e.field}: {e.reason}" for e in reply.errors), field)
-        kept = GatewayJob(job=reply.job, tenant=tenant, model=req.model, training_file=req.training_file,
-                          validation_file=req.validation_file, suffix=req.suffix, seed=seed, metadata=req.metadata,
-                          method=method, hyperparameters=shown_hyperparameters(hp, jr.train),  # type: ignore[arg-type]
-                          fine_tuned_model=adapter, created=time.time())
+        kept = GatewayJob(
+            job=reply.job,
+            tenant=tenant,
+            model=req.model,
+            training_file=req.training_file,
+            validation_file=req.validation_file,
+            suffix=req.suffix,
+            seed=seed,
+            metadata=req.metadata,
+            method=method,  # type: ignore[arg-type]
+            hyperparameters=shown_hyperparameters(hp, jr.train),
+            fine_tuned_model=adapter,
+            created=time.time(),
+        )
         await self.kv.put(gateway_job_key(tenant, reply.job), msgspec.json.encode(kept))
         return json_response(fine_tuning_job(await self._summary(tenant, reply.job), kept))
 
@@ -92,19 +121,28 @@ class Jobs:
         the scheduler checks at submit that the adapter is the tenant's own."""
         if name in self.models:
             return self.models[name], None
-        reply = await bus.request(self.nc, names.ADAPTERS.show, AdapterQuery(name=name), AdapterReply | Error) \
-            if is_token(name) else None
+        reply = (
+            await bus.request(self.nc, names.ADAPTERS.show, AdapterQuery(name=name), AdapterReply | Error)
+            if is_token(name)
+            else None
+        )
         if isinstance(reply, AdapterReply) and reply.alias.current is not None:
             version = next((v for v in reply.versions if v.version == reply.alias.current), None)
             if version is not None and version.base_model in self.models:
                 return self.models[version.base_model], InitAdapter(name=name, version=version.version)
-        raise bad_request(f"model {name!r} is neither a base model of this fleet nor a fine-tuned model of yours; "
-                          f"base models: {', '.join(sorted(self.models)) or 'none (start the gateway with --base-model)'}",
-                          "model", "model_not_available")
+        raise bad_request(
+            f"model {name!r} is neither a base model of this fleet nor a fine-tuned model of yours; "
+            f"base models: {', '.join(sorted(self.models)) or 'none (start the gateway with --base-model)'}",
+            "model",
+            "model_not_available",
+        )
 
     async def _check_file(self, tenant: str, file: str, param: str) -> None:
-        reply = await bus.request(self.nc, names.datasets_api(tenant).show, DatasetQuery(name=file),
-                                  DatasetReply | Error) if is_token(file) else None
+        reply = (
+            await bus.request(self.nc, names.datasets_api(tenant).show, DatasetQuery(name=file), DatasetReply | Error)
+            if is_token(file)
+            else None
+        )
         if not isinstance(reply, DatasetReply):
             raise bad_request(f"invalid {param}: no file '{file}' of yours; upload it with POST /v1/files", param)
 
@@ -135,8 +173,9 @@ class Jobs:
         jobs: list[JobSummary] = []
         cursor = None
         while True:  # newest first: pages until `after` and `limit` more than it are in hand
-            page = await bus.request(self.nc, names.jobs_api(tenant).jobs, JobListQuery(limit=1000, after=cursor),
-                                     JobList)
+            page = await bus.request(
+                self.nc, names.jobs_api(tenant).jobs, JobListQuery(limit=1000, after=cursor), JobList
+            )
             jobs += page.jobs
             ids = [j.id for j in jobs]
             start = 0 if after is None else ids.index(after) + 1 if after in ids else None
@@ -169,8 +208,12 @@ class Jobs:
         await self._summary(tenant, job)
         found, after = [], 0
         while True:
-            page = await bus.request(self.nc, names.jobs_api(tenant).events,
-                                     EventsQuery(job=job, after=after, limit=EVENTS_PAGE), EventPage | Error)
+            page = await bus.request(
+                self.nc,
+                names.jobs_api(tenant).events,
+                EventsQuery(job=job, after=after, limit=EVENTS_PAGE),
+                EventPage | Error,
+            )
             if isinstance(page, Error):
                 raise not_found("fine-tuning job", job)
             found += [e for e in map(event_object, page.events) if e is not None]

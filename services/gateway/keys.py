@@ -20,8 +20,9 @@ def new_key(tenant: str, label: str = "") -> tuple[str, KeyRecord]:
     """A fresh key (`jl-<id>-<secret>`) and the record that stores it hashed."""
     names.check_tenant(tenant)
     ident, secret = secrets.token_hex(8), secrets.token_urlsafe(32)
-    return f"{PREFIX}-{ident}-{secret}", KeyRecord(id=ident, tenant=tenant, secret_sha256=_digest(secret),
-                                                   created=time.time(), label=label)
+    return f"{PREFIX}-{ident}-{secret}", KeyRecord(
+        id=ident, tenant=tenant, secret_sha256=_digest(secret), created=time.time(), label=label
+    )
 
 
 def _digest(secret: str) -> str:

@@ -10,15 +10,31 @@ from schemas.gateway import ApiError
 from schemas.jobs import CheckpointInfo, DatasetRef, JobRequest, JobSummary, RegisterSpec
 from schemas.training import TrainConfig
 
-STATUS = {"queued": "queued", "paused": "paused", "assigned": "running", "preparing": "running",
-          "running": "running", "uploading": "running", "succeeded": "succeeded", "stopped": "succeeded",
-          "failed": "failed", "cancelled": "cancelled"}
+STATUS = {
+    "queued": "queued",
+    "paused": "paused",
+    "assigned": "running",
+    "preparing": "running",
+    "running": "running",
+    "uploading": "running",
+    "succeeded": "succeeded",
+    "stopped": "succeeded",
+    "failed": "failed",
+    "cancelled": "cancelled",
+}
 FINISHED = {"succeeded", "stopped", "failed", "cancelled"}
 FIELD_PARAMS = {  # jetlora's field (a prefix of it) -> OpenAI's parameter
-    "dataset": "training_file", "validation_dataset": "validation_file", "model": "model", "train.seed": "seed",
-    "train.epochs": "hyperparameters.n_epochs", "train.batch_size": "hyperparameters.batch_size",
-    "train.learning_rate": "hyperparameters.learning_rate_multiplier", "train.dpo_beta": "hyperparameters.beta",
-    "register.name": "suffix", "init_adapter": "model"}
+    "dataset": "training_file",
+    "validation_dataset": "validation_file",
+    "model": "model",
+    "train.seed": "seed",
+    "train.epochs": "hyperparameters.n_epochs",
+    "train.batch_size": "hyperparameters.batch_size",
+    "train.learning_rate": "hyperparameters.learning_rate_multiplier",
+    "train.dpo_beta": "hyperparameters.beta",
+    "register.name": "suffix",
+    "init_adapter": "model",
+}
 
 
 @dataclass(frozen=True)
@@ -45,8 +61,9 @@ def adapter_name(model: str, suffix: str | None, job: str) -> str:
     return "-".join(p for p in ("ft", base, suffix, job[:8]) if p)
 
 
-def job_request(req: CreateJob, model: BaseModel, method: str, hp: Hyperparameters, adapter: str,
-                seed: int) -> JobRequest:
+def job_request(
+    req: CreateJob, model: BaseModel, method: str, hp: Hyperparameters, adapter: str, seed: int
+) -> JobRequest:
     train = TrainConfig(method="dpo" if method == "dpo" else "sft")
     if hp.beta != "auto":
         train.dpo_beta = hp.beta
@@ -57,19 +74,27 @@ def job_request(req: CreateJob, model: BaseModel, method: str, hp: Hyperparamete
     if hp.learning_rate_multiplier != "auto":
         train.learning_rate = train.learning_rate * hp.learning_rate_multiplier
     train.seed, train.save_steps = seed, model.save_steps
-    return JobRequest(model=model.name, base_dir=model.base_dir, accelerator=model.accelerator,  # type: ignore[arg-type]
-                      served_by=model.served_by,  # type: ignore[arg-type]
-                      dataset=DatasetRef(name=req.training_file),
-                      validation_dataset=DatasetRef(name=req.validation_file) if req.validation_file else None,
-                      train=train, register=RegisterSpec(name=adapter, promote=True), label=req.suffix or "")
+    return JobRequest(
+        model=model.name,
+        base_dir=model.base_dir,
+        accelerator=model.accelerator,  # type: ignore[arg-type]
+        served_by=model.served_by,  # type: ignore[arg-type]
+        dataset=DatasetRef(name=req.training_file),
+        validation_dataset=DatasetRef(name=req.validation_file) if req.validation_file else None,
+        train=train,
+        register=RegisterSpec(name=adapter, promote=True),
+        label=req.suffix or "",
+    )
 
 
 def shown_hyperparameters(hp: Hyperparameters, train: TrainConfig | None = None) -> dict:
     """OpenAI shows the values used: jetlora's defaults where the request said auto."""
     train = train or TrainConfig()
-    shown = {"n_epochs": hp.n_epochs if hp.n_epochs != "auto" else train.epochs,
-             "batch_size": hp.batch_size if hp.batch_size != "auto" else train.batch_size,
-             "learning_rate_multiplier": hp.learning_rate_multiplier if hp.learning_rate_multiplier != "auto" else 1.0}
+    shown = {
+        "n_epochs": hp.n_epochs if hp.n_epochs != "auto" else train.epochs,
+        "batch_size": hp.batch_size if hp.batch_size != "auto" else train.batch_size,
+        "learning_rate_multiplier": hp.learning_rate_multiplier if hp.learning_rate_multiplier != "auto" else 1.0,
+    }
     if train.method == "dpo":
         shown["beta"] = train.dpo_beta
     return shown
@@ -78,10 +103,15 @@ def shown_hyperparameters(hp: Hyperparameters, train: TrainConfig | None = None)
 def fine_tuning_job(job: JobSummary, kept: GatewayJob | None) -> FineTuningJob:
     status = STATUS[job.state]
     finished = job.state in FINISHED
-    out = FineTuningJob(id=job.id, created_at=int(job.created), model=job.model, status=status,  # type: ignore[arg-type]
-                        training_file=kept.training_file if kept else None,
-                        validation_file=kept.validation_file if kept else None,
-                        finished_at=int(job.updated) if finished else None)
+    out = FineTuningJob(
+        id=job.id,
+        created_at=int(job.created),
+        model=job.model,
+        status=status,  # type: ignore[arg-type]
+        training_file=kept.training_file if kept else None,
+        validation_file=kept.validation_file if kept else None,
+        finished_at=int(job.updated) if finished else None,
+    )
     if kept:
         out.model = kept.model  # as asked: a base model, or the fine-tuned model it went on from
         out.seed, out.metadata, out.user_provided_suffix = kept.seed, kept.metadata, kept.suffix
@@ -98,15 +128,31 @@ def event_object(entry: EventEntry) -> JobEventObject | None:
     """One of the job's events as OpenAI shows it; None for what OpenAI has no place for (samples)."""
     e, ident = entry.event, f"ftevent-{entry.seq}"
     if isinstance(e, Progress):
-        data = {"step": e.step, "total_steps": e.steps, "train_loss": e.loss, "valid_loss": e.eval_loss,
-                "tokens": e.tokens, "learning_rate": e.lr}
+        data = {
+            "step": e.step,
+            "total_steps": e.steps,
+            "train_loss": e.loss,
+            "valid_loss": e.eval_loss,
+            "tokens": e.tokens,
+            "learning_rate": e.lr,
+        }
         if e.preference is not None:  # dpo's
             p = e.preference
-            data |= {"rewards_chosen": p.rewards_chosen, "rewards_rejected": p.rewards_rejected,
-                     "reward_margin": p.margin, "reward_accuracy": p.accuracy}
+            data |= {
+                "rewards_chosen": p.rewards_chosen,
+                "rewards_rejected": p.rewards_rejected,
+                "reward_margin": p.margin,
+                "reward_accuracy": p.accuracy,
+            }
         loss = f"training loss={e.loss:.4f}" if e.loss is not None else "evaluated"
-        return JobEventObject(id=ident, created_at=int(e.ts), level="info", type="metrics",
-                              message=f"Step {e.step}/{e.steps}: {loss}", data=data)
+        return JobEventObject(
+            id=ident,
+            created_at=int(e.ts),
+            level="info",
+            type="metrics",
+            message=f"Step {e.step}/{e.steps}: {loss}",
+            data=data,
+        )
     if isinstance(e, StateChange):
         text = f"{e.state}" + (f": {e.message}" if e.message else "")
         level = "error" if e.state == "failed" else "warn" if e.state == "cancelled" else "info"
@@ -118,8 +164,14 @@ def event_object(entry: EventEntry) -> JobEventObject | None:
 
 
 def checkpoint_object(job: str, adapter: str, c: CheckpointInfo) -> CheckpointObject:
-    metrics = {k: v for k, v in (("step", float(c.step)), ("train_loss", c.loss), ("valid_loss", c.eval_loss))
-               if v is not None}
-    return CheckpointObject(id=f"ftckpt-{job}-{c.step}", created_at=int(c.created), step_number=c.step,
-                            fine_tuned_model_checkpoint=f"{adapter}:ckpt-step-{c.step}", fine_tuning_job_id=job,
-                            metrics=metrics)
+    metrics = {
+        k: v for k, v in (("step", float(c.step)), ("train_loss", c.loss), ("valid_loss", c.eval_loss)) if v is not None
+    }
+    return CheckpointObject(
+        id=f"ftckpt-{job}-{c.step}",
+        created_at=int(c.created),
+        step_number=c.step,
+        fine_tuned_model_checkpoint=f"{adapter}:ckpt-step-{c.step}",
+        fine_tuning_job_id=job,
+        metrics=metrics,
+    )

@@ -24,34 +24,50 @@ def pick(reply: AdapterReply, spec: str, version: int, deadline_s: float) -> Can
     alias = reply.alias
     serving = sorted({n.node for n in reply.nodes if n.version == alias.current and n.state == "loaded"})
     if not serving:
-        raise RegistryError(f"no node serves {alias.name} verified yet (`loaded`), so there is nothing to try "
-                            f"{alias.name}@{version} beside: promote it without --canary")
+        raise RegistryError(
+            f"no node serves {alias.name} verified yet (`loaded`), so there is nothing to try "
+            f"{alias.name}@{version} beside: promote it without --canary"
+        )
     count = math.ceil(len(serving) * int(spec[:-1]) / 100) if spec.endswith("%") else int(spec)
     if count >= len(serving):
-        raise RegistryError(f"a canary of {count} of the {len(serving)} nodes serving {alias.name} is all of them: "
-                            "ask for fewer, or promote without --canary")
+        raise RegistryError(
+            f"a canary of {count} of the {len(serving)} nodes serving {alias.name} is all of them: "
+            "ask for fewer, or promote without --canary"
+        )
     now = time.time()
-    return Canary(version=version, nodes=serving[:max(1, count)], deadline=now + deadline_s, started=now)
+    return Canary(version=version, nodes=serving[: max(1, count)], deadline=now + deadline_s, started=now)
 
 
 def outcome(alias: Alias, nodes: list[NodeAdapterStatus], now: float) -> tuple[bool, str] | None:
     """(passed, why) once the canary is decided; None while it is not."""
     canary = alias.canary
     assert canary is not None
-    on = {n.node: n for n in nodes  # what each canary node said of this version since the canary began
-          if n.node in canary.nodes and n.version == canary.version and n.updated >= canary.started}
+    on = {
+        n.node: n
+        for n in nodes  # what each canary node said of this version since the canary began
+        if n.node in canary.nodes and n.version == canary.version and n.updated >= canary.started
+    }
     for node in canary.nodes:
         if node in on and on[node].state in BAD:
-            return False, (f"canary of {alias.name}@{canary.version} rolled back: node {node} reported "
-                           f"{on[node].state}: {on[node].message}")
+            return False, (
+                f"canary of {alias.name}@{canary.version} rolled back: node {node} reported "
+                f"{on[node].state}: {on[node].message}"
+            )
     if all(node in on and on[node].state == "loaded" for node in canary.nodes):
-        return True, (f"canary of {alias.name}@{canary.version} passed on {', '.join(canary.nodes)} in "
-                      f"{now - canary.started:.1f}s; promoted on every node")
+        return True, (
+            f"canary of {alias.name}@{canary.version} passed on {', '.join(canary.nodes)} in "
+            f"{now - canary.started:.1f}s; promoted on every node"
+        )
     if now > canary.deadline:
-        waiting = ", ".join(f"{n} {on[n].state if n in on else 'silent'}" for n in canary.nodes
-                            if n not in on or on[n].state != "loaded")
-        return False, (f"canary of {alias.name}@{canary.version} rolled back: not verified within "
-                       f"{canary.deadline - canary.started:.0f}s ({waiting})")
+        waiting = ", ".join(
+            f"{n} {on[n].state if n in on else 'silent'}"
+            for n in canary.nodes
+            if n not in on or on[n].state != "loaded"
+        )
+        return False, (
+            f"canary of {alias.name}@{canary.version} rolled back: not verified within "
+            f"{canary.deadline - canary.started:.0f}s ({waiting})"
+        )
     return None
 
 
@@ -78,8 +94,9 @@ async def guard(registry: AdapterRegistry, stop: asyncio.Event) -> None:
                 continue
             passed, why = decided
             try:
-                await registry.change_alias(alias.name, lambda a, p=passed, w=why: finished(a, p, w), None,
-                                            alias.changes)
+                await registry.change_alias(
+                    alias.name, lambda a, p=passed, w=why: finished(a, p, w), None, alias.changes
+                )
                 (log.info if passed else log.warning)("%s", why)
             except RegistryError as e:  # it changed meanwhile (a promote, a rollback): that change decides
                 log.info("canary of %s: %s", alias.name, e)

@@ -12,8 +12,18 @@ from nats.aio.client import Client
 from schemas import names
 from schemas.jobs import Error
 from schemas.training import MUTATING_INITS
-from schemas.registry import (AdapterList, AdapterListQuery, AdapterQuery, AdapterReply, AdapterVersion, Alias,
-                              AliasRequest, PromoteRequest, RegisterRequest, StoredFile)
+from schemas.registry import (
+    AdapterList,
+    AdapterListQuery,
+    AdapterQuery,
+    AdapterReply,
+    AdapterVersion,
+    Alias,
+    AliasRequest,
+    PromoteRequest,
+    RegisterRequest,
+    StoredFile,
+)
 from services import __version__, bus
 from services.aio import cancel_and_wait
 from services.registry import canary
@@ -23,26 +33,40 @@ from services.scheduler.store import JobStore
 log = logging.getLogger(__name__)
 
 
-async def register_job(jobs: JobStore, registry: AdapterRegistry, name: str, job_id: str,
-                       promote: bool = False) -> AdapterVersion:
+async def register_job(
+    jobs: JobStore, registry: AdapterRegistry, name: str, job_id: str, promote: bool = False
+) -> AdapterVersion:
     """The job's stored artifacts as the next version of `name`; RegistryError says why not."""
     found = await jobs.find(job_id)
     if found is None:
         raise RegistryError(f"no job {job_id}; `jetlora jobs` lists them")
     stored, status, _ = found
     if status is None or status.state != "succeeded":
-        raise RegistryError(f"job {job_id} is {status.state if status else 'queued'}; only a succeeded job's adapter "
-                            "is registered")
+        raise RegistryError(
+            f"job {job_id} is {status.state if status else 'queued'}; only a succeeded job's adapter is registered"
+        )
     files = {a.kind: StoredFile(name=a.name, sha256=a.sha256, size=a.size) for a in status.artifacts}
     if "peft" not in files:
         raise RegistryError(f"job {job_id} stored no PEFT adapter; it cannot be registered")
     req = stored.request
     r, alpha = stored_rank(req.lora)
-    version = await registry.add_version(AdapterVersion(
-        name=name, version=1, job=job_id, base_model=req.model, peft=files["peft"], gguf=files.get("gguf"), r=r,
-        alpha=alpha, target_modules=list(req.lora.target_modules), final_loss=status.loss,
-        eval_loss=status.eval_loss, probe=next((a.probe for a in status.artifacts if a.kind == "peft"), None)),
-        tenant=stored.tenant)
+    version = await registry.add_version(
+        AdapterVersion(
+            name=name,
+            version=1,
+            job=job_id,
+            base_model=req.model,
+            peft=files["peft"],
+            gguf=files.get("gguf"),
+            r=r,
+            alpha=alpha,
+            target_modules=list(req.lora.target_modules),
+            final_loss=status.loss,
+            eval_loss=status.eval_loss,
+            probe=next((a.probe for a in status.artifacts if a.kind == "peft"), None),
+        ),
+        tenant=stored.tenant,
+    )
     if promote:
         await registry.change_alias(name, lambda a: _promoted(a, version.version), expect=None)
     log.info("registered %s@%d from job %s%s", name, version.version, job_id, " and promoted it" if promote else "")
@@ -52,20 +76,23 @@ async def register_job(jobs: JobStore, registry: AdapterRegistry, name: str, job
 def stored_rank(lora) -> tuple[int, float]:
     """The rank and alpha of the adapter as stored: pissa's and loftq's are a plain LoRA of 2r, scale unchanged."""
     if lora.init in MUTATING_INITS:
-        return 2 * lora.r, lora.alpha * (2 ** 0.5 if lora.rslora else 2)
+        return 2 * lora.r, lora.alpha * (2**0.5 if lora.rslora else 2)
     return lora.r, lora.alpha
 
 
 def _promoted(alias: Alias, version: int) -> Alias:
-    history = alias.history + [alias.current] if alias.current is not None and alias.current != version else alias.history
+    history = (
+        alias.history + [alias.current] if alias.current is not None and alias.current != version else alias.history
+    )
     return msgspec.structs.replace(alias, current=version, history=history, retired=False, canary=None)
 
 
 def _rolled_back(alias: Alias) -> Alias:
     if not alias.history:
         raise RegistryError(f"{alias.name} has no earlier version to roll back to")
-    return msgspec.structs.replace(alias, current=alias.history[-1], history=alias.history[:-1], retired=False,
-                                   canary=None)
+    return msgspec.structs.replace(
+        alias, current=alias.history[-1], history=alias.history[:-1], retired=False, canary=None
+    )
 
 
 def _retired(alias: Alias) -> Alias:
@@ -92,14 +119,18 @@ class RegistryService:
             await cancel_and_wait([following, guarding])
 
     async def _serve(self, stop: asyncio.Event) -> None:
-        service = await nats.micro.add_service(self.nc, name=names.ADAPTER_SERVICE, version=__version__,
-                                               description="jetlora adapter registry")
+        service = await nats.micro.add_service(
+            self.nc, name=names.ADAPTER_SERVICE, version=__version__, description="jetlora adapter registry"
+        )
         group = service.add_group(name=names.ADAPTERS_GROUP)
-        for verb, request_type, serve in (("register", RegisterRequest, self._register),
-                                          ("list", AdapterListQuery, self._list), ("show", AdapterQuery, self._show),
-                                          ("promote", PromoteRequest, self._promote),
-                                          ("rollback", AliasRequest, self._rollback),
-                                          ("retire", AliasRequest, self._retire)):
+        for verb, request_type, serve in (
+            ("register", RegisterRequest, self._register),
+            ("list", AdapterListQuery, self._list),
+            ("show", AdapterQuery, self._show),
+            ("promote", PromoteRequest, self._promote),
+            ("rollback", AliasRequest, self._rollback),
+            ("retire", AliasRequest, self._retire),
+        ):
             await bus.add_endpoint(group, f"adapters-{verb}", bus.handler(serve, request_type), verb)
         self.ready.set()
         try:
@@ -121,8 +152,13 @@ class RegistryService:
         return await self._reply(q.name)
 
     async def _list(self, q: AdapterListQuery) -> AdapterList:
-        return AdapterList(adapters=[r for r in (await self.registry.adapters()).values() if
-                                     q.base_model is None or any(v.base_model == q.base_model for v in r.versions)])
+        return AdapterList(
+            adapters=[
+                r
+                for r in (await self.registry.adapters()).values()
+                if q.base_model is None or any(v.base_model == q.base_model for v in r.versions)
+            ]
+        )
 
     async def _show(self, q: AdapterQuery) -> AdapterReply | Error:
         return await self._reply(q.name)
@@ -136,8 +172,9 @@ class RegistryService:
 
     async def _promote(self, q: PromoteRequest) -> AdapterReply | Error:
         if await self.registry.version(q.name, q.version) is None:
-            return Error(f"no version {q.name}@{q.version}; `jetlora adapters show {q.name}` lists its versions",
-                         field="version")
+            return Error(
+                f"no version {q.name}@{q.version}; `jetlora adapters show {q.name}` lists its versions", field="version"
+            )
         if q.canary is None:
             return await self._change(q.name, lambda a: _promoted(a, q.version), q)
         reply = await self._reply(q.name)

@@ -72,9 +72,14 @@ class AdapterRegistry:
                 aliases[name] = value
             else:
                 (versions if kind == "version" else nodes).setdefault(name, []).append(value)
-        return {name: AdapterReply(alias=alias, versions=sorted(versions.get(name, []), key=lambda v: v.version),
-                                   nodes=sorted(nodes.get(name, []), key=lambda s: s.node))
-                for name, alias in sorted(aliases.items())}
+        return {
+            name: AdapterReply(
+                alias=alias,
+                versions=sorted(versions.get(name, []), key=lambda v: v.version),
+                nodes=sorted(nodes.get(name, []), key=lambda s: s.node),
+            )
+            for name, alias in sorted(aliases.items())
+        }
 
     # --- writing ---------------------------------------------------------------------------------
     async def add_version(self, draft: AdapterVersion, tenant: str | None = None) -> AdapterVersion:
@@ -83,8 +88,9 @@ class AdapterRegistry:
         for _ in range(CAS_ATTEMPTS):
             alias, revision = await self.alias(draft.name)
             if alias is not None and tenant is not None and alias.tenant != tenant:
-                raise RegistryError(f"the adapter name {draft.name} belongs to another tenant; register under "
-                                    "another name")
+                raise RegistryError(
+                    f"the adapter name {draft.name} belongs to another tenant; register under another name"
+                )
             alias = alias or Alias(name=draft.name, tenant=tenant)
             number = alias.latest + 1
             if not await self._put_alias(msgspec.structs.replace(alias, latest=number, updated=time.time()), revision):
@@ -106,19 +112,25 @@ class AdapterRegistry:
             if alias is None:
                 raise RegistryError(f"no adapter named {name}; `jetlora adapters ls` lists them")
             if expect is not None and (alias.current or 0) != expect:
-                raise Moved(f"{name} serves {_at(alias)} now, not the expected "
-                            f"{'no version' if not expect else f'{name}@{expect}'}: another change came first; "
-                            "look again (`jetlora adapters show`) and repeat if still wanted")
+                raise Moved(
+                    f"{name} serves {_at(alias)} now, not the expected "
+                    f"{'no version' if not expect else f'{name}@{expect}'}: another change came first; "
+                    "look again (`jetlora adapters show`) and repeat if still wanted"
+                )
             if expect_changes is not None and alias.changes != expect_changes:
-                raise Moved(f"{name} changed since you looked (change {alias.changes} now, not {expect_changes}; it "
-                            f"serves {_at(alias)}): look again (`jetlora adapters show`) and repeat if still wanted")
+                raise Moved(
+                    f"{name} changed since you looked (change {alias.changes} now, not {expect_changes}; it "
+                    f"serves {_at(alias)}): look again (`jetlora adapters show`) and repeat if still wanted"
+                )
             changed = msgspec.structs.replace(change(alias), updated=time.time(), changes=alias.changes + 1)
             if await self._put_alias(changed, revision):
                 return changed
             if expect is not None or expect_changes is not None:
                 alias, _ = await self.alias(name)
-                raise Moved(f"{name} changed while this change was made (it serves {_at(alias)} now); look again "
-                            "and repeat if still wanted")
+                raise Moved(
+                    f"{name} changed while this change was made (it serves {_at(alias)} now); look again "
+                    "and repeat if still wanted"
+                )
         raise RegistryError(f"{name} kept changing; try again")
 
     async def _put_alias(self, alias: Alias, revision: int) -> bool:

@@ -13,8 +13,23 @@ from typing import Any
 import msgspec
 
 from schemas import names
-from schemas.jobs import (TERMINAL_STATES, Accepted, Error, FieldError, JobList, JobListQuery, JobQuery, JobReply,
-                          JobRequest, JobStatus, JobWhy, Rejected, StoredRequest, parse_job_request, summarize)
+from schemas.jobs import (
+    TERMINAL_STATES,
+    Accepted,
+    Error,
+    FieldError,
+    JobList,
+    JobListQuery,
+    JobQuery,
+    JobReply,
+    JobRequest,
+    JobStatus,
+    JobWhy,
+    Rejected,
+    StoredRequest,
+    parse_job_request,
+    summarize,
+)
 from schemas.events import CheckpointList, EventPage, EventsQuery
 from schemas.nodes import Control, ControlReply, NodeInfo, NodeList
 from schemas.validate import InvalidRequest
@@ -34,8 +49,10 @@ Handler = Callable[[Any], Awaitable[Any]]  # bus.handler(): answers, and returns
 def method_mismatch(name: str, fmt: str, method: str) -> str:
     if method == "dpo":
         return f"dataset {name} holds {fmt} rows; dpo trains on preference pairs: name a preference dataset"
-    return (f"dataset {name} holds preference pairs, which train.method 'dpo' trains on; set train.method to dpo, "
-            "or name a dataset of answers")
+    return (
+        f"dataset {name} holds preference pairs, which train.method 'dpo' trains on; set train.method to dpo, "
+        "or name a dataset of answers"
+    )
 
 
 class SchedulerApi:
@@ -51,22 +68,29 @@ class SchedulerApi:
         """(endpoint name, subject under names.API_GROUP, handler, how it runs): an admin's verbs, which see every
         job, and each tenant's (jetlora.api.<tenant>.<verb>), which see the tenant's own. Submissions are answered
         concurrently (each awaits KV writes), at most max_concurrent_submits at once."""
-        verbs: dict[str, tuple[type, Callable[..., Awaitable[Any]]]] = {"cancel": (JobQuery, lambda q, tenant: self._end_early(q, "cancel", tenant)),
-                 "stop": (JobQuery, lambda q, tenant: self._end_early(q, "stop", tenant)),
-                 "job": (JobQuery, self._get_job),
-                 "jobs": (JobListQuery, self._list_jobs),
-                 "pause": (JobQuery, self._pause_job),
-                 "resume": (JobQuery, self._resume_job),
-                 "events": (EventsQuery, self._job_events),
-                 "checkpoints": (JobQuery, self._job_checkpoints),
-                 "why": (JobQuery, self._why_job)}
+        verbs: dict[str, tuple[type, Callable[..., Awaitable[Any]]]] = {
+            "cancel": (JobQuery, lambda q, tenant: self._end_early(q, "cancel", tenant)),
+            "stop": (JobQuery, lambda q, tenant: self._end_early(q, "stop", tenant)),
+            "job": (JobQuery, self._get_job),
+            "jobs": (JobListQuery, self._list_jobs),
+            "pause": (JobQuery, self._pause_job),
+            "resume": (JobQuery, self._resume_job),
+            "events": (EventsQuery, self._job_events),
+            "checkpoints": (JobQuery, self._job_checkpoints),
+            "why": (JobQuery, self._why_job),
+        }
         submit = bus.handler(self._accept, parse=self._parse_with_size, invalid=Rejected, with_subject=True)
         out: list[tuple[str, str, Handler, bus.Concurrently | None]] = [
-            ("submit", "submit", submit, self._submitting), ("tenant-submit", "*.submit", submit, self._submitting),
-            ("nodes", "nodes", bus.handler(self._list_nodes, msgspec.Raw), None)]
+            ("submit", "submit", submit, self._submitting),
+            ("tenant-submit", "*.submit", submit, self._submitting),
+            ("nodes", "nodes", bus.handler(self._list_nodes, msgspec.Raw), None),
+        ]
         for verb, (request_type, serve) in verbs.items():
-            answer = bus.handler(lambda q, subject, serve=serve: serve(q, names.tenant_of_subject(subject)),
-                                 request_type, with_subject=True)
+            answer = bus.handler(
+                lambda q, subject, serve=serve: serve(q, names.tenant_of_subject(subject)),
+                request_type,
+                with_subject=True,
+            )
             out += [(verb, verb, answer, None), (f"tenant-{verb}", f"*.{verb}", answer, None)]
         return out
 
@@ -90,8 +114,9 @@ class SchedulerApi:
                 await self.idempotency.release(key)
             return reply
 
-    async def _admit(self, request: JobRequest, size: int, tenant: str | None,
-                     job_id: str | None = None) -> Accepted | Rejected:
+    async def _admit(
+        self, request: JobRequest, size: int, tenant: str | None, job_id: str | None = None
+    ) -> Accepted | Rejected:
         """Check, then store: for a tenant with a queued quota one submission at a time, so that concurrent
         submissions cannot all pass the count before any of them is stored."""
         async with self._quota_turn(tenant):
@@ -122,11 +147,19 @@ class SchedulerApi:
         try:
             alias, _ = await self.core.adapters.alias(req.register.name)
         except Exception as e:
-            return [FieldError("register.name", f"the adapter registry could not be read ({type(e).__name__}); "
-                                                "nothing was queued: submit again")]
+            return [
+                FieldError(
+                    "register.name",
+                    f"the adapter registry could not be read ({type(e).__name__}); nothing was queued: submit again",
+                )
+            ]
         if alias is not None and alias.tenant != tenant:
-            return [FieldError("register.name", f"the adapter name {req.register.name} belongs to another tenant; "
-                                                "choose another name")]
+            return [
+                FieldError(
+                    "register.name",
+                    f"the adapter name {req.register.name} belongs to another tenant; choose another name",
+                )
+            ]
         return []
 
     async def _pin_datasets(self, req: JobRequest, tenant: str | None) -> tuple[JobRequest, list[FieldError]]:
@@ -139,27 +172,44 @@ class SchedulerApi:
             try:
                 found = await visible_dataset(self.core.js, ref.name, tenant)
             except Exception as e:
-                errors.append(FieldError(where, f"the datasets bucket could not be read ({type(e).__name__}); nothing "
-                                                "was queued: submit again"))
+                errors.append(
+                    FieldError(
+                        where,
+                        f"the datasets bucket could not be read ({type(e).__name__}); nothing was queued: submit again",
+                    )
+                )
                 continue
             if found is None:
-                fix = (f"an admin shares one with `jetlora datasets put FILE --name {ref.name} --share {tenant}`"
-                       if tenant is not None else f"`jetlora datasets ls` lists them, `jetlora datasets put FILE --name "
-                                                  f"{ref.name}` adds one")
+                fix = (
+                    f"an admin shares one with `jetlora datasets put FILE --name {ref.name} --share {tenant}`"
+                    if tenant is not None
+                    else f"`jetlora datasets ls` lists them, `jetlora datasets put FILE --name {ref.name}` adds one"
+                )
                 errors.append(FieldError(f"{where}.name", f"no dataset named {ref.name}; {fix}"))
             elif ref.sha256 and ref.sha256 != found.sha256:
-                errors.append(FieldError(f"{where}.sha256", f"dataset {ref.name} now holds sha256 {found.sha256}, not "
-                                                            f"the pinned {ref.sha256} (it was replaced); pin the new one, "
-                                                            "or upload the old file under another name"))
+                errors.append(
+                    FieldError(
+                        f"{where}.sha256",
+                        f"dataset {ref.name} now holds sha256 {found.sha256}, not "
+                        f"the pinned {ref.sha256} (it was replaced); pin the new one, "
+                        "or upload the old file under another name",
+                    )
+                )
             else:
                 pinned[where] = msgspec.structs.replace(ref, sha256=found.sha256, owner=found.owner)
                 fraction = req.train.eval_fraction
                 if where == "dataset" and fraction and found.stats.rows * fraction < 1:
-                    errors.append(FieldError("train.eval_fraction", f"{fraction} of {found.stats.rows} rows holds out "
-                                                                    "none; raise it or name a validation_dataset"))
+                    errors.append(
+                        FieldError(
+                            "train.eval_fraction",
+                            f"{fraction} of {found.stats.rows} rows holds out "
+                            "none; raise it or name a validation_dataset",
+                        )
+                    )
                 if (found.stats.format == "preference") != (req.train.method == "dpo"):
-                    errors.append(FieldError(f"{where}.name", method_mismatch(ref.name, found.stats.format,
-                                                                             req.train.method)))
+                    errors.append(
+                        FieldError(f"{where}.name", method_mismatch(ref.name, found.stats.format, req.train.method))
+                    )
         return msgspec.structs.replace(req, **pinned), errors
 
     async def _pin_init_adapter(self, req: JobRequest, tenant: str | None) -> tuple[JobRequest, list[FieldError]]:
@@ -169,16 +219,30 @@ class SchedulerApi:
         assert ref is not None
         alias, _ = await self.core.adapters.alias(ref.name)
         if alias is None or (tenant is not None and alias.tenant != tenant):
-            return req, [FieldError("init_adapter.name", f"no adapter named {ref.name} of yours; `jetlora adapters "
-                                                         "ls` lists them")]
+            return req, [
+                FieldError(
+                    "init_adapter.name", f"no adapter named {ref.name} of yours; `jetlora adapters ls` lists them"
+                )
+            ]
         number = ref.version or alias.current
         version = await self.core.adapters.version(ref.name, number) if number else None
         if version is None:
-            return req, [FieldError("init_adapter.version", f"{ref.name} has no version {number}" if number else
-                                    f"{ref.name} serves no version now (retired); name one with init_adapter.version")]
+            return req, [
+                FieldError(
+                    "init_adapter.version",
+                    f"{ref.name} has no version {number}"
+                    if number
+                    else f"{ref.name} serves no version now (retired); name one with init_adapter.version",
+                )
+            ]
         if version.base_model != req.model:
-            return req, [FieldError("init_adapter.name", f"{ref.name}@{version.version} was trained on "
-                                                         f"{version.base_model}, not this job's model {req.model}")]
+            return req, [
+                FieldError(
+                    "init_adapter.name",
+                    f"{ref.name}@{version.version} was trained on "
+                    f"{version.base_model}, not this job's model {req.model}",
+                )
+            ]
         pinned = msgspec.structs.replace(ref, version=version.version, peft=version.peft.name)
         return msgspec.structs.replace(req, init_adapter=pinned), []
 
@@ -187,27 +251,47 @@ class SchedulerApi:
         limit = core.cfg.quota(tenant).queued
         if limit is None or (queued := core.queued_by_tenant[tenant]) < limit:
             return []
-        return [FieldError("", f"tenant {tenant} has {queued} jobs waiting for a device, its quota is {limit}; "
-                               "submit again once some have started, or ask an admin to raise the quota")]
+        return [
+            FieldError(
+                "",
+                f"tenant {tenant} has {queued} jobs waiting for a device, its quota is {limit}; "
+                "submit again once some have started, or ask an admin to raise the quota",
+            )
+        ]
 
     async def _job_exists(self, job_id: str) -> bool:
         return await self.core.lookup(job_id) is not None
 
-    async def _store_new(self, request: JobRequest, size: int, tenant: str | None,
-                         job_id: str | None = None) -> Accepted | Rejected:
+    async def _store_new(
+        self, request: JobRequest, size: int, tenant: str | None, job_id: str | None = None
+    ) -> Accepted | Rejected:
         core = self.core
         core.seq += 1
         job_id = job_id or uuid.uuid4().hex[:16]
         try:  # the index entry and the active mark first: a crash before the request leaves only what readers skip
             index_seq, _ = await asyncio.gather(core.index.submitted(tenant, job_id), core.store.mark_active(job_id))
-            stored = StoredRequest(id=job_id, request=request, created=time.time(), seq=core.seq, tenant=tenant,
-                                   index_seq=index_seq)
+            stored = StoredRequest(
+                id=job_id, request=request, created=time.time(), seq=core.seq, tenant=tenant, index_seq=index_seq
+            )
             await core.store.add(stored)  # durable before the reply: a crash after it loses nothing
         except Exception as e:
-            return Rejected([FieldError("", f"the job could not be stored ({type(e).__name__}: JetStream unavailable?); "
-                                            "nothing was queued: submit it again")])
-        core.take_new(Job(msgspec.structs.replace(stored, request=msgspec.structs.replace(request, data=[])),
-                               JobStatus(updated=stored.created, message="waiting for a device")), request, size)
+            return Rejected(
+                [
+                    FieldError(
+                        "",
+                        f"the job could not be stored ({type(e).__name__}: JetStream unavailable?); "
+                        "nothing was queued: submit it again",
+                    )
+                ]
+            )
+        core.take_new(
+            Job(
+                msgspec.structs.replace(stored, request=msgspec.structs.replace(request, data=[])),
+                JobStatus(updated=stored.created, message="waiting for a device"),
+            ),
+            request,
+            size,
+        )
         return Accepted(stored.id)
 
     def _held_mib(self, slot) -> int:
@@ -227,20 +311,35 @@ class SchedulerApi:
             kind = {"gpu": "a GPU", "cpu": "an offered CPU", "any": "a device"}[req.accelerator]
             lack = f"node {req.node} has no {kind}" if req.node else f"no known node has {kind}"
             if req.quantization == "nf4":  # the field the submitter chose for the GPU
-                return [FieldError("quantization", f"nf4 needs a GPU and {lack}; add a GPU node, or set "
-                                                   "quantization to 'none' and accelerator to 'cpu'")]
+                return [
+                    FieldError(
+                        "quantization",
+                        f"nf4 needs a GPU and {lack}; add a GPU node, or set "
+                        "quantization to 'none' and accelerator to 'cpu'",
+                    )
+                ]
             return [FieldError("accelerator", f"{lack}; choose another accelerator or node")]
         node, dev = best
         if dev.total_mib < req.gpu_mib:
-            return [FieldError("gpu_mib", f"{req.gpu_mib} MiB is more than {where} has: the largest is {node} device "
-                               f"{dev.index} ({dev.name or dev.kind}) with {dev.total_mib} MiB total, {dev.free_mib} MiB free; "
-                               "ask for less or add a bigger GPU")]
+            return [
+                FieldError(
+                    "gpu_mib",
+                    f"{req.gpu_mib} MiB is more than {where} has: the largest is {node} device "
+                    f"{dev.index} ({dev.name or dev.kind}) with {dev.total_mib} MiB total, {dev.free_mib} MiB free; "
+                    "ask for less or add a bigger GPU",
+                )
+            ]
         if req.devices > 1:
             most, name = core.fleet.most_devices(req.gpu_mib, req.accelerator, req.node)
             if most < req.devices:
                 has = f"{name} has {most}" if name else "none has one"
-                return [FieldError("devices", f"{req.devices} devices with {req.gpu_mib} MiB each must be on one node, "
-                                              f"and of {where} {has}; ask for fewer devices or less gpu_mib")]
+                return [
+                    FieldError(
+                        "devices",
+                        f"{req.devices} devices with {req.gpu_mib} MiB each must be on one node, "
+                        f"and of {where} {has}; ask for fewer devices or less gpu_mib",
+                    )
+                ]
         return []
 
     # --- queries ---------------------------------------------------------------------------------
@@ -266,10 +365,19 @@ class SchedulerApi:
         nodes = []
         for view in core.fleet.nodes.values():
             hb = view.heartbeat
-            nodes.append(NodeInfo(node=hb.node, alive=now - view.last_seen < core.cfg.window, last_seen=view.last_seen_wall,
-                                  agent_version=hb.agent_version, devices=list(view.devices.values()),
-                                  offers_cpu=hb.offers_cpu, no_gpu_reason=hb.no_gpu_reason, running=hb.running,
-                                  engines=hb.engines))
+            nodes.append(
+                NodeInfo(
+                    node=hb.node,
+                    alive=now - view.last_seen < core.cfg.window,
+                    last_seen=view.last_seen_wall,
+                    agent_version=hb.agent_version,
+                    devices=list(view.devices.values()),
+                    offers_cpu=hb.offers_cpu,
+                    no_gpu_reason=hb.no_gpu_reason,
+                    running=hb.running,
+                    engines=hb.engines,
+                )
+            )
         return NodeList(nodes)
 
     async def _job_events(self, q: EventsQuery, tenant: str | None) -> EventPage:
@@ -281,9 +389,12 @@ class SchedulerApi:
         job = await self._job(q, tenant)
         if job.status.state != "queued" or job.status.node is not None:
             where = f" on {job.status.node}" if job.status.node else ""
-            return JobWhy(job=job.id, state=job.status.state, summary=f"{job.status.state}{where}: {job.status.message}")
-        summary, nodes = explain(core.fleet, job.stored.request,
-                                 {n: j for n, j in core.gang_holds.items() if j != job.id})
+            return JobWhy(
+                job=job.id, state=job.status.state, summary=f"{job.status.state}{where}: {job.status.message}"
+            )
+        summary, nodes = explain(
+            core.fleet, job.stored.request, {n: j for n, j in core.gang_holds.items() if j != job.id}
+        )
         return JobWhy(job=job.id, state="queued", summary=with_reason(job.status.message, summary), nodes=nodes)
 
     async def _job_checkpoints(self, q: JobQuery, tenant: str | None) -> CheckpointList:
@@ -299,8 +410,9 @@ class SchedulerApi:
     async def _resume_job(self, q: JobQuery, tenant: str | None) -> JobReply | Error:
         job = await self._job(q, tenant)
         where = f"from checkpoint {job.status.checkpoint}" if job.status.checkpoint else "from the start"
-        return await self.pausing.resume(job, f"resumed {where}; waiting for a device") or JobReply(summarize(job.stored,
-                                                                                                       job.status))
+        return await self.pausing.resume(job, f"resumed {where}; waiting for a device") or JobReply(
+            summarize(job.stored, job.status)
+        )
 
     # --- cancel and stop -------------------------------------------------------------------------
     async def _end_early(self, q: JobQuery, action: str, tenant: str | None) -> JobReply | Error:
@@ -311,25 +423,35 @@ class SchedulerApi:
             return Error(f"job {job.id} already ended ({state})", field="job")
         if state == "paused":
             if action == "stop":
-                return Error(f"job {job.id} is paused: resume it to go on and stop it later, or cancel it (its "
-                             "checkpoints stay in the store)", field="job")
+                return Error(
+                    f"job {job.id} is paused: resume it to go on and stop it later, or cancel it (its "
+                    "checkpoints stay in the store)",
+                    field="job",
+                )
             core.note_unpaused(job)
             await core.set_state(job, "cancelled", "cancelled while paused", when=lambda s: s.state == "paused")
             return JobReply(summarize(job.stored, job.status))
         if state == "queued":
             core.queue.discard(job.id)
             core.take_cached_request(job.id)
-            if not await core.set_state(job, "cancelled", f"{action} asked while queued",
-                                         when=lambda s: s.state == "queued"):
+            if not await core.set_state(
+                job, "cancelled", f"{action} asked while queued", when=lambda s: s.state == "queued"
+            ):
                 return Error(f"job {job.id} was just placed; ask again", field="job")
         else:
             try:
-                reply = await bus.request(core.nc, names.node(job.status.node or "").control, Control(job.id, action),  # type: ignore[arg-type]
-                                          ControlReply, timeout=core.cfg.assign_timeout)
+                reply = await bus.request(
+                    core.nc,
+                    names.node(job.status.node or "").control,
+                    Control(job.id, action),  # type: ignore[arg-type]
+                    ControlReply,
+                    timeout=core.cfg.assign_timeout,
+                )
                 if not reply.ok:
                     return Error(reply.message)
             except bus.RequestError as e:
-                log.warning("node %s did not answer %s of %s (%s); marking it cancelled", job.status.node, action,
-                            job.id, e)
+                log.warning(
+                    "node %s did not answer %s of %s (%s); marking it cancelled", job.status.node, action, job.id, e
+                )
                 await core.set_state(job, "cancelled", f"{action} asked; node {job.status.node} did not answer")
         return JobReply(summarize(job.stored, job.status))

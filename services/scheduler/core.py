@@ -268,16 +268,28 @@ class SchedulerCore:
         self.finished.pop(job.id, None)
         self.finished[job.id] = time.monotonic()
         try:
-            await self.index.finished(Finished(job=job.id, tenant=job.stored.tenant, state=job.status.state,
-                                               finished=job.status.updated or time.time(),
-                                               submitted_seq=job.stored.index_seq))
+            await self.index.finished(
+                Finished(
+                    job=job.id,
+                    tenant=job.stored.tenant,
+                    state=job.status.state,
+                    finished=job.status.updated or time.time(),
+                    submitted_seq=job.stored.index_seq,
+                )
+            )
             await self.store.unmark_active(job.id)
         except Exception as e:
-            log.warning("job %s ended, but its index entries could not be written (%s: %s); the next scheduler "
-                        "to lead writes them", job.id, type(e).__name__, e)
+            log.warning(
+                "job %s ended, but its index entries could not be written (%s: %s); the next scheduler "
+                "to lead writes them",
+                job.id,
+                type(e).__name__,
+                e,
+            )
 
-    async def set_state(self, job: Job, state: JobState, message: str,
-                         when: Callable[[JobStatus], bool] | None = None, **changes) -> bool:
+    async def set_state(
+        self, job: Job, state: JobState, message: str, when: Callable[[JobStatus], bool] | None = None, **changes
+    ) -> bool:
         """Change a job's state if `when(status)` holds (checked under the job's lock); False if not written."""
         async with job.lock:
             if when is not None and not when(job.status):
@@ -291,7 +303,6 @@ class SchedulerCore:
             self._leave_slot(job)
         return await self._write(job, status)
 
-    async def requeue(self, job: Job, why: str, when: Callable[[JobStatus], bool] | None = None,
-                      **changes) -> None:
+    async def requeue(self, job: Job, why: str, when: Callable[[JobStatus], bool] | None = None, **changes) -> None:
         if await self.set_state(job, "queued", why, when=when, **UNPLACED, **changes):
             self.enqueue(job)

@@ -35,12 +35,20 @@ class JobEvents:
             return
         job_id, node = names.job_and_node_of_subject(msg.subject)
         job = self.core.jobs.get(job_id)
-        if (job and job.status.state in ACTIVE_STATES and job.status.node == node  # only from the node that holds it
-                and names.tenant_of_event_subject(msg.subject) == job.stored.tenant):  # under the job's own tenant
-            job.status = msgspec.structs.replace(job.status, step=p.step, steps=p.steps,
-                                                 loss=p.loss if p.loss is not None else job.status.loss,
-                                                 eval_loss=p.eval_loss if p.eval_loss is not None else job.status.eval_loss,
-                                                 peak_mib=p.peak_mib if p.peak_mib is not None else job.status.peak_mib)
+        if (
+            job
+            and job.status.state in ACTIVE_STATES
+            and job.status.node == node  # only from the node that holds it
+            and names.tenant_of_event_subject(msg.subject) == job.stored.tenant
+        ):  # under the job's own tenant
+            job.status = msgspec.structs.replace(
+                job.status,
+                step=p.step,
+                steps=p.steps,
+                loss=p.loss if p.loss is not None else job.status.loss,
+                eval_loss=p.eval_loss if p.eval_loss is not None else job.status.eval_loss,
+                peak_mib=p.peak_mib if p.peak_mib is not None else job.status.peak_mib,
+            )
 
     async def consume_states(self, sub, lost: asyncio.Event, stop: asyncio.Event) -> None:
         while not (stop.is_set() or lost.is_set()):
@@ -64,8 +72,12 @@ class JobEvents:
                 await self.apply_state(m)
                 await m.ack()
             except Exception as e:  # not acked: JetStream delivers it again (ack_wait), after the ones before it
-                log.warning("could not apply a state of job %s yet (%s: %s); it will be redelivered",
-                            names.job_and_node_of_subject(m.subject)[0], type(e).__name__, e)
+                log.warning(
+                    "could not apply a state of job %s yet (%s: %s); it will be redelivered",
+                    names.job_and_node_of_subject(m.subject)[0],
+                    type(e).__name__,
+                    e,
+                )
                 return
 
     async def apply_state(self, msg) -> None:
@@ -84,21 +96,34 @@ class JobEvents:
             log.warning("ignored a state of job %s: no such job in the jobs bucket", ev.job)
             return
         if names.tenant_of_event_subject(msg.subject) != job.stored.tenant:
-            log.warning("ignored a state of job %s from node %s sent on %s: not under the job's tenant", ev.job, node,
-                        msg.subject)
+            log.warning(
+                "ignored a state of job %s from node %s sent on %s: not under the job's tenant",
+                ev.job,
+                node,
+                msg.subject,
+            )
             return
         if (node, ev.attempt) != (job.status.node, job.status.attempt) and job.status.state not in TERMINAL_STATES:
-            log.warning("ignored %r of job %s from node %s (attempt %d): the job's attempt %d is %s", ev.state, ev.job,
-                        node, ev.attempt, job.status.attempt,
-                        f"on node {job.status.node}" if job.status.node else "not on any node")
+            log.warning(
+                "ignored %r of job %s from node %s (attempt %d): the job's attempt %d is %s",
+                ev.state,
+                ev.job,
+                node,
+                ev.attempt,
+                job.status.attempt,
+                f"on node {job.status.node}" if job.status.node else "not on any node",
+            )
             return
 
         seq = msg.metadata.sequence.stream
 
         def current(s: JobStatus) -> bool:  # not from an earlier attempt, not after the end, not a repeat, and
-            return (ev.attempt == s.attempt and s.state not in TERMINAL_STATES  # not older than one applied: a
-                    and (ev.state, ev.message) != (s.state, s.message)  # state that failed once and comes again
-                    and seq > s.event_seq)  # after a later one must not undo it
+            return (
+                ev.attempt == s.attempt
+                and s.state not in TERMINAL_STATES  # not older than one applied: a
+                and (ev.state, ev.message) != (s.state, s.message)  # state that failed once and comes again
+                and seq > s.event_seq
+            )  # after a later one must not undo it
 
         if ev.state == "queued":  # the agent handed it back (shutting down) before it could finish
             return await core.requeue(job, ev.message, when=current, event_seq=seq)

@@ -60,9 +60,17 @@ class IdempotencyKeys:
             if fresh and await job_exists(earlier.job):
                 if earlier.request_sha256 == record.request_sha256:
                     return earlier.job
-                raise InvalidRequest([FieldError("idempotency_key", (
-                    f"was used for job {earlier.job}, a different request, {record.created - earlier.created:.0f}s ago; "
-                    "use a new key for a new job"))])
+                raise InvalidRequest(
+                    [
+                        FieldError(
+                            "idempotency_key",
+                            (
+                                f"was used for job {earlier.job}, a different request, {record.created - earlier.created:.0f}s ago; "
+                                "use a new key for a new job"
+                            ),
+                        )
+                    ]
+                )
             # expired, or its job was never stored (a crash between the two writes): the key is free again
             if await self.store.write_idempotency(key, record, revision):
                 return None
@@ -70,4 +78,3 @@ class IdempotencyKeys:
     async def release(self, key: str) -> None:
         """The job could not be stored: its key must not point at it."""
         await self.store.forget_idempotency(key)
-

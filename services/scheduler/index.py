@@ -50,8 +50,12 @@ class JobIndex:
         return ack.seq
 
     async def finished(self, entry: Finished) -> int:
-        ack = await self.js.publish(names.job_index_finished(names.tenant_token(entry.tenant), entry.state),
-                                    _enc.encode(entry), timeout=5.0, headers={"Nats-Msg-Id": f"done-{entry.job}"})
+        ack = await self.js.publish(
+            names.job_index_finished(names.tenant_token(entry.tenant), entry.state),
+            _enc.encode(entry),
+            timeout=5.0,
+            headers={"Nats-Msg-Id": f"done-{entry.job}"},
+        )
         return ack.seq
 
     async def end(self) -> int:

@@ -62,8 +62,10 @@ class Lease:
         holder = await self.holder_now()
         if holder and holder != self.holder:
             return f"scheduler {holder} took the lease over"
-        return (f"the lease lapsed: it was not renewed within {self.ttl:.0f}s (NATS unreachable or restarting?); "
-                "taking it again")
+        return (
+            f"the lease lapsed: it was not renewed within {self.ttl:.0f}s (NATS unreachable or restarting?); "
+            "taking it again"
+        )
 
     async def release(self) -> None:
         try:

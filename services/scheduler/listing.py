@@ -16,11 +16,19 @@ BATCH = 64  # entries resolved at once
 
 def from_memory(jobs, q: JobListQuery, tenant: str | None) -> JobList:
     """Jobs in a state that only active jobs have: all of them are in memory."""
-    chosen = sorted((j for j in jobs if j.status.state == q.state and (q.node is None or j.status.node == q.node)
-                     and (tenant is None or j.stored.tenant == tenant)
-                     and (q.after is None or j.stored.index_seq < q.after)),
-                    key=lambda j: j.stored.index_seq, reverse=True)
-    page = chosen[:q.limit]
+    chosen = sorted(
+        (
+            j
+            for j in jobs
+            if j.status.state == q.state
+            and (q.node is None or j.status.node == q.node)
+            and (tenant is None or j.stored.tenant == tenant)
+            and (q.after is None or j.stored.index_seq < q.after)
+        ),
+        key=lambda j: j.stored.index_seq,
+        reverse=True,
+    )
+    page = chosen[: q.limit]
     more = len(chosen) > q.limit
     return JobList([summarize(j.stored, j.status) for j in page], next=page[-1].stored.index_seq if more else None)
 
@@ -38,8 +46,9 @@ async def from_index(index: JobIndex, store: JobStore, memory: dict, q: JobListQ
         if not entries:
             return JobList(out, next=None)
         scanned += len(entries)
-        for entry, summary in zip(entries, await asyncio.gather(*(_summary(store, memory, e, finished)
-                                                                   for e in entries))):
+        for entry, summary in zip(
+            entries, await asyncio.gather(*(_summary(store, memory, e, finished) for e in entries))
+        ):
             cursor = entry.seq
             if summary is not None and (q.node is None or summary.node == q.node):
                 out.append(summary)

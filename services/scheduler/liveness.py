@@ -48,8 +48,12 @@ class Liveness:
         running = set(hb.running) | set(hb.finished)
         for job_id in list(core.by_node.get(hb.node, ())):
             job = core.jobs[job_id]
-            if (job.status.state in ACTIVE_STATES and job_id not in running and now - job.assigned_at > grace
-                    and not job.suspect):
+            if (
+                job.status.state in ACTIVE_STATES
+                and job_id not in running
+                and now - job.assigned_at > grace
+                and not job.suspect
+            ):
                 job.suspect = True
                 core.spawn(self._lost(job, f"node {hb.node} is not running it"))
 
@@ -83,8 +87,10 @@ class Liveness:
         core.awaited.pop(node, None)
         log.warning("node %s stopped answering at %s", node, when)
         jobs = list(core.by_node.pop(node, ()))
-        results = await asyncio.gather(*(self._lost(core.jobs[j], f"node {node} stopped answering at {when}")
-                                         for j in jobs), return_exceptions=True)
+        results = await asyncio.gather(
+            *(self._lost(core.jobs[j], f"node {node} stopped answering at {when}") for j in jobs),
+            return_exceptions=True,
+        )
         for job_id, r in zip(jobs, results):
             if isinstance(r, Exception):  # its record could not be written: try again next tick
                 log.warning("could not record the loss of job %s: %s", job_id, r)
@@ -103,8 +109,9 @@ class Liveness:
             if never_ran or used < job.stored.request.retries:
                 used += 0 if never_ran else 1
                 retry = "" if never_ran else f" (retry {used} of {job.stored.request.retries})"
-                if await core.set_state_locked(job, "queued", f"{why}; re-queued{retry}", **UNPLACED,
-                                                retries_used=used):
+                if await core.set_state_locked(
+                    job, "queued", f"{why}; re-queued{retry}", **UNPLACED, retries_used=used
+                ):
                     core.enqueue(job)
             else:
                 await core.set_state_locked(job, "failed", why)

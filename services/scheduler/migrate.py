@@ -27,8 +27,15 @@ async def migrate(store: JobStore, index: JobIndex) -> None:
         seq = await index.submitted(stored.tenant, stored.id)
         status = statuses.get(stored.id, (None, 0))[0]
         if status is not None and status.state in TERMINAL_STATES:
-            await index.finished(Finished(job=stored.id, tenant=stored.tenant, state=status.state,
-                                          finished=status.updated or stored.created, submitted_seq=seq))
+            await index.finished(
+                Finished(
+                    job=stored.id,
+                    tenant=stored.tenant,
+                    state=status.state,
+                    finished=status.updated or stored.created,
+                    submitted_seq=seq,
+                )
+            )
         else:
             await store.mark_active(stored.id)
         await store.rewrite_request(msgspec.structs.replace(full, index_seq=seq))

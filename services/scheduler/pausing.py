@@ -47,8 +47,13 @@ class Pausing:
             why = "is storing its artifacts and ends in a moment" if state == "uploading" else f"is {state}"
             return Error(f"job {job.id} {why}; only queued and running jobs pause", field="job")
         try:
-            reply = await bus.request(core.nc, names.node(job.status.node or "").control, Control(job.id, "pause", by),
-                                      ControlReply, timeout=core.cfg.assign_timeout)
+            reply = await bus.request(
+                core.nc,
+                names.node(job.status.node or "").control,
+                Control(job.id, "pause", by),
+                ControlReply,
+                timeout=core.cfg.assign_timeout,
+            )
         except bus.RequestError as e:
             return Error(f"node {job.status.node} did not answer the pause ({e}); ask again", field="job")
         return None if reply.ok else Error(reply.message, field="job")
@@ -69,8 +74,12 @@ class Pausing:
             if dev.reclaim_mib:
                 for job_id in dev.jobs:
                     job = core.jobs.get(job_id)
-                    if (job is not None and job.status.state in ACTIVE_STATES and job_id not in core.pausing
-                            and job.stored.request.priority <= core.cfg.reclaim_pause_priority):
+                    if (
+                        job is not None
+                        and job.status.state in ACTIVE_STATES
+                        and job_id not in core.pausing
+                        and job.stored.request.priority <= core.cfg.reclaim_pause_priority
+                    ):
                         core.pausing.add(job_id)
                         core.spawn(self._pause_for_engine(job, slot, dev.reclaim_mib))
             elif core.engine_paused.get(slot):

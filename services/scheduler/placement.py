@@ -56,8 +56,12 @@ class Fleet:
     def _reindex(self, node: str, dev: Device) -> None:
         key = (node, dev.index)
         item = (dev.free_mib, node, dev.index)
-        want = (not dev.jobs and key not in self.reserved and not dev.reclaim_mib  # an engine wanting memory: no new job
-                and not dev.failed)
+        want = (
+            not dev.jobs
+            and key not in self.reserved
+            and not dev.reclaim_mib  # an engine wanting memory: no new job
+            and not dev.failed
+        )
         old = self._indexed.get(key)
         if old and (not want or old[1] != item):
             self._unindex(key)
@@ -134,8 +138,9 @@ class Fleet:
     def kinds(accelerator: str) -> tuple[str, ...]:
         return {"gpu": ("cuda",), "cpu": ("cpu",), "any": ("cuda", "cpu")}[accelerator]
 
-    def find(self, need_mib: int, accelerator: str, node: str | None = None,
-             held: Container[str] = ()) -> SlotKey | None:
+    def find(
+        self, need_mib: int, accelerator: str, node: str | None = None, held: Container[str] = ()
+    ) -> SlotKey | None:
         """The free device with the least free memory that still fits (best fit), or None; nodes in `held` are
         kept for a multi-device job that waits for them."""
         kinds = self.kinds(accelerator)
@@ -166,11 +171,15 @@ class Fleet:
         view = self.nodes.get(node)
         if not view:
             return []
-        return sorted((d.free_mib, d.index) for d in view.devices.values()
-                      if d.kind in kinds and d.free_mib >= need_mib and (node, d.index) in self._indexed)
+        return sorted(
+            (d.free_mib, d.index)
+            for d in view.devices.values()
+            if d.kind in kinds and d.free_mib >= need_mib and (node, d.index) in self._indexed
+        )
 
-    def find_gang(self, need_mib: int, accelerator: str, count: int, node: str | None = None,
-                  held: Container[str] = ()) -> list[SlotKey] | None:
+    def find_gang(
+        self, need_mib: int, accelerator: str, count: int, node: str | None = None, held: Container[str] = ()
+    ) -> list[SlotKey] | None:
         """`count` free devices of one node, each with need_mib free (the best-fitting node), or None: a job on
         several devices is placed whole or not at all."""
         kinds, best = self.kinds(accelerator), None
@@ -196,8 +205,11 @@ class Fleet:
         engines hold stays held), and where: the count-th roomiest device of the best node."""
         best = (0, "no GPU node")
         for name, view in self.views(node):
-            rooms = sorted((min(d.total_mib, d.free_mib + held_mib((name, d.index))), d.index)
-                           for d in view.devices.values() if d.kind == "cuda")
+            rooms = sorted(
+                (min(d.total_mib, d.free_mib + held_mib((name, d.index))), d.index)
+                for d in view.devices.values()
+                if d.kind == "cuda"
+            )
             if len(rooms) >= count and rooms[-count][0] > best[0]:
                 room, index = rooms[-count]
                 best = (room, f"{name} device {index}" if count == 1 else f"{count} devices of {name}")

@@ -26,6 +26,7 @@ class Placer:
 
     async def run(self, lost: asyncio.Event, stop: asyncio.Event) -> None:
         core = self.core
+
         async def wake_on_end():
             await wait_first(stop, lost)
             core.wake.set()
@@ -43,8 +44,11 @@ class Placer:
     def place_pass(self) -> None:
         core = self.core
         holding = self._devices_by_tenant()
-        held = core.gang_holds = {n: j for n, j in core.gang_holds.items()
-                                  if j in core.queue and n in core.fleet.nodes and not core.fleet.nodes[n].heartbeat.draining}
+        held = core.gang_holds = {
+            n: j
+            for n, j in core.gang_holds.items()
+            if j in core.queue and n in core.fleet.nodes and not core.fleet.nodes[n].heartbeat.draining
+        }
 
         def kept_from(job_id: str, priority: int) -> set[str]:
             """Nodes kept for a waiting multi-device job this one may not pass (it has no higher priority)."""
@@ -74,9 +78,14 @@ class Placer:
                     core.fleet.reserve(slot, job_id)
                 held.pop(next((n for n, j in held.items() if j == job_id), ""), None)
                 holding[tenant] = holding.get(tenant, 0) + len(slots)
-                job.status = msgspec.structs.replace(job.status, node=slots[0][0], device=slots[0][1],
-                                                     devices=[i for _, i in slots] if len(slots) > 1 else [])
+                job.status = msgspec.structs.replace(
+                    job.status,
+                    node=slots[0][0],
+                    device=slots[0][1],
+                    devices=[i for _, i in slots] if len(slots) > 1 else [],
+                )
                 return True
+
             return try_place
 
         for node in core.queue.pinned_nodes():
@@ -100,11 +109,19 @@ class Placer:
                 continue  # not waiting, or its status is being written (the next pass looks again)
             req, tenant = job.stored.request, job.stored.tenant
             if self._device_quota_full(holding, tenant, req.devices):
-                reason = (f"waiting: tenant {tenant} holds {holding.get(tenant, 0)} of its "
-                          f"{core.cfg.quota(tenant).devices} devices (its quota); it starts when one of its jobs ends")
+                reason = (
+                    f"waiting: tenant {tenant} holds {holding.get(tenant, 0)} of its "
+                    f"{core.cfg.quota(tenant).devices} devices (its quota); it starts when one of its jobs ends"
+                )
             else:  # a multi-device job's own kept node is not a reason for it to wait
-                shape = (req.accelerator, req.gpu_mib, req.devices, req.node, req.quantization,
-                         job_id if req.devices > 1 else None)
+                shape = (
+                    req.accelerator,
+                    req.gpu_mib,
+                    req.devices,
+                    req.node,
+                    req.quantization,
+                    job_id if req.devices > 1 else None,
+                )
                 if shape not in reasons:
                     reasons[shape] = explain(core.fleet, req, {n: j for n, j in held.items() if j != job_id})[0]
                 reason = reasons[shape]
@@ -114,8 +131,9 @@ class Placer:
 
     async def _say_why(self, job: Job, message: str) -> None:
         core = self.core
-        await core.set_state(job, "queued", message,
-                              when=lambda s: s.state == "queued" and s.node is None and s.message != message)
+        await core.set_state(
+            job, "queued", message, when=lambda s: s.state == "queued" and s.node is None and s.message != message
+        )
         core.wake.set()  # a pass that skipped the job while this was written may place it now
 
     def _device_quota_full(self, holding: dict, tenant: str | None, devices: int) -> bool:
@@ -131,8 +149,11 @@ class Placer:
         if job_id in core.gang_holds.values():
             return
         req = core.jobs[job_id].stored.request
-        home = node if node is not None else core.fleet.gang_home(req.gpu_mib, req.accelerator, req.devices,
-                                                                  kept | set(core.gang_holds))
+        home = (
+            node
+            if node is not None
+            else core.fleet.gang_home(req.gpu_mib, req.accelerator, req.devices, kept | set(core.gang_holds))
+        )
         if home is not None and home not in core.gang_holds:
             core.gang_holds[home] = job_id
             log.info("node %s is kept for job %s, which needs %d devices there", home, job_id, req.devices)
@@ -149,9 +170,14 @@ class Placer:
         core.by_node.setdefault(node, set()).add(job.id)
         job.assigned_at = time.monotonic()
         try:
-            written = await core.set_state(job, "assigned", f"assigned to {node} {on_devices([i for _, i in slots])}",
-                                            attempt=attempt, held_by=[*job.status.held_by, node][-100:],
-                                            when=lambda s: s.state == "queued")
+            written = await core.set_state(
+                job,
+                "assigned",
+                f"assigned to {node} {on_devices([i for _, i in slots])}",
+                attempt=attempt,
+                held_by=[*job.status.held_by, node][-100:],
+                when=lambda s: s.state == "queued",
+            )
         except Exception as e:  # JetStream away: the job stays queued, the slot free
             log.warning("could not record the assignment of %s (%s); it stays queued", job.id, e)
             written = False
@@ -166,13 +192,27 @@ class Placer:
             return
         try:
             request = core.take_cached_request(job.id) or (await core.store.request(job.id)).request
-            reply = await bus.request(core.nc, names.node(node).assign,
-                                      Assignment(job=job.id, device=device, devices=job.status.devices, attempt=attempt, request=request,
-                                                 resume_from=job.status.checkpoint, tenant=job.stored.tenant),
-                                      AssignReply, timeout=core.cfg.assign_timeout)
+            reply = await bus.request(
+                core.nc,
+                names.node(node).assign,
+                Assignment(
+                    job=job.id,
+                    device=device,
+                    devices=job.status.devices,
+                    attempt=attempt,
+                    request=request,
+                    resume_from=job.status.checkpoint,
+                    tenant=job.stored.tenant,
+                ),
+                AssignReply,
+                timeout=core.cfg.assign_timeout,
+            )
         except bus.RequestError as e:
             reply = AssignRefused(job.id, str(e))
         if isinstance(reply, AssignRefused):
             log.info("node %s refused job %s: %s; re-queued", node, job.id, reply.reason)
-            await core.requeue(job, f"node {node} refused it ({reply.reason}); waiting for a device",
-                                when=lambda s: s.state == "assigned" and s.attempt == attempt)
+            await core.requeue(
+                job,
+                f"node {node} refused it ({reply.reason}); waiting for a device",
+                when=lambda s: s.state == "assigned" and s.attempt == attempt,
+            )

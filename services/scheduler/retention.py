@@ -37,8 +37,11 @@ class Retention:
                 try:
                     removed = await self.expire_history(time.time() - core.cfg.retention_s)
                     if removed:
-                        log.info("removed %d finished jobs older than the retention time (%.0fs)", removed,
-                                 core.cfg.retention_s)
+                        log.info(
+                            "removed %d finished jobs older than the retention time (%.0fs)",
+                            removed,
+                            core.cfg.retention_s,
+                        )
                 except Exception as e:  # the store or the artifact service away: the next sweep goes on
                     log.warning("removing expired jobs stopped (%s: %s); the next sweep goes on", type(e).__name__, e)
 
@@ -73,13 +76,16 @@ class Retention:
         core = self.core
         done = decode_finished(entry.data)
         if core.cfg.retention_artifacts:
-            reply: Deleted | Error = await bus.request(core.nc, names.ARTIFACTS_DELETE, ArtifactQuery(job=done.job),
-                                                       Deleted | Error, timeout=10.0)  # type: ignore[arg-type]
+            reply: Deleted | Error = await bus.request(
+                core.nc, names.ARTIFACTS_DELETE, ArtifactQuery(job=done.job), Deleted | Error, timeout=10.0
+            )  # type: ignore[arg-type]
             if isinstance(reply, Error):
                 raise RuntimeError(f"the artifact service did not delete job {done.job}'s artifacts: {reply.error}")
         core.forget(done.job)
         await core.store.remove(done.job)
-        await core.js.purge_stream(names.JOBS_STREAM, subject=names.job_events(done.job, names.tenant_token(done.tenant)))
+        await core.js.purge_stream(
+            names.JOBS_STREAM, subject=names.job_events(done.job, names.tenant_token(done.tenant))
+        )
         if done.submitted_seq:
             await core.index.remove(done.submitted_seq)
         await core.index.remove(entry.seq)  # last: a sweep cut short finds the job again

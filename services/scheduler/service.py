@@ -65,8 +65,12 @@ class Scheduler:
             try:
                 await self._lead(lease, stop)
             except Exception as e:  # no error may leave the fleet without a scheduler: stand by and lead again
-                log.error("could not lead (%s: %s); releasing the lease and trying again in %.0fs",
-                          type(e).__name__, e, RETRY_LEAD_S)
+                log.error(
+                    "could not lead (%s: %s); releasing the lease and trying again in %.0fs",
+                    type(e).__name__,
+                    e,
+                    RETRY_LEAD_S,
+                )
                 await lease.release()
                 await sleep_unless_stopped(stop, RETRY_LEAD_S)
             finally:
@@ -81,8 +85,9 @@ class Scheduler:
         config = (await self.js.stream_info(names.kv(names.IDEMPOTENCY_KV).stream)).config
         if config.max_age != self.cfg.idempotency_window_s:
             window = self.cfg.idempotency_window_s  # JetStream wants a duplicate window no longer than the max age
-            await self.js.update_stream(config.evolve(max_age=window,
-                                                      duplicate_window=min(config.duplicate_window or window, window)))
+            await self.js.update_stream(
+                config.evolve(max_age=window, duplicate_window=min(config.duplicate_window or window, window))
+            )
         return kv
 
     async def _recover(self) -> None:
@@ -109,11 +114,15 @@ class Scheduler:
         ]
         await self._drop_old_consumers()
         states = await self.js.pull_subscribe(
-            names.JOB_STATES_ALL, durable=names.SCHEDULER_CONSUMER,
-            config=ConsumerConfig(ack_policy=AckPolicy.EXPLICIT, deliver_policy=DeliverPolicy.ALL, max_ack_pending=10_000,
-                                  ack_wait=5.0))  # a state not applied (NATS away) comes back within 5 s
-        service = await nats.micro.add_service(self.nc, name=names.SCHEDULER_SERVICE, version=__version__,
-                                               description="jetlora job scheduler")
+            names.JOB_STATES_ALL,
+            durable=names.SCHEDULER_CONSUMER,
+            config=ConsumerConfig(
+                ack_policy=AckPolicy.EXPLICIT, deliver_policy=DeliverPolicy.ALL, max_ack_pending=10_000, ack_wait=5.0
+            ),
+        )  # a state not applied (NATS away) comes back within 5 s
+        service = await nats.micro.add_service(
+            self.nc, name=names.SCHEDULER_SERVICE, version=__version__, description="jetlora job scheduler"
+        )
         api = service.add_group(name=names.API_GROUP)
         for name, subject, handler, concurrently in self.api.endpoints():
             await bus.add_endpoint(api, name, handler, subject, concurrently=concurrently)

@@ -28,7 +28,11 @@ def size(fleet: Fleet, req: JobRequest, held_mib: Callable[[SlotKey], int]) -> t
     room, where = fleet.largest_room(req.devices, req.node, held_mib)
     if need.mib > room:
         fixes = what_would_fit(shape, req, room)
-        return req, [FieldError("gpu_mib", f"the job needs ~{need.mib:,} MiB ({need.why()}); the largest free is "
-                                           f"{room:,} MiB ({where}): " + "; ".join(fixes)
-                                           + "; or give gpu_mib if you know better")]
+        return req, [
+            FieldError(
+                "gpu_mib",
+                f"the job needs ~{need.mib:,} MiB ({need.why()}); the largest free is "
+                f"{room:,} MiB ({where}): " + "; ".join(fixes) + "; or give gpu_mib if you know better",
+            )
+        ]
     return msgspec.structs.replace(req, gpu_mib=need.mib), []

@@ -125,12 +125,15 @@ class JobStore:
         for key in (request_key(job), status_key(job), active_key(job)):
             await self.js.purge_stream(JOBS.stream, subject=JOBS.prefix + key)
 
-    async def load_active(self, concurrency: int = 128) -> list[tuple[StoredRequest | None, JobStatus | None, int, JobId]]:
+    async def load_active(
+        self, concurrency: int = 128
+    ) -> list[tuple[StoredRequest | None, JobStatus | None, int, JobId]]:
         """Every job marked active, with its request and status, read without touching finished jobs:
         (request or None when it was never stored, status or None, status revision, id)."""
         ids: list[JobId] = []
-        await self._last_per_subject(JOBS.prefix + active_key(">"), lambda msg: ids.append(
-            msg.subject.removeprefix(JOBS.prefix + ACTIVE + ".")))
+        await self._last_per_subject(
+            JOBS.prefix + active_key(">"), lambda msg: ids.append(msg.subject.removeprefix(JOBS.prefix + ACTIVE + "."))
+        )
         slots = asyncio.Semaphore(concurrency)
 
         async def one(job: JobId):
@@ -166,7 +169,9 @@ class JobStore:
         The consumer's own count says how much there is, and each delivery how much is left, so an error or a
         server still restoring the stream raises LoadError instead of reading as 'no jobs'."""
         try:
-            sub = await self.js.subscribe(subjects, ordered_consumer=True, deliver_policy=DeliverPolicy.LAST_PER_SUBJECT)
+            sub = await self.js.subscribe(
+                subjects, ordered_consumer=True, deliver_policy=DeliverPolicy.LAST_PER_SUBJECT
+            )
         except Exception as e:
             raise LoadError(f"the jobs bucket could not be read ({type(e).__name__}: {e})") from e
         seen = 0
@@ -178,8 +183,10 @@ class JobStore:
                 try:
                     msg = await sub.next_msg(timeout=timeout)
                 except Exception as e:
-                    raise LoadError(f"the jobs bucket stopped delivering after {seen} keys "
-                                    f"({type(e).__name__}); nothing was concluded from it") from e
+                    raise LoadError(
+                        f"the jobs bucket stopped delivering after {seen} keys "
+                        f"({type(e).__name__}); nothing was concluded from it"
+                    ) from e
                 seen += 1
                 if (msg.headers or {}).get(KV_OP) not in (KV_DEL, KV_PURGE):
                     take(msg)

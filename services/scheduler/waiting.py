@@ -41,14 +41,17 @@ def node_reason(fleet: Fleet, name: str, view: NodeView, req: JobRequest, kept_f
 def explain(fleet: Fleet, req: JobRequest, kept: dict[str, str]) -> tuple[str, list[NodeWhy]]:
     """(one line, each node's reason) for a queued job; kept: node -> the multi-device job it is kept for."""
     if req.node is not None and req.node not in fleet.nodes:
-        return (f"waiting: node {req.node}, which the job is pinned to, is not known (no heartbeat from it); it "
-                "starts when that node's agent runs, or submit it without `node`"), []
+        return (
+            f"waiting: node {req.node}, which the job is pinned to, is not known (no heartbeat from it); it "
+            "starts when that node's agent runs, or submit it without `node`"
+        ), []
     views = fleet.views(req.node)
     if not views:
-        return ("waiting: no node is known yet; start `jetlora agent` on a GPU node (or with --offer-cpu to train "
-                "on its CPU)"), []
-    why = [NodeWhy(node=name, reason=node_reason(fleet, name, view, req, kept.get(name)))
-           for name, view in views]
+        return (
+            "waiting: no node is known yet; start `jetlora agent` on a GPU node (or with --offer-cpu to train "
+            "on its CPU)"
+        ), []
+    why = [NodeWhy(node=name, reason=node_reason(fleet, name, view, req, kept.get(name))) for name, view in views]
     counts = Counter(w.reason for w in why)
     if counts[FITS]:
         fitting = ", ".join(w.node for w in why if w.reason == FITS)
@@ -56,8 +59,10 @@ def explain(fleet: Fleet, req: JobRequest, kept: dict[str, str]) -> tuple[str, l
     parts = []
     for reason, count in counts.most_common():
         if reason == "insufficient free memory":
-            reason += f" (need {req.gpu_mib:,} MiB{'' if req.devices == 1 else f' on each of {req.devices}'}, " \
-                      f"largest free {_largest_free(fleet, req):,})"
+            reason += (
+                f" (need {req.gpu_mib:,} MiB{'' if req.devices == 1 else f' on each of {req.devices}'}, "
+                f"largest free {_largest_free(fleet, req):,})"
+            )
         parts.append(f"{count} {reason}")
     summary = f"waiting: 0/{len(why)} nodes are available: {', '.join(parts)}"
     return summary + _fix(fleet, req, counts), why
@@ -65,8 +70,10 @@ def explain(fleet: Fleet, req: JobRequest, kept: dict[str, str]) -> tuple[str, l
 
 def _largest_free(fleet: Fleet, req: JobRequest) -> int:
     kinds = fleet.kinds(req.accelerator)
-    return max((d.free_mib for _, v in fleet.views(req.node) for d in v.devices.values()
-                if d.kind in kinds and not d.failed), default=0)
+    return max(
+        (d.free_mib for _, v in fleet.views(req.node) for d in v.devices.values() if d.kind in kinds and not d.failed),
+        default=0,
+    )
 
 
 def _fix(fleet: Fleet, req: JobRequest, counts: Counter) -> str:
@@ -75,8 +82,10 @@ def _fix(fleet: Fleet, req: JobRequest, counts: Counter) -> str:
     if req.accelerator == "gpu" and lacking == sum(counts.values()):
         cpus = [name for name, view in fleet.views(req.node) if any(d.kind == "cpu" for d in view.devices.values())]
         if cpus and req.quantization != "nf4" and req.devices == 1:
-            return (f"; no known node has a GPU: set accelerator to cpu or any to run on {cpus[0]}'s CPU now, or "
-                    "wait for a GPU node")
+            return (
+                f"; no known node has a GPU: set accelerator to cpu or any to run on {cpus[0]}'s CPU now, or "
+                "wait for a GPU node"
+            )
         return "; no known node has a GPU: it starts when a GPU node's agent joins"
     if counts["too small"] == sum(counts.values()):
         return f"; no device has {req.gpu_mib:,} MiB in total: ask for less gpu_mib, or add a bigger GPU"

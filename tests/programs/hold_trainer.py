@@ -29,8 +29,12 @@ t0 = time.monotonic()
 while step < steps and not signals.asked:
     time.sleep(hold / steps)
     step += 1
-    print(msgspec.json.encode(Progress(step=step, steps=steps, loss=1.0 / step, elapsed_s=time.monotonic() - t0)).decode(),
-          flush=True)
+    print(
+        msgspec.json.encode(
+            Progress(step=step, steps=steps, loss=1.0 / step, elapsed_s=time.monotonic() - t0)
+        ).decode(),
+        flush=True,
+    )
 if signals.pause:
     checkpoint = Path(spec.out_dir) / "checkpoints" / f"step-{step}"
     checkpoint.mkdir(parents=True, exist_ok=True)
@@ -46,5 +50,7 @@ if spec.request.served_by == "llamacpp":  # a stand-in GGUF: its bytes are what 
     gguf = Path(spec.out_dir) / "adapter.gguf"
     gguf.write_bytes(b"GGUF stand-in of " + spec.job.encode())
 state = "stopped" if signals.asked else "trained"
-print(msgspec.json.encode(Finished(state=state, step=step, adapter_dir=str(out), gguf_path=gguf and str(gguf))).decode(),
-      flush=True)
+print(
+    msgspec.json.encode(Finished(state=state, step=step, adapter_dir=str(out), gguf_path=gguf and str(gguf))).decode(),
+    flush=True,
+)

@@ -27,8 +27,21 @@ if pid_file.is_file():  # end the running server, and wait until it has gone (it
         os.kill(old, signal.SIGKILL)
     except ProcessLookupError:
         pass
-cmd = [sys.executable, "-m", "llama_cpp.server", "--model", base, "--port", port, "--host", "127.0.0.1",
-       "--n_ctx", "256", "--verbose", "false"]
+cmd = [
+    sys.executable,
+    "-m",
+    "llama_cpp.server",
+    "--model",
+    base,
+    "--port",
+    port,
+    "--host",
+    "127.0.0.1",
+    "--n_ctx",
+    "256",
+    "--verbose",
+    "false",
+]
 adapter = os.environ.get("JETLORA_ADAPTER_PATH") or os.environ.get("JETLORA_ADAPTERS", "").split(" ")[-1]
 if adapter:
     cmd += ["--lora_path", adapter]
