@@ -8,16 +8,8 @@ from msgspec import Meta, Struct, field
 
 from schemas.integrations import Integration
 from schemas.text import Name, OneLine, Text
-from schemas.training import (
-    ATTENTION_AND_MLP,
-    MODULE_NAME,
-    SEED_MAX,
-    STEPS_MAX,
-    LoraConfig,
-    TrainConfig,
-    check_training,
-)
-from schemas.validate import FieldError, parse_all, pattern
+from schemas.training import ATTENTION_AND_MLP, MODULE_NAME, SEED_MAX, STEPS_MAX, LoraConfig, TrainConfig
+from schemas.validate import FieldError, pattern
 
 __all__ = [
     "ATTENTION_AND_MLP",
@@ -379,127 +371,6 @@ class Error(Struct, tag="error", tag_field="type"):
 
     error: str
     field: str = ""
-
-
-def check_request(req: JobRequest) -> list[FieldError]:
-    """Rules that span fields or need more than a type: each error says what to change."""
-    errors = []
-    if ".." in req.base_dir.split("/"):
-        errors.append(FieldError("base_dir", "must not contain '..'; give the model directory's real path"))
-    t = req.train
-    if not req.data and req.dataset is None:
-        errors.append(
-            FieldError(
-                "data",
-                'the job has no training data: name a dataset ({"name": ...}, see '
-                "`jetlora datasets ls`) or send Q/A pairs inline in data",
-            )
-        )
-    if req.data and req.dataset is not None:
-        errors.append(FieldError("data", "give the training data once: inline data or a dataset, not both"))
-    if t.eval_steps and not t.eval_fraction and req.validation_dataset is None:
-        errors.append(
-            FieldError(
-                "train.eval_steps",
-                "evaluation needs held-out data: set train.eval_fraction (e.g. 0.1), "
-                "name a validation_dataset, or set eval_steps to 0",
-            )
-        )
-    if t.eval_fraction and req.validation_dataset is not None:
-        errors.append(
-            FieldError(
-                "train.eval_fraction",
-                "the job names a validation_dataset: it is the held-out data; set eval_fraction to 0",
-            )
-        )
-    if t.eval_fraction and req.data and len(req.data) * t.eval_fraction < 1:
-        errors.append(
-            FieldError(
-                "train.eval_fraction",
-                f"{t.eval_fraction} of {len(req.data)} examples holds out none; raise it or add data",
-            )
-        )
-    if req.quantization == "nf4" and req.accelerator != "gpu":
-        errors.append(
-            FieldError(
-                "quantization",
-                "nf4 loads the base model with bitsandbytes, which needs a GPU: set "
-                "accelerator to 'gpu', or quantization to 'none' to train on a CPU",
-            )
-        )
-    if req.devices > 1 and req.accelerator != "gpu":
-        errors.append(
-            FieldError(
-                "devices",
-                "a job on several devices runs one rank per GPU of a node (a node offers "
-                "its CPU as one device): set accelerator to 'gpu', or devices to 1",
-            )
-        )
-    if req.accelerator == "cpu" and req.gpu_mib:
-        errors.append(FieldError("gpu_mib", "a CPU job needs no GPU memory: set gpu_mib to 0 or accelerator to 'gpu'"))
-    held_out = bool(t.eval_fraction or req.validation_dataset)
-    if t.early_stopping_patience and not (held_out and t.eval_steps):
-        errors.append(
-            FieldError(
-                "train.early_stopping_patience",
-                "early stopping compares evaluations: set "
-                "train.eval_steps and held-out data (train.eval_fraction or validation_dataset)",
-            )
-        )
-    if t.keep_best and not held_out:
-        errors.append(
-            FieldError(
-                "train.keep_best",
-                "the best adapter is chosen by eval loss: give held-out data "
-                "(train.eval_fraction or validation_dataset) or drop keep_best",
-            )
-        )
-    if t.max_steps and t.warmup_steps > t.max_steps:
-        errors.append(
-            FieldError(
-                "train.warmup_steps",
-                f"{t.warmup_steps} warmup steps is more than the {t.max_steps} "
-                "steps of the run; lower it or raise train.max_steps",
-            )
-        )
-    targets = req.lora.target_modules
-    if len(set(targets)) != len(targets):
-        errors.append(FieldError("lora.target_modules", "lists a module twice; name each once"))
-    if unexportable := sorted(UNEXPORTABLE_TARGETS & set(targets)):
-        errors.append(
-            FieldError(
-                "lora.target_modules",
-                f"{', '.join(unexportable)}: an adapter on the embeddings or the "
-                "output head carries a copy of those base weights, which the GGUF export and vLLM "
-                "do not take; train the attention and MLP layers instead",
-            )
-        )
-    if req.init_adapter is not None and req.lora.init != "default":
-        errors.append(FieldError("lora.init", "the job starts from init_adapter's weights: drop lora.init"))
-    if t.method == "dpo" and (req.data or req.devices > 1):
-        errors.append(
-            FieldError(
-                "data" if req.data else "devices",
-                "dpo trains on a preference dataset (named in "
-                "dataset), on one device: upload the pairs with `jetlora datasets put` and name them",
-            )
-        )
-    errors += check_training(req.lora, t, req.accelerator, req.quantization, req.served_by)
-    return errors
-
-
-REQUIRED_PLACEHOLDERS = {"model": "-", "base_dir": "/-", "data": [{"q": "-", "a": "-"}], "dataset": None}
-
-
-def parse_job_request(data: bytes) -> JobRequest:
-    """A submitted job, or InvalidRequest with every error the schema and the checks find."""
-    return parse_all(
-        data,
-        JobRequest,
-        check_request,
-        REQUIRED_PLACEHOLDERS,
-        "send a JSON object with model, base_dir and data or dataset",
-    )
 
 
 class IdempotencyRecord(Struct, kw_only=True):

@@ -8,7 +8,8 @@ import signal
 from collections.abc import Awaitable, Callable
 
 from services.aio import cancel_and_wait
-from services.bus import BusOptions, connect, ensure_resources
+from services.bus import ensure_resources
+from services.connection import BusOptions, connect
 from services.embedded import EmbeddedNats, state_dir
 
 log = logging.getLogger("jetlora")

@@ -16,7 +16,8 @@ from hypothesis import strategies as st
 from schemas import names
 from schemas.artifacts import ChunkAck
 from schemas.artifacts import ArtifactQuery
-from schemas.jobs import Accepted, JobListQuery, JobQuery, JobRequest, Rejected, check_request
+from schemas.job_checks import check_request
+from schemas.jobs import Accepted, JobListQuery, JobQuery, JobRequest, Rejected
 from services import bus
 from services.embedded import EmbeddedNats
 from tests.conftest import ROOT

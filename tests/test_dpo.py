@@ -179,7 +179,7 @@ def test_preference_rows_are_checked_at_upload(tmp_path):
 
 
 def test_a_dpo_job_names_a_preference_dataset_and_runs_on_one_device():
-    from schemas.jobs import parse_job_request
+    from schemas.job_checks import parse_job_request
     from schemas.validate import InvalidRequest
 
     base = {"model": "tiny", "base_dir": "/m", "train": {"method": "dpo"}}

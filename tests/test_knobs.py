@@ -15,7 +15,8 @@ import pytest
 import torch
 
 from schemas.events import Progress, TrainerSpec
-from schemas.jobs import JobRequest, Rejected, parse_job_request
+from schemas.job_checks import parse_job_request
+from schemas.jobs import JobRequest, Rejected
 from schemas.memory import ModelShape, estimate
 from schemas.training import LoraConfig as LoraSpec
 from schemas.validate import InvalidRequest

@@ -13,7 +13,8 @@ import trustme
 from schemas.jobs import Accepted
 from services import bus
 from services.artifacts.service import ArtifactService
-from services.bus import BusOptions
+from services import connection
+from services.connection import BusOptions
 from services.embedded import EmbeddedNats
 from services.scheduler.service import Scheduler, SchedulerConfig
 from tests.conftest import Agents, submit, wait_state
@@ -22,7 +23,7 @@ from tests.qa import pairs
 
 async def run_a_job(url: str, opts: dict, agent_flags: tuple[str, ...], tmp_path) -> None:
     """Scheduler and artifact service in-process, an agent as a process, each with its own credential."""
-    conns = [await bus.connect(BusOptions(url=url, **opts), service=False) for _ in range(3)]
+    conns = [await connection.connect(BusOptions(url=url, **opts), service=False) for _ in range(3)]
     nc, stop = conns[0], asyncio.Event()
     await bus.ensure_resources(nc)
     sched = Scheduler(conns[1], SchedulerConfig(heartbeat_interval=0.25))

@@ -71,17 +71,7 @@ def train(spec: TrainerSpec, signals: Signals | None = None) -> Finished:
     run = prepare(spec)
     t, world, at = spec.request.train, run.world, run.at
     signals = signals or Signals()
-    board = (
-        RunLogs(
-            TensorBoardLog(
-                run.out_dir / "tensorboard", carried_from=Path(spec.resume_from) if spec.resume_from else None
-            ),
-            spec,
-            run.out_dir,
-        )
-        if world.main
-        else NoLog()
-    )
+    board = open_board(run)
 
     def publish(event) -> None:
         emit(event)
@@ -121,40 +111,12 @@ def train(spec: TrainerSpec, signals: Signals | None = None) -> Finished:
                 if run.prompts and world.main:
                     samples()
             if at.step % t.logging_steps == 0 or last:
-                elapsed = time.monotonic() - start
-                publish(
-                    Progress(
-                        step=at.step,
-                        steps=run.plan.steps,
-                        epoch=at.epoch + position[1] / len(batches),
-                        loss=window_loss / window_count,
-                        lr=lr,
-                        grad_norm=grad_norm,
-                        tokens=at.tokens,
-                        tokens_per_s=at.tokens / elapsed if elapsed > 0 else None,
-                        elapsed_s=elapsed,
-                        eta_s=elapsed / at.step * (run.plan.steps - at.step),
-                        peak_mib=peak_mib(run.device),
-                        eval_loss=eval_loss,
-                        message=early,
-                        preference=run.objective.metrics(world),
-                    )
-                )
+                epoch = at.epoch + position[1] / len(batches)
+                publish(progress(run, start, epoch, window_loss / window_count, lr, grad_norm, eval_loss, early))
                 window_loss, window_count = 0.0, 0
             paused = last and signals.pause  # as the ranks agreed it: a signal coming later is for no step
             if world.main and ((t.save_steps and at.step % t.save_steps == 0 and not last) or paused):
-                path = save_checkpoint(
-                    run.model,
-                    run.optimizer,
-                    run.scheduler,
-                    run.out_dir,
-                    at.step,
-                    *position,
-                    at.tokens,
-                    run.best.state(),
-                )
-                board.copy_into(path)
-                emit(Checkpoint(step=at.step, path=str(path)))
+                checkpoint(run, board, position)
             if last:
                 break
         else:
@@ -162,21 +124,68 @@ def train(spec: TrainerSpec, signals: Signals | None = None) -> Finished:
     if run.prompts and not run.eval_batches and world.main:  # what the adapter answers at the end
         samples()
     board.close()
-    paused = signals.pause if paused is None else paused
+    finished = save_the_end(run, signals.pause if paused is None else paused, early)
+    world.close()
+    return finished
+
+
+def open_board(run: Run):
+    """Where rank 0 logs the run for TensorBoard (carried on from a resumed run's); the other ranks log nothing."""
+    if not run.world.main:
+        return NoLog()
+    resumed = Path(run.spec.resume_from) if run.spec.resume_from else None
+    return RunLogs(TensorBoardLog(run.out_dir / "tensorboard", carried_from=resumed), run.spec, run.out_dir)
+
+
+def progress(
+    run: Run, start: float, epoch: float, loss: float, lr: float, grad_norm: float, eval_loss: float | None, early: str
+) -> Progress:
+    """The progress event after this step: the loss since the last one, speed, time left, memory."""
+    at, elapsed = run.at, time.monotonic() - start
+    return Progress(
+        step=at.step,
+        steps=run.plan.steps,
+        epoch=epoch,
+        loss=loss,
+        lr=lr,
+        grad_norm=grad_norm,
+        tokens=at.tokens,
+        tokens_per_s=at.tokens / elapsed if elapsed > 0 else None,
+        elapsed_s=elapsed,
+        eta_s=elapsed / at.step * (run.plan.steps - at.step),
+        peak_mib=peak_mib(run.device),
+        eval_loss=eval_loss,
+        message=early,
+        preference=run.objective.metrics(run.world),
+    )
+
+
+def checkpoint(run: Run, board, position: tuple[int, int]) -> None:
+    """Save a checkpoint to resume from at `position` (epoch, next batch), and tell the agent to ship it."""
+    at = run.at
+    path = save_checkpoint(
+        run.model, run.optimizer, run.scheduler, run.out_dir, at.step, *position, at.tokens, run.best.state()
+    )
+    board.copy_into(path)
+    emit(Checkpoint(step=at.step, path=str(path)))
+
+
+def save_the_end(run: Run, paused: bool, early: str) -> Finished:
+    """Save the adapter (or, paused, the state to resume from) and say how the run ended, with the probe engines
+    serving this adapter must answer."""
     finished = finish(
         run.model,
         run.out_dir,
-        at.step,
+        run.at.step,
         run.plan.steps,
         paused,
         run.best,
         early,
-        save=world.main,
-        as_lora=lambda m, out: save_plain_lora(m, out, run.initial, spec.request.lora),
+        save=run.world.main,
+        as_lora=lambda m, out: save_plain_lora(m, out, run.initial, run.spec.request.lora),
     )
-    if world.main and finished.state != "paused":  # what engines serving this adapter must answer
+    if run.world.main and finished.state != "paused":
         finished = msgspec.structs.replace(finished, probe=probe(run.model, run.tokenizer, run.device))
-    world.close()
     return finished
 
 

@@ -6,7 +6,7 @@ import argparse
 import os
 
 from services import bus
-from services.bus import BusOptions
+from services.connection import BusOptions
 
 SubCommands = argparse._SubParsersAction  # what add_subparsers() returns; each cli module registers on it
 

@@ -11,8 +11,8 @@ import msgspec
 from nats.aio.client import Client
 
 from schemas.jobs import Error
-from services import bus
-from services.bus import BusOptions
+from services import bus, connection
+from services.connection import BusOptions
 
 T = TypeVar("T")
 EXIT_OK, EXIT_FAILED, EXIT_REJECTED, EXIT_UNREACHABLE = 0, 1, 2, 3
@@ -43,7 +43,7 @@ def run_client(args, body: Callable[[Client], Awaitable[int]]) -> int:
 
     async def go():
         try:
-            nc = await bus.connect(opts, service=False)
+            nc = await connection.connect(opts, service=False)
         except Exception as e:  # nats-py raises NoServersError, OSError or TimeoutError here
             raise OSError(f"{type(e).__name__} {e}".strip()) from None
         try:
@@ -60,7 +60,7 @@ def run_client(args, body: Callable[[Client], Awaitable[int]]) -> int:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_UNREACHABLE
     except OSError as e:
-        print(f"error: cannot reach NATS at {bus.redacted(opts.url)}: {e}", file=sys.stderr)
+        print(f"error: cannot reach NATS at {connection.redacted(opts.url)}: {e}", file=sys.stderr)
         return EXIT_UNREACHABLE
 
 

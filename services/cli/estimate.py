@@ -7,7 +7,7 @@ import sys
 
 import msgspec
 
-from schemas.jobs import parse_job_request
+from schemas.job_checks import parse_job_request
 from schemas.memory import estimate, what_would_fit
 from schemas.validate import InvalidRequest
 from services.agent.models import read_shape

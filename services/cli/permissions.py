@@ -38,109 +38,88 @@ def _object_read() -> list[str]:
 
 
 def roles(nodes: list[str], tenants: Sequence[str] = ()) -> dict[str, dict]:
-    api = list(names.jobs_api()) + [names.LIST_NODES]  # an admin's
-    datasets = [names.DATASETS_UPLOAD_ALL, names.DATASETS.list, names.DATASETS.show] + _read_stream(DATA)
-    watch = _read_stream(JOBS)
-    users = {
-        "scheduler": {
-            "publish": [
-                names.node("*").assign,
-                names.node("*").control,
-                names.JS_API_ALL,
-                names.kv(names.JOBS_KV).subjects,
-                names.kv(names.LEASE_KV).subjects,
-                ADAPTERS.subjects,
-                names.js_acks(JOBS),
-                names.kv(names.IDEMPOTENCY_KV).subjects,
-                *names.JOB_INDEX_SUBJECTS,
-                names.ARTIFACTS_DELETE,
-                names.SERVICE_DISCOVERY_ALL,
-            ],
-            "subscribe": [
-                names.API_GROUP + ".>",
-                names.ADAPTERS_GROUP + ".>",
-                names.HEARTBEATS_ALL,
-                names.JOB_PROGRESS_ALL,
-                names.SERVICE_DISCOVERY_ALL,
-            ],
-        },
-        "artifacts": {
-            "publish": [
-                names.objects(names.ARTIFACTS_BUCKET).subjects,
-                names.objects(names.DATASETS_BUCKET).subjects,
-                names.JS_API_ALL,
-                names.SERVICE_DISCOVERY_ALL,
-            ],
-            "subscribe": [names.ARTIFACTS_GROUP + ".>", names.DATASETS_GROUP + ".>", names.SERVICE_DISCOVERY_ALL],
-        },
-        "submitter": {"publish": api + watch + datasets + [names.ADAPTERS.list, names.ADAPTERS.show], "subscribe": []},
-        "operator": {
-            "publish": api
-            + watch
-            + datasets
-            + list(names.ADAPTERS)
-            + [names.DATASETS.delete, names.node("*").reclaim]
-            + [names.ARTIFACTS_LIST, names.ARTIFACTS_DELETE]
-            + _object_read()
-            + [names.js_api("STREAM", "PURGE", OBJ), names.objects(names.ARTIFACTS_BUCKET).subjects],
-            "subscribe": [names.HEARTBEATS_ALL],
-        },
-        "dashboard": {
-            "publish": [names.LIST_JOBS, names.LIST_NODES, names.ARTIFACTS_LIST, names.ADAPTERS.list]
-            + watch
-            + _object_read(),
-            "subscribe": [names.HEARTBEATS_ALL],
-        },
-    }
-    any_tenant = "*"  # the gateway acts for the tenant of each request's key: a tenant's verbs, never an admin's
-    users["gateway"] = {
-        "publish": list(names.jobs_api(any_tenant))
-        + list(names.datasets_api(any_tenant))
-        + [names.dataset_upload("*", any_tenant)]
-        + _read_stream(names.kv(names.KEYS_KV).stream)
-        + _read_stream(names.kv(names.GATEWAY_JOBS_KV).stream)
-        + [
-            names.kv(names.GATEWAY_JOBS_KV).subjects,
-            names.js_api("STREAM", "INFO", "*"),
-            names.ADAPTERS.show,
-        ],  # a fine-tuned model named as `model`: its base
-        "subscribe": [],
-    }
-    users["operator"]["publish"] += [names.kv(names.KEYS_KV).subjects] + _read_stream(names.kv(names.KEYS_KV).stream)
-    for tenant in tenants:  # its own verbs only: it sees, cancels and stops its own jobs
-        names.check_tenant(tenant)
-        users[f"tenant-{tenant}"] = {
-            "publish": list(names.jobs_api(tenant))
-            + list(names.artifacts_api(tenant))
-            + list(names.datasets_api(tenant))
-            + [names.dataset_upload("*", tenant)],
-            "subscribe": [names.tenant_events(tenant)],
-        }  # its own jobs' events, live
+    """Every user's permissions: the services', an admin's, each tenant's and each node agent's."""
+    users = _service_users() | _people()
+    for tenant in tenants:
+        users[f"tenant-{tenant}"] = _tenant(tenant)
     for node in nodes:
-        names.check_token(node, "node id")
-        users[f"agent-{node}"] = {
-            "publish": [
-                names.node(node).heartbeat,
-                names.job("*", node).state,
-                names.job("*", node).progress,
-                names.job("*", node).preparing,
-                names.job("*", node).samples,
-                names.artifact_upload(node, "*"),
-                names.js_api("INFO"),
-                names.js_api("STREAM", "INFO", JOBS),
-            ]
-            + [f"{ADAPTERS.prefix}node.*.{node}", names.adapter_status(node)]  # what its engines loaded
-            + _object_read()
-            + _read_stream(DATA)
-            + _read_stream(ADAPTERS.stream),  # checkpoints,
-            # datasets to train on, the registry to follow
-            "subscribe": [names.node(node).assign, names.node(node).control, names.node(node).reclaim],
-        }
+        users[f"agent-{node}"] = _agent(node)
     for user, perms in users.items():  # replies come to each user's own inbox, which no other user may read
         perms["subscribe"].append(names.inbox_all(user))
         if user != "scheduler":
             perms["deny_publish"] = _scheduler_consumer()
     return users
+
+
+def _service_users() -> dict[str, dict]:
+    scheduler_publishes = [names.node("*").assign, names.node("*").control, names.JS_API_ALL]
+    scheduler_publishes += [names.kv(kv).subjects for kv in (names.JOBS_KV, names.LEASE_KV, names.IDEMPOTENCY_KV)]
+    scheduler_publishes += [ADAPTERS.subjects, names.js_acks(JOBS), *names.JOB_INDEX_SUBJECTS]
+    scheduler_publishes += [names.ARTIFACTS_DELETE, names.SERVICE_DISCOVERY_ALL]
+    any_tenant = "*"  # the gateway acts for the tenant of each request's key: a tenant's verbs, never an admin's
+    gateway_publishes = list(names.jobs_api(any_tenant)) + list(names.datasets_api(any_tenant))
+    gateway_publishes += [names.dataset_upload("*", any_tenant), names.kv(names.GATEWAY_JOBS_KV).subjects]
+    gateway_publishes += _read_stream(names.kv(names.KEYS_KV).stream) + _read_stream(
+        names.kv(names.GATEWAY_JOBS_KV).stream
+    )
+    gateway_publishes += [names.js_api("STREAM", "INFO", "*"), names.ADAPTERS.show]  # a fine-tuned model's base
+    scheduler_hears = [names.API_GROUP + ".>", names.ADAPTERS_GROUP + ".>", names.HEARTBEATS_ALL]
+    stores = [names.objects(names.ARTIFACTS_BUCKET).subjects, names.objects(names.DATASETS_BUCKET).subjects]
+    return {
+        "scheduler": {
+            "publish": scheduler_publishes,
+            "subscribe": scheduler_hears + [names.JOB_PROGRESS_ALL, names.SERVICE_DISCOVERY_ALL],
+        },
+        "artifacts": {
+            "publish": stores + [names.JS_API_ALL, names.SERVICE_DISCOVERY_ALL],
+            "subscribe": [names.ARTIFACTS_GROUP + ".>", names.DATASETS_GROUP + ".>", names.SERVICE_DISCOVERY_ALL],
+        },
+        "gateway": {"publish": gateway_publishes, "subscribe": []},
+    }
+
+
+def _people() -> dict[str, dict]:
+    """Admins' users: who submits, who operates the fleet, and the dashboard."""
+    api = list(names.jobs_api()) + [names.LIST_NODES]  # an admin's
+    datasets = [names.DATASETS_UPLOAD_ALL, names.DATASETS.list, names.DATASETS.show] + _read_stream(DATA)
+    watch = _read_stream(JOBS)
+    operates = list(names.ADAPTERS) + [names.DATASETS.delete, names.node("*").reclaim, names.ARTIFACTS_LIST]
+    operates += [
+        names.ARTIFACTS_DELETE,
+        names.js_api("STREAM", "PURGE", OBJ),
+        names.objects(names.ARTIFACTS_BUCKET).subjects,
+    ]
+    operates += [names.kv(names.KEYS_KV).subjects] + _read_stream(names.kv(names.KEYS_KV).stream)  # the gateway's keys
+    shown = [names.LIST_JOBS, names.LIST_NODES, names.ARTIFACTS_LIST, names.ADAPTERS.list]
+    return {
+        "submitter": {"publish": api + watch + datasets + [names.ADAPTERS.list, names.ADAPTERS.show], "subscribe": []},
+        "operator": {
+            "publish": api + watch + datasets + operates + _object_read(),
+            "subscribe": [names.HEARTBEATS_ALL],
+        },
+        "dashboard": {"publish": shown + watch + _object_read(), "subscribe": [names.HEARTBEATS_ALL]},
+    }
+
+
+def _tenant(tenant: str) -> dict:
+    """Its own verbs only: it sees, cancels and stops its own jobs, and follows their events live."""
+    names.check_tenant(tenant)
+    publishes = list(names.jobs_api(tenant)) + list(names.artifacts_api(tenant)) + list(names.datasets_api(tenant))
+    return {"publish": publishes + [names.dataset_upload("*", tenant)], "subscribe": [names.tenant_events(tenant)]}
+
+
+def _agent(node: str) -> dict:
+    """What a node's agent sends is under its own node id; it reads checkpoints, datasets and the registry."""
+    names.check_token(node, "node id")
+    job = names.job("*", node)
+    publishes = [names.node(node).heartbeat, job.state, job.progress, job.preparing, job.samples]
+    publishes += [names.artifact_upload(node, "*"), names.js_api("INFO"), names.js_api("STREAM", "INFO", JOBS)]
+    publishes += [f"{ADAPTERS.prefix}node.*.{node}", names.adapter_status(node)]  # what its engines loaded
+    publishes += _object_read() + _read_stream(DATA) + _read_stream(ADAPTERS.stream)
+    return {
+        "publish": publishes,
+        "subscribe": [names.node(node).assign, names.node(node).control, names.node(node).reclaim],
+    }
 
 
 def _scheduler_consumer() -> list[str]:

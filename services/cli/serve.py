@@ -2,92 +2,17 @@
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import logging
-import os
-import shlex
-import socket
 import sys
-from pathlib import Path
 
-from services.bus import BusOptions
+from services.connection import BusOptions
 from services.cli import args as args_
 from services.cli.client import EXIT_FAILED, EXIT_OK
+from services.cli.service_flags import agent_config, agent_flags, dashboard_flags, scheduler_config, scheduler_flags
 from services.runtime import StartupError, embedded_if_needed, serve
 
 log = logging.getLogger(__name__)
-
-
-def _scheduler_config(args):
-    from services.scheduler.core import TenantQuota
-    from services.scheduler.service import SchedulerConfig
-
-    try:
-        quotas = {tenant: TenantQuota.parse(limits) for tenant, _, limits in (q.partition("=") for q in args.quota)}
-        default = TenantQuota.parse(args.default_quota)
-    except ValueError as e:
-        raise StartupError(f"--quota/--default-quota: {e}") from None
-    return SchedulerConfig(
-        heartbeat_interval=args.heartbeat_interval,
-        misses=args.misses,
-        quotas=quotas,
-        default_quota=default,
-        reclaim_pause_priority=args.reclaim_pause_priority,
-        retention_s=args.retention_days * 86400,
-        retention_artifacts=args.retention_artifacts,
-        finished_in_memory_s=args.finished_in_memory_s,
-        idempotency_window_s=args.idempotency_hours * 3600,
-    )
-
-
-def _agent_config(args):
-    from services.agent.service import AgentConfig
-    from services.embedded import state_dir
-
-    cfg = AgentConfig(
-        node=args.node,
-        work_dir=Path(args.work_dir or state_dir() / "agent" / args.node).resolve(),
-        heartbeat_interval=args.heartbeat_interval,
-        offer_cpu=args.offer_cpu,
-        simulate_gpus=args.simulate_gpus,
-        dataset_cache_mib=args.dataset_cache_mib,
-        engines=_engines(args),
-        models=args.model,
-        engine_yield=_yields(args),
-        engine_check_interval=args.engine_check_interval,
-        stage_adapters=not args.no_staging,
-    )
-    if args.trainer_command:
-        cfg.trainer_command = shlex.split(args.trainer_command)
-    return cfg
-
-
-def _engines(args) -> list:
-    from services.agent.engines import Engine
-
-    models = args.engine_model
-    if args.engine and len(models) not in (1, len(args.engine)):
-        raise StartupError(
-            f"{len(args.engine)} --engine but {len(models)} --engine-model: give one model for all, "
-            "or one per engine in the same order"
-        )
-    try:
-        return [
-            Engine.parse(spec, models[0] if len(models) == 1 else models[i], args.engine_max_rank, args.engine_restart)
-            for i, spec in enumerate(args.engine)
-        ]
-    except ValueError as e:
-        raise StartupError(str(e)) from None
-
-
-def _yields(args) -> list:
-    from services.agent.yielding import YieldPolicy
-
-    try:
-        return [YieldPolicy.parse(text) for text in args.engine_yield]
-    except ValueError as e:
-        raise StartupError(str(e)) from None
 
 
 async def run_scheduler(nc, stop, args) -> None:
@@ -96,14 +21,14 @@ async def run_scheduler(nc, stop, args) -> None:
     from services.scheduler.service import Scheduler
 
     async with asyncio.TaskGroup() as tg:
-        tg.create_task(Scheduler(nc, _scheduler_config(args)).run(stop))
+        tg.create_task(Scheduler(nc, scheduler_config(args)).run(stop))
         tg.create_task(RegistryService(nc).run(stop))
 
 
 async def run_agent(nc, stop, args) -> None:
     from services.agent.service import Agent
 
-    await Agent(nc, _agent_config(args)).run(stop)
+    await Agent(nc, agent_config(args)).run(stop)
 
 
 async def run_artifacts(nc, stop, args) -> None:
@@ -246,127 +171,3 @@ def register(sub: args_.SubCommands) -> None:
     p = args_.service(sub, "agent", "run a node agent")
     agent_flags(p)
     p.set_defaults(fn=lambda a: run_service(a, run_agent, owns_resources=False))
-
-
-def agent_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--node", default=os.environ.get("JETLORA_NODE", socket.gethostname().split(".")[0]))
-    p.add_argument("--work-dir")
-    p.add_argument("--offer-cpu", action="store_true", help="train on this node's CPU too (no GPU needed)")
-    p.add_argument("--simulate-gpus", help="report simulated GPUs of these MiB, e.g. 24576,24576 (tests)")
-    p.add_argument(
-        "--trainer-command",
-        help="the trainer to run (default: this Python's `-m trainer`); "
-        "an engine's Python goes here, e.g. '/opt/vllm/bin/python -m trainer'",
-    )
-    p.add_argument(
-        "--engine",
-        action="append",
-        default=_env_list("JETLORA_ENGINES", ";"),
-        help="a serving engine here, which loads the registry's adapters of its model: vllm=URL, "
-        "vllm-dir=DIR[,URL] (vLLM's filesystem resolver) or llamacpp=DIR[,URL] (repeat; env "
-        "JETLORA_ENGINES, ';' between)",
-    )
-    p.add_argument(
-        "--engine-model",
-        action="append",
-        default=_env_list("JETLORA_ENGINE_MODELS", ";"),
-        help="the base model (catalog name) each --engine serves, in the same order (one: all)",
-    )
-    p.add_argument("--engine-max-rank", type=int, default=64, help="the largest LoRA rank the engines take")
-    p.add_argument(
-        "--engine-yield",
-        action="append",
-        default=[],
-        metavar="MODE[,KEY=VALUE...]",
-        help="how training yields to each --engine (one: all): both|compute|memory|off, then poll=S, "
-        "timeout=S, holdoff=S, kv=FRACTION, metrics=S, devices=0+1, exempt=PRIORITY, nice=N "
-        "(default: both,poll=0.2,timeout=1,holdoff=2,kv=0.9,metrics=1,nice=5)",
-    )
-    p.add_argument(
-        "--engine-check-interval",
-        type=float,
-        default=10.0,
-        metavar="S",
-        help="how often the agent compares what each engine serves with the registry (and reloads what an "
-        "engine lost, e.g. after it restarted)",
-    )
-    p.add_argument(
-        "--no-staging",
-        action="store_true",
-        help="fetch a new version of a served adapter only when it is promoted (by default it is fetched "
-        "as soon as it is registered, so the promotion itself has nothing to fetch)",
-    )
-    p.add_argument(
-        "--engine-restart",
-        default="",
-        help="llama.cpp: a command that restarts llama-server with the placed adapters ($JETLORA_ADAPTER_PATH)",
-    )
-    p.add_argument(
-        "--model",
-        action="append",
-        default=_env_list("JETLORA_MODELS", ":"),
-        help="a base model directory on this node (repeat; or JETLORA_MODELS=DIR:DIR): its shape goes "
-        "into heartbeats, so jobs with gpu_mib 0 are sized for it",
-    )
-    p.add_argument(
-        "--dataset-cache-mib",
-        type=int,
-        default=20480,
-        help="disk kept for datasets and their tokenized copies, least recently used evicted first",
-    )
-
-
-def _env_list(variable: str, separator: str) -> list[str]:
-    return [item for item in os.environ.get(variable, "").split(separator) if item]
-
-
-def scheduler_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--misses", type=int, default=3, help="heartbeats missed before a node counts as gone")
-    p.add_argument(
-        "--quota",
-        action="append",
-        default=[],
-        metavar="TENANT=queued:N,devices:M",
-        help="what one tenant may hold at once (repeat for each tenant)",
-    )
-    p.add_argument(
-        "--default-quota",
-        default="",
-        metavar="queued:N,devices:M",
-        help="the quota of tenants without their own --quota (default: none)",
-    )
-    p.add_argument(
-        "--reclaim-pause-priority",
-        type=int,
-        default=0,
-        help="jobs at or below this priority pause when their GPU's serving engine wants memory back",
-    )
-    p.add_argument(
-        "--retention-days",
-        type=float,
-        default=30.0,
-        help="finished jobs' records and events are removed this long after they end (0: kept forever)",
-    )
-    p.add_argument("--retention-artifacts", action="store_true", help="and their artifacts with them")
-    p.add_argument(
-        "--finished-in-memory-s",
-        type=float,
-        default=600.0,
-        help="a finished job stays in the scheduler's memory this long; then it is read from the store",
-    )
-    p.add_argument(
-        "--idempotency-hours",
-        type=float,
-        default=24.0,
-        help="a submission's idempotency key returns its first job for this long",
-    )
-
-
-def dashboard_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "--ws",
-        dest="ws_url",
-        default=os.environ.get("NATS_WS_URL"),
-        help="NATS websocket URL the page connects to (env NATS_WS_URL)",
-    )
-    p.add_argument("--port", type=int, default=8222, help="the dashboard's HTTP port on 127.0.0.1")
