@@ -89,6 +89,15 @@ async def raw(nc, path: Path, name: str) -> float:
     return time.perf_counter() - t0
 
 
+def cpu_s(pid: int | None = None) -> float:
+    """CPU seconds (user + system) a process has used: this one when pid is None."""
+    if pid is None:
+        t = os.times()
+        return t.user + t.system
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 async def main(args) -> None:
     tmp = Path(tempfile.mkdtemp(prefix="jetlora-bench-upload-"))
     server = EmbeddedNats(store_dir=tmp / "nats", websocket=False).start()
@@ -110,14 +119,20 @@ async def main(args) -> None:
         size = path.stat().st_size
         print(f"{rows:,} chat rows, {size / 2**20:.1f} MiB; {args.rounds} rounds, sides alternating")
         times: dict[str, list[float]] = {"jetlora datasets put": [], "object_store.put": []}
+        cpu: dict[str, list[tuple[float, float, float]]] = {label: [] for label in times}
+        procs = [None, server.proc.pid, service.pid]  # this process (the sender), nats-server, the artifact service
         for r in range(args.rounds):  # noqa: B007
             order = [("jetlora datasets put", ours), ("object_store.put", raw)]
             for label, fn in order if r % 2 == 0 else order[::-1]:
+                before = [cpu_s(p) for p in procs]
                 times[label].append(await fn(nc, path, f"round{r}"))
+                cpu[label].append(tuple(cpu_s(p) - b for p, b in zip(procs, before)))
         for label, ts in times.items():
             med = statistics.median(ts)
+            sender, nats_server, service_cpu = (statistics.median(c[i] for c in cpu[label]) for i in range(3))
             print(
                 f"{label:22s} median {med:6.2f} s  {size / 2**20 / med:6.1f} MiB/s  (rounds {min(ts):.2f}-{max(ts):.2f} s)"
+                f"  CPU s: sender {sender:.2f}, nats-server {nats_server:.2f}, artifact service {service_cpu:.2f}"
             )
         ratio = statistics.median(times["object_store.put"]) / statistics.median(times["jetlora datasets put"])
         print(f"jetlora's speed / object_store.put's: {ratio:.2f}x")
