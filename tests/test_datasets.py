@@ -108,7 +108,7 @@ async def test_one_bad_row_deep_inside_refuses_the_whole_file(stack, nc, tmp_pat
 class LineByLine(DatasetChecker):
     """The checker with its many-rows-at-once path off: what every row's verdict must equal."""
 
-    def _block(self, lines: bytes) -> bool:
+    def _block(self, data: bytes, end: int) -> bool:
         return False
 
 
@@ -132,9 +132,23 @@ def test_rows_checked_many_at_once_get_the_verdict_of_one_by_one(piece):
     rows[260] = rows[260][:-3]  # cut short
     rows[300] = json.dumps({"messages": [{"role": "user", "content": 5}]})
     rows[350] = json.dumps({"messages": [{"role": "user", "content": "hi", "weight": 1}]})
+    rows[360] = json.dumps({"messages": [{"role": "bot", "content": "hi"}]})
+    rows[370] = json.dumps({"messages": []})
+    rows[380] = json.dumps(
+        {"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b", "weight": 2}]}
+    )
+    rows[390] = json.dumps(
+        {"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b", "weight": 0}]}
+    )
+    clean = rows[:50] + rows[51:120] + rows[121:200] + rows[201:260]
     files = {
-        "clean": rows[:50] + rows[51:120] + rows[121:200] + rows[201:260],
+        "clean": clean,
         "bad": rows,
+        "a blank line and a line of two rows in one piece": clean[:100]
+        + ["  "]
+        + clean[101:110]
+        + [clean[110] + " " + clean[111]]
+        + clean[112:],
         "qa": [json.dumps({"q": q, "a": a if i != 70 else " "}) for i, (q, a) in enumerate(QA_PAIRS * 20)],
     }
     for name, lines in files.items():
