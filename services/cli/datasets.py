@@ -143,7 +143,7 @@ async def get(nc, name: str, output: str | os.PathLike) -> None:
 def register(sub: args_.SubCommands) -> None:
     p, actions = args_.group(sub, "datasets", "training data stored once and named by jobs: put / ls / show / get / rm")
     tenant = "as this tenant (env JETLORA_TENANT): its own datasets and those shared with it"
-    d = args_.action(actions, "put", "check a JSON-lines file row by row, then upload it", tenant)
+    d = args_.action(actions, "put", "upload a JSON-lines file; the service checks every row as it arrives", tenant)
     d.add_argument("file")
     d.add_argument("--name", help="what jobs call it (default: the file's name up to its first dot)")
     d.add_argument("--format", choices=["auto", *FORMATS], default="auto")
