@@ -59,11 +59,15 @@ def evaluate(
 
 
 def agree(signals: Signals, world: World) -> bool:
-    """Whether to end after this step, the same on every rank: a stop or pause asked of one rank is asked of all."""
+    """Whether to end after this step, the same on every rank: a stop or pause asked of one rank is asked of all.
+    Whether they agreed to pause is signals.agreed_pause. What each rank was asked is left as it is: a signal that
+    came while they agreed (the agent signals every rank) is agreed on at the next step, not lost."""
+    asked, pause = signals.asked, signals.pause
     if world.size > 1:
-        asked, pause = world.sum(float(signals.asked), float(signals.pause))
-        signals.asked, signals.pause = asked > 0, pause > 0
-    return signals.asked
+        ranks_asked, ranks_paused = world.sum(float(asked), float(pause))
+        asked, pause = ranks_asked > 0, ranks_paused > 0
+    signals.agreed_pause = pause
+    return asked
 
 
 def train(spec: TrainerSpec, signals: Signals | None = None) -> Finished:
@@ -114,7 +118,7 @@ def train(spec: TrainerSpec, signals: Signals | None = None) -> Finished:
                 epoch = at.epoch + position[1] / len(batches)
                 publish(progress(run, start, epoch, window_loss / window_count, lr, grad_norm, eval_loss, early))
                 window_loss, window_count = 0.0, 0
-            paused = last and signals.pause  # as the ranks agreed it: a signal coming later is for no step
+            paused = last and signals.agreed_pause  # as the ranks agreed it: a signal coming later is for no step
             if world.main and ((t.save_steps and at.step % t.save_steps == 0 and not last) or paused):
                 checkpoint(run, board, position)
             if last:
@@ -124,7 +128,7 @@ def train(spec: TrainerSpec, signals: Signals | None = None) -> Finished:
     if run.prompts and not run.eval_batches and world.main:  # what the adapter answers at the end
         samples()
     board.close()
-    finished = save_the_end(run, signals.pause if paused is None else paused, early)
+    finished = save_the_end(run, signals.agreed_pause if paused is None else paused, early)
     world.close()
     return finished
 
