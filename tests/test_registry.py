@@ -69,8 +69,10 @@ def placed(tmp_path, node: str, name: str):
 async def test_promote_rollback_and_retire_flip_what_every_node_serves(stack, nc, agents, tmp_path, nats_server):
     agents.start("trainer", gpus="4096", hold_s=0.2)
     await wait_nodes(nc, 1)  # the node with a GPU is known before any job is submitted
-    for node in ("a1", "a2"):
-        agents.start(node, gpus=None, extra=engine(tmp_path, node))
+    agents.start("a1", gpus=None, extra=engine(tmp_path, "a1"))
+    agents.start(
+        "a2", gpus=None, extra=engine(tmp_path, "a2", "tiny", "--adapter-cache-mib", "0")
+    )  # keeps only what it serves
     agents.start("other", gpus=None, extra=engine(tmp_path, "other", "another-model"))
     await wait_nodes(nc, 1)
     first = await trained(nc, register={"name": "support", "promote": True})
@@ -90,6 +92,9 @@ async def test_promote_rollback_and_retire_flip_what_every_node_serves(stack, nc
     await bus.request(nc, names.ADAPTERS.promote, PromoteRequest(name="support", version=2, expect=1), AdapterReply)
     await serving(nc, "support", {"a1": (2, "placed"), "a2": (2, "placed")})
     assert {n: p.stat().st_ino for n, p in staged.items()} == inodes
+    v1 = {n: agents.tmp / n / "adapters" / reply.versions[0].peft.sha256 for n in ("a1", "a2")}
+    await wait_for(lambda: not v1["a2"].exists(), timeout=30, what="a2 (budget 0) to remove v1, no longer served")
+    assert v1["a1"].is_dir()  # a1's budget holds both
     assert "staged support@2" in agents.log("a1") and "staged support" not in agents.log("other")
     agents.start("late", gpus=None, extra=engine(tmp_path, "late"))  # started after the promote: converges
     await serving(nc, "support", {"late": (2, "placed")})

@@ -22,6 +22,7 @@ from nats.aio.client import Client
 from schemas import names
 from schemas.registry import Alias, AdapterVersion, NodeAdapterStatus, NodeState, Smoke, StoredFile
 from services.agent import llamacpp, vllm
+from services.agent.adapter_cache import AdapterCache
 from services.agent.engines import Engine, answering, verify
 from services.agent.staging import Stager
 from services.artifacts.download import fetch_object, fetch_small, safe_extract
@@ -48,6 +49,7 @@ class Rollout:
         work_dir: Path,
         check_interval: float = CHECK_INTERVAL_S,
         stage: bool = True,
+        cache_bytes: int = 10 * 2**30,
     ) -> None:
         self.nc, self.js, self.node, self.engines = nc, nc.jetstream(), node, engines
         self.root = work_dir / "adapters"
@@ -64,6 +66,7 @@ class Rollout:
         self.up: dict[str, bool] = {}  # engine label -> whether it answered at the last check
         self.fetching: dict[tuple[str, bool], asyncio.Task] = {}  # (sha256, gguf) -> its fetch under way
         self.stager = Stager(self) if stage else None
+        self.cache = AdapterCache(self.root, cache_bytes)
 
     async def run(self, stop: asyncio.Event) -> None:
         """Follow the aliases until `stop`, and check what each engine really serves; a watch the server breaks (a
@@ -128,6 +131,7 @@ class Rollout:
                     log.warning("rollout of %s on %s failed: %s", alias.name, engine.label, e)
                     if version is not None:
                         await self._report(engine, version.name, version.version, "failed", str(e))
+            self._trim()  # what the engines served before may be unused now
 
     async def _converge_engine(
         self, engine: Engine, alias: Alias, version: AdapterVersion | None, again: bool = False
@@ -153,9 +157,10 @@ class Rollout:
         await self._report(
             engine, version.name, version.version, "loading", f"{'staged' if staged else 'fetching'} {file.name}"
         )
-        local = await self.fetch(file, gguf)
-        state, message = await driver(engine).load(engine, version.name, local)
-        self._remember(engine, version.name, [version.version, file.sha256])
+        with self.cache.holding(file.sha256):  # not evicted between its fetch and the engine's load
+            local = await self.fetch(file, gguf)
+            state, message = await driver(engine).load(engine, version.name, local)
+            self._remember(engine, version.name, [version.version, file.sha256])
         checked = None
         if state == "loaded" and engine.url:
             state, said, checked = await self._verify(engine, version, file.sha256)
@@ -235,11 +240,24 @@ class Rollout:
         return await asyncio.shield(self.fetching[key])
 
     async def _fetch(self, file: StoredFile, gguf: bool) -> Path:
-        """Fetched and checked against the registry's sha256, beside its place and renamed into it whole, so a
-        crash or a full disk half way leaves nothing that looks fetched."""
+        """On disk, then the cache back under its budget (never removing what engines serve or are loading)."""
         target = self._local(file, gguf)
         if target.exists():
+            self.cache.used(file.sha256)
             return target
+        await self._download(file, gguf, target)
+        self._trim(fetched=file.sha256)
+        return target
+
+    def _trim(self, fetched: str = "") -> None:
+        """The adapter cache back under its budget (a few directories: done in place, so no load or fetch starts
+        in between); what engines serve, loads hold and fetches write stay."""
+        served = {sha for by_name in self.loaded.values() for _, sha in by_name.values()}
+        self.cache.evict(served | {sha for sha, _ in self.fetching}, fetched)
+
+    async def _download(self, file: StoredFile, gguf: bool, target: Path) -> None:
+        """Fetched and checked against the registry's sha256, beside its place and renamed into it whole, so a
+        crash or a full disk half way leaves nothing that looks fetched."""
         if not gguf:  # an adapter directory small enough to unpack from memory, in one thread hop
             try:
                 data = await fetch_small(self.js, names.ARTIFACTS_BUCKET, file.name, file.sha256)
@@ -247,7 +265,7 @@ class Rollout:
                 raise RuntimeError(f"refused {file.name}: {e}") from None
             if data is not None:
                 await asyncio.to_thread(_unpack, data, target)
-                return target
+                return
         download = target.parent / ("adapter.gguf.part" if gguf else "peft.tar.gz")
         try:
             await fetch_object(self.js, names.ARTIFACTS_BUCKET, file.name, download, file.sha256)  # corrupted: refused
@@ -255,10 +273,9 @@ class Rollout:
             raise RuntimeError(f"refused {file.name}: {e}") from None
         if gguf:
             download.replace(target)
-            return target
+            return
         await asyncio.to_thread(_unpack, download, target)
         download.unlink()
-        return target
 
     def _local(self, file: StoredFile, gguf: bool) -> Path:
         return self.root / file.sha256 / ("adapter.gguf" if gguf else "peft")

@@ -50,6 +50,7 @@ class AgentConfig:
     trainer_command: list[str] = field(default_factory=lambda: list(DEFAULT_TRAINER))
     keep_job_dirs: bool = False
     dataset_cache_mib: int = 20480  # datasets (and their tokenized copies) kept for the next job
+    adapter_cache_mib: int = 10240  # fetched adapters kept (what engines serve stays even over it)
     engines: list[Engine] = field(default_factory=list)  # serving engines here: they load the registry's adapters
     models: list[str] = field(default_factory=list)  # base model directories here, advertised with their shapes
     engine_yield: list[YieldPolicy] = field(default_factory=list)  # per engine (one: for all); none: YieldPolicy()
@@ -110,6 +111,7 @@ class Agent(JobLifecycle):
                 self.cfg.work_dir,
                 self.cfg.engine_check_interval,
                 self.cfg.stage_adapters,
+                self.cfg.adapter_cache_mib * 2**20,
             ).run(stop)
         )
         yielding = asyncio.create_task(self.yielder.run(stop))

@@ -44,6 +44,7 @@ def agent_config(args):
         offer_cpu=args.offer_cpu,
         simulate_gpus=args.simulate_gpus,
         dataset_cache_mib=args.dataset_cache_mib,
+        adapter_cache_mib=args.adapter_cache_mib,
         engines=_engines(args),
         models=args.model,
         engine_yield=_yields(args),
@@ -147,6 +148,12 @@ def agent_flags(p: argparse.ArgumentParser) -> None:
         type=int,
         default=20480,
         help="disk kept for datasets and their tokenized copies, least recently used evicted first",
+    )
+    p.add_argument(
+        "--adapter-cache-mib",
+        type=int,
+        default=10240,
+        help="disk kept for fetched adapters, least recently used removed first; what an engine serves always stays",
     )
 
 

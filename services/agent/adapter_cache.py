@@ -1,0 +1,73 @@
+"""A node's fetched adapters (one directory per sha256) kept under a byte budget: the least recently used go first,
+never one an engine serves, one on its way into an engine, or the one just fetched."""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import logging
+import os
+import shutil
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+
+class AdapterCache:
+    def __init__(self, root: Path, budget_bytes: int) -> None:
+        self.root, self.budget = root, budget_bytes
+        self.held: collections.Counter[str] = collections.Counter()  # sha256 -> loads under way that need it
+
+    @contextlib.contextmanager
+    def holding(self, sha256: str) -> Iterator[None]:
+        """While an engine is being given this adapter, it is not evicted (it is `served` once the load is
+        remembered)."""
+        self.held[sha256] += 1
+        try:
+            yield
+        finally:
+            self.held[sha256] -= 1
+            if self.held[sha256] <= 0:
+                del self.held[sha256]
+
+    def used(self, sha256: str) -> None:
+        """Mark it the most recently used."""
+        with contextlib.suppress(FileNotFoundError):
+            os.utime(self.root / sha256)
+
+    def evict(self, served: Iterable[str], fetched: str = "") -> list[str]:
+        """Remove the least recently used adapters until the cache fits its budget; what an engine serves, what a
+        load holds and `fetched` stay even over it. Returns the sha256s removed."""
+        if not self.root.is_dir():
+            return []
+        keep = {*served, *self.held, fetched}
+        dirs = sorted((d for d in self.root.iterdir() if d.is_dir()), key=lambda d: d.stat().st_mtime)
+        sizes = {d.name: _bytes(d) for d in dirs}
+        total, removed = sum(sizes.values()), []
+        for d in dirs:
+            if total <= self.budget:
+                break
+            if d.name in keep:
+                continue
+            shutil.rmtree(d, ignore_errors=True)
+            total -= sizes[d.name]
+            removed.append(d.name)
+            log.info(
+                "adapter cache: removed %s (%.1f MiB, used least recently) to stay under %d MiB",
+                d.name[:12],
+                sizes[d.name] / 2**20,
+                self.budget // 2**20,
+            )
+        if total > self.budget:
+            log.warning(
+                "adapter cache: %.0f MiB kept, over its %d MiB budget, because engines serve (or are loading) all of "
+                "it; raise --adapter-cache-mib or retire adapters",
+                total / 2**20,
+                self.budget // 2**20,
+            )
+        return removed
+
+
+def _bytes(directory: Path) -> int:
+    return sum(f.stat().st_size for f in directory.rglob("*") if f.is_file())
