@@ -70,4 +70,9 @@ class AdapterCache:
 
 
 def _bytes(directory: Path) -> int:
-    return sum(f.stat().st_size for f in directory.rglob("*") if f.is_file())
+    """Its files' bytes; one that goes while they are counted (a fetch's partial file renamed) counts nothing."""
+    total = 0
+    for f in directory.rglob("*"):
+        with contextlib.suppress(FileNotFoundError):
+            total += f.stat().st_size if f.is_file() else 0
+    return total

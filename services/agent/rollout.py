@@ -253,7 +253,10 @@ class Rollout:
         """The adapter cache back under its budget (a few directories: done in place, so no load or fetch starts
         in between); what engines serve, loads hold and fetches write stay."""
         served = {sha for by_name in self.loaded.values() for _, sha in by_name.values()}
-        self.cache.evict(served | {sha for sha, _ in self.fetching}, fetched)
+        try:
+            self.cache.evict(served | {sha for sha, _ in self.fetching}, fetched)
+        except OSError as e:  # the rollout goes on; the next fetch or rollout trims again
+            log.warning("adapter cache: could not trim %s to its budget: %s", self.root, e)
 
     async def _download(self, file: StoredFile, gguf: bool, target: Path) -> None:
         """Fetched and checked against the registry's sha256, beside its place and renamed into it whole, so a
