@@ -11,6 +11,8 @@ import shutil
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
+from services.agent.budget import to_remove
+
 log = logging.getLogger(__name__)
 
 
@@ -41,29 +43,23 @@ class AdapterCache:
         load holds and `fetched` stay even over it. Returns the sha256s removed."""
         if not self.root.is_dir():
             return []
-        keep = {*served, *self.held, fetched}
-        dirs = sorted((d for d in self.root.iterdir() if d.is_dir()), key=lambda d: d.stat().st_mtime)
-        sizes = {d.name: _bytes(d) for d in dirs}
-        total, removed = sum(sizes.values()), []
-        for d in dirs:
-            if total <= self.budget:
-                break
-            if d.name in keep:
-                continue
-            shutil.rmtree(d, ignore_errors=True)
-            total -= sizes[d.name]
-            removed.append(d.name)
+        dirs = {d.name: d for d in self.root.iterdir() if d.is_dir()}
+        sizes = {name: _bytes(d) for name, d in dirs.items()}
+        entries = [(name, d.stat().st_mtime, sizes[name]) for name, d in dirs.items()]
+        removed, kept = to_remove(entries, self.budget, {*served, *self.held, fetched})
+        for name in removed:
+            shutil.rmtree(dirs[name], ignore_errors=True)
             log.info(
                 "adapter cache: removed %s (%.1f MiB, used least recently) to stay under %d MiB",
-                d.name[:12],
-                sizes[d.name] / 2**20,
+                name[:12],
+                sizes[name] / 2**20,
                 self.budget // 2**20,
             )
-        if total > self.budget:
+        if kept > self.budget:
             log.warning(
                 "adapter cache: %.0f MiB kept, over its %d MiB budget, because engines serve (or are loading) all of "
                 "it; raise --adapter-cache-mib or retire adapters",
-                total / 2**20,
+                kept / 2**20,
                 self.budget // 2**20,
             )
         return removed

@@ -16,6 +16,7 @@ import msgspec
 from schemas import names
 from schemas.datasets import DatasetInfo
 from schemas.jobs import DatasetRef
+from services.agent.budget import to_remove
 from services.artifacts.datasets import find_dataset
 from services.artifacts.download import fetch_object
 
@@ -87,18 +88,12 @@ class DatasetCache:
     def _evict(self) -> None:
         """Remove least recently used datasets, with their tokenized copies, until the cache fits its budget (which
         counts both); those in use stay."""
-        files = sorted(self.root.glob("*.jsonl"), key=lambda p: p.stat().st_mtime)
-        sizes = {p.stem: self._size(p.stem) for p in files}
-        total = sum(sizes.values())
-        for p in files:
-            if total <= self.budget:
-                break
-            sha = p.stem
-            if sha in self.in_use:
-                continue
-            total -= sizes[sha]
-            p.unlink(missing_ok=True)
-            self._paths(sha)[1].unlink(missing_ok=True)
+        files = {p.stem: p for p in self.root.glob("*.jsonl")}
+        sizes = {sha: self._size(sha) for sha in files}
+        entries = [(sha, p.stat().st_mtime, sizes[sha]) for sha, p in files.items()]
+        for sha in to_remove(entries, self.budget, self.in_use)[0]:
+            for own in self._paths(sha):
+                own.unlink(missing_ok=True)
             for tokenized in self.tokens.glob(f"{sha}-*"):
                 shutil.rmtree(tokenized, ignore_errors=True)
             log.info(
