@@ -200,6 +200,9 @@ def main() -> None:
             .values()
         )
         section(f"bf16 job, {params / 1e6:.0f}M parameters, rows of {seq} tokens, {steps} steps")
+        from trainer.model import attention_for
+
+        print(f"attention: {attention_for(device, torch.bfloat16)} (flash-attn: pip install -e '.[flash]')")
         adapter = throughput(model_dir, pairs, device, steps, seq, params)
         section("nf4 (bitsandbytes)")
         try:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 from pathlib import Path
 
@@ -34,6 +35,16 @@ def check_model_dir(base_dir: str) -> Path:
     return path
 
 
+def attention_for(device: str, dtype: torch.dtype) -> str:
+    """flash-attention 2 where the node has it (a CUDA device, half precision, the flash-attn package): its varlen
+    kernel takes a packed row's examples apart by their position ids, with no mask; elsewhere PyTorch's own SDPA
+    (a packed row's block-diagonal mask on CPU)."""
+    half = dtype in (torch.bfloat16, torch.float16)
+    if device == "cuda" and half and importlib.util.find_spec("flash_attn") is not None:
+        return "flash_attention_2"
+    return "sdpa"
+
+
 def pick_dtype(precision: str, device: str) -> torch.dtype:
     if precision == "fp32" or (precision == "auto" and device == "cpu"):
         return torch.float32
@@ -53,7 +64,7 @@ def load(base_dir: str, device: str, dtype: torch.dtype, quantization: str = "no
         trust_remote_code=False,
         use_safetensors=True,
         dtype=dtype,
-        attn_implementation="sdpa",
+        attn_implementation=attention_for(device, dtype),
     )
     return tokenizer, model.to(device)
 
@@ -90,6 +101,6 @@ def load_nf4(path: Path, device: str, dtype: torch.dtype):
         dtype=quant.bnb_4bit_compute_dtype,
         quantization_config=quant,
         device_map={"": torch.cuda.current_device()},
-        attn_implementation="sdpa",
+        attn_implementation=attention_for(device, quant.bnb_4bit_compute_dtype),
     )
     return prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
