@@ -94,8 +94,8 @@ def train(spec: TrainerSpec, signals: Signals | None = None) -> Finished:
     start = time.monotonic()
     window_loss, window_count = 0.0, 0
     eval_loss, paused = None, None
-    early = ""
-    while at.step < run.plan.steps and not agree(signals, world) and not early:
+    early, ended = "", False
+    while at.step < run.plan.steps and not ended:  # the ranks agree to end after a step: its checkpoint is taken there
         batches = (
             run.batches
             if at.epoch == 0
@@ -122,6 +122,7 @@ def train(spec: TrainerSpec, signals: Signals | None = None) -> Finished:
             if world.main and ((t.save_steps and at.step % t.save_steps == 0 and not last) or paused):
                 checkpoint(run, board, position)
             if last:
+                ended = True
                 break
         else:
             at.epoch += 1

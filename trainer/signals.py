@@ -1,6 +1,6 @@
 """What the agent asks of a running trainer: SIGUSR1, save what was learnt and end as `stopped`; SIGUSR2, save a
 checkpoint and end as `paused`. Either ends the run after the step under way. Asked before the trainer started,
-they come as JETLORA_STOP / JETLORA_PAUSE in its environment."""
+they come as JETLORA_STOP / JETLORA_PAUSE in its environment (and the run ends after its first step)."""
 
 from __future__ import annotations
 
