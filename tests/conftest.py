@@ -206,6 +206,16 @@ class Agents:
 
 
 @pytest.fixture
+def trainer_signals():
+    """For a test that installs the trainer's SIGUSR1/SIGUSR2 handlers (trainer.signals.Signals) in this process:
+    pytest's own are back afterwards."""
+    before = {s: signal.getsignal(s) for s in (signal.SIGUSR1, signal.SIGUSR2)}
+    yield
+    for s, handler in before.items():
+        signal.signal(s, handler)
+
+
+@pytest.fixture
 def agents(nats_server, tmp_path):
     a = Agents(nats_server.url, tmp_path)
     yield a

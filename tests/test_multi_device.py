@@ -184,7 +184,7 @@ async def test_two_ranks_take_one_process_steps_on_twice_the_batch_through_a_pau
     assert worst < 1e-4, worst
 
 
-def test_a_pause_that_comes_while_the_ranks_agree_is_agreed_on_at_the_next_step():
+def test_a_pause_that_comes_while_the_ranks_agree_is_agreed_on_at_the_next_step(trainer_signals):
     """The agent signals every rank at once, so a signal often lands while a rank waits in the step's agreement: it
     must end the run one step later, not be overwritten by what the ranks had agreed before it came."""
     from trainer.distributed import World
@@ -198,11 +198,6 @@ def test_a_pause_that_comes_while_the_ranks_agree_is_agreed_on_at_the_next_step(
             os.kill(os.getpid(), signal.SIGUSR2)
             return list(values)
 
-    before = signal.getsignal(signal.SIGUSR1), signal.getsignal(signal.SIGUSR2)
-    try:
-        signals, world = Signals(), SignalledWhileAgreeing(rank=0, size=2)
-        assert agree(signals, world) is False and not signals.agreed_pause  # agreed before the signal came
-        assert agree(signals, world) is True and signals.agreed_pause  # and agreed on at the next step
-    finally:
-        signal.signal(signal.SIGUSR1, before[0])
-        signal.signal(signal.SIGUSR2, before[1])
+    signals, world = Signals(), SignalledWhileAgreeing(rank=0, size=2)
+    assert agree(signals, world) is False and not signals.agreed_pause  # agreed before the signal came
+    assert agree(signals, world) is True and signals.agreed_pause  # and agreed on at the next step

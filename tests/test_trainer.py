@@ -216,19 +216,14 @@ def test_a_run_resumed_from_a_checkpoint_continues_the_same_loss_curve(tiny_mode
 
 
 def test_a_pause_asked_before_the_first_step_ends_after_it_with_the_checkpoint_to_resume_from(
-    tiny_model, tmp_path, monkeypatch, capsys
+    tiny_model, tmp_path, monkeypatch, capsys, trainer_signals
 ):
     """The agent asks a trainer that has not started yet through its environment: the run takes one step, then
     ends paused with the checkpoint resume needs (not paused with no checkpoint, nor stopped)."""
     from trainer.signals import Signals
 
     monkeypatch.setenv("JETLORA_PAUSE", "1")
-    before = signal.getsignal(signal.SIGUSR1), signal.getsignal(signal.SIGUSR2)
-    try:
-        finished = train(spec_for(tiny_model, tmp_path, max_steps=20), Signals())
-    finally:
-        signal.signal(signal.SIGUSR1, before[0])
-        signal.signal(signal.SIGUSR2, before[1])
+    finished = train(spec_for(tiny_model, tmp_path, max_steps=20), Signals())
     assert finished.state == "paused" and finished.step == 1, finished
     assert (Path(finished.adapter_dir) / "adapter_config.json").is_file(), finished.adapter_dir
     capsys.readouterr()
