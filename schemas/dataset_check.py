@@ -26,8 +26,8 @@ from schemas.datasets import (
 UTF8_BOM = b"\xef\xbb\xbf"
 _any = msgspec.json.Decoder()
 _decoders: dict[str, msgspec.json.Decoder] = {fmt: msgspec.json.Decoder(t) for fmt, t in ROW_TYPES.items()}
-_CHAT_ROLES = ("system", "user", "assistant")  # what DatasetChecker._chat_rows counts, in its order
-assert set(_CHAT_ROLES) == set(ROLES), "DatasetChecker._chat_rows counts each role by name"
+_CHAT_ROLES = ("system", "user", "assistant")  # what _chat_counts counts, in its order
+assert set(_CHAT_ROLES) == set(ROLES), "_chat_counts counts each role by name"
 _BLANK_LINE_AFTER = re.compile(rb"\n[ \t\r\n]")  # a line that begins with JSON whitespace may be blank
 _SIGNATURES: dict[DatasetFormat, set[str]] = {
     "chat": {"messages"},
@@ -111,6 +111,31 @@ def _where(e: msgspec.ValidationError) -> str:
     return f"{where.rstrip('`').removeprefix('$').removeprefix('.') or 'the row'}: {reason}"
 
 
+def _chat_counts(row) -> tuple[int, int, int, int, int] | None:
+    """A chat row's (characters, assistant turns learnt, system, user and assistant messages); None when it breaks
+    a rule (row_error says which): a role not in ROLES, a weight not 0 or 1 or on another role, nothing to learn."""
+    chars = trained = system = user = assistant = 0
+    for m in row.messages:
+        role = m.role
+        if role == "assistant":
+            weight = m.weight
+            if weight is None or weight == 1:
+                trained += 1
+            elif weight != 0:
+                return None
+            assistant += 1
+        elif m.weight is not None:
+            return None
+        elif role == "user":
+            user += 1
+        elif role == "system":
+            system += 1
+        else:
+            return None
+        chars += len(m.content)
+    return (chars, trained, system, user, assistant) if trained else None
+
+
 class DatasetChecker:
     """Feed it the file's bytes in any pieces; finish() returns the stats or raises DatasetInvalid."""
 
@@ -172,38 +197,17 @@ class DatasetChecker:
         return True
 
     def _chat_rows(self, rows: list) -> None:
-        """A block of chat rows: the rules and the stats in one tight pass (the common case at size); a row that
-        breaks a rule is reported in the rules' own words."""
+        """A block of chat rows: the rules and the stats in one pass (the common case at size)."""
         first_line, system, user, assistant = self.line + 1, 0, 0, 0
         chars_all, chars_max, trained_all = 0, self.chars_max, 0
         for i, row in enumerate(rows):
-            chars = trained = 0
-            for m in row.messages:
-                role = m.role
-                if role == "assistant":
-                    weight = m.weight
-                    if weight is None or weight == 1:
-                        trained += 1
-                    elif weight != 0:
-                        break
-                    assistant += 1
-                elif m.weight is not None:
-                    break
-                elif role == "user":
-                    user += 1
-                elif role == "system":
-                    system += 1
-                else:
-                    break
-                chars += len(m.content)
-            else:
-                if trained:
-                    chars_all, trained_all = chars_all + chars, trained_all + trained
-                    if chars > chars_max:
-                        chars_max = chars
-                    continue
-            self.line = first_line + i
-            self._bad(row_error("chat", row) or "")  # raises in the service, which stops at the first bad row
+            if (counted := _chat_counts(row)) is None:
+                self.line = first_line + i
+                self._bad(row_error("chat", row) or "")  # raises in the service, which stops at the first bad row
+                continue
+            chars, trained, s, u, a = counted
+            chars_all, trained_all, chars_max = chars_all + chars, trained_all + trained, max(chars_max, chars)
+            system, user, assistant = system + s, user + u, assistant + a
         self.line = first_line + len(rows) - 1
         self.chars, self.chars_max = self.chars + chars_all, chars_max
         self.turns_trained += trained_all
@@ -258,19 +262,10 @@ class DatasetChecker:
         self._count(row, line)
 
     def _chat(self, row, line: bytes) -> None:
-        if not row.messages:
-            return self._bad(row_error("chat", row) or "")
-        chars = trained = 0
-        roles = self.roles
-        for m in row.messages:
-            role, weight = m.role, m.weight
-            if role not in ROLES or (weight is not None and (weight not in (0, 1) or role != "assistant")):
-                return self._bad(row_error("chat", row) or "")  # the rules' own words for what is wrong
-            chars += len(m.content)
-            roles[role] += 1
-            trained += role == "assistant" and weight != 0
-        if not trained:
-            return self._bad(row_error("chat", row) or "")
+        if (counted := _chat_counts(row)) is None:
+            return self._bad(row_error("chat", row) or "")  # the rules' own words for what is wrong
+        chars, trained, *by_role = counted
+        self.roles.update({role: n for role, n in zip(_CHAT_ROLES, by_role) if n})
         self.turns_trained += trained
         self._counted(chars, line)
 
