@@ -28,10 +28,34 @@ class Moved(RegistryError):
     """The alias is not where the caller expected: another change came first."""
 
 
+_decoders: dict[str, msgspec.json.Decoder] = {"alias": _alias, "version": _version, "node": _status}
+
+
+def adapter_of(key: str) -> str | None:
+    """The adapter name a registry key belongs to (`alias.<name>`, `version.<name>.<n>`, `node.<name>.<node>`)."""
+    kind, _, rest = key.partition(".")
+    if kind not in _decoders or not rest:
+        return None
+    return rest.partition(".")[0]
+
+
+def adapter_subjects(name: str) -> list[str]:
+    """The bucket's subjects that hold the keys of an adapter (`adapter_of` is `name`): alias.N, and version.N.x
+    and node.N.x."""
+    prefix = names.kv(names.ADAPTERS_KV).prefix
+    return [f"{prefix}*.{name}", f"{prefix}*.{name}.*"]
+
+
 def registry_view(js) -> LatestView:
-    """Every alias, version and node status of the registry, decoded, kept current by one consumer."""
-    decoders: dict[str, msgspec.json.Decoder] = {"alias": _alias, "version": _version, "node": _status}
-    return kv_view(js, names.ADAPTERS_KV, lambda key, data: decoders[key.partition(".")[0]].decode(data))
+    """Every alias, version and node status of the registry, decoded, kept current by one consumer and indexed by
+    adapter name, so that one adapter is read without walking (or asking the stream about) the others."""
+    return kv_view(
+        js,
+        names.ADAPTERS_KV,
+        lambda key, data: _decoders[key.partition(".")[0]].decode(data),
+        group=adapter_of,
+        group_subjects=adapter_subjects,
+    )
 
 
 class AdapterRegistry:
@@ -57,17 +81,17 @@ class AdapterRegistry:
         return _version.decode(entry.value)
 
     async def adapters(self, only: str | None = None) -> dict[str, AdapterReply]:
-        """Each adapter (or just `only`) with its versions and node statuses, as of this request, in one pass."""
+        """Each adapter (or just `only`, from the view's index of its keys) with its versions and node statuses,
+        as of this request, in one pass."""
         if self.view is None:
             raise RuntimeError("this AdapterRegistry has no view: only the registry service lists adapters")
+        keys = await (self.view.snapshot() if only is None else self.view.snapshot_group(only))
         aliases: dict[str, Alias] = {}
         versions: dict[str, list[AdapterVersion]] = {}
         nodes: dict[str, list[NodeAdapterStatus]] = {}
-        for key, value in (await self.view.snapshot()).items():
+        for key, value in keys.items():
             kind, _, rest = key.partition(".")
             name = rest.partition(".")[0]
-            if only is not None and name != only:
-                continue
             if kind == "alias":
                 aliases[name] = value
             else:
