@@ -1,5 +1,5 @@
 """A node's adapter cache keeps its byte budget, least recently used removed first, and never removes what an
-engine serves, what a load holds, or what was just fetched."""
+engine serves, what a load holds, or what was just fetched; the agent evicts in a thread, off its event loop."""
 
 from __future__ import annotations
 
@@ -57,3 +57,12 @@ def test_an_adapter_used_again_is_the_last_to_go(root):
 
 def test_a_node_that_fetched_nothing_yet_has_nothing_to_remove(tmp_path):
     assert AdapterCache(tmp_path / "adapters", 0).evict(served=set()) == []
+
+
+async def test_the_agent_evicts_off_its_loop_and_a_half_removed_directory_goes_too(root):
+    (root / ".evicting-crashed").mkdir()  # what an agent killed half way through a removal left
+    cache = AdapterCache(root, 0)
+    with cache.holding("held"):
+        assert await cache.evict_async(served={"served"}, fetched="fetched") == ["old", "recent"]
+    assert present(root) == {"served", "held", "fetched"} and not cache.doomed
+    await cache.settled("old")  # nothing is being removed now: it returns at once

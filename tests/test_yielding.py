@@ -1,7 +1,8 @@
 """Training in the serving engine's idle time, against a real nats-server and agent: an engine's metrics (vLLM's and
 llama-server's formats, as the engines write them) are served on a local port; while it serves, the job stops
-computing and its node stays alive; when it is idle the job goes on; a full KV cache pauses the job through the
-reclaim path and it resumes from its checkpoint; placement prefers the device beside the idle engine."""
+computing and its node stays alive; when it is idle the job goes on, and when it stops answering the job goes on
+after `silent` seconds; a full KV cache pauses the job through the reclaim path and it resumes from its checkpoint;
+placement prefers the device beside the idle engine."""
 
 from __future__ import annotations
 
@@ -126,12 +127,12 @@ def test_the_engines_metrics_are_read_in_both_formats_and_a_silent_engine_is_rep
     with pytest.raises(ValueError, match="--metrics"):
         parse_metrics("# nothing here\nprocess_cpu_seconds_total 3.0\n")
     watch = LoadWatch("vllm http://127.0.0.1:9", "http://127.0.0.1:9", [], timeout=0.5)
-    assert asyncio.run(watch.poll()) is None and watch.error and watch.load().error
+    assert asyncio.run(_polled(watch)) is None and watch.load().error == "connection refused at /load"
     assert YieldPolicy.parse("compute,holdoff=1.5,devices=0+1,exempt=5") == YieldPolicy(
         mode="compute", holdoff_s=1.5, devices=(0, 1), exempt_priority=5
     )
-    assert YieldPolicy.parse("both,nice=5").nice == 5
-    for bad in ("sometimes", "both,speed=3", "both,holdoff=soon", "both,devices=a", "both,nice=25"):
+    assert YieldPolicy.parse("both,nice=5").nice == 5 and YieldPolicy.parse("compute,silent=5").silent_s == 5
+    for bad in ("sometimes", "both,speed=3", "both,holdoff=soon", "both,devices=a", "both,nice=25", "both,silent=0"):
         with pytest.raises(ValueError, match="--engine-yield"):
             YieldPolicy.parse(bad)
 
@@ -141,25 +142,34 @@ def test_vllms_load_page_is_read_at_every_poll_and_dropped_where_it_is_not_track
     untracked = Metrics(load=0)  # vLLM without --enable-server-load-tracking: /load says 0 whatever it serves
     try:
         watch = LoadWatch("vllm tracked", tracked.url, [], timeout=1.0, metrics_every_s=3600)
-        assert asyncio.run(watch.poll()).busy is False
+        assert asyncio.run(_polled(watch)).busy is False
         tracked.load = 2  # arrived at the API server; the engine's own counts do not show it yet
-        reading = asyncio.run(watch.poll())
+        reading = asyncio.run(_polled(watch))
         assert reading.busy and reading.in_flight == 2 and watch.load().running == 2
         tracked.load = 0
-        assert asyncio.run(watch.poll()).busy is False
+        assert asyncio.run(_polled(watch)).busy is False
         assert tracked.reads == {"/load": 3, "/metrics": 1}  # the full scrape once, not at every poll
 
         watch = LoadWatch("vllm untracked", untracked.url, [], timeout=1.0, metrics_every_s=0)
         untracked.set(running=1)
-        for _ in range(3):
-            reading = asyncio.run(watch.poll())
+        reading = asyncio.run(_polled(watch, times=3))
         assert reading.busy and reading.in_flight is None and watch.use_load is False
         before = untracked.reads["/load"]
-        asyncio.run(watch.poll())
+        asyncio.run(_polled(watch))
         assert untracked.reads["/load"] == before  # not asked again
     finally:
         tracked.close()
         untracked.close()
+
+
+async def _polled(watch: LoadWatch, times: int = 1):
+    """The watch's last of `times` polls, its HTTP session closed after (each asyncio.run is a loop of its own)."""
+    try:
+        for _ in range(times):
+            reading = await watch.poll()
+        return reading
+    finally:
+        await watch.close()
 
 
 async def test_training_stops_while_the_engine_serves_and_goes_on_when_it_is_idle(stack, nc, agents, engine):
@@ -186,6 +196,24 @@ async def test_training_stops_while_the_engine_serves_and_goes_on_when_it_is_idl
     await says(nc, job, "training again", "idle for 0.3s")
     done = await wait_state(nc, job, "succeeded", timeout=60)
     assert "yielded" in done.message and done.step == 10
+
+
+async def test_a_trainer_stopped_for_an_engine_that_stops_answering_goes_on(stack, nc, agents, engine):
+    """Stopped for a busy engine that then goes silent (its server shut: connections refused), the trainer goes on
+    after `silent` seconds and the job's message says why; before this bound it stayed stopped for good."""
+    agent_with(agents, "n1", engine, "compute,poll=0.05,holdoff=0.3,silent=1")
+    await wait_nodes(nc, 1)
+    job = (await submit(nc, {"model": "tiny", "base_dir": "/models/tiny", "data": pairs(1), "gpu_mib": 1000})).job
+    await wait_for(lambda: at_step(nc, job, 2), timeout=30, what="the job under way")
+    engine.set(running=1)
+    await says(nc, job, "yielding to vllm")
+    engine.close()  # the engine stops answering, busy as it was last read
+    message = await says(nc, job, "training again", "has not answered for", "yielding resumes when it answers")
+    assert f"vllm {engine.url} has not answered" in message and "(connection refused at /metrics)" in message, message
+    node = next(n for n in await list_nodes(nc) if n.node == "n1")  # this engine has no /load: /metrics is read
+    assert node.alive and node.engines[0].error == "connection refused at /metrics", node.engines
+    done = await wait_state(nc, job, "succeeded", timeout=30)
+    assert done.step == 10 and "yielded" in done.message
 
 
 async def test_a_full_kv_cache_pauses_the_job_and_it_resumes_from_its_checkpoint(stack, nc, agents, engine):

@@ -1,5 +1,6 @@
 """A node's copy of the datasets its jobs train on: fetched once per sha256, kept under a byte budget, least
-recently used evicted first (never one a running job reads)."""
+recently used evicted first (never one a running job reads). Its disk work runs in threads, off the agent's event
+loop (which also sends the node's heartbeats)."""
 
 from __future__ import annotations
 
@@ -52,13 +53,11 @@ class DatasetCache:
             )
         async with self.locks[ref.sha256]:  # two jobs on one dataset: one download
             data, meta = self._paths(ref.sha256)
-            if data.is_file() and meta.is_file():
-                os.utime(data)  # most recently used
-                info = _info.decode(meta.read_bytes())
-            else:
+            info = await asyncio.to_thread(_cached, data, meta)
+            if info is None:
                 info = await self._fetch(ref, data, meta)
             self.in_use[ref.sha256] += 1
-        await asyncio.to_thread(self._evict)
+        await asyncio.to_thread(self._evict, set(self.in_use))
         return LocalDataset(data, info)
 
     def release(self, local: LocalDataset) -> None:
@@ -81,17 +80,18 @@ class DatasetCache:
                 "new content"
             )
         await fetch_object(self.js, names.DATASETS_BUCKET, stored, data, info.sha256)
-        meta.write_bytes(msgspec.json.encode(info))
+        await asyncio.to_thread(meta.write_bytes, msgspec.json.encode(info))
         log.info("dataset %s (%s, %d bytes) fetched into %s", ref.name, info.sha256[:12], info.size, data)
         return info
 
-    def _evict(self) -> None:
+    def _evict(self, in_use: set[str]) -> None:
         """Remove least recently used datasets, with their tokenized copies, until the cache fits its budget (which
-        counts both); those in use stay."""
+        counts both); those `in_use` (taken on the loop: the jobs' counts change there) stay. Blocking: run in a
+        thread."""
         files = {p.stem: p for p in self.root.glob("*.jsonl")}
         sizes = {sha: self._size(sha) for sha in files}
         entries = [(sha, p.stat().st_mtime, sizes[sha]) for sha, p in files.items()]
-        for sha in to_remove(entries, self.budget, self.in_use)[0]:
+        for sha in to_remove(entries, self.budget, in_use)[0]:
             for own in self._paths(sha):
                 own.unlink(missing_ok=True)
             for tokenized in self.tokens.glob(f"{sha}-*"):
@@ -107,3 +107,12 @@ class DatasetCache:
         """The bytes one dataset holds here: its rows, its description, and every tokenized copy of it."""
         own = sum(p.stat().st_size for p in self._paths(sha256) if p.is_file())
         return own + sum(f.stat().st_size for d in self.tokens.glob(f"{sha256}-*") for f in d.rglob("*") if f.is_file())
+
+
+def _cached(data: Path, meta: Path) -> DatasetInfo | None:
+    """The dataset's description where it is here already, marked the most recently used; None where it must be
+    fetched (blocking: run in a thread)."""
+    if not (data.is_file() and meta.is_file()):
+        return None
+    os.utime(data)
+    return _info.decode(meta.read_bytes())

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
+from concurrent.futures import ThreadPoolExecutor
 
 from schemas.nodes import CPU_DEVICE, Device
 
@@ -90,14 +92,29 @@ def simulated_gpus(spec: str) -> list[Device]:
 
 
 class DeviceProbe:
-    """Reads the node's devices each heartbeat."""
+    """Reads the node's devices each heartbeat: read() blocking, read_async() from the agent's event loop on a
+    thread of the probe's own, so a heartbeat never queues behind other work in asyncio's shared pool (an engine
+    call, a file copy); close() at the agent's end."""
 
     def __init__(self, offer_cpu: bool = False, simulate: str | None = None) -> None:
         self.offer_cpu, self.simulate = offer_cpu, simulate
         self._no_nvml: str | None = None  # NVML is initialised on the first read, once
+        self._executor: ThreadPoolExecutor | None = None  # made on the first read_async()
+
+    async def read_async(self) -> tuple[list[Device], str]:
+        """read() on the probe's own thread ("device-probe"): NVML may block, and the loop must not."""
+        if self._executor is None:
+            self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="device-probe")
+        return await asyncio.get_running_loop().run_in_executor(self._executor, self.read)
+
+    def close(self) -> None:
+        """Let the probe's thread go (a read under way finishes on it; a later read_async() makes a new one)."""
+        executor, self._executor = self._executor, None
+        if executor is not None:
+            executor.shutdown(wait=False, cancel_futures=True)
 
     def read(self) -> tuple[list[Device], str]:
-        """The devices now (blocking: NVML calls; the agent's heartbeats run it in a thread)."""
+        """The devices now (blocking: NVML calls; from the event loop, await read_async() instead)."""
         if self.simulate:
             devices, reason = simulated_gpus(self.simulate), ""
         else:

@@ -1,21 +1,21 @@
 """A serving engine's load, read from its own metrics: vLLM's Prometheus `/metrics`, or llama-server's (started
 with `--metrics`), and where vLLM offers it (`--enable-server-load-tracking`) its `/load`: the requests in flight
-at its API server, counted from their arrival, at a twentieth of a `/metrics` scrape's CPU. Polled with a timeout;
-an engine that does not answer is reported as such, never guessed."""
+at its API server, counted from their arrival, at a twentieth of a `/metrics` scrape's CPU. Polled on the agent's
+loop (aiohttp: engine_http.py) with a timeout; an engine that does not answer is reported as such, never guessed, and
+how long it has not answered is kept (a trainer stopped for it goes on after a while: yielding.py)."""
 
 from __future__ import annotations
 
-import asyncio
 import collections
 import json
 import logging
 import re
 import time
-import urllib.error
-import urllib.request
 from dataclasses import dataclass
+from urllib.parse import urlsplit
 
 from schemas.nodes import EngineLoad
+from services.agent.engine_http import BadStatus, EngineHttp, NoAnswer
 
 # metric name -> what it counts; the first of each kind that an engine exposes is used
 RUNNING = ("vllm:num_requests_running", "llamacpp:requests_processing")
@@ -69,17 +69,22 @@ def parse_metrics(text: str) -> Reading:
     )
 
 
-def fetch_text(url: str, timeout: float) -> str:
-    with urllib.request.urlopen(url, timeout=timeout) as r:
-        return r.read(4 * 2**20).decode(errors="replace")
+async def fetch_text(url: str, timeout: float, *, http: EngineHttp) -> str:
+    """The page's text (its first 4 MiB); raises BadStatus for an error status, NoAnswer where none came (both
+    OSErrors)."""
+    status, data = await http.request("GET", url, timeout, limit=4 * 2**20)
+    text = data.decode(errors="replace")
+    if not 200 <= status < 300:
+        raise BadStatus(url, status, text)
+    return text
 
 
-def fetch_in_flight(url: str, timeout: float) -> float | None:
+async def fetch_in_flight(url: str, timeout: float, *, http: EngineHttp) -> float | None:
     """vLLM's `/load` (`{"server_load": N}`); None where the engine has no such page."""
     try:
-        body = json.loads(fetch_text(f"{url}/load", timeout))
-    except urllib.error.HTTPError as e:
-        if e.code in (404, 405):
+        body = json.loads(await fetch_text(f"{url}/load", timeout, http=http))
+    except BadStatus as e:
+        if e.status in (404, 405):
             return None
         raise
     except ValueError:
@@ -89,7 +94,8 @@ def fetch_in_flight(url: str, timeout: float) -> float | None:
 
 
 class LoadWatch:
-    """One engine's latest reading and how busy it has been lately."""
+    """One engine's latest reading, how busy it has been lately and how long it has not answered; it keeps its own
+    HTTP session, which close() lets go."""
 
     def __init__(self, label: str, url: str, devices: list[int], timeout: float, metrics_every_s: float = 1.0) -> None:
         self.label, self.url, self.devices, self.timeout = label, url, devices, timeout
@@ -102,14 +108,20 @@ class LoadWatch:
         self.load_seen_busy = False
         self.contradicted = 0
         self.metrics_due = 0.0
+        self.read_at: float | None = None  # monotonic: the last poll that read it
+        self.silent_since: float | None = None  # monotonic: since when no poll has read it (None: the last one did)
+        self.http = EngineHttp()
 
     async def poll(self) -> Reading | None:
         """Read the engine once; None (and `error` says why) when it did not answer or made no sense."""
         try:
             self.reading, self.error = await self._read(), ""
-        except (OSError, urllib.error.URLError, ValueError) as e:
-            self.reading, self.error = None, f"{type(e).__name__}: {e}"
+        except (OSError, ValueError) as e:  # NoAnswer and BadStatus are OSErrors; ValueError: not its metrics
+            self.reading, self.error = None, _why(e)
+            if self.silent_since is None:
+                self.silent_since = self.read_at or time.monotonic()
             return None
+        self.read_at, self.silent_since = time.monotonic(), None
         busy = self.reading.busy
         self.polls.append(busy)
         if busy:
@@ -122,11 +134,11 @@ class LoadWatch:
         """/load every poll where it is tracked, /metrics every `metrics_every_s` (or every poll where it is not)."""
         in_flight = None
         if self.use_load is not False:
-            in_flight = await asyncio.to_thread(fetch_in_flight, self.url, self.timeout)
+            in_flight = await fetch_in_flight(self.url, self.timeout, http=self.http)
             self.use_load = in_flight is not None
         now = time.monotonic()
         if in_flight is None or self.reading is None or now >= self.metrics_due:
-            metrics = parse_metrics(await asyncio.to_thread(fetch_text, f"{self.url}/metrics", self.timeout))
+            metrics = parse_metrics(await fetch_text(f"{self.url}/metrics", self.timeout, http=self.http))
             self.metrics_due = now + self.metrics_every_s
             if in_flight is not None and self._untracked(in_flight, metrics):
                 in_flight = None
@@ -155,6 +167,14 @@ class LoadWatch:
     def idle_for(self) -> float:
         return 0.0 if self.idle_since is None else time.monotonic() - self.idle_since
 
+    def silent_for(self) -> float:
+        """Seconds since a poll last read the engine (0 while the last one did)."""
+        return 0.0 if self.silent_since is None else time.monotonic() - self.silent_since
+
+    async def close(self) -> None:
+        """Let the HTTP session go (the agent's end)."""
+        await self.http.close()
+
     def load(self) -> EngineLoad:
         r = self.reading
         running = max(r.running, r.in_flight or 0.0) if r else 0.0
@@ -167,3 +187,11 @@ class LoadWatch:
             busy_fraction=sum(self.polls) / len(self.polls) if self.polls else 0.0,
             error=self.error,
         )
+
+
+def _why(error: Exception) -> str:
+    """A failed read in a few words, for heartbeats (`jetlora nodes`) and the job's message: "connection refused at
+    /load", "HTTP 500 at /metrics", or what its metrics lacked."""
+    if isinstance(error, (NoAnswer, BadStatus)):
+        return f"{error.reason} at {urlsplit(error.url).path or '/'}"
+    return str(error) if isinstance(error, ValueError) else f"{type(error).__name__}: {error}"

@@ -1,19 +1,18 @@
 """The serving engines on a node and what every kind shares: how one is named on the command line, what it can
-serve, how to ask it over HTTP, and whether it answers an adapter's probe as its trainer did. How each kind loads
-an adapter is its own module: services/agent/vllm.py (runtime API and filesystem resolver), llamacpp.py."""
+serve, how to ask it over HTTP (through its caller's session, engine_http.py), and whether it answers an adapter's
+probe as its trainer did. How each kind loads an adapter is its own module: services/agent/vllm.py (runtime API and
+filesystem resolver), llamacpp.py."""
 
 from __future__ import annotations
 
-import asyncio
 import json
 import time
-import urllib.error
-import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from schemas.jobs import PROBE_PROMPT, PROBE_TOKENS
 from schemas.registry import AdapterVersion, NodeState, Smoke
+from services.agent.engine_http import EngineHttp
 
 HTTP_TIMEOUT_S = 30.0
 
@@ -78,39 +77,36 @@ def _whole_characters(text: str) -> str:
     return text.replace("\ufffd", "")
 
 
-async def post_json(url: str, body: dict, timeout: float = HTTP_TIMEOUT_S) -> tuple[int, str]:
-    def send():
-        req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
-        try:
-            with urllib.request.urlopen(req, timeout=timeout) as r:
-                return r.status, r.read().decode(errors="replace")
-        except urllib.error.HTTPError as e:
-            return e.code, e.read().decode(errors="replace")
-
-    return await asyncio.to_thread(send)
+async def post_json(url: str, body: dict, timeout: float = HTTP_TIMEOUT_S, *, http: EngineHttp) -> tuple[int, str]:
+    """(status, text) of the engine's answer to a JSON POST, an error status included; raises NoAnswer (an
+    OSError, saying why) where nothing answered within `timeout`."""
+    status, data = await http.request("POST", url, timeout, body)
+    return status, data.decode(errors="replace")
 
 
-async def get_json(url: str, timeout: float = 2.0) -> tuple[int, object]:
-    """(status, decoded body); (0, None) when nothing answers."""
+async def get_json(url: str, timeout: float = 2.0, *, http: EngineHttp) -> tuple[int, object]:
+    """(status, decoded body); (status, None) for an error status; (0, None) when nothing answers (or the body is
+    not JSON)."""
+    try:
+        status, data = await http.request("GET", url, timeout)
+    except OSError:
+        return 0, None
+    if not 200 <= status < 300:
+        return status, None
+    try:
+        return status, json.loads(data or b"null")
+    except ValueError:
+        return 0, None
 
-    def ask():
-        try:
-            with urllib.request.urlopen(url, timeout=timeout) as r:
-                return r.status, json.loads(r.read() or b"null")
-        except urllib.error.HTTPError as e:
-            return e.code, None
-        except (OSError, ValueError):
-            return 0, None
 
-    return await asyncio.to_thread(ask)
-
-
-async def answering(engine: Engine) -> bool:
+async def answering(engine: Engine, *, http: EngineHttp) -> bool:
     """Whether the engine's HTTP server answers (its model list)."""
-    return bool(engine.url) and (await get_json(f"{engine.url}/v1/models"))[0] == 200
+    return bool(engine.url) and (await get_json(f"{engine.url}/v1/models", http=http))[0] == 200
 
 
-async def complete(engine: Engine, name: str, prompt: str = PROBE_PROMPT, max_tokens: int = PROBE_TOKENS) -> Smoke:
+async def complete(
+    engine: Engine, name: str, prompt: str = PROBE_PROMPT, max_tokens: int = PROBE_TOKENS, *, http: EngineHttp
+) -> Smoke:
     """A greedy completion through the engine under the adapter's name (OpenAI's completions API, which vLLM and
     llama-server both serve; llama-server serves its one model whatever the name). No repetition penalty, so greedy
     means what it does in the trainer (llama-cpp-python's server applies 1.1 unless told)."""
@@ -118,17 +114,18 @@ async def complete(engine: Engine, name: str, prompt: str = PROBE_PROMPT, max_to
     code, text = await post_json(
         f"{engine.url}/v1/completions",
         {"model": name, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "repeat_penalty": 1.0},
+        http=http,
     )
     if code != 200:
         raise EngineError(f"a completion under {name} failed ({code}): {text[:300]}")
     return Smoke(latency_ms=round((time.monotonic() - t0) * 1000, 1), text=json.loads(text)["choices"][0]["text"][:200])
 
 
-async def verify(engine: Engine, v: AdapterVersion) -> tuple[NodeState, str, Smoke]:
+async def verify(engine: Engine, v: AdapterVersion, *, http: EngineHttp) -> tuple[NodeState, str, Smoke]:
     """Whether the engine serves this version: its greedy answer to the version's probe is the trainer's (all of
     it, or at least the first PROBE_HEAD_TOKENS tokens, which is what holds across precisions); without a probe
     (an adapter registered before probes), only that it answers under the name."""
-    answer = await complete(engine, v.name)
+    answer = await complete(engine, v.name, http=http)
     if v.probe is None:
         return "loaded", "answers under its name (this version has no probe to check it against)", answer
     said, text, head = (_whole_characters(t) for t in (answer.text, v.probe.text, v.probe.head))

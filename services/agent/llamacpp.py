@@ -13,6 +13,7 @@ import tempfile
 from pathlib import Path
 
 from schemas.registry import NodeState
+from services.agent.engine_http import EngineHttp
 from services.agent.engines import Engine, EngineError, get_json
 from services.agent.placing import place, placed, remove
 
@@ -38,8 +39,9 @@ def refusal(engine: Engine, name: str) -> str | None:
     return None
 
 
-async def load(engine: Engine, name: str, local: Path) -> tuple[NodeState, str]:
-    if why := refusal(engine, name):
+async def load(engine: Engine, name: str, local: Path, *, http: EngineHttp) -> tuple[NodeState, str]:
+    """Place the GGUF and restart llama-server with it (`http`: the driver's common signature; unused here)."""
+    if why := await asyncio.to_thread(refusal, engine, name):  # it lists the directory: not on the loop
         raise EngineError(f"refused: {why}")
     target = placed(engine, name)
     await asyncio.to_thread(place, local, target)
@@ -52,7 +54,7 @@ async def load(engine: Engine, name: str, local: Path) -> tuple[NodeState, str]:
     return "loaded", f"placed {target} and restarted llama-server"
 
 
-async def unload(engine: Engine, name: str) -> tuple[NodeState, str]:
+async def unload(engine: Engine, name: str, *, http: EngineHttp) -> tuple[NodeState, str]:
     target = placed(engine, name)
     await asyncio.to_thread(remove, target)
     if not engine.restart:
@@ -64,10 +66,10 @@ async def unload(engine: Engine, name: str) -> tuple[NodeState, str]:
     return "unloaded", f"removed {target} and restarted llama-server without it"
 
 
-async def served(engine: Engine) -> dict[str, str] | None:
+async def served(engine: Engine, *, http: EngineHttp) -> dict[str, str] | None:
     """The adapters llama-server was started with (GET /lora-adapters), name -> path; None when it does not answer
     or cannot say (llama-cpp-python's server has no such endpoint)."""
-    code, body = await get_json(f"{engine.url}/lora-adapters")
+    code, body = await get_json(f"{engine.url}/lora-adapters", http=http)
     if code != 200 or not isinstance(body, list):
         return None
     return {Path(str(a.get("path", ""))).stem: str(a.get("path", "")) for a in body if isinstance(a, dict)}
@@ -78,7 +80,7 @@ async def restart(engine: Engine, env: dict[str, str] | None = None, timeout: fl
     retire), $JETLORA_ADAPTER(_PATH) the one just placed. The command's own exit is waited for, at most `timeout` s
     (a server it starts in the background may keep running); its stderr goes to a file, so a child that inherits
     it cannot hold the wait open."""
-    files = " ".join(str(placed(engine, n)) for n in placed_names(engine))
+    files = " ".join(str(placed(engine, n)) for n in await asyncio.to_thread(placed_names, engine))
     with tempfile.TemporaryFile() as err:
         proc = await asyncio.create_subprocess_shell(
             engine.restart,

@@ -3,14 +3,15 @@ adapter once per sha256, check it, load it, verify the engine answers as the ada
 that went; unload what is retired. And keep checking: an engine that restarted, or lost an adapter, gets it back.
 
 A version registered for a name the node serves is fetched ahead of its promotion (staging.py).
-What was loaded is remembered on disk, so an agent that restarts converges without loading anything twice (and
-the checks find what an engine lost meanwhile).
+What was loaded is remembered on disk (served_state.py), so an agent that restarts converges without loading
+anything twice (and the checks find what an engine lost meanwhile). Nothing here waits on an engine or the disk on
+the event loop (it also sends the node's heartbeats): engines are asked through aiohttp (engine_http.py), files are
+read, written and removed in threads.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import shutil
 import time
@@ -23,7 +24,9 @@ from schemas import names
 from schemas.registry import Alias, AdapterVersion, NodeAdapterStatus, NodeState, Smoke, StoredFile
 from services.agent import llamacpp, vllm
 from services.agent.adapter_cache import AdapterCache
+from services.agent.engine_http import EngineHttp
 from services.agent.engines import Engine, answering, verify
+from services.agent.served_state import ServedState
 from services.agent.staging import Stager
 from services.artifacts.download import fetch_object, fetch_small, safe_extract
 from services.aio import cancel_and_wait, sleep_unless_stopped
@@ -53,11 +56,7 @@ class Rollout:
     ) -> None:
         self.nc, self.js, self.node, self.engines = nc, nc.jetstream(), node, engines
         self.root = work_dir / "adapters"
-        self.state_file = self.root / "loaded.json"
-        # engine label -> adapter name -> [version, sha256] of what that engine serves under the name
-        self.loaded: dict[str, dict[str, list]] = (
-            json.loads(self.state_file.read_text()) if self.state_file.is_file() else {}
-        )
+        self.served = ServedState(self.root / "loaded.json")  # what each engine serves (read when run() starts)
         self.locks: dict[str, asyncio.Lock] = {}
         self.ready = asyncio.Event()  # the aliases there were at start are converged to
         self.versions: dict[tuple[str, int], AdapterVersion] = {}  # versions never change: read each once
@@ -67,13 +66,21 @@ class Rollout:
         self.fetching: dict[tuple[str, bool], asyncio.Task] = {}  # (sha256, gguf) -> its fetch under way
         self.stager = Stager(self) if stage else None
         self.cache = AdapterCache(self.root, cache_bytes)
+        self.http = EngineHttp()  # every engine call of the rollout; closed when run() ends
 
     async def run(self, stop: asyncio.Event) -> None:
         """Follow the aliases until `stop`, and check what each engine really serves; a watch the server breaks (a
         restart, a limit) is opened again."""
         if not self.engines:
             return
-        await self._start_engines()
+        try:
+            await self.served.read()
+            await self._start_engines()
+            await self._run(stop)
+        finally:
+            await self.http.close()
+
+    async def _run(self, stop: asyncio.Event) -> None:
         log.info("rollout: %s follow the adapter registry", ", ".join(e.label for e in self.engines))
         checking = asyncio.create_task(self._check_engines(stop))
         staging = asyncio.create_task(_keep(stop, "staging new versions", self.stager.follow)) if self.stager else None
@@ -105,7 +112,7 @@ class Rollout:
         """An engine with a restart command that does not answer yet is started with it (llama-server, with the
         adapter placed for it before)."""
         for engine in self.engines:
-            if engine.restart and engine.url and not await answering(engine):
+            if engine.restart and engine.url and not await answering(engine, http=self.http):
                 log.info("engine %s does not answer: starting it with %r", engine.label, engine.restart)
                 try:
                     await llamacpp.restart(engine)
@@ -131,16 +138,16 @@ class Rollout:
                     log.warning("rollout of %s on %s failed: %s", alias.name, engine.label, e)
                     if version is not None:
                         await self._report(engine, version.name, version.version, "failed", str(e))
-            self._trim()  # what the engines served before may be unused now
+            await self._trim()  # what the engines served before may be unused now
 
     async def _converge_engine(
         self, engine: Engine, alias: Alias, version: AdapterVersion | None, again: bool = False
     ) -> None:
-        have = self.loaded.get(engine.label, {}).get(alias.name)
+        have = self.served.of(engine.label).get(alias.name)
         if version is None:
             if have:
-                state, message = await driver(engine).unload(engine, alias.name)
-                self._remember(engine, alias.name, None)
+                state, message = await driver(engine).unload(engine, alias.name, http=self.http)
+                await self.served.remember(engine.label, alias.name, None)
                 await self._report(engine, alias.name, have[0], state, message)
             return
         if version.base_model != engine.model:
@@ -153,14 +160,14 @@ class Rollout:
             log.info("adapter %s@%d is served by %s already", version.name, version.version, engine.label)
             return
         gguf = engine.kind == "llamacpp"
-        staged = self._local(file, gguf).exists()
+        staged = await asyncio.to_thread(self._local(file, gguf).exists)
         await self._report(
             engine, version.name, version.version, "loading", f"{'staged' if staged else 'fetching'} {file.name}"
         )
         with self.cache.holding(file.sha256):  # not evicted between its fetch and the engine's load
             local = await self.fetch(file, gguf)
-            state, message = await driver(engine).load(engine, version.name, local)
-            self._remember(engine, version.name, [version.version, file.sha256])
+            state, message = await driver(engine).load(engine, version.name, local, http=self.http)
+            await self.served.remember(engine.label, version.name, [version.version, file.sha256])
         checked = None
         if state == "loaded" and engine.url:
             state, said, checked = await self._verify(engine, version, file.sha256)
@@ -170,9 +177,9 @@ class Rollout:
     async def _verify(self, engine: Engine, version: AdapterVersion, sha256: str) -> tuple[NodeState, str, Smoke]:
         """`loaded` only if the engine answers the version's probe as its trainer did (and vLLM's runtime API says
         it serves the name from this version's files)."""
-        state, said, answer = await verify(engine, version)
+        state, said, answer = await verify(engine, version, http=self.http)
         if engine.kind == "vllm" and state == "loaded":
-            root = ((await vllm.served(engine)) or {}).get(version.name, "")
+            root = ((await vllm.served(engine, http=self.http)) or {}).get(version.name, "")
             if sha256 not in root:
                 return (
                     "mismatch",
@@ -199,12 +206,12 @@ class Rollout:
                         )
 
     async def check_engine(self, engine: Engine) -> None:
-        serves = await driver(engine).served(engine)  # None: it does not answer, or cannot say what it serves
-        up = serves is not None or await answering(engine)
+        serves = await driver(engine).served(engine, http=self.http)  # None: no answer, or it cannot say
+        up = serves is not None or await answering(engine, http=self.http)
         came_back, self.up[engine.label] = up and not self.up.get(engine.label, True), up
         if not up:
             return
-        for name, (version, sha256) in list(self.loaded.get(engine.label, {}).items()):
+        for name, (version, sha256) in list(self.served.of(engine.label).items()):
             alias = self.aliases.get(name)
             if alias is None or alias.serving(self.node) != version:
                 continue  # a change is on its way through converge
@@ -212,8 +219,10 @@ class Rollout:
                 continue  # it said needs-restart, and that stands until its operator restarts it
             if serves is not None and engine.kind != "vllm-dir":  # the resolver loads it again on its next request
                 lost = name not in serves or (engine.kind == "vllm" and sha256 not in serves[name])
+            elif came_back:
+                lost = (await verify(engine, await self._version(name, version), http=self.http))[0] != "loaded"
             else:
-                lost = came_back and (await verify(engine, await self._version(name, version)))[0] != "loaded"
+                lost = False
             if lost:
                 log.warning(
                     "engine %s no longer serves %s@%d (%s); loading it again",
@@ -240,21 +249,22 @@ class Rollout:
         return await asyncio.shield(self.fetching[key])
 
     async def _fetch(self, file: StoredFile, gguf: bool) -> Path:
-        """On disk, then the cache back under its budget (never removing what engines serve or are loading)."""
+        """On disk, then the cache back under its budget (never removing what engines serve or are loading). Held
+        in the cache while it is fetched, so an eviction under way in a thread leaves it be (or ends first)."""
         target = self._local(file, gguf)
-        if target.exists():
-            self.cache.used(file.sha256)
-            return target
-        await self._download(file, gguf, target)
-        self._trim(fetched=file.sha256)
+        with self.cache.holding(file.sha256):
+            await self.cache.settled(file.sha256)
+            if await asyncio.to_thread(self.cache.present, file.sha256, target):
+                return target
+            await self._download(file, gguf, target)
+            await self._trim(fetched=file.sha256)
         return target
 
-    def _trim(self, fetched: str = "") -> None:
-        """The adapter cache back under its budget (a few directories: done in place, so no load or fetch starts
-        in between); what engines serve, loads hold and fetches write stay."""
-        served = {sha for by_name in self.loaded.values() for _, sha in by_name.values()}
+    async def _trim(self, fetched: str = "") -> None:
+        """The adapter cache back under its budget, walked and removed in a thread; what engines serve, loads hold
+        and fetches write stay (a load or fetch that starts meanwhile holds its adapter: AdapterCache)."""
         try:
-            self.cache.evict(served | {sha for sha, _ in self.fetching}, fetched)
+            await self.cache.evict_async(self.served.shas() | {sha for sha, _ in self.fetching}, fetched)
         except OSError as e:  # the rollout goes on; the next fetch or rollout trims again
             log.warning("adapter cache: could not trim %s to its budget: %s", self.root, e)
 
@@ -275,24 +285,13 @@ class Rollout:
         except Exception as e:
             raise RuntimeError(f"refused {file.name}: {e}") from None
         if gguf:
-            download.replace(target)
+            await asyncio.to_thread(download.replace, target)
             return
         await asyncio.to_thread(_unpack, download, target)
-        download.unlink()
+        await asyncio.to_thread(download.unlink)
 
     def _local(self, file: StoredFile, gguf: bool) -> Path:
         return self.root / file.sha256 / ("adapter.gguf" if gguf else "peft")
-
-    def _remember(self, engine: Engine, name: str, what: list | None) -> None:
-        served = self.loaded.setdefault(engine.label, {})
-        if what is None:
-            served.pop(name, None)
-        else:
-            served[name] = what
-        self.root.mkdir(parents=True, exist_ok=True)
-        tmp = self.state_file.with_suffix(".tmp")
-        tmp.write_text(json.dumps(self.loaded))
-        tmp.replace(self.state_file)
 
     async def _report(
         self, engine: Engine, name: str, version: int, state: NodeState, message: str, checked=None

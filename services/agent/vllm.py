@@ -14,24 +14,25 @@ import asyncio
 from pathlib import Path
 
 from schemas.registry import NodeState
+from services.agent.engine_http import EngineHttp
 from services.agent.engines import Engine, EngineError, get_json, post_json
 from services.agent.placing import place, placed, remove
 
 NEEDS = "it needs VLLM_ALLOW_RUNTIME_LORA_UPDATING=True and --enable-lora"
 
 
-async def models(engine: Engine) -> list[dict] | None:
+async def models(engine: Engine, *, http: EngineHttp) -> list[dict] | None:
     """vLLM's /v1/models entries, or None when it does not answer."""
-    code, body = await get_json(f"{engine.url}/v1/models")
+    code, body = await get_json(f"{engine.url}/v1/models", http=http)
     if code != 200 or not isinstance(body, dict):
         return None
     return [m for m in body.get("data", []) if isinstance(m, dict)]
 
 
-async def served(engine: Engine) -> dict[str, str] | None:
+async def served(engine: Engine, *, http: EngineHttp) -> dict[str, str] | None:
     """The adapters vLLM serves now, name -> the path it loaded each from; None when it does not answer (or no
     address was given)."""
-    entries = await models(engine) if engine.url else None
+    entries = await models(engine, http=http) if engine.url else None
     return None if entries is None else _adapters(entries)
 
 
@@ -39,7 +40,7 @@ def _adapters(entries: list[dict]) -> dict[str, str]:
     return {m["id"]: str(m.get("root", "")) for m in entries if m.get("parent")}
 
 
-async def load(engine: Engine, name: str, local: Path) -> tuple[NodeState, str]:
+async def load(engine: Engine, name: str, local: Path, *, http: EngineHttp) -> tuple[NodeState, str]:
     """Serve `local` (a PEFT directory) under `name`, replacing what the name served."""
     if not engine.url:  # vllm-dir=DIR alone
         target = placed(engine, name)
@@ -48,39 +49,44 @@ async def load(engine: Engine, name: str, local: Path) -> tuple[NodeState, str]:
             f"placed in {target}; with no engine URL (vllm-dir=DIR,URL) nothing unloads an older "
             "version from vLLM or checks what it serves"
         )
-    entries = await models(engine)
+    entries = await models(engine, http=http)
     if entries is None:
         raise EngineError(f"vLLM at {engine.url} does not answer")
     now = _adapters(entries)
     if engine.kind == "vllm-dir":
-        return await _place_for_resolver(engine, name, local, entries)
+        return await _place_for_resolver(engine, name, local, entries, http=http)
     if name not in now:
-        return await _load(engine, name, local, "loaded through vLLM's /v1/load_lora_adapter")
+        return await _load(engine, name, local, "loaded through vLLM's /v1/load_lora_adapter", http=http)
     code, text = await post_json(
-        f"{engine.url}/v1/load_lora_adapter", {"lora_name": name, "lora_path": str(local), "load_inplace": True}
+        f"{engine.url}/v1/load_lora_adapter",
+        {"lora_name": name, "lora_path": str(local), "load_inplace": True},
+        http=http,
     )
     if code == 200:
         return "loaded", "replaced in place through vLLM's /v1/load_lora_adapter (load_inplace: no request refused)"
     if "already been loaded" not in text:
         raise EngineError(f"vLLM refused to load it ({code}: {text[:300]}); {NEEDS}")
-    await post_json(f"{engine.url}/v1/unload_lora_adapter", {"lora_name": name})  # a vLLM without load_inplace
+    await post_json(f"{engine.url}/v1/unload_lora_adapter", {"lora_name": name}, http=http)  # no load_inplace
     return await _load(
         engine,
         name,
         local,
         "unloaded the old version and loaded this one (this vLLM has no "
         "load_inplace: requests in between were refused; upgrade vLLM)",
+        http=http,
     )
 
 
-async def _load(engine: Engine, name: str, local: Path, said: str) -> tuple[NodeState, str]:
-    code, text = await post_json(f"{engine.url}/v1/load_lora_adapter", {"lora_name": name, "lora_path": str(local)})
+async def _load(engine: Engine, name: str, local: Path, said: str, *, http: EngineHttp) -> tuple[NodeState, str]:
+    code, text = await post_json(
+        f"{engine.url}/v1/load_lora_adapter", {"lora_name": name, "lora_path": str(local)}, http=http
+    )
     if code != 200:
         raise EngineError(f"vLLM refused to load it ({code}: {text[:300]}); {NEEDS}")
     return "loaded", said
 
 
-async def unload(engine: Engine, name: str) -> tuple[NodeState, str]:
+async def unload(engine: Engine, name: str, *, http: EngineHttp) -> tuple[NodeState, str]:
     said = ""
     if engine.kind == "vllm-dir":
         target = placed(engine, name)
@@ -89,17 +95,19 @@ async def unload(engine: Engine, name: str) -> tuple[NodeState, str]:
         if not engine.url:
             return "unloaded", f"{said} (no engine URL: vLLM keeps serving it if it had loaded it)"
         said += "; "
-    now = await served(engine)
+    now = await served(engine, http=http)
     if now is None:
         raise EngineError(f"vLLM at {engine.url} does not answer; it unloads {name} once it does")
     if name in now:
-        code, text = await post_json(f"{engine.url}/v1/unload_lora_adapter", {"lora_name": name})
+        code, text = await post_json(f"{engine.url}/v1/unload_lora_adapter", {"lora_name": name}, http=http)
         if code != 200:
             raise EngineError(f"vLLM refused to unload it ({code}: {text[:300]})")
     return "unloaded", said + "unloaded through vLLM's /v1/unload_lora_adapter"
 
 
-async def _place_for_resolver(engine: Engine, name: str, local: Path, entries: list[dict]) -> tuple[NodeState, str]:
+async def _place_for_resolver(
+    engine: Engine, name: str, local: Path, entries: list[dict], *, http: EngineHttp
+) -> tuple[NodeState, str]:
     known = name in _adapters(entries)
     base = next((str(m.get("root")) for m in entries if not m.get("parent")), None)
     if base is None:
@@ -107,7 +115,7 @@ async def _place_for_resolver(engine: Engine, name: str, local: Path, entries: l
     target = placed(engine, name)
     await asyncio.to_thread(place, local, target, base)
     if known:  # vLLM serves the old version until the name is unknown to it again
-        code, text = await post_json(f"{engine.url}/v1/unload_lora_adapter", {"lora_name": name})
+        code, text = await post_json(f"{engine.url}/v1/unload_lora_adapter", {"lora_name": name}, http=http)
         if code != 200 and code != 404:
             raise EngineError(
                 f"placed {target}, but vLLM refused to unload the old version ({code}: {text[:300]}); {NEEDS}"

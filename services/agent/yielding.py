@@ -1,6 +1,7 @@
 """Training in the serving engines' idle time. Compute: while an engine serves requests, the trainers on its
 devices are stopped where they stand (SIGSTOP to their process group: memory stays, going on costs nothing) and
-go on once it has been idle for the hold-off. Memory: when its KV cache fills past a threshold or it preempts,
+go on once it has been idle for the hold-off, or once it has not answered for `silent` seconds (it is not stopped
+for that engine again until it answers). Memory: when its KV cache fills past a threshold or it preempts,
 the device's memory is asked back through the reclaim path (the scheduler pauses the job there with a checkpoint
 and resumes it when the engine lets go)."""
 
@@ -20,7 +21,7 @@ MODES = ("both", "compute", "memory", "off")
 
 @dataclass(frozen=True)
 class YieldPolicy:
-    """`--engine-yield both,holdoff=2,kv=0.9,poll=0.2,timeout=1,metrics=1,devices=0+1,exempt=50,nice=5`."""
+    """`--engine-yield both,holdoff=2,kv=0.9,poll=0.2,timeout=1,metrics=1,devices=0+1,exempt=50,nice=5,silent=60`."""
 
     mode: str = "both"
     poll_s: float = 0.2
@@ -32,6 +33,7 @@ class YieldPolicy:
     metrics_s: float = 1.0  # between full /metrics reads where vLLM's /load says whether it is busy
     nice: int = 5  # the trainers beside the engine run at this CPU niceness (compute modes), so its threads
     # take the CPU the moment they are runnable, before a poll has even seen the request
+    silent_s: float = 60.0  # a trainer stopped for an engine that has not answered this long goes on
 
     @classmethod
     def parse(cls, text: str) -> "YieldPolicy":
@@ -47,6 +49,7 @@ class YieldPolicy:
             "exempt": "exempt_priority",
             "nice": "nice",
             "metrics": "metrics_s",
+            "silent": "silent_s",
         }
         values: dict = {"mode": mode}
         for setting in settings:
@@ -70,6 +73,8 @@ class YieldPolicy:
         policy = cls(**values)
         if not 0 <= policy.nice <= 19:
             raise ValueError(f"--engine-yield {text!r}: nice is 0 (none) to 19")
+        if policy.silent_s <= 0:
+            raise ValueError(f"--engine-yield {text!r}: silent takes seconds above 0")
         return policy
 
     def yields(self, priority: int) -> bool:
@@ -111,15 +116,20 @@ class Yielder:
         return [e.watch.load() for e in self.engines]
 
     async def run(self, stop: asyncio.Event) -> None:
+        """Poll every engine until `stop` (or cancelled); the watches' HTTP sessions are closed at the end."""
         if not self.engines:
             return
         tick = min(e.policy.poll_s for e in self.engines)
-        while not await sleep_unless_stopped(stop, tick):
+        try:
+            while not await sleep_unless_stopped(stop, tick):
+                for engine in self.engines:
+                    try:
+                        await self._poll(engine)
+                    except Exception as e:  # a report that could not be sent: the next poll tries again
+                        log.warning("yielding to %s: %s: %s", engine.watch.label, type(e).__name__, e)
+        finally:
             for engine in self.engines:
-                try:
-                    await self._poll(engine)
-                except Exception as e:  # a report that could not be sent: the next poll tries again
-                    log.warning("yielding to %s: %s: %s", engine.watch.label, type(e).__name__, e)
+                await engine.watch.close()
 
     def niceness(self, devices: list[int]) -> int:
         """The CPU niceness of a trainer on `devices`: the highest any engine there asks for (compute modes)."""
@@ -139,8 +149,10 @@ class Yielder:
 
     async def _poll(self, engine: EngineYield) -> None:
         reading = await engine.watch.poll()
-        if reading is None:
-            return  # not read: nothing changes on a guess (the heartbeat carries the error)
+        if reading is None:  # not read: nothing changes on a guess (the heartbeat carries the error) ...
+            if engine.policy.mode in ("both", "compute"):
+                await self._silent(engine)  # ... but a trainer is not stopped for ever for an engine gone silent
+            return
         devices = self.devices_of(engine)
         if self.agent.draining:
             return
@@ -163,6 +175,29 @@ class Yielder:
                 await self.agent.report_yield(run, f"yielding to {label}: {describe(reading)}")
             elif y.to == label and engine.watch.idle_for() >= engine.policy.holdoff_s:
                 await self.go_on(run, f"training again: {label} idle for {engine.policy.holdoff_s:g}s")
+
+    async def _silent(self, engine: EngineYield) -> None:
+        """The trainers stopped for an engine that has not answered for `silent` seconds go on; they are stopped for
+        it again only once it answers (a poll that reads it) and serves."""
+        silent = engine.watch.silent_for()
+        if silent < engine.policy.silent_s:
+            return
+        label = engine.watch.label
+        for run in list(self.agent.jobs.values()):
+            if run.yielded.to != label or run.trainer is None:
+                continue
+            log.warning(
+                "job %s: %s has not answered for %.0fs (%s); its trainer goes on until the engine answers again",
+                run.assignment.job,
+                label,
+                silent,
+                engine.watch.error,
+            )
+            await self.go_on(
+                run,
+                f"training again: {label} has not answered for {silent:.0f}s ({engine.watch.error}); "
+                "yielding resumes when it answers",
+            )
 
     async def go_on(self, run, why: str | None = None) -> None:
         """Let a stopped trainer compute again (and say so, when `why`)."""
