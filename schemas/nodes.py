@@ -6,7 +6,7 @@ from typing import Annotated, Literal
 
 from msgspec import Meta, Struct, field
 
-from schemas.jobs import JobId, JobRequest, NodeId, TenantId
+from schemas.jobs import JobId, JobRequest, JobState, NodeId, TenantId
 from schemas.memory import ModelShape
 
 CPU_DEVICE = -1  # the index of a node's CPU when it offers it for training
@@ -43,6 +43,17 @@ class EngineLoad(Struct, kw_only=True):
     error: str = ""  # why its metrics could not be read (then nothing is guessed)
 
 
+class RunningAttempt(Struct, kw_only=True):
+    """One attempt of a job that a node runs now. The scheduler ends every attempt it does not recognise (an
+    older one, one of a job that ended or went elsewhere), and takes back one it gave up on while the node was
+    silent if the job is still waiting."""
+
+    job: JobId
+    attempt: int
+    devices: list[int]  # rank 0's first
+    state: JobState  # as the node last reported it: preparing, running or uploading
+
+
 class Heartbeat(Struct, kw_only=True):
     """An agent's periodic word that it is alive, and what its devices have free."""
 
@@ -52,6 +63,7 @@ class Heartbeat(Struct, kw_only=True):
     offers_cpu: bool = False
     no_gpu_reason: str = ""
     running: list[str] = field(default_factory=list)
+    attempts: list[RunningAttempt] = field(default_factory=list)  # what `running` runs: which attempt, where
     finished: list[str] = field(default_factory=list)  # jobs that ended in the last minute
     interval_s: float = 1.0
     sent_at: float = 0.0
@@ -91,11 +103,13 @@ AssignReply = AssignAccepted | AssignRefused
 
 class Control(Struct, forbid_unknown_fields=True):
     """Cancel a job (kill it), stop it (save what it has learnt and end) or pause it (checkpoint and free the
-    device, to be resumed later)."""
+    device, to be resumed later); or end an attempt the scheduler does not recognise (kill it, report and store
+    nothing: another attempt, or nothing, is the job's now)."""
 
     job: JobId
-    action: Literal["cancel", "stop", "pause"]
+    action: Literal["cancel", "stop", "pause", "end"]
     by: str = ""  # a pause's reason, reported back with the paused state: "user", or the engine that wanted memory
+    attempt: int = 0  # the attempt it is meant for (a node refuses it for another); 0: whichever runs
 
 
 class Reclaim(Struct, forbid_unknown_fields=True, kw_only=True):

@@ -156,19 +156,45 @@ def as_error(errors: list[FieldError]) -> Error:
 @dataclass
 class Concurrently:
     """Answer an endpoint's requests each in a task of `spawn`'s (which awaits them at shutdown), at most `limit`
-    at once: for handlers that wait on a store, so one slow write does not hold up the requests behind it."""
+    at once: for handlers that wait on a store or another service, so one slow request does not hold up the
+    requests behind it. With `key` (the request's subject -> whose it is, e.g. its tenant), each key has at most
+    `per_key` answered at once and `queued_per_key` waiting for a turn; beyond that a request is refused as busy
+    at once, so one asker cannot fill the service's slots for everyone."""
 
     spawn: Callable[[Coroutine[Any, Any, Any]], None]
     limit: int
+    per_key: int | None = None
+    queued_per_key: int | None = None
+    key: Callable[[str], str] = lambda subject: ""
 
     def __post_init__(self) -> None:
         self.slots = asyncio.Semaphore(self.limit)
+        self._turns: dict[str, asyncio.Semaphore] = {}
+        self._waiting: dict[str, int] = {}  # key -> requests admitted and not yet answered
 
-    async def released(self, answering: Awaitable[None]) -> None:
+    def admit(self, key: str) -> bool:
+        """Count a request of `key` in, unless that key already has its fill waiting."""
+        waiting = self._waiting.get(key, 0)
+        if self.per_key is not None and self.queued_per_key is not None:
+            if waiting >= self.per_key + self.queued_per_key:
+                return False
+        self._waiting[key] = waiting + 1
+        return True
+
+    async def released(self, answering: Awaitable[None], key: str = "") -> None:
+        """Answer in the key's turn, then give the slots back."""
         try:
-            await answering
+            if self.per_key is None:
+                await answering
+            else:
+                async with self._turns.setdefault(key, asyncio.Semaphore(self.per_key)):
+                    await answering
         finally:
             self.slots.release()
+            self._waiting[key] -= 1
+            if not self._waiting[key]:
+                del self._waiting[key]
+                self._turns.pop(key, None)
 
 
 def handler(
@@ -247,8 +273,13 @@ async def add_endpoint(
 
     async def in_turn(request) -> None:
         assert concurrently is not None
+        key = concurrently.key(request.subject)
+        if not concurrently.admit(key):
+            busy = Error(f"{key or 'this asker'} has too many requests waiting here; ask again in a moment")
+            await request.respond_error("503", error_text(busy) or "busy", data=_enc.encode(busy))
+            return
         await concurrently.slots.acquire()
-        concurrently.spawn(concurrently.released(counted(request)))
+        concurrently.spawn(concurrently.released(counted(request), key))
 
     await group.add_endpoint(name=name, subject=subject or name, handler=in_turn if concurrently else counted)
     endpoint = next((e for e in reversed(getattr(group._service, "_endpoints", [])) if e._name == name), None)

@@ -26,6 +26,7 @@ from schemas.nodes import NodeList
 from services import bus
 from services.embedded import EmbeddedNats
 from services.scheduler.core import SchedulerConfig
+from services.scheduler.fence import TERM_KEY
 from services.scheduler.store import LAYOUT
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -328,10 +329,10 @@ async def progress_steps(nc, job_id: str) -> list[int]:
 
 
 async def kv_keys(nc) -> list[str]:
-    """The jobs bucket's keys of jobs (the layout mark a scheduler writes at start is none)."""
+    """The jobs bucket's keys of jobs (the layout mark and the term a scheduler writes at start are none)."""
     kv = await nc.jetstream().key_value(names.JOBS_KV)
     try:
-        return [k for k in await kv.keys() if k != LAYOUT]
+        return [k for k in await kv.keys() if k not in (LAYOUT, TERM_KEY)]
     except NoKeysError:  # nats-py's word for an empty bucket
         return []
 

@@ -11,7 +11,7 @@ from schemas.jobs import Accepted, JobQuery, JobWhy
 from services import bus
 from services.scheduler.core import TenantQuota
 from services.scheduler.service import Scheduler, SchedulerConfig
-from tests.conftest import ROOT, get_job, submit, wait_for, wait_nodes, wait_state
+from tests.conftest import ROOT, get_job, list_jobs, submit, wait_for, wait_nodes, wait_state
 from tests.qa import pairs
 
 JOB = {"model": "tiny", "base_dir": "/models/tiny", "data": pairs(1)}
@@ -71,7 +71,8 @@ async def test_a_busy_fleet_an_unknown_node_and_a_tenant_quota_each_say_theirs(n
 
 
 async def test_a_thousand_queued_jobs_are_not_written_again_on_every_pass(nc, stack):
-    """Their reason is written once; later passes (each submission wakes one) write only what changed."""
+    """Why a job waits is worked out when asked: later passes (each submission wakes one) write nothing of the
+    thousand, and a listing still says why each waits."""
     jobs = [await queued(nc, node="ghost") for _ in range(200)]
     jobs += await asyncio.gather(*(queued(nc, node="ghost") for _ in range(800)))
     await says(nc, jobs[-1], "node ghost")
@@ -81,16 +82,14 @@ async def test_a_thousand_queued_jobs_are_not_written_again_on_every_pass(nc, st
     async def writes() -> int:
         return (await js.stream_info(stream)).state.last_seq
 
-    async def settled() -> bool:
-        return all("node ghost" in stack.core.jobs[j].status.message for j in jobs)
-
-    await wait_for(settled, timeout=60, what="every queued job to say why it waits")
     before = await writes()
     for _ in range(5):  # five more passes, each with one new job of another kind
         await says(nc, await queued(nc, node="phantom"), "node phantom")
     written = await writes() - before
     print(f"KV writes for 5 passes over 1,000 queued jobs: {written}")
-    assert written <= 5 * 3, written  # each new job's request, status and reason; none of the thousand
+    assert written <= 5 * 2, written  # each new job's request and active mark; none of the thousand
+    listed = await list_jobs(nc, state="queued", limit=1000)  # a page of the 1,005, each saying why it waits
+    assert len(listed) == 1000 and all("waiting: node" in j.message for j in listed)
 
 
 async def test_too_little_free_memory_and_a_node_kept_for_a_multi_device_job_each_say_theirs(nc, stack, agents):

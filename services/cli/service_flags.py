@@ -30,6 +30,8 @@ def scheduler_config(args):
         retention_artifacts=args.retention_artifacts,
         finished_in_memory_s=args.finished_in_memory_s,
         idempotency_window_s=args.idempotency_hours * 3600,
+        reconcile_interval_s=args.reconcile_interval_s,
+        requests_per_tenant=args.requests_per_tenant,
     )
 
 
@@ -50,6 +52,7 @@ def agent_config(args):
         engine_yield=_yields(args),
         engine_check_interval=args.engine_check_interval,
         stage_adapters=not args.no_staging,
+        trainer_lease_s=args.trainer_lease_s,
     )
     if args.trainer_command:
         cfg.trainer_command = shlex.split(args.trainer_command)
@@ -109,13 +112,22 @@ def agent_flags(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--engine-max-rank", type=int, default=64, help="the largest LoRA rank the engines take")
     p.add_argument(
+        "--trainer-lease-s",
+        type=float,
+        default=None,
+        help="a trainer stops before its next step once this long has passed since the node's last heartbeat "
+        "reached NATS (so a frozen or cut-off node does not train beside the job's next attempt); default two "
+        "heartbeat intervals, which must stay below the scheduler's --misses x interval; 0: never",
+    )
+    p.add_argument(
         "--engine-yield",
         action="append",
         default=[],
         metavar="MODE[,KEY=VALUE...]",
         help="how training yields to each --engine (one: all): both|compute|memory|off, then poll=S, "
-        "timeout=S, holdoff=S, kv=FRACTION, metrics=S, devices=0+1, exempt=PRIORITY, nice=N "
-        "(default: both,poll=0.2,timeout=1,holdoff=2,kv=0.9,metrics=1,nice=5)",
+        "timeout=S, holdoff=S, kv=FRACTION, metrics=S, devices=0+1, exempt=PRIORITY, nice=N, silent=S (a trainer "
+        "stopped for an engine that has not answered this long goes on) "
+        "(default: both,poll=0.2,timeout=1,holdoff=2,kv=0.9,metrics=1,nice=5,silent=60)",
     )
     p.add_argument(
         "--engine-check-interval",
@@ -194,6 +206,19 @@ def scheduler_flags(p: argparse.ArgumentParser) -> None:
         type=float,
         default=600.0,
         help="a finished job stays in the scheduler's memory this long; then it is read from the store",
+    )
+    p.add_argument(
+        "--reconcile-interval-s",
+        type=float,
+        default=30.0,
+        help="how often the scheduler compares what it holds in memory with the store's active jobs",
+    )
+    p.add_argument(
+        "--requests-per-tenant",
+        type=int,
+        default=32,
+        help="a tenant's requests the scheduler answers at once; more wait their turn (a few hundred more are "
+        "refused as busy)",
     )
     p.add_argument(
         "--idempotency-hours",

@@ -14,6 +14,7 @@ import msgspec
 
 from schemas import names
 from schemas.jobs import (
+    ACTIVE_STATES,
     TERMINAL_STATES,
     Accepted,
     Error,
@@ -27,7 +28,6 @@ from schemas.jobs import (
     JobWhy,
     Rejected,
     StoredRequest,
-    summarize,
 )
 from schemas.job_checks import parse_job_request
 from schemas.events import CheckpointList, EventPage, EventsQuery
@@ -39,7 +39,7 @@ from services.scheduler.core import Job, SchedulerCore
 from services.scheduler.history import events_page
 from services.scheduler.idempotency import IdempotencyKeys
 from services.scheduler.pausing import BY_USER, Pausing
-from services.scheduler.waiting import explain, with_reason
+from services.scheduler.waiting import WaitingReasons, explain, with_reason
 
 log = logging.getLogger(__name__)
 Handler = Callable[[Any], Awaitable[Any]]  # bus.handler(): answers, and returns an error reply's description
@@ -51,13 +51,21 @@ class SchedulerApi:
 
     def __init__(self, core: SchedulerCore, pausing: Pausing, idempotency: IdempotencyKeys) -> None:
         self.core, self.pausing, self.idempotency = core, pausing, idempotency
-        self._submitting = bus.Concurrently(core.spawn, core.cfg.max_concurrent_submits)
+        cfg = core.cfg
+        per_tenant: dict[str, Any] = dict(
+            per_key=cfg.requests_per_tenant,
+            queued_per_key=cfg.queued_requests_per_tenant,
+            key=lambda subject: names.tenant_token(names.tenant_of_subject(subject)),
+        )
+        self._submitting = bus.Concurrently(core.spawn, cfg.max_concurrent_submits, **per_tenant)
+        self._answering = bus.Concurrently(core.spawn, cfg.max_concurrent_submits, **per_tenant)
         self._quota_locks: dict[str, asyncio.Lock] = {}  # a tenant's submissions counted one at a time
 
     def endpoints(self) -> list[tuple[str, str, Handler, bus.Concurrently | None]]:
         """(endpoint name, subject under names.API_GROUP, handler, how it runs): an admin's verbs, which see every
-        job, and each tenant's (jetlora.api.<tenant>.<verb>), which see the tenant's own. Submissions are answered
-        concurrently (each awaits KV writes), at most max_concurrent_submits at once."""
+        job, and each tenant's (jetlora.api.<tenant>.<verb>), which see the tenant's own. Every request is answered
+        in a task of its own, a bounded number per tenant at once, so a slow one (a node that does not answer a
+        cancel, a long page of events) never holds up another tenant's."""
         verbs: dict[str, tuple[type, Callable[..., Awaitable[Any]]]] = {
             "cancel": (JobQuery, lambda q, tenant: self._end_early(q, "cancel", tenant)),
             "stop": (JobQuery, lambda q, tenant: self._end_early(q, "stop", tenant)),
@@ -73,7 +81,7 @@ class SchedulerApi:
         out: list[tuple[str, str, Handler, bus.Concurrently | None]] = [
             ("submit", "submit", submit, self._submitting),
             ("tenant-submit", "*.submit", submit, self._submitting),
-            ("nodes", "nodes", bus.handler(self._list_nodes, msgspec.Raw), None),
+            ("nodes", "nodes", bus.handler(self._list_nodes, msgspec.Raw), self._answering),
         ]
         for verb, (request_type, serve) in verbs.items():
             answer = bus.handler(
@@ -81,7 +89,7 @@ class SchedulerApi:
                 request_type,
                 with_subject=True,
             )
-            out += [(verb, verb, answer, None), (f"tenant-{verb}", f"*.{verb}", answer, None)]
+            out += [(verb, verb, answer, self._answering), (f"tenant-{verb}", f"*.{verb}", answer, self._answering)]
         return out
 
     # --- submission ------------------------------------------------------------------------------
@@ -152,6 +160,7 @@ class SchedulerApi:
         core = self.core
         core.seq += 1
         job_id = job_id or uuid.uuid4().hex[:16]
+        core.submitting.add(job_id)
         try:  # the index entry and the active mark first: a crash before the request leaves only what readers skip
             index_seq, _ = await asyncio.gather(core.index.submitted(tenant, job_id), core.store.mark_active(job_id))
             stored = StoredRequest(
@@ -159,15 +168,17 @@ class SchedulerApi:
             )
             await core.store.add(stored)  # durable before the reply: a crash after it loses nothing
         except Exception as e:
+            core.submitting.discard(job_id)
             return Rejected(
                 [
                     FieldError(
                         "",
-                        f"the job could not be stored ({type(e).__name__}: JetStream unavailable?); "
-                        "nothing was queued: submit it again",
+                        f"the job could not be stored ({type(e).__name__}: JetStream unavailable, or this scheduler "
+                        "no longer leads); nothing was queued: submit it again",
                     )
                 ]
             )
+        core.submitting.discard(job_id)
         core.take_new(
             Job(
                 msgspec.structs.replace(stored, request=msgspec.structs.replace(request, data=[])),
@@ -233,15 +244,23 @@ class SchedulerApi:
             raise InvalidRequest([FieldError("job", f"no job {q.job}; `jetlora jobs` lists them")])
         return job
 
+    def _reply(self, job: Job) -> JobReply:
+        return JobReply(WaitingReasons(self.core).summary(job))
+
     async def _get_job(self, q: JobQuery, tenant: str | None) -> JobReply:
-        job = await self._job(q, tenant)
-        return JobReply(summarize(job.stored, job.status))
+        return self._reply(await self._job(q, tenant))
 
     async def _list_jobs(self, q: JobListQuery, tenant: str | None) -> JobList:
         core = self.core
         if q.state is not None and q.state not in TERMINAL_STATES:  # only active jobs are in it: all in memory
-            return listing.from_memory(core.jobs.values(), q, tenant)
-        return await listing.from_index(core.index, core.store, core.jobs, q, tenant)
+            page = listing.from_memory(core.jobs.values(), q, tenant)
+        else:
+            page = await listing.from_index(core.index, core.store, core.jobs, q, tenant)
+        reasons = WaitingReasons(core)
+        for i, summary in enumerate(page.jobs):
+            if summary.state == "queued" and (job := core.jobs.get(summary.id)) is not None:
+                page.jobs[i] = msgspec.structs.replace(summary, message=reasons.message(job))
+        return page
 
     async def _list_nodes(self, _query) -> NodeList:
         core = self.core
@@ -271,15 +290,18 @@ class SchedulerApi:
     async def _why_job(self, q: JobQuery, tenant: str | None) -> JobWhy:
         core = self.core
         job = await self._job(q, tenant)
-        if job.status.state != "queued" or job.status.node is not None:
-            where = f" on {job.status.node}" if job.status.node else ""
+        if job.status.state != "queued" or job.placing:
+            where = f" on {job.status.node}" if job.status.node and job.status.state in ACTIVE_STATES else ""
             return JobWhy(
                 job=job.id, state=job.status.state, summary=f"{job.status.state}{where}: {job.status.message}"
             )
         summary, nodes = explain(
             core.fleet, job.stored.request, {n: j for n, j in core.gang_holds.items() if j != job.id}
         )
-        return JobWhy(job=job.id, state="queued", summary=with_reason(job.status.message, summary), nodes=nodes)
+        reason = WaitingReasons(core).reason(job)
+        if not reason.startswith("waiting: tenant"):
+            reason = summary
+        return JobWhy(job=job.id, state="queued", summary=with_reason(job.status.message, reason), nodes=nodes)
 
     async def _job_checkpoints(self, q: JobQuery, tenant: str | None) -> CheckpointList:
         return CheckpointList(job=q.job, checkpoints=(await self._job(q, tenant)).status.checkpoints)
@@ -289,14 +311,12 @@ class SchedulerApi:
         job = await self._job(q, tenant)
         if job.status.state == "paused":
             return Error(f"job {job.id} is already paused; `jetlora resume {job.id}` goes on with it", field="job")
-        return await self.pausing.pause(job, BY_USER) or JobReply(summarize(job.stored, job.status))
+        return await self.pausing.pause(job, BY_USER) or self._reply(job)
 
     async def _resume_job(self, q: JobQuery, tenant: str | None) -> JobReply | Error:
         job = await self._job(q, tenant)
         where = f"from checkpoint {job.status.checkpoint}" if job.status.checkpoint else "from the start"
-        return await self.pausing.resume(job, f"resumed {where}; waiting for a device") or JobReply(
-            summarize(job.stored, job.status)
-        )
+        return await self.pausing.resume(job, f"resumed {where}; waiting for a device") or self._reply(job)
 
     # --- cancel and stop -------------------------------------------------------------------------
     async def _end_early(self, q: JobQuery, action: str, tenant: str | None) -> JobReply | Error:
@@ -312,30 +332,37 @@ class SchedulerApi:
                     "checkpoints stay in the store)",
                     field="job",
                 )
-            core.note_unpaused(job)
-            await core.set_state(job, "cancelled", "cancelled while paused", when=lambda s: s.state == "paused")
-            return JobReply(summarize(job.stored, job.status))
-        if state == "queued":
-            core.queue.discard(job.id)
-            core.take_cached_request(job.id)
+            if not await core.set_state(job, "cancelled", "cancelled while paused", when=lambda s: s.state == "paused"):
+                return Error(f"job {job.id} was just resumed; ask again", field="job")
+        elif state == "queued":
             if not await core.set_state(
                 job, "cancelled", f"{action} asked while queued", when=lambda s: s.state == "queued"
             ):
                 return Error(f"job {job.id} was just placed; ask again", field="job")
-        else:
-            try:
-                reply = await bus.request(
-                    core.nc,
-                    names.node(job.status.node or "").control,
-                    Control(job.id, action),  # type: ignore[arg-type]
-                    ControlReply,
-                    timeout=core.cfg.assign_timeout,
-                )
-                if not reply.ok:
-                    return Error(reply.message)
-            except bus.RequestError as e:
-                log.warning(
-                    "node %s did not answer %s of %s (%s); marking it cancelled", job.status.node, action, job.id, e
-                )
-                await core.set_state(job, "cancelled", f"{action} asked; node {job.status.node} did not answer")
-        return JobReply(summarize(job.stored, job.status))
+        elif error := await self._ask_node(job, action):
+            return error
+        return self._reply(job)
+
+    async def _ask_node(self, job: Job, action: str) -> Error | None:
+        """Cancel or stop a running attempt through its node. A node that does not answer has its attempt marked
+        cancelled (if it is still the job's, and still running: a job that ended meanwhile keeps its end); the
+        node ends it when it is heard again."""
+        core, node, attempt = self.core, job.status.node, job.status.attempt
+        try:
+            reply = await bus.request(
+                core.nc,
+                names.node(node or "").control,
+                Control(job.id, action, attempt=attempt),  # type: ignore[arg-type]
+                ControlReply,
+                timeout=core.cfg.assign_timeout,
+            )
+            return None if reply.ok else Error(reply.message)
+        except bus.RequestError as e:
+            log.warning("node %s did not answer %s of %s (%s); marking it cancelled", node, action, job.id, e)
+        await core.set_state(
+            job,
+            "cancelled",
+            f"{action} asked; node {node} did not answer (it ends the job's attempt {attempt} when it is heard again)",
+            when=lambda s: s.state in ACTIVE_STATES and s.attempt == attempt and s.node == node,
+        )
+        return None

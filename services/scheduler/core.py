@@ -18,8 +18,11 @@ from services.scheduler.placement import Fleet, SlotKey
 from services.scheduler.queue import JobQueue
 from services.registry.store import AdapterRegistry
 from services.scheduler.index import Finished, JobIndex
-from services.scheduler.store import Conflict, JobStore
+from services.scheduler.config import SchedulerConfig, TenantQuota
+from services.scheduler.fence import Deposed
+from services.scheduler.store import JobStore
 
+__all__ = ["SchedulerConfig", "SchedulerCore", "TenantQuota", "Job", "UNPLACED", "held", "engine_tag", "engine_slot"]
 log = logging.getLogger(__name__)
 REQUEST_CACHE_BYTES = 64 * 2**20  # full requests of queued jobs kept in memory, so placing one needs no KV read
 REQUEST_CACHE_ITEM = 64 * 2**10
@@ -38,16 +41,25 @@ def engine_slot(paused_by: str | None) -> SlotKey | None:
     return (node, int(device)) if device.lstrip("-").isdigit() else None
 
 
+def held(status: JobStatus) -> list[SlotKey]:
+    """The devices a status holds: an active job's one, or all of a multi-device job's; nothing otherwise."""
+    if status.state not in ACTIVE_STATES or status.node is None or status.device is None:
+        return []
+    return [(status.node, d) for d in status.devices or [status.device]]
+
+
 @dataclass
 class Job:
-    """A job as the scheduler holds it: its request without the data, and its status."""
+    """A job as the scheduler holds it: its request without the data, and its status as last stored."""
 
     stored: StoredRequest
     status: JobStatus
     revision: int = 0
-    assigned_at: float = 0.0  # monotonic
+    assigned_at: float = 0.0  # monotonic: when it last took a node (the grace for the node to list it runs from it)
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)  # one status write at a time, each from the latest
     suspect: bool = False  # a check that its node lost it is under way
+    placing: list[SlotKey] | None = None  # devices held for it while its assignment is being written
+    lost_from: tuple[NodeId, int, int] | None = None  # (node, attempt, retries used before) when a node went silent
 
     @property
     def id(self) -> JobId:
@@ -56,60 +68,16 @@ class Job:
     @property
     def slots(self) -> list[SlotKey]:
         """The devices the job holds: none, one, or all of a multi-device job's."""
-        s = self.status
-        if s.node is None or s.device is None:
-            return []
-        return [(s.node, d) for d in s.devices or [s.device]]
-
-
-@dataclass(frozen=True)
-class TenantQuota:
-    """What one tenant may hold at once; None: no limit."""
-
-    queued: int | None = None  # jobs waiting for a device
-    devices: int | None = None  # devices its running jobs hold
-
-    @classmethod
-    def parse(cls, text: str) -> "TenantQuota":
-        """`queued:10,devices:2` (either may be left out)."""
-        limits = {}
-        for part in filter(None, text.split(",")):
-            key, _, value = part.partition(":")
-            if key not in ("queued", "devices") or not value.isdigit():
-                raise ValueError(f"quota {text!r}: write queued:N,devices:M")
-            limits[key] = int(value)
-        return cls(**limits)
-
-
-@dataclass
-class SchedulerConfig:
-    heartbeat_interval: float = 1.0
-    misses: int = 3
-    assign_timeout: float = 2.0
-    backfill_window: int = 64
-    max_concurrent_submits: int = 256
-    idempotency_window_s: float = 24 * 3600.0  # a key sent again within this returns its first job
-    finished_in_memory_s: float = 600.0  # a finished job stays in memory this long, then is read from the store
-    retention_s: float = 30 * 24 * 3600.0  # a finished job's record and events are removed this long after; 0: never
-    retention_artifacts: bool = False  # and its artifacts with them
-    sweep_interval_s: float = 60.0  # how often expired records are looked for
-    reclaim_pause_priority: int = 0  # jobs at or below this priority pause when their device's engine wants memory
-    quotas: dict[str, TenantQuota] = field(default_factory=dict)  # per tenant
-    default_quota: TenantQuota = TenantQuota()  # for tenants not in quotas
-
-    def quota(self, tenant: str | None) -> TenantQuota:
-        return TenantQuota() if tenant is None else self.quotas.get(tenant, self.default_quota)
-
-    @property
-    def window(self) -> float:
-        return self.heartbeat_interval * self.misses
+        return held(self.status)
 
 
 class SchedulerCore:
     """The scheduler's state: its jobs, queue and fleet, and the writes that change a job.
 
-    The scheduler's parts (placer, pausing, events, liveness, retention, api) each hold this one core and
-    change a job only through set_state / requeue, under the job's lock."""
+    Memory is a projection of what the store holds: a job's status changes in memory only once its write was
+    stored (apply), and the queue, the devices held, each node's jobs and the tenants' counts follow from the
+    statuses alone. The scheduler's parts (placer, pausing, events, liveness, reconcile, retention, api) each hold
+    this one core and change a job only through set_state / requeue, under the job's lock."""
 
     store: JobStore
     index: JobIndex
@@ -119,6 +87,7 @@ class SchedulerCore:
         self.nc, self.js = nc, nc.jetstream()
         self.cfg = config or SchedulerConfig()
         self.tasks: set[asyncio.Task] = set()
+        self.lost = asyncio.Event()  # set when this scheduler must stop leading (its term was taken)
         self.reset()
 
     def reset(self) -> None:
@@ -131,13 +100,17 @@ class SchedulerCore:
         self.gang_holds: dict[NodeId, JobId] = {}  # nodes kept for a waiting multi-device job
         self.engine_paused: dict[SlotKey, set[JobId]] = {}  # jobs paused for a device's serving engine
         self.pausing: set[JobId] = set()  # pauses asked of nodes, not yet answered
+        self.unsure: set[JobId] = set()  # jobs whose last write went unanswered: read back before anything else
+        self.submitting: set[JobId] = set()  # submissions being stored: marked active, not yet in memory
         self.seq = 0
         self.full_requests: dict[JobId, tuple[JobRequest, int]] = {}  # job -> (request with data, its size)
         self.cached_bytes = 0
         self.wake = asyncio.Event()
+        self.recheck = asyncio.Event()  # the reconcile loop has jobs to read back
         self.finished: dict[JobId, float] = {}  # finished jobs still in memory -> when they ended (monotonic), in order
         self.queued_by_tenant: Counter[str | None] = Counter()  # counted as states change, never by a scan
         self.devices_by_tenant: Counter[str | None] = Counter()
+        self.connected_at = time.monotonic()  # the last proof that the store answers us (a lease renewal)
 
     # --- tasks ---------------------------------------------------------------------------------
     def spawn(self, coro: Coroutine[Any, Any, Any]) -> None:
@@ -150,34 +123,81 @@ class SchedulerCore:
         if not task.cancelled() and task.exception():
             log.error("scheduler task failed: %r", task.exception(), exc_info=task.exception())
 
-    # --- jobs in memory --------------------------------------------------------------------------
+    # --- memory as a projection of stored statuses ------------------------------------------------
     def adopt(self, stored: StoredRequest, status: JobStatus | None, revision: int) -> Job:
-        """Take a stored job into memory: queue it, or hold its slot until its node is heard from."""
-        now = time.monotonic()
-        job = Job(stored, status or JobStatus(updated=stored.created), revision, assigned_at=now)
+        """Take a stored job into memory as the store has it; a node holding one is awaited for a window."""
+        job = Job(stored, status or JobStatus(updated=stored.created), revision)
         self.jobs[job.id] = job
-        self._count(job, 1)
-        if job.status.state in TERMINAL_STATES:
-            self.finished.pop(job.id, None)
-            self.finished[job.id] = now  # at the end: the dict stays in the order jobs ended
         self.seq = max(self.seq, stored.seq)
-        if job.status.state == "queued":
-            self.enqueue(job)
-        elif job.status.state in ACTIVE_STATES and job.slots and (node := job.status.node) is not None:
-            for slot in job.slots:
-                self.fleet.reserve(slot, job.id)
-            self.by_node.setdefault(node, set()).add(job.id)
-            self.awaited.setdefault(node, now + self.cfg.window)
-        elif job.status.state == "paused":
-            self.note_paused(job)
+        self._project(job, None, job.status)
+        if job.status.node is not None and job.slots:
+            self.awaited.setdefault(job.status.node, time.monotonic() + self.cfg.window)
         return job
 
     def take_new(self, job: Job, request: JobRequest, size: int) -> None:
         """A job just stored joins memory and the queue (its full request cached, so placing it reads nothing)."""
         self.jobs[job.id] = job
-        self._count(job, 1)
         self._cache_request(job.id, request, size)
-        self.enqueue(job)
+        self._project(job, None, job.status)
+
+    def apply(self, job: Job, status: JobStatus, revision: int) -> None:
+        """The job's status was stored: memory follows it."""
+        old, job.status, job.revision = job.status, status, revision
+        self._project(job, old, status)
+
+    def _project(self, job: Job, old: JobStatus | None, new: JobStatus) -> None:
+        """Move what memory derives from a job's status from `old` (None: not counted yet) to `new`."""
+        before, after = (held(old) if old else []), held(new)
+        if old is not None:
+            self._count(job, old, -1)
+            for slot in before:
+                if slot not in after:
+                    self.fleet.release(slot, job.id)
+            if before and (not after or old.node != new.node):
+                self.by_node.get(old.node or "", set()).discard(job.id)
+            if old.state == "paused":
+                self._unnote_paused(job.id, old)
+        self._count(job, new, 1)
+        for slot in after:
+            holder = self.fleet.reserved.get(slot)
+            if holder not in (None, job.id):
+                log.error("job %s holds %s device %d, which job %s holds too", job.id, *slot, holder)
+            self.fleet.reserve(slot, job.id)
+        if after and new.node is not None:
+            self.by_node.setdefault(new.node, set()).add(job.id)
+            if old is None or (old.node, old.attempt) != (new.node, new.attempt) or not before:
+                job.assigned_at = time.monotonic()
+        if new.state == "queued" and job.placing is None:
+            if job.id not in self.queue:
+                self.enqueue(job)
+        else:
+            self.queue.discard(job.id)
+        if new.state == "paused":
+            self.note_paused(job)
+        if new.state in TERMINAL_STATES and (old is None or old.state not in TERMINAL_STATES):
+            self.finished.pop(job.id, None)
+            self.finished[job.id] = time.monotonic()  # at the end: the dict stays in the order jobs ended
+            self.take_cached_request(job.id)
+        if before != after:
+            self.wake.set()
+
+    def hold_for(self, job: Job, slots: list[SlotKey]) -> None:
+        """Hold devices for a job while a write that gives them to it is under way (a placement, a node's attempt
+        taken back): no other job is placed there, and the job leaves the queue until the write is answered."""
+        for slot in slots:
+            self.fleet.reserve(slot, job.id)
+        job.placing = slots
+        self.queue.discard(job.id)
+
+    def unhold(self, job: Job) -> None:
+        """The write answered (or failed): what the job's status holds stays held, the rest is free again, and a
+        job still queued goes back to its place."""
+        slots, job.placing = job.placing or [], None
+        for slot in slots:
+            if slot not in held(job.status):
+                self.fleet.release(slot, job.id)
+        if job.status.state == "queued" and job.id not in self.queue:
+            self.enqueue(job)
 
     async def lookup(self, job_id: JobId) -> Job | None:
         """The job from memory, else from the store: an active one found there is taken up (it should have been
@@ -191,22 +211,24 @@ class SchedulerCore:
         stored, status, revision = found
         if status is not None and status.state in TERMINAL_STATES:
             return self.jobs.get(job_id) or Job(stored, status, revision)
+        if job_id in self.submitting or job_id in self.jobs:  # stored while we read: it is joining memory now
+            return self.jobs.get(job_id) or Job(stored, status or JobStatus(updated=stored.created), revision)
         log.warning("job %s was not in memory but is active in the jobs bucket; taking it up", job_id)
-        return self.jobs.get(job_id) or self.adopt(stored, status, revision)
+        return self.adopt(stored, status, revision)
 
-    def _count(self, job: Job, sign: int) -> None:
-        """Count a job in (1) or out of (-1) its tenant's queued jobs and held devices, as its status stands."""
-        if job.status.state == "queued":
+    def _count(self, job: Job, status: JobStatus, sign: int) -> None:
+        """Count a job in (1) or out of (-1) its tenant's queued jobs and held devices, as `status` stands."""
+        if status.state == "queued":
             self.queued_by_tenant[job.stored.tenant] += sign
-        elif job.status.state in ACTIVE_STATES:
-            self.devices_by_tenant[job.stored.tenant] += sign * max(1, len(job.status.devices))
+        elif status.state in ACTIVE_STATES:
+            self.devices_by_tenant[job.stored.tenant] += sign * max(1, len(status.devices))
 
     def forget(self, job_id: JobId) -> None:
         """A finished job leaves memory; the store still answers for it."""
         self.finished.pop(job_id, None)
         job = self.jobs.pop(job_id, None)
         if job is not None:
-            self._count(job, -1)
+            self._count(job, job.status, -1)
 
     def enqueue(self, job: Job) -> None:
         req = job.stored.request
@@ -218,16 +240,9 @@ class SchedulerCore:
         if (slot := engine_slot(job.status.paused_by)) is not None:
             self.engine_paused.setdefault(slot, set()).add(job.id)
 
-    def note_unpaused(self, job: Job) -> None:
-        if (slot := engine_slot(job.status.paused_by)) is not None:
-            self.engine_paused.get(slot, set()).discard(job.id)
-
-    def _leave_slot(self, job: Job) -> None:
-        if job.slots:
-            for slot in job.slots:
-                self.fleet.release(slot, job.id)
-            self.by_node.get(job.status.node or "", set()).discard(job.id)
-            self.wake.set()
+    def _unnote_paused(self, job_id: JobId, status: JobStatus) -> None:
+        if (slot := engine_slot(status.paused_by)) is not None:
+            self.engine_paused.get(slot, set()).discard(job_id)
 
     def _cache_request(self, job_id: JobId, request: JobRequest, size: int) -> None:
         if size <= REQUEST_CACHE_ITEM and self.cached_bytes + size <= REQUEST_CACHE_BYTES:
@@ -242,31 +257,30 @@ class SchedulerCore:
         return entry[0]
 
     # --- status writes ---------------------------------------------------------------------------
-    async def _write(self, job: Job, status: JobStatus) -> bool:
-        """Persist a job's new status; on a conflict reload it and report False."""
-        ended = status.state in TERMINAL_STATES and job.status.state not in TERMINAL_STATES
+    async def _write(self, job: Job, status: JobStatus) -> int:
+        """Store a job's new status; its revision. Raises, memory untouched: Deposed (another scheduler leads:
+        this one stops), or anything else (the job is read back before its next change)."""
         try:
-            job.revision = await self.store.write_status(job.id, status, job.revision)
-            self._replace_status(job, status)
-        except Conflict as e:
-            log.warning("%s; reloading it", e)
-            self._replace_status(job, *(await self.store.status(job.id) or (job.status, job.revision)))
-            return False
-        if ended:
-            await self.record_end(job)
-        return True
+            return await self.store.write_status(job.id, status, job.revision)
+        except Deposed:
+            self.lost.set()
+            raise
+        except Exception:
+            self.unsure.add(job.id)
+            self.recheck.set()
+            raise
 
-    def _replace_status(self, job: Job, status: JobStatus, revision: int | None = None) -> None:
-        self._count(job, -1)
-        job.status = status
-        job.revision = job.revision if revision is None else revision
-        self._count(job, 1)
+    async def reload_locked(self, job: Job) -> None:
+        """Read the job's status back from the store after a write whose outcome is unknown (under its lock)."""
+        found = await self.store.status(job.id)
+        if found is not None and found[1] != job.revision:
+            log.warning("job %s: a write whose answer was lost did land (%s); memory follows", job.id, found[0].state)
+            self.apply(job, *found)
+        self.unsure.discard(job.id)
 
     async def record_end(self, job: Job) -> None:
         """A job that ended leaves the active set and enters the index in finishing order. Should either write
         fail, its record is already final: a scheduler taking over finds it active but ended, and does both."""
-        self.finished.pop(job.id, None)
-        self.finished[job.id] = time.monotonic()
         try:
             await self.index.finished(
                 Finished(
@@ -290,19 +304,27 @@ class SchedulerCore:
     async def set_state(
         self, job: Job, state: JobState, message: str, when: Callable[[JobStatus], bool] | None = None, **changes
     ) -> bool:
-        """Change a job's state if `when(status)` holds (checked under the job's lock); False if not written."""
+        """Change a job's state if `when(status)` holds (checked under the job's lock, on the stored status);
+        False if not written because it did not hold. Raises when the write failed (memory unchanged)."""
         async with job.lock:
+            if job.id in self.unsure:
+                await self.reload_locked(job)
             if when is not None and not when(job.status):
                 return False
             return await self.set_state_locked(job, state, message, **changes)
 
     async def set_state_locked(self, job: Job, state: JobState, message: str, **changes) -> bool:
-        was_active = job.status.state in ACTIVE_STATES
+        if job.id in self.unsure:
+            await self.reload_locked(job)
+        if job.status.state in TERMINAL_STATES and state != job.status.state:
+            log.warning("job %s ended %s; not replaced by %s (%s)", job.id, job.status.state, state, message)
+            return False
         status = msgspec.structs.replace(job.status, state=state, message=message, updated=time.time(), **changes)
-        if was_active and state not in ACTIVE_STATES:
-            self._leave_slot(job)
-        return await self._write(job, status)
+        ended = state in TERMINAL_STATES and job.status.state not in TERMINAL_STATES
+        self.apply(job, status, await self._write(job, status))
+        if ended:
+            await self.record_end(job)
+        return True
 
-    async def requeue(self, job: Job, why: str, when: Callable[[JobStatus], bool] | None = None, **changes) -> None:
-        if await self.set_state(job, "queued", why, when=when, **UNPLACED, **changes):
-            self.enqueue(job)
+    async def requeue(self, job: Job, why: str, when: Callable[[JobStatus], bool] | None = None, **changes) -> bool:
+        return await self.set_state(job, "queued", why, when=when, **UNPLACED, **changes)

@@ -126,7 +126,8 @@ class JobEvents:
             )  # after a later one must not undo it
 
         if ev.state == "queued":  # the agent handed it back (shutting down) before it could finish
-            return await core.requeue(job, ev.message, when=current, event_seq=seq)
+            await core.requeue(job, ev.message, when=current, event_seq=seq)
+            return
         changes = {"artifacts": ev.artifacts or job.status.artifacts, "event_seq": seq}
         if ev.checkpoint is not None:
             kept = [c for c in job.status.checkpoints if c.step != ev.checkpoint.step] + [ev.checkpoint]
@@ -134,8 +135,6 @@ class JobEvents:
         if ev.state == "paused":
             changes["paused_by"] = ev.paused_by or "user"
         written = await core.set_state(job, ev.state, ev.message, when=current, **changes)
-        if written and ev.state == "paused":
-            core.note_paused(job)
         if written and ev.state == "succeeded" and (spec := job.stored.request.register) is not None:
             core.spawn(self._register(job, spec))
 
@@ -149,4 +148,7 @@ class JobEvents:
         except Exception as e:
             log.warning("job %s: registering its adapter as %s failed: %s", job.id, spec.name, e)
             note = f"not registered as {spec.name}: {e}"
-        await core.set_state(job, job.status.state, f"{job.status.message}; {note}")
+        try:
+            await core.set_state(job, job.status.state, f"{job.status.message}; {note}")
+        except Exception as e:  # the registration stands; only its note in the job's message is missing
+            log.warning("job %s: could not note its registration (%s)", job.id, e)

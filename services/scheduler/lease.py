@@ -1,9 +1,15 @@
-"""One active scheduler at a time: a lease key in a KV bucket whose entries expire."""
+"""One active scheduler at a time: a lease key in a KV bucket whose entries expire, and a local deadline.
+
+The key expires TTL after the server stored its last renewal. The holder counts from before it sent that renewal
+(its monotonic clock) and stops leading after STEP_DOWN_FRACTION of the TTL: it has stopped before any standby
+can take the key. A holder that stalls past that (a blocked loop, a paused VM) is still kept out by its term's
+fence (services/scheduler/fence.py): its late writes are refused."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import time
 
 from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError
 from nats.js.kv import KeyValue
@@ -13,6 +19,8 @@ from services.bus import LEASE_TTL_S
 
 log = logging.getLogger(__name__)
 LEASE_KEY = "scheduler"
+STEP_DOWN_FRACTION = 2 / 3  # of the TTL after the last successful renewal was sent
+RENEWALS_PER_TTL = 6  # renewals are tried this often: several may fail before the deadline comes
 
 
 class Lease:
@@ -23,11 +31,28 @@ class Lease:
     def __init__(self, kv: KeyValue, holder: str, ttl: float = LEASE_TTL_S) -> None:
         self.kv, self.holder, self.ttl = kv, holder, ttl
         self.revision = 0
+        self.renewed_at = float("-inf")  # monotonic: when the last renewal that succeeded was sent
         self.contended_reads = 0  # creates whose follow-up read found the old lease already expired
 
+    @property
+    def interval(self) -> float:
+        """How often the holder renews."""
+        return self.ttl / RENEWALS_PER_TTL
+
+    @property
+    def deadline(self) -> float:
+        """Monotonic time at which the holder stops leading unless it renews first."""
+        return self.renewed_at + self.ttl * STEP_DOWN_FRACTION
+
+    def valid(self) -> bool:
+        """Whether this holder may still act as the leader, by its own clock."""
+        return time.monotonic() < self.deadline
+
     async def try_acquire(self) -> bool:
+        sent = time.monotonic()
         try:
             self.revision = await self.kv.create(LEASE_KEY, self.holder.encode())
+            self.renewed_at = sent
             return True
         except KeyWrongLastSequenceError:
             return False
@@ -42,11 +67,17 @@ class Lease:
             return False
 
     async def renew(self) -> bool:
+        """True: renewed. False: the key is another's (or gone). Raises when the store did not answer in time
+        (each try waits at most one renewal interval, so a hung request cannot outlive the deadline)."""
+        sent = time.monotonic()
         try:
-            self.revision = await self.kv.update(LEASE_KEY, self.holder.encode(), last=self.revision)
-            return True
+            self.revision = await asyncio.wait_for(
+                self.kv.update(LEASE_KEY, self.holder.encode(), last=self.revision), self.interval
+            )
         except KeyWrongLastSequenceError:
             return False
+        self.renewed_at = sent
+        return True
 
     async def holder_now(self) -> str | None:
         try:
@@ -68,6 +99,7 @@ class Lease:
         )
 
     async def release(self) -> None:
+        self.renewed_at = float("-inf")
         try:
             await self.kv.delete(LEASE_KEY, last=self.revision)
         except Exception as e:  # another holder already: nothing of ours to release
@@ -82,5 +114,5 @@ class Lease:
             if not announced and (holder := await self.holder_now()):
                 log.info("another scheduler (%s) holds the lease; standing by", holder)
                 announced = True
-            await sleep_unless_stopped(stop, self.ttl / 3)
+            await sleep_unless_stopped(stop, self.interval)
         return False

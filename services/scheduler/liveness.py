@@ -1,4 +1,8 @@
-"""Which nodes are alive: heartbeats in, silent nodes out, and the jobs a gone or forgetful node held."""
+"""Which nodes are alive: heartbeats in, silent nodes out, and the jobs a gone or forgetful node held.
+
+Silence is judged only against this scheduler's own proof that it hears the bus (its last lease renewal), and
+never across a stall of its own loop: a scheduler that was frozen or cut off gives every node a fresh window
+instead of taking the whole fleet for gone."""
 
 from __future__ import annotations
 
@@ -11,6 +15,7 @@ from schemas.jobs import ACTIVE_STATES
 from schemas.nodes import Heartbeat
 from schemas.validate import InvalidRequest, decoder_for
 from services.aio import sleep_unless_stopped
+from services.scheduler.attempts import Attempts
 from services.scheduler.core import UNPLACED, Job, SchedulerCore
 from services.scheduler.pausing import Pausing
 
@@ -23,6 +28,7 @@ class Liveness:
 
     def __init__(self, core: SchedulerCore, pausing: Pausing) -> None:
         self.core, self.pausing = core, pausing
+        self.attempts = Attempts(core)
 
     async def on_heartbeat(self, msg) -> None:
         core = self.core
@@ -37,45 +43,54 @@ class Liveness:
         core.awaited.pop(hb.node, None)
         if core.fleet.heard(hb):
             core.wake.set()
-        self._reconcile(hb)
+        self.attempts.compare(hb)  # before anything else runs: a job it takes back is held for it at once
+        self._missing(hb)
         self.pausing.react_to_engines(hb)
 
-    def _reconcile(self, hb: Heartbeat) -> None:
-        """An assignment the node never took up (its reply or our record was lost) goes back to the queue."""
+    def _missing(self, hb: Heartbeat) -> None:
+        """A job placed on the node that it does not run (its assignment or our record was lost) goes back to the
+        queue once the node had time to take it up."""
         core = self.core
         grace = core.cfg.assign_timeout + 2 * core.cfg.heartbeat_interval
         now = time.monotonic()
-        running = set(hb.running) | set(hb.finished)
+        running = {(a.job, a.attempt) for a in hb.attempts}
         for job_id in list(core.by_node.get(hb.node, ())):
             job = core.jobs[job_id]
+            s = job.status
             if (
-                job.status.state in ACTIVE_STATES
-                and job_id not in running
+                s.state in ACTIVE_STATES
+                and (job_id, s.attempt) not in running
+                and job_id not in hb.finished
                 and now - job.assigned_at > grace
                 and not job.suspect
             ):
                 job.suspect = True
-                core.spawn(self._lost(job, f"node {hb.node} is not running it"))
+                core.spawn(self.lost(job, f"node {hb.node} is not running it", hb.node, s.attempt))
 
     async def watch(self, lost: asyncio.Event, stop: asyncio.Event) -> None:
         core = self.core
         tick = min(0.1, core.cfg.heartbeat_interval / 4)
-        cut_off = False
+        cut_off, last = False, time.monotonic()
         while not (stop.is_set() or lost.is_set()):
             await sleep_unless_stopped(stop, tick)
             now = time.monotonic()
+            stalled, last = now - last - tick, now
             if not core.nc.is_connected:  # we hear nobody while we are cut off: that is not their silence
                 cut_off = True
                 continue
-            if cut_off:
+            if cut_off or stalled > core.cfg.window / 2:
+                log.warning(
+                    "%s: giving every node a fresh heartbeat window",
+                    "reconnected" if cut_off else f"this scheduler's loop stalled for {stalled:.1f}s",
+                )
                 cut_off = False
-                log.info("reconnected: giving every node a fresh heartbeat window")
                 for view in core.fleet.nodes.values():
                     view.last_seen = now
                 core.awaited = {n: now + core.cfg.window for n in core.awaited}
                 continue
-            gone = core.fleet.silent_since(now - core.cfg.window)
-            gone += [n for n, deadline in core.awaited.items() if deadline < now]
+            horizon = min(now, core.connected_at)  # silence counts only up to our last proof that we hear the bus
+            gone = core.fleet.silent_since(horizon - core.cfg.window)
+            gone += [n for n, deadline in core.awaited.items() if deadline < horizon]
             for node in gone:
                 await self._node_gone(node, now)
 
@@ -86,32 +101,31 @@ class Liveness:
         core.fleet.forget(node)
         core.awaited.pop(node, None)
         log.warning("node %s stopped answering at %s", node, when)
-        jobs = list(core.by_node.pop(node, ()))
+        jobs = list(core.by_node.get(node, ()))
         results = await asyncio.gather(
-            *(self._lost(core.jobs[j], f"node {node} stopped answering at {when}") for j in jobs),
+            *(self.lost(core.jobs[j], f"node {node} stopped answering at {when}", node) for j in jobs),
             return_exceptions=True,
         )
         for job_id, r in zip(jobs, results):
-            if isinstance(r, Exception):  # its record could not be written: try again next tick
+            if isinstance(r, Exception):  # its record could not be written: memory still has it there; again soon
                 log.warning("could not record the loss of job %s: %s", job_id, r)
-                core.by_node.setdefault(node, set()).add(job_id)
                 core.awaited[node] = now
 
-    async def _lost(self, job: Job, why: str) -> None:
-        """A job whose node is gone (or forgot it): re-queue it while retries last, else fail it."""
+    async def lost(self, job: Job, why: str, node: str, attempt: int | None = None) -> None:
+        """A job whose node is gone (or forgot it): re-queue it while retries last, else fail it. Only if it is
+        still that node's (and that attempt's): a later placement is not undone by a late verdict."""
         core = self.core
         async with job.lock:
             job.suspect = False
-            if job.status.state not in ACTIVE_STATES:
+            s = job.status
+            if s.state not in ACTIVE_STATES or s.node != node or (attempt is not None and s.attempt != attempt):
                 return
-            never_ran = job.status.state == "assigned"
-            used = job.status.retries_used
+            never_ran = s.state == "assigned"
+            used = s.retries_used
             if never_ran or used < job.stored.request.retries:
                 used += 0 if never_ran else 1
                 retry = "" if never_ran else f" (retry {used} of {job.stored.request.retries})"
-                if await core.set_state_locked(
-                    job, "queued", f"{why}; re-queued{retry}", **UNPLACED, retries_used=used
-                ):
-                    core.enqueue(job)
+                job.lost_from = (node, s.attempt, s.retries_used)  # the node may come back still running it
+                await core.set_state_locked(job, "queued", f"{why}; re-queued{retry}", **UNPLACED, retries_used=used)
             else:
                 await core.set_state_locked(job, "failed", why)

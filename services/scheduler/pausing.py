@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 
 from schemas import names
-from schemas.jobs import ACTIVE_STATES, Error, JobStatus
+from schemas.jobs import ACTIVE_STATES, Error
 from schemas.nodes import Control, ControlReply, Heartbeat
 from services import bus
 from services.scheduler.core import Job, SchedulerCore, engine_tag
@@ -30,18 +30,13 @@ class Pausing:
         """Pause a queued job at once, or ask its node to checkpoint a running one; an Error says why not."""
         core, state = self.core, job.status.state
 
-        def waiting(s: JobStatus) -> bool:  # queued and not being placed (placing sets the node before the write)
-            return s.state == "queued" and s.node is None
-
         if state == "queued":
-            if not waiting(job.status):
-                return Error(f"job {job.id} is being placed on {job.status.node} right now; ask again", field="job")
-            core.queue.discard(job.id)
-            if await core.set_state(job, "paused", f"paused while queued (by {by})", paused_by=by, when=waiting):
-                core.note_paused(job)
+            if job.placing:
+                return Error(f"job {job.id} is being placed right now; ask again", field="job")
+            if await core.set_state(
+                job, "paused", f"paused while queued (by {by})", paused_by=by, when=lambda s: s.state == "queued"
+            ):
                 return None
-            if waiting(job.status):  # the write failed, the job did not move: it keeps its place
-                core.enqueue(job)
             return Error(f"job {job.id} was just placed; ask again", field="job")
         if state not in ACTIVE_STATES or state == "uploading":
             why = "is storing its artifacts and ends in a moment" if state == "uploading" else f"is {state}"
@@ -50,7 +45,7 @@ class Pausing:
             reply = await bus.request(
                 core.nc,
                 names.node(job.status.node or "").control,
-                Control(job.id, "pause", by),
+                Control(job.id, "pause", by, attempt=job.status.attempt),
                 ControlReply,
                 timeout=core.cfg.assign_timeout,
             )
@@ -61,7 +56,6 @@ class Pausing:
     async def resume(self, job: Job, why: str) -> Error | None:
         if job.status.state != "paused":
             return Error(f"job {job.id} is {job.status.state}, not paused", field="job")
-        self.core.note_unpaused(job)
         await self.core.requeue(job, why, when=lambda s: s.state == "paused", paused_by=None)
         return None
 

@@ -4,16 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 
-import msgspec
 
 from schemas import names
 from schemas.nodes import Assignment, AssignRefused, AssignReply, on_devices
 from services import bus
 from services.aio import wait_first
-from services.scheduler.core import UNPLACED, Job, SchedulerCore
-from services.scheduler.waiting import explain, with_reason
+from services.scheduler.core import Job, SchedulerCore
 
 log = logging.getLogger(__name__)
 
@@ -44,7 +41,7 @@ class Placer:
     def place_pass(self) -> None:
         core = self.core
         holding = self._devices_by_tenant()
-        held = core.gang_holds = {
+        kept_nodes = core.gang_holds = {
             n: j
             for n, j in core.gang_holds.items()
             if j in core.queue and n in core.fleet.nodes and not core.fleet.nodes[n].heartbeat.draining
@@ -52,12 +49,14 @@ class Placer:
 
         def kept_from(job_id: str, priority: int) -> set[str]:
             """Nodes kept for a waiting multi-device job this one may not pass (it has no higher priority)."""
-            return {n for n, j in held.items() if j != job_id and core.jobs[j].stored.request.priority >= priority}
+            return {
+                n for n, j in kept_nodes.items() if j != job_id and core.jobs[j].stored.request.priority >= priority
+            }
 
         def fits(node=None):
             def try_place(job_id: str) -> bool:
                 job = core.jobs[job_id]
-                if job.lock.locked():  # its status is being written: a placement now would be overwritten by it
+                if job.lock.locked() or job_id in core.unsure or job.placing:  # being written, or read back
                     return False
                 req, tenant = job.stored.request, job.stored.tenant
                 if self._device_quota_full(holding, tenant, req.devices):
@@ -74,16 +73,9 @@ class Placer:
                         self._keep_for_gang(job_id, node, kept)
                 if not slots:
                     return False
-                for slot in slots:
-                    core.fleet.reserve(slot, job_id)
-                held.pop(next((n for n, j in held.items() if j == job_id), ""), None)
+                core.hold_for(job, slots)  # held while the assignment is written, so no other pass takes them
+                kept_nodes.pop(next((n for n, j in kept_nodes.items() if j == job_id), ""), None)
                 holding[tenant] = holding.get(tenant, 0) + len(slots)
-                job.status = msgspec.structs.replace(
-                    job.status,
-                    node=slots[0][0],
-                    device=slots[0][1],
-                    devices=[i for _, i in slots] if len(slots) > 1 else [],
-                )
                 return True
 
             return try_place
@@ -96,45 +88,6 @@ class Placer:
                 core.spawn(self._assign(core.jobs[job_id]))
                 if not core.fleet.any_free():
                     break
-        self._explain_waiting(holding, held)
-
-    def _explain_waiting(self, holding: dict, held: dict[str, str]) -> None:
-        """Each job the pass left queued says why in its message; written only when the reason changed, and
-        worked out once per kind of request, so a long queue costs one line per job, not a scan each."""
-        core = self.core
-        reasons: dict[tuple, str] = {}
-        for job_id in list(core.queue.ids()):
-            job = core.jobs.get(job_id)
-            if job is None or job.status.state != "queued" or job.status.node is not None or job.lock.locked():
-                continue  # not waiting, or its status is being written (the next pass looks again)
-            req, tenant = job.stored.request, job.stored.tenant
-            if self._device_quota_full(holding, tenant, req.devices):
-                reason = (
-                    f"waiting: tenant {tenant} holds {holding.get(tenant, 0)} of its "
-                    f"{core.cfg.quota(tenant).devices} devices (its quota); it starts when one of its jobs ends"
-                )
-            else:  # a multi-device job's own kept node is not a reason for it to wait
-                shape = (
-                    req.accelerator,
-                    req.gpu_mib,
-                    req.devices,
-                    req.node,
-                    req.quantization,
-                    job_id if req.devices > 1 else None,
-                )
-                if shape not in reasons:
-                    reasons[shape] = explain(core.fleet, req, {n: j for n, j in held.items() if j != job_id})[0]
-                reason = reasons[shape]
-            message = with_reason(job.status.message, reason)
-            if message != job.status.message:
-                core.spawn(self._say_why(job, message))
-
-    async def _say_why(self, job: Job, message: str) -> None:
-        core = self.core
-        await core.set_state(
-            job, "queued", message, when=lambda s: s.state == "queued" and s.node is None and s.message != message
-        )
-        core.wake.set()  # a pass that skipped the job while this was written may place it now
 
     def _device_quota_full(self, holding: dict, tenant: str | None, devices: int) -> bool:
         """Whether `devices` more would take the tenant past its device quota (holding: what each holds now)."""
@@ -163,33 +116,35 @@ class Placer:
         return {t: n for t, n in self.core.devices_by_tenant.items() if t is not None and n}
 
     async def _assign(self, job: Job) -> None:
+        """Record the placement, then hand the job to its node. Until the record is stored the devices are held
+        for the job (job.placing); a write that fails leaves the job queued, as the store has it."""
         core = self.core
-        slots = job.slots
+        slots = job.placing or []
         node, device = slots[0]
         attempt = job.status.attempt + 1
-        core.by_node.setdefault(node, set()).add(job.id)
-        job.assigned_at = time.monotonic()
+        devices = [i for _, i in slots] if len(slots) > 1 else []
         try:
             written = await core.set_state(
                 job,
                 "assigned",
                 f"assigned to {node} {on_devices([i for _, i in slots])}",
                 attempt=attempt,
+                node=node,
+                device=device,
+                devices=devices,
                 held_by=[*job.status.held_by, node][-100:],
                 when=lambda s: s.state == "queued",
             )
-        except Exception as e:  # JetStream away: the job stays queued, the slot free
-            log.warning("could not record the assignment of %s (%s); it stays queued", job.id, e)
+        except Exception as e:  # JetStream away or deposed: the job stays as the store has it
+            log.warning("could not record the assignment of %s (%s: %s)", job.id, type(e).__name__, e)
             written = False
-            job.status = msgspec.structs.replace(job.status, **UNPLACED)
-            core.enqueue(job)
-        if not written:  # it moved on (paused, cancelled) while being placed: it holds no device after all
-            for slot in slots:
-                core.fleet.release(slot, job.id)
-            if job.status.state != "assigned":
-                job.status = msgspec.structs.replace(job.status, **UNPLACED)
-                core.by_node.get(node, set()).discard(job.id)
-            return
+        finally:
+            core.unhold(job)  # not placed after all: it keeps its place in the queue
+        if written:
+            await self._hand_over(job, node, device, devices, attempt)
+
+    async def _hand_over(self, job: Job, node: str, device: int, devices: list[int], attempt: int) -> None:
+        core = self.core
         try:
             request = core.take_cached_request(job.id) or (await core.store.request(job.id)).request
             reply = await bus.request(
@@ -198,7 +153,7 @@ class Placer:
                 Assignment(
                     job=job.id,
                     device=device,
-                    devices=job.status.devices,
+                    devices=devices,
                     attempt=attempt,
                     request=request,
                     resume_from=job.status.checkpoint,
@@ -211,8 +166,11 @@ class Placer:
             reply = AssignRefused(job.id, str(e))
         if isinstance(reply, AssignRefused):
             log.info("node %s refused job %s: %s; re-queued", node, job.id, reply.reason)
-            await core.requeue(
-                job,
-                f"node {node} refused it ({reply.reason}); waiting for a device",
-                when=lambda s: s.state == "assigned" and s.attempt == attempt,
-            )
+            try:
+                await core.requeue(
+                    job,
+                    f"node {node} refused it ({reply.reason}); waiting for a device",
+                    when=lambda s: s.state == "assigned" and s.attempt == attempt,
+                )
+            except Exception as e:  # the node lists no such attempt: liveness gives it back after the grace
+                log.warning("could not re-queue %s after its node refused it: %s", job.id, e)

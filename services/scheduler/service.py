@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 import uuid
 
 import nats.micro
@@ -14,7 +15,7 @@ from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 from schemas import names
 from schemas.jobs import TERMINAL_STATES
 from services import __version__, bus
-from services.aio import cancel_and_wait, sleep_unless_stopped
+from services.aio import cancel_and_wait, sleep_unless_stopped, wait_first
 from services.registry.store import AdapterRegistry
 from services.scheduler.api import SchedulerApi
 from services.scheduler.core import SchedulerConfig, SchedulerCore
@@ -26,11 +27,13 @@ from services.scheduler.migrate import migrate
 from services.scheduler.liveness import Liveness
 from services.scheduler.pausing import Pausing
 from services.scheduler.placer import Placer
+from services.scheduler.reconcile import Reconcile
 from services.scheduler.retention import Retention
 from services.scheduler.store import JobStore
 
 log = logging.getLogger(__name__)
 RETRY_LEAD_S = 1.0  # after a failed start as leader (NATS away, the bucket unreadable)
+LET_GO_S = 2.0  # how long a scheduler that stops leading waits to unsubscribe each of its endpoints
 
 
 class Scheduler:
@@ -48,6 +51,7 @@ class Scheduler:
         self.events = JobEvents(core)
         self.liveness = Liveness(core, self.pausing)
         self.retention = Retention(core)
+        self.reconcile = Reconcile(core)
         self.holder = holder or f"scheduler-{uuid.uuid4().hex[:8]}"
         self.leading = asyncio.Event()
 
@@ -62,7 +66,9 @@ class Scheduler:
             if not await lease.wait_for(stop):
                 return
             log.info("%s holds the scheduler lease", self.holder)
+            core.lost = asyncio.Event()
             try:
+                await core.store.take_term(self.holder, lease.valid)
                 await self._lead(lease, stop)
             except Exception as e:  # no error may leave the fleet without a scheduler: stand by and lead again
                 log.error(
@@ -75,6 +81,7 @@ class Scheduler:
                 await sleep_unless_stopped(stop, RETRY_LEAD_S)
             finally:
                 self.leading.clear()
+                core.store.fence = None
                 await cancel_and_wait(list(core.tasks))
                 core.reset()
         await lease.release()
@@ -107,7 +114,7 @@ class Scheduler:
 
     async def _lead(self, lease: Lease, stop: asyncio.Event) -> None:
         await self._recover()
-        lost = asyncio.Event()
+        lost = self.core.lost
         subs = [
             await self.nc.subscribe(names.HEARTBEATS_ALL, cb=self.liveness.on_heartbeat),
             await self.nc.subscribe(names.JOB_PROGRESS_ALL, cb=self.events.on_progress),
@@ -129,18 +136,26 @@ class Scheduler:
         await self.nc.flush()  # the subscriptions are live on the server before anyone is told we lead
         self.leading.set()
         log.info("scheduler leading: %d jobs known, %d queued", len(self.core.jobs), len(self.core.queue))
+        parts = [
+            self._keep_lease(lease, lost, stop),
+            self._step_down_at_deadline(lease, lost, stop),
+            self.placer.run(lost, stop),
+            self.liveness.watch(lost, stop),
+            self.events.consume_states(states, lost, stop),
+            self.retention.run(lost, stop),
+            self.reconcile.run(lost, stop),
+        ]
+        tasks = [asyncio.create_task(self._part(part, lost)) for part in parts]
         try:
-            async with asyncio.TaskGroup() as tg:
-                tg.create_task(self._keep_lease(lease, lost, stop))
-                tg.create_task(self.placer.run(lost, stop))
-                tg.create_task(self.liveness.watch(lost, stop))
-                tg.create_task(self.events.consume_states(states, lost, stop))
-                tg.create_task(self.retention.run(lost, stop))
+            await wait_first(lost, stop)
         finally:
-            await service.stop()
-            for sub in subs:
-                await sub.unsubscribe()
-            await states.unsubscribe()
+            self.leading.clear()  # at once: what follows may wait on a server that is gone
+            await cancel_and_wait(tasks)
+            for end in (service.stop(), *(sub.unsubscribe() for sub in subs), states.unsubscribe()):
+                try:
+                    await asyncio.wait_for(end, LET_GO_S)
+                except Exception as e:  # NATS unreachable: the server drops them with the connection
+                    log.debug("could not let go of an endpoint or subscription: %s", e)
         if lost.is_set() and not stop.is_set():
             log.error("stopped leading: %s", await lease.why_lost())
 
@@ -153,13 +168,40 @@ class Scheduler:
             except NotFoundError:
                 pass
 
+    @staticmethod
+    async def _part(part, lost: asyncio.Event) -> None:
+        """One of the leader's loops; one that fails ends this leadership loudly (the next one starts afresh)."""
+        try:
+            await part
+        except Exception:
+            log.exception("a part of the leading scheduler failed; it stops leading and stands by again")
+            lost.set()
+
+    async def _step_down_at_deadline(self, lease: Lease, lost: asyncio.Event, stop: asyncio.Event) -> None:
+        """Stop leading the moment the lease's local deadline passes without a renewal: before any standby may
+        take the lease (a renewal that succeeds moves the deadline on)."""
+        while not lost.is_set():
+            wait = lease.deadline - time.monotonic()
+            if wait <= 0:
+                log.error(
+                    "the scheduler lease was last renewed %.1fs ago (stalled, or NATS unreachable): stepping down "
+                    "before another scheduler may take it",
+                    time.monotonic() - lease.renewed_at,
+                )
+                lost.set()
+                return
+            if await sleep_unless_stopped(stop, wait):
+                return
+
     async def _keep_lease(self, lease: Lease, lost: asyncio.Event, stop: asyncio.Event) -> None:
-        while not await sleep_unless_stopped(stop, lease.ttl / 3):
+        """Renew the lease every interval while leading."""
+        while not lost.is_set() and not await sleep_unless_stopped(stop, lease.interval):
             try:
                 ok = await lease.renew()
-            except Exception as e:  # server unreachable: the lease may lapse; keep trying until it does
-                log.warning("could not renew the scheduler lease: %s", e)
+            except Exception as e:  # server unreachable: the lease may lapse; keep trying until the deadline
+                log.warning("could not renew the scheduler lease (%s: %s)", type(e).__name__, e)
                 continue
             if not ok:
                 lost.set()
                 return
+            self.core.connected_at = lease.renewed_at

@@ -12,6 +12,7 @@ from nats.js.kv import KV_DEL, KV_OP, KV_PURGE, KeyValue
 
 from schemas import names
 from schemas.jobs import IdempotencyRecord, JobId, JobStatus, StoredRequest
+from services.scheduler.fence import Fence
 
 _enc = msgspec.json.Encoder()
 _dec_req = msgspec.json.Decoder(StoredRequest)
@@ -23,7 +24,7 @@ LAYOUT = "layout"  # present once the bucket has the active set and the job inde
 
 
 class Conflict(Exception):
-    """Someone else (another scheduler) wrote the job's status first."""
+    """Someone else wrote the key first (the idempotency bucket's compare-and-set)."""
 
 
 class LoadError(Exception):
@@ -48,15 +49,27 @@ def idempotency_key(client_key: str) -> str:
 
 
 class JobStore:
-    """Every read and write of a job's keys goes through here."""
+    """Every read and write of a job's keys goes through here. A leading scheduler's writes go through its
+    term's fence (services/scheduler/fence.py): the store refuses them once another scheduler leads."""
 
     def __init__(self, js, kv: KeyValue, idempotency: KeyValue | None = None) -> None:
         self.js, self.kv = js, kv
         self.idem = idempotency or kv  # its own bucket, whose max age is the idempotency window
+        self.fence: Fence | None = None  # none: a tool or test writing outside any term
+
+    async def take_term(self, holder: str, leading) -> Fence:
+        """Begin a term: from here on this store's writes are refused once a newer term begins."""
+        self.fence = await Fence.take(self.js, self.kv, JOBS.prefix, holder, leading)
+        return self.fence
+
+    async def _put(self, key: str, value: bytes) -> int:
+        if self.fence is None:
+            return await self.kv.put(key, value)
+        return await self.fence.put(key, value)
 
     async def add(self, stored: StoredRequest) -> None:
-        """Store a new job durably; raises if the id exists."""
-        await self.kv.create(request_key(stored.id), _enc.encode(stored))
+        """Store a new job durably (its id is new: a random one)."""
+        await self._put(request_key(stored.id), _enc.encode(stored))
 
     async def request(self, job: JobId) -> StoredRequest:
         entry = await self.kv.get(request_key(job))
@@ -75,12 +88,10 @@ class JobStore:
     async def status(self, job: JobId) -> tuple[JobStatus, int] | None:
         return await _read(self.kv, status_key(job), _dec_status)
 
-    async def write_status(self, job: JobId, status: JobStatus, revision: int) -> int:
-        """Write the status if nobody wrote it since `revision` (0: never written); the new revision."""
-        try:
-            return await _write_if_unchanged(self.kv, status_key(job), status, revision)
-        except Conflict as e:
-            raise Conflict(f"job {job}: its status changed elsewhere ({e})") from None
+    async def write_status(self, job: JobId, status: JobStatus, revision: int = 0) -> int:
+        """Write the job's status; its new revision. Only the leader writes statuses, and its term's fence is what
+        keeps a deposed one out (`revision` is the one it replaces, for the record)."""
+        return await self._put(status_key(job), _enc.encode(status))
 
     async def idempotency(self, client_key: str) -> tuple[IdempotencyRecord, int] | None:
         return await _read(self.idem, idempotency_key(client_key), _dec_idem)
@@ -110,11 +121,11 @@ class JobStore:
 
     async def rewrite_request(self, stored: StoredRequest) -> None:
         """For the migration only: a request gets its index entry."""
-        await self.kv.put(request_key(stored.id), _enc.encode(stored))
+        await self._put(request_key(stored.id), _enc.encode(stored))
 
     async def mark_active(self, job: JobId) -> None:
         """The job is queued or holds a device: a scheduler taking over reads it (and only such jobs)."""
-        await self.kv.put(active_key(job), b"")
+        await self._put(active_key(job), b"")
 
     async def unmark_active(self, job: JobId) -> None:
         """The job has ended. Purged, not deleted: a delete would leave a marker per finished job behind."""
@@ -130,10 +141,7 @@ class JobStore:
     ) -> list[tuple[StoredRequest | None, JobStatus | None, int, JobId]]:
         """Every job marked active, with its request and status, read without touching finished jobs:
         (request or None when it was never stored, status or None, status revision, id)."""
-        ids: list[JobId] = []
-        await self._last_per_subject(
-            JOBS.prefix + active_key(">"), lambda msg: ids.append(msg.subject.removeprefix(JOBS.prefix + ACTIVE + "."))
-        )
+        ids = await self.active_ids()
         slots = asyncio.Semaphore(concurrency)
 
         async def one(job: JobId):
@@ -146,6 +154,14 @@ class JobStore:
                 return (stored, *status, job) if status else (stored, None, 0, job)
 
         return list(await asyncio.gather(*(one(j) for j in ids)))
+
+    async def active_ids(self) -> list[JobId]:
+        """The ids of every job marked active (one pass over the marks, nothing else read)."""
+        ids: list[JobId] = []
+        await self._last_per_subject(
+            JOBS.prefix + active_key(">"), lambda msg: ids.append(msg.subject.removeprefix(JOBS.prefix + ACTIVE + "."))
+        )
+        return ids
 
     async def load(self, timeout: float = 60.0) -> tuple[dict[str, StoredRequest], dict[str, tuple[JobStatus, int]]]:
         """Every job and status in the bucket, read in one pass over its stream: for a bucket written before

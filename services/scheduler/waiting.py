@@ -5,7 +5,10 @@ from __future__ import annotations
 
 from collections import Counter
 
-from schemas.jobs import JobRequest, NodeWhy
+import msgspec
+
+from schemas.jobs import JobRequest, JobSummary, NodeWhy, summarize
+from services.scheduler.core import Job, SchedulerCore
 from services.scheduler.placement import Fleet, NodeView
 
 FITS = "fits"
@@ -100,3 +103,48 @@ def with_reason(message: str, reason: str) -> str:
     cut = message.find("waiting")
     prefix = message[:cut] if cut >= 0 else (f"{message}; " if message else "")
     return prefix + reason
+
+
+class WaitingReasons:
+    """Why queued jobs wait, worked out when someone asks (a job, a listing, `why`), never written into the store:
+    the reason follows live free memory, which changes at every heartbeat. One reason per kind of request per
+    question, so a listing of many queued jobs costs one line each."""
+
+    def __init__(self, core: SchedulerCore) -> None:
+        self.core = core
+        self._reasons: dict[tuple, str] = {}
+
+    def message(self, job: Job) -> str:
+        """The job's message, with why it waits now in place of any earlier reason when it is queued."""
+        if job.status.state != "queued" or job.placing:
+            return job.status.message
+        return with_reason(job.status.message, self.reason(job))
+
+    def reason(self, job: Job) -> str:
+        core = self.core
+        req, tenant = job.stored.request, job.stored.tenant
+        limit = core.cfg.quota(tenant).devices
+        holding = core.devices_by_tenant[tenant] if tenant is not None else 0
+        if limit is not None and holding + req.devices > limit:
+            return (
+                f"waiting: tenant {tenant} holds {holding} of its {limit} devices (its quota); it starts when one "
+                "of its jobs ends"
+            )
+        shape = (
+            req.accelerator,
+            req.gpu_mib,
+            req.devices,
+            req.node,
+            req.quantization,
+            job.id if req.devices > 1 else None,
+        )
+        if shape not in self._reasons:  # a multi-device job's own kept node is not a reason for it to wait
+            kept = {n: j for n, j in core.gang_holds.items() if j != job.id}
+            self._reasons[shape] = explain(core.fleet, req, kept)[0]
+        return self._reasons[shape]
+
+    def summary(self, job: Job) -> JobSummary:
+        summary = summarize(job.stored, job.status)
+        if job.status.state == "queued":
+            summary = msgspec.structs.replace(summary, message=self.message(job))
+        return summary
