@@ -22,6 +22,7 @@ from trainer.events import emit
 from trainer.objectives import Dpo, Sft
 from trainer.samples import probe, samples_event
 from trainer.setup import Run, prepare
+from trainer import lease
 from trainer.signals import Signals
 from trainer.tensorboard_log import NoLog, TensorBoardLog
 from trainer.trackers import RunLogs
@@ -103,6 +104,7 @@ def train(spec: TrainerSpec, signals: Signals | None = None) -> Finished:
         )
         first_batch, at.batch_in_epoch = at.batch_in_epoch, 0  # a resumed run starts mid-epoch, where it stopped
         for first in range(first_batch, len(batches), t.grad_accum):
+            lease.hold_while_lapsed()  # the agent cannot vouch for this attempt now: no step until it can
             step_loss, grad_norm, lr = optimizer_step(run, batches[first : first + t.grad_accum])
             at.step += 1
             window_loss, window_count = window_loss + step_loss, window_count + 1

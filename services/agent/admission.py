@@ -3,19 +3,19 @@ node checks again against its devices as they are now."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
+from typing import Any
 
 from schemas.nodes import Assignment, Device
 
 
 def refusal(
-    a: Assignment, devices: list[Device], running: dict[str, Iterable[int]], reclaim: dict[int, int], draining: bool
+    a: Assignment, devices: list[Device], running: Mapping[Any, Iterable[int]], reclaim: dict[int, int], draining: bool
 ) -> str | None:
-    """Why the node refuses `a`, or None; running: job -> the devices it trains on."""
+    """Why the node refuses `a`, or None; running: each attempt here -> the devices it trains on (a repeated
+    assignment of an attempt already running is the agent's to accept before asking this)."""
     if draining:
         return "the node is shutting down"
-    if a.job in running:
-        return None  # a repeated assignment of what we already run: accept again
     if len(set(a.ranks)) != len(a.ranks) or len(a.ranks) != a.request.devices:
         return f"the job asks for {a.request.devices} devices and was given {a.ranks}"
     busy = {index for used in running.values() for index in used}

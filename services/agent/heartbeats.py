@@ -1,4 +1,6 @@
-"""What a node says of itself every interval: its devices and who runs on them, its engines' load, its jobs."""
+"""What a node says of itself every interval: its devices and who runs on them, its engines' load, its jobs and
+which attempt of each. A heartbeat that reached the server (a flush's round trip says so) renews each trainer's
+lease: a node cut off from the bus, or frozen, lets its trainers go on no longer than trainer_lease_s."""
 
 from __future__ import annotations
 
@@ -11,7 +13,7 @@ import msgspec
 
 from schemas import names
 from schemas.jobs import JobId
-from schemas.nodes import Device, Heartbeat
+from schemas.nodes import Device, Heartbeat, RunningAttempt
 from services import __version__
 from services.aio import sleep_unless_stopped
 
@@ -21,15 +23,16 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 _enc = msgspec.json.Encoder()
 FINISHED_KEPT_S = 60.0  # how long a finished job stays listed in heartbeats
+FLUSH_TIMEOUT_S = 2  # a heartbeat not confirmed by the server within this renews no lease
 
 
 def compose(agent: Agent, read: tuple[list[Device], str]) -> Heartbeat:
     """The agent's heartbeat from `read` (what its probe read); the agent keeps the devices as reported."""
     devices, agent.no_gpu_reason = read
     on: dict[int, list[JobId]] = {}
-    for job_id, run in agent.jobs.items():
+    for run in agent.runs.values():  # an attempt being ended still holds its devices until its trainer is gone
         for index in run.devices:
-            on.setdefault(index, []).append(job_id)
+            on.setdefault(index, []).append(run.assignment.job)
     agent.devices = devices = [
         msgspec.structs.replace(d, jobs=on.get(d.index, []), reclaim_mib=agent.reclaim.get(d.index, 0)) for d in devices
     ]
@@ -43,6 +46,11 @@ def compose(agent: Agent, read: tuple[list[Device], str]) -> Heartbeat:
         offers_cpu=cfg.offer_cpu,
         no_gpu_reason=agent.no_gpu_reason,
         running=list(agent.jobs),
+        attempts=[
+            RunningAttempt(job=run.assignment.job, attempt=run.attempt, devices=run.devices, state=run.state)
+            for run in agent.runs.values()
+            if not run.superseded and not run.final
+        ],
         finished=list(agent.finished),
         interval_s=cfg.heartbeat_interval,
         sent_at=now,
@@ -54,10 +62,38 @@ def compose(agent: Agent, read: tuple[list[Device], str]) -> Heartbeat:
 
 async def send(agent: Agent) -> None:
     try:
-        read = await asyncio.to_thread(agent.probe.read)  # NVML may block: not on the event loop
+        read = await agent.probe.read_async()  # NVML may block: its own thread, never behind other work
+        sent = time.monotonic()
         await agent.nc.publish(names.node(agent.cfg.node).heartbeat, _enc.encode(compose(agent, read)))
-    except Exception as e:  # disconnected: the client buffers and reconnects
+    except Exception as e:  # disconnected: the client buffers and reconnects; the trainers' leases run out
         log.warning("heartbeat not sent: %s", e)
+        return
+    if agent.confirming is None or agent.confirming.done():  # the next heartbeat never waits for this one's check
+        agent.confirming = asyncio.create_task(_renew_when_confirmed(agent, sent))
+
+
+async def _renew_when_confirmed(agent: Agent, sent: float) -> None:
+    """Once the server has the heartbeat (a flush's round trip), the trainers may go on: counted from `sent`. After
+    a silence longer than the lease (the node was frozen or cut off) they go on only from the next heartbeat: the
+    scheduler has then had one heartbeat to end the attempts it gave away meanwhile, before they compute again."""
+    try:
+        await agent.nc.flush(timeout=FLUSH_TIMEOUT_S)
+    except Exception as e:  # cut off or stalled: the leases run out and the trainers wait before their next step
+        log.warning("heartbeat not confirmed by the server (%s); trainers go on only until their lease ends", e)
+        return
+    silent = sent - agent.last_confirmed
+    agent.last_confirmed = sent
+    if silent > agent.cfg.lease_s:
+        if any(run.trainer for run in agent.runs.values()):
+            log.warning(
+                "this node was not heard for %.1fs: its trainers wait for one more heartbeat, so that the scheduler "
+                "can end what it gave to another node meanwhile",
+                silent,
+            )
+        return
+    for run in agent.runs.values():
+        if run.trainer and not run.superseded:
+            run.trainer.renew(sent)
 
 
 async def every_interval(agent: Agent, stop: asyncio.Event) -> None:

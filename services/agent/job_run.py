@@ -61,6 +61,18 @@ class RunningJob:
     datasets: list[LocalDataset] = field(default_factory=list)  # held in the cache until the job ends
     reports: int = 0  # numbers this run's state events, so JetStream's de-duplication keys each one apart
     yielded: Yielded = field(default_factory=Yielded)  # how it stands with the serving engines beside it
+    state: JobState = "preparing"  # as last reported: what heartbeats say of this attempt
+    final: bool = False  # its last state is reported: heartbeats no longer list it as running
+    superseded: str = ""  # why the scheduler ended this attempt: it reports and stores nothing more
+
+    @property
+    def key(self) -> tuple[str, int]:
+        """How the agent holds it: one job may have an attempt ending while the next is assigned."""
+        return self.assignment.job, self.assignment.attempt
+
+    @property
+    def attempt(self) -> int:
+        return self.assignment.attempt
 
 
 class JobLifecycle:
@@ -71,7 +83,7 @@ class JobLifecycle:
     cfg: AgentConfig
     datasets: DatasetCache
     yielder: Yielder
-    jobs: dict[str, RunningJob]
+    runs: dict[tuple[str, int], RunningJob]
     finished: dict[str, float]
     draining: bool
 
@@ -93,6 +105,9 @@ class JobLifecycle:
         give_up_after: float = 300.0,
     ) -> None:
         a = run.assignment
+        if run.superseded:  # not the job's attempt any more: its word would only be ignored
+            log.info("job %s attempt %d: not reporting %s (%s)", a.job, a.attempt, state, run.superseded)
+            return
         ev = StateChange(
             job=a.job,
             state=state,
@@ -112,10 +127,16 @@ class JobLifecycle:
             f"{a.job}.{a.attempt}.s{run.reports}",
             give_up_after=give_up_after,
         )
+        if state in ("preparing", "running", "uploading"):
+            run.state = state
+        else:
+            run.final = True
 
     async def _progress(self, run: RunningJob, p: Progress) -> None:
         a = run.assignment
         run.last_progress = p
+        if run.superseded:
+            return
         p = msgspec.structs.replace(p, job=a.job, ts=p.ts or time.time())
         await bus.publish_durably(self.js, self._subjects(a).progress, _enc.encode(p), f"{a.job}.{a.attempt}.p{p.step}")
 
@@ -162,10 +183,11 @@ class JobLifecycle:
         finally:
             for local in run.datasets:
                 self.datasets.release(local)
-            self.jobs.pop(a.job, None)
-            self.finished[a.job] = time.time()
-            if not self.cfg.keep_job_dirs:
-                shutil.rmtree(job_dir, ignore_errors=True)
+            if not run.superseded:
+                self.finished[a.job] = time.time()
+            self.runs.pop(run.key, None)
+            if not self.cfg.keep_job_dirs:  # a job's directory may be large: not on the loop heartbeats share
+                await asyncio.shield(asyncio.to_thread(shutil.rmtree, job_dir, ignore_errors=True))
 
     async def _train(self, run: RunningJob, job_dir: Path) -> Finished | Failed | Cancelled:
         a = run.assignment
@@ -195,6 +217,7 @@ class JobLifecycle:
             env,
             ranks=len(run.devices),
             niceness=self.yielder.niceness(run.devices),
+            lease_s=self.cfg.lease_s,
         )
         if run.cancel_asked:  # asked while this task was cancelled at an await that can swallow it (3.11's wait_for)
             run.trainer.cancel()

@@ -9,11 +9,13 @@ import logging
 import os
 import signal
 import sys
+import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import msgspec
 
+from schemas import trainer_lease
 from schemas.events import RENDEZVOUS_ENV, Cancelled, Failed, Finished, TrainerEvent, TrainerSpec
 from services.aio import cancel_and_wait
 from services.procs import die_with_parent, niced, write_pid_file
@@ -39,8 +41,11 @@ class TrainerRun:
         env: dict[str, str],
         ranks: int = 1,
         niceness: int = 0,
+        lease_s: float = 0.0,
     ) -> None:
         self.spec, self.workdir, self.env, self.ranks = spec, workdir, env, ranks
+        self.lease_s = lease_s  # 0: no lease (the trainer never waits for the agent)
+        self.lease = workdir.resolve() / "lease"  # the ranks start in the job directory: an absolute path
         self.command = niced(command, niceness)  # beside a serving engine: its threads win the CPU at once
         self.proc: asyncio.subprocess.Process | None = None  # rank 0: it speaks for the job
         self.others: list[asyncio.subprocess.Process] = []  # ranks 1..N-1
@@ -61,6 +66,9 @@ class TrainerRun:
         }
         if self.ranks > 1:
             env.update(rank_env(self.ranks, self.workdir))
+        if self.lease_s:
+            self.renew()
+            env[trainer_lease.ENV] = str(self.lease)
         if self.cancelled:  # before it started: nothing to start
             return Cancelled()
         self.proc = await self._start(spec_path, env, 0)
@@ -174,6 +182,13 @@ class TrainerRun:
             if text:
                 self.stderr_tail.append(text if self.ranks == 1 else f"[rank {rank}] {text}")
                 log.debug("trainer %s rank %d: %s", self.spec.job, rank, text)
+
+    def renew(self, heard_at: float | None = None) -> None:
+        """The agent was heard on the bus at `heard_at` (time.monotonic(); default now): the trainer may go on for
+        lease_s from then."""
+        if self.lease_s:
+            start = time.monotonic() if heard_at is None else heard_at
+            trainer_lease.write(str(self.lease), start + self.lease_s)
 
     def cancel(self) -> None:
         """Kill the trainer's whole process group (its data loaders and compilers too)."""

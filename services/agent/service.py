@@ -38,6 +38,7 @@ from services.procs import end_leftovers
 
 log = logging.getLogger(__name__)
 SHUTDOWN_PUBLISH_S = 5.0  # how long a state published while shutting down is retried (NATS may be gone)
+ATTEMPT_END_S = 10.0  # how long an assignment waits for the attempt it replaces to be gone
 
 
 @dataclass
@@ -56,6 +57,13 @@ class AgentConfig:
     engine_yield: list[YieldPolicy] = field(default_factory=list)  # per engine (one: for all); none: YieldPolicy()
     engine_check_interval: float = CHECK_INTERVAL_S  # how often what each engine serves is compared with the registry
     stage_adapters: bool = True  # fetch a new version of a served adapter when it is registered, before its promotion
+    trainer_lease_s: float | None = None  # a trainer computes this long after the node's last heartbeat reached
+    # the bus; None: two heartbeat intervals (below the scheduler's window of misses x interval, so a cut-off
+    # node's trainer waits before the scheduler gives its job to another node); 0: never waits
+
+    @property
+    def lease_s(self) -> float:
+        return 2 * self.heartbeat_interval if self.trainer_lease_s is None else self.trainer_lease_s
 
 
 class Agent(JobLifecycle):
@@ -66,7 +74,9 @@ class Agent(JobLifecycle):
         names.check_token(config.node, "node id")
         self.nc, self.js, self.cfg = nc, nc.jetstream(), config
         self.probe = DeviceProbe(config.offer_cpu, config.simulate_gpus)
-        self.jobs: dict[str, RunningJob] = {}
+        self.runs: dict[tuple[str, int], RunningJob] = {}  # (job, attempt): one ending while the next is assigned
+        self.confirming: asyncio.Task | None = None  # the check that the last heartbeat reached the server
+        self.last_confirmed = float("-inf")  # monotonic: when the last heartbeat the server confirmed was sent
         self.finished: dict[str, float] = {}
         self.draining = False
         self.devices: list[Device] = []
@@ -80,7 +90,7 @@ class Agent(JobLifecycle):
         ended = await asyncio.to_thread(end_leftovers, self.cfg.work_dir / "jobs")
         if ended:  # before any device is offered: a trainer of a killed agent may still hold one
             log.warning("ended %d trainer(s) a previous agent left running here: pids %s", len(ended), ended)
-        self.devices, self.no_gpu_reason = self.probe.read()
+        self.devices, self.no_gpu_reason = await self.probe.read_async()
         if not self.devices:
             log.warning("node %s has no device to offer: %s", self.cfg.node, self.no_gpu_reason)
         on_assign = bus.handler(
@@ -124,7 +134,7 @@ class Agent(JobLifecycle):
         self.draining = True
         for sub in subs:
             await sub.unsubscribe()
-        runs = list(self.jobs.values())
+        runs = [run for run in self.runs.values() if not run.superseded]
         for run in runs:
             log.warning(
                 "shutting down: %s job %s",
@@ -153,7 +163,8 @@ class Agent(JobLifecycle):
                     type(e).__name__,
                 )
         await self._beat()  # one last heartbeat that says we are draining
-        await cancel_and_wait([beat])
+        await cancel_and_wait([beat, self.confirming])
+        self.probe.close()
 
     # --- heartbeats (services/agent/heartbeats.py) ---------------------------------------------------
     def heartbeat(self, read: tuple[list[Device], str] | None = None) -> Heartbeat:
@@ -163,22 +174,59 @@ class Agent(JobLifecycle):
     async def _beat(self) -> None:
         await heartbeats.send(self)
 
+    # --- runs -------------------------------------------------------------------------------------
+    @property
+    def jobs(self) -> dict[str, RunningJob]:
+        """The job's current attempt here, by job (attempts the scheduler ended are left out)."""
+        return {run.assignment.job: run for run in self.runs.values() if not run.superseded}
+
+    async def end_attempt(self, run: RunningJob, why: str, wait_s: float = 0.0) -> bool:
+        """End an attempt the scheduler no longer counts on: kill its trainer, report and store nothing more.
+        With `wait_s`, wait that long for it to be gone; whether it is."""
+        if not run.superseded:
+            log.warning("ending attempt %d of job %s: %s", run.attempt, run.assignment.job, why)
+        run.superseded = why
+        if run.trainer:
+            run.trainer.cancel()
+        if run.task and not run.task.done():
+            run.task.cancel()
+            if wait_s:
+                await asyncio.wait([run.task], timeout=wait_s)
+        return run.key not in self.runs
+
     # --- assignments -----------------------------------------------------------------------------
     async def _on_assign(self, a: Assignment) -> AssignAccepted | AssignRefused:
-        self.devices, _ = await asyncio.to_thread(self.probe.read)  # NVML may block: not on the event loop
-        reason = refusal(a, self.devices, {j: r.devices for j, r in self.jobs.items()}, self.reclaim, self.draining)
+        for run in [r for r in self.runs.values() if r.assignment.job == a.job]:
+            if run.attempt == a.attempt and not run.superseded:
+                return AssignAccepted(a.job)  # a repeated assignment of what we already run: accept again
+            if run.attempt > a.attempt:
+                return AssignRefused(a.job, f"this node runs attempt {run.attempt} of the job, newer than {a.attempt}")
+            if not await self.end_attempt(run, f"attempt {a.attempt} replaces it", wait_s=ATTEMPT_END_S):
+                return AssignRefused(a.job, f"attempt {run.attempt} of the job is still ending here; try again")
+        self.devices, _ = await self.probe.read_async()  # NVML may block: its own thread
+        busy = {key: run.devices for key, run in self.runs.items()}
+        reason = refusal(a, self.devices, busy, self.reclaim, self.draining)
         if reason:
             return AssignRefused(a.job, reason)
-        if a.job not in self.jobs:
-            run = RunningJob(a, a.ranks)
-            self.jobs[a.job] = run
-            run.task = asyncio.create_task(self._run_job(run))
+        run = RunningJob(a, a.ranks)
+        self.runs[run.key] = run
+        run.task = asyncio.create_task(self._run_job(run))
         return AssignAccepted(a.job)
 
     async def _on_control(self, c: Control) -> ControlReply:
+        if c.action == "end":
+            ended = [r for r in self.runs.values() if r.assignment.job == c.job and c.attempt in (0, r.attempt)]
+            for each in ended:
+                await self.end_attempt(each, c.by or "the scheduler ended it")
+            what = ", ".join(str(r.attempt) for r in ended)
+            return ControlReply(c.job, True, f"ended attempt {what}" if ended else "no such attempt runs here")
         run = self.jobs.get(c.job)
         if run is None:
             return ControlReply(c.job, False, f"job {c.job} is not running on {self.cfg.node}")
+        if c.attempt and c.attempt != run.attempt:
+            return ControlReply(
+                c.job, False, f"{self.cfg.node} runs attempt {run.attempt} of job {c.job}, not attempt {c.attempt}"
+            )
         log.info(
             "%s asked for job %s (attempt %d): its trainer %s",
             c.action,

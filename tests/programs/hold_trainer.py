@@ -12,6 +12,7 @@ from pathlib import Path
 import msgspec
 
 from schemas.events import Checkpoint, Finished, Progress, Started, TrainerSpec
+from trainer import lease
 from trainer.signals import Signals
 
 signals = Signals()  # SIGUSR1 stops, SIGUSR2 pauses, as the real trainer's
@@ -20,15 +21,26 @@ hold = float(os.environ.get("HOLD_S", "0.5"))
 if os.environ.get("HOLD_CRASH"):
     print("simulated crash: CUDA error: out of memory", file=sys.stderr)
     sys.exit(3)
-steps = 10
+steps = int(os.environ.get("HOLD_STEPS", "10"))
 print(msgspec.json.encode(Started(steps=steps, examples=len(spec.request.data))).decode(), flush=True)
 step = 0
 if spec.resume_from:  # a resumed job goes on from its checkpoint's step
     step = int((Path(spec.resume_from) / "step").read_text())
 t0 = time.monotonic()
+marks = os.environ.get("HOLD_LOG")  # a file the fault tests read: which attempt computed which step, when
+
+
+def mark(step: int) -> None:
+    if marks:
+        with open(marks, "a") as f:
+            f.write(f"{spec.job} {spec.attempt} {step} {time.time():.3f} {os.getpid()}\n")
+
+
 while step < steps and not signals.asked:
     time.sleep(hold / steps)
+    lease.hold_while_lapsed()  # as the real trainer does before each step
     step += 1
+    mark(step)
     print(
         msgspec.json.encode(
             Progress(step=step, steps=steps, loss=1.0 / step, elapsed_s=time.monotonic() - t0)
