@@ -27,6 +27,7 @@ log = logging.getLogger(__name__)
 REQUEST_CACHE_BYTES = 64 * 2**20  # full requests of queued jobs kept in memory, so placing one needs no KV read
 REQUEST_CACHE_ITEM = 64 * 2**10
 UNPLACED: dict[str, Any] = dict(node=None, device=None, devices=[])  # a job's status fields when it holds no device
+STATES_REDELIVERED_S = 5.0  # a state event taken but not applied by the last leader comes again within this
 
 
 def engine_tag(slot: SlotKey) -> str:
@@ -132,6 +133,7 @@ class SchedulerCore:
         self._project(job, None, job.status)
         if job.status.node is not None and job.slots:
             self.awaited.setdefault(job.status.node, time.monotonic() + self.cfg.window)
+            job.assigned_at += STATES_REDELIVERED_S  # its node's last word may still be on its way to us
         return job
 
     def take_new(self, job: Job, request: JobRequest, size: int) -> None:

@@ -18,7 +18,7 @@ from services import __version__, bus
 from services.aio import cancel_and_wait, sleep_unless_stopped, wait_first
 from services.registry.store import AdapterRegistry
 from services.scheduler.api import SchedulerApi
-from services.scheduler.core import SchedulerConfig, SchedulerCore
+from services.scheduler.core import STATES_REDELIVERED_S, SchedulerConfig, SchedulerCore
 from services.scheduler.events import JobEvents
 from services.scheduler.idempotency import IdempotencyKeys
 from services.scheduler.index import JobIndex
@@ -34,6 +34,7 @@ from services.scheduler.store import JobStore
 log = logging.getLogger(__name__)
 RETRY_LEAD_S = 1.0  # after a failed start as leader (NATS away, the bucket unreadable)
 LET_GO_S = 2.0  # how long a scheduler that stops leading waits to unsubscribe each of its endpoints
+FINISH_S = 2.0  # how long a scheduler told to stop lets its parts finish what they are applying
 
 
 class Scheduler:
@@ -124,7 +125,10 @@ class Scheduler:
             names.JOB_STATES_ALL,
             durable=names.SCHEDULER_CONSUMER,
             config=ConsumerConfig(
-                ack_policy=AckPolicy.EXPLICIT, deliver_policy=DeliverPolicy.ALL, max_ack_pending=10_000, ack_wait=5.0
+                ack_policy=AckPolicy.EXPLICIT,
+                deliver_policy=DeliverPolicy.ALL,
+                max_ack_pending=10_000,
+                ack_wait=STATES_REDELIVERED_S,
             ),
         )  # a state not applied (NATS away) comes back within 5 s
         service = await nats.micro.add_service(
@@ -150,6 +154,8 @@ class Scheduler:
             await wait_first(lost, stop)
         finally:
             self.leading.clear()  # at once: what follows may wait on a server that is gone
+            if not lost.is_set():  # stopping: each part finishes what it applies (a state event, its ack)
+                await asyncio.wait(tasks, timeout=FINISH_S)
             await cancel_and_wait(tasks)
             for end in (service.stop(), *(sub.unsubscribe() for sub in subs), states.unsubscribe()):
                 try:
