@@ -24,7 +24,7 @@ import nats  # noqa: E402
 from schemas import names  # noqa: E402
 from schemas.events import StateChange  # noqa: E402
 from schemas.jobs import Accepted, JobStatus, SubmitReply  # noqa: E402
-from schemas.nodes import AssignAccepted, Assignment, Device, Heartbeat, NodeList  # noqa: E402
+from schemas.nodes import AssignAccepted, Assignment, Device, Heartbeat, NodeList, RunningAttempt  # noqa: E402
 from services import bus  # noqa: E402
 from services.embedded import EmbeddedNats  # noqa: E402
 
@@ -53,6 +53,7 @@ class Fleet:
         self.last_beat: dict[str, float] = {}
         self.assigned_at: dict[str, float] = {}
         self.held: dict[str, str] = {}  # job -> doomed node holding it
+        self.attempts: dict[str, int] = {}  # job -> the attempt it runs as
         self.finished: dict[str, list[str]] = {n: [] for n in self.nodes}  # recent, as real agents report them
         self.tasks: set[asyncio.Task] = set()
 
@@ -68,12 +69,18 @@ class Fleet:
             for i, (job, need) in enumerate((j or (None, 0)) for j in self.nodes[node])
         ]
         running = [j for j, _ in filter(None, self.nodes[node])]
+        attempts = [
+            RunningAttempt(job=slot[0], attempt=self.attempts.get(slot[0], 1), devices=[i], state="running")
+            for i, slot in enumerate(self.nodes[node])
+            if slot
+        ]
         return enc.encode(
             Heartbeat(
                 node=node,
                 agent_version="sim",
                 devices=devices,
                 running=running,
+                attempts=attempts,
                 finished=self.finished[node][-16:],
                 interval_s=self.interval,
                 sent_at=time.time(),
@@ -98,6 +105,7 @@ class Fleet:
         node = names.node_of_subject(msg.subject)
         self.assigned_at.setdefault(a.job, now)
         self.nodes[node][a.device] = (a.job, a.request.gpu_mib)
+        self.attempts[a.job] = a.attempt
         await msg.respond(enc.encode(AssignAccepted(a.job)))
         t = asyncio.create_task(self.run_job(node, a))
         self.tasks.add(t)

@@ -1,0 +1,156 @@
+"""Random faults against a real stack for minutes on end, the invariants checked throughout.
+
+Two schedulers, three agents (4 simulated GPUs each, the stand-in trainer), the artifact service and nats-server
+(a 3-server JetStream cluster with --cluster), every service behind its own proxy (tests/harness). Submissions
+arrive steadily (some cancelled); faults come at random: a process frozen (SIGSTOP), cut off (blackholed), its
+JetStream writes dropped or delayed, its connection reset, or the process killed and restarted; with --cluster, a
+server killed and restarted. At the end every accepted and stored job must have ended once, and throughout: no
+terminal state replaced, no device held by two jobs, no job assigned too long, no two trainers of a job at once.
+
+Run by hand:  python bench/chaos.py --minutes 30 [--cluster] [--seed 1]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import collections
+import random
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import nats  # noqa: E402
+
+from schemas import names  # noqa: E402
+from schemas.jobs import Accepted, Error, JobQuery, JobReply  # noqa: E402
+from services import bus  # noqa: E402
+from tests.conftest import answering, submit  # noqa: E402
+from tests.harness import Stack  # noqa: E402
+from tests.harness.invariants import StatusWatch, trainer_overlaps, unfinished  # noqa: E402
+from tests.qa import pairs  # noqa: E402
+
+SCHEDULERS, AGENTS = ("sched-a", "sched-b"), ("n1", "n2", "n3")
+WRITES = {  # what each kind of process writes into JetStream
+    "sched": ("$KV.jetlora_jobs.", "$KV.jetlora_lease.", "jetlora.jobindex."),
+    "n": ("jetlora.job.", "$O."),
+    "artifacts": ("$O.",),
+}
+
+
+class Chaos:
+    """Injects one random fault at a time into the stack's processes, counting each kind."""
+
+    def __init__(self, stack: Stack, rng: random.Random, cluster: bool) -> None:
+        self.stack, self.rng, self.cluster = stack, rng, cluster
+        self.injected: collections.Counter[str] = collections.Counter()
+
+    async def one(self) -> None:
+        rng, stack = self.rng, self.stack
+        name = rng.choice([*SCHEDULERS, *AGENTS, "artifacts"])
+        seconds = round(rng.uniform(1.0, 8.0), 1)
+        kind = rng.choice(["freeze", "blackhole", "drop writes", "delay writes", "reset", "kill"] + ["server"] * self.cluster)
+        if kind == "freeze":
+            await stack.stall_for(name, seconds)
+        elif kind == "blackhole":
+            stack.blackhole(name, seconds)
+            await asyncio.sleep(seconds)
+        elif kind in ("drop writes", "delay writes"):
+            mode = "drop" if kind == "drop writes" else "delay"
+            prefixes = next(v for k, v in WRITES.items() if name.startswith(k))
+            stack.hold_writes(name, prefixes, mode=mode, seconds=seconds, delay_s=min(seconds, 3.0))
+            await asyncio.sleep(seconds)
+        elif kind == "reset":
+            stack.cut(name)
+        elif kind == "kill":
+            stack.kill(name)
+            await asyncio.sleep(seconds / 4)
+            stack.restart(name)
+        else:
+            server = rng.randrange(len(stack.servers))
+            name = f"server s{server}"
+            stack.servers[server].kill()
+            await asyncio.sleep(seconds / 2)
+            stack.servers[server].start()
+        self.injected[kind] += 1
+        print(f"{time.strftime('%H:%M:%S')} {kind} {name} ({seconds}s)", flush=True)
+
+
+async def submitting(nc, until: float, rate: float, rng: random.Random, accepted: set[str], counts) -> None:
+    """Submit about `rate` jobs a second until `until`; cancel one in ten a moment later."""
+    i = 0
+    while time.monotonic() < until:
+        i += 1
+        body = {"model": "tiny", "base_dir": "/models/tiny", "data": pairs(1), "retries": rng.choice([0, 1, 2, 3])}
+        counts["submitted"] += 1
+        try:
+            reply = await asyncio.wait_for(submit(nc, {**body, "idempotency_key": f"chaos-{i}"}), 5.0)
+            if isinstance(reply, Accepted):
+                accepted.add(reply.job)
+                if rng.random() < 0.1:
+                    asyncio.get_running_loop().call_later(rng.uniform(0, 3), _cancel, nc, reply.job)
+        except (bus.RequestError, TimeoutError):
+            counts["unanswered"] += 1
+        await asyncio.sleep(rng.expovariate(rate))
+
+
+def _cancel(nc, job: str) -> None:
+    async def cancel() -> None:
+        try:
+            await bus.request(nc, names.CANCEL, JobQuery(job), JobReply | Error, timeout=5)
+        except bus.RequestError:
+            pass
+
+    asyncio.ensure_future(cancel())
+
+
+async def main(args) -> int:
+    rng = random.Random(args.seed)
+    tmp = Path(tempfile.mkdtemp(prefix="jetlora-chaos-"))
+    log = tmp / "steps"
+    async with Stack(tmp, cluster=args.cluster) as stack:
+        for name in SCHEDULERS:
+            stack.start_scheduler(name)
+        stack.start_artifacts("artifacts")
+        for i, name in enumerate(AGENTS):
+            stack.start_agent(name, gpus="4096,4096,4096,4096", hold_s=1.0 + i, env={"HOLD_LOG": str(log)})
+        nc = await nats.connect(stack.client_url, max_reconnect_attempts=-1, reconnect_time_wait=0.2)
+        await answering(nc, names.LIST_JOBS)
+        watch = await StatusWatch(nc.jetstream(), assigned_bound_s=30.0).start()
+        chaos, accepted, counts = Chaos(stack, rng, args.cluster), set(), collections.Counter()
+        until = time.monotonic() + args.minutes * 60
+        load = asyncio.create_task(submitting(nc, until, args.rate, rng, accepted, counts))
+        while time.monotonic() < until:
+            await asyncio.sleep(rng.expovariate(1 / args.fault_every))
+            if time.monotonic() < until:
+                await chaos.one()
+            watch.check_assigned()
+        await load
+        left = await unfinished(nc, accepted, timeout=300)
+        await watch.stop()
+        overlaps = trainer_overlaps(log, bound_s=2.0)
+        await nc.close()
+    violations = left + watch.violations + overlaps
+    print(f"\n{args.minutes:g} minutes, {'3-server cluster' if args.cluster else 'one server'}, seed {args.seed}")
+    print(f"faults injected: {sum(chaos.injected.values())} ({', '.join(f'{k} {v}' for k, v in chaos.injected.items())})")
+    print(f"jobs submitted: {counts['submitted']}, accepted: {len(accepted)}, unanswered: {counts['unanswered']}")
+    print(f"status writes seen: {watch.writes}")
+    print(f"violations: {len(violations)}")
+    for v in violations[:50]:
+        print(f"  {v}")
+    print(f"logs: {tmp}")
+    return 1 if violations else 0
+
+
+if __name__ == "__main__":
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--minutes", type=float, default=30.0)
+    p.add_argument("--fault-every", type=float, default=15.0, help="mean seconds between faults")
+    p.add_argument("--rate", type=float, default=2.0, help="submissions a second")
+    p.add_argument("--cluster", action="store_true", help="a 3-server JetStream cluster, servers killed too")
+    p.add_argument("--seed", type=int, default=1)
+    sys.exit(asyncio.run(main(p.parse_args())))
