@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import random
 import statistics
 import subprocess
@@ -129,8 +130,6 @@ class Fleet:
 
 def proc_stats(pid: int) -> tuple[float, float]:
     """CPU seconds (user+system) and peak RSS MiB of a process."""
-    import os
-
     with open(f"/proc/{pid}/stat") as f:
         fields = f.read().rsplit(")", 1)[1].split()
     cpu = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
@@ -174,6 +173,7 @@ async def main(n_nodes: int, n_jobs: int, doomed: int, interval: float, misses: 
             stdout=subprocess.DEVNULL,
             stderr=open(SCHED_LOG, "w"),
         )
+        pids = {"scheduler": sched.pid, "nats-server": server.proc.pid, "bench (agents, submitter)": os.getpid()}
         fleet = Fleet(nc, n_nodes, 8, doomed, interval)
         await nc.subscribe(names.node("*").assign, cb=fleet.on_assign)
 
@@ -192,7 +192,7 @@ async def main(n_nodes: int, n_jobs: int, doomed: int, interval: float, misses: 
             await asyncio.sleep(0.5)
         spy = (
             subprocess.Popen(
-                ["py-spy", "record", "-p", str(sched.pid), "-o", PROFILE, "-f", "raw", "-r", "50", "-d", "60"],
+                ["py-spy", "record", "-p", str(sched.pid), "-o", PROFILE, "-f", "raw", "-r", "200", "-d", "60", "--idle"],
                 stdout=subprocess.DEVNULL,
                 stderr=subprocess.DEVNULL,
             )
@@ -241,8 +241,10 @@ async def main(n_nodes: int, n_jobs: int, doomed: int, interval: float, misses: 
                 return await submit_one()
 
         t0 = time.monotonic()
+        cpu0 = {name: proc_stats(pid)[0] for name, pid in pids.items()}
         burst_ids = await asyncio.gather(*(bounded() for _ in range(n_jobs - warm)))
         burst_s = time.monotonic() - t0
+        burst_cpu = {name: proc_stats(pid)[0] - cpu0[name] for name, pid in pids.items()}
         burst_latency = list(latency)
         await asyncio.sleep(8)
         place_burst = [fleet.assigned_at[j] - submitted_at[j] for j in burst_ids if j in fleet.assigned_at]
@@ -293,6 +295,11 @@ async def main(n_nodes: int, n_jobs: int, doomed: int, interval: float, misses: 
         f"p99 {ms(pct(burst_latency, 99))}"
     )
     print(f"sustained durable submissions: {(n_jobs - warm) / burst_s:.0f}/s")
+    print(
+        "CPU per submission in the burst (each job also placed and run): "
+        + ", ".join(f"{name} {cpu / (n_jobs - warm) * 1e6:.0f} us" for name, cpu in burst_cpu.items())
+        + f" ({burst_s:.1f}s, 2 cores here)"
+    )
     print(
         f"submit -> assignment with free GPUs (sequential): p50 {ms(pct(place_seq, 50))}, p99 {ms(pct(place_seq, 99))} "
         f"({len(place_seq)} placed)"

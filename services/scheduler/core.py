@@ -112,6 +112,7 @@ class SchedulerCore:
         self.queued_by_tenant: Counter[str | None] = Counter()  # counted as states change, never by a scan
         self.devices_by_tenant: Counter[str | None] = Counter()
         self.connected_at = time.monotonic()  # the last proof that the store answers us (a lease renewal)
+        self.heard_at = float("-inf")  # when any heartbeat last came in
 
     # --- tasks ---------------------------------------------------------------------------------
     def spawn(self, coro: Coroutine[Any, Any, Any]) -> None:

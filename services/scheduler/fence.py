@@ -18,6 +18,8 @@ import nats.errors
 from nats.js.errors import BadRequestError, KeyNotFoundError, KeyWrongLastSequenceError
 from nats.js.kv import KeyValue
 
+from services.jetstream_writer import JetStreamWriter, ViaJsPublish
+
 log = logging.getLogger(__name__)
 TERM_KEY = "term"
 EXPECTED_SEQUENCE = "Nats-Expected-Last-Subject-Sequence"
@@ -47,13 +49,22 @@ class WriteUnknown(Exception):
 class Fence:
     """The writes of one term: each is refused by the store once a newer term exists."""
 
-    def __init__(self, js, prefix: str, term: int, revision: int, leading: Callable[[], bool] = lambda: True) -> None:
-        self.js, self.prefix, self.term, self.revision = js, prefix, term, revision
+    def __init__(
+        self,
+        writer: JetStreamWriter | ViaJsPublish,
+        prefix: str,
+        term: int,
+        revision: int,
+        leading: Callable[[], bool] = lambda: True,
+    ) -> None:
+        self.writer, self.prefix, self.term, self.revision = writer, prefix, term, revision
         self.leading = leading  # False once the lease lapsed locally: no write is even tried
         self.headers = {EXPECTED_SEQUENCE: str(revision), EXPECTED_SUBJECT: prefix + TERM_KEY}
 
     @classmethod
-    async def take(cls, js, kv: KeyValue, prefix: str, holder: str, leading: Callable[[], bool]) -> Fence:
+    async def take(
+        cls, writer: JetStreamWriter | ViaJsPublish, kv: KeyValue, prefix: str, holder: str, leading: Callable[[], bool]
+    ) -> Fence:
         """Start a new term after the one in the bucket; raises if another scheduler started one meanwhile."""
         try:
             entry = await kv.get(TERM_KEY)
@@ -69,18 +80,19 @@ class Fence:
         except KeyWrongLastSequenceError:
             raise Deposed(f"another scheduler started term {last + 1} at the same moment") from None
         log.info("%s leads in term %d", holder, last + 1)
-        return cls(js, prefix, last + 1, new, leading)
+        return cls(writer, prefix, last + 1, new, leading)
 
-    async def put(self, key: str, value: bytes) -> int:
+    async def put(self, key: str, value: bytes, headers: dict[str, str] | None = None) -> int:
         """Store `value` under `key` if this term is still the newest; its revision. Raises Deposed when a newer
         term exists, WriteUnknown when the store did not answer within WRITE_DEADLINE_S. A write tried again
         writes the same bytes, so one that landed after all is only stored twice."""
         deadline = time.monotonic() + WRITE_DEADLINE_S
+        headers = {**self.headers, **headers} if headers else self.headers
         while True:
             if not self.leading():
                 raise Deposed(f"the lease of term {self.term} lapsed here; nothing more is written")
             try:
-                ack = await self.js.publish(self.prefix + key, value, timeout=ATTEMPT_TIMEOUT_S, headers=self.headers)
+                ack = await self.writer.publish(self.prefix + key, value, headers, ATTEMPT_TIMEOUT_S)
                 return ack.seq
             except BadRequestError as e:
                 if e.err_code == WRONG_LAST_SEQUENCE:

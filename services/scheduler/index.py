@@ -9,6 +9,7 @@ import msgspec
 from nats.js.errors import NotFoundError
 
 from schemas import names
+from services.jetstream_writer import JetStreamWriter, ViaJsPublish
 
 STREAM = names.JOB_INDEX_STREAM
 NO_RESULTS = {"404", "408", "413"}  # none found; a timeout; more than one answer may carry
@@ -41,20 +42,21 @@ def decode_finished(data: bytes) -> Finished:
 class JobIndex:
     """Appends to the index stream and walks it newest first (each step one direct get, no consumer)."""
 
-    def __init__(self, nc) -> None:
+    def __init__(self, nc, writer: JetStreamWriter | None = None) -> None:
         self.nc, self.js = nc, nc.jetstream()
+        self.writer: JetStreamWriter | ViaJsPublish = writer or ViaJsPublish(self.js)
 
     async def submitted(self, tenant: str | None, job: str) -> int:
         """Enter a new job; its entry's sequence is its place in listings."""
-        ack = await self.js.publish(names.job_index_submitted(names.tenant_token(tenant)), job.encode(), timeout=5.0)
+        ack = await self.writer.publish(names.job_index_submitted(names.tenant_token(tenant)), job.encode(), None, 5.0)
         return ack.seq
 
     async def finished(self, entry: Finished) -> int:
-        ack = await self.js.publish(
+        ack = await self.writer.publish(
             names.job_index_finished(names.tenant_token(entry.tenant), entry.state),
             _enc.encode(entry),
-            timeout=5.0,
-            headers={"Nats-Msg-Id": f"done-{entry.job}"},
+            {"Nats-Msg-Id": f"done-{entry.job}"},
+            5.0,
         )
         return ack.seq
 

@@ -1,8 +1,8 @@
 """Which nodes are alive: heartbeats in, silent nodes out, and the jobs a gone or forgetful node held.
 
-Silence is judged only against this scheduler's own proof that it hears the bus (its last lease renewal), and
-never across a stall of its own loop: a scheduler that was frozen or cut off gives every node a fresh window
-instead of taking the whole fleet for gone."""
+Silence is judged only against this scheduler's own proof that it hears the bus (its last lease renewal or any
+node's heartbeat), and never across a stall of its own loop: a scheduler that was frozen or cut off gives every
+node a fresh window instead of taking the whole fleet for gone."""
 
 from __future__ import annotations
 
@@ -41,6 +41,7 @@ class Liveness:
             log.warning("dropped a heartbeat for node %s sent on %s", hb.node, msg.subject)
             return
         core.awaited.pop(hb.node, None)
+        core.heard_at = time.monotonic()  # proof that we hear the bus, as much as a lease renewal
         if core.fleet.heard(hb):
             core.wake.set()
         self.attempts.compare(hb)  # before anything else runs: a job it takes back is held for it at once
@@ -88,7 +89,8 @@ class Liveness:
                     view.last_seen = now
                 core.awaited = {n: now + core.cfg.window for n in core.awaited}
                 continue
-            horizon = min(now, core.connected_at)  # silence counts only up to our last proof that we hear the bus
+            horizon = min(now, max(core.connected_at, core.heard_at))  # silence counts up to our last proof that we
+            # hear the bus: a lease renewal, or any node's heartbeat
             gone = core.fleet.silent_since(horizon - core.cfg.window)
             gone += [n for n, deadline in core.awaited.items() if deadline < horizon]
             for node in gone:
