@@ -5,6 +5,7 @@ classes; a node that answers late or never is a ScriptedNode on the bus (tests/h
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 
 import msgspec
@@ -12,7 +13,7 @@ import nats
 import pytest
 
 from schemas import names
-from schemas.jobs import Accepted, Error, JobQuery, JobReply, JobStatus
+from schemas.jobs import Accepted, Error, JobQuery, JobReply, JobRequest, JobStatus, StoredRequest
 from services import bus
 from services.scheduler.fence import Deposed
 from services.scheduler.service import Scheduler
@@ -199,5 +200,24 @@ async def test_why_a_job_waits_is_worked_out_when_asked_not_written_at_every_hea
         assert await writes() - before <= 2, "queued jobs' statuses were rewritten while none changed state"
         job = await get_job(nc, ids[-1])
         assert "insufficient free memory" in job.message and "largest free" in job.message, job.message
+    finally:
+        await node.close()
+
+
+async def test_an_active_job_the_store_holds_and_memory_lacks_is_taken_up(nc, services):
+    """A job written behind the leader's back (as a deposed leader's write before the new term would be): the
+    reconcile loop finds it among the active marks and places it."""
+    cfg = dataclasses.replace(STACK_CONFIG, reconcile_interval_s=0.5)
+    sched, *_ = await services.start(lambda c: Scheduler(c, cfg))
+    await asyncio.wait_for(sched.leading.wait(), 10)
+    node = await ScriptedNode(nc, "n1").start()
+    try:
+        js = nc.jetstream()
+        behind = JobStore(js, await js.key_value(names.JOBS_KV))
+        request = msgspec.convert(JOB, JobRequest)
+        await behind.mark_active("missed")
+        await behind.add(StoredRequest(id="missed", request=request, created=time.time(), seq=1))
+        await wait_for(lambda: "missed" in node.running, timeout=20, what="the missed job placed")
+        assert sched.reconcile.adopted == 1
     finally:
         await node.close()

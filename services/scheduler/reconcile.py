@@ -9,7 +9,8 @@ import logging
 import time
 
 from services.aio import wait_first
-from services.scheduler.core import SchedulerCore, held
+from schemas.jobs import TERMINAL_STATES
+from services.scheduler.core import Job, SchedulerCore, held
 
 log = logging.getLogger(__name__)
 RECHECK_PAUSE_S = 0.5  # between read-backs while the store does not answer
@@ -74,6 +75,9 @@ class Reconcile:
             if found is None or job_id in core.jobs:
                 continue  # marked, but its request was never stored (a submission cut short), or taken up meanwhile
             stored, status, revision = found
+            if status is not None and status.state in TERMINAL_STATES:  # it ended; its end was not recorded whole
+                await core.record_end(Job(stored, status, revision))
+                continue
             log.error(
                 "job %s is active in the store (%s) but was not in memory; taking it up",
                 job_id,
