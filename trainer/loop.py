@@ -90,18 +90,12 @@ def train(spec: TrainerSpec, signals: Signals | None = None) -> Finished:
     announce(run)
     if run.prompts and at.step == 0 and world.main:
         samples(base=True)  # what the base model answers, before any step
-    if run.device == "cuda":
-        torch.cuda.reset_peak_memory_stats()
-    start = time.monotonic()
+    start = started(run)
     window_loss, window_count = 0.0, 0
     eval_loss, paused = None, None
     early, ended = "", False
     while at.step < run.plan.steps and not ended:  # the ranks agree to end after a step: its checkpoint is taken there
-        batches = (
-            run.batches
-            if at.epoch == 0
-            else data.make_batches(run.train_set, t, run.pad_id, at.epoch, world.rank, world.size)
-        )
+        batches = epoch_batches(run, at.epoch)
         first_batch, at.batch_in_epoch = at.batch_in_epoch, 0  # a resumed run starts mid-epoch, where it stopped
         for first in range(first_batch, len(batches), t.grad_accum):
             lease.hold_while_lapsed()  # the agent cannot vouch for this attempt now: no step until it can
@@ -134,6 +128,20 @@ def train(spec: TrainerSpec, signals: Signals | None = None) -> Finished:
     finished = save_the_end(run, signals.agreed_pause if paused is None else paused, early)
     world.close()
     return finished
+
+
+def epoch_batches(run: Run, epoch: int) -> list:
+    """This rank's batches of an epoch (the first epoch's were made when the run was prepared)."""
+    if epoch == 0:
+        return run.batches
+    return data.make_batches(run.train_set, run.spec.request.train, run.pad_id, epoch, run.world.rank, run.world.size)
+
+
+def started(run: Run) -> float:
+    """The first step is about to be taken: peak memory counts from here; the monotonic time now."""
+    if run.device == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    return time.monotonic()
 
 
 def open_board(run: Run):

@@ -135,6 +135,37 @@ async def wait_for_node(nc, node: str, timeout: float) -> None:
     raise TimeoutError(f"the demo's agent {node} did not heartbeat within {timeout:.0f}s")
 
 
+async def show_results(nc, job: str, out_dir: Path, model: Path, port: int, keep: bool) -> None:
+    """Download the job's adapters, print what the model answers before and after, and how to serve it."""
+    tar = out_dir / f"{job}-adapter.tar.gz"
+    await download(nc, job, "peft", tar)
+    adapter = safe_extract(tar, out_dir / f"{job}-adapter")
+    gguf_path = out_dir / f"{job}-lora-f16.gguf"
+    await download(nc, job, "gguf", gguf_path)
+    print()
+    print_table(await before_and_after(nc, job))
+    print(f"\nPEFT adapter: {adapter}  (PeftModel.from_pretrained(base, '{adapter}'))")
+    print(f"GGUF adapter: {gguf_path}")
+    print(f"Base model:   {model}")
+    print(
+        "Serve it with vLLM:   python -m vllm.entrypoints.openai.api_server --model "
+        f'{model} --enable-lora --lora-modules capitals={adapter}  (then "model": "capitals")'
+    )
+    print(
+        f"Serve it with llama.cpp: llama-server -m BASE.gguf --lora {gguf_path}  (BASE.gguf: the base model "
+        "through llama.cpp's convert_hf_to_gguf.py)"
+    )
+    print(
+        f"Dashboard:    http://127.0.0.1:{port}/?job={job}"
+        + ("  (serving until Ctrl-C)" if keep else "  (`jetlora demo --keep` keeps it up after the run)")
+    )
+    print(
+        "For a stack that stays up: `jetlora up`, then `jetlora submit job.json --nats URL` and "
+        "`jetlora watch JOB --nats URL` (the URL is printed at start).",
+        flush=True,
+    )
+
+
 async def run_demo(out_dir: Path, steps: int, keep: bool = False) -> int:
     out_dir = out_dir.resolve()
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -173,33 +204,7 @@ async def run_demo(out_dir: Path, steps: int, keep: bool = False) -> int:
         print(f"training and upload took {time.monotonic() - t0:.0f}s", flush=True)
         if rc:
             return rc
-        tar = out_dir / f"{reply.job}-adapter.tar.gz"
-        await download(nc, reply.job, "peft", tar)
-        adapter = safe_extract(tar, out_dir / f"{reply.job}-adapter")
-        gguf_path = out_dir / f"{reply.job}-lora-f16.gguf"
-        await download(nc, reply.job, "gguf", gguf_path)
-        print()
-        print_table(await before_and_after(nc, reply.job))
-        print(f"\nPEFT adapter: {adapter}  (PeftModel.from_pretrained(base, '{adapter}'))")
-        print(f"GGUF adapter: {gguf_path}")
-        print(f"Base model:   {model}")
-        print(
-            "Serve it with vLLM:   python -m vllm.entrypoints.openai.api_server --model "
-            f'{model} --enable-lora --lora-modules capitals={adapter}  (then "model": "capitals")'
-        )
-        print(
-            f"Serve it with llama.cpp: llama-server -m BASE.gguf --lora {gguf_path}  (BASE.gguf: the base model "
-            "through llama.cpp's convert_hf_to_gguf.py)"
-        )
-        print(
-            f"Dashboard:    http://127.0.0.1:{dash.port}/?job={reply.job}"
-            + ("  (serving until Ctrl-C)" if keep else "  (`jetlora demo --keep` keeps it up after the run)")
-        )
-        print(
-            "For a stack that stays up: `jetlora up`, then `jetlora submit job.json --nats URL` and "
-            "`jetlora watch JOB --nats URL` (the URL is printed at start).",
-            flush=True,
-        )
+        await show_results(nc, reply.job, out_dir, model, dash.port, keep)
         if keep:
             try:
                 await asyncio.Event().wait()
