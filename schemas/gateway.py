@@ -8,6 +8,7 @@ from typing import Annotated, Any, Literal
 from msgspec import Meta, Struct, field
 
 from schemas.jobs import DatasetName, JobId, NodeId, TenantId
+from schemas.validate import pattern
 
 Auto = Literal["auto"]
 JobStatus = Literal["validating_files", "queued", "running", "succeeded", "failed", "cancelled", "paused"]
@@ -48,7 +49,18 @@ class CreateJob(Struct, forbid_unknown_fields=True, kw_only=True):
     model: Annotated[str, Meta(min_length=1, max_length=200)]
     training_file: Annotated[str, Meta(min_length=1, max_length=200)]
     validation_file: str | None = None
-    suffix: Annotated[str, Meta(pattern=r"^[A-Za-z0-9_-]{1,40}$")] | None = None
+    suffix: (
+        Annotated[
+            str,
+            Meta(
+                pattern=pattern(
+                    r"^[A-Za-z0-9_-]{1,64}$",
+                    "must be 1-64 letters, digits, '_' or '-' (it becomes part of the fine-tuned model's name)",
+                )
+            ),
+        ]
+        | None
+    ) = None
     seed: Annotated[int, Meta(ge=0, le=2_147_483_647)] | None = None
     metadata: Annotated[dict[str, str], Meta(max_length=16)] | None = None
     hyperparameters: Hyperparameters | None = None
@@ -71,6 +83,7 @@ class GatewayJob(Struct, kw_only=True):
     hyperparameters: dict[str, Any] = field(default_factory=dict)
     fine_tuned_model: NodeId
     created: float
+    eval_steps: int = 0  # the job's train.eval_steps (0: evaluated at the end only): where its valid_loss was measured
 
 
 class ApiError(Struct, kw_only=True):
@@ -144,3 +157,16 @@ class Page(Struct, kw_only=True):
     first_id: str | None = None
     last_id: str | None = None
     object: str = "list"
+
+
+class ModelObject(Struct, kw_only=True):
+    id: str
+    created: int
+    owned_by: str
+    object: str = "model"
+
+
+class ModelDeleted(Struct, kw_only=True):
+    id: str
+    deleted: bool = True
+    object: str = "model"

@@ -4,6 +4,8 @@ naming the field; a wrong key refused and one tenant unable to see another's fil
 
 from __future__ import annotations
 
+import csv
+import io
 import json
 
 import openai
@@ -23,6 +25,7 @@ from tests.qa import QA_PAIRS
 @pytest.fixture
 async def gateway(stack, nc, tiny_model):
     models = {"tiny": BaseModel("tiny", str(tiny_model), accelerator="cpu", served_by="llamacpp", save_steps=2)}
+    await nc.jetstream().purge_stream(names.kv(names.GATEWAY_JOBS_KV).stream)  # no job records of other tests
     gw = Gateway(nc, models, port=0)
     await gw.start()
     yield gw
@@ -35,8 +38,8 @@ async def client_for(nc, gateway: Gateway, tenant: str) -> openai.AsyncOpenAI:
     return openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{gateway.port}/v1", api_key=key, max_retries=0)
 
 
-def chat_file(path, rows=None) -> str:
-    rows = rows or [
+def chat_rows(pairs) -> list[dict]:
+    return [
         {
             "messages": [
                 {"role": "system", "content": "Answer in one sentence."},
@@ -44,10 +47,28 @@ def chat_file(path, rows=None) -> str:
                 {"role": "assistant", "content": a},
             ]
         }
-        for q, a in QA_PAIRS
+        for q, a in pairs
     ]
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
+def chat_file(path, rows=None) -> str:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows or chat_rows(QA_PAIRS)))
     return str(path)
+
+
+async def check_results_file(client: openai.AsyncOpenAI, done, last_step: int) -> None:
+    """A succeeded job's results file: OpenAI's CSV of step metrics, its valid_loss where it was evaluated (every
+    checkpoint and the end), its trained tokens the job's."""
+    assert done.trained_tokens and done.trained_tokens > 0 and len(done.result_files) == 1
+    results = await client.files.retrieve(done.result_files[0])
+    assert results.purpose == "fine-tune-results" and results.filename == "step_metrics.csv"
+    text = (await client.files.content(results.id)).text
+    rows = list(csv.DictReader(io.StringIO(text)))
+    assert list(rows[0]) == ["step", "train_loss", "valid_loss", "full_valid_loss", "learning_rate", "trained_tokens"]
+    assert [int(r["step"]) for r in rows] == list(range(1, last_step + 1)) and results.bytes == len(text.encode())
+    assert int(rows[-1]["trained_tokens"]) == done.trained_tokens and all(float(r["train_loss"]) > 0 for r in rows)
+    evaluated = [int(r["step"]) for r in rows if r["valid_loss"]]
+    assert evaluated == [s for s in range(2, last_step + 1, 2)] + ([last_step] if last_step % 2 else []), evaluated
 
 
 async def finished(client: openai.AsyncOpenAI, job: str, timeout: float = 240.0):
@@ -68,10 +89,13 @@ async def test_a_file_trains_through_the_openai_client_and_its_events_and_checkp
         file = await client.files.create(file=f, purpose="fine-tune")
     assert file.bytes > 0 and file.filename == "capitals.jsonl" and file.purpose == "fine-tune"
     assert [x.id for x in (await client.files.list()).data] == [file.id]
+    with open(chat_file(tmp_path / "heldout.jsonl", chat_rows(QA_PAIRS[:4])), "rb") as f:
+        heldout = await client.files.create(file=f, purpose="fine-tune")
 
     job = await client.fine_tuning.jobs.create(
         model="tiny",
         training_file=file.id,
+        validation_file=heldout.id,
         suffix="capitals",
         seed=7,
         metadata={"team": "geo"},
@@ -98,6 +122,15 @@ async def test_a_file_trains_through_the_openai_client_and_its_events_and_checkp
     checkpoints = [c async for c in client.fine_tuning.jobs.checkpoints.list(job.id)]
     assert checkpoints and all(c.fine_tuning_job_id == job.id and c.step_number % 2 == 0 for c in checkpoints)
     assert checkpoints[0].metrics.train_loss is not None and checkpoints[0].metrics.step == checkpoints[0].step_number
+    # evaluated at each checkpoint, as the job has a validation_file
+    assert all(
+        c.metrics.valid_loss is not None and c.metrics.full_valid_loss == c.metrics.valid_loss for c in checkpoints
+    )
+    await check_results_file(client, done, steps[0])
+    globex = await client_for(nc, gateway, "globex")
+    for ask in (globex.files.retrieve(done.result_files[0]), globex.files.content(done.result_files[0])):
+        with pytest.raises(openai.NotFoundError):  # another tenant's job's results are not there
+            await ask
 
     # the fine-tuned model is the registry's adapter, promoted for the fleet's engines to serve
     async def registered():
@@ -223,7 +256,7 @@ async def test_a_dpo_job_through_the_openai_client_reports_its_rewards(nc, gatew
         their_prefs = await other.files.create(file=f, purpose="fine-tune")
     with pytest.raises(openai.BadRequestError) as e:  # another tenant's fine-tuned model is not one to go on from
         await other.fine_tuning.jobs.create(model=sft.fine_tuned_model, training_file=their_prefs.id, method=dpo)
-    assert e.value.param == "model" and "no adapter named" in e.value.message, e.value.message
+    assert e.value.param == "model" and "fine-tuned model of yours" in e.value.message, e.value.message
     # dpo after sft, as OpenAI's API does it: the fine-tuned model as `model`
     job = await client.fine_tuning.jobs.create(model=sft.fine_tuned_model, training_file=prefs.id, method=dpo)
     assert job.method.type == "dpo" and job.hyperparameters.beta == 0.2 and job.model == sft.fine_tuned_model

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import time
 
 from services.cli import args as args_
-from services.cli.client import EXIT_FAILED, EXIT_OK, run_client, show
+from services.cli.client import EXIT_OK, CommandFailed, run_client, show
 from services.runtime import StartupError
 
 
@@ -43,24 +44,32 @@ async def run_gateway(nc, stop, args) -> None:
 def cmd_keys(args) -> int:
     from services.gateway.keys import KeyStore, new_key
 
+    as_json = getattr(args, "json", False)
+
     async def go(nc) -> int:
         store = await KeyStore.open(nc.jetstream())
         if args.action == "create":
-            key, record = new_key(args.tenant, args.label)
+            try:
+                key, record = new_key(args.tenant, args.label)
+            except ValueError as e:  # a tenant that is no subject token, or a reserved one
+                raise CommandFailed(f"--tenant: {e}") from None
             await store.put(record)
-            print(f"{key}\n(tenant {record.tenant}, id {record.id}; shown once: it is stored hashed)")
+            if as_json:
+                shown = {"key": key, "id": record.id, "tenant": record.tenant, "label": record.label}
+                print(json.dumps(shown | {"created": record.created}))
+            else:
+                print(f"{key}\n(tenant {record.tenant}, id {record.id}; shown once: it is stored hashed)")
         elif args.action == "ls":
             records = sorted(await store.records(), key=lambda r: r.created)
             show(
                 records,
-                args.json,
+                as_json,
                 lambda _: print("\n".join(f"{r.id}\t{r.tenant}\t{time.ctime(r.created)}\t{r.label}" for r in records)),
             )
         elif not await store.delete(args.id):
-            print(f"error: no key with id {args.id}; `jetlora keys ls` lists them")
-            return EXIT_FAILED
+            raise CommandFailed(f"no key with id {args.id}; `jetlora keys ls` lists them")
         else:
-            print(f"deleted key {args.id}")
+            print(json.dumps({"id": args.id, "deleted": True}) if as_json else f"deleted key {args.id}")
         return EXIT_OK
 
     return run_client(args, go)

@@ -9,21 +9,25 @@ import logging
 from aiohttp import web
 
 from schemas import names
-from schemas.gateway import Page
 from services.bus import RequestError
-from services.gateway.errors import TENANT, OpenAIError, error_response, json_response
+from services.gateway.errors import JSON_MAX, TENANT, OpenAIError, error_response, json_response, too_large
+from services.gateway.events import JobEvents
 from services.gateway.files import Files
 from services.gateway.jobs import Jobs
 from services.gateway.keys import KeyStore
+from services.gateway.models import Models
 from services.gateway.openai_map import BaseModel
+from services.gateway.records import JobRecords
+from services.gateway.results import Results
 
 log = logging.getLogger(__name__)
-MAX_UPLOAD = 8 * 2**30  # the artifact service's own limits (--dataset-max-mib) refuse sooner
 
 
 def make_app(
     nc, keys: KeyStore, jobs_kv, models: dict[str, BaseModel], spool_dir: str | None = None
 ) -> web.Application:
+    """Every body is read whole only up to JSON_MAX (client_max_size); an upload is streamed to the spool."""
+
     @web.middleware
     async def openai_errors(request: web.Request, handler):
         try:
@@ -35,21 +39,24 @@ def make_app(
         except RequestError as e:  # a service did not answer: ours, not the client's
             log.warning("%s %s: %s", request.method, request.path, e)
             return error_response(OpenAIError(503, f"{e}", None, "service_unavailable", "server_error"))
+        except web.HTTPRequestEntityTooLarge:
+            return error_response(too_large())
+        except ConnectionResetError:  # the client went away mid-body: nobody reads this, nothing to log loudly
+            log.info("%s %s: the client went away before the body ended", request.method, request.path)
+            return error_response(OpenAIError(400, "the request ended before its body did; send it again"))
         except web.HTTPException as e:
             return error_response(OpenAIError(e.status, e.reason, None, None))
-
-    async def models_list(request: web.Request) -> web.Response:
-        data = [{"id": m.name, "object": "model", "created": 0, "owned_by": "jetlora"} for m in models.values()]
-        return json_response(Page(data=data))
 
     async def healthz(request: web.Request) -> web.Response:
         return json_response({"ok": nc.is_connected})
 
-    app = web.Application(middlewares=[openai_errors], client_max_size=MAX_UPLOAD)
+    records, events = JobRecords(nc.jetstream(), jobs_kv), JobEvents(nc)
+    app = web.Application(middlewares=[openai_errors], client_max_size=JSON_MAX)
     app.add_routes(
-        Files(nc, spool_dir).routes()
-        + Jobs(nc, jobs_kv, models).routes()
-        + [web.get("/v1/models", models_list), web.get("/healthz", healthz)]
+        Files(nc, Results(nc, events, records), spool_dir).routes()
+        + Jobs(nc, records, events, models).routes()
+        + Models(nc, models).routes()
+        + [web.get("/healthz", healthz)]
     )
     return app
 

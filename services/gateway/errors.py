@@ -8,8 +8,10 @@ from aiohttp import web
 from schemas import names
 from schemas.gateway import ApiError, ErrorBody
 from schemas.validate import field_error
+from services.gateway.terms import openai_terms
 
 _encode = msgspec.json.Encoder().encode
+JSON_MAX = 4 * 2**20  # a JSON request's body (a job's settings): the app's limit; uploads are streamed instead
 TENANT = web.RequestKey("tenant", str)  # set from the request's key by the app's middleware, before any handler
 
 
@@ -53,12 +55,34 @@ def error_response(e: OpenAIError) -> web.Response:
     return json_response(ErrorBody(e.error), e.status)
 
 
+def too_large() -> OpenAIError:
+    return OpenAIError(
+        413,
+        f"the request body is over {JSON_MAX // 2**20} MiB, more than any JSON request of this API needs; "
+        "training data goes in a file: upload it with POST /v1/files and name it as training_file",
+        None,
+        "request_too_large",
+    )
+
+
+async def read_json(request: web.Request, cls):
+    """The body as cls, read only up to JSON_MAX: a larger one (declared, or found so while reading) is a 413."""
+    if request.content_length is not None and request.content_length > JSON_MAX:
+        raise too_large()
+    try:
+        data = await request.read()  # the app's client_max_size is JSON_MAX
+    except web.HTTPRequestEntityTooLarge:
+        raise too_large() from None
+    return decode(data, cls)
+
+
 def decode(data: bytes, cls):
     """A request body as cls, or a 400 naming the field msgspec found wrong."""
     try:
         return msgspec.json.decode(data, type=cls)
     except msgspec.ValidationError as e:
         err = field_error(e)
-        raise bad_request(f"{err.field}: {err.reason}" if err.field else err.reason, err.field or None) from None
+        reason = openai_terms(err.reason)
+        raise bad_request(f"{err.field}: {reason}" if err.field else reason, err.field or None) from None
     except msgspec.DecodeError as e:
         raise bad_request(f"the body is not valid JSON ({e}); send a JSON object") from None

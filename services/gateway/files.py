@@ -1,5 +1,7 @@
-"""/v1/files: a tenant's datasets as OpenAI file objects. An upload is spooled to disk as it arrives, then sent
-to the artifact service, which checks every row and stores the file whole or not at all."""
+"""/v1/files: a tenant's datasets as OpenAI file objects, and its succeeded jobs' results files. An upload is
+spooled to disk as it arrives (the only body the gateway takes beyond JSON_MAX), then sent to the artifact
+service, which checks every row and stores the file whole or not at all; the spooled copy is removed however the
+request ends."""
 
 from __future__ import annotations
 
@@ -13,32 +15,47 @@ import aiofiles
 from aiohttp import BodyPartReader, web
 
 from schemas import names
-from schemas.datasets import DatasetDeleted, DatasetInfo, DatasetList, DatasetListQuery, DatasetQuery, DatasetReply
+from schemas.datasets import DatasetDeleted, DatasetInfo, DatasetList, DatasetListQuery, DatasetQuery
 from schemas.datasets import DatasetUpload
-from schemas.gateway import FileObject, Page
+from schemas.gateway import FileObject
 from schemas.jobs import Error
 from services import bus
-from services.gateway.errors import TENANT, is_token, OpenAIError, bad_request, json_response, not_found
+from services.gateway.errors import TENANT, OpenAIError, bad_request, json_response
+from services.gateway.lookups import dataset_info
+from services.gateway.paging import limit_of, page
+from services.gateway.results import Results, is_results_file
+from services.gateway.terms import openai_terms
 
 SPOOL_CHUNK = 1 << 20
+FIELD_MAX = 1024  # a form field other than the file (`purpose`)
 
 
-def epoch(stamp: str) -> int:
+def moment(stamp: str) -> float:
     """An object store's RFC 3339 time (nanoseconds and all) as Unix seconds; 0 when there is none."""
     if not stamp:
-        return 0
-    return int(datetime.fromisoformat(re.sub(r"(\.\d{6})\d+", r"\1", stamp).replace("Z", "+00:00")).timestamp())
+        return 0.0
+    return datetime.fromisoformat(re.sub(r"(\.\d{6})\d+", r"\1", stamp).replace("Z", "+00:00")).timestamp()
 
 
 def file_object(d: DatasetInfo) -> FileObject:
-    return FileObject(id=d.name, bytes=d.size, created_at=epoch(d.created), filename=d.description or d.name)
+    return FileObject(id=d.name, bytes=d.size, created_at=int(moment(d.created)), filename=d.description or d.name)
+
+
+async def small_field(part: BodyPartReader, name: str) -> str:
+    """A form field read whole only while it is small."""
+    data = bytearray()
+    while chunk := await part.read_chunk(FIELD_MAX):
+        data += chunk
+        if len(data) > FIELD_MAX:
+            raise bad_request(f"the form field `{name}` is over {FIELD_MAX} bytes; it takes a short word", name)
+    return data.decode(errors="replace").strip()
 
 
 class Files:
     """The handlers; `tenant` comes from the request's key, never from its body."""
 
-    def __init__(self, nc, spool_dir: str | None = None) -> None:
-        self.nc, self.spool_dir = nc, spool_dir
+    def __init__(self, nc, results: Results, spool_dir: str | None = None) -> None:
+        self.nc, self.results, self.spool_dir = nc, results, spool_dir
 
     def routes(self) -> list[web.RouteDef]:
         return [
@@ -48,16 +65,6 @@ class Files:
             web.delete("/v1/files/{id}", self.delete),
             web.get("/v1/files/{id}/content", self.content),
         ]
-
-    async def info(self, tenant: str, ident: str, param: str | None = None) -> DatasetInfo:
-        if not is_token(ident):
-            raise not_found("file", ident, param)
-        reply = await bus.request(
-            self.nc, names.datasets_api(tenant).show, DatasetQuery(name=ident), DatasetReply | Error
-        )
-        if isinstance(reply, Error):
-            raise not_found("file", ident, param)
-        return reply.dataset
 
     async def create(self, request: web.Request) -> web.Response:
         tenant = request[TENANT]
@@ -70,10 +77,12 @@ class Files:
                 if not isinstance(part, BodyPartReader):
                     raise bad_request("a form field is itself multipart; send `purpose` and `file` as plain fields")
                 if part.name == "purpose":
-                    purpose = (await part.text()).strip()
+                    purpose = await small_field(part, "purpose")
                 elif part.name == "file":
+                    if path is not None:
+                        raise bad_request("the form holds more than one `file`; upload one file a request", "file")
                     filename = part.filename or "upload.jsonl"
-                    path = await self._spool(part)
+                    path = await self._spool(part)  # removes what it wrote if the upload ends before the file
             if purpose != "fine-tune":
                 raise bad_request(
                     f"purpose {purpose!r} is not served here; this API takes purpose 'fine-tune'", "purpose"
@@ -93,36 +102,57 @@ class Files:
             if path is not None:
                 Path(path).unlink(missing_ok=True)
 
-    async def _spool(self, part) -> str:
+    async def _spool(self, part: BodyPartReader) -> str:
         with tempfile.NamedTemporaryFile(
             dir=self.spool_dir, prefix="jetlora-upload-", suffix=".jsonl", delete=False
         ) as f:
             path = f.name
-        async with aiofiles.open(path, "wb") as out:
-            while chunk := await part.read_chunk(SPOOL_CHUNK):
-                await out.write(chunk)
+        try:
+            async with aiofiles.open(path, "wb") as out:
+                while chunk := await part.read_chunk(SPOOL_CHUNK):
+                    await out.write(chunk)
+        except BaseException:  # the client went away mid-file, or the request was cancelled
+            Path(path).unlink(missing_ok=True)
+            raise
         return path
 
     async def list(self, request: web.Request) -> web.Response:
+        """OpenAI's files.list: `order` by creation (desc by default), `limit` (up to 10,000), `after` an id,
+        `purpose`. The tenant's datasets (results files are reached through their jobs' result_files)."""
+        limit, order = limit_of(request, 10_000, most=10_000), request.query.get("order", "desc")
+        if order not in ("asc", "desc"):
+            raise bad_request(f"order must be 'asc' or 'desc', not {order!r}", "order")
         reply = await bus.request(self.nc, names.datasets_api(request[TENANT]).list, DatasetListQuery(), DatasetList)
-        files = sorted((file_object(d) for d in reply.datasets), key=lambda f: -f.created_at)
-        return json_response(
-            Page(data=files, first_id=files[0].id if files else None, last_id=files[-1].id if files else None)
-        )
+        datasets = sorted(reply.datasets, key=lambda d: (moment(d.created), d.name), reverse=order == "desc")
+        wanted = request.query.get("purpose") in (None, "fine-tune")
+        files = [file_object(d) for d in datasets] if wanted else []
+        return json_response(page(files, request.query.get("after"), limit, "file of yours"))
 
     async def retrieve(self, request: web.Request) -> web.Response:
-        return json_response(file_object(await self.info(request[TENANT], request.match_info["id"])))
+        tenant, ident = request[TENANT], request.match_info["id"]
+        if is_results_file(ident):
+            return json_response(await self.results.file(tenant, ident))
+        return json_response(file_object(await dataset_info(self.nc, tenant, ident)))
 
     async def delete(self, request: web.Request) -> web.Response:
         ident = request.match_info["id"]
-        await self.info(request[TENANT], ident)
+        if is_results_file(ident):
+            await self.results.summary(request[TENANT], ident)  # a 404 unless it is the tenant's
+            raise bad_request(
+                "a results file is rendered from its job's events on request and stores nothing; it goes with the job",
+                "file_id",
+            )
+        await dataset_info(self.nc, request[TENANT], ident)
         reply = await bus.request(
             self.nc, names.datasets_api(request[TENANT]).delete, DatasetQuery(name=ident), DatasetDeleted | Error
         )
         if isinstance(reply, Error):  # unfinished jobs train on it
-            raise OpenAIError(409, reply.error, "file_id", "file_in_use")
+            raise OpenAIError(409, openai_terms(reply.error), "file_id", "file_in_use")
         return json_response({"id": ident, "object": "file", "deleted": True})
 
     async def content(self, request: web.Request) -> web.Response:
-        await self.info(request[TENANT], request.match_info["id"])
+        tenant, ident = request[TENANT], request.match_info["id"]
+        if is_results_file(ident):
+            return web.Response(body=await self.results.content(tenant, ident), content_type="text/csv")
+        await dataset_info(self.nc, tenant, ident)
         raise bad_request("Not allowed to download files of purpose: fine-tune.", "file_id", "forbidden_download")

@@ -22,19 +22,8 @@ STATUS = {
     "failed": "failed",
     "cancelled": "cancelled",
 }
+ADAPTER_NAME_MAX = 128  # a subject token's (schemas.jobs.NodeId)
 FINISHED = {"succeeded", "stopped", "failed", "cancelled"}
-FIELD_PARAMS = {  # jetlora's field (a prefix of it) -> OpenAI's parameter
-    "dataset": "training_file",
-    "validation_dataset": "validation_file",
-    "model": "model",
-    "train.seed": "seed",
-    "train.epochs": "hyperparameters.n_epochs",
-    "train.batch_size": "hyperparameters.batch_size",
-    "train.learning_rate": "hyperparameters.learning_rate_multiplier",
-    "train.dpo_beta": "hyperparameters.beta",
-    "register.name": "suffix",
-    "init_adapter": "model",
-}
 
 
 @dataclass(frozen=True)
@@ -55,10 +44,12 @@ def hyperparameters(req: CreateJob) -> tuple[str, Hyperparameters]:
     return method, settings.hyperparameters if settings else (req.hyperparameters or Hyperparameters())
 
 
-def adapter_name(model: str, suffix: str | None, job: str) -> str:
-    """The registered adapter's name (what engines serve): one subject token, like OpenAI's ft:model:suffix:id."""
-    base = "".join(c if c.isalnum() or c in "_-" else "-" for c in model)[:60]
-    return "-".join(p for p in ("ft", base, suffix, job[:8]) if p)
+def adapter_name(model: str, suffix: str | None, unique: str) -> str:
+    """The registered adapter's name (what engines serve), like OpenAI's ft:model:suffix:id: one subject token of
+    at most 128 characters, the model's part shortened to leave room for the whole suffix (up to 64) and `unique`."""
+    base = "".join(c if c.isalnum() or c in "_-" else "-" for c in model)
+    room = ADAPTER_NAME_MAX - len("ft---") - len(suffix or "") - len(unique[:8])
+    return "-".join(p for p in ("ft", base[:room], suffix, unique[:8]) if p)
 
 
 def job_request(
@@ -74,6 +65,8 @@ def job_request(
     if hp.learning_rate_multiplier != "auto":
         train.learning_rate = train.learning_rate * hp.learning_rate_multiplier
     train.seed, train.save_steps = seed, model.save_steps
+    if req.validation_file:  # evaluated at each checkpoint, so each checkpoint has its valid_loss
+        train.eval_steps = model.save_steps
     return JobRequest(
         model=model.name,
         base_dir=model.base_dir,
@@ -100,7 +93,10 @@ def shown_hyperparameters(hp: Hyperparameters, train: TrainConfig | None = None)
     return shown
 
 
-def fine_tuning_job(job: JobSummary, kept: GatewayJob | None) -> FineTuningJob:
+def fine_tuning_job(
+    job: JobSummary, kept: GatewayJob | None, trained_tokens: int | None = None, results: str | None = None
+) -> FineTuningJob:
+    """OpenAI's job object; `trained_tokens` and the `results` file's id are a succeeded job's."""
     status = STATUS[job.state]
     finished = job.state in FINISHED
     out = FineTuningJob(
@@ -120,7 +116,8 @@ def fine_tuning_job(job: JobSummary, kept: GatewayJob | None) -> FineTuningJob:
         out.fine_tuned_model = kept.fine_tuned_model if status == "succeeded" else None
     if status == "failed":
         out.error = ApiError(message=job.message or "the job failed", type="job_failed", code="job_failed")
-    out.result_files = [a.name for a in job.artifacts if a.kind in ("peft", "gguf")]
+    if status == "succeeded":
+        out.trained_tokens, out.result_files = trained_tokens, [results] if results else []
     return out
 
 
@@ -164,9 +161,13 @@ def event_object(entry: EventEntry) -> JobEventObject | None:
 
 
 def checkpoint_object(job: str, adapter: str, c: CheckpointInfo) -> CheckpointObject:
-    metrics = {
-        k: v for k, v in (("step", float(c.step)), ("train_loss", c.loss), ("valid_loss", c.eval_loss)) if v is not None
-    }
+    shown = (
+        ("step", float(c.step)),
+        ("train_loss", c.loss),
+        ("valid_loss", c.eval_loss),
+        ("full_valid_loss", c.eval_loss),
+    )
+    metrics = {k: v for k, v in shown if v is not None}  # jetlora evaluates the whole validation file each time
     return CheckpointObject(
         id=f"ftckpt-{job}-{c.step}",
         created_at=int(c.created),
