@@ -46,6 +46,8 @@ from schemas.registry import (
     AliasRequest,
     NodeAdapterStatus,
     PromoteRequest,
+    References,
+    ReferencesQuery,
     RegisterRequest,
 )
 
@@ -97,6 +99,8 @@ MESSAGES = {
     "AdapterReply": AdapterReply | Error,
     "AdapterList": AdapterList | Error,
     "NodeAdapterStatus": NodeAdapterStatus,
+    "ReferencesQuery": ReferencesQuery,
+    "References": References | Error,
 }
 
 # (address, kind, message, reply, who sends, what it is)
@@ -333,6 +337,14 @@ CHANNELS = [
         "AdapterReply",
         "operators",
         "NAME serves nothing; engines unload it",
+    ),
+    (
+        names.ADAPTERS.references,
+        "request",
+        "ReferencesQuery",
+        "References",
+        "scheduler",
+        "which of these jobs' artifacts registered versions reference: retention keeps those",
     ),
     (
         names.adapter_status("{node}"),

@@ -45,8 +45,9 @@ class Canary(Struct, kw_only=True):
 
     version: Version
     nodes: list[NodeId]
-    deadline: float  # wall clock
+    deadline: float  # the registry's wall clock, as `started`: never an agent's
     started: float = 0.0
+    after: int = 0  # the registry bucket's sequence when the nodes were picked: only reports stored after it count
 
 
 class Alias(Struct, kw_only=True):
@@ -81,8 +82,11 @@ class Smoke(Struct, kw_only=True):
 
 # loaded: the engine answers the version's probe as its trainer did; mismatch: it serves the name, but answers
 # otherwise (another adapter, or none); placed: the files are where the engine reads them, but no engine address
-# was given to load or check them; needs-restart: placed for an engine that must be restarted to serve it
-NodeState = Literal["loading", "loaded", "mismatch", "placed", "needs-restart", "failed", "unloaded"]
+# was given to load or check them; needs-restart: placed for an engine that must be restarted to serve it;
+# unloaded: retired, or (its message says so) still promoted but unloaded to keep the engine under its
+# --engine-max-adapters; on-demand: the same for vLLM's filesystem resolver, whose files stay placed, so vLLM loads it
+# again at its next request (unverified until then)
+NodeState = Literal["loading", "loaded", "mismatch", "placed", "needs-restart", "failed", "unloaded", "on-demand"]
 
 
 class NodeAdapterStatus(Struct, kw_only=True):
@@ -95,7 +99,8 @@ class NodeAdapterStatus(Struct, kw_only=True):
     state: NodeState
     message: str = ""
     smoke: Smoke | None = None
-    updated: float = 0.0
+    updated: float = 0.0  # the agent's clock: for people to read, never for the registry to decide by
+    seq: int = 0  # the registry's: the bucket sequence the report was stored at (0 as agents send it)
 
 
 # --- requests -------------------------------------------------------------------------------------
@@ -175,3 +180,21 @@ class AdapterReply(Struct, tag="adapter", tag_field="type", kw_only=True):
 
 class AdapterList(Struct, tag="adapters", tag_field="type", kw_only=True):
     adapters: list[AdapterReply]
+
+
+class ReferencesQuery(Struct, forbid_unknown_fields=True, kw_only=True):
+    """Which of these jobs' artifacts do registered versions reference (what retention must keep)?"""
+
+    jobs: Annotated[list[JobId], Meta(max_length=1000)]
+
+
+class JobReferences(Struct, kw_only=True):
+    job: JobId
+    versions: list[str]  # NAME@N of every version made of the job's artifacts
+    artifacts: list[str]  # the object-store names those versions reference (`<job>/peft`, `<job>/gguf`)
+
+
+class References(Struct, tag="references", tag_field="type", kw_only=True):
+    """The asked jobs that registered versions reference; a job not listed is referenced by none."""
+
+    jobs: list[JobReferences]

@@ -95,8 +95,10 @@ async def test_a_finished_job_leaves_memory_and_is_still_answered_also_after_a_t
 
 async def test_retention_removes_an_expired_job_and_keeps_a_live_one(nc, services):
     from services.artifacts.service import ArtifactService
+    from services.registry.service import RegistryService
 
     await services.start(lambda c: ArtifactService(c))
+    await services.start(lambda c: RegistryService(c))  # which artifacts its versions reference: none here
     sched = await lead(
         services, finished_in_memory_s=0.0, retention_s=1.0, sweep_interval_s=0.2, retention_artifacts=True
     )

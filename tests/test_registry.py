@@ -27,7 +27,7 @@ from schemas.registry import (
 )
 from services import bus
 from services.registry.store import AdapterRegistry
-from tests.conftest import ROOT, submit, wait_for, wait_nodes, wait_state
+from tests.conftest import ROOT, beating, submit, wait_for, wait_nodes, wait_state
 from tests.qa import pairs
 
 
@@ -252,9 +252,15 @@ async def test_a_llama_cpp_engine_serves_one_name_and_a_retire_asks_for_its_rest
 
 
 async def test_a_canary_moves_a_few_nodes_first_and_the_registry_finishes_or_rolls_it_back(stack, nc):
-    """The registry decides each canary from what its nodes report (written here as the nodes' agents write them):
-    all verified -> every node; a mismatch on one -> rolled back with the reason; silence past the deadline -> the
-    same. Without a verified node there is nothing to try a canary beside."""
+    """The registry decides each canary from what its nodes report (written here as the nodes' agents write them,
+    and the nodes' heartbeats sent as theirs): all verified -> every node; a mismatch on one -> rolled back with
+    the reason; silence past the deadline -> the same. Without a verified node there is nothing to try a canary
+    beside."""
+    async with beating(nc, "n1", "n2", "n3"):
+        await canaries(stack, nc)
+
+
+async def canaries(stack, nc) -> None:
     from schemas.registry import NodeAdapterStatus
 
     registry = AdapterRegistry(await nc.jetstream().key_value(names.ADAPTERS_KV))
@@ -297,7 +303,7 @@ async def test_a_canary_moves_a_few_nodes_first_and_the_registry_finishes_or_rol
     refused = await promote(2, canary="1")
     assert isinstance(refused, Error) and refused.field == "canary" and "no node serves" in refused.error, refused
     await report(1, "loaded", "n1", "n2", "n3")
-    assert "is all of them" in (await promote(2, canary="3")).error
+    await wait_for(lambda: all_heard(promote), what="the registry to hear the three nodes")
 
     started = await promote(2, canary="1")  # n1 first
     assert started.alias.canary.nodes == ["n1"] and started.alias.current == 1
@@ -329,6 +335,11 @@ async def test_a_canary_moves_a_few_nodes_first_and_the_registry_finishes_or_rol
     await wait_for(lambda: alias_is(alias, current=1, canary=None), timeout=20, what="the deadline to roll it back")
     last = (await alias()).last_rollout
     assert "not verified within 1s" in last and "n1 loaded" not in last, last
+
+
+async def all_heard(promote) -> bool:
+    """Whether a canary of all three nodes is refused as all of them (not as some not live)."""
+    return "of the 3 nodes serving canaried is all of them" in (await promote(2, canary="3")).error
 
 
 async def alias_is(alias, **want) -> bool:

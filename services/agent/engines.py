@@ -31,6 +31,7 @@ class Engine:
         default_factory=lambda: {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}
     )
     restart: str = ""  # llama.cpp: a shell command that restarts the server with the placed adapters
+    max_adapters: int = 0  # vLLM: the most adapter names loaded at once, the least recently used unloaded (0: any)
 
     @property
     def label(self) -> str:

@@ -2,7 +2,8 @@
 adapter once per sha256, check it, load it, verify the engine answers as the adapter's trainer did, report how
 that went; unload what is retired. And keep checking: an engine that restarted, or lost an adapter, gets it back.
 
-A version registered for a name the node serves is fetched ahead of its promotion (staging.py).
+A version registered for a name the node serves is fetched ahead of its promotion (staging.py); an engine with a
+cap on the names it keeps loaded unloads the least recently used past it (engine_cap.py).
 What was loaded is remembered on disk (served_state.py), so an agent that restarts converges without loading
 anything twice (and the checks find what an engine lost meanwhile). Nothing here waits on an engine or the disk on
 the event loop (it also sends the node's heartbeats): engines are asked through aiohttp (engine_http.py), files are
@@ -13,7 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import shutil
 import time
 from pathlib import Path
 
@@ -24,11 +24,12 @@ from schemas import names
 from schemas.registry import Alias, AdapterVersion, NodeAdapterStatus, NodeState, Smoke, StoredFile
 from services.agent import llamacpp, vllm
 from services.agent.adapter_cache import AdapterCache
+from services.agent.adapter_files import download
+from services.agent.engine_cap import EngineCap
 from services.agent.engine_http import EngineHttp
 from services.agent.engines import Engine, answering, verify
 from services.agent.served_state import ServedState
 from services.agent.staging import Stager
-from services.artifacts.download import fetch_object, fetch_small, safe_extract
 from services.aio import cancel_and_wait, sleep_unless_stopped
 from services.registry.store import AdapterRegistry
 
@@ -67,6 +68,7 @@ class Rollout:
         self.stager = Stager(self) if stage else None
         self.cache = AdapterCache(self.root, cache_bytes)
         self.http = EngineHttp()  # every engine call of the rollout; closed when run() ends
+        self.cap = EngineCap(self)  # --engine-max-adapters: the least recently used names unloaded past it
 
     async def run(self, stop: asyncio.Event) -> None:
         """Follow the aliases until `stop`, and check what each engine really serves; a watch the server breaks (a
@@ -119,10 +121,11 @@ class Rollout:
                 except Exception as e:
                     log.warning("engine %s could not be started: %s", engine.label, e)
 
-    async def converge(self, alias: Alias, again: bool = False) -> None:
-        """Each engine of this node serves the alias's version for this node (the canary's on a canary node, else
-        the current one) under alias.name, or nothing once retired. again: load it even where it was loaded
-        before (the engine lost it)."""
+    async def converge(self, alias: Alias, again: bool = False, engine: Engine | None = None) -> None:
+        """Each engine of this node (or just `engine`) serves the alias's version for this node (the canary's on a
+        canary node, else the current one) under alias.name, or nothing once retired; then the engines are kept
+        within their caps (engine_cap.py). again: load it even where it was loaded (or parked) before (the engine
+        lost it; its cap has room again)."""
         self.aliases[alias.name] = alias
         version = None
         if (target := alias.serving(self.node)) is not None:
@@ -131,48 +134,54 @@ class Rollout:
             if version is not None:
                 self.versions[key] = version
         async with self.locks.setdefault(alias.name, asyncio.Lock()):
-            for engine in self.engines:
+            for each in [engine] if engine else self.engines:
                 try:
-                    await self._converge_engine(engine, alias, version, again)
+                    await self._converge_engine(each, alias, version, again)
                 except Exception as e:
-                    log.warning("rollout of %s on %s failed: %s", alias.name, engine.label, e)
+                    log.warning("rollout of %s on %s failed: %s", alias.name, each.label, e)
                     if version is not None:
-                        await self._report(engine, version.name, version.version, "failed", str(e))
-            await self._trim()  # what the engines served before may be unused now
+                        await self.report(each, version.name, version.version, "failed", str(e))
+        if engine is None:  # (a reload into a cap's room is the cap's own)
+            await self.cap.enforce()
+        await self._trim()  # what the engines served before may be unused now
 
     async def _converge_engine(
         self, engine: Engine, alias: Alias, version: AdapterVersion | None, again: bool = False
     ) -> None:
         have = self.served.of(engine.label).get(alias.name)
+        parked = self.served.parked(engine.label).get(alias.name)
         if version is None:
-            if have:
+            if had := have or parked:
                 state, message = await driver(engine).unload(engine, alias.name, http=self.http)
                 await self.served.remember(engine.label, alias.name, None)
-                await self._report(engine, alias.name, have[0], state, message)
+                await self.report(engine, alias.name, had[0], state, message)
             return
         if version.base_model != engine.model:
             return  # another base model's adapter: for other engines
         if refusal := engine.refusal(version):
-            await self._report(engine, version.name, version.version, "failed", f"refused: {refusal}")
+            await self.report(engine, version.name, version.version, "failed", f"refused: {refusal}")
             return
         file = engine.needs(version)
         if have == [version.version, file.sha256] and not again:  # loaded before (this run or an earlier one)
             log.info("adapter %s@%d is served by %s already", version.name, version.version, engine.label)
             return
+        if parked == [version.version, file.sha256] and not again:
+            return  # unloaded to keep the engine within its cap: back when promoted anew, or there is room
         gguf = engine.kind == "llamacpp"
         staged = await asyncio.to_thread(self._local(file, gguf).exists)
-        await self._report(
+        await self.report(
             engine, version.name, version.version, "loading", f"{'staged' if staged else 'fetching'} {file.name}"
         )
         with self.cache.holding(file.sha256):  # not evicted between its fetch and the engine's load
             local = await self.fetch(file, gguf)
             state, message = await driver(engine).load(engine, version.name, local, http=self.http)
             await self.served.remember(engine.label, version.name, [version.version, file.sha256])
+            self.cap.used(engine, version.name)
         checked = None
         if state == "loaded" and engine.url:
             state, said, checked = await self._verify(engine, version, file.sha256)
             message = f"{message}; {said}"
-        await self._report(engine, version.name, version.version, state, message, checked)
+        await self.report(engine, version.name, version.version, state, message, checked)
 
     async def _verify(self, engine: Engine, version: AdapterVersion, sha256: str) -> tuple[NodeState, str, Smoke]:
         """`loaded` only if the engine answers the version's probe as its trainer did (and vLLM's runtime API says
@@ -191,7 +200,8 @@ class Rollout:
     # --- what the engines really serve ------------------------------------------------------------
     async def _check_engines(self, stop: asyncio.Event) -> None:
         """Every check_interval: an engine that lost an adapter it should serve (it restarted; someone unloaded it)
-        gets it back, and one that comes back after not answering is checked against each adapter's probe."""
+        gets it back, and one that comes back after not answering is checked against each adapter's probe; then
+        each engine's requests say which adapters were used, and a capped one is kept within its cap."""
         while not await sleep_unless_stopped(stop, self.check_interval):
             for engine in self.engines:
                 if engine.url:
@@ -204,6 +214,7 @@ class Rollout:
                             type(e).__name__,
                             e,
                         )
+            await self.cap.enforce()
 
     async def check_engine(self, engine: Engine) -> None:
         serves = await driver(engine).served(engine, http=self.http)  # None: no answer, or it cannot say
@@ -256,7 +267,7 @@ class Rollout:
             await self.cache.settled(file.sha256)
             if await asyncio.to_thread(self.cache.present, file.sha256, target):
                 return target
-            await self._download(file, gguf, target)
+            await download(self.js, file, gguf, target)
             await self._trim(fetched=file.sha256)
         return target
 
@@ -268,32 +279,10 @@ class Rollout:
         except OSError as e:  # the rollout goes on; the next fetch or rollout trims again
             log.warning("adapter cache: could not trim %s to its budget: %s", self.root, e)
 
-    async def _download(self, file: StoredFile, gguf: bool, target: Path) -> None:
-        """Fetched and checked against the registry's sha256, beside its place and renamed into it whole, so a
-        crash or a full disk half way leaves nothing that looks fetched."""
-        if not gguf:  # an adapter directory small enough to unpack from memory, in one thread hop
-            try:
-                data = await fetch_small(self.js, names.ARTIFACTS_BUCKET, file.name, file.sha256)
-            except Exception as e:
-                raise RuntimeError(f"refused {file.name}: {e}") from None
-            if data is not None:
-                await asyncio.to_thread(_unpack, data, target)
-                return
-        download = target.parent / ("adapter.gguf.part" if gguf else "peft.tar.gz")
-        try:
-            await fetch_object(self.js, names.ARTIFACTS_BUCKET, file.name, download, file.sha256)  # corrupted: refused
-        except Exception as e:
-            raise RuntimeError(f"refused {file.name}: {e}") from None
-        if gguf:
-            await asyncio.to_thread(download.replace, target)
-            return
-        await asyncio.to_thread(_unpack, download, target)
-        await asyncio.to_thread(download.unlink)
-
     def _local(self, file: StoredFile, gguf: bool) -> Path:
         return self.root / file.sha256 / ("adapter.gguf" if gguf else "peft")
 
-    async def _report(
+    async def report(
         self, engine: Engine, name: str, version: int, state: NodeState, message: str, checked=None
     ) -> None:
         status = NodeAdapterStatus(
@@ -328,12 +317,3 @@ async def _keep(stop: asyncio.Event, what: str, work) -> None:
             log.warning("rollout: %s failed (%s: %s); trying again in %.1fs", what, type(e).__name__, e, pause)
             await sleep_unless_stopped(stop, pause)
             pause = min(pause * 2, 30.0)
-
-
-def _unpack(archive: Path | bytes, target: Path) -> None:
-    """Extract beside the target and rename it into place whole: a crash or a full disk half way leaves nothing
-    that looks fetched."""
-    partial = target.with_name(f"{target.name}.partial")
-    shutil.rmtree(partial, True)  # what an earlier crash left
-    safe_extract(archive, partial)
-    partial.replace(target)

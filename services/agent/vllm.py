@@ -6,19 +6,26 @@ a swap; a vLLM that predates it gets unload then load, and the agent says the sw
 asked only about names vLLM does not know, and it loads a directory only if its adapter_config.json's
 `base_model_name_or_path` equals vLLM's own `--model` (model_config.model, what /v1/models reports as the base
 model's `root`): so a placed version is made known by unloading the name (the next request resolves it again),
-and the agent writes that root into the config."""
+and the agent writes that root into the config.
+
+Past an engine's cap (engine_cap.py) a name is parked: unloaded, its resolver directory left placed; which adapters
+requests use is read from vLLM's /metrics (`vllm:lora_requests_info`)."""
 
 from __future__ import annotations
 
 import asyncio
+import re
 from pathlib import Path
 
 from schemas.registry import NodeState
 from services.agent.engine_http import EngineHttp
+from services.agent.engine_load import fetch_text
 from services.agent.engines import Engine, EngineError, get_json, post_json
 from services.agent.placing import place, placed, remove
 
 NEEDS = "it needs VLLM_ALLOW_RUNTIME_LORA_UPDATING=True and --enable-lora"
+LORA_INFO = "vllm:lora_requests_info"
+_LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
 
 
 async def models(engine: Engine, *, http: EngineHttp) -> list[dict] | None:
@@ -103,6 +110,51 @@ async def unload(engine: Engine, name: str, *, http: EngineHttp) -> tuple[NodeSt
         if code != 200:
             raise EngineError(f"vLLM refused to unload it ({code}: {text[:300]})")
     return "unloaded", said + "unloaded through vLLM's /v1/unload_lora_adapter"
+
+
+async def park(engine: Engine, name: str, *, http: EngineHttp) -> tuple[NodeState, str]:
+    """Unload `name` from vLLM to make room, still promoted: the runtime API forgets it (`unloaded`); for the
+    filesystem resolver its directory stays placed, so vLLM loads it again at its next request (`on-demand`)."""
+    if name in (await served(engine, http=http) or {}):
+        code, text = await post_json(f"{engine.url}/v1/unload_lora_adapter", {"lora_name": name}, http=http)
+        if code != 200 and code != 404:
+            raise EngineError(f"vLLM refused to unload it ({code}: {text[:300]})")
+    if engine.kind == "vllm-dir":
+        return "on-demand", (
+            f"unloaded from vLLM, left placed in {placed(engine, name)}: vLLM loads it again at its next request "
+            "(unverified until then)"
+        )
+    return "unloaded", "unloaded through vLLM's /v1/unload_lora_adapter, loaded again when there is room"
+
+
+async def in_flight(engine: Engine, *, http: EngineHttp) -> set[str] | None:
+    """The adapters vLLM's newest `vllm:lora_requests_info` shows in running or waiting requests; None when its
+    metrics cannot be read or have no such series (LoRA off, or no request yet)."""
+    try:
+        text = await fetch_text(f"{engine.url}/metrics", 2.0, http=http)
+    except OSError:
+        return None
+    return lora_in_flight(text)
+
+
+def lora_in_flight(metrics: str) -> set[str] | None:
+    """From a /metrics page: the series of vllm:lora_requests_info with the newest value (a wall-clock time: vLLM
+    keeps a series per label set it ever had), its running and waiting adapters' names."""
+    newest: tuple[float, dict[str, str]] | None = None
+    for line in metrics.splitlines():
+        if not line.startswith(LORA_INFO + "{"):
+            continue
+        labels, _, value = line[len(LORA_INFO) + 1 :].rpartition("}")
+        try:
+            at = float(value.split()[0])
+        except (ValueError, IndexError):
+            continue
+        if newest is None or at > newest[0]:
+            newest = at, dict(_LABEL.findall(labels))
+    if newest is None:
+        return None
+    lists = (newest[1].get("running_lora_adapters", ""), newest[1].get("waiting_lora_adapters", ""))
+    return {name.strip() for names in lists for name in names.split(",") if name.strip()}
 
 
 async def _place_for_resolver(

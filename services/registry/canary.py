@@ -1,5 +1,10 @@
-"""Canary rollouts: a promote moves the name on a few of the nodes serving it first, and the registry finishes it
-(every node) or rolls it back by itself, from what those nodes report."""
+"""Canary rollouts: a promote moves the name on a few of the live nodes serving it first, and the registry finishes
+it (every node) or rolls it back by itself, from what those nodes report.
+
+One clock decides: the registry's. A report counts for a canary only if the bucket stored it after the canary's
+nodes were picked (its sequence, `seq`, is above the canary's `after`), never by a time an agent wrote; the deadline
+is the registry's wall clock. A report counts for the node its key names (node.<name>.<node>: the registry's view
+leaves out one whose payload names another)."""
 
 from __future__ import annotations
 
@@ -19,14 +24,21 @@ CHECK_S = 0.5
 BAD = ("failed", "mismatch")
 
 
-def pick(reply: AdapterReply, spec: str, version: int, deadline_s: float) -> Canary:
-    """The canary nodes: the first `spec` (N, or N%) of the nodes that serve the name now, by name."""
+def pick(reply: AdapterReply, spec: str, version: int, deadline_s: float, live, after: int) -> Canary:
+    """The canary nodes: the first `spec` (N, or N%) of the live nodes (`live(node)`) that serve the name now, by
+    name; `after`: the bucket's sequence before the registry read `reply`."""
     alias = reply.alias
-    serving = sorted({n.node for n in reply.nodes if n.version == alias.current and n.state == "loaded"})
-    if not serving:
+    verified = sorted({n.node for n in reply.nodes if n.version == alias.current and n.state == "loaded"})
+    if not verified:
         raise RegistryError(
             f"no node serves {alias.name} verified yet (`loaded`), so there is nothing to try "
             f"{alias.name}@{version} beside: promote it without --canary"
+        )
+    serving = [node for node in verified if live(node)]
+    if not serving:
+        raise RegistryError(
+            f"no node that serves {alias.name} verified is live (the registry hears no heartbeats from "
+            f"{', '.join(verified)}): promote it without --canary, or when they are back"
         )
     count = math.ceil(len(serving) * int(spec[:-1]) / 100) if spec.endswith("%") else int(spec)
     if count >= len(serving):
@@ -35,7 +47,7 @@ def pick(reply: AdapterReply, spec: str, version: int, deadline_s: float) -> Can
             "ask for fewer, or promote without --canary"
         )
     now = time.time()
-    return Canary(version=version, nodes=serving[: max(1, count)], deadline=now + deadline_s, started=now)
+    return Canary(version=version, nodes=serving[: max(1, count)], deadline=now + deadline_s, started=now, after=after)
 
 
 def outcome(alias: Alias, nodes: list[NodeAdapterStatus], now: float) -> tuple[bool, str] | None:
@@ -44,8 +56,8 @@ def outcome(alias: Alias, nodes: list[NodeAdapterStatus], now: float) -> tuple[b
     assert canary is not None
     on = {
         n.node: n
-        for n in nodes  # what each canary node said of this version since the canary began
-        if n.node in canary.nodes and n.version == canary.version and n.updated >= canary.started
+        for n in nodes  # what each canary node said of this version, stored since the canary began
+        if n.node in canary.nodes and n.version == canary.version and n.seq > canary.after
     }
     for node in canary.nodes:
         if node in on and on[node].state in BAD:

@@ -21,12 +21,15 @@ from schemas.registry import (
     Alias,
     AliasRequest,
     PromoteRequest,
+    References,
+    ReferencesQuery,
     RegisterRequest,
     StoredFile,
 )
 from services import __version__, bus
 from services.aio import cancel_and_wait
 from services.registry import canary
+from services.registry.nodes import DEPARTED_S, SWEEP_S, NodeLiveness
 from services.registry.store import AdapterRegistry, RegistryError, registry_view
 from services.scheduler.store import JobStore
 
@@ -103,20 +106,25 @@ def _retired(alias: Alias) -> Alias:
 class RegistryService:
     """Answers jetlora.adapters.*. Any number may run: every change is a compare-and-set on the bucket."""
 
-    def __init__(self, nc: Client) -> None:
+    def __init__(self, nc: Client, departed_s: float = DEPARTED_S, sweep_s: float = SWEEP_S) -> None:
+        """departed_s: a node not heard this long has left, and its statuses are removed (looked for every
+        sweep_s: nodes.py)."""
         self.nc, self.js = nc, nc.jetstream()
+        self.departed_s, self.sweep_s = departed_s, sweep_s
         self.ready = asyncio.Event()
 
     async def run(self, stop: asyncio.Event) -> None:
         view = registry_view(self.js)
-        self.registry = AdapterRegistry(await self.js.key_value(names.ADAPTERS_KV), view)
+        self.registry = AdapterRegistry(await self.js.key_value(names.ADAPTERS_KV), view, self.js)
         self.jobs = JobStore(self.js, await self.js.key_value(names.JOBS_KV))
+        self.nodes = NodeLiveness(self.nc, self.registry, self.departed_s, self.sweep_s)
         following = asyncio.create_task(view.run(stop), name="registry-view")
         guarding = asyncio.create_task(canary.guard(self.registry, stop), name="canaries")
+        hearing = asyncio.create_task(self.nodes.run(stop), name="registry-nodes")
         try:
             await self._serve(stop)
         finally:
-            await cancel_and_wait([following, guarding])
+            await cancel_and_wait([following, guarding, hearing])
 
     async def _serve(self, stop: asyncio.Event) -> None:
         service = await nats.micro.add_service(
@@ -130,6 +138,7 @@ class RegistryService:
             ("promote", PromoteRequest, self._promote),
             ("rollback", AliasRequest, self._rollback),
             ("retire", AliasRequest, self._retire),
+            ("references", ReferencesQuery, self._references),
         ):
             await bus.add_endpoint(group, f"adapters-{verb}", bus.handler(serve, request_type), verb)
         self.ready.set()
@@ -177,11 +186,12 @@ class RegistryService:
             )
         if q.canary is None:
             return await self._change(q.name, lambda a: _promoted(a, q.version), q)
+        after = await self.registry.newest_seq()  # reports stored after this count for the canary
         reply = await self._reply(q.name)
         if isinstance(reply, Error):
             return reply
         try:
-            trial = canary.pick(reply, q.canary, q.version, q.canary_deadline_s)
+            trial = canary.pick(reply, q.canary, q.version, q.canary_deadline_s, self.nodes.live, after)
         except RegistryError as e:
             return Error(str(e), field="canary")
         return await self._change(q.name, lambda a: msgspec.structs.replace(a, canary=trial, retired=False), q)
@@ -191,3 +201,6 @@ class RegistryService:
 
     async def _retire(self, q: AliasRequest) -> AdapterReply | Error:
         return await self._change(q.name, _retired, q)
+
+    async def _references(self, q: ReferencesQuery) -> References:
+        return References(jobs=await self.registry.references(q.jobs))

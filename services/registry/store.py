@@ -4,14 +4,17 @@ changes only by compare-and-set on the revision it was read at, so concurrent ch
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 
 import msgspec
-from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError
+from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError, NotFoundError
 
 from schemas import names
-from schemas.registry import AdapterReply, AdapterVersion, Alias, NodeAdapterStatus
-from services.streamview import LatestView, kv_view
+from schemas.registry import AdapterReply, AdapterVersion, Alias, JobReferences, NodeAdapterStatus
+from services.streamview import KV_OPERATION, LatestView
+
+log = logging.getLogger(__name__)
 
 _version = msgspec.json.Decoder(AdapterVersion)
 _alias = msgspec.json.Decoder(Alias)
@@ -48,22 +51,50 @@ def adapter_subjects(name: str) -> list[str]:
 
 def registry_view(js) -> LatestView:
     """Every alias, version and node status of the registry, decoded, kept current by one consumer and indexed by
-    adapter name, so that one adapter is read without walking (or asking the stream about) the others."""
-    return kv_view(
+    adapter name, so that one adapter is read without walking (or asking the stream about) the others. A node
+    status carries the bucket sequence it was stored at (`seq`), and one whose payload names another adapter or
+    node than its key is left out: the key is what a node's permissions let it write (`node.*.<node>`)."""
+    store = names.kv(names.ADAPTERS_KV)
+
+    def value(key: str, msg) -> object | None:
+        if (msg.headers or {}).get(KV_OPERATION) in ("DEL", "PURGE") or not msg.data:
+            return None
+        kind = key.partition(".")[0]
+        decoded = _decoders[kind].decode(msg.data)
+        return _as_stored(key, decoded, msg.metadata.sequence.stream) if kind == "node" else decoded
+
+    return LatestView(
         js,
-        names.ADAPTERS_KV,
-        lambda key, data: _decoders[key.partition(".")[0]].decode(data),
+        store.stream,
+        store.subjects,
+        value,
+        key=lambda subject: subject.removeprefix(store.prefix),
         group=adapter_of,
         group_subjects=adapter_subjects,
     )
+
+
+def _as_stored(key: str, status: NodeAdapterStatus, seq: int) -> NodeAdapterStatus | None:
+    """The status as the registry counts it: stamped with its sequence, or None when it speaks for another key."""
+    _, name, node = key.split(".", 2)
+    if status.name != name or status.node != node:
+        log.warning(
+            "registry: %s holds a status of %s on node %s, not its own; it is not counted (an agent reports "
+            "only under node.<name>.<its node>)",
+            key,
+            status.name,
+            status.node,
+        )
+        return None
+    return msgspec.structs.replace(status, seq=seq)
 
 
 class AdapterRegistry:
     """Reads one key by a direct lookup; reads that span keys (aliases, versions, node statuses) come from `view`,
     which only a service that answers them runs (the registry service)."""
 
-    def __init__(self, kv, view: LatestView | None = None) -> None:
-        self.kv, self.view = kv, view
+    def __init__(self, kv, view: LatestView | None = None, js=None) -> None:
+        self.kv, self.view, self.js = kv, view, js  # js: the registry service's, for what a KV handle cannot do
 
     # --- reading ---------------------------------------------------------------------------------
     async def alias(self, name: str) -> tuple[Alias | None, int]:
@@ -104,6 +135,29 @@ class AdapterRegistry:
             )
             for name, alias in sorted(aliases.items())
         }
+
+    async def references(self, jobs: list[str]) -> list[JobReferences]:
+        """The versions, and their artifacts, made of each of `jobs` (those no version is made of are left out)."""
+        if self.view is None:
+            raise RuntimeError("this AdapterRegistry has no view: only the registry service reads references")
+        wanted = set(jobs)
+        found: dict[str, JobReferences] = {}
+        for key, value in (await self.view.snapshot()).items():
+            if key.startswith("version.") and value.job in wanted:
+                ref = found.setdefault(value.job, JobReferences(job=value.job, versions=[], artifacts=[]))
+                ref.versions.append(f"{value.name}@{value.version}")
+                ref.artifacts += [
+                    f.name for f in (value.peft, value.gguf) if f is not None and f.name not in ref.artifacts
+                ]
+        return [found[job] for job in sorted(found)]
+
+    async def newest_seq(self) -> int:
+        """The bucket's newest stream sequence (0: empty): what a canary counts reports after."""
+        store = names.kv(names.ADAPTERS_KV)
+        try:
+            return (await self.js.get_msg(store.stream, subject=store.subjects)).seq or 0
+        except NotFoundError:
+            return 0
 
     # --- writing ---------------------------------------------------------------------------------
     async def add_version(self, draft: AdapterVersion, tenant: str | None = None) -> AdapterVersion:
@@ -171,6 +225,22 @@ class AdapterRegistry:
 
     async def put_node_status(self, status: NodeAdapterStatus) -> None:
         await self.kv.put(names.adapter_node_key(status.name, status.node), _enc.encode(status))
+
+    async def forget_node_status(self, key: str) -> int:
+        """Remove a node status with every revision of it (a purge: views drop the key); returns the sequence of
+        the purge marker the bucket keeps in its place, for drop_marker."""
+        store = names.kv(names.ADAPTERS_KV)
+        ack = await self.js.publish(store.prefix + key, b"", headers={KV_OPERATION: "PURGE", "Nats-Rollup": "sub"})
+        return ack.seq
+
+    async def drop_marker(self, key: str, seq: int) -> bool:
+        """Remove the purge marker at `seq` (and nothing written to the key after it), once the bucket holds a newer
+        message: a view checks that the stream's newest message never goes back. False: not yet."""
+        store = names.kv(names.ADAPTERS_KV)
+        if await self.newest_seq() <= seq:
+            return False
+        await self.js.purge_stream(store.stream, subject=store.prefix + key, seq=seq + 1)
+        return True
 
 
 def _at(alias: Alias | None) -> str:
