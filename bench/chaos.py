@@ -53,7 +53,9 @@ class Chaos:
         rng, stack = self.rng, self.stack
         name = rng.choice([*SCHEDULERS, *AGENTS, "artifacts"])
         seconds = round(rng.uniform(1.0, 8.0), 1)
-        kind = rng.choice(["freeze", "blackhole", "drop writes", "delay writes", "reset", "kill"] + ["server"] * self.cluster)
+        kind = rng.choice(
+            ["freeze", "blackhole", "drop writes", "delay writes", "reset", "kill"] + ["server"] * self.cluster
+        )
         if kind == "freeze":
             await stack.stall_for(name, seconds)
         elif kind == "blackhole":
@@ -136,7 +138,9 @@ async def main(args) -> int:
         await nc.close()
     violations = left + watch.violations + overlaps
     print(f"\n{args.minutes:g} minutes, {'3-server cluster' if args.cluster else 'one server'}, seed {args.seed}")
-    print(f"faults injected: {sum(chaos.injected.values())} ({', '.join(f'{k} {v}' for k, v in chaos.injected.items())})")
+    print(
+        f"faults injected: {sum(chaos.injected.values())} ({', '.join(f'{k} {v}' for k, v in chaos.injected.items())})"
+    )
     print(f"jobs submitted: {counts['submitted']}, accepted: {len(accepted)}, unanswered: {counts['unanswered']}")
     print(f"status writes seen: {watch.writes}")
     print(f"violations: {len(violations)}")

@@ -192,7 +192,21 @@ async def main(n_nodes: int, n_jobs: int, doomed: int, interval: float, misses: 
             await asyncio.sleep(0.5)
         spy = (
             subprocess.Popen(
-                ["py-spy", "record", "-p", str(sched.pid), "-o", PROFILE, "-f", "raw", "-r", "200", "-d", "60", "--idle"],
+                [
+                    "py-spy",
+                    "record",
+                    "-p",
+                    str(sched.pid),
+                    "-o",
+                    PROFILE,
+                    "-f",
+                    "raw",
+                    "-r",
+                    "200",
+                    "-d",
+                    "60",
+                    "--idle",
+                ],
                 stdout=subprocess.DEVNULL,
                 stderr=subprocess.DEVNULL,
             )

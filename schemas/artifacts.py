@@ -52,6 +52,8 @@ class ChunkAck(Struct, kw_only=True):
     ok: bool
     error: str = ""
     stored: "ArtifactInfo | None" = None  # on the last chunk's ack
+    retry: bool = False  # the upload failed on the service's side (it restarted, lost a chunk, its store erred):
+    # sent again from chunk 0 it may pass; without it, a failure is a refusal that the same upload meets again
 
 
 class ArtifactInfo(Struct, kw_only=True):

@@ -10,6 +10,7 @@ from typing import Annotated, Literal
 
 from msgspec import Meta, Struct, field
 
+from schemas import names
 from schemas.jobs import DatasetName, DatasetRef, TenantId  # noqa: F401 (a job names its data with a DatasetRef)
 
 DatasetFormat = Literal["qa", "chat", "alpaca", "text", "preference"]
@@ -112,6 +113,22 @@ class DatasetInfo(Struct, kw_only=True):
 
 
 # --- the upload: chunk messages, as artifacts travel ----------------------------------------------
+VERBS = frozenset(names.DatasetsApi._fields)  # a dataset of one of these names would upload on a request's subject
+
+
+def check_new_name(name: str) -> str:
+    """A new dataset's name (the service, `jetlora datasets put` and the gateway's uploads all check it): one
+    subject token, and none of the datasets API's verbs (an admin's upload of `list`, jetlora.datasets.upload.list,
+    would also be the request jetlora.datasets.<tenant>.list). ValueError names the field and the fix."""
+    names.check_token(name, "dataset name")
+    if name in VERBS:
+        raise ValueError(
+            f"dataset name {name!r} is one of the datasets API's verbs ({', '.join(sorted(VERBS))}): its upload "
+            "would travel on that request's subject; choose another name"
+        )
+    return name
+
+
 class DatasetUpload(Struct, forbid_unknown_fields=True, kw_only=True):
     """What the first chunk says about the file."""
 
@@ -140,6 +157,7 @@ class DatasetChunkAck(Struct, kw_only=True):
     ok: bool
     error: str = ""
     stored: DatasetInfo | None = None  # on the last chunk's ack
+    retry: bool = False  # as ChunkAck's: the service failed the upload for a reason of its own, not the file's
 
 
 # --- requests ------------------------------------------------------------------------------------

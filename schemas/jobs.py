@@ -39,6 +39,7 @@ ABSOLUTE_PATH = pattern(
     "must be an absolute path below / with no control characters (NUL, newline, tab); "
     "give the model directory's full path on the node",
 )
+PRIORITY_MIN, PRIORITY_MAX = -100, 100  # a job's; a tenant's jobs go up to its ceiling (the scheduler's --quota)
 UNEXPORTABLE_TARGETS = {"lm_head", "embed_tokens", "wte", "embed_out"}  # peft saves their tied base weights too
 
 
@@ -149,7 +150,7 @@ class JobRequest(Struct, forbid_unknown_fields=True, kw_only=True):
             )
         ),
     ] = "none"
-    priority: Annotated[int, Meta(ge=-100, le=100)] = 0
+    priority: Annotated[int, Meta(ge=PRIORITY_MIN, le=PRIORITY_MAX)] = 0
     retries: Annotated[int, Meta(ge=0, le=20, description="times the job is re-queued when its node goes away")] = 0
     lora: LoraConfig = field(default_factory=LoraConfig)
     train: TrainConfig = field(default_factory=TrainConfig)

@@ -16,7 +16,8 @@ The subject tree is shaped so that permissions can be written against it:
     jetlora.artifacts.<verb>            operators' artifact requests
     jetlora.datasets.upload.<name>      a client -> artifact service: one chunk of a dataset (request/reply)
     jetlora.datasets.<verb>             list, show and delete datasets
-    jetlora.adapters.<verb>             the adapter registry: register, list, show, promote, rollback, retire
+    jetlora.adapters.<verb>             the adapter registry: register, list, show, promote, rollback, retire,
+                                        references
     jetlora.adapters.status.<node>      agent -> anyone: what its engines did with an adapter
 
 No other module spells a subject: they all call these functions.
@@ -106,10 +107,29 @@ def check_tenant(value: str) -> str:
     return value
 
 
+def _checked_tenant_token(token: str, subject: str) -> str:
+    """A tenant token taken from a request's subject: one token, and none of jetlora's own."""
+    if token in RESERVED_TENANTS:
+        raise ValueError(
+            f"tenant {token!r} in {subject} is reserved ({', '.join(sorted(RESERVED_TENANTS))} are jetlora's own "
+            "tokens): a tenant asks on its own subjects, an admin on those without a tenant token"
+        )
+    return check_token(token, "tenant")
+
+
 def tenant_of_subject(subject: str) -> str | None:
-    """The tenant in a jetlora.api.<tenant>.<verb> subject; None for jetlora.api.<verb> (an admin's)."""
+    """The tenant in a jetlora.<group>.<tenant>.<verb> request subject (api, artifacts, datasets); None for
+    jetlora.<group>.<verb> (an admin's). A reserved token (`_`, `upload`) or one that is no tenant raises
+    ValueError: it must never reach what an admin's verb, or jetlora's own subjects, would."""
     parts = subject.split(".")
-    return parts[2] if len(parts) == 4 else None
+    return _checked_tenant_token(parts[2], subject) if len(parts) == 4 else None
+
+
+def asker_of_subject(subject: str) -> str:
+    """Whose request a jetlora.<group>[.<tenant>].<verb> subject is, unchecked (the token as sent; ADMIN_TENANT
+    for an admin's): what a service shares its turns by, before the request is read."""
+    parts = subject.split(".")
+    return parts[2] if len(parts) == 4 else ADMIN_TENANT
 
 
 # requests served by the artifact service (nats.micro group "jetlora.artifacts")
@@ -171,8 +191,19 @@ def dataset_upload(name: str, tenant: str | None = None) -> str:
 
 
 def tenant_of_dataset_upload(subject: str) -> str | None:
+    """The tenant of a jetlora.datasets.<tenant>.upload.<name> subject, checked as tenant_of_subject checks it;
+    None for an admin's jetlora.datasets.upload.<name>."""
     parts = subject.split(".")
-    return parts[2] if len(parts) == 5 else None
+    return _checked_tenant_token(parts[2], subject) if len(parts) == 5 else None
+
+
+TENANT_GROUPS = (API_GROUP, ARTIFACTS_GROUP, DATASETS_GROUP)  # the requests that carry a tenant token
+
+
+def reserved_tenant_subjects() -> list[str]:
+    """Every subject a request under a reserved tenant token takes (jetlora.api._.jobs, jetlora.datasets.upload.…):
+    what a user who acts for tenants (the gateway, a tenant) is denied, whatever its wildcards allow."""
+    return [f"{group}.{token}.>" for group in TENANT_GROUPS for token in sorted(RESERVED_TENANTS)]
 
 
 def dataset_object(name: str, owner: str | None = None) -> str:
@@ -192,6 +223,7 @@ class AdaptersApi(NamedTuple):
     promote: str
     rollback: str
     retire: str
+    references: str  # which of some jobs' artifacts registered versions reference (the scheduler's retention asks)
 
 
 ADAPTERS = _subjects(AdaptersApi, ADAPTERS_GROUP)

@@ -82,6 +82,8 @@ class Assignment(Struct, kw_only=True):
     request: JobRequest
     resume_from: str | None = None  # object-store name of a checkpoint
     tenant: TenantId | None = None  # whose job it is: its artifacts are recorded as that tenant's
+    engine_priority: int | None = None  # its priority against serving engines (--engine-yield exempt=P), the
+    # scheduler's to give: an admin's job's own priority; None: it always yields (a tenant's, whatever it asked for)
 
     @property
     def ranks(self) -> list[int]:

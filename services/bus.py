@@ -147,6 +147,15 @@ async def request(nc: Client, subject: str, message: Any, reply_type: Any, timeo
         raise RequestError(f"the reply on {subject} did not decode: {e}") from None
 
 
+def tenant_of(subject: str) -> str | None:
+    """The tenant a request's subject names (names.tenant_of_subject), checked: a reserved or malformed token is
+    the asker's mistake, refused naming `tenant` before anything is done."""
+    try:
+        return names.tenant_of_subject(subject)
+    except ValueError as e:
+        raise InvalidRequest([FieldError("tenant", str(e))]) from None
+
+
 def as_error(errors: list[FieldError]) -> Error:
     """The reply to a request that did not hold: its first error, its field named."""
     first = errors[0]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import importlib.util
 import inspect
 import os
@@ -343,6 +344,30 @@ async def object_names(nc) -> list[str]:
         return [o.name for o in await obs.list(ignore_deletes=True)]
     except NotFoundError:  # nats-py's word for an empty bucket
         return []
+
+
+@contextlib.asynccontextmanager
+async def beating(nc, *nodes: str, interval: float = 0.2):
+    """Heartbeats of `nodes` (no devices), as their agents send them, while the block runs: what the registry (and
+    the scheduler) hear of nodes that a test stands in for."""
+    from schemas.nodes import Heartbeat
+
+    enc = msgspec.json.Encoder()
+
+    async def beat() -> None:
+        while True:
+            for node in nodes:
+                beat = Heartbeat(node=node, agent_version="test", devices=[], interval_s=interval, sent_at=time.time())
+                await nc.publish(names.node(node).heartbeat, enc.encode(beat))
+            await asyncio.sleep(interval)  # the heartbeat's own period, as an agent's
+
+    task = asyncio.create_task(beat())
+    try:
+        yield
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
 
 
 def random_file(path, mib: int):

@@ -278,3 +278,61 @@ async def test_a_tenants_datasets_are_its_own(fleet, tmp_path):
     assert (await finished(acme, "acme", own.job)).state == "succeeded"
     gone = await bus.request(acme.nc, names.datasets_api("acme").delete, DatasetQuery(name="private"), DatasetDeleted)
     assert gone.name == "private"
+
+
+async def test_the_reserved_tenant_tokens_reach_nothing_an_admin_holds(stack, nc, tmp_path):
+    """`_` is the admins' token in event and index subjects, `upload` the chunks': a request that names either as its
+    tenant, from a user whose permissions would let it (the gateway's wildcards did), is refused by every service
+    naming `tenant`, and what an admin holds is unchanged. `jetlora.api._.jobs` listed the admins' jobs, and
+    `jetlora.api._.submit` stored a job as tenant `_`."""
+    from schemas.artifacts import ArtifactList, ArtifactQuery, Deleted
+    from schemas.datasets import DatasetDeleted, DatasetList, DatasetListQuery, DatasetQuery, DatasetReply
+    from schemas.jobs import Error, JobList, JobListQuery
+    from services.artifacts.sender import Refusal, upload_file
+    from tests.conftest import answering, kv_keys, list_jobs, object_names, running_on
+
+    await answering(nc, names.ARTIFACTS_LIST)
+    admin_job = await bus.request(nc, names.SUBMIT, JOB, SubmitReply)  # no node: it stays queued
+    assert isinstance(admin_job, Accepted), admin_job
+    await running_on(nc, "adminjob")
+    (tmp_path / "a.bin").write_bytes(b"adapter")
+    await upload_file(nc, "n1", "adminjob", "peft", tmp_path / "a.bin")
+    (tmp_path / "d.jsonl").write_text(json.dumps({"q": "admins' secret?", "a": "42"}) + "\n")
+    await upload_dataset(nc, "admins", tmp_path / "d.jsonl")
+    keys = await kv_keys(nc)
+
+    def refused_naming_tenant(reply, token: str) -> None:
+        errors = reply.errors if isinstance(reply, Rejected) else [reply]
+        assert isinstance(reply, (Error, Rejected)), reply
+        field = errors[0].field
+        assert field == "tenant" and f"tenant {token!r}" in str(errors[0]) and "reserved" in str(errors[0]), reply
+
+    for token in sorted(names.RESERVED_TENANTS):
+        api, arts = names.jobs_api(token), names.artifacts_api(token)
+        asks = [
+            (api.jobs, JobListQuery(), JobList | Error),
+            (api.submit, JOB, SubmitReply),
+            (api.job, JobQuery(admin_job.job), JobReply | Error),
+            (api.cancel, JobQuery(admin_job.job), JobReply | Error),
+            (arts.list, ArtifactQuery(), ArtifactList | Error),
+            (arts.delete, ArtifactQuery(job="adminjob"), Deleted | Error),
+        ]
+        if (
+            token == names.ADMIN_TENANT
+        ):  # jetlora.datasets.upload.<verb> is also an upload's subject (test_dataset_puts)
+            data = names.datasets_api(token)
+            asks += [
+                (data.list, DatasetListQuery(), DatasetList | Error),
+                (data.show, DatasetQuery(name="admins"), DatasetReply | Error),
+                (data.delete, DatasetQuery(name="admins"), DatasetDeleted | Error),
+            ]
+        for subject, query, reply_type in asks:
+            refused_naming_tenant(await bus.request(nc, subject, query, reply_type), token)
+        with pytest.raises(Refusal, match=f"tenant {token!r} .* is reserved"):
+            await upload_dataset(nc, "planted", tmp_path / "d.jsonl", tenant=token)
+
+    assert await kv_keys(nc) == keys  # no job was stored under a reserved tenant
+    assert [(j.id, j.state) for j in await list_jobs(nc)] == [(admin_job.job, "queued")]
+    assert await object_names(nc) == ["adminjob/peft"]
+    listed = await bus.request(nc, names.DATASETS.list, DatasetListQuery(), DatasetList)
+    assert [(d.name, d.owner) for d in listed.datasets] == [("admins", None)]

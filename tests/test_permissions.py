@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 
+import msgspec
 import nats
 import pytest
 
@@ -169,12 +170,14 @@ async def test_the_gateway_works_as_its_keys_tenants_under_the_deploy_permission
     from services.gateway.app import Gateway
     from services.gateway.keys import KeyStore, new_key
     from services.gateway.openai_map import BaseModel
+    from services.registry.service import RegistryService
 
     sched_c, arts_c, op, gw = [await as_user(secured.url, u) for u in ("scheduler", "artifacts", "operator", "gateway")]
     await bus.ensure_resources(sched_c.nc)
     stop = asyncio.Event()
     sched = Scheduler(sched_c.nc, SchedulerConfig(heartbeat_interval=0.25))
     tasks = [asyncio.create_task(sched.run(stop)), asyncio.create_task(ArtifactService(arts_c.nc).run(stop))]
+    tasks.append(asyncio.create_task(RegistryService(sched_c.nc).run(stop)))  # beside the scheduler, as it runs
     key, record = new_key("acme")
     await (await KeyStore.open(op.nc.jetstream())).put(record)  # `jetlora keys create`, as the operator
     gateway = Gateway(gw.nc, {"tiny": BaseModel("tiny", "/models/tiny")}, port=0)
@@ -188,6 +191,11 @@ async def test_the_gateway_works_as_its_keys_tenants_under_the_deploy_permission
         job = await client.fine_tuning.jobs.create(model="tiny", training_file=file.id)
         assert (await client.fine_tuning.jobs.retrieve(job.id)).status == "queued"
         assert [j.id for j in (await client.fine_tuning.jobs.list()).data] == [job.id]
+        assert [e async for e in client.fine_tuning.jobs.list_events(job.id)] == []  # queued: none yet
+        assert [m.id for m in (await client.models.list()).data] == ["tiny"]
+        with pytest.raises(openai.NotFoundError):
+            await client.models.delete("ft-tiny-none")
+        await gw.nc.request(names.ADAPTERS.retire, b"{}", timeout=5)  # what DELETE /v1/models/{id} asks
         assert gw.violations == []
         await gw.nc.publish(names.SUBMIT, b"{}")  # the gateway itself may not act as an admin
         await gw.nc.flush()
@@ -198,3 +206,77 @@ async def test_the_gateway_works_as_its_keys_tenants_under_the_deploy_permission
         await asyncio.gather(*tasks, return_exceptions=True)
         for c in (sched_c, arts_c, op, gw):
             await c.nc.close()
+
+
+async def test_who_acts_for_tenants_cannot_publish_under_a_reserved_tenant_token(secured):
+    """The gateway's `jetlora.api.*.<verb>` (and `jetlora.datasets.*.<verb>`) matched `_`, the admins' token, and
+    `upload`: the deploy permissions deny both to it (and to tenants), while every tenant's verbs stay its."""
+    gw, acme = await as_user(secured.url, "gateway"), await as_user(secured.url, "tenant-acme")
+    with pytest.raises(nats.errors.NoRespondersError):  # allowed (no scheduler runs here to answer it)
+        await gw.nc.request(names.jobs_api("acme").jobs, b"{}", timeout=1)
+    reserved = [names.jobs_api(names.ADMIN_TENANT).jobs, names.jobs_api(names.ADMIN_TENANT).submit]
+    reserved += [names.jobs_api("upload").cancel, names.datasets_api(names.ADMIN_TENANT).list]
+    reserved += [names.datasets_api("upload").delete, names.dataset_upload("x", names.ADMIN_TENANT)]
+    for client in (gw, acme):
+        for subject in reserved:
+            before = len(client.violations)
+            await client.nc.publish(subject, b"{}")
+            await client.nc.flush()
+            await wait_for(
+                lambda c=client, n=before: len(c.violations) > n, timeout=10, what=f"the server to refuse {subject}"
+            )
+    assert all("jetlora.api.acme" not in v for v in gw.violations)
+    for c in (gw, acme):
+        await c.nc.close()
+
+
+async def test_the_operator_and_a_monitor_discover_every_service_and_read_its_stats(secured):
+    """$SRV.PING under the generated permissions: the scheduler's process answers for the scheduler and the
+    registry (two replies to one request from one user), the artifact service for itself."""
+    from services.registry.service import RegistryService
+
+    sched_c, arts_c = [await as_user(secured.url, u) for u in ("scheduler", "artifacts")]
+    await bus.ensure_resources(sched_c.nc)
+    stop = asyncio.Event()
+    sched = Scheduler(sched_c.nc, SchedulerConfig(heartbeat_interval=0.25))
+    parts = (sched.run(stop), RegistryService(sched_c.nc).run(stop), ArtifactService(arts_c.nc).run(stop))
+    tasks = [asyncio.create_task(p) for p in parts]
+    wanted = {names.SCHEDULER_SERVICE, names.ADAPTER_SERVICE, names.ARTIFACT_SERVICE}
+    try:
+        await asyncio.wait_for(sched.leading.wait(), 10)
+        for user in ("operator", "monitor"):
+            asker = await as_user(secured.url, user)
+            heard: dict[str, dict] = {}
+            inbox = asker.nc.new_inbox()
+
+            async def on_reply(msg, heard=heard):
+                reply = msgspec.json.decode(msg.data)
+                heard[reply["name"]] = reply
+
+            sub = await asker.nc.subscribe(inbox, cb=on_reply)
+            try:
+                await wait_for(
+                    lambda asker=asker, inbox=inbox, heard=heard: _ping(asker.nc, inbox, heard, wanted),
+                    timeout=20,
+                    interval=0.3,
+                    what=f"every service to answer {user}'s $SRV.PING",
+                )
+                for name in wanted:
+                    stats = await asker.nc.request(f"$SRV.STATS.{name}", b"", timeout=5)
+                    assert msgspec.json.decode(stats.data)["name"] == name
+            finally:
+                await sub.unsubscribe()
+                await asker.nc.close()
+            assert not asker.violations, (user, asker.violations)
+        assert not sched_c.violations and not arts_c.violations, (sched_c.violations, arts_c.violations)
+    finally:
+        stop.set()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        for c in (sched_c, arts_c):
+            await c.nc.close()
+
+
+async def _ping(nc, inbox: str, heard: dict, wanted: set[str]) -> bool:
+    await nc.publish("$SRV.PING", b"", reply=inbox)
+    await nc.flush()
+    return wanted <= set(heard)

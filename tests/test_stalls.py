@@ -221,3 +221,31 @@ async def test_an_active_job_the_store_holds_and_memory_lacks_is_taken_up(nc, se
         assert sched.reconcile.adopted == 1
     finally:
         await node.close()
+
+
+async def test_an_artifact_service_whose_store_writes_go_unanswered_fails_the_upload_and_serves_the_next(tmp_path):
+    """Its object chunks' acks dropped for a while (a JetStream election, as a client sees it): the upload under
+    way fails in bounded time and the next is stored. nats-py's publish_async waited forever for a lost ack, and
+    the service's chunk subscription with it: every later upload timed out (found by bench/chaos.py)."""
+    from services.artifacts.sender import UploadError, upload_file
+    from tests.conftest import answering, random_file, running_on
+    from tests.harness import Stack
+
+    async with Stack(tmp_path) as stack:
+        stack.start_artifacts("artifacts")
+        nc = await nats.connect(stack.client_url)
+        try:
+            await answering(nc, names.ARTIFACTS_LIST)
+            await running_on(nc, "j1")
+            await running_on(nc, "j2")
+            src = random_file(tmp_path / "a.bin", 8)
+            stack.hold_writes("artifacts", ("$O.",), mode="drop", seconds=4.0)
+            try:
+                await upload_file(nc, "n1", "j1", "peft", src, timeout=3, attempts=1)
+            except UploadError:
+                pass  # refused or not acknowledged: either way nothing half-stored, and the service goes on
+            stack.release_writes("artifacts")
+            info = await asyncio.wait_for(upload_file(nc, "n1", "j2", "peft", src, timeout=15), 60)
+            assert info.size == src.stat().st_size
+        finally:
+            await nc.close()

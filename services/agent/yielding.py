@@ -29,7 +29,7 @@ class YieldPolicy:
     holdoff_s: float = 2.0  # idle this long before training goes on
     kv_threshold: float = 0.9  # KV cache use at which the engine gets its memory back
     devices: tuple[int, ...] | None = None  # the engine's devices; None: every device of the node
-    exempt_priority: int | None = None  # jobs above this priority do not yield
+    exempt_priority: int | None = None  # admins' jobs above this priority do not yield (a tenant's always does)
     metrics_s: float = 1.0  # between full /metrics reads where vLLM's /load says whether it is busy
     nice: int = 5  # the trainers beside the engine run at this CPU niceness (compute modes), so its threads
     # take the CPU the moment they are runnable, before a poll has even seen the request
@@ -77,8 +77,10 @@ class YieldPolicy:
             raise ValueError(f"--engine-yield {text!r}: silent takes seconds above 0")
         return policy
 
-    def yields(self, priority: int) -> bool:
-        return self.exempt_priority is None or priority <= self.exempt_priority
+    def yields(self, priority: int | None) -> bool:
+        """Whether a job yields, given its priority against engines (Assignment.engine_priority, the
+        scheduler's; None: always, as a tenant's job does)."""
+        return priority is None or self.exempt_priority is None or priority <= self.exempt_priority
 
 
 @dataclass
@@ -167,7 +169,7 @@ class Yielder:
             y, trainer = run.yielded, run.trainer
             if trainer is None or not devices & set(run.devices) or y.released:
                 continue
-            if not engine.policy.yields(run.assignment.request.priority):
+            if not engine.policy.yields(run.assignment.engine_priority):
                 continue
             if reading.busy and not y.to:
                 trainer.suspend()

@@ -23,12 +23,14 @@ from schemas.datasets import (
     DatasetQuery,
     DatasetReply,
     DatasetUpload,
+    check_new_name,
 )
 from schemas.jobs import Error
 from services import bus
 from services.artifacts.objinfo import dataset_from_object, dataset_headers
 from services.scheduler.store import JobStore
-from services.artifacts.objwriter import ObjectWriter
+from services.jetstream_writer import JetStreamWriter
+from services.artifacts.objwriter import ObjectChanged, ObjectWriter
 from services.artifacts.receiver import ChunkReceiver, Refused
 from services.streamview import object_view
 
@@ -55,6 +57,15 @@ async def visible_dataset(js, name: str, tenant: str | None) -> DatasetInfo | No
     return shared
 
 
+def _taken(name: str, old: DatasetInfo | None) -> str:
+    """Why an upload without --replace is refused: the name holds a dataset."""
+    what = f" ({old.stats.rows:,} {old.stats.format} rows, sha256 {old.sha256[:12]}…)" if old is not None else ""
+    return (
+        f"a dataset named {name} exists{what}; choose another --name, or pass --replace (jobs that pinned the old "
+        "one will then fail)"
+    )
+
+
 @dataclass
 class DatasetSink:
     """One dataset on its way into the bucket: every row is checked as it passes, the stats kept for its entry."""
@@ -64,6 +75,7 @@ class DatasetSink:
     what: str
     tenants: list[str]
     owner: str | None
+    name: str  # as the uploader gave it (the object's name has the owner's prefix)
 
     def check(self, data: bytes) -> None:
         try:
@@ -77,14 +89,21 @@ class DatasetSink:
         except DatasetInvalid as e:
             raise Refused(str(e)) from None
         self.writer.headers.update(dataset_headers(sha256, stats, self.tenants, self.owner))
-        stored = dataset_from_object(await self.writer.commit(digest))
+        try:
+            stored = dataset_from_object(await self.writer.commit(digest))
+        except ObjectChanged:  # another upload of the name committed after this one began: it keeps the name
+            theirs = await find_dataset(self.writer.js, self.writer.name)
+            raise Refused(_taken(self.name, theirs) + " (it was stored while this upload was under way)") from None
         assert stored is not None  # it carries jetlora's dataset headers
         return stored
 
 
 class DatasetStore:
-    def __init__(self, nc: Client, limits: DatasetLimits, stall_timeout: float = 30.0) -> None:
+    def __init__(
+        self, nc: Client, limits: DatasetLimits, stall_timeout: float = 30.0, writer: JetStreamWriter | None = None
+    ) -> None:
         self.nc, self.js, self.limits = nc, nc.jetstream(), limits
+        self.writer = writer or JetStreamWriter(nc)
         self.receiver = ChunkReceiver(DatasetChunk, DatasetChunkAck, lambda c: c.name, self._open_sink, stall_timeout)
         self.objects = object_view(self.js, names.DATASETS_BUCKET)  # followed while the artifact service runs
         self.jobs: JobStore | None = None  # the artifact service's, once it runs: which jobs pin a dataset
@@ -97,7 +116,7 @@ class DatasetStore:
             ("delete", DatasetQuery, self._delete),
         ):  # an admin's, and each tenant's
             answer = bus.handler(
-                lambda q, subject, serve=serve: serve(q, names.tenant_of_subject(subject)), query, with_subject=True
+                lambda q, subject, serve=serve: serve(q, bus.tenant_of(subject)), query, with_subject=True
             )
             await bus.add_endpoint(group, f"datasets-{verb}", answer, verb)
             await bus.add_endpoint(group, f"datasets-tenant-{verb}", answer, f"*.{verb}")
@@ -115,20 +134,22 @@ class DatasetStore:
     async def _open_sink(self, chunk: DatasetChunk, subject: str) -> DatasetSink:
         """A tenant's upload (its subject says whose) is stored under the tenant's prefix and shared with nobody."""
         upload = chunk.meta or DatasetUpload()
-        owner = names.tenant_of_dataset_upload(subject)
-        stored = names.dataset_object(chunk.name, owner)
-        if not upload.replace and (old := await find_dataset(self.js, stored)) is not None:
-            raise Refused(
-                f"a dataset named {chunk.name} exists ({old.stats.rows:,} {old.stats.format} rows, sha256 "
-                f"{old.sha256[:12]}…); choose another --name, or pass --replace (jobs that pinned the old "
-                "one will then fail)"
-            )
+        try:
+            owner = names.tenant_of_dataset_upload(subject)
+            check_new_name(chunk.name)
+        except ValueError as e:
+            raise Refused(str(e)) from None
         if owner is not None and upload.share:
             raise Refused("a tenant's dataset is its own: only an admin's upload may --share it")
-        writer = ObjectWriter(self.js, names.DATASETS_BUCKET, stored, upload.description)
+        stored = names.dataset_object(chunk.name, owner)
+        writer = ObjectWriter(self.js, self.writer, names.DATASETS_BUCKET, stored, upload.description)
+        if not upload.replace:  # the name must still be free when the upload commits: see DatasetSink.commit
+            old, writer.expect_sequence = await writer.current()
+            if (found := dataset_from_object(old) if old is not None else None) is not None:
+                raise Refused(_taken(chunk.name, found))
         first_bad_row = msgspec.structs.replace(self.limits, max_errors=1)  # stop the transfer there: `datasets put`
         return DatasetSink(
-            writer, DatasetChecker(upload.format, first_bad_row), f"dataset {stored}", upload.share, owner
+            writer, DatasetChecker(upload.format, first_bad_row), f"dataset {stored}", upload.share, owner, chunk.name
         )  # lists the file's other bad rows itself
 
     async def _list(self, q: DatasetListQuery, tenant: str | None) -> DatasetList:

@@ -31,6 +31,16 @@ class Refused(Exception):
     """A sink refuses the upload: the reason goes back to the sender and nothing is stored."""
 
 
+@dataclass(frozen=True)
+class Failure:
+    """Why an upload failed, and whether that was the service's own trouble (retry: the sender may send it again
+    from chunk 0) rather than a refusal of what was sent."""
+
+    reason: str
+    retry: bool = False
+    when: float = field(default_factory=time.monotonic)
+
+
 class AnyChunk(Protocol):
     """What every kind of chunk message holds (schemas.artifacts.Chunk, schemas.datasets.DatasetChunk)."""
 
@@ -43,6 +53,11 @@ class AnyChunk(Protocol):
 
 
 C = TypeVar("C", bound=AnyChunk)
+
+
+def _retry(reason: str) -> Failure:
+    """A failure of the service's own: the sender may send the upload again."""
+    return Failure(reason, retry=True)
 
 
 class Sink(Protocol):
@@ -67,7 +82,7 @@ class Upload(Generic[C]):
     ahead_bytes: int = 0
     held: list = field(default_factory=list)  # a failed upload's out-of-order chunks, still to be answered
     touched: float = field(default_factory=time.monotonic)
-    failed: str = ""
+    failed: Failure | None = None
     aborted: asyncio.Future | None = None
 
 
@@ -89,17 +104,19 @@ class ChunkReceiver(Generic[C]):
         self.ack_type, self.target, self.open_sink = ack_type, target, open_sink
         self.stall_timeout = stall_timeout
         self.uploads: dict[str, Upload[C]] = {}
-        self.failed: dict[str, tuple[str, float]] = {}  # upload -> reason, kept so late chunks get it
+        self.failed: dict[str, Failure] = {}  # upload -> why, kept so late chunks get it
         self.stored = 0
         self.ahead_limit, self.ahead_total_limit = ahead_mib_per_upload << 20, ahead_mib_total << 20
         self.ahead_bytes = 0  # held out of order by all uploads
         self._aborts: set[asyncio.Future] = set()
 
-    async def _reply(self, msg, chunk, error: str = "", stored: msgspec.Struct | None = None) -> None:
+    async def _reply(self, msg, chunk, error: str | Failure = "", stored: msgspec.Struct | None = None) -> None:
+        """Ack a chunk; with `error` (a Failure, or a refusal's reason) the upload failed."""
+        failure = error if isinstance(error, Failure) else Failure(error)
         if msg.reply:
-            await msg.respond(
-                _enc.encode(self.ack_type(upload=chunk.upload, seq=chunk.seq, ok=not error, error=error, stored=stored))
-            )
+            ok, error, retry = not failure.reason, failure.reason, failure.retry
+            ack = self.ack_type(upload=chunk.upload, seq=chunk.seq, ok=ok, error=error, stored=stored, retry=retry)
+            await msg.respond(_enc.encode(ack))
 
     async def on_chunk(self, msg) -> None:
         try:
@@ -112,36 +129,43 @@ class ChunkReceiver(Generic[C]):
         if self.target(chunk) != msg.subject.rsplit(".", 1)[-1]:
             return await self._reply(msg, chunk, f"chunk for {self.target(chunk)} sent on {msg.subject}")
         if chunk.upload in self.failed:
-            return await self._reply(msg, chunk, self.failed[chunk.upload][0])
+            return await self._reply(msg, chunk, self.failed[chunk.upload])
         up = self.uploads.get(chunk.upload)
         if up is None:
             if chunk.seq != 0:
                 return await self._reply(
                     msg,
                     chunk,
-                    f"upload {chunk.upload} is not known here (the service restarted?); restart it from chunk 0",
+                    _retry(
+                        f"upload {chunk.upload} is not known here (the service restarted?); restart it from chunk 0"
+                    ),
                 )
             try:
                 up = self.uploads[chunk.upload] = Upload(chunk0=chunk, sink=await self.open_sink(chunk, msg.subject))
             except Exception as e:
-                reason = str(e) if isinstance(e, Refused) else f"the upload could not begin ({type(e).__name__}: {e})"
-                self.failed[chunk.upload] = (reason, time.monotonic())
-                return await self._reply(msg, chunk, reason)
+                failure = (
+                    Failure(str(e))
+                    if isinstance(e, Refused)
+                    else _retry(f"the upload could not begin ({type(e).__name__}: {e})")
+                )
+                self.failed[chunk.upload] = failure
+                return await self._reply(msg, chunk, failure)
             log.info("upload %s: %s begins", chunk.upload, up.sink.what)
         up.touched = time.monotonic()
         if chunk.seq < up.expected:
             return await self._reply(msg, chunk)  # a duplicate (redelivery): already taken
         if chunk.seq > up.expected:
             if chunk.seq - up.expected > MAX_AHEAD or chunk.seq in up.ahead:
-                return await self._fail_reply(up, msg, chunk, f"chunk {up.expected} never arrived (got {chunk.seq})")
+                lost = _retry(f"chunk {up.expected} never arrived (got {chunk.seq})")
+                return await self._fail_reply(up, msg, chunk, lost)
             if over := self._over_ahead_limit(up, len(chunk.data)):
-                return await self._fail_reply(up, msg, chunk, over)
+                return await self._fail_reply(up, msg, chunk, _retry(over))
             up.ahead[chunk.seq] = (chunk, msg)
             up.ahead_bytes += len(chunk.data)
             self.ahead_bytes += len(chunk.data)
             return
         await self._take(up, chunk, msg)
-        while up.expected in up.ahead and not up.failed:
+        while up.expected in up.ahead and up.failed is None:
             await self._take(up, *self._release(up, up.expected))
 
     def _over_ahead_limit(self, up: Upload[C], size: int) -> str:
@@ -174,7 +198,7 @@ class ChunkReceiver(Generic[C]):
         except Refused as e:
             return await self._fail_reply(up, msg, chunk, str(e))
         except Exception as e:
-            return await self._fail_reply(up, msg, chunk, f"the object store refused a chunk: {e}")
+            return await self._fail_reply(up, msg, chunk, _retry(f"the object store refused a chunk: {e}"))
         if not chunk.last:
             return await self._reply(msg, chunk)
         sha = up.digest.hexdigest()
@@ -191,35 +215,37 @@ class ChunkReceiver(Generic[C]):
         except Refused as e:
             return await self._fail_reply(up, msg, chunk, str(e))
         except Exception as e:
-            return await self._fail_reply(up, msg, chunk, f"the object store refused the upload: {e}")
+            return await self._fail_reply(up, msg, chunk, _retry(f"the object store refused the upload: {e}"))
         del self.uploads[chunk.upload]
         self.stored += 1
         log.info("upload %s: stored %s (%d bytes)", chunk.upload, up.sink.what, up.size)
         await self._reply(msg, chunk, stored=stored)
 
-    def fail(self, up: Upload[C], reason: str) -> None:
-        if up.failed:
+    def fail(self, up: Upload[C], why: str | Failure) -> None:
+        """End an upload: its chunks are purged, and its late chunks are told why."""
+        if up.failed is not None:
             return
-        up.failed = reason
+        up.failed = failure = why if isinstance(why, Failure) else Failure(why)
         up.held = [self._release(up, seq) for seq in list(up.ahead)]  # their memory goes back now
         up.aborted = aborted = asyncio.ensure_future(up.sink.writer.abort())
         self._aborts.add(aborted)
         aborted.add_done_callback(self._aborts.discard)
         self.uploads.pop(up.chunk0.upload, None)
-        self.failed[up.chunk0.upload] = (reason, time.monotonic())
-        log.warning("upload %s of %s failed: %s; nothing was stored", up.chunk0.upload, up.sink.what, reason)
+        self.failed[up.chunk0.upload] = failure
+        log.warning("upload %s of %s failed: %s; nothing was stored", up.chunk0.upload, up.sink.what, failure.reason)
 
-    async def _fail_reply(self, up: Upload[C], msg, chunk, reason: str) -> None:
-        self.fail(up, reason)
+    async def _fail_reply(self, up: Upload[C], msg, chunk, why: str | Failure) -> None:
+        self.fail(up, why)
+        failure = up.failed or Failure(str(why))
         try:
             if up.aborted is not None:
                 await up.aborted  # its chunks are purged: no object appears
         except Exception as e:
             log.warning("upload %s: purging its chunks failed: %s", chunk.upload, e)
-        await self._reply(msg, chunk, reason)
+        await self._reply(msg, chunk, failure)
         held, up.held = up.held, []
         for c, m in held:
-            await self._reply(m, c, reason)
+            await self._reply(m, c, failure)
 
     async def reap_stalled(self, stop: asyncio.Event) -> None:
         """Fail uploads whose sender went quiet, so their chunks do not linger in the store."""
@@ -229,13 +255,15 @@ class ChunkReceiver(Generic[C]):
                 if now - up.touched > self.stall_timeout:
                     self.fail(
                         up,
-                        f"upload stalled at chunk {up.expected} for {self.stall_timeout:.0f}s "
-                        "(the sender went away); nothing was stored",
+                        _retry(
+                            f"upload stalled at chunk {up.expected} for {self.stall_timeout:.0f}s "
+                            "(the sender went away); nothing was stored"
+                        ),
                     )
-            self.failed = {k: v for k, v in self.failed.items() if now - v[1] < FAILED_KEPT_S}
+            self.failed = {k: v for k, v in self.failed.items() if now - v.when < FAILED_KEPT_S}
 
     async def close(self) -> None:
         """Shutting down: every upload under way fails, and its chunks are purged before this returns."""
         for up in list(self.uploads.values()):
-            self.fail(up, "the service shut down mid-upload; the sender restarts it")
+            self.fail(up, _retry("the service shut down mid-upload; the sender restarts it"))
         await asyncio.gather(*self._aborts, return_exceptions=True)

@@ -16,11 +16,13 @@ from nats.aio.client import Client
 
 from schemas import names
 from schemas.artifacts import CHUNK_BYTES, ArtifactInfo, ArtifactKind, ArtifactMeta, Chunk, ChunkAck
-from schemas.datasets import DatasetChunk, DatasetChunkAck, DatasetInfo, DatasetUpload
+from schemas.datasets import DatasetChunk, DatasetChunkAck, DatasetInfo, DatasetUpload, check_new_name
+from schemas.jobs import Error
 
 log = logging.getLogger(__name__)
 _ack = msgspec.json.Decoder(ChunkAck)
 _dataset_ack = msgspec.json.Decoder(DatasetChunkAck)
+_error = msgspec.json.Decoder(Error)
 
 
 class UploadError(Exception):
@@ -65,6 +67,8 @@ async def upload_file(
             return await send_file(
                 nc, names.artifact_upload(node, job), path, chunk, _ack, window, timeout, chunk_bytes
             )
+        except Refusal:  # the service answered no (not this job's attempt, a bad meta): the same again would be too
+            raise
         except UploadError as e:
             last_error = e
             log.warning("upload of %s %s failed (attempt %d of %d): %s", job, kind, attempt, attempts, e)
@@ -88,7 +92,7 @@ async def upload_dataset(
 ) -> DatasetInfo:
     """Upload a dataset file; the service checks every row before storing it. A refusal (Refusal) is final; a
     service that went quiet is tried again from the start."""
-    names.check_token(name, "dataset name")
+    check_new_name(name)  # ValueError: refused here, before a byte is sent
 
     def chunk(upload_id: str, seq: int, data: bytes, last: bool, sha256: str, size: int) -> DatasetChunk:
         return DatasetChunk(
@@ -120,6 +124,19 @@ async def upload_dataset(
     raise AssertionError("unreachable")
 
 
+def _decoded(data: bytes, ack_decoder):
+    """A chunk's ack; an error reply in its place (what a request endpoint answers) is a refusal, anything else that
+    is no ack an UploadError: never a raw decoding error to the sender's caller."""
+    try:
+        return ack_decoder.decode(data)
+    except msgspec.DecodeError as e:
+        try:
+            error = _error.decode(data)
+        except msgspec.DecodeError:
+            raise UploadError(f"the artifact service's reply is not an acknowledgement ({e})") from None
+        raise Refusal(f"{error.field}: {error.error}" if error.field else error.error) from None
+
+
 async def send_file(
     nc: Client, subject: str, path, make_chunk, ack_decoder, window: int, timeout: float, chunk_bytes: int
 ):
@@ -135,9 +152,9 @@ async def send_file(
             msg = await task
         except (nats.errors.TimeoutError, nats.errors.NoRespondersError) as e:
             raise UploadError(f"no acknowledgement from the artifact service ({type(e).__name__})") from None
-        ack = ack_decoder.decode(msg.data)
-        if not ack.ok:
-            raise Refusal(ack.error)
+        ack = _decoded(msg.data, ack_decoder)
+        if not ack.ok:  # the service's own trouble may pass when sent again; a refusal never does
+            raise (UploadError if ack.retry else Refusal)(ack.error)
         return ack
 
     try:

@@ -29,6 +29,7 @@ from services import __version__, bus
 from services.aio import cancel_and_wait
 from services.artifacts.datasets import DatasetStore
 from services.artifacts.objinfo import artifact_headers, info_from_object, sha256_header
+from services.jetstream_writer import JetStreamWriter
 from services.artifacts.objwriter import ObjectWriter
 from services.artifacts.receiver import ChunkReceiver, Refused
 from services.scheduler.store import JobStore
@@ -66,8 +67,9 @@ class ArtifactService:
 
     def __init__(self, nc: Client, stall_timeout: float = 30.0, dataset_limits: DatasetLimits | None = None) -> None:
         self.nc, self.js = nc, nc.jetstream()
+        self.writer = JetStreamWriter(nc)  # object chunks, each ack with a time limit
         self.receiver = ChunkReceiver(Chunk, ChunkAck, lambda c: c.job, self._open_sink, stall_timeout)
-        self.datasets = DatasetStore(nc, dataset_limits or DatasetLimits(), stall_timeout)
+        self.datasets = DatasetStore(nc, dataset_limits or DatasetLimits(), stall_timeout, self.writer)
         self.objects = object_view(self.js, names.ARTIFACTS_BUCKET)
         self.ready = asyncio.Event()
 
@@ -97,9 +99,7 @@ class ArtifactService:
         group = service.add_group(name=names.ARTIFACTS_GROUP)
         for verb, serve in (("list", self._list), ("delete", self._delete)):  # an admin's, and each tenant's
             answer = bus.handler(
-                lambda q, subject, serve=serve: serve(q, names.tenant_of_subject(subject)),
-                ArtifactQuery,
-                with_subject=True,
+                lambda q, subject, serve=serve: serve(q, bus.tenant_of(subject)), ArtifactQuery, with_subject=True
             )
             await bus.add_endpoint(group, verb, answer)
             await bus.add_endpoint(group, f"tenant-{verb}", answer, f"*.{verb}")
@@ -117,13 +117,19 @@ class ArtifactService:
                 await sub.unsubscribe()
             for receiver in (self.receiver, self.datasets.receiver):
                 await receiver.close()  # purges finish before the service ends
+            await self.writer.close()
 
     async def _open_sink(self, chunk: Chunk, subject: str) -> ArtifactSink:
         meta = await self._checked_meta(chunk, names.uploader_of_subject(subject))
         name = names.artifact_name(chunk.job, chunk.kind, meta.step if chunk.kind == "checkpoint" else None)
         headers = artifact_headers(chunk.job, chunk.kind, meta)
         writer = ObjectWriter(
-            self.js, names.ARTIFACTS_BUCKET, name, f"jetlora {chunk.kind} artifact of job {chunk.job}", headers
+            self.js,
+            self.writer,
+            names.ARTIFACTS_BUCKET,
+            name,
+            f"jetlora {chunk.kind} artifact of job {chunk.job}",
+            headers,
         )
         return ArtifactSink(writer, name, self._keep_newest_checkpoints if chunk.kind == "checkpoint" else None)
 

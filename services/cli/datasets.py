@@ -19,9 +19,19 @@ from schemas.datasets import (
     DatasetQuery,
     DatasetReply,
     DatasetUpload,
+    check_new_name,
 )
 from services.cli import args as args_
-from services.cli.client import EXIT_FAILED, EXIT_OK, EXIT_REJECTED, CommandFailed, ask, run_client, show
+from services.cli.client import (
+    EXIT_FAILED,
+    EXIT_OK,
+    EXIT_REJECTED,
+    EXIT_UNREACHABLE,
+    CommandFailed,
+    ask,
+    run_client,
+    show,
+)
 
 
 def describe(d: DatasetInfo) -> list[str]:
@@ -42,42 +52,59 @@ def describe(d: DatasetInfo) -> list[str]:
     return lines
 
 
-def cmd_datasets(args) -> int:
+def _refused_input(args) -> str:
+    """What is wrong with the command's own input, checked before anything is sent ('' when nothing is): the
+    names and tenants the subjects and the service would refuse, each named with its fix."""
     if args.action == "get" and args.tenant:
-        print(
-            "error: a tenant's users cannot download datasets (the object store is not theirs to read); an admin "
-            "can, with `jetlora datasets get NAME`",
-            file=sys.stderr,
+        return (
+            "a tenant's users cannot download datasets (the object store is not theirs to read); an admin "
+            "can, with `jetlora datasets get NAME`"
         )
+    problems = [_why_not(names.check_tenant, args.tenant, "--tenant: ")] if args.tenant else []
+    if args.action == "put":
+        problems += [_why_not(names.check_tenant, t, "--share: ") for t in _shared(args)]
+        problems.append(_why_not(check_new_name, _put_name(args), suffix="; give one with --name"))
+    elif args.action != "ls":
+        problems.append(_why_not(lambda name: names.check_token(name, "dataset name"), args.name))
+    return next((p for p in problems if p), "")
+
+
+def _why_not(check, value: str, prefix: str = "", suffix: str = "") -> str:
+    try:
+        check(value)
+    except ValueError as e:
+        return f"{prefix}{e}{suffix}"
+    return ""
+
+
+def _shared(args) -> list[str]:
+    return [t for t in (args.share or "").split(",") if t]
+
+
+def _put_name(args) -> str:
+    return args.name or Path(args.file).name.split(".")[0]
+
+
+def cmd_datasets(args) -> int:
+    if refused := _refused_input(args):
+        print(f"error: {refused}", file=sys.stderr)
         return EXIT_REJECTED
     if args.action == "put":
-        name = args.name or Path(args.file).name.split(".")[0]
-        try:
-            names.check_token(name, "dataset name")
-        except ValueError as e:
-            print(f"error: {e}; give one with --name", file=sys.stderr)
-            return EXIT_REJECTED
+        name = _put_name(args)
         if not os.access(args.file, os.R_OK) or not Path(args.file).is_file():
             print(f"error: cannot read {args.file}", file=sys.stderr)
             return EXIT_FAILED
 
     async def go(nc):
         if args.action == "put":
-            from services.artifacts.sender import Refusal
-
             upload = DatasetUpload(
-                format=args.format,
-                replace=args.replace,
-                description=args.description,
-                share=[t for t in (args.share or "").split(",") if t],
+                format=args.format, replace=args.replace, description=args.description, share=_shared(args)
             )
-            try:
-                info = await put(nc, args.file, name, upload, tenant=args.tenant)
-            except Refusal as e:  # at its first bad row: the rest of the file is checked here, for all of them
-                raise CommandFailed(
-                    f"the artifact service refused {args.file}: {e}{await _bad_rows(args.file, upload)}", EXIT_REJECTED
-                ) from None
-            show(DatasetReply(info), args.json, lambda r: print("\n".join(describe(r.dataset))))
+            show(
+                DatasetReply(await _put(nc, args, name, upload)),
+                args.json,
+                lambda r: print("\n".join(describe(r.dataset))),
+            )
         elif args.action == "ls":
             reply = await ask(
                 nc, names.datasets_api(args.tenant).list, DatasetListQuery(format=args.format), DatasetList
@@ -118,6 +145,25 @@ async def put(
     return await upload_dataset(nc, name, path, upload, tenant=tenant)
 
 
+async def _put(nc, args, name: str, upload: DatasetUpload) -> DatasetInfo:
+    """`datasets put` once connected: a refusal is rejected input (exit 2), an artifact service that never
+    answered is unreachable (exit 3); neither is a traceback."""
+    from services.artifacts.sender import Refusal, UploadError
+
+    try:
+        return await put(nc, args.file, name, upload, tenant=args.tenant)
+    except Refusal as e:  # at its first bad row: the rest of the file is checked here, for all of them
+        raise CommandFailed(
+            f"the artifact service refused {args.file}: {e}{await _bad_rows(args.file, upload)}", EXIT_REJECTED
+        ) from None
+    except UploadError as e:
+        raise CommandFailed(str(e), EXIT_UNREACHABLE) from None
+    except TimeoutError:  # the bus's (nats' is one): run_client says so
+        raise
+    except OSError as e:  # the file, not the bus (run_client would call it unreachable)
+        raise CommandFailed(f"cannot read {args.file}: {e}") from None
+
+
 async def _bad_rows(path: str | os.PathLike, upload: DatasetUpload) -> str:
     """The file's bad rows (its first ten), from a check here: the service stops at the first."""
     try:
@@ -131,12 +177,19 @@ async def _bad_rows(path: str | os.PathLike, upload: DatasetUpload) -> str:
 
 async def get(nc, name: str, output: str | os.PathLike) -> None:
     from services.artifacts.datasets import find_dataset
-    from services.artifacts.download import fetch_object
+    from services.artifacts.download import DownloadError, fetch_object
 
     info = await find_dataset(nc.jetstream(), names.check_token(name, "dataset name"))
     if info is None:
         raise CommandFailed(f"no dataset named {name}; `jetlora datasets ls` lists them")
-    await fetch_object(nc.jetstream(), names.DATASETS_BUCKET, name, output, info.sha256)
+    try:
+        await fetch_object(nc.jetstream(), names.DATASETS_BUCKET, name, output, info.sha256)
+    except DownloadError as e:
+        raise CommandFailed(str(e)) from None
+    except TimeoutError:  # the bus's (nats' is one): run_client says so
+        raise
+    except OSError as e:  # not the bus's: run_client would call it unreachable
+        raise CommandFailed(f"cannot write {output}: {e}") from None
     print(f"{output}\t{info.size} bytes\tsha256 {info.sha256} verified")
 
 

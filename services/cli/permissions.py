@@ -14,6 +14,7 @@ from schemas import names
 
 JOBS, OBJ = names.JOBS_STREAM, names.objects(names.ARTIFACTS_BUCKET).stream
 DATA = names.objects(names.DATASETS_BUCKET).stream
+RESPONSES_PER_REQUEST = 8  # replies one user may send to one request (micro services in one process each answer)
 ADAPTERS = names.kv(names.ADAPTERS_KV)
 
 
@@ -48,6 +49,8 @@ def roles(nodes: list[str], tenants: Sequence[str] = ()) -> dict[str, dict]:
         perms["subscribe"].append(names.inbox_all(user))
         if user != "scheduler":
             perms["deny_publish"] = _scheduler_consumer()
+        if user == "gateway" or user.startswith("tenant-"):  # they act for tenants: never under a reserved token
+            perms["deny_publish"] += names.reserved_tenant_subjects()
     return users
 
 
@@ -56,13 +59,16 @@ def _service_users() -> dict[str, dict]:
     scheduler_publishes += [names.kv(kv).subjects for kv in (names.JOBS_KV, names.LEASE_KV, names.IDEMPOTENCY_KV)]
     scheduler_publishes += [ADAPTERS.subjects, names.js_acks(JOBS), *names.JOB_INDEX_SUBJECTS]
     scheduler_publishes += [names.ARTIFACTS_DELETE, names.SERVICE_DISCOVERY_ALL]
+    scheduler_publishes += [names.ADAPTERS.references]  # retention asks the registry what its versions reference
     any_tenant = "*"  # the gateway acts for the tenant of each request's key: a tenant's verbs, never an admin's
+    # (roles() denies it the reserved tokens, `_` and `upload`, that this wildcard would match)
     gateway_publishes = list(names.jobs_api(any_tenant)) + list(names.datasets_api(any_tenant))
     gateway_publishes += [names.dataset_upload("*", any_tenant), names.kv(names.GATEWAY_JOBS_KV).subjects]
     gateway_publishes += _read_stream(names.kv(names.KEYS_KV).stream) + _read_stream(
         names.kv(names.GATEWAY_JOBS_KV).stream
     )
     gateway_publishes += [names.js_api("STREAM", "INFO", "*"), names.ADAPTERS.show]  # a fine-tuned model's base
+    gateway_publishes += [names.ADAPTERS.list, names.ADAPTERS.retire]  # /v1/models: a tenant's, and DELETE (retire)
     scheduler_hears = [names.API_GROUP + ".>", names.ADAPTERS_GROUP + ".>", names.HEARTBEATS_ALL]
     stores = [names.objects(names.ARTIFACTS_BUCKET).subjects, names.objects(names.DATASETS_BUCKET).subjects]
     return {
@@ -94,10 +100,11 @@ def _people() -> dict[str, dict]:
     return {
         "submitter": {"publish": api + watch + datasets + [names.ADAPTERS.list, names.ADAPTERS.show], "subscribe": []},
         "operator": {
-            "publish": api + watch + datasets + operates + _object_read(),
+            "publish": api + watch + datasets + operates + _object_read() + [names.SERVICE_DISCOVERY_ALL],
             "subscribe": [names.HEARTBEATS_ALL],
         },
         "dashboard": {"publish": shown + watch + _object_read(), "subscribe": [names.HEARTBEATS_ALL]},
+        "monitor": {"publish": [names.SERVICE_DISCOVERY_ALL], "subscribe": []},  # $SRV.PING, INFO, STATS only
     }
 
 
@@ -145,6 +152,8 @@ def authorization_block(nodes: list[str], tenants: Sequence[str] = ()) -> str:
         deny = f", deny: {json.dumps(perms['deny_publish'])}" if perms.get("deny_publish") else ""
         lines.append(f"        publish: {{ allow: {json.dumps(perms['publish'])}{deny} }},")
         lines.append(f"        subscribe: {{ allow: {json.dumps(perms['subscribe'])} }},")
-        lines.append("        allow_responses: true } }")
+        # a reply to whoever asked; several to one request: one process serves several micro services (the
+        # scheduler's and the registry's), and each answers a $SRV.PING
+        lines.append(f"        allow_responses: {{ max: {RESPONSES_PER_REQUEST} }} }} }}")
     lines += ["  ]", "}"]
     return "\n".join(lines) + "\n"

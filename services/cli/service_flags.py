@@ -68,13 +68,24 @@ def _engines(args) -> list:
             f"{len(args.engine)} --engine but {len(models)} --engine-model: give one model for all, "
             "or one per engine in the same order"
         )
+    caps = args.engine_max_adapters
+    if args.engine and len(caps) not in (0, 1, len(args.engine)):
+        raise StartupError(
+            f"{len(args.engine)} --engine but {len(caps)} --engine-max-adapters: give one for all, "
+            "or one per engine in the same order"
+        )
     try:
-        return [
+        engines = [
             Engine.parse(spec, models[0] if len(models) == 1 else models[i], args.engine_max_rank, args.engine_restart)
             for i, spec in enumerate(args.engine)
         ]
     except ValueError as e:
         raise StartupError(str(e)) from None
+    for i, engine in enumerate(engines):
+        engine.max_adapters = (caps[0] if len(caps) == 1 else caps[i]) if caps else 0
+        if engine.max_adapters < 0:
+            raise StartupError(f"--engine-max-adapters {engine.max_adapters}: write a count, or 0 for no cap")
+    return engines
 
 
 def _yields(args) -> list:
@@ -112,6 +123,16 @@ def agent_flags(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--engine-max-rank", type=int, default=64, help="the largest LoRA rank the engines take")
     p.add_argument(
+        "--engine-max-adapters",
+        action="append",
+        type=int,
+        default=[],
+        metavar="N",
+        help="the most adapter names each vLLM --engine keeps loaded (one: all, or one per engine; 0: no cap): "
+        "past it the least recently used are unloaded (vllm-dir: left placed, loaded again on demand) and "
+        "reported so; keep it within vLLM's --max-cpu-loras",
+    )
+    p.add_argument(
         "--trainer-lease-s",
         type=float,
         default=None,
@@ -125,8 +146,9 @@ def agent_flags(p: argparse.ArgumentParser) -> None:
         default=[],
         metavar="MODE[,KEY=VALUE...]",
         help="how training yields to each --engine (one: all): both|compute|memory|off, then poll=S, "
-        "timeout=S, holdoff=S, kv=FRACTION, metrics=S, devices=0+1, exempt=PRIORITY, nice=N, silent=S (a trainer "
-        "stopped for an engine that has not answered this long goes on) "
+        "timeout=S, holdoff=S, kv=FRACTION, metrics=S, devices=0+1, exempt=PRIORITY (admins' jobs above it never "
+        "yield; tenants' always do), nice=N, silent=S (a trainer stopped for an engine that has not answered this "
+        "long goes on) "
         "(default: both,poll=0.2,timeout=1,holdoff=2,kv=0.9,metrics=1,nice=5,silent=60)",
     )
     p.add_argument(
@@ -179,20 +201,22 @@ def scheduler_flags(p: argparse.ArgumentParser) -> None:
         "--quota",
         action="append",
         default=[],
-        metavar="TENANT=queued:N,devices:M",
-        help="what one tenant may hold at once (repeat for each tenant)",
+        metavar="TENANT=queued:N,devices:M,priority:P",
+        help="what one tenant may hold at once, and the highest priority its jobs may ask for (default 0; repeat "
+        "for each tenant)",
     )
     p.add_argument(
         "--default-quota",
         default="",
-        metavar="queued:N,devices:M",
-        help="the quota of tenants without their own --quota (default: none)",
+        metavar="queued:N,devices:M,priority:P",
+        help="the quota of tenants without their own --quota (default: no limits, priority ceiling 0)",
     )
     p.add_argument(
         "--reclaim-pause-priority",
         type=int,
         default=0,
-        help="jobs at or below this priority pause when their GPU's serving engine wants memory back",
+        help="admins' jobs at or below this priority pause when their GPU's serving engine wants memory back "
+        "(a tenant's always do)",
     )
     p.add_argument(
         "--retention-days",

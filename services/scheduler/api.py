@@ -53,9 +53,7 @@ class SchedulerApi:
         self.core, self.pausing, self.idempotency = core, pausing, idempotency
         cfg = core.cfg
         per_tenant: dict[str, Any] = dict(
-            per_key=cfg.requests_per_tenant,
-            queued_per_key=cfg.queued_requests_per_tenant,
-            key=lambda subject: names.tenant_token(names.tenant_of_subject(subject)),
+            per_key=cfg.requests_per_tenant, queued_per_key=cfg.queued_requests_per_tenant, key=names.asker_of_subject
         )
         self._submitting = bus.Concurrently(core.spawn, cfg.max_concurrent_submits, **per_tenant)
         self._answering = bus.Concurrently(core.spawn, cfg.max_concurrent_submits, **per_tenant)
@@ -85,9 +83,7 @@ class SchedulerApi:
         ]
         for verb, (request_type, serve) in verbs.items():
             answer = bus.handler(
-                lambda q, subject, serve=serve: serve(q, names.tenant_of_subject(subject)),
-                request_type,
-                with_subject=True,
+                lambda q, subject, serve=serve: serve(q, bus.tenant_of(subject)), request_type, with_subject=True
             )
             out += [(verb, verb, answer, self._answering), (f"tenant-{verb}", f"*.{verb}", answer, self._answering)]
         return out
@@ -99,7 +95,7 @@ class SchedulerApi:
 
     async def _accept(self, parsed: tuple[JobRequest, int], subject: str) -> Accepted | Rejected:
         request, size = parsed
-        tenant = names.tenant_of_subject(subject)
+        tenant = bus.tenant_of(subject)  # a reserved token (`_`: the admins') is refused here, storing nothing
         if request.idempotency_key is None:
             return await self._admit(request, size, tenant)
         key = f"{tenant or ''}/{request.idempotency_key}"  # one tenant's keys are not another's
@@ -118,7 +114,8 @@ class SchedulerApi:
         """Check, then store: for a tenant with a queued quota one submission at a time, so that concurrent
         submissions cannot all pass the count before any of them is stored."""
         async with self._quota_turn(tenant):
-            if errors := self._capacity_errors(request) + self._quota_errors(tenant):
+            ceiling = self.core.cfg.quota(tenant).priority_errors(tenant, request.priority)  # refused, not clamped
+            if errors := ceiling + self._capacity_errors(request) + self._quota_errors(tenant):
                 return Rejected(errors)
             request, errors = sizing.size(self.core.fleet, request, self._held_mib)
             if errors:

@@ -1,27 +1,60 @@
-"""How a scheduler is tuned: heartbeats, windows, quotas, history, and the bounds on its requests."""
+"""How a scheduler is tuned: heartbeats, windows, quotas (and the priority a tenant may ask for), history, and the
+bounds on its requests."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from schemas.jobs import PRIORITY_MAX, PRIORITY_MIN, StoredRequest
+from schemas.validate import FieldError
+
 
 @dataclass(frozen=True)
 class TenantQuota:
-    """What one tenant may hold at once; None: no limit."""
+    """What one tenant may hold at once (None: no limit), and the highest priority its jobs may ask for.
+
+    A job's priority orders the tenant's own jobs; against other tenants' jobs it counts only up to the ceiling an
+    operator gave the tenant (0 unless given), and against serving engines not at all (see engine_priority)."""
 
     queued: int | None = None  # jobs waiting for a device
     devices: int | None = None  # devices its running jobs hold
+    priority: int | None = 0  # the priority ceiling; None: none (an admin's)
 
     @classmethod
     def parse(cls, text: str) -> "TenantQuota":
-        """`queued:10,devices:2` (either may be left out)."""
+        """`queued:10,devices:2,priority:5` (any may be left out; no priority: a ceiling of 0)."""
         limits = {}
         for part in filter(None, text.split(",")):
             key, _, value = part.partition(":")
-            if key not in ("queued", "devices") or not value.isdigit():
-                raise ValueError(f"quota {text!r}: write queued:N,devices:M")
+            if key == "priority":
+                ok = value.removeprefix("-").isdigit() and PRIORITY_MIN <= int(value) <= PRIORITY_MAX
+            else:
+                ok = key in ("queued", "devices") and value.isdigit()
+            if not ok:
+                raise ValueError(
+                    f"quota {text!r}: write queued:N,devices:M,priority:P (N, M >= 0; P from {PRIORITY_MIN} to "
+                    f"{PRIORITY_MAX})"
+                )
             limits[key] = int(value)
         return cls(**limits)
+
+    def priority_errors(self, tenant: str | None, priority: int) -> list[FieldError]:
+        """A job of `tenant` asking for more than its ceiling is refused, naming the field and the fix."""
+        if self.priority is None or priority <= self.priority:
+            return []
+        return [
+            FieldError(
+                "priority",
+                f"tenant {tenant} may give its jobs a priority of at most {self.priority} (its ceiling); ask for "
+                f"{self.priority} or less, or ask an admin to raise the ceiling (--quota {tenant}=priority:P)",
+            )
+        ]
+
+
+def engine_priority(stored: StoredRequest) -> int | None:
+    """A job's priority against serving engines (--reclaim-pause-priority, an agent's --engine-yield exempt=P):
+    an admin's job's own; None for a tenant's, which always gives way to them, whatever priority it asked for."""
+    return stored.request.priority if stored.tenant is None else None
 
 
 @dataclass
@@ -44,7 +77,8 @@ class SchedulerConfig:
     default_quota: TenantQuota = TenantQuota()  # for tenants not in quotas
 
     def quota(self, tenant: str | None) -> TenantQuota:
-        return TenantQuota() if tenant is None else self.quotas.get(tenant, self.default_quota)
+        """A tenant's own quota, else the default; an admin's (tenant None) has no limit and no ceiling."""
+        return TenantQuota(priority=None) if tenant is None else self.quotas.get(tenant, self.default_quota)
 
     @property
     def window(self) -> float:

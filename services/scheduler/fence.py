@@ -18,13 +18,16 @@ import nats.errors
 from nats.js.errors import BadRequestError, KeyNotFoundError, KeyWrongLastSequenceError
 from nats.js.kv import KeyValue
 
-from services.jetstream_writer import JetStreamWriter, ViaJsPublish
+from services.jetstream_writer import (
+    EXPECTED_SEQUENCE,
+    EXPECTED_SUBJECT,
+    WRONG_LAST_SEQUENCE,
+    JetStreamWriter,
+    ViaJsPublish,
+)
 
 log = logging.getLogger(__name__)
 TERM_KEY = "term"
-EXPECTED_SEQUENCE = "Nats-Expected-Last-Subject-Sequence"
-EXPECTED_SUBJECT = "Nats-Expected-Last-Subject-Sequence-Subject"
-WRONG_LAST_SEQUENCE = 10071  # JetStream's error code when an expected sequence does not hold
 ATTEMPT_TIMEOUT_S = 2.0  # one try of a write
 WRITE_DEADLINE_S = 6.0  # tries of one write, while the store does not answer (a leader election takes seconds)
 _unanswered = (nats.errors.TimeoutError, asyncio.TimeoutError, nats.errors.NoRespondersError)

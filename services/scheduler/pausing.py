@@ -13,6 +13,7 @@ from schemas import names
 from schemas.jobs import ACTIVE_STATES, Error
 from schemas.nodes import Control, ControlReply, Heartbeat
 from services import bus
+from services.scheduler.config import engine_priority
 from services.scheduler.core import Job, SchedulerCore, engine_tag
 from services.scheduler.placement import SlotKey
 
@@ -60,7 +61,7 @@ class Pausing:
         return None
 
     def react_to_engines(self, hb: Heartbeat) -> None:
-        """A device whose engine wants memory back pauses its job (if its priority allows); one whose engine no
+        """A device whose engine wants memory back pauses its job (if it gives way: gives_way); one whose engine no
         longer does resumes the jobs paused for it."""
         core = self.core
         for dev in hb.devices:
@@ -72,7 +73,7 @@ class Pausing:
                         job is not None
                         and job.status.state in ACTIVE_STATES
                         and job_id not in core.pausing
-                        and job.stored.request.priority <= core.cfg.reclaim_pause_priority
+                        and self.gives_way(job)
                     ):
                         core.pausing.add(job_id)
                         core.spawn(self._pause_for_engine(job, slot, dev.reclaim_mib))
@@ -80,6 +81,12 @@ class Pausing:
                 for job_id in list(core.engine_paused.pop(slot)):
                     why = f"resumed: the serving engine on {hb.node} device {dev.index} no longer needs the memory"
                     core.spawn(self.resume(core.jobs[job_id], why))
+
+    def gives_way(self, job: Job) -> bool:
+        """Whether the job pauses for an engine that wants its device's memory: a tenant's always (no number a
+        tenant writes keeps a device from its engine), an admin's at or below --reclaim-pause-priority."""
+        priority = engine_priority(job.stored)
+        return priority is None or priority <= self.core.cfg.reclaim_pause_priority
 
     async def _pause_for_engine(self, job: Job, slot: SlotKey, mib: int) -> None:
         try:

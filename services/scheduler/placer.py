@@ -10,6 +10,7 @@ from schemas import names
 from schemas.nodes import Assignment, AssignRefused, AssignReply, on_devices
 from services import bus
 from services.aio import wait_first
+from services.scheduler.config import engine_priority
 from services.scheduler.core import Job, SchedulerCore
 
 log = logging.getLogger(__name__)
@@ -158,6 +159,7 @@ class Placer:
                     request=request,
                     resume_from=job.status.checkpoint,
                     tenant=job.stored.tenant,
+                    engine_priority=engine_priority(job.stored),
                 ),
                 AssignReply,
                 timeout=core.cfg.assign_timeout,
