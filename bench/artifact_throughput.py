@@ -23,7 +23,7 @@ import msgspec  # noqa: E402
 import nats  # noqa: E402
 
 from schemas import names  # noqa: E402
-from services.artifacts.sender import upload_file  # noqa: E402
+from services.transfer.sender import upload_file  # noqa: E402
 from tests.conftest import running_on  # noqa: E402
 from services.bus import ensure_resources  # noqa: E402
 from services.embedded import EmbeddedNats  # noqa: E402

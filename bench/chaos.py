@@ -120,7 +120,7 @@ async def main(args) -> int:
         stack.start_artifacts("artifacts")
         for i, name in enumerate(AGENTS):
             stack.start_agent(name, gpus="4096,4096,4096,4096", hold_s=1.0 + i, env={"HOLD_LOG": str(log)})
-        nc = await nats.connect(stack.client_url, max_reconnect_attempts=-1, reconnect_time_wait=0.2)
+        nc = await nats.connect(servers=stack.client_url.split(","), max_reconnect_attempts=-1, reconnect_time_wait=0.2)
         await answering(nc, names.LIST_JOBS)
         watch = await StatusWatch(nc.jetstream(), assigned_bound_s=30.0).start()
         chaos, accepted, counts = Chaos(stack, rng, args.cluster), set(), collections.Counter()

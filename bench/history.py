@@ -29,7 +29,7 @@ from schemas.jobs import Accepted, JobList, JobListQuery, JobRequest, JobStatus,
 from services import bus  # noqa: E402
 from services.embedded import EmbeddedNats  # noqa: E402
 from services.scheduler.index import Finished  # noqa: E402
-from services.scheduler.store import JOBS, LAYOUT, active_key, request_key, status_key  # noqa: E402
+from schemas.job_records import JOBS, LAYOUT, active_key, request_key, status_key  # noqa: E402
 
 JOB = {
     "model": "tiny",

@@ -36,7 +36,7 @@ from schemas.registry import AdapterVersion, NodeAdapterStatus, PromoteRequest, 
 from services import bus  # noqa: E402
 from services.agent.engines import Engine  # noqa: E402
 from services.agent.rollout import Rollout  # noqa: E402
-from services.artifacts.sender import upload_file  # noqa: E402
+from services.transfer.sender import upload_file  # noqa: E402
 from tests.conftest import running_on  # noqa: E402
 from services.artifacts.service import ArtifactService  # noqa: E402
 from services.embedded import EmbeddedNats  # noqa: E402

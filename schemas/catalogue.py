@@ -13,6 +13,8 @@ from schemas.datasets import (
     DatasetListQuery,
     DatasetQuery,
     DatasetReply,
+    Pinning,
+    PinningQuery,
 )
 from schemas.events import (
     CheckpointList,
@@ -101,6 +103,8 @@ MESSAGES = {
     "NodeAdapterStatus": NodeAdapterStatus,
     "ReferencesQuery": ReferencesQuery,
     "References": References | Error,
+    "PinningQuery": PinningQuery,
+    "Pinning": Pinning | Error,
 }
 
 # (address, kind, message, reply, who sends, what it is)
@@ -305,12 +309,21 @@ CHANNELS = [
     ),
     (names.DATASETS.delete, "request", "DatasetQuery", "DatasetDeleted", "operators", "delete a dataset"),
     (
+        names.DATASET_PINNING,
+        "request",
+        "PinningQuery",
+        "Pinning",
+        "artifact service",
+        "which unfinished jobs name a dataset (asked before deleting it), answered from the scheduler's memory",
+    ),
+    (
         names.ADAPTERS.register,
         "request",
         "RegisterRequest",
         "AdapterReply",
-        "operators",
-        "a succeeded job's adapter as the next version of NAME (promoted if asked)",
+        "operators, scheduler",
+        "a succeeded job's adapter as the next version of NAME (promoted if asked); the scheduler asks it for a job "
+        "that says `register`, and the registry reads the job's record from the jobs bucket",
     ),
     (
         names.ADAPTERS.list,
@@ -320,7 +333,14 @@ CHANNELS = [
         "operators",
         "adapters: their versions, what each serves and what every node's engines loaded",
     ),
-    (names.ADAPTERS.show, "request", "AdapterQuery", "AdapterReply", "operators", "one adapter"),
+    (
+        names.ADAPTERS.show,
+        "request",
+        "AdapterQuery",
+        "AdapterReply",
+        "operators, scheduler",
+        "one adapter (the scheduler asks at submit: whose a `register` name is, an `init_adapter`'s version)",
+    ),
     (
         names.ADAPTERS.promote,
         "request",

@@ -11,7 +11,7 @@ from typing import Annotated, Literal
 from msgspec import Meta, Struct, field
 
 from schemas import names
-from schemas.jobs import DatasetName, DatasetRef, TenantId  # noqa: F401 (a job names its data with a DatasetRef)
+from schemas.jobs import DatasetName, DatasetRef, JobId, JobState, TenantId  # noqa: F401 (a job names its data with a DatasetRef)
 
 DatasetFormat = Literal["qa", "chat", "alpaca", "text", "preference"]
 FORMATS: dict[str, str] = {  # what each format's rows hold, as error messages show it
@@ -180,3 +180,26 @@ class DatasetList(Struct, tag="datasets", tag_field="type"):
 
 class DatasetDeleted(Struct, tag="deleted", tag_field="type"):
     name: str
+
+
+# --- which unfinished jobs name a dataset: the artifact service asks the scheduler before a delete ---------------
+class PinningQuery(Struct, forbid_unknown_fields=True, kw_only=True):
+    """On names.DATASET_PINNING: the unfinished jobs (queued, running, paused...) whose dataset or
+    validation_dataset is the dataset stored under `dataset`, answered from the scheduler's memory."""
+
+    dataset: Annotated[str, Meta(min_length=1, description="its object name: `<tenant>/<name>` for a tenant's")]
+    limit: Annotated[int, Meta(ge=0, le=1000)] = 5  # how many of them to name (all are counted)
+
+
+class PinnedJob(Struct, kw_only=True):
+    """One unfinished job that names the dataset, and its state."""
+
+    job: JobId
+    state: JobState
+
+
+class Pinning(Struct, tag="pinning", tag_field="type", kw_only=True):
+    """The scheduler's answer to a PinningQuery."""
+
+    count: int  # every unfinished job that names the dataset
+    jobs: list[PinnedJob]  # the first `limit` of them, by id

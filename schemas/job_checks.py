@@ -10,13 +10,14 @@ from schemas.validate import FieldError, parse_all
 
 def check_request(req: JobRequest) -> list[FieldError]:
     """Rules that span fields or need more than a type: each error says what to change."""
-    errors = _data_errors(req) + _device_errors(req) + _adapter_errors(req)
+    errors = _data_errors(req) + _held_out_errors(req) + _schedule_errors(req) + _device_errors(req)
+    errors += _adapter_errors(req)
     return errors + check_training(req.lora, req.train, req.accelerator, req.quantization, req.served_by)
 
 
 def _data_errors(req: JobRequest) -> list[FieldError]:
-    """The training data, the held-out data and what needs it."""
-    errors, t = [], req.train
+    """The training data: inline or a dataset, exactly one of them."""
+    errors = []
     if not req.data and req.dataset is None:
         errors.append(
             FieldError(
@@ -27,6 +28,12 @@ def _data_errors(req: JobRequest) -> list[FieldError]:
         )
     if req.data and req.dataset is not None:
         errors.append(FieldError("data", "give the training data once: inline data or a dataset, not both"))
+    return errors
+
+
+def _held_out_errors(req: JobRequest) -> list[FieldError]:
+    """The held-out data, and what needs it (evaluation, early stopping, keeping the best adapter)."""
+    errors, t = [], req.train
     if t.eval_steps and not t.eval_fraction and req.validation_dataset is None:
         errors.append(
             FieldError(
@@ -66,6 +73,12 @@ def _data_errors(req: JobRequest) -> list[FieldError]:
                 "(train.eval_fraction or validation_dataset) or drop keep_best",
             )
         )
+    return errors
+
+
+def _schedule_errors(req: JobRequest) -> list[FieldError]:
+    """The learning-rate schedule against the run's length."""
+    errors, t = [], req.train
     if t.max_steps and t.warmup_steps > t.max_steps:
         errors.append(
             FieldError(

@@ -3,6 +3,7 @@
 The subject tree is shaped so that permissions can be written against it:
 
     jetlora.api.<verb>                  requests from submitters and operators
+    jetlora.api.pinning                 artifact service -> scheduler: which unfinished jobs name a dataset
     jetlora.node.<node>.heartbeat       an agent's heartbeat (core NATS)
     jetlora.node.<node>.assign          scheduler -> agent: run this job (request/reply)
     jetlora.node.<node>.control         scheduler -> agent: cancel / stop-and-save / pause a job
@@ -94,6 +95,7 @@ SUBMIT, GET_JOB, LIST_JOBS, CANCEL, STOP = _ADMIN.submit, _ADMIN.job, _ADMIN.job
 PAUSE, RESUME, EVENTS, CHECKPOINTS = _ADMIN.pause, _ADMIN.resume, _ADMIN.events, _ADMIN.checkpoints
 WHY = _ADMIN.why
 LIST_NODES = f"{API_GROUP}.nodes"
+DATASET_PINNING = f"{API_GROUP}.pinning"  # the artifact service asks the scheduler which unfinished jobs name a dataset
 ADMIN_TENANT = "_"  # the tenant token of an admin's job in its event subjects
 RESERVED_TENANTS = {"upload", ADMIN_TENANT}  # jetlora.artifacts.upload.* carries chunks
 

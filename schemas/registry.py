@@ -1,12 +1,16 @@
 """The adapter registry: versions of trained adapters, aliases that point at one of them, and what each node's
-serving engines have loaded. Kept in a KV bucket (names.ADAPTERS_KV); agents watch it and converge to it."""
+serving engines have loaded. Kept in a KV bucket (names.ADAPTERS_KV); agents watch it and converge to it. The
+bucket's keys and values are a stored format (the end of this module): the registry writes them, agents read
+versions and aliases and write their own node statuses through it."""
 
 from __future__ import annotations
 
 from typing import Annotated, Literal
 
+import msgspec
 from msgspec import Meta, Struct, field
 
+from schemas import names
 from schemas.jobs import JobId, NodeId, Probe, TenantId
 
 AdapterName = Annotated[NodeId, Meta(description='what requests to the engine call it (`"model": NAME`)')]
@@ -198,3 +202,27 @@ class References(Struct, tag="references", tag_field="type", kw_only=True):
     """The asked jobs that registered versions reference; a job not listed is referenced by none."""
 
     jobs: list[JobReferences]
+
+
+# --- the bucket (names.ADAPTERS_KV) as stored: `alias.<name>` (Alias), `version.<name>.<n>` (AdapterVersion, written
+# once), `node.<name>.<node>` (NodeAdapterStatus, written by that node's agent); values are JSON ---------------------
+DECODERS: dict[str, msgspec.json.Decoder] = {
+    "alias": msgspec.json.Decoder(Alias),
+    "version": msgspec.json.Decoder(AdapterVersion),
+    "node": msgspec.json.Decoder(NodeAdapterStatus),
+}
+
+
+def adapter_of(key: str) -> str | None:
+    """The adapter name a registry key belongs to (`alias.<name>`, `version.<name>.<n>`, `node.<name>.<node>`)."""
+    kind, _, rest = key.partition(".")
+    if kind not in DECODERS or not rest:
+        return None
+    return rest.partition(".")[0]
+
+
+def adapter_subjects(name: str) -> list[str]:
+    """The bucket's subjects that hold the keys of an adapter (`adapter_of` is `name`): alias.N, and version.N.x
+    and node.N.x."""
+    prefix = names.kv(names.ADAPTERS_KV).prefix
+    return [f"{prefix}*.{name}", f"{prefix}*.{name}.*"]

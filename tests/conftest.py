@@ -28,7 +28,7 @@ from services import bus
 from services.embedded import EmbeddedNats
 from services.scheduler.core import SchedulerConfig
 from services.scheduler.fence import TERM_KEY
-from services.scheduler.store import LAYOUT
+from schemas.job_records import LAYOUT
 
 ROOT = Path(__file__).resolve().parents[1]
 HOLD_TRAINER = f"{sys.executable} {ROOT / 'tests' / 'programs' / 'hold_trainer.py'}"

@@ -15,8 +15,8 @@ import pytest
 
 from schemas import names
 from schemas.artifacts import ArtifactMeta, Chunk, ChunkAck
-from services.artifacts.download import DownloadError, download, safe_extract, sha256_file
-from services.artifacts.sender import upload_file
+from services.transfer.download import DownloadError, download, safe_extract, sha256_file
+from services.transfer.sender import upload_file
 from services.artifacts.service import ArtifactService
 from tests.conftest import ROOT, answering, object_names, random_file, running_on, wait_for
 
@@ -127,7 +127,7 @@ async def test_a_sender_that_goes_away_leaves_no_object(nc, artifact_service):
 async def test_a_killed_sender_process_leaves_no_object(nc, artifact_service, nats_server, tmp_path):
     src = random_file(tmp_path / "big.bin", 40)
     code = (
-        f"import asyncio, nats\nfrom services.artifacts.sender import upload_file\n"
+        f"import asyncio, nats\nfrom services.transfer.sender import upload_file\n"
         f"async def m():\n nc = await nats.connect('{nats_server.url}')\n"
         f" await upload_file(nc, 'n1', 'killed', 'peft', '{src}', window=1)\nasyncio.run(m())\n"
     )

@@ -19,7 +19,7 @@ from schemas.events import EventPage, EventsQuery, Progress, Samples, StateChang
 from schemas.jobs import Accepted, JobReply, JobQuery, Rejected, SubmitReply
 from schemas.registry import AdapterQuery, AdapterReply
 from services import bus
-from services.artifacts.sender import upload_dataset
+from services.transfer.sender import upload_dataset
 from services.artifacts.service import ArtifactService
 from services.cli.watch import follow
 from services.registry.service import RegistryService
@@ -288,7 +288,7 @@ async def test_the_reserved_tenant_tokens_reach_nothing_an_admin_holds(stack, nc
     from schemas.artifacts import ArtifactList, ArtifactQuery, Deleted
     from schemas.datasets import DatasetDeleted, DatasetList, DatasetListQuery, DatasetQuery, DatasetReply
     from schemas.jobs import Error, JobList, JobListQuery
-    from services.artifacts.sender import Refusal, upload_file
+    from services.transfer.sender import Refusal, upload_file
     from tests.conftest import answering, kv_keys, list_jobs, object_names, running_on
 
     await answering(nc, names.ARTIFACTS_LIST)

@@ -17,8 +17,8 @@ import pytest
 from schemas import names
 from schemas.artifacts import Chunk
 from schemas.datasets import DatasetChunk, DatasetChunkAck, DatasetUpload
-from services.artifacts.datasets import find_dataset
-from services.artifacts.sender import Refusal, upload_dataset, upload_file
+from services.transfer.datasets import find_dataset
+from services.transfer.sender import Refusal, upload_dataset, upload_file
 from tests.conftest import ROOT, answering, wait_for
 from tests.qa import QA_PAIRS
 

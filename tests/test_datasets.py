@@ -22,7 +22,7 @@ from schemas.datasets import (
 from schemas.jobs import Accepted, Error, Rejected, StoredRequest
 from services import bus
 from schemas.dataset_check import DatasetChecker, DatasetInvalid, check_file
-from services.artifacts.sender import Refusal, upload_dataset
+from services.transfer.sender import Refusal, upload_dataset
 from tests.conftest import submit, wait_nodes, wait_state
 from tests.qa import QA_PAIRS
 

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 import msgspec
@@ -11,13 +12,13 @@ from schemas import names
 from schemas.events import Progress
 from schemas.jobs import Accepted
 from services import bus
-from services.artifacts.sender import upload_dataset
+from services.transfer.sender import upload_dataset
 from services.cli.demo import HELD_OUT, HELD_OUT_FILE, QA_FILE, TRAINED, before_and_after, build_model, demo_request
 from tests.conftest import stream_events, wait_nodes, wait_state
 
 
 async def test_the_demo_job_learns_what_it_is_evaluated_on_and_answers_its_questions(nc, stack, agents, tmp_path):
-    model = build_model(tmp_path / "base-model")
+    model = await asyncio.to_thread(build_model, tmp_path / "base-model")  # off the loop the services run on
     data = [json.loads(line) for line in QA_FILE.read_text().splitlines() if line.strip()]
     agents.start("demo-node", gpus=None, offer_cpu=True, trainer=None)
     await wait_nodes(nc, 1)

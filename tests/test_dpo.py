@@ -223,7 +223,7 @@ async def test_a_job_starting_from_an_adapter_is_pinned_to_its_version_or_refuse
     from schemas import names
     from schemas.datasets import DatasetUpload
     from schemas.jobs import Accepted, Rejected, StoredRequest
-    from services.artifacts.sender import upload_dataset
+    from services.transfer.sender import upload_dataset
     from tests.conftest import submit
     from tests.test_dashboard import promoted_with_a_node_status  # capitals@1 on base model tiny, peft j1/peft
 

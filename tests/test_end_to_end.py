@@ -10,7 +10,7 @@ import msgspec
 from schemas import names
 from schemas.events import Progress, StateChange
 from schemas.jobs import Accepted
-from services.artifacts.download import download, safe_extract
+from services.transfer.download import download, safe_extract
 from services.artifacts.service import ArtifactService
 from services.scheduler.service import Scheduler, SchedulerConfig
 from services.cli.watch import follow

@@ -10,7 +10,7 @@ import pytest
 
 from schemas import names
 from services import bus
-from services.artifacts.download import download
+from services.transfer.download import download
 from services.artifacts.service import ArtifactService
 from services.embedded import EmbeddedNats
 from services.scheduler.service import Scheduler, SchedulerConfig
@@ -126,8 +126,8 @@ async def test_the_scheduler_killed_mid_job_loses_nothing_and_assigns_nothing_tw
 async def test_the_artifact_service_killed_mid_upload_leaves_no_half_object_and_the_upload_completes(
     own_server, tmp_path
 ):
-    from services.artifacts.download import sha256_file
-    from services.artifacts.sender import upload_file
+    from services.transfer.download import sha256_file
+    from services.transfer.sender import upload_file
 
     nc = await nats.connect(own_server.url)
     await bus.ensure_resources(nc)

@@ -25,9 +25,9 @@ from schemas.jobs import (
     StoredRequest,
 )
 from services import bus
-from services.artifacts.objinfo import artifact_headers
+from schemas.object_headers import artifact_headers
 from services.scheduler.service import Scheduler, SchedulerConfig
-from services.scheduler.store import LAYOUT, idempotency_key, request_key, status_key
+from schemas.job_records import LAYOUT, idempotency_key, request_key, status_key
 from tests.conftest import get_job, object_names, submit, wait_for, wait_state
 from tests.qa import pairs
 

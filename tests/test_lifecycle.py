@@ -190,7 +190,7 @@ async def test_pause_then_resume_on_another_agent_continues_the_same_loss_curve(
     # its TensorBoard log, downloaded, holds the whole curve: the steps before the pause came with the checkpoint
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    from services.artifacts.download import download, safe_extract
+    from services.transfer.download import download, safe_extract
 
     await download(nc, reply.job, "tensorboard", tmp_path / "tb.tar.gz")
     log = EventAccumulator(str(safe_extract(tmp_path / "tb.tar.gz", tmp_path / "tb")), size_guidance={"scalars": 0})

@@ -23,7 +23,7 @@ from schemas.artifacts import ArtifactMeta
 from schemas.jobs import Error, JobQuery, JobReply
 from schemas.registry import AdapterReply, AdapterVersion, AliasRequest, NodeAdapterStatus, PromoteRequest, StoredFile
 from services import bus
-from services.artifacts.objinfo import artifact_headers
+from schemas.object_headers import artifact_headers
 from services.registry.canary import outcome
 from services.registry.store import AdapterRegistry
 from tests.conftest import beating, object_names, wait_for

@@ -227,7 +227,7 @@ async def test_an_artifact_service_whose_store_writes_go_unanswered_fails_the_up
     """Its object chunks' acks dropped for a while (a JetStream election, as a client sees it): the upload under
     way fails in bounded time and the next is stored. nats-py's publish_async waited forever for a lost ack, and
     the service's chunk subscription with it: every later upload timed out (found by bench/chaos.py)."""
-    from services.artifacts.sender import UploadError, upload_file
+    from services.transfer.sender import UploadError, upload_file
     from tests.conftest import answering, random_file, running_on
     from tests.harness import Stack
 

@@ -13,9 +13,9 @@ from nats.js.errors import NotFoundError, ServerError
 import pytest
 
 from schemas import names
-from schemas.registry import AdapterVersion, Alias, NodeAdapterStatus, StoredFile
+from schemas.registry import AdapterVersion, Alias, NodeAdapterStatus, StoredFile, adapter_subjects
 from services.aio import sleep_unless_stopped
-from services.registry.store import AdapterRegistry, adapter_subjects, registry_view
+from services.registry.store import AdapterRegistry, registry_view
 from services.streamview import StaleView, kv_view
 from tests.conftest import retrying, wait_for
 

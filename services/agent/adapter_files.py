@@ -10,7 +10,7 @@ from pathlib import Path
 
 from schemas import names
 from schemas.registry import StoredFile
-from services.artifacts.download import fetch_object, fetch_small, safe_extract
+from services.transfer.download import fetch_object, fetch_small, safe_extract
 
 
 async def download(js, file: StoredFile, gguf: bool, target: Path) -> None:

@@ -18,8 +18,8 @@ from schemas import names
 from schemas.datasets import DatasetInfo
 from schemas.jobs import DatasetRef
 from services.agent.budget import to_remove
-from services.artifacts.datasets import find_dataset
-from services.artifacts.download import fetch_object
+from services.transfer.datasets import find_dataset
+from services.transfer.download import fetch_object
 
 log = logging.getLogger(__name__)
 _info = msgspec.json.Decoder(DatasetInfo)

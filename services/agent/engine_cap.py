@@ -20,15 +20,31 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import TYPE_CHECKING
+from typing import Protocol
 
+from schemas.registry import Alias, NodeState
 from services.agent import vllm
+from services.agent.engine_http import EngineHttp
 from services.agent.engines import Engine
-
-if TYPE_CHECKING:
-    from services.agent.rollout import Rollout
+from services.agent.served_state import ServedState
 
 log = logging.getLogger(__name__)
+
+
+class Rollout(Protocol):
+    """What the cap needs of the rollout that holds it (services/agent/rollout.py)."""
+
+    engines: list[Engine]
+    http: EngineHttp
+    served: ServedState
+    locks: dict[str, asyncio.Lock]
+    aliases: dict[str, Alias]
+
+    async def report(
+        self, engine: Engine, name: str, version: int, state: NodeState, message: str, checked=None
+    ) -> None: ...
+
+    async def converge(self, alias: Alias, again: bool = False, engine: Engine | None = None) -> None: ...
 
 
 class EngineCap:

@@ -7,23 +7,47 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import msgspec
+from nats.aio.client import Client
 
 from schemas import names
 from schemas.jobs import JobId
+from schemas.memory import ModelShape
 from schemas.nodes import Device, Heartbeat, RunningAttempt
 from services import __version__
+from services.agent.config import AgentConfig
+from services.agent.devices import DeviceProbe
+from services.agent.job_run import RunningJob
+from services.agent.yielding import Yielder
 from services.aio import sleep_unless_stopped
-
-if TYPE_CHECKING:
-    from services.agent.service import Agent
 
 log = logging.getLogger(__name__)
 _enc = msgspec.json.Encoder()
 FINISHED_KEPT_S = 60.0  # how long a finished job stays listed in heartbeats
 FLUSH_TIMEOUT_S = 2  # a heartbeat not confirmed by the server within this renews no lease
+
+
+class Agent(Protocol):
+    """What a heartbeat is made of: the agent (services/agent/service.py) as this module reads and keeps it."""
+
+    nc: Client
+    cfg: AgentConfig
+    probe: DeviceProbe
+    yielder: Yielder
+    runs: dict[tuple[str, int], RunningJob]
+    reclaim: dict[int, int]
+    devices: list[Device]
+    no_gpu_reason: str
+    finished: dict[str, float]
+    draining: bool
+    models: list[ModelShape]
+    confirming: asyncio.Task | None
+    last_confirmed: float
+
+    @property
+    def jobs(self) -> dict[str, RunningJob]: ...
 
 
 def compose(agent: Agent, read: tuple[list[Device], str]) -> Heartbeat:

@@ -4,13 +4,14 @@ and reports, its checkpoints and artifacts shipped."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import os
 import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import msgspec
 from nats.aio.client import Client
@@ -32,14 +33,12 @@ from schemas.events import (
 from schemas.jobs import ArtifactRef, CheckpointInfo, DatasetRef, JobState
 from schemas.nodes import CPU_DEVICE, Assignment, on_devices
 from services import bus
+from services.agent.config import AgentConfig
 from services.agent.datasets import DatasetCache, DatasetUnavailable, LocalDataset
 from services.agent.runner import TrainerRun
 from services.agent.shipping import fetch_adapter, fetch_checkpoint, ship_checkpoint, ship_results
 from services.agent.yielding import Yielded, Yielder
-from services.artifacts.sender import UploadError
-
-if TYPE_CHECKING:
-    from services.agent.service import AgentConfig
+from services.transfer.sender import UploadError
 
 log = logging.getLogger(__name__)
 _enc = msgspec.json.Encoder()
@@ -190,31 +189,13 @@ class JobLifecycle:
                 await asyncio.shield(asyncio.to_thread(shutil.rmtree, job_dir, ignore_errors=True))
 
     async def _train(self, run: RunningJob, job_dir: Path) -> Finished | Failed | Cancelled:
-        a = run.assignment
-        gpu = a.device != CPU_DEVICE
-        env = {
-            "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True",
-            "CUDA_VISIBLE_DEVICES": ",".join(map(str, run.devices)) if gpu else "",
-        }
-        if len(run.devices) > 1 and "OMP_NUM_THREADS" not in os.environ:  # ranks share the node's cores
-            env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // len(run.devices)))
-        spec = TrainerSpec(
-            job=a.job,
-            attempt=a.attempt,
-            request=a.request,
-            out_dir=str(job_dir / "out"),
-            device="cuda" if gpu else "cpu",
-            resume_from=await self._fetch_checkpoint(run, job_dir),
-            dataset=await self._fetch_dataset(run, a.request.dataset),
-            validation=await self._fetch_dataset(run, a.request.validation_dataset),
-            token_cache=str(self.datasets.tokens),
-            init_adapter=await self._fetch_init_adapter(run, job_dir),
-        )
+        """Fetch what the job needs, run its trainer to its end (what was asked of the job meanwhile passed on to
+        it), its events reported as they come."""
         run.trainer = TrainerRun(
-            spec,
+            await self._trainer_spec(run, job_dir),
             job_dir,
             self.cfg.trainer_command,
-            env,
+            _trainer_env(run),
             ranks=len(run.devices),
             niceness=self.yielder.niceness(run.devices),
             lease_s=self.cfg.lease_s,
@@ -225,36 +206,50 @@ class JobLifecycle:
             run.trainer.stop()
         if run.paused_by:
             run.trainer.pause()
+        return await run.trainer.run(functools.partial(self._on_trainer_event, run))
 
-        async def on_event(ev) -> None:
-            if isinstance(ev, Started):
-                await self._report(run, "running", ev.message or f"training {ev.steps} steps on {ev.device}")
-            elif isinstance(ev, Progress):
-                await self._progress(run, ev)
-            elif isinstance(ev, Preparing):
-                p = msgspec.structs.replace(ev, job=a.job, ts=ev.ts or time.time())
-                await bus.publish_durably(
-                    self.js, self._subjects(a).preparing, _enc.encode(p), f"{a.job}.{a.attempt}.d{ev.done}"
-                )
-            elif isinstance(ev, Samples):
-                samples = msgspec.structs.replace(ev, job=a.job, ts=ev.ts or time.time())
-                await bus.publish_durably(
-                    self.js,
-                    self._subjects(a).samples,
-                    _enc.encode(samples),
-                    f"{a.job}.{a.attempt}.x{ev.step}{ev.model}",
-                )
-            elif isinstance(ev, Checkpoint):
-                if run.paused_by and run.checkpoint_upload:  # the pause's checkpoint is what resume needs
-                    await run.checkpoint_upload
-                if run.checkpoint_upload and not run.checkpoint_upload.done():
-                    log.info(
-                        "job %s: checkpoint at step %d skipped, the previous one is still uploading", a.job, ev.step
-                    )
-                else:
-                    run.checkpoint_upload = asyncio.create_task(self._ship_checkpoint(run, ev))
+    async def _trainer_spec(self, run: RunningJob, job_dir: Path) -> TrainerSpec:
+        """What the trainer is told: the job, and where what it starts from (a checkpoint, datasets, an adapter) is
+        on this node, fetched here first."""
+        a = run.assignment
+        return TrainerSpec(
+            job=a.job,
+            attempt=a.attempt,
+            request=a.request,
+            out_dir=str(job_dir / "out"),
+            device="cuda" if a.device != CPU_DEVICE else "cpu",
+            resume_from=await self._fetch_checkpoint(run, job_dir),
+            dataset=await self._fetch_dataset(run, a.request.dataset),
+            validation=await self._fetch_dataset(run, a.request.validation_dataset),
+            token_cache=str(self.datasets.tokens),
+            init_adapter=await self._fetch_init_adapter(run, job_dir),
+        )
 
-        return await run.trainer.run(on_event)
+    async def _on_trainer_event(self, run: RunningJob, ev) -> None:
+        """One event of the trainer's: reported as the job's state, progress, preparation or samples; a checkpoint
+        shipped (one at a time: a newer one while one uploads is skipped, but a pause's is waited for)."""
+        a = run.assignment
+        if isinstance(ev, Started):
+            await self._report(run, "running", ev.message or f"training {ev.steps} steps on {ev.device}")
+        elif isinstance(ev, Progress):
+            await self._progress(run, ev)
+        elif isinstance(ev, Preparing):
+            p = msgspec.structs.replace(ev, job=a.job, ts=ev.ts or time.time())
+            await bus.publish_durably(
+                self.js, self._subjects(a).preparing, _enc.encode(p), f"{a.job}.{a.attempt}.d{ev.done}"
+            )
+        elif isinstance(ev, Samples):
+            samples = msgspec.structs.replace(ev, job=a.job, ts=ev.ts or time.time())
+            await bus.publish_durably(
+                self.js, self._subjects(a).samples, _enc.encode(samples), f"{a.job}.{a.attempt}.x{ev.step}{ev.model}"
+            )
+        elif isinstance(ev, Checkpoint):
+            if run.paused_by and run.checkpoint_upload:  # the pause's checkpoint is what resume needs
+                await run.checkpoint_upload
+            if run.checkpoint_upload and not run.checkpoint_upload.done():
+                log.info("job %s: checkpoint at step %d skipped, the previous one is still uploading", a.job, ev.step)
+            else:
+                run.checkpoint_upload = asyncio.create_task(self._ship_checkpoint(run, ev))
 
     async def _fetch_dataset(self, run: RunningJob, ref: DatasetRef | None) -> DataFile | None:
         """The job's dataset on local disk, from this node's cache or fetched into it."""
@@ -300,3 +295,15 @@ class JobLifecycle:
             await self._report(run, "running", f"checkpoint at step {ev.step} stored", checkpoint=info)
         except Exception as e:
             log.warning("job %s: checkpoint at step %d not stored: %s", run.assignment.job, ev.step, e)
+
+
+def _trainer_env(run: RunningJob) -> dict[str, str]:
+    """The trainer's environment beyond the agent's: its devices, and a share of the node's cores per rank."""
+    gpu = run.assignment.device != CPU_DEVICE
+    env = {
+        "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True",
+        "CUDA_VISIBLE_DEVICES": ",".join(map(str, run.devices)) if gpu else "",
+    }
+    if len(run.devices) > 1 and "OMP_NUM_THREADS" not in os.environ:  # ranks share the node's cores
+        env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // len(run.devices)))
+    return env

@@ -28,10 +28,10 @@ from services.agent.adapter_files import download
 from services.agent.engine_cap import EngineCap
 from services.agent.engine_http import EngineHttp
 from services.agent.engines import Engine, answering, verify
+from services.agent.registry_bucket import RegistryBucket
 from services.agent.served_state import ServedState
 from services.agent.staging import Stager
 from services.aio import cancel_and_wait, sleep_unless_stopped
-from services.registry.store import AdapterRegistry
 
 log = logging.getLogger(__name__)
 _alias = msgspec.json.Decoder(Alias)
@@ -93,7 +93,7 @@ class Rollout:
 
     async def _follow(self, stop: asyncio.Event) -> None:
         kv = await self.js.key_value(names.ADAPTERS_KV)
-        self.registry = AdapterRegistry(kv)
+        self.registry = RegistryBucket(kv)
         watcher = await kv.watch(names.adapter_alias_key(), ignore_deletes=True)
         try:
             while not stop.is_set():

@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from dataclasses import dataclass, field
-from pathlib import Path
 
 from nats.aio.client import Client
 
@@ -26,44 +24,18 @@ from services import bus
 from services.aio import cancel_and_wait
 from services.agent import heartbeats
 from services.agent.admission import refusal
+from services.agent.config import AgentConfig
 from services.agent.datasets import DatasetCache
 from services.agent.devices import DeviceProbe
-from services.agent.engines import Engine
 from services.agent.models import read_shapes
 from services.agent.job_run import JobLifecycle, RunningJob
-from services.agent.rollout import CHECK_INTERVAL_S, Rollout
-from services.agent.runner import DEFAULT_TRAINER
-from services.agent.yielding import Yielder, YieldPolicy, engine_yields
+from services.agent.rollout import Rollout
+from services.agent.yielding import Yielder, engine_yields
 from services.procs import end_leftovers
 
 log = logging.getLogger(__name__)
 SHUTDOWN_PUBLISH_S = 5.0  # how long a state published while shutting down is retried (NATS may be gone)
 ATTEMPT_END_S = 10.0  # how long an assignment waits for the attempt it replaces to be gone
-
-
-@dataclass
-class AgentConfig:
-    node: str
-    work_dir: Path
-    heartbeat_interval: float = 1.0
-    offer_cpu: bool = False
-    simulate_gpus: str | None = None
-    trainer_command: list[str] = field(default_factory=lambda: list(DEFAULT_TRAINER))
-    keep_job_dirs: bool = False
-    dataset_cache_mib: int = 20480  # datasets (and their tokenized copies) kept for the next job
-    adapter_cache_mib: int = 10240  # fetched adapters kept (what engines serve stays even over it)
-    engines: list[Engine] = field(default_factory=list)  # serving engines here: they load the registry's adapters
-    models: list[str] = field(default_factory=list)  # base model directories here, advertised with their shapes
-    engine_yield: list[YieldPolicy] = field(default_factory=list)  # per engine (one: for all); none: YieldPolicy()
-    engine_check_interval: float = CHECK_INTERVAL_S  # how often what each engine serves is compared with the registry
-    stage_adapters: bool = True  # fetch a new version of a served adapter when it is registered, before its promotion
-    trainer_lease_s: float | None = None  # a trainer computes this long after the node's last heartbeat reached
-    # the bus; None: two heartbeat intervals (below the scheduler's window of misses x interval, so a cut-off
-    # node's trainer waits before the scheduler gives its job to another node); 0: never waits
-
-    @property
-    def lease_s(self) -> float:
-        return 2 * self.heartbeat_interval if self.trainer_lease_s is None else self.trainer_lease_s
 
 
 class Agent(JobLifecycle):

@@ -16,8 +16,8 @@ from schemas.events import Checkpoint, Finished, Progress
 from schemas.jobs import ArtifactRef, CheckpointInfo
 from schemas.nodes import Assignment
 from services import __version__
-from services.artifacts.download import download_named, safe_extract
-from services.artifacts.sender import upload_file
+from services.transfer.download import download_named, safe_extract
+from services.transfer.sender import upload_file
 
 
 def tar_dir(src: Path, dest: Path) -> None:

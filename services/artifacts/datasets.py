@@ -8,7 +8,6 @@ from dataclasses import dataclass
 import msgspec
 
 from nats.aio.client import Client
-from nats.js.errors import NotFoundError
 
 from schemas import names
 from schemas.dataset_check import DatasetChecker, DatasetInvalid
@@ -23,38 +22,21 @@ from schemas.datasets import (
     DatasetQuery,
     DatasetReply,
     DatasetUpload,
+    Pinning,
+    PinningQuery,
     check_new_name,
 )
 from schemas.jobs import Error
+from schemas.object_headers import dataset_from_object, dataset_headers, visible_to
 from services import bus
-from services.artifacts.objinfo import dataset_from_object, dataset_headers
-from services.scheduler.store import JobStore
 from services.jetstream_writer import JetStreamWriter
 from services.artifacts.objwriter import ObjectChanged, ObjectWriter
 from services.artifacts.receiver import ChunkReceiver, Refused
 from services.streamview import object_view
+from services.transfer.datasets import find_dataset, visible_dataset
 
 log = logging.getLogger(__name__)
-
-
-async def find_dataset(js, name: str) -> DatasetInfo | None:
-    """The dataset stored under object name `name` (names.dataset_object), or None."""
-    obs = await js.object_store(names.DATASETS_BUCKET)
-    try:
-        return dataset_from_object(await obs.get_info(name))
-    except NotFoundError:
-        return None
-
-
-async def visible_dataset(js, name: str, tenant: str | None) -> DatasetInfo | None:
-    """The dataset `name` as `tenant` sees it: its own first, else an admin's shared with it (an admin: the
-    admins' own). None when there is none it may see: another tenant's is not there for it."""
-    if tenant is not None and (own := await find_dataset(js, names.dataset_object(name, tenant))) is not None:
-        return own
-    shared = await find_dataset(js, name)
-    if shared is None or shared.owner is not None or (tenant is not None and tenant not in shared.tenants):
-        return None
-    return shared
+PINNING_TIMEOUT_S = 10.0  # how long a delete waits for the scheduler to say which unfinished jobs name the dataset
 
 
 def _taken(name: str, old: DatasetInfo | None) -> str:
@@ -106,7 +88,6 @@ class DatasetStore:
         self.writer = writer or JetStreamWriter(nc)
         self.receiver = ChunkReceiver(DatasetChunk, DatasetChunkAck, lambda c: c.name, self._open_sink, stall_timeout)
         self.objects = object_view(self.js, names.DATASETS_BUCKET)  # followed while the artifact service runs
-        self.jobs: JobStore | None = None  # the artifact service's, once it runs: which jobs pin a dataset
 
     async def add_endpoints(self, service) -> None:
         group = service.add_group(name=names.DATASETS_GROUP)
@@ -121,15 +102,19 @@ class DatasetStore:
             await bus.add_endpoint(group, f"datasets-{verb}", answer, verb)
             await bus.add_endpoint(group, f"datasets-tenant-{verb}", answer, f"*.{verb}")
 
-    async def _pinned_by(self, stored: str) -> list[tuple[str, str]]:
-        """(job, state) of every unfinished job whose dataset or validation_dataset is this stored dataset."""
-        assert self.jobs is not None, "the artifact service sets the jobs store when it runs"
-        out = []
-        for request, status, _, job_id in await self.jobs.load_active():
-            refs = (request.request.dataset, request.request.validation_dataset) if request else ()
-            if any(r is not None and names.dataset_object(r.name, r.owner) == stored for r in refs):
-                out.append((job_id, status.state if status else "queued"))
-        return sorted(out)
+    async def _pinned_by(self, name: str, stored: str) -> Pinning | Error:
+        """Which unfinished jobs name this stored dataset: the scheduler holds every one in memory and is asked (a
+        page of them, and their count). One that does not answer deletes nothing but a forced delete."""
+        try:
+            return await bus.request(
+                self.nc, names.DATASET_PINNING, PinningQuery(dataset=stored), Pinning | Error, PINNING_TIMEOUT_S
+            )
+        except bus.RequestError as e:
+            return Error(
+                f"dataset {name} was not deleted: the scheduler did not say which unfinished jobs name it ({e}); "
+                "try again once it answers, or delete it anyway with --force",
+                field="force",
+            )
 
     async def _open_sink(self, chunk: DatasetChunk, subject: str) -> DatasetSink:
         """A tenant's upload (its subject says whose) is stored under the tenant's prefix and shared with nobody."""
@@ -155,7 +140,7 @@ class DatasetStore:
     async def _list(self, q: DatasetListQuery, tenant: str | None) -> DatasetList:
         found = [d for d in map(dataset_from_object, (await self.objects.snapshot()).values()) if d]
         if tenant is not None:  # its own, and the admins' shared with it
-            found = [d for d in found if d.owner == tenant or (d.owner is None and tenant in d.tenants)]
+            found = [d for d in found if visible_to(d, tenant)]
         return DatasetList([d for d in found if q.format is None or d.stats.format == q.format])
 
     async def _show(self, q: DatasetQuery, tenant: str | None) -> DatasetReply | Error:
@@ -169,10 +154,14 @@ class DatasetStore:
         stored = names.dataset_object(q.name, tenant)
         if await find_dataset(self.js, stored) is None:
             return Error(f"no dataset named {q.name} of yours; `jetlora datasets ls` lists them", field="name")
-        if not q.force and (pinned := await self._pinned_by(stored)):
-            shown = ", ".join(f"{job} ({state})" for job, state in pinned[:5]) + (" ..." if len(pinned) > 5 else "")
+        pinned = None if q.force else await self._pinned_by(q.name, stored)
+        if isinstance(pinned, Error):
+            return pinned
+        if pinned is not None and pinned.count:
+            more = " ..." if pinned.count > len(pinned.jobs) else ""
+            shown = ", ".join(f"{p.job} ({p.state})" for p in pinned.jobs) + more
             return Error(
-                f"dataset {q.name} is named by {len(pinned)} unfinished job(s): {shown}; a node that has not "
+                f"dataset {q.name} is named by {pinned.count} unfinished job(s): {shown}; a node that has not "
                 "fetched it yet would fail them. Cancel them (or let them finish) first, or delete it anyway "
                 "with --force",
                 field="name",

@@ -25,14 +25,14 @@ from schemas.artifacts import (
 )
 from schemas.datasets import DatasetLimits
 from schemas.jobs import Error
+from schemas.object_headers import artifact_headers, info_from_object, sha256_header
 from services import __version__, bus
 from services.aio import cancel_and_wait
 from services.artifacts.datasets import DatasetStore
-from services.artifacts.objinfo import artifact_headers, info_from_object, sha256_header
 from services.jetstream_writer import JetStreamWriter
+from services.job_records import JobRecords
 from services.artifacts.objwriter import ObjectWriter
 from services.artifacts.receiver import ChunkReceiver, Refused
-from services.scheduler.store import JobStore
 from services.streamview import object_view
 
 log = logging.getLogger(__name__)
@@ -79,7 +79,7 @@ class ArtifactService:
 
     async def run(self, stop: asyncio.Event) -> None:
         self.obs = await self.js.object_store(names.ARTIFACTS_BUCKET)
-        self.jobs = self.datasets.jobs = JobStore(self.js, await self.js.key_value(names.JOBS_KV))
+        self.jobs = await JobRecords.open(self.js)  # the scheduler's records, read through their stored format
         views = [asyncio.create_task(v.run(stop)) for v in (self.objects, self.datasets.objects)]
         limits: dict[str, Any] = dict(pending_msgs_limit=4096, pending_bytes_limit=256 * 1024 * 1024)
         subs = [
@@ -140,7 +140,7 @@ class ArtifactService:
         found = await self.jobs.find(chunk.job)
         if found is None:
             raise Refused(f"no job {chunk.job}: artifacts are stored only for jobs the scheduler knows")
-        stored, status, _ = found
+        stored, status = found
         if status is None or status.node != node or (meta.attempt and meta.attempt != status.attempt):
             held = f"attempt {status.attempt} on {status.node}" if status and status.node else "no attempt running"
             log.warning(

@@ -26,7 +26,7 @@ def cmd_artifacts(args) -> int:
             reply = await ask(nc, subjects.delete, ArtifactQuery(job=args.job, kind=args.kind), Deleted)
             print("\n".join(reply.names) or "nothing to delete")
         else:
-            from services.artifacts.download import DownloadError, download
+            from services.transfer.download import DownloadError, download
 
             try:
                 info = await download(nc, args.job, args.kind, args.output)
@@ -43,7 +43,8 @@ KINDS = ["peft", "gguf", "checkpoint", "tensorboard"]
 
 def register(sub: args_.SubCommands) -> None:
     """`artifacts` alone runs the artifact service; with an action it is a client of it."""
-    from services.cli.serve import run_artifacts, run_service
+    from services.cli.running import run_service
+    from services.cli.serve import run_artifacts
 
     p = args_.client(sub, "artifacts", "run the artifact service, or: ls / get / rm")
     actions = p.add_subparsers(dest="action")

@@ -86,53 +86,57 @@ def _put_name(args) -> str:
 
 
 def cmd_datasets(args) -> int:
+    """`jetlora datasets ACTION`: the command's own input checked before anything is sent, then the action."""
     if refused := _refused_input(args):
         print(f"error: {refused}", file=sys.stderr)
         return EXIT_REJECTED
-    if args.action == "put":
-        name = _put_name(args)
-        if not os.access(args.file, os.R_OK) or not Path(args.file).is_file():
-            print(f"error: cannot read {args.file}", file=sys.stderr)
-            return EXIT_FAILED
+    if args.action == "put" and (not os.access(args.file, os.R_OK) or not Path(args.file).is_file()):
+        print(f"error: cannot read {args.file}", file=sys.stderr)
+        return EXIT_FAILED
+    action = {"put": _cmd_put, "ls": _cmd_ls, "show": _cmd_show, "rm": _cmd_rm, "get": _cmd_get}[args.action]
 
-    async def go(nc):
-        if args.action == "put":
-            upload = DatasetUpload(
-                format=args.format, replace=args.replace, description=args.description, share=_shared(args)
-            )
-            show(
-                DatasetReply(await _put(nc, args, name, upload)),
-                args.json,
-                lambda r: print("\n".join(describe(r.dataset))),
-            )
-        elif args.action == "ls":
-            reply = await ask(
-                nc, names.datasets_api(args.tenant).list, DatasetListQuery(format=args.format), DatasetList
-            )
-            show(
-                reply,
-                args.json,
-                lambda r: [
-                    print(f"{d.name}\t{d.stats.format}\t{d.stats.rows}\t{d.size}\t{d.sha256[:16]}\t{d.created}")
-                    for d in r.datasets
-                ],
-            )
-        elif args.action == "show":
-            reply = await ask(nc, names.datasets_api(args.tenant).show, DatasetQuery(name=args.name), DatasetReply)
-            show(reply, args.json, lambda r: print("\n".join(describe(r.dataset))))
-        elif args.action == "rm":
-            reply = await ask(
-                nc,
-                names.datasets_api(args.tenant).delete,
-                DatasetQuery(name=args.name, force=args.force),
-                DatasetDeleted,
-            )
-            print(f"deleted {reply.name}")
-        else:
-            await get(nc, args.name, args.output)
+    async def go(nc) -> int:
+        await action(nc, args)
         return EXIT_OK
 
     return run_client(args, go)
+
+
+async def _cmd_put(nc, args) -> None:
+    """`datasets put FILE`: streamed to the service, which checks every row; what it stored is printed."""
+    upload = DatasetUpload(format=args.format, replace=args.replace, description=args.description, share=_shared(args))
+    stored = await _put(nc, args, _put_name(args), upload)
+    show(DatasetReply(stored), args.json, lambda _: print("\n".join(describe(stored))))
+
+
+async def _cmd_ls(nc, args) -> None:
+    """`datasets ls`: one line a dataset."""
+    reply = await ask(nc, names.datasets_api(args.tenant).list, DatasetListQuery(format=args.format), DatasetList)
+    show(reply, args.json, lambda _: _print_rows(reply.datasets))
+
+
+def _print_rows(datasets: list[DatasetInfo]) -> None:
+    """name, format, rows, bytes, sha256 (its start), stored: tab-separated."""
+    for d in datasets:
+        print(f"{d.name}\t{d.stats.format}\t{d.stats.rows}\t{d.size}\t{d.sha256[:16]}\t{d.created}")
+
+
+async def _cmd_show(nc, args) -> None:
+    """`datasets show NAME`: its stats and first rows."""
+    reply = await ask(nc, names.datasets_api(args.tenant).show, DatasetQuery(name=args.name), DatasetReply)
+    show(reply, args.json, lambda _: print("\n".join(describe(reply.dataset))))
+
+
+async def _cmd_rm(nc, args) -> None:
+    """`datasets rm NAME`: refused while unfinished jobs name it, unless --force."""
+    query = DatasetQuery(name=args.name, force=args.force)
+    reply = await ask(nc, names.datasets_api(args.tenant).delete, query, DatasetDeleted)
+    print(f"deleted {reply.name}")
+
+
+async def _cmd_get(nc, args) -> None:
+    """`datasets get NAME -o FILE`: downloaded, sha256 checked."""
+    await get(nc, args.name, args.output)
 
 
 async def put(
@@ -140,7 +144,7 @@ async def put(
 ) -> DatasetInfo:
     """What `jetlora datasets put` does once connected (bench/dataset_upload.py measures this): send the file as it
     is read; the service checks every row as it arrives and refuses at the first bad one, storing nothing."""
-    from services.artifacts.sender import upload_dataset
+    from services.transfer.sender import upload_dataset
 
     return await upload_dataset(nc, name, path, upload, tenant=tenant)
 
@@ -148,7 +152,7 @@ async def put(
 async def _put(nc, args, name: str, upload: DatasetUpload) -> DatasetInfo:
     """`datasets put` once connected: a refusal is rejected input (exit 2), an artifact service that never
     answered is unreachable (exit 3); neither is a traceback."""
-    from services.artifacts.sender import Refusal, UploadError
+    from services.transfer.sender import Refusal, UploadError
 
     try:
         return await put(nc, args.file, name, upload, tenant=args.tenant)
@@ -176,8 +180,8 @@ async def _bad_rows(path: str | os.PathLike, upload: DatasetUpload) -> str:
 
 
 async def get(nc, name: str, output: str | os.PathLike) -> None:
-    from services.artifacts.datasets import find_dataset
-    from services.artifacts.download import DownloadError, fetch_object
+    from services.transfer.datasets import find_dataset
+    from services.transfer.download import DownloadError, fetch_object
 
     info = await find_dataset(nc.jetstream(), names.check_token(name, "dataset name"))
     if info is None:

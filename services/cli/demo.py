@@ -18,9 +18,10 @@ from schemas.events import EventPage, EventsQuery, Samples
 from schemas.jobs import Accepted, SubmitReply
 from schemas.nodes import NodeList
 from services import bus
-from services.agent.service import Agent, AgentConfig
-from services.artifacts.download import download, safe_extract
-from services.artifacts.sender import upload_dataset
+from services.agent.config import AgentConfig
+from services.agent.service import Agent
+from services.transfer.download import download, safe_extract
+from services.transfer.sender import upload_dataset
 from services.artifacts.service import ArtifactService
 from services.dashboard.server import Dashboard
 from services.embedded import EmbeddedNats

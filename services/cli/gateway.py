@@ -9,6 +9,7 @@ import time
 
 from services.cli import args as args_
 from services.cli.client import EXIT_OK, CommandFailed, run_client, show
+from services.cli.running import run_service
 from services.runtime import StartupError
 
 
@@ -76,8 +77,6 @@ def cmd_keys(args) -> int:
 
 
 def register(sub: args_.SubCommands) -> None:
-    from services.cli.serve import run_service
-
     p = args_.service(sub, "gateway", "serve the OpenAI-compatible fine-tuning API (files, jobs, events, checkpoints)")
     gateway_flags(p)
     p.set_defaults(fn=lambda a: run_service(a, run_gateway, owns_resources=False))

@@ -60,6 +60,7 @@ def _service_users() -> dict[str, dict]:
     scheduler_publishes += [ADAPTERS.subjects, names.js_acks(JOBS), *names.JOB_INDEX_SUBJECTS]
     scheduler_publishes += [names.ARTIFACTS_DELETE, names.SERVICE_DISCOVERY_ALL]
     scheduler_publishes += [names.ADAPTERS.references]  # retention asks the registry what its versions reference
+    scheduler_publishes += [names.ADAPTERS.show, names.ADAPTERS.register]  # submit's checks; a job's registration
     any_tenant = "*"  # the gateway acts for the tenant of each request's key: a tenant's verbs, never an admin's
     # (roles() denies it the reserved tokens, `_` and `upload`, that this wildcard would match)
     gateway_publishes = list(names.jobs_api(any_tenant)) + list(names.datasets_api(any_tenant))
@@ -77,7 +78,7 @@ def _service_users() -> dict[str, dict]:
             "subscribe": scheduler_hears + [names.JOB_PROGRESS_ALL, names.SERVICE_DISCOVERY_ALL],
         },
         "artifacts": {
-            "publish": stores + [names.JS_API_ALL, names.SERVICE_DISCOVERY_ALL],
+            "publish": stores + [names.JS_API_ALL, names.SERVICE_DISCOVERY_ALL, names.DATASET_PINNING],
             "subscribe": [names.ARTIFACTS_GROUP + ".>", names.DATASETS_GROUP + ".>", names.SERVICE_DISCOVERY_ALL],
         },
         "gateway": {"publish": gateway_publishes, "subscribe": []},

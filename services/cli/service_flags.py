@@ -36,7 +36,7 @@ def scheduler_config(args):
 
 
 def agent_config(args):
-    from services.agent.service import AgentConfig
+    from services.agent.config import AgentConfig
     from services.embedded import state_dir
 
     cfg = AgentConfig(
@@ -98,6 +98,15 @@ def _yields(args) -> list:
 
 
 def agent_flags(p: argparse.ArgumentParser) -> None:
+    """`jetlora agent`'s flags (and `up`'s, which runs one)."""
+    _node_flags(p)
+    _engine_flags(p)
+    _rollout_flags(p)
+    _cache_flags(p)
+
+
+def _node_flags(p: argparse.ArgumentParser) -> None:
+    """The agent's flags for the node: who it is, where it works, what it offers and how its trainers run."""
     p.add_argument("--node", default=os.environ.get("JETLORA_NODE", socket.gethostname().split(".")[0]))
     p.add_argument("--work-dir")
     p.add_argument("--offer-cpu", action="store_true", help="train on this node's CPU too (no GPU needed)")
@@ -107,6 +116,25 @@ def agent_flags(p: argparse.ArgumentParser) -> None:
         help="the trainer to run (default: this Python's `-m trainer`); "
         "an engine's Python goes here, e.g. '/opt/vllm/bin/python -m trainer'",
     )
+    p.add_argument(
+        "--trainer-lease-s",
+        type=float,
+        default=None,
+        help="a trainer stops before its next step once this long has passed since the node's last heartbeat "
+        "reached NATS (so a frozen or cut-off node does not train beside the job's next attempt); default two "
+        "heartbeat intervals, which must stay below the scheduler's --misses x interval; 0: never",
+    )
+    p.add_argument(
+        "--model",
+        action="append",
+        default=_env_list("JETLORA_MODELS", ":"),
+        help="a base model directory on this node (repeat; or JETLORA_MODELS=DIR:DIR): its shape goes "
+        "into heartbeats, so jobs with gpu_mib 0 are sized for it",
+    )
+
+
+def _engine_flags(p: argparse.ArgumentParser) -> None:
+    """The agent's flags for the serving engines beside it, which load the registry's adapters of their model."""
     p.add_argument(
         "--engine",
         action="append",
@@ -133,24 +161,14 @@ def agent_flags(p: argparse.ArgumentParser) -> None:
         "reported so; keep it within vLLM's --max-cpu-loras",
     )
     p.add_argument(
-        "--trainer-lease-s",
-        type=float,
-        default=None,
-        help="a trainer stops before its next step once this long has passed since the node's last heartbeat "
-        "reached NATS (so a frozen or cut-off node does not train beside the job's next attempt); default two "
-        "heartbeat intervals, which must stay below the scheduler's --misses x interval; 0: never",
+        "--engine-restart",
+        default="",
+        help="llama.cpp: a command that restarts llama-server with the placed adapters ($JETLORA_ADAPTER_PATH)",
     )
-    p.add_argument(
-        "--engine-yield",
-        action="append",
-        default=[],
-        metavar="MODE[,KEY=VALUE...]",
-        help="how training yields to each --engine (one: all): both|compute|memory|off, then poll=S, "
-        "timeout=S, holdoff=S, kv=FRACTION, metrics=S, devices=0+1, exempt=PRIORITY (admins' jobs above it never "
-        "yield; tenants' always do), nice=N, silent=S (a trainer stopped for an engine that has not answered this "
-        "long goes on) "
-        "(default: both,poll=0.2,timeout=1,holdoff=2,kv=0.9,metrics=1,nice=5,silent=60)",
-    )
+
+
+def _rollout_flags(p: argparse.ArgumentParser) -> None:
+    """The agent's flags for how it keeps the engines on the registry, and how training yields to them."""
     p.add_argument(
         "--engine-check-interval",
         type=float,
@@ -166,17 +184,20 @@ def agent_flags(p: argparse.ArgumentParser) -> None:
         "as soon as it is registered, so the promotion itself has nothing to fetch)",
     )
     p.add_argument(
-        "--engine-restart",
-        default="",
-        help="llama.cpp: a command that restarts llama-server with the placed adapters ($JETLORA_ADAPTER_PATH)",
-    )
-    p.add_argument(
-        "--model",
+        "--engine-yield",
         action="append",
-        default=_env_list("JETLORA_MODELS", ":"),
-        help="a base model directory on this node (repeat; or JETLORA_MODELS=DIR:DIR): its shape goes "
-        "into heartbeats, so jobs with gpu_mib 0 are sized for it",
+        default=[],
+        metavar="MODE[,KEY=VALUE...]",
+        help="how training yields to each --engine (one: all): both|compute|memory|off, then poll=S, "
+        "timeout=S, holdoff=S, kv=FRACTION, metrics=S, devices=0+1, exempt=PRIORITY (admins' jobs above it never "
+        "yield; tenants' always do), nice=N, silent=S (a trainer stopped for an engine that has not answered this "
+        "long goes on) "
+        "(default: both,poll=0.2,timeout=1,holdoff=2,kv=0.9,metrics=1,nice=5,silent=60)",
     )
+
+
+def _cache_flags(p: argparse.ArgumentParser) -> None:
+    """The agent's flags for the disk it keeps for datasets and adapters."""
     p.add_argument(
         "--dataset-cache-mib",
         type=int,

@@ -17,7 +17,7 @@ from nats.aio.client import Client
 from nats.js.errors import NotFoundError
 
 from schemas import names
-from services.artifacts.download import DownloadError, stored_name
+from services.transfer.download import DownloadError, stored_name
 from services.runtime import StartupError
 
 log = logging.getLogger(__name__)

@@ -91,7 +91,7 @@ class Files:
                 raise bad_request("the form has no `file` field; send the JSON-lines file as `file`", "file")
             ident = f"file-{secrets.token_hex(12)}"
             upload = DatasetUpload(description=filename[:1000])
-            from services.artifacts.sender import Refusal, upload_dataset
+            from services.transfer.sender import Refusal, upload_dataset
 
             try:
                 info = await upload_dataset(self.nc, ident, path, upload, tenant=tenant)

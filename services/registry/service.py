@@ -28,22 +28,24 @@ from schemas.registry import (
 )
 from services import __version__, bus
 from services.aio import cancel_and_wait
+from services.job_records import JobRecords
 from services.registry import canary
 from services.registry.nodes import DEPARTED_S, SWEEP_S, NodeLiveness
 from services.registry.store import AdapterRegistry, RegistryError, registry_view
-from services.scheduler.store import JobStore
 
 log = logging.getLogger(__name__)
 
 
 async def register_job(
-    jobs: JobStore, registry: AdapterRegistry, name: str, job_id: str, promote: bool = False
+    jobs: JobRecords, registry: AdapterRegistry, name: str, job_id: str, promote: bool = False
 ) -> AdapterVersion:
-    """The job's stored artifacts as the next version of `name`; RegistryError says why not."""
+    """The job's stored artifacts as the next version of `name`; RegistryError says why not. The job's record is
+    read through the jobs bucket's stored format (services/job_records.py), never asked of the scheduler: it
+    answers while the scheduler is between leaders."""
     found = await jobs.find(job_id)
     if found is None:
         raise RegistryError(f"no job {job_id}; `jetlora jobs` lists them")
-    stored, status, _ = found
+    stored, status = found
     if status is None or status.state != "succeeded":
         raise RegistryError(
             f"job {job_id} is {status.state if status else 'queued'}; only a succeeded job's adapter is registered"
@@ -116,7 +118,7 @@ class RegistryService:
     async def run(self, stop: asyncio.Event) -> None:
         view = registry_view(self.js)
         self.registry = AdapterRegistry(await self.js.key_value(names.ADAPTERS_KV), view, self.js)
-        self.jobs = JobStore(self.js, await self.js.key_value(names.JOBS_KV))
+        self.jobs = await JobRecords.open(self.js)
         self.nodes = NodeLiveness(self.nc, self.registry, self.departed_s, self.sweep_s)
         following = asyncio.create_task(view.run(stop), name="registry-view")
         guarding = asyncio.create_task(canary.guard(self.registry, stop), name="canaries")

@@ -1,5 +1,6 @@
-"""Every read and write of the adapter registry's KV bucket. Versions are created, never overwritten; an alias
-changes only by compare-and-set on the revision it was read at, so concurrent changes cannot interleave."""
+"""Every read and write the registry makes of its KV bucket (a stored format: schemas/registry.py). Versions are
+created, never overwritten; an alias changes only by compare-and-set on the revision it was read at, so concurrent
+changes cannot interleave."""
 
 from __future__ import annotations
 
@@ -11,14 +12,21 @@ import msgspec
 from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError, NotFoundError
 
 from schemas import names
-from schemas.registry import AdapterReply, AdapterVersion, Alias, JobReferences, NodeAdapterStatus
+from schemas.registry import (
+    DECODERS,
+    AdapterReply,
+    AdapterVersion,
+    Alias,
+    JobReferences,
+    NodeAdapterStatus,
+    adapter_of,
+    adapter_subjects,
+)
 from services.streamview import KV_OPERATION, LatestView
 
 log = logging.getLogger(__name__)
 
-_version = msgspec.json.Decoder(AdapterVersion)
-_alias = msgspec.json.Decoder(Alias)
-_status = msgspec.json.Decoder(NodeAdapterStatus)
+_version, _alias = DECODERS["version"], DECODERS["alias"]
 _enc = msgspec.json.Encoder()
 CAS_ATTEMPTS = 20
 
@@ -29,24 +37,6 @@ class RegistryError(Exception):
 
 class Moved(RegistryError):
     """The alias is not where the caller expected: another change came first."""
-
-
-_decoders: dict[str, msgspec.json.Decoder] = {"alias": _alias, "version": _version, "node": _status}
-
-
-def adapter_of(key: str) -> str | None:
-    """The adapter name a registry key belongs to (`alias.<name>`, `version.<name>.<n>`, `node.<name>.<node>`)."""
-    kind, _, rest = key.partition(".")
-    if kind not in _decoders or not rest:
-        return None
-    return rest.partition(".")[0]
-
-
-def adapter_subjects(name: str) -> list[str]:
-    """The bucket's subjects that hold the keys of an adapter (`adapter_of` is `name`): alias.N, and version.N.x
-    and node.N.x."""
-    prefix = names.kv(names.ADAPTERS_KV).prefix
-    return [f"{prefix}*.{name}", f"{prefix}*.{name}.*"]
 
 
 def registry_view(js) -> LatestView:
@@ -60,7 +50,7 @@ def registry_view(js) -> LatestView:
         if (msg.headers or {}).get(KV_OPERATION) in ("DEL", "PURGE") or not msg.data:
             return None
         kind = key.partition(".")[0]
-        decoded = _decoders[kind].decode(msg.data)
+        decoded = DECODERS[kind].decode(msg.data)
         return _as_stored(key, decoded, msg.metadata.sequence.stream) if kind == "node" else decoded
 
     return LatestView(

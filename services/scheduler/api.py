@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import time
 import uuid
@@ -29,6 +30,7 @@ from schemas.jobs import (
     Rejected,
     StoredRequest,
 )
+from schemas.datasets import PinningQuery
 from schemas.job_checks import parse_job_request
 from schemas.events import CheckpointList, EventPage, EventsQuery
 from schemas.nodes import Control, ControlReply, NodeInfo, NodeList
@@ -58,6 +60,7 @@ class SchedulerApi:
         self._submitting = bus.Concurrently(core.spawn, cfg.max_concurrent_submits, **per_tenant)
         self._answering = bus.Concurrently(core.spawn, cfg.max_concurrent_submits, **per_tenant)
         self._quota_locks: dict[str, asyncio.Lock] = {}  # a tenant's submissions counted one at a time
+        self._pinning = functools.partial(references.pinning, core)  # which unfinished jobs name a dataset
 
     def endpoints(self) -> list[tuple[str, str, Handler, bus.Concurrently | None]]:
         """(endpoint name, subject under names.API_GROUP, handler, how it runs): an admin's verbs, which see every
@@ -80,6 +83,7 @@ class SchedulerApi:
             ("submit", "submit", submit, self._submitting),
             ("tenant-submit", "*.submit", submit, self._submitting),
             ("nodes", "nodes", bus.handler(self._list_nodes, msgspec.Raw), self._answering),
+            ("pinning", "pinning", bus.handler(self._pinning, PinningQuery), self._answering),  # an admin's only
         ]
         for verb, (request_type, serve) in verbs.items():
             answer = bus.handler(

@@ -16,7 +16,6 @@ from nats.aio.client import Client
 from schemas.jobs import ACTIVE_STATES, TERMINAL_STATES, JobId, JobRequest, JobState, JobStatus, NodeId, StoredRequest
 from services.scheduler.placement import Fleet, SlotKey
 from services.scheduler.queue import JobQueue
-from services.registry.store import AdapterRegistry
 from services.scheduler.index import Finished, JobIndex
 from services.scheduler.config import SchedulerConfig, TenantQuota
 from services.scheduler.fence import Deposed
@@ -82,7 +81,6 @@ class SchedulerCore:
 
     store: JobStore
     index: JobIndex
-    adapters: AdapterRegistry
 
     def __init__(self, nc: Client, config: SchedulerConfig | None = None) -> None:
         self.nc, self.js = nc, nc.jetstream()
@@ -280,6 +278,7 @@ class SchedulerCore:
             log.warning("job %s: a write whose answer was lost did land (%s); memory follows", job.id, found[0].state)
             self.apply(job, *found)
         self.unsure.discard(job.id)
+        self.wake.set()  # a placement pass that skipped it while it was unsure may place it now
 
     async def record_end(self, job: Job) -> None:
         """A job that ended leaves the active set and enters the index in finishing order. Should either write

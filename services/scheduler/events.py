@@ -14,7 +14,7 @@ from schemas.events import Progress, StateChange
 from schemas.jobs import ACTIVE_STATES, TERMINAL_STATES, JobStatus
 from services.aio import sleep_unless_stopped
 from schemas.artifacts import KEEP_CHECKPOINTS
-from services.registry.service import register_job
+from services.scheduler import registry_asks
 from services.scheduler.core import Job, SchedulerCore
 
 log = logging.getLogger(__name__)
@@ -139,15 +139,12 @@ class JobEvents:
             core.spawn(self._register(job, spec))
 
     async def _register(self, job: Job, spec) -> None:
-        """A job that asked to be registered: its adapter becomes the next version of its name (promoted if asked);
-        the job's message says how that went."""
+        """A job that asked to be registered: the registry is asked to make its adapter the next version of its name
+        (promoted if asked), again while it does not answer; the job's message says how that went."""
         core = self.core
-        try:
-            version = await register_job(core.store, core.adapters, spec.name, job.id, spec.promote)
-            note = f"registered as {spec.name}@{version.version}" + (" and promoted" if spec.promote else "")
-        except Exception as e:
-            log.warning("job %s: registering its adapter as %s failed: %s", job.id, spec.name, e)
-            note = f"not registered as {spec.name}: {e}"
+        note = await registry_asks.register(core.nc, job.id, spec, core.lost)
+        if note is None:  # this scheduler stopped leading meanwhile: logged, the job's record left as it is
+            return
         try:
             await core.set_state(job, job.status.state, f"{job.status.message}; {note}")
         except Exception as e:  # the registration stands; only its note in the job's message is missing

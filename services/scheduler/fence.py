@@ -18,6 +18,7 @@ import nats.errors
 from nats.js.errors import BadRequestError, KeyNotFoundError, KeyWrongLastSequenceError
 from nats.js.kv import KeyValue
 
+from schemas.job_records import TERM
 from services.jetstream_writer import (
     EXPECTED_SEQUENCE,
     EXPECTED_SUBJECT,
@@ -27,7 +28,7 @@ from services.jetstream_writer import (
 )
 
 log = logging.getLogger(__name__)
-TERM_KEY = "term"
+TERM_KEY = TERM  # the stored format's (schemas/job_records.py)
 ATTEMPT_TIMEOUT_S = 2.0  # one try of a write
 WRITE_DEADLINE_S = 6.0  # tries of one write, while the store does not answer (a leader election takes seconds)
 _unanswered = (nats.errors.TimeoutError, asyncio.TimeoutError, nats.errors.NoRespondersError)

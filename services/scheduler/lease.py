@@ -49,7 +49,16 @@ class Lease:
         return time.monotonic() < self.deadline
 
     async def try_acquire(self) -> bool:
+        """Take the free lease, or take back our own if nobody took it since we last held it (a holder that stepped
+        down on its own clock after a stall leads again at once, instead of waiting out its own key)."""
         sent = time.monotonic()
+        if self.revision:
+            try:
+                if await self.renew():
+                    return True
+            except Exception:
+                pass
+            self.revision = 0
         try:
             self.revision = await self.kv.create(LEASE_KEY, self.holder.encode())
             self.renewed_at = sent
@@ -104,6 +113,7 @@ class Lease:
             await self.kv.delete(LEASE_KEY, last=self.revision)
         except Exception as e:  # another holder already: nothing of ours to release
             log.debug("lease release: %s", e)
+        self.revision = 0
 
     async def wait_for(self, stop: asyncio.Event) -> bool:
         """Stand by until the lease is ours (True) or stop is set (False)."""

@@ -1,13 +1,36 @@
 """What a job names that other services keep (datasets, the registry's adapters): checked and pinned at submit,
-so the job trains on what it was submitted with. A tenant sees only its own and what an admin shared with it."""
+so the job trains on what it was submitted with (datasets read through the bucket's stored format, adapters asked
+of the registry over NATS). A tenant sees only its own and what an admin shared with it. And the other way round:
+which unfinished jobs name a dataset (the artifact service asks before a delete)."""
 
 from __future__ import annotations
 
 import msgspec
 
-from schemas.jobs import FieldError, JobRequest
-from services.artifacts.datasets import visible_dataset
+from schemas import names
+from schemas.datasets import PinnedJob, Pinning, PinningQuery
+from schemas.jobs import TERMINAL_STATES, FieldError, JobRequest
+from services.scheduler import registry_asks
 from services.scheduler.core import SchedulerCore
+from services.scheduler.registry_asks import RegistryUnanswered
+from services.transfer.datasets import visible_dataset
+
+
+async def pinning(core: SchedulerCore, q: PinningQuery) -> Pinning:
+    """The unfinished jobs whose dataset or validation_dataset is the one stored under q.dataset, from memory (the
+    leader holds every unfinished job, without its data): their count, and the first q.limit by id."""
+    found = sorted(
+        (job.id, job.status.state)
+        for job in core.jobs.values()
+        if job.status.state not in TERMINAL_STATES and q.dataset in _datasets_named(job.stored.request)
+    )
+    return Pinning(count=len(found), jobs=[PinnedJob(job=job, state=state) for job, state in found[: q.limit]])
+
+
+def _datasets_named(req: JobRequest) -> set[str]:
+    """The object names of the datasets a request names (as pinned at submit)."""
+    refs = (req.dataset, req.validation_dataset)
+    return {names.dataset_object(r.name, r.owner) for r in refs if r is not None}
 
 
 def method_mismatch(name: str, fmt: str, method: str) -> str:
@@ -21,19 +44,14 @@ def method_mismatch(name: str, fmt: str, method: str) -> str:
 
 
 async def ownership_errors(core: SchedulerCore, req: JobRequest, tenant: str | None) -> list[FieldError]:
-    """A tenant registers only under an adapter name that is free or already its own."""
+    """A tenant registers only under an adapter name that is free or already its own (the registry is asked)."""
     if req.register is None or tenant is None:
         return []
     try:
-        alias, _ = await core.adapters.alias(req.register.name)
-    except Exception as e:
-        return [
-            FieldError(
-                "register.name",
-                f"the adapter registry could not be read ({type(e).__name__}); nothing was queued: submit again",
-            )
-        ]
-    if alias is not None and alias.tenant != tenant:
+        found = await registry_asks.adapter(core.nc, req.register.name)
+    except RegistryUnanswered as e:
+        return [FieldError("register.name", f"{e}; nothing was queued: submit again once it answers")]
+    if found is not None and found.alias.tenant != tenant:
         return [
             FieldError(
                 "register.name", f"the adapter name {req.register.name} belongs to another tenant; choose another name"
@@ -99,13 +117,16 @@ async def pin_init_adapter(
     Another tenant's adapter is 'no adapter' to a tenant."""
     ref = req.init_adapter
     assert ref is not None
-    alias, _ = await core.adapters.alias(ref.name)
-    if alias is None or (tenant is not None and alias.tenant != tenant):
+    try:
+        found = await registry_asks.adapter(core.nc, ref.name)
+    except RegistryUnanswered as e:
+        return req, [FieldError("init_adapter.name", f"{e}; nothing was queued: submit again once it answers")]
+    if found is None or (tenant is not None and found.alias.tenant != tenant):
         return req, [
             FieldError("init_adapter.name", f"no adapter named {ref.name} of yours; `jetlora adapters ls` lists them")
         ]
-    number = ref.version or alias.current
-    version = await core.adapters.version(ref.name, number) if number else None
+    number = ref.version or found.alias.current
+    version = next((v for v in found.versions if v.version == number), None) if number else None
     if version is None:
         return req, [
             FieldError(

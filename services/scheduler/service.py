@@ -17,7 +17,6 @@ from schemas.jobs import TERMINAL_STATES
 from services import __version__, bus
 from services.jetstream_writer import JetStreamWriter
 from services.aio import cancel_and_wait, sleep_unless_stopped, wait_first
-from services.registry.store import AdapterRegistry
 from services.scheduler.api import SchedulerApi
 from services.scheduler.core import STATES_REDELIVERED_S, SchedulerConfig, SchedulerCore
 from services.scheduler.events import JobEvents
@@ -63,7 +62,6 @@ class Scheduler:
         core.store = JobStore(self.js, await self.js.key_value(names.JOBS_KV), await self._idempotency_bucket(), writer)
         core.index = JobIndex(self.nc, writer)
         await core.store.prepare_bucket()
-        core.adapters = AdapterRegistry(await self.js.key_value(names.ADAPTERS_KV))
         self.api = SchedulerApi(core, self.pausing, IdempotencyKeys(core.store, self.cfg.idempotency_window_s))
         lease = Lease(await self.js.key_value(names.LEASE_KV), self.holder)
         try:

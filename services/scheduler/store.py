@@ -1,27 +1,37 @@
-"""The jobs KV bucket: requests written once, statuses updated with compare-and-set, and the set of active jobs."""
+"""The jobs KV bucket's writer: requests written once, statuses written under the leader's fence, and the set of
+active jobs. Its keys and values are a stored format (schemas/job_records.py) that other services read too."""
 
 from __future__ import annotations
 
 import asyncio
-import hashlib
 
 import msgspec
 from nats.js.api import DeliverPolicy
 from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError
 from nats.js.kv import KV_DEL, KV_OP, KV_PURGE, KeyValue
 
-from schemas import names
+from schemas.job_records import (
+    ACTIVE,
+    IDEMPOTENCY,
+    JOBS,
+    LAYOUT,
+    REQUEST,
+    STATUS,
+    active_key,
+    decode_request,
+    decode_status,
+    idempotency_key,
+    kind_and_job,
+    request_key,
+    status_key,
+    without_data,
+)
 from schemas.jobs import IdempotencyRecord, JobId, JobStatus, StoredRequest
 from services.jetstream_writer import JetStreamWriter, ViaJsPublish
 from services.scheduler.fence import Fence
 
 _enc = msgspec.json.Encoder()
-_dec_req = msgspec.json.Decoder(StoredRequest)
-_dec_status = msgspec.json.Decoder(JobStatus)
 _dec_idem = msgspec.json.Decoder(IdempotencyRecord)
-REQUEST, STATUS, ACTIVE, IDEMPOTENCY = "request", "status", "active", "idem"
-JOBS = names.kv(names.JOBS_KV)
-LAYOUT = "layout"  # present once the bucket has the active set and the job index
 PURGE_EXPIRING = {"KV-Operation": "PURGE", "Nats-Rollup": "sub", "Nats-TTL": "60s"}  # a purge that leaves nothing
 
 
@@ -31,23 +41,6 @@ class Conflict(Exception):
 
 class LoadError(Exception):
     """The bucket could not be read whole: never taken for an empty one."""
-
-
-def request_key(job: JobId) -> str:
-    return f"{REQUEST}.{job}"
-
-
-def status_key(job: JobId) -> str:
-    return f"{STATUS}.{job}"
-
-
-def active_key(job: JobId) -> str:
-    return f"{ACTIVE}.{job}"
-
-
-def idempotency_key(client_key: str) -> str:
-    """A client's key may hold any text; the bucket's key is its digest."""
-    return f"{IDEMPOTENCY}.{hashlib.sha256(client_key.encode()).hexdigest()}"
 
 
 class JobStore:
@@ -79,20 +72,20 @@ class JobStore:
 
     async def request(self, job: JobId) -> StoredRequest:
         entry = await self.kv.get(request_key(job))
-        return _dec_req.decode(entry.value or b"")
+        return decode_request(entry.value or b"")
 
     async def find(self, job: JobId) -> tuple[StoredRequest, JobStatus | None, int] | None:
         """A job's request (without its data, as the scheduler holds it), status and status revision; None only
         when the bucket has no such job."""
         try:
-            stored = _without_data(await self.request(job))
+            stored = without_data(await self.request(job))
         except KeyNotFoundError:
             return None
         status = await self.status(job)
         return (stored, *status) if status else (stored, None, 0)
 
     async def status(self, job: JobId) -> tuple[JobStatus, int] | None:
-        return await _read(self.kv, status_key(job), _dec_status)
+        return await _read(self.kv, status_key(job), decode_status)
 
     async def write_status(self, job: JobId, status: JobStatus, revision: int = 0) -> int:
         """Write the job's status; its new revision. Only the leader writes statuses, and its term's fence is what
@@ -100,7 +93,7 @@ class JobStore:
         return await self._put(status_key(job), _enc.encode(status))
 
     async def idempotency(self, client_key: str) -> tuple[IdempotencyRecord, int] | None:
-        return await _read(self.idem, idempotency_key(client_key), _dec_idem)
+        return await _read(self.idem, idempotency_key(client_key), _dec_idem.decode)
 
     async def write_idempotency(self, client_key: str, record: IdempotencyRecord, revision: int) -> bool:
         """Write if nobody wrote it since `revision` (0: never); False when someone did."""
@@ -116,7 +109,7 @@ class JobStore:
     # --- the active set: what a scheduler needs to lead -------------------------------------------
     async def has_active_set(self) -> bool:
         """Whether the bucket was written by a scheduler that keeps the active set (else: migrate it first)."""
-        return await _read(self.kv, LAYOUT, msgspec.json.Decoder(int)) is not None
+        return await _read(self.kv, LAYOUT, msgspec.json.Decoder(int).decode) is not None
 
     async def mark_layout(self) -> None:
         await self.kv.put(LAYOUT, _enc.encode(2))
@@ -163,7 +156,7 @@ class JobStore:
         async def one(job: JobId):
             async with slots:
                 try:
-                    stored = _without_data(await self.request(job))
+                    stored = without_data(await self.request(job))
                 except KeyNotFoundError:
                     return None, None, 0, job
                 status = await self.status(job)
@@ -186,11 +179,11 @@ class JobStore:
         statuses: dict[str, tuple[JobStatus, int]] = {}
 
         def take(msg) -> None:
-            kind, _, job = msg.subject.removeprefix(JOBS.prefix).partition(".")
+            kind, job = kind_and_job(msg.subject.removeprefix(JOBS.prefix))
             if kind == REQUEST:
-                requests[job] = _without_data(_dec_req.decode(msg.data))
+                requests[job] = without_data(decode_request(msg.data))
             elif kind == STATUS:
-                statuses[job] = (_dec_status.decode(msg.data), msg.metadata.sequence.stream)
+                statuses[job] = (decode_status(msg.data), msg.metadata.sequence.stream)
 
         await self._last_per_subject(JOBS.subjects, take, timeout)
         return requests, statuses
@@ -232,13 +225,13 @@ class JobStore:
             await asyncio.shield(sub.unsubscribe())
 
 
-async def _read(kv: KeyValue, key: str, decoder: msgspec.json.Decoder):
+async def _read(kv: KeyValue, key: str, decode):
     """The value under `key` and its revision; None when there is none."""
     try:
         entry = await kv.get(key)
     except KeyNotFoundError:
         return None
-    return decoder.decode(entry.value or b""), entry.revision
+    return decode(entry.value or b""), entry.revision
 
 
 async def _write_if_unchanged(kv: KeyValue, key: str, value, revision: int) -> int:
@@ -249,8 +242,3 @@ async def _write_if_unchanged(kv: KeyValue, key: str, value, revision: int) -> i
         return await kv.update(key, _enc.encode(value), last=revision)
     except KeyWrongLastSequenceError as e:
         raise Conflict(e.description) from None
-
-
-def _without_data(stored: StoredRequest) -> StoredRequest:
-    """The scheduler keeps requests without their training data: it reads the data only to assign a job."""
-    return msgspec.structs.replace(stored, request=msgspec.structs.replace(stored.request, data=[]))

@@ -21,7 +21,7 @@ from nats.js.api import DeliverPolicy
 
 from schemas import names
 from schemas.jobs import ACTIVE_STATES, TERMINAL_STATES, JobStatus
-from services.scheduler.store import JOBS, STATUS
+from schemas.job_records import JOBS, STATUS
 
 _status = msgspec.json.Decoder(JobStatus)
 

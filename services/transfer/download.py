@@ -15,7 +15,7 @@ from nats.js.errors import NotFoundError
 
 from schemas import names
 from schemas.artifacts import ArtifactInfo
-from services.artifacts.objinfo import info_from_object
+from schemas.object_headers import info_from_object
 
 
 class DownloadError(Exception):

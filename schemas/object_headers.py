@@ -1,9 +1,12 @@
-"""How an artifact's (or a dataset's) description rides on its object-store entry: `Jetlora-*` headers, read back as ArtifactInfo."""
+"""A stored format: how an artifact's (or a dataset's) description rides on its object-store entry, as `Jetlora-*`
+headers read back as ArtifactInfo (DatasetInfo), and which dataset a tenant sees under a name. The artifact service
+writes them; anyone who reads the buckets reads them through here."""
 
 from __future__ import annotations
 
 import msgspec
 
+from schemas import names
 from schemas.artifacts import ArtifactInfo, ArtifactMeta
 from schemas.datasets import DatasetInfo, DatasetStats
 
@@ -86,3 +89,19 @@ def dataset_from_object(obj) -> DatasetInfo | None:
         description=obj.description or "",
         tenants=[t for t in (h.get(HEADER + "Tenants") or [""])[0].split(",") if t],
     )
+
+
+def dataset_lookups(name: str, tenant: str | None) -> list[str]:
+    """The object names under which `tenant` looks for its dataset `name`, in order: its own, then the admins' (an
+    admin: the admins' only)."""
+    return [names.dataset_object(name)] if tenant is None else [names.dataset_object(name, tenant), name]
+
+
+def visible_to(found: DatasetInfo | None, tenant: str | None) -> bool:
+    """Whether `tenant` may see a dataset found under one of dataset_lookups' names: its own, or an admin's that is
+    shared with it (an admin sees the admins'). Another tenant's is not there for it."""
+    if found is None:
+        return False
+    if tenant is not None and found.owner == tenant:
+        return True
+    return found.owner is None and (tenant is None or tenant in found.tenants)
