@@ -336,3 +336,23 @@ async def test_the_reserved_tenant_tokens_reach_nothing_an_admin_holds(stack, nc
     assert await object_names(nc) == ["adminjob/peft"]
     listed = await bus.request(nc, names.DATASETS.list, DatasetListQuery(), DatasetList)
     assert [(d.name, d.owner) for d in listed.datasets] == [("admins", None)]
+
+
+async def test_a_tenant_can_neither_buy_priority_nor_name_a_dataset_after_a_verb(fleet, tmp_path):
+    """With its own credentials: a priority above its ceiling (none given: 0) is refused naming `priority`, and a
+    dataset named like a verb of its subjects is refused at the door, leaving nothing in the bucket."""
+    from services.transfer.sender import Refusal
+
+    acme = await fleet.user("tenant-acme")
+    high = await submit_as(acme, "acme", priority=50)
+    assert isinstance(high, Rejected) and high.errors[0].field == "priority", high
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text(json.dumps({"q": "a?", "a": "b"}) + "\n")
+    for verb in ("list", "show", "delete"):
+        with pytest.raises((Refusal, ValueError)):
+            await upload_dataset(acme.nc, verb, rows, tenant="acme")
+    listed = await bus.request(
+        acme.nc, names.datasets_api("acme").list, msgspec.json.encode({}), msgspec.Raw, timeout=5
+    )
+    assert b'"datasets":[]' in bytes(listed).replace(b" ", b"")
+    assert not acme.violations
