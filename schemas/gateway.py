@@ -170,3 +170,43 @@ class ModelDeleted(Struct, kw_only=True):
     id: str
     deleted: bool = True
     object: str = "model"
+
+
+class GraderRunErrors(Struct, kw_only=True):
+    """OpenAI's metadata.errors of a grader run: which kind of failure made the reward 0 (`message`, jetlora's,
+    says what it was)."""
+
+    formula_parse_error: bool = False
+    invalid_variable_error: bool = False
+    model_grader_parse_error: bool = False
+    model_grader_refusal_error: bool = False
+    model_grader_server_error: bool = False
+    model_grader_server_error_details: str | None = None
+    other_error: bool = False
+    python_grader_runtime_error: bool = False
+    python_grader_runtime_error_details: str | None = None
+    python_grader_server_error: bool = False
+    python_grader_server_error_type: str | None = None
+    sample_parse_error: bool = False
+    truncated_observation_error: bool = False
+    unresponsive_reward_error: bool = False
+    message: str | None = None
+
+
+class GraderRunMetadata(Struct, kw_only=True):
+    errors: GraderRunErrors
+    execution_time: float
+    name: str
+    type: str
+    scores: dict[str, Any] = field(default_factory=dict)
+    sampled_model_name: str | None = None
+    token_usage: int | None = None
+
+
+class GraderRunResponse(Struct, kw_only=True):
+    """POST /v1/fine_tuning/alpha/graders/run's answer."""
+
+    reward: float
+    metadata: GraderRunMetadata
+    sub_rewards: dict[str, Any] = field(default_factory=dict)
+    model_grader_token_usage_per_model: dict[str, Any] = field(default_factory=dict)

@@ -26,12 +26,24 @@ def base_models(specs: list[str], accelerator: str, served_by: str, save_steps: 
     return models
 
 
+def grader_context(args):
+    """--judge-url and --python-graders as the graders endpoints' context."""
+    from services.graders import GraderContext
+
+    key = None
+    if args.judge_api_key_file:
+        try:
+            key = open(args.judge_api_key_file).read().strip()
+        except OSError as e:
+            raise StartupError(f"--judge-api-key-file: {e.strerror}") from None
+    return GraderContext(judge_url=args.judge_url, judge_api_key=key, python_graders=args.python_graders)
+
+
 async def run_gateway(nc, stop, args) -> None:
     from services.gateway.app import Gateway
 
-    gateway = Gateway(
-        nc, base_models(args.base_model, args.accelerator, args.served_by, args.save_steps), args.host, args.port
-    )
+    models = base_models(args.base_model, args.accelerator, args.served_by, args.save_steps)
+    gateway = Gateway(nc, models, args.host, args.port, graders=grader_context(args))
     try:
         await gateway.start()
     except OSError as e:
@@ -110,3 +122,17 @@ def gateway_flags(p: argparse.ArgumentParser) -> None:
         "--served-by", choices=["vllm", "llamacpp"], default="vllm", help="the engines that serve the fine-tuned models"
     )
     p.add_argument("--save-steps", type=int, default=100, help="a checkpoint every N steps (the job's checkpoints)")
+    p.add_argument(
+        "--judge-url",
+        metavar="URL",
+        help="the OpenAI-compatible engine score_model and label_model graders ask (e.g. a vLLM engine's "
+        "http://host:8000/v1); without it model graders are refused",
+    )
+    p.add_argument("--judge-api-key-file", metavar="FILE", help="the judge engine's API key, if it wants one")
+    p.add_argument(
+        "--python-graders",
+        choices=["auto", "on", "off"],
+        default="auto",
+        help="auto: run python graders only where the sandbox isolates them fully (root on Linux); on: also where "
+        "it cannot (no network or filesystem isolation: trusted graders only); off: refuse them",
+    )

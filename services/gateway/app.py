@@ -13,20 +13,28 @@ from services.bus import RequestError
 from services.gateway.errors import JSON_MAX, TENANT, OpenAIError, error_response, json_response, too_large
 from services.gateway.events import JobEvents
 from services.gateway.files import Files
+from services.gateway.graders import Graders
 from services.gateway.jobs import Jobs
 from services.gateway.keys import KeyStore
 from services.gateway.models import Models
 from services.gateway.openai_map import BaseModel
 from services.gateway.records import JobRecords
 from services.gateway.results import Results
+from services.graders import GraderContext
 
 log = logging.getLogger(__name__)
 
 
 def make_app(
-    nc, keys: KeyStore, jobs_kv, models: dict[str, BaseModel], spool_dir: str | None = None
+    nc,
+    keys: KeyStore,
+    jobs_kv,
+    models: dict[str, BaseModel],
+    spool_dir: str | None = None,
+    graders: GraderContext | None = None,
 ) -> web.Application:
-    """Every body is read whole only up to JSON_MAX (client_max_size); an upload is streamed to the spool."""
+    """Every body is read whole only up to JSON_MAX (client_max_size); an upload is streamed to the spool.
+    `graders`: where the graders endpoints may run what (default: no judge engine, python graders only isolated)."""
 
     @web.middleware
     async def openai_errors(request: web.Request, handler):
@@ -56,6 +64,7 @@ def make_app(
         Files(nc, Results(nc, events, records), spool_dir).routes()
         + Jobs(nc, records, events, models).routes()
         + Models(nc, models).routes()
+        + Graders(graders or GraderContext()).routes()
         + [web.get("/healthz", healthz)]
     )
     return app
@@ -78,16 +87,22 @@ class Gateway:
     """Bind first (a taken port stops the command before anything else), then serve until stopped."""
 
     def __init__(
-        self, nc, models: dict[str, BaseModel], host: str = "127.0.0.1", port: int = 8000, spool_dir: str | None = None
+        self,
+        nc,
+        models: dict[str, BaseModel],
+        host: str = "127.0.0.1",
+        port: int = 8000,
+        spool_dir: str | None = None,
+        graders: GraderContext | None = None,
     ) -> None:
         self.nc, self.models, self.host, self.port, self.spool_dir = nc, models, host, port, spool_dir
+        self.graders = graders
         self._runner: web.AppRunner | None = None
 
     async def start(self) -> None:
         js = self.nc.jetstream()
-        app = make_app(
-            self.nc, await KeyStore.open(js), await js.key_value(names.GATEWAY_JOBS_KV), self.models, self.spool_dir
-        )
+        jobs_kv = await js.key_value(names.GATEWAY_JOBS_KV)
+        app = make_app(self.nc, await KeyStore.open(js), jobs_kv, self.models, self.spool_dir, self.graders)
         self._runner = web.AppRunner(app, access_log=None)
         await self._runner.setup()
         site = web.TCPSite(self._runner, self.host, self.port)

@@ -1,0 +1,30 @@
+"""Where graders run: the judge engine model graders call, whether python graders may run, the sandbox's limits."""
+
+from __future__ import annotations
+
+import tempfile
+from dataclasses import dataclass
+from typing import Literal
+
+PythonGraders = Literal["auto", "on", "off"]
+
+
+@dataclass(frozen=True)
+class GraderContext:
+    """What the operator allows here. `python_graders`: "auto" runs them only where the sandbox isolates fully
+    (services/graders/sandbox.py), "on" also where it cannot (the operator accepts what is missing), "off" never.
+    The limits hold per sample (cpu_s, wall_s) or per sandbox process (memory_mib, max_processes)."""
+
+    judge_url: str | None = None  # an OpenAI-compatible engine (…/v1/chat/completions); None: model graders refused
+    judge_api_key: str | None = None
+    judge_timeout_s: float = 60.0
+    judge_concurrency: int = 8
+    python_graders: PythonGraders = "auto"
+    cpu_s: float = 10.0
+    wall_s: float = 20.0
+    memory_mib: int = 512
+    max_processes: int = 8
+    scratch_dir: str | None = None  # where each sandbox gets a fresh directory; None: the system's temp dir
+
+    def scratch(self) -> str:
+        return self.scratch_dir or tempfile.gettempdir()
