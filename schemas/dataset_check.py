@@ -12,6 +12,7 @@ from typing import Literal
 
 import msgspec
 
+from schemas.dataset_rows import DatasetInvalid, detect_format, row_error
 from schemas.datasets import (
     FORMATS,
     HEAD_CHARS,
@@ -23,84 +24,13 @@ from schemas.datasets import (
     DatasetStats,
 )
 
+__all__ = ["DatasetChecker", "DatasetInvalid", "UTF8_BOM", "check_file", "detect_format", "row_error"]
+
 UTF8_BOM = b"\xef\xbb\xbf"
-_any = msgspec.json.Decoder()
 _decoders: dict[str, msgspec.json.Decoder] = {fmt: msgspec.json.Decoder(t) for fmt, t in ROW_TYPES.items()}
 _CHAT_ROLES = ("system", "user", "assistant")  # what _chat_counts counts, in its order
 assert set(_CHAT_ROLES) == set(ROLES), "_chat_counts counts each role by name"
 _BLANK_LINE_AFTER = re.compile(rb"\n[ \t\r\n]")  # a line that begins with JSON whitespace may be blank
-_SIGNATURES: dict[DatasetFormat, set[str]] = {
-    "chat": {"messages"},
-    "qa": {"q", "a"},
-    "alpaca": {"instruction", "output"},
-    "text": {"text"},
-    "preference": {"input", "preferred_output", "non_preferred_output"},
-}
-
-
-class DatasetInvalid(Exception):
-    """A file that is not a dataset jetlora can store: what is wrong, where, and how to fix it."""
-
-    def __init__(self, errors: list[str], summary: str = "") -> None:
-        super().__init__(summary or "; ".join(errors))
-        self.errors = errors
-
-
-def detect_format(row: bytes) -> DatasetFormat:
-    """The format a row's keys say; DatasetInvalid when none or more than one fits."""
-    try:
-        obj = _any.decode(row)
-    except msgspec.DecodeError as e:
-        raise DatasetInvalid([f"the first row is not JSON ({e})"]) from None
-    keys = set(obj) if isinstance(obj, dict) else set()
-    fits = [fmt for fmt, needed in _SIGNATURES.items() if needed <= keys]
-    if len(fits) == 1:
-        return fits[0]
-    known = "; ".join(f"{fmt}: {shape}" for fmt, shape in FORMATS.items())
-    if not fits:
-        raise DatasetInvalid(
-            [f"the first row's keys {sorted(keys)} fit no format ({known}); fix the rows or say --format"]
-        )
-    raise DatasetInvalid([f"the first row fits several formats ({', '.join(fits)}); say which with --format"])
-
-
-def row_error(fmt: str, row) -> str | None:
-    """What is wrong with one decoded row beyond its types, or None."""
-    if fmt == "qa":
-        return None if row.q.strip() and row.a.strip() else "q and a must both have text"
-    if fmt == "alpaca":
-        return None if row.instruction.strip() and row.output.strip() else "instruction and output must both have text"
-    if fmt == "text":
-        return None if row.text.strip() else "text is empty"
-    if fmt == "preference":
-        return _preference_error(row)
-    if not row.messages:
-        return "messages is empty; a conversation needs at least a user and an assistant message"
-    for n, m in enumerate(row.messages, 1):
-        if m.role not in ROLES:
-            return f"message {n} has role {m.role!r}; roles are {', '.join(ROLES)}"
-        if m.weight not in (None, 0, 1):
-            return f"message {n} has weight {m.weight}; a weight is 0 (context only) or 1 (learnt)"
-        if m.weight is not None and m.role != "assistant":
-            return f"message {n} is a {m.role} message with a weight; only assistant messages take one"
-    if not any(m.role == "assistant" and m.weight != 0 for m in row.messages):
-        return "no assistant message to learn (none, or all have weight 0); add one or drop the row"
-    return None
-
-
-def _preference_error(row) -> str | None:
-    if not row.input.messages or row.input.messages[-1].role == "assistant":
-        return "input.messages must hold the conversation up to the answer, ending with a user (or system) message"
-    for n, m in enumerate(row.input.messages, 1):
-        if m.role not in ROLES:
-            return f"input.messages[{n}] has role {m.role!r}; roles are {', '.join(ROLES)}"
-    for side in ("preferred_output", "non_preferred_output"):
-        out = getattr(row, side)
-        if len(out) != 1 or out[0].role != "assistant" or not out[0].content.strip():
-            return f'{side} must be one assistant message with text, e.g. [{{"role": "assistant", "content": "..."}}]'
-    if row.preferred_output[0].content == row.non_preferred_output[0].content:
-        return "preferred_output and non_preferred_output are the same answer; a pair must differ to teach anything"
-    return None
 
 
 def _where(e: msgspec.ValidationError) -> str:
@@ -276,6 +206,9 @@ class DatasetChecker:
             chars = len(row.instruction) + len(row.input) + len(row.output)
         elif self.fmt == "preference":
             chars = sum(len(m.content) for m in row.input.messages + row.preferred_output + row.non_preferred_output)
+        elif self.fmt == "rft":
+            chars = sum(len(m.content) for m in row.messages)
+            self.roles.update(m.role for m in row.messages)
         else:
             chars = len(row.text)
         self._counted(chars, line)

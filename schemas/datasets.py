@@ -13,7 +13,7 @@ from msgspec import Meta, Struct, field
 from schemas import names
 from schemas.jobs import DatasetName, DatasetRef, JobId, JobState, TenantId  # noqa: F401 (a job names its data with a DatasetRef)
 
-DatasetFormat = Literal["qa", "chat", "alpaca", "text", "preference"]
+DatasetFormat = Literal["qa", "chat", "alpaca", "text", "preference", "rft"]
 FORMATS: dict[str, str] = {  # what each format's rows hold, as error messages show it
     "qa": '{"q": question, "a": answer}',
     "chat": '{"messages": [{"role": "system"|"user"|"assistant", "content": text, "weight": 0|1 (optional)}, ...]}',
@@ -21,6 +21,8 @@ FORMATS: dict[str, str] = {  # what each format's rows hold, as error messages s
     "text": '{"text": text} (continued pre-training: the loss covers every token)',
     "preference": '{"input": {"messages": [...]}, "preferred_output": [{"role": "assistant", "content": text}], '
     '"non_preferred_output": [{"role": "assistant", "content": text}]} (OpenAI\'s, for DPO)',
+    "rft": '{"messages": [..., {"role": "user", "content": text}], ...any fields the grader reads as {{item.<field>}}} '
+    "(OpenAI's reinforcement fine-tuning rows, for GRPO: the messages end with the user turn the model answers)",
 }
 ROLES = ("system", "user", "assistant")
 
@@ -65,12 +67,20 @@ class PreferenceRow(Struct, gc=False):
     non_preferred_output: list[ChatMessage]
 
 
+class RftRow(Struct, gc=False):
+    """OpenAI's reinforcement fine-tuning row: a conversation up to the turn the model answers; the row's other
+    fields (any) are the grader's `item`."""
+
+    messages: list[ChatMessage]
+
+
 ROW_TYPES: dict[str, type] = {
     "qa": QARow,
     "chat": ChatRow,
     "alpaca": AlpacaRow,
     "text": TextRow,
     "preference": PreferenceRow,
+    "rft": RftRow,
 }
 
 

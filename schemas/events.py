@@ -18,6 +18,24 @@ class PreferenceMetrics(Struct, kw_only=True):
     accuracy: float  # the fraction of pairs where the chosen answer's reward is the higher
 
 
+class RewardStats(Struct, kw_only=True):
+    mean: float
+    std: float
+
+
+class ReinforcementMetrics(Struct, kw_only=True):
+    """A grpo job's figures over the logged steps' completions (sampled by the adapter, scored by the grader)."""
+
+    reward: float  # the completions' mean score
+    reward_std: float
+    graders: dict[str, RewardStats] = field(default_factory=dict)  # by name: the grader's, a multi grader's parts
+    pass_rate: float  # the share scoring at least the grader's pass threshold (above 0.5 where it has none)
+    kl: float | None = None  # per completion token, against the reference (grpo_beta > 0)
+    completion_tokens: float  # the completions' mean length
+    rollouts_per_s: float  # completions sampled and graded per second of doing so
+    grading_failures: int = 0  # completions the grader failed on (scored 0)
+
+
 class Progress(Struct, tag="progress", tag_field="type", kw_only=True):
     """One logging step of training (the fields of both seeds' progress)."""
 
@@ -37,6 +55,8 @@ class Progress(Struct, tag="progress", tag_field="type", kw_only=True):
     message: str = ""
     ts: float = 0.0
     preference: PreferenceMetrics | None = None  # dpo jobs
+    reinforcement: ReinforcementMetrics | None = None  # grpo jobs
+    eval_reward: float | None = None  # grpo: the latest evaluation's mean reward on held-out prompts
 
 
 class StateChange(Struct, tag="state", tag_field="type", kw_only=True):
@@ -115,6 +135,7 @@ class Finished(Struct, tag="finished", tag_field="type", kw_only=True):
     message: str = ""
     best_step: int | None = None  # keep_best: the step whose adapter this is
     best_eval_loss: float | None = None
+    best_eval_reward: float | None = None  # grpo's keep_best: the best evaluation's mean reward
     probe: Probe | None = None  # the adapter's greedy answer to PROBE_PROMPT (trained or stopped, not paused)
 
 
@@ -131,10 +152,12 @@ class Cancelled(Struct, tag="cancelled", tag_field="type", kw_only=True):
 class Sample(Struct):
     prompt: str
     answer: str
+    score: float | None = None  # grpo: the grader's score of the answer
 
 
 class Samples(Struct, tag="samples", tag_field="type", kw_only=True):
-    """Greedy answers to the job's sample prompts: by the adapter at an evaluation, or once by the base model."""
+    """Greedy answers to the job's sample prompts: by the adapter at an evaluation, or once by the base model
+    (grpo: held-out prompts' answers at an evaluation, with their scores)."""
 
     job: JobId | None = None  # set by the agent when it publishes
     step: int

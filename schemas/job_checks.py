@@ -3,15 +3,24 @@ and the fix; parse_job_request runs them after the schema's own."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
+from schemas.graders import Grader
 from schemas.jobs import UNEXPORTABLE_TARGETS, JobRequest
 from schemas.training import check_training
 from schemas.validate import FieldError, parse_all
 
 
-def check_request(req: JobRequest) -> list[FieldError]:
-    """Rules that span fields or need more than a type: each error says what to change."""
+GraderCheck = Callable[[Grader, str], list[FieldError]]  # services.graders.check: what a grader gets wrong
+
+
+def check_request(req: JobRequest, grader_check: GraderCheck | None = None) -> list[FieldError]:
+    """Rules that span fields or need more than a type: each error says what to change. A grader is checked by
+    `grader_check` where the caller has it (the graders are plumbing above the contract: the scheduler passes it)."""
     errors = _data_errors(req) + _held_out_errors(req) + _schedule_errors(req) + _device_errors(req)
     errors += _adapter_errors(req)
+    if grader_check is not None and req.train.grader is not None:
+        errors += grader_check(req.train.grader, "train.grader")
     return errors + check_training(req.lora, req.train, req.accelerator, req.quantization, req.served_by)
 
 
@@ -133,26 +142,30 @@ def _adapter_errors(req: JobRequest) -> list[FieldError]:
         )
     if req.init_adapter is not None and req.lora.init != "default":
         errors.append(FieldError("lora.init", "the job starts from init_adapter's weights: drop lora.init"))
-    if req.train.method == "dpo" and (req.data or req.devices > 1):
+    if (data := DATASET_OF_METHOD.get(req.train.method)) and (req.data or req.devices > 1):
         errors.append(
             FieldError(
                 "data" if req.data else "devices",
-                "dpo trains on a preference dataset (named in "
-                "dataset), on one device: upload the pairs with `jetlora datasets put` and name them",
+                f"{req.train.method} trains on {data} (named in dataset), on one device for now: upload it with "
+                "`jetlora datasets put` and name it",
             )
         )
     return errors
 
 
+DATASET_OF_METHOD = {"dpo": "a preference dataset", "grpo": "an rft dataset (prompts and the fields its grader reads)"}
+
+
 REQUIRED_PLACEHOLDERS = {"model": "-", "base_dir": "/-", "data": [{"q": "-", "a": "-"}], "dataset": None}
 
 
-def parse_job_request(data: bytes) -> JobRequest:
-    """A submitted job, or InvalidRequest with every error the schema and the checks find."""
+def parse_job_request(data: bytes, grader_check: GraderCheck | None = None) -> JobRequest:
+    """A submitted job, or InvalidRequest with every error the schema and the checks find (a grader's too, given
+    services.graders.check)."""
     return parse_all(
         data,
         JobRequest,
-        check_request,
+        lambda req: check_request(req, grader_check),
         REQUIRED_PLACEHOLDERS,
         "send a JSON object with model, base_dir and data or dataset",
     )

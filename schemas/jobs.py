@@ -253,6 +253,7 @@ class CheckpointInfo(Struct, kw_only=True):
     loss: float | None = None  # train loss of the steps logged last
     eval_loss: float | None = None  # the latest evaluation's
     created: float = 0.0
+    eval_reward: float | None = None  # grpo: the latest evaluation's mean reward
 
 
 class JobStatus(Struct, kw_only=True):

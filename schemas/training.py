@@ -7,6 +7,7 @@ from typing import Annotated, Literal
 
 from msgspec import Meta, Struct, field
 
+from schemas.graders import Grader
 from schemas.validate import FieldError, pattern
 
 MODULE_NAME = pattern(
@@ -19,6 +20,7 @@ ATTENTION_AND_MLP = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_pr
 ADAM_BETAS = (0.9, 0.999)
 ADAM_EPS = 1e-8
 MUTATING_INITS = ("pissa", "loftq")  # they change the base's weights: the adapter is saved as a plain LoRA of 2r
+GRPO_FIELDS = ("group_size", "max_completion_tokens", "temperature", "grpo_beta", "grpo_epsilon", "eval_samples")
 
 
 class LoftQ(Struct, forbid_unknown_fields=True, kw_only=True):
@@ -137,11 +139,12 @@ class TrainConfig(Struct, forbid_unknown_fields=True, kw_only=True):
     ] = field(default_factory=list)
     sample_max_tokens: Annotated[int, Meta(ge=1, le=1024)] = 48
     method: Annotated[
-        Literal["sft", "dpo"],
+        Literal["sft", "dpo", "grpo"],
         Meta(
             description=(
                 "sft: learn the answers (chat, qa, alpaca or text data); dpo: prefer one answer to another (preference "
-                "data), the base model with the adapter switched off being the reference"
+                "data), the base model with the adapter switched off being the reference; grpo: reinforcement from the "
+                "grader's scores of completions the adapter samples itself (rft data)"
             )
         ),
     ] = "sft"
@@ -151,13 +154,35 @@ class TrainConfig(Struct, forbid_unknown_fields=True, kw_only=True):
             gt=0, le=10, description=("dpo's beta: how strongly the adapter is held to the reference (higher: closer)")
         ),
     ] = 0.1
+    grader: Annotated[
+        Grader | None, Meta(description="grpo's: OpenAI's grader JSON, scoring each completion (the row is its item)")
+    ] = None
+    group_size: Annotated[
+        int, Meta(ge=2, le=256, description="grpo: completions sampled per prompt, compared within their group")
+    ] = 4
+    max_completion_tokens: Annotated[
+        int, Meta(ge=1, le=32768, description="grpo: the most tokens a sampled completion has")
+    ] = 64
+    temperature: Annotated[
+        float, Meta(gt=0, le=10, description="grpo: the sampling temperature of completions (and of their log-probs)")
+    ] = 1.0
+    grpo_beta: Annotated[
+        float,
+        Meta(ge=0, le=10, description="grpo: the KL coefficient against the reference; 0 (TRL's default): no KL term"),
+    ] = 0.0
+    grpo_epsilon: Annotated[
+        float, Meta(gt=0, lt=1, description="grpo: the ratio is clipped to [1 - epsilon, 1 + epsilon]")
+    ] = 0.2
+    eval_samples: Annotated[
+        int, Meta(ge=1, le=100_000, description="grpo: held-out prompts answered and graded at each evaluation")
+    ] = 16
 
 
 def check_training(
     lora: LoraConfig, t: TrainConfig, accelerator: str, quantization: str, served_by: str
 ) -> list[FieldError]:
     """The initialiser and optimizer rules: what needs a GPU, what a setting does not apply to."""
-    errors = []
+    errors = method_errors(t)
     if t.optimizer == "adamw_8bit" and accelerator != "gpu":
         errors.append(
             FieldError(
@@ -181,8 +206,6 @@ def check_training(
                 f"{where} applies to adamw and adamw_8bit, not {t.optimizer}: drop it or choose an AdamW optimizer",
             )
         )
-    if t.method == "dpo" and t.grad_accum != 1:
-        errors.append(FieldError("train.grad_accum", "dpo takes train.batch_size pairs per step: set grad_accum to 1"))
     if lora.init == "loftq" and accelerator != "gpu":
         errors.append(
             FieldError(
@@ -207,4 +230,44 @@ def check_training(
                 "512 vLLM serves; lower lora.r to 256 or less",
             )
         )
+    return errors
+
+
+def method_errors(t: TrainConfig) -> list[FieldError]:
+    """What each method takes: dpo a step of pairs, grpo a grader and room for its completions; grpo's settings
+    on no other method."""
+    errors = []
+    if t.method == "dpo" and t.grad_accum != 1:
+        errors.append(FieldError("train.grad_accum", "dpo takes train.batch_size pairs per step: set grad_accum to 1"))
+    if t.method == "grpo" and t.grader is None:
+        errors.append(
+            FieldError(
+                "train.grader",
+                "grpo learns from a grader's scores: give one (OpenAI's grader JSON, e.g. "
+                '{"type": "string_check", "name": "has_answer", "input": "{{sample.output_text}}", '
+                '"reference": "{{item.answer}}", "operation": "like"})',
+            )
+        )
+    if t.method != "grpo" and t.grader is not None:
+        errors.append(
+            FieldError("train.grader", "a grader scores grpo's completions: set train.method to grpo or drop it")
+        )
+    if t.method == "grpo" and t.max_completion_tokens >= t.max_seq_length:
+        errors.append(
+            FieldError(
+                "train.max_completion_tokens",
+                f"{t.max_completion_tokens} completion tokens leave no room for the prompt in train.max_seq_length "
+                f"{t.max_seq_length}: lower it or raise max_seq_length",
+            )
+        )
+    if t.method != "grpo":
+        defaults = TrainConfig()
+        errors += [
+            FieldError(
+                f"train.{name}",
+                f"train.{name} is grpo's; {t.method} does not take it: drop it or set train.method to grpo",
+            )
+            for name in GRPO_FIELDS
+            if getattr(t, name) != getattr(defaults, name)
+        ]
     return errors

@@ -10,7 +10,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 SERVICES = {"scheduler", "agent", "registry", "artifacts", "gateway", "dashboard"}  # side by side, over NATS only
-SHARED = {"transfer"}  # packages of shared plumbing (the chunk protocol's client side, the stores' read side)
+SHARED = {"transfer", "graders"}  # shared plumbing packages: the chunk protocol's client side and the stores' read
+# side; OpenAI's graders, checked and run (the gateway and the trainer both use them)
 TOP = "cli"  # may import anything
 MAX_FUNCTION_LINES = 60
 

@@ -1,4 +1,5 @@
-"""Watching the eval loss: the best adapter so far (kept in memory), and when to stop because it stopped improving."""
+"""Watching the evaluations (the eval loss, or grpo's eval reward, higher being better): the best adapter so far
+(kept in memory), and when to stop because it stopped improving."""
 
 from __future__ import annotations
 
@@ -17,26 +18,34 @@ class BestEval:
     patience: int = 0  # evaluations without improvement before stopping; 0: never stop early
     min_delta: float = 0.0
     keep: bool = False  # keep the best adapter's weights, to end with them
-    loss: float | None = None
+    higher: bool = False  # the evaluations are rewards: higher is better
+    loss: float | None = None  # the best evaluation (a loss, or with `higher` a reward)
     step: int | None = None
     since: int = 0  # evaluations since the best
     weights: dict[str, torch.Tensor] | None = field(default=None, repr=False)
 
-    def observe(self, step: int, eval_loss: float, model) -> None:
-        if self.loss is None or eval_loss < self.loss - self.min_delta:
-            self.loss, self.step, self.since = eval_loss, step, 0
+    def observe(self, step: int, value: float, model) -> None:
+        if self.loss is None or self._better(value, self.loss):
+            self.loss, self.step, self.since = value, step, 0
             if self.keep:
                 self.weights = adapter_weights(model)
         else:
             self.since += 1
 
+    def _better(self, value: float, best: float) -> bool:
+        return value > best + self.min_delta if self.higher else value < best - self.min_delta
+
     @property
     def should_stop(self) -> bool:
         return bool(self.patience) and self.since >= self.patience
 
+    @property
+    def metric(self) -> str:
+        return "eval reward" if self.higher else "eval loss"
+
     def why_stopped(self, min_delta: float) -> str:
         return (
-            f"stopped early: the eval loss did not improve by more than {min_delta:g} for {self.since} "
+            f"stopped early: the {self.metric} did not improve by more than {min_delta:g} for {self.since} "
             f"evaluations (best {self.loss:.4f} at step {self.step})"
         )
 

@@ -4,7 +4,8 @@ tokens x vocabulary.
 The plain loss materialises every token's logits ([tokens x vocab], then again in fp32): for a 128k vocabulary and
 4,096 tokens that is 2 GB before the backward. Here the forward keeps only the summed loss, and the backward
 recomputes each chunk's logits to turn them into gradients, as Liger-Kernel's fused linear cross-entropy and
-Unsloth do, so at most one chunk's logits exist at a time.
+Unsloth do, so at most one chunk's logits exist at a time. grpo's per-token log-probabilities go through the
+projection the same way (chunked_token_logps: each chunk checkpointed, its logits made again in the backward).
 """
 
 from __future__ import annotations
@@ -70,3 +71,23 @@ def chunked_cross_entropy(
     """Summed cross-entropy of `hidden` [tokens, H] projected by `weight` [V, H] (and divided by `scale`, as
     Granite divides its logits) against `targets` [tokens]; IGNORE targets count for nothing."""
     return ChunkedLinearCrossEntropy.apply(hidden, weight, targets, chunk, scale)
+
+
+def _token_logps(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, scale: float) -> torch.Tensor:
+    logits = _logits(hidden, weight, scale)
+    return logits.gather(-1, targets[:, None]).squeeze(-1) - logits.logsumexp(-1)
+
+
+def chunked_token_logps(
+    hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, chunk: int, scale: float = 1.0
+) -> torch.Tensor:
+    """Each token's log softmax(hidden[t] @ weight.T / scale)[targets[t]]: [tokens]. A chunk's logits are made again
+    in the backward (activation checkpointing), so at most one chunk's exist at a time."""
+    from torch.utils.checkpoint import checkpoint
+
+    return torch.cat(
+        [
+            checkpoint(_token_logps, hidden[s : s + chunk], weight, targets[s : s + chunk], scale, use_reentrant=False)
+            for s in range(0, hidden.shape[0], chunk)
+        ]
+    )

@@ -13,6 +13,7 @@ import torch
 
 from trainer.errors import JobError
 from trainer.formats import IGNORE, Example, examples_of, prompt_text, prompt_tokens, render  # noqa: F401
+from trainer.rft import prompt_batches
 
 __all__ = ["IGNORE", "Example", "Examples", "Batch", "encode", "split", "split_pairs", "make_batches", "prompt_text"]
 
@@ -248,6 +249,8 @@ def make_batches(examples, train_cfg, pad_id: int, epoch: int, rank: int = 0, ra
     size = train_cfg.batch_size * ranks
     if train_cfg.method == "dpo":  # one device (the request's checks): a rank's share would split pairs
         return pair_batches(examples, train_cfg.batch_size, seed, pad_id)
+    if train_cfg.method == "grpo":  # prompts (rft.Prompts), answered as each step comes; one device, as dpo
+        return prompt_batches(examples, train_cfg.batch_size, seed)
     if train_cfg.packing:
         return packed_batches(examples, train_cfg.max_seq_length, size, seed).shard(rank, ranks)
     return padded_batches(examples, size, seed, pad_id).shard(rank, ranks)

@@ -1,4 +1,5 @@
-"""The training loop, top to bottom: LoRA on the base model, its optimizer, a schedule, accumulation, events."""
+"""The training loop, top to bottom: LoRA on the base model, its optimizer, a schedule, accumulation, events; grpo's
+completions are sampled and graded at the top of each step."""
 
 from __future__ import annotations
 
@@ -10,7 +11,16 @@ from pathlib import Path
 import msgspec
 import torch
 
-from schemas.events import Checkpoint, Finished, Progress, Started, TrainerSpec
+from schemas.events import (
+    Checkpoint,
+    Finished,
+    PreferenceMetrics,
+    Progress,
+    ReinforcementMetrics,
+    Samples,
+    Started,
+    TrainerSpec,
+)
 from trainer import data
 from trainer.adapter_init import save_plain_lora
 from trainer.best import BestEval
@@ -19,7 +29,7 @@ from trainer.chunked_loss import DEFAULT_CHUNK_TOKENS
 from trainer.distributed import World
 from trainer.errors import JobError
 from trainer.events import emit
-from trainer.objectives import Dpo, Sft
+from trainer.objectives import Dpo, Grpo, Sft
 from trainer.samples import probe, samples_event
 from trainer.setup import Run, prepare
 from trainer import lease
@@ -92,27 +102,30 @@ def train(spec: TrainerSpec, signals: Signals | None = None) -> Finished:
         samples(base=True)  # what the base model answers, before any step
     start = started(run)
     window_loss, window_count = 0.0, 0
-    eval_loss, paused = None, None
+    evaluated, paused = None, None  # the latest eval loss (grpo: eval reward)
     early, ended = "", False
     while at.step < run.plan.steps and not ended:  # the ranks agree to end after a step: its checkpoint is taken there
         batches = epoch_batches(run, at.epoch)
         first_batch, at.batch_in_epoch = at.batch_in_epoch, 0  # a resumed run starts mid-epoch, where it stopped
         for first in range(first_batch, len(batches), t.grad_accum):
             lease.hold_while_lapsed()  # the agent cannot vouch for this attempt now: no step until it can
-            step_loss, grad_norm, lr = optimizer_step(run, batches[first : first + t.grad_accum])
+            micro = run.objective.rollout(run.model, batches[first : first + t.grad_accum])  # grpo: sampled, graded
+            step_loss, grad_norm, lr = optimizer_step(run, micro)
             at.step += 1
             window_loss, window_count = window_loss + step_loss, window_count + 1
             position = (at.epoch, min(first + t.grad_accum, len(batches)))  # where the next step starts
 
             last = agree(signals, world) or at.step >= run.plan.steps
             if run.eval_batches and ((t.eval_steps and at.step % t.eval_steps == 0) or last):
-                eval_loss, early = evaluation(run, board)
+                evaluated, early, graded = evaluation(run, board)
                 last = last or bool(early)
-                if run.prompts and world.main:
+                if graded and world.main:
+                    publish(graded)  # grpo: held-out answers with their scores
+                elif run.prompts and world.main:
                     samples()
             if at.step % t.logging_steps == 0 or last:
                 epoch = at.epoch + position[1] / len(batches)
-                publish(progress(run, start, epoch, window_loss / window_count, lr, grad_norm, eval_loss, early))
+                publish(progress(run, start, epoch, window_loss / window_count, lr, grad_norm, evaluated, early))
                 window_loss, window_count = 0.0, 0
             paused = last and signals.agreed_pause  # as the ranks agreed it: a signal coming later is for no step
             if world.main and ((t.save_steps and at.step % t.save_steps == 0 and not last) or paused):
@@ -153,10 +166,12 @@ def open_board(run: Run):
 
 
 def progress(
-    run: Run, start: float, epoch: float, loss: float, lr: float, grad_norm: float, eval_loss: float | None, early: str
+    run: Run, start: float, epoch: float, loss: float, lr: float, grad_norm: float, evaluated: float | None, early: str
 ) -> Progress:
-    """The progress event after this step: the loss since the last one, speed, time left, memory."""
+    """The progress event after this step: the loss since the last one, speed, time left, memory, and the
+    method's own figures (dpo's preferences, grpo's rewards)."""
     at, elapsed = run.at, time.monotonic() - start
+    figures, rewarded = run.objective.metrics(run.world), isinstance(run.objective, Grpo)
     return Progress(
         step=at.step,
         steps=run.plan.steps,
@@ -169,9 +184,11 @@ def progress(
         elapsed_s=elapsed,
         eta_s=elapsed / at.step * (run.plan.steps - at.step),
         peak_mib=peak_mib(run.device),
-        eval_loss=eval_loss,
+        eval_loss=None if rewarded else evaluated,
+        eval_reward=evaluated if rewarded else None,
         message=early,
-        preference=run.objective.metrics(run.world),
+        preference=figures if isinstance(figures, PreferenceMetrics) else None,
+        reinforcement=figures if isinstance(figures, ReinforcementMetrics) else None,
     )
 
 
@@ -204,15 +221,19 @@ def save_the_end(run: Run, paused: bool, early: str) -> Finished:
     return finished
 
 
-def evaluation(run: Run, board) -> tuple[float, str]:
-    """The eval loss now, kept if it is the best so far; and why to stop early ("": go on)."""
-    t, step = run.spec.request.train, run.at.step
-    eval_loss = evaluate(
-        run.model, run.eval_batches, run.device, run.autocast_dtype, t.loss_chunk_tokens, run.world, run.objective
-    )
-    run.best.observe(step, eval_loss, run.model)
-    board.evaluation(step, eval_loss)
-    return eval_loss, run.best.why_stopped(t.early_stopping_min_delta) if run.best.should_stop else ""
+def evaluation(run: Run, board) -> tuple[float, str, Samples | None]:
+    """The eval loss now (grpo: the held-out prompts' mean reward, and a few of its answers, scored), kept if it
+    is the best so far; and why to stop early ("": go on)."""
+    t, step, graded = run.spec.request.train, run.at.step, None
+    if isinstance(run.objective, Grpo):
+        value, graded = run.objective.evaluate(run.model, run.eval_batches, step)
+    else:
+        value = evaluate(
+            run.model, run.eval_batches, run.device, run.autocast_dtype, t.loss_chunk_tokens, run.world, run.objective
+        )
+    run.best.observe(step, value, run.model)
+    board.evaluation(step, value, "reward" if run.best.higher else "loss")
+    return value, run.best.why_stopped(t.early_stopping_min_delta) if run.best.should_stop else "", graded
 
 
 def announce(run: Run) -> None:
@@ -291,12 +312,13 @@ def finish(
     stopped = step < steps and not early
     message = f"stopped at step {step} of {steps} and saved" if stopped else early or f"trained {step} steps"
     if kept:
-        message += f"; the adapter is step {best.step}'s, the best eval loss ({best.loss:.4f})"
+        message += f"; the adapter is step {best.step}'s, the best {best.metric} ({best.loss:.4f})"
     return Finished(
         state="stopped" if stopped else "trained",
         step=step,
         adapter_dir=str(adapter),
         message=message,
         best_step=best.step if kept else None,
-        best_eval_loss=best.loss if kept else None,
+        best_eval_loss=best.loss if kept and not best.higher else None,
+        best_eval_reward=best.loss if kept and best.higher else None,
     )

@@ -1,22 +1,32 @@
-"""What a step minimises: the answers' cross-entropy (sft) or the preference loss (dpo). The loop asks an
-objective for a micro-batch's summed loss and for what the step's loss is averaged over."""
+"""What a step minimises: the answers' cross-entropy (sft), the preference loss (dpo), or the policy loss on
+completions the adapter samples and a grader scores (grpo). The loop asks an objective for what a step learns from
+(grpo's completions are sampled then), a micro-batch's summed loss and what the step's loss is averaged over."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
-from schemas.events import PreferenceMetrics
+from schemas.events import PreferenceMetrics, ReinforcementMetrics, Sample, Samples
 from trainer import data
 from trainer.dpo import PairStats, dpo_loss
+from trainer.grpo import grpo_loss
 from trainer.losses import batch_loss
+from trainer.reward_stats import RewardWindow
+from trainer.rollouts import Rollout, complete, grade, grader_context, rollout, texts_of
+from trainer.samples import AUTO_PROMPTS
 
 
 @dataclass
 class Sft:
     autocast_dtype: torch.dtype
     chunk_tokens: int
+
+    def rollout(self, model, batches: list) -> list:
+        """What the step learns from: the batches as they are (the data holds the answers)."""
+        return batches
 
     def count(self, batch: data.Batch) -> int:
         """Target tokens: the step's loss is the mean over them."""
@@ -35,6 +45,10 @@ class Dpo:
     chunk_tokens: int
     beta: float
     window: PairStats = field(default_factory=PairStats)  # since the last metrics()
+
+    def rollout(self, model, batches: list) -> list:
+        """What the step learns from: the pairs as they are."""
+        return batches
 
     def count(self, batch: data.Batch) -> int:
         """Pairs: the step's loss is the mean over them."""
@@ -62,7 +76,64 @@ class Dpo:
         )
 
 
-def objective_for(train, autocast_dtype: torch.dtype) -> Sft | Dpo:
+@dataclass
+class Grpo:
+    autocast_dtype: torch.dtype
+    chunk_tokens: int
+    train: Any  # the job's TrainConfig: the grader, group_size, temperature, beta, epsilon...
+    tokenizer: Any
+    device: str
+    context: Any  # services.graders' GraderContext: where graders run
+    window: RewardWindow = field(init=False)  # since the last metrics()
+
+    def __post_init__(self) -> None:
+        self.window = RewardWindow(self.train.grader)
+
+    def rollout(self, model, batches: list) -> list[Rollout]:
+        """What the step learns from: each micro-batch's prompts answered now by the adapter, and graded."""
+        out = [rollout(model, self.tokenizer, p, self.train, self.context, self.device) for p in batches if p]
+        for batch in out:
+            self.window.add(batch)
+        return out
+
+    def count(self, batch: Rollout) -> int:
+        """Completion tokens: the step's loss is the mean over them (TRL's loss_type dapo)."""
+        return int(batch.completion_mask.sum())
+
+    def loss(self, model, batch: Rollout) -> torch.Tensor:
+        t = self.train
+        loss, kl = grpo_loss(
+            model, batch, t.grpo_beta, t.grpo_epsilon, t.temperature, self.autocast_dtype, self.chunk_tokens
+        )
+        self.window.kl += kl
+        return loss
+
+    def metrics(self, world) -> ReinforcementMetrics | None:
+        """The rewards of the completions graded since the last call (one device: the request's checks)."""
+        metrics = self.window.report(with_kl=self.train.grpo_beta > 0)
+        self.window = RewardWindow(self.train.grader)
+        return metrics
+
+    @torch.no_grad()
+    def evaluate(self, model, batches: list, step: int) -> tuple[float, Samples]:
+        """The mean score of the held-out prompts' greedy answers, and the first few of them, scored."""
+        t, shown = self.train, []
+        for prompts in batches:
+            ids, _, completion_mask = complete(
+                model, self.tokenizer, prompts.ids, t.max_completion_tokens, None, self.device
+            )
+            answers = texts_of(self.tokenizer, ids, completion_mask)
+            results = grade(t.grader, answers, prompts.items, self.context)
+            shown += [Sample(p, a, r.score) for p, a, r in zip(prompts.shown, answers, results)]
+        mean = sum(s.score or 0.0 for s in shown) / max(len(shown), 1)
+        return mean, Samples(step=step, model="adapter", samples=shown[:AUTO_PROMPTS])
+
+
+def objective_for(spec, tokenizer, device: str, autocast_dtype: torch.dtype) -> Sft | Dpo | Grpo:
+    train = spec.request.train
     if train.method == "dpo":
         return Dpo(autocast_dtype, train.loss_chunk_tokens, train.dpo_beta)
+    if train.method == "grpo":
+        context = grader_context(spec.out_dir)
+        return Grpo(autocast_dtype, train.loss_chunk_tokens, train, tokenizer, device, context)
     return Sft(autocast_dtype, train.loss_chunk_tokens)

@@ -8,18 +8,21 @@ from schemas.events import Sample, Samples
 from schemas.jobs import PROBE_HEAD_TOKENS, PROBE_PROMPT, PROBE_TOKENS, Probe
 from trainer.data import Examples
 from trainer.formats import IGNORE, prompt_text
+from trainer.rft import Prompts
 
 AUTO_PROMPTS = 3
 
 
 def sample_prompts(setting, tokenizer, held_out: Examples, train_set: Examples) -> list[tuple[str, list[int]]]:
     """(prompt as shown, its token ids with the model's template): the job's own prompts, or with `auto` the
-    first held-out examples' prompts (the training ones when nothing is held out)."""
+    first held-out examples' prompts (the training ones when nothing is held out; grpo's prompts as they are)."""
     if not setting:
         return []
     if setting != "auto":
         return [(p, tokenizer(prompt_text(tokenizer, p), add_special_tokens=False)["input_ids"]) for p in setting]
     source = held_out if len(held_out) else train_set
+    if isinstance(source, Prompts):  # grpo's: the prompts as they are answered
+        return list(zip(source.shown, source.ids))[:AUTO_PROMPTS]
     out = []
     for i in range(min(AUTO_PROMPTS, len(source))):
         ids, targets = source[i]

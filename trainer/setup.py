@@ -22,8 +22,9 @@ from trainer.distributed import World
 from trainer.dpo import REFERENCE
 from trainer.errors import JobError
 from trainer.events import mute
-from trainer.objectives import Dpo, Sft, objective_for
+from trainer.objectives import Dpo, Grpo, Sft, objective_for
 from trainer.optimizers import make_optimizer
+from trainer.rft import job_prompts
 from trainer.samples import sample_prompts
 from trainer.tokenize import job_data
 
@@ -75,7 +76,7 @@ class Run:
     best: BestEval
     prompts: list
     initial: Any  # pissa/loftq's starting weights, to save the adapter as a plain LoRA of the original base
-    objective: Sft | Dpo  # what a step minimises
+    objective: Sft | Dpo | Grpo  # what a step minimises
     at: Position = field(default_factory=Position)
     resumed_from: int | None = None
 
@@ -86,12 +87,13 @@ class Run:
 
 def lora_model(model, spec: TrainerSpec, device: str = "cpu"):
     """The model with its trainable LoRA: a new one, or the registered adapter the job starts from (loaded a second
-    time, frozen, as a dpo job's reference `ref`)."""
+    time, frozen, as the reference `ref` of a dpo job or a grpo job with a KL term)."""
     if spec.init_adapter:
         from peft import PeftModel
 
         model = PeftModel.from_pretrained(model, spec.init_adapter, is_trainable=True)
-        if spec.request.train.method == "dpo":
+        t = spec.request.train
+        if t.method == "dpo" or (t.method == "grpo" and t.grpo_beta > 0):
             model.load_adapter(spec.init_adapter, adapter_name=REFERENCE, is_trainable=False)
             model.set_adapter("default")
         return model
@@ -149,10 +151,11 @@ def prepare(spec: TrainerSpec) -> Run:
             t.early_stopping_patience,
             t.early_stopping_min_delta,
             keep=bool(eval_batches) if t.keep_best is None else t.keep_best,
+            higher=t.method == "grpo",  # its evaluations are rewards
         ),
         prompts=sample_prompts(t.sample_prompts, tokenizer, eval_set, train_set),
         initial=initial,
-        objective=objective_for(t, dtype if device == "cuda" else torch.float32),
+        objective=objective_for(spec, tokenizer, device, dtype if device == "cuda" else torch.float32),
     )
     if spec.resume_from:
         state = resume(model, optimizer, run.scheduler, Path(spec.resume_from))
@@ -164,11 +167,18 @@ def prepare(spec: TrainerSpec) -> Run:
 
 def _tokenized(spec: TrainerSpec, tokenizer, world: World):
     """The job's examples: rank 0 tokenizes into the node's cache, the others read them from there."""
+    if spec.request.train.method == "grpo":  # prompts to answer, read whole: nothing to tokenize ahead (one rank)
+        train_set, eval_set = job_prompts(spec, tokenizer)
+        return _some(train_set), eval_set
     if not world.main:
         world.barrier()
     train_set, eval_set = job_data(spec, tokenizer)
     if world.main:
         world.barrier()
+    return _some(train_set), eval_set
+
+
+def _some(train_set):
     if not len(train_set):
         raise JobError("no training examples are left after the eval split; lower train.eval_fraction")
-    return train_set, eval_set
+    return train_set

@@ -5,6 +5,8 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
+from trainer.metrics import progress_metrics
+
 
 class TensorBoardLog:
     """A resumed run carries on the log its checkpoint holds: TensorBoard reads every event file of the directory,
@@ -24,20 +26,12 @@ class TensorBoardLog:
         shutil.copytree(self.dir, checkpoint / "tensorboard", dirs_exist_ok=True)
 
     def progress(self, p) -> None:
-        for name, value in (
-            ("train/loss", p.loss),
-            ("train/learning_rate", p.lr),
-            ("train/grad_norm", p.grad_norm),
-            ("train/tokens_per_s", p.tokens_per_s),
-            ("train/peak_mib", p.peak_mib),
-            ("train/epoch", p.epoch),
-        ):
-            if value is not None:
-                self.writer.add_scalar(name, value, p.step)
+        for name, value in progress_metrics(p).items():
+            self.writer.add_scalar(name, value, p.step)
 
-    def evaluation(self, step: int, eval_loss: float) -> None:
-        """At the step it was computed (progress events repeat the latest)."""
-        self.writer.add_scalar("eval/loss", eval_loss, step)
+    def evaluation(self, step: int, value: float, metric: str = "loss") -> None:
+        """At the step it was computed (progress events repeat the latest): eval/loss, or grpo's eval/reward."""
+        self.writer.add_scalar(f"eval/{metric}", value, step)
 
     def samples(self, ev) -> None:
         text = "\n\n".join(f"**{s.prompt}**\n\n{s.answer}" for s in ev.samples)
@@ -53,6 +47,6 @@ class NoLog:
 
     def copy_into(self, checkpoint: Path) -> None: ...
     def progress(self, p) -> None: ...
-    def evaluation(self, step: int, eval_loss: float) -> None: ...
+    def evaluation(self, step: int, value: float, metric: str = "loss") -> None: ...
     def samples(self, ev) -> None: ...
     def close(self) -> None: ...

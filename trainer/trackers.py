@@ -14,20 +14,9 @@ import msgspec
 
 from schemas.integrations import MLFLOW_JOB_TAG
 from trainer.errors import JobError
+from trainer.metrics import progress_metrics
 
-METRICS = (
-    ("train/loss", "loss"),
-    ("train/learning_rate", "lr"),
-    ("train/grad_norm", "grad_norm"),
-    ("train/tokens_per_s", "tokens_per_s"),
-    ("train/peak_mib", "peak_mib"),
-    ("train/epoch", "epoch"),
-)
 EXTRA = "pip install 'jetlora[tracking]' on the node, or drop it from the job's integrations"
-
-
-def progress_metrics(p) -> dict[str, float]:
-    return {name: float(getattr(p, field)) for name, field in METRICS if getattr(p, field) is not None}
 
 
 def run_config(spec) -> dict:
@@ -63,8 +52,8 @@ class WandbRun:
     def progress(self, p) -> None:
         self.run.log(progress_metrics(p), step=p.step)
 
-    def evaluation(self, step: int, eval_loss: float) -> None:
-        self.run.log({"eval/loss": eval_loss}, step=step)
+    def evaluation(self, step: int, value: float, metric: str = "loss") -> None:
+        self.run.log({f"eval/{metric}": value}, step=step)
 
     def samples(self, ev) -> None:
         table = self.wandb.Table(columns=["prompt", "answer"], data=[[s.prompt, s.answer] for s in ev.samples])
@@ -99,8 +88,8 @@ class MlflowRun:
     def progress(self, p) -> None:
         self._log(progress_metrics(p), p.step)
 
-    def evaluation(self, step: int, eval_loss: float) -> None:
-        self._log({"eval/loss": eval_loss}, step)
+    def evaluation(self, step: int, value: float, metric: str = "loss") -> None:
+        self._log({f"eval/{metric}": value}, step)
 
     def samples(self, ev) -> None:
         text = "\n\n".join(f"**{s.prompt}**\n\n{s.answer}" for s in ev.samples)
@@ -147,8 +136,8 @@ class RunLogs:
     def progress(self, p) -> None:
         self._each("progress", p)
 
-    def evaluation(self, step: int, eval_loss: float) -> None:
-        self._each("evaluation", step, eval_loss)
+    def evaluation(self, step: int, value: float, metric: str = "loss") -> None:
+        self._each("evaluation", step, value, metric)
 
     def samples(self, ev) -> None:
         self._each("samples", ev)

@@ -56,7 +56,8 @@ async def _upload(
 async def ship_checkpoint(
     nc: Client, node: str, a: Assignment, ev: Checkpoint, last: Progress | None
 ) -> CheckpointInfo:
-    """A checkpoint as tar.gz, stored as <job>/checkpoint-<step>, with the losses last reported before it."""
+    """A checkpoint as tar.gz, stored as <job>/checkpoint-<step>, with the losses (grpo: the eval reward) last
+    reported before it."""
     tar_path = Path(ev.path).parent / f"step-{ev.step}.tar.gz"
     await asyncio.to_thread(tar_dir, Path(ev.path), tar_path)
     ref = await _upload(
@@ -73,6 +74,7 @@ async def ship_checkpoint(
         loss=last.loss if last else None,
         eval_loss=last.eval_loss if last else None,
         created=time.time(),
+        eval_reward=last.eval_reward if last else None,
     )
 
 

@@ -8,6 +8,7 @@ import sys
 import msgspec
 
 from schemas.job_checks import parse_job_request
+from services import graders
 from schemas.memory import estimate, what_would_fit
 from schemas.validate import InvalidRequest
 from services.agent.models import read_shape
@@ -18,7 +19,7 @@ from services.cli.jobs import _load_job_file
 
 def cmd_estimate(args) -> int:
     try:
-        request = parse_job_request(_load_job_file(args.job_file))
+        request = parse_job_request(_load_job_file(args.job_file), graders.check)
         shape = read_shape(args.model_dir or request.base_dir)
     except (InvalidRequest, ValueError) as e:
         print(

@@ -203,6 +203,8 @@ def cmd_checkpoints(args) -> int:
         for c in reply.checkpoints:
             loss = "" if c.loss is None else f"loss {c.loss:.4f}"
             eval_loss = "" if c.eval_loss is None else f"eval {c.eval_loss:.4f}"
+            if c.eval_reward is not None:
+                eval_loss = f"eval reward {c.eval_reward:.4f}"
             print(f"step {c.step}\t{loss}\t{eval_loss}\t{c.name}")
 
     async def go(nc):

@@ -10,7 +10,16 @@ from nats.aio.client import Client
 from nats.js.api import DeliverPolicy
 
 from schemas import names
-from schemas.events import EventPage, EventsQuery, JobEvent, Preparing, Progress, Samples, StateChange
+from schemas.events import (
+    EventPage,
+    EventsQuery,
+    JobEvent,
+    Preparing,
+    Progress,
+    ReinforcementMetrics,
+    Samples,
+    StateChange,
+)
 from schemas.jobs import TERMINAL_STATES, Error, JobQuery, JobReply
 from services import bus
 from services.aio import cancel_and_wait
@@ -31,6 +40,10 @@ def progress_line(p: Progress) -> str:
         parts.append(f"loss {p.loss:.4f}")
     if p.eval_loss is not None:
         parts.append(f"eval {p.eval_loss:.4f}")
+    if p.eval_reward is not None:
+        parts.append(f"eval reward {p.eval_reward:.3f}")
+    if p.reinforcement is not None:
+        parts.append(reinforcement_part(p.reinforcement))
     if p.lr is not None:
         parts.append(f"lr {p.lr:.2e}")
     if p.tokens_per_s:
@@ -42,9 +55,26 @@ def progress_line(p: Progress) -> str:
     return "  ".join(parts)
 
 
+def reinforcement_part(r: ReinforcementMetrics) -> str:
+    """grpo's figures: the reward (each grader's where there are several), pass rate, KL, lengths, speed."""
+    parts = [f"reward {r.reward:.3f}±{r.reward_std:.3f}"]
+    if len(r.graders) > 1:
+        parts.append("(" + ", ".join(f"{name} {s.mean:.3f}" for name, s in r.graders.items()) + ")")
+    parts.append(f"pass {r.pass_rate:.0%}")
+    if r.kl is not None:
+        parts.append(f"kl {r.kl:.4f}")
+    parts.append(f"{r.completion_tokens:.0f} tok/completion  {r.rollouts_per_s:.1f} rollouts/s")
+    if r.grading_failures:
+        parts.append(f"{r.grading_failures} grading failures")
+    return " ".join(parts)
+
+
 def samples_lines(ev: Samples) -> str:
     who = "base model" if ev.model == "base" else f"adapter at step {ev.step}"
-    return "\n".join(f"  [{who}] {s.prompt!r} -> {s.answer.strip()!r}" for s in ev.samples)
+    return "\n".join(
+        f"  [{who}] {s.prompt!r} -> {s.answer.strip()!r}" + ("" if s.score is None else f"  score {s.score:.3f}")
+        for s in ev.samples
+    )
 
 
 def describe(ev) -> str:

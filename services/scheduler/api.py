@@ -35,7 +35,7 @@ from schemas.job_checks import parse_job_request
 from schemas.events import CheckpointList, EventPage, EventsQuery
 from schemas.nodes import Control, ControlReply, NodeInfo, NodeList
 from schemas.validate import InvalidRequest
-from services import bus
+from services import bus, graders
 from services.scheduler import listing, references, sizing
 from services.scheduler.core import Job, SchedulerCore
 from services.scheduler.history import events_page
@@ -95,7 +95,7 @@ class SchedulerApi:
     # --- submission ------------------------------------------------------------------------------
     @staticmethod
     def _parse_with_size(data: bytes) -> tuple[JobRequest, int]:
-        return parse_job_request(data), len(data)
+        return parse_job_request(data, graders.check), len(data)  # a grpo job's grader is checked whole here
 
     async def _accept(self, parsed: tuple[JobRequest, int], subject: str) -> Accepted | Rejected:
         request, size = parsed

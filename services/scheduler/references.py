@@ -33,13 +33,22 @@ def _datasets_named(req: JobRequest) -> set[str]:
     return {names.dataset_object(r.name, r.owner) for r in refs if r is not None}
 
 
-def method_mismatch(name: str, fmt: str, method: str) -> str:
-    """Why a dataset of format `fmt` does not fit the job's train.method."""
+METHOD_OF_FORMAT = {"preference": "dpo", "rft": "grpo"}  # every other format holds answers, which sft learns
+TRAINS_ON = {"dpo": "preference pairs", "grpo": "rft prompts", "sft": "answers"}
+
+
+def method_mismatch(name: str, fmt: str, method: str) -> str | None:
+    """Why a dataset of format `fmt` does not fit the job's train.method; None when it does."""
+    wanted = METHOD_OF_FORMAT.get(fmt, "sft")
+    if wanted == method:
+        return None
     if method == "dpo":
         return f"dataset {name} holds {fmt} rows; dpo trains on preference pairs: name a preference dataset"
+    if method == "grpo":
+        return f"dataset {name} holds {fmt} rows; grpo trains on prompts to answer: name an rft dataset"
     return (
-        f"dataset {name} holds preference pairs, which train.method 'dpo' trains on; set train.method to dpo, "
-        "or name a dataset of answers"
+        f"dataset {name} holds {TRAINS_ON[wanted]}, which train.method '{wanted}' trains on; set train.method to "
+        f"{wanted}, or name a dataset of answers"
     )
 
 
@@ -103,10 +112,8 @@ async def pin_datasets(core: SchedulerCore, req: JobRequest, tenant: str | None)
                         f"{fraction} of {found.stats.rows} rows holds out none; raise it or name a validation_dataset",
                     )
                 )
-            if (found.stats.format == "preference") != (req.train.method == "dpo"):
-                errors.append(
-                    FieldError(f"{where}.name", method_mismatch(ref.name, found.stats.format, req.train.method))
-                )
+            if mismatch := method_mismatch(ref.name, found.stats.format, req.train.method):
+                errors.append(FieldError(f"{where}.name", mismatch))
     return msgspec.structs.replace(req, **pinned), errors
 
 

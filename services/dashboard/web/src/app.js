@@ -114,9 +114,28 @@ function newChart() {
       { label: "loss", data: [], borderColor: "#9ab", pointRadius: 1, borderWidth: 1 },
       { label: `moving average (${WINDOW})`, data: [], borderColor: "#e63", pointRadius: 0, borderWidth: 2 },
       { label: "eval loss", data: [], borderColor: "#36c", pointRadius: 3, showLine: true },
+      // grpo's: the completions' mean reward at each step and the held-out prompts' at each evaluation
+      { label: "reward", data: [], borderColor: "#2a2", pointRadius: 1, borderWidth: 2, yAxisID: "reward" },
+      { label: "eval reward", data: [], borderColor: "#a2a", pointRadius: 3, showLine: true, yAxisID: "reward" },
     ] },
-    options: { animation: false, parsing: false, scales: { x: { type: "linear", title: { display: true, text: "step" } } } },
+    options: {
+      animation: false, parsing: false,
+      plugins: { legend: { labels: { filter: (item, data) => data.datasets[item.datasetIndex].data.length > 0 } } },
+      scales: {
+        x: { type: "linear", title: { display: true, text: "step" } },
+        reward: { type: "linear", position: "right", display: false, title: { display: true, text: "reward" } },
+      },
+    },
   });
+}
+
+function rewardFigures(ev) {
+  const r = ev.reinforcement;
+  if (!r) return "";
+  const kl = r.kl === null || r.kl === undefined ? "" : ` · kl ${fmt(r.kl, 4)}`;
+  return ` · reward ${fmt(r.reward, 3)} ± ${fmt(r.reward_std, 3)} · eval reward ${fmt(ev.eval_reward, 3)} · ` +
+    `pass ${fmt(100 * r.pass_rate, 0)}%${kl} · ${fmt(r.rollouts_per_s, 1)} rollouts/s` +
+    (r.grading_failures ? ` · ${r.grading_failures} grading failures` : "");
 }
 
 function escape(text) {
@@ -126,7 +145,8 @@ function escape(text) {
 function showSamples() {
   const { base, adapter } = state.samples;
   const prompts = (adapter || base).samples.map((s) => s.prompt);
-  const answer = (ev, i) => (ev && ev.samples[i] ? escape(ev.samples[i].answer) : "–");
+  const scored = (x) => (x.score === null || x.score === undefined ? "" : ` (score ${fmt(x.score, 2)})`);
+  const answer = (ev, i) => (ev && ev.samples[i] ? escape(ev.samples[i].answer) + scored(ev.samples[i]) : "–");
   $("samples").querySelector("tbody").innerHTML =
     `<tr><th>prompt</th><th>base model</th><th>adapter${adapter ? ` (step ${adapter.step})` : ""}</th></tr>` +
     prompts.map((p, i) => `<tr><td>${escape(p)}</td><td>${answer(base, i)}</td><td>${answer(adapter, i)}</td></tr>`).join("");
@@ -139,7 +159,7 @@ async function select(config, nc, js, jobId) {
   state.samples = {};
   $("job-title").textContent = `job ${jobId}`;
   newChart();
-  const evals = [];
+  const evals = [], rewards = [], evalRewards = [];
   // replay the job's events from the stream's start, then follow live
   const consumer = await js.consumers.get(config.stream, {
     filter_subjects: [sub(config.subjects.job_events, { job: jobId })], deliver_policy: DeliverPolicy.All,
@@ -152,12 +172,18 @@ async function select(config, nc, js, jobId) {
       if (ev.type === "progress") {
         if (ev.loss !== null) state.points.push({ x: ev.step, y: ev.loss });
         if (ev.eval_loss !== null && !evals.some((e) => e.x === ev.step)) evals.push({ x: ev.step, y: ev.eval_loss });
+        if (ev.reinforcement) rewards.push({ x: ev.step, y: ev.reinforcement.reward });
+        const evalReward = ev.eval_reward ?? null;
+        if (evalReward !== null && !evalRewards.some((e) => e.x === ev.step)) evalRewards.push({ x: ev.step, y: evalReward });
         $("figures").innerHTML = `step ${ev.step}/${ev.steps} · loss ${fmt(ev.loss)} · eval ${fmt(ev.eval_loss)} · ` +
           `lr ${ev.lr === null ? "–" : ev.lr.toExponential(2)} · ${fmt(ev.tokens_per_s, 0)} tok/s · ` +
-          `ETA ${fmt(ev.eta_s, 0)} s · peak ${fmt(ev.peak_mib, 0)} MiB`;
+          `ETA ${fmt(ev.eta_s, 0)} s · peak ${fmt(ev.peak_mib, 0)} MiB` + rewardFigures(ev);
         state.chart.data.datasets[0].data = state.points;
         state.chart.data.datasets[1].data = movingAverage(state.points);
         state.chart.data.datasets[2].data = evals;
+        state.chart.data.datasets[3].data = rewards;
+        state.chart.data.datasets[4].data = evalRewards;
+        state.chart.options.scales.reward.display = rewards.length > 0;
         state.chart.update("none");
       } else if (ev.type === "state") {
         $("job-state").textContent = `${ev.state}: ${ev.message}`;

@@ -1,0 +1,156 @@
+"""Completions the adapter writes itself, graded: what a grpo step learns from.
+
+Each prompt is answered `group_size` times by sampling (transformers' generate, the adapter on, plain sampling at
+the temperature, whatever the model's own generation_config says), the answers are decoded and scored by the
+job's grader, and each score is compared with its group's: the advantage, as TRL's GRPOTrainer computes it. The
+batch is laid out as TRL lays it out: each row its prompt, left-padded, then its completion, right-padded; a
+completion runs through its first end-of-sequence token (the tokenizer's, or one the model's generation_config
+declares, such as an end-of-turn token).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from transformers import GenerationConfig
+
+from schemas.graders import GradeResult, Sample
+from services.graders import GraderContext, grade_many
+from trainer.errors import JobError
+from trainer.rft import Prompts
+
+ADVANTAGE_EPS = 1e-4  # TRL's: (reward - group mean) / (group std + 1e-4)
+PLAIN_SAMPLING = dict(  # every warper off: samples from the policy at its temperature, what the loss assumes
+    do_sample=True, top_k=0, top_p=1.0, min_p=0.0, typical_p=1.0, epsilon_cutoff=0.0, eta_cutoff=0.0
+)
+PLAIN_GREEDY = dict(do_sample=False, temperature=None, top_k=None, top_p=None, min_p=None)
+NO_PENALTIES = dict(repetition_penalty=1.0, no_repeat_ngram_size=0, encoder_repetition_penalty=1.0)
+
+
+@dataclass
+class Rollout:
+    """One micro-batch of completions, ready for the loss."""
+
+    input_ids: torch.Tensor  # [rows, prompt + completion width]
+    attention_mask: torch.Tensor  # 0 on the prompts' left padding and after each completion's end
+    completion_mask: torch.Tensor  # [rows, completion width]: the completion's tokens, through its first eos
+    advantages: torch.Tensor  # [rows]
+    texts: list[str]
+    results: list[GradeResult]
+    seconds: float  # spent sampling and grading
+    tokens: int = field(init=False)  # real tokens, prompts and completions
+
+    def __post_init__(self) -> None:
+        self.tokens = int(self.attention_mask.sum())
+
+    def to(self, device) -> "Rollout":
+        return Rollout(
+            self.input_ids.to(device),
+            self.attention_mask.to(device),
+            self.completion_mask.to(device),
+            self.advantages.to(device),
+            self.texts,
+            self.results,
+            self.seconds,
+        )
+
+
+def grader_context(out_dir: str) -> GraderContext:
+    """Where graders run, as the node allows (its environment, never the job's, as W&B's credentials): the judge
+    engine model graders ask, whether python graders run."""
+    env, scratch = os.environ, Path(out_dir) / "graders"
+    python = env.get("JETLORA_PYTHON_GRADERS", "auto")
+    if python not in ("auto", "on", "off"):
+        raise JobError(f"the node's JETLORA_PYTHON_GRADERS is {python!r}; set it to auto, on or off")
+    scratch.mkdir(parents=True, exist_ok=True)
+    return GraderContext(
+        judge_url=env.get("JETLORA_JUDGE_URL") or None,
+        judge_api_key=env.get("JETLORA_JUDGE_API_KEY") or None,
+        python_graders=python,
+        scratch_dir=str(scratch),
+    )
+
+
+@torch.no_grad()
+def complete(model, tokenizer, prompts: list[list[int]], max_tokens: int, temperature: float | None, device):
+    """Each prompt's completion (sampled at `temperature`, or greedy with None): (input_ids, attention_mask,
+    completion_mask) in TRL's layout."""
+    pad, eos = pad_id(tokenizer), eos_ids(model, tokenizer)
+    width = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), width), pad, dtype=torch.long)
+    mask = torch.zeros((len(prompts), width), dtype=torch.long)
+    for n, p in enumerate(prompts):
+        ids[n, width - len(p) :], mask[n, width - len(p) :] = torch.tensor(p), 1
+    how = dict(PLAIN_SAMPLING, temperature=temperature) if temperature is not None else PLAIN_GREEDY
+    config = GenerationConfig(max_new_tokens=max_tokens, pad_token_id=pad, eos_token_id=eos, **how, **NO_PENALTIES)
+    was_training = model.training
+    model.eval()
+    out = model.generate(input_ids=ids.to(device), attention_mask=mask.to(device), generation_config=config).cpu()
+    model.train(was_training)
+    completions = out[:, width:]
+    is_eos = torch.isin(completions, torch.tensor(eos))
+    ends = torch.where(is_eos.any(1), is_eos.int().argmax(1), completions.shape[1])  # TRL's: through the first eos
+    completion_mask = (torch.arange(completions.shape[1])[None, :] <= ends[:, None]).long()
+    return out, torch.cat([mask, completion_mask], dim=1), completion_mask
+
+
+def eos_ids(model, tokenizer) -> list[int]:
+    """Every id that ends a completion: the tokenizer's eos and those the model's generation_config declares (an
+    end-of-turn token), as TRL takes them."""
+    declared = getattr(model.generation_config, "eos_token_id", None)
+    declared = [] if declared is None else [declared] if isinstance(declared, int) else list(declared)
+    return declared if tokenizer.eos_token_id in declared else [tokenizer.eos_token_id, *declared]
+
+
+def pad_id(tokenizer) -> int:
+    return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+
+
+def texts_of(tokenizer, input_ids: torch.Tensor, completion_mask: torch.Tensor) -> list[str]:
+    """The completions as the grader reads them: decoded without special tokens."""
+    width = completion_mask.shape[1]
+    return [
+        tokenizer.decode(row[-width:][m.bool()].tolist(), skip_special_tokens=True)
+        for row, m in zip(input_ids, completion_mask)
+    ]
+
+
+def grade(grader, texts: list[str], items: list[dict], context: GraderContext) -> list[GradeResult]:
+    """Each completion's score (its JSON too where it parses); a score that is not a number counts as a failure."""
+    results = grade_many(grader, [Sample.from_model_sample(t) for t in texts], items, context)
+    return [r if math.isfinite(r.score) else GradeResult(score=0.0, error=f"score {r.score}") for r in results]
+
+
+def group_advantages(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
+    """Each reward less its group's mean, over the group's std (Bessel-corrected) + 1e-4: TRL's scale_rewards
+    'group'."""
+    grouped = rewards.view(-1, group_size)
+    advantages = (grouped - grouped.mean(1, keepdim=True)) / (grouped.std(1, keepdim=True) + ADVANTAGE_EPS)
+    return advantages.view(-1)
+
+
+def rollout(model, tokenizer, prompts: Prompts, train, context: GraderContext, device) -> Rollout:
+    """group_size completions of each prompt (consecutive rows), sampled now, graded, with their advantages."""
+    start = time.monotonic()
+    g = train.group_size
+    repeated = [ids for ids in prompts.ids for _ in range(g)]
+    input_ids, attention_mask, completion_mask = complete(
+        model, tokenizer, repeated, train.max_completion_tokens, train.temperature, device
+    )
+    texts = texts_of(tokenizer, input_ids, completion_mask)
+    results = grade(train.grader, texts, [item for item in prompts.items for _ in range(g)], context)
+    rewards = torch.tensor([r.score for r in results], dtype=torch.float32)
+    return Rollout(
+        input_ids,
+        attention_mask,
+        completion_mask,
+        group_advantages(rewards, g),
+        texts,
+        results,
+        time.monotonic() - start,
+    )
