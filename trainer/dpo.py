@@ -1,7 +1,7 @@
 """Direct preference optimisation (Rafailov et al., 2023), as TRL's DPOTrainer computes its sigmoid loss.
 
 A batch holds B pairs as 2B rows, the chosen answers first and the rejected after them, each learnt only over its
-answer. The reference is the base model itself, the adapter switched off (peft's disable_adapter), so no second
+answer. The reference is the base model itself, the adapter switched off (peft's adapter layers disabled), so no second
 copy of the weights is held; a job that starts from a registered adapter (dpo after sft) keeps that adapter as it
 started, frozen, as the reference (a second LoRA, not a second model). For each pair, with log-probabilities summed over the answer's tokens:
 
@@ -29,8 +29,11 @@ REFERENCE = "ref"  # the frozen starting adapter's name in the peft model, where
 def reference(model):
     """The model as the reference: the frozen starting adapter active, or the adapter switched off."""
     if REFERENCE not in getattr(model, "peft_config", {}):
-        with model.disable_adapter():
+        model.base_model.disable_adapter_layers()  # peft's disable_adapter() less its survey of every layer's state
+        try:
             yield
+        finally:
+            model.base_model.enable_adapter_layers()
         return
     model.set_adapter(REFERENCE)  # peft makes the active adapter trainable: the trained one is made so again after
     try:
@@ -47,14 +50,20 @@ def sequence_logps(model, batch: Batch, autocast_dtype, chunk_tokens: int) -> to
         device_type=batch.input_ids.device.type, dtype=autocast_dtype, enabled=autocast_dtype != torch.float32
     ):
         out = head.decoder(**inputs).last_hidden_state if head else model(**inputs).logits
+    return logps_of(out, head, batch.targets, chunk_tokens)
+
+
+def logps_of(out: torch.Tensor, head, targets: torch.Tensor, chunk_tokens: int) -> torch.Tensor:
+    """Each row's summed log-probability of its learnt tokens from the model's output (the last hidden state
+    through `head`, or the logits where head is None): [rows]."""
     if head:  # a row at a time through the chunked projection: no [rows x length x vocab] logits
         return torch.stack(
             [
-                -chunked_cross_entropy(out[i], head.weight, batch.targets[i], chunk_tokens, head.scale)
+                -chunked_cross_entropy(out[i], head.weight, targets[i], chunk_tokens, head.scale)
                 for i in range(out.shape[0])
             ]
         )
-    losses = F.cross_entropy(out.float().transpose(1, 2), batch.targets, ignore_index=IGNORE, reduction="none")
+    losses = F.cross_entropy(out.float().transpose(1, 2), targets, ignore_index=IGNORE, reduction="none")
     return -losses.sum(dim=-1)
 
 
@@ -79,6 +88,12 @@ def dpo_loss(model, batch: Batch, beta: float, autocast_dtype, chunk_tokens: int
     policy = sequence_logps(model, batch, autocast_dtype, chunk_tokens)
     with torch.no_grad(), reference(model):
         referenced = sequence_logps(model, batch, autocast_dtype, chunk_tokens)
+    return preference_loss(policy, referenced, beta)
+
+
+def preference_loss(policy: torch.Tensor, referenced: torch.Tensor, beta: float) -> tuple[torch.Tensor, PairStats]:
+    """The summed sigmoid loss of pairs from each row's log-probability under the adapter and the reference (the
+    chosen rows first, the rejected after them), and the pairs' rewards."""
     policy_chosen, policy_rejected = policy.chunk(2)
     ref_chosen, ref_rejected = referenced.chunk(2)
     chosen, rejected = beta * (policy_chosen - ref_chosen), beta * (policy_rejected - ref_rejected)

@@ -25,13 +25,19 @@ def batch_loss(
         device_type=batch.input_ids.device.type, dtype=autocast_dtype, enabled=autocast_dtype != torch.float32
     ):
         out = head.decoder(**inputs).last_hidden_state if head else model(**inputs).logits
+    return targets_loss(out, head, targets, chunk_tokens), int((targets != data.IGNORE).sum())
+
+
+def targets_loss(
+    out: torch.Tensor, head: "OutputHead | None", targets: torch.Tensor, chunk_tokens: int
+) -> torch.Tensor:
+    """Summed cross-entropy of the model's output (the last hidden state through `head`, or the logits where head
+    is None) against flat `targets`."""
     if head:
-        loss = chunked_cross_entropy(out.reshape(-1, out.shape[-1]), head.weight, targets, chunk_tokens, head.scale)
-    else:
-        loss = torch.nn.functional.cross_entropy(
-            out.float().reshape(-1, out.shape[-1]), targets, ignore_index=data.IGNORE, reduction="sum"
-        )
-    return loss, int((targets != data.IGNORE).sum())
+        return chunked_cross_entropy(out.reshape(-1, out.shape[-1]), head.weight, targets, chunk_tokens, head.scale)
+    return torch.nn.functional.cross_entropy(
+        out.float().reshape(-1, out.shape[-1]), targets, ignore_index=data.IGNORE, reduction="sum"
+    )
 
 
 @dataclass

@@ -1,0 +1,39 @@
+"""Each job's loss from the group's one forward: its rows of the shared output through the same loss a job alone
+takes (trainer/losses.py's cross-entropy, trainer/dpo.py's preference loss), so the two cannot drift apart."""
+
+from __future__ import annotations
+
+import torch
+
+from trainer.co_train.combine import Combined, combine
+from trainer.co_train.layer import Routing
+from trainer.co_train.shared_base import SharedBase
+from trainer.dpo import logps_of, preference_loss
+from trainer.losses import targets_loss
+from trainer.objectives import Dpo
+
+
+@torch.no_grad()
+def reference_outputs(base: SharedBase, micro: dict, dpo_jobs: list[str], pad_id: int) -> dict[str, torch.Tensor]:
+    """The dpo jobs' rows through the base alone (their reference: no adapter), in one forward of their own."""
+    if not dpo_jobs:
+        return {}
+    ref = combine({j: micro[j] for j in dpo_jobs}, pad_id)
+    with base.routed(Routing()):
+        out = base.output(ref.batch)
+    return {j: out[span] for j, span in ref.spans.items()}
+
+
+def job_loss(
+    base: SharedBase, objective, out: torch.Tensor, combined: Combined, job: str, referenced: torch.Tensor | None
+) -> torch.Tensor:
+    """The job's summed loss (divided later by what its step's loss is averaged over) over its rows of `out`."""
+    rows = combined.spans[job]
+    targets = combined.batch.targets[rows]
+    if isinstance(objective, Dpo):
+        policy = logps_of(out[rows], base.head, targets, objective.chunk_tokens)
+        reference = logps_of(referenced, base.head, targets[:, : referenced.shape[1]], objective.chunk_tokens)
+        loss, stats = preference_loss(policy, reference, objective.beta)
+        objective.window.add(stats)
+        return loss
+    return targets_loss(out[rows], base.head, targets.reshape(-1), objective.chunk_tokens)
