@@ -37,10 +37,30 @@ class MethodSettings(Struct, forbid_unknown_fields=True, kw_only=True):
     hyperparameters: Hyperparameters = field(default_factory=Hyperparameters)
 
 
+class ReinforcementHyperparameters(Struct, forbid_unknown_fields=True, kw_only=True):
+    """OpenAI's ReinforcementHyperparameters; "auto" means jetlora's default (the README maps each to grpo's)."""
+
+    n_epochs: Annotated[int, Meta(ge=1, le=1000)] | Auto = "auto"
+    batch_size: Annotated[int, Meta(ge=1, le=256)] | Auto = "auto"
+    learning_rate_multiplier: Annotated[float, Meta(gt=0, le=1000)] | Auto = "auto"
+    compute_multiplier: Annotated[float, Meta(gt=0, le=64)] | Auto = "auto"  # completions per prompt: 4x it
+    eval_interval: Annotated[int, Meta(ge=1, le=1_000_000)] | Auto = "auto"
+    eval_samples: Annotated[int, Meta(ge=1, le=100_000)] | Auto = "auto"
+    reasoning_effort: str | None = None  # the fleet's models do not reason: only "default" (or "auto") is taken
+
+
+class ReinforcementSettings(Struct, forbid_unknown_fields=True, kw_only=True):
+    """OpenAI's ReinforcementMethod: the grader stays JSON here, so that every error in it is named by its path."""
+
+    grader: dict[str, Any]
+    hyperparameters: ReinforcementHyperparameters = field(default_factory=ReinforcementHyperparameters)
+
+
 class Method(Struct, forbid_unknown_fields=True, kw_only=True):
-    type: Literal["supervised", "dpo"] = "supervised"
+    type: Literal["supervised", "dpo", "reinforcement"] = "supervised"
     supervised: MethodSettings | None = None
     dpo: MethodSettings | None = None
+    reinforcement: ReinforcementSettings | None = None
 
 
 class CreateJob(Struct, forbid_unknown_fields=True, kw_only=True):
@@ -79,8 +99,9 @@ class GatewayJob(Struct, kw_only=True):
     suffix: str | None = None
     seed: int
     metadata: dict[str, str] | None = None
-    method: Literal["supervised", "dpo"] = "supervised"
+    method: Literal["supervised", "dpo", "reinforcement"] = "supervised"
     hyperparameters: dict[str, Any] = field(default_factory=dict)
+    grader: dict[str, Any] | None = None  # a reinforcement job's, as the client sent it
     fine_tuned_model: NodeId
     created: float
     eval_steps: int = 0  # the job's train.eval_steps (0: evaluated at the end only): where its valid_loss was measured

@@ -9,40 +9,48 @@ import time
 
 from services.cli import args as args_
 from services.cli.client import EXIT_OK, CommandFailed, run_client, show
+from services.cli.grader_flags import grader_context, grader_flags
 from services.cli.running import run_service
 from services.runtime import StartupError
 
 
-def base_models(specs: list[str], accelerator: str, served_by: str, save_steps: int) -> dict:
-    """--base-model NAME=DIR, repeated: the `model` values the API takes and where nodes have them."""
+def base_models(specs: list[str], accelerator: str, served_by: str, save_steps: int, rft: str = "") -> dict:
+    """--base-model NAME=DIR, repeated: the `model` values the API takes and where nodes have them; --reinforcement-train
+    the native settings of their reinforcement jobs."""
     from services.gateway.openai_map import BaseModel
 
-    models = {}
+    models, reinforcement = {}, reinforcement_train(rft)
     for spec in specs:
         name, _, base_dir = spec.partition("=")
         if not name or not os.path.isabs(base_dir):
             raise StartupError(f"--base-model {spec!r}: give NAME=DIR, DIR the absolute model directory on the nodes")
-        models[name] = BaseModel(name, base_dir, accelerator, served_by, save_steps)
+        models[name] = BaseModel(name, base_dir, accelerator, served_by, save_steps, reinforcement)
     return models
 
 
-def grader_context(args):
-    """--judge-url and --python-graders as the graders endpoints' context."""
-    from services.graders import GraderContext
+def reinforcement_train(text: str) -> dict:
+    """--reinforcement-train's JSON object: train settings a grpo job takes (checked here, so that a mistake stops
+    the gateway at start rather than refusing every reinforcement job)."""
+    import msgspec
 
-    key = None
-    if args.judge_api_key_file:
-        try:
-            key = open(args.judge_api_key_file).read().strip()
-        except OSError as e:
-            raise StartupError(f"--judge-api-key-file: {e.strerror}") from None
-    return GraderContext(judge_url=args.judge_url, judge_api_key=key, python_graders=args.python_graders)
+    from schemas.training import TrainConfig
+
+    if not text:
+        return {}
+    try:
+        settings = json.loads(text)
+        if not isinstance(settings, dict) or {"method", "grader"} & set(settings):
+            raise ValueError("give a JSON object of train settings other than method and grader")
+        msgspec.convert({**settings, "method": "grpo"}, TrainConfig)
+    except (ValueError, msgspec.ValidationError) as e:
+        raise StartupError(f"--reinforcement-train: {e}; e.g. '{{\"max_completion_tokens\": 256}}'") from None
+    return settings
 
 
 async def run_gateway(nc, stop, args) -> None:
     from services.gateway.app import Gateway
 
-    models = base_models(args.base_model, args.accelerator, args.served_by, args.save_steps)
+    models = base_models(args.base_model, args.accelerator, args.served_by, args.save_steps, args.reinforcement_train)
     gateway = Gateway(nc, models, args.host, args.port, graders=grader_context(args))
     try:
         await gateway.start()
@@ -123,16 +131,11 @@ def gateway_flags(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--save-steps", type=int, default=100, help="a checkpoint every N steps (the job's checkpoints)")
     p.add_argument(
-        "--judge-url",
-        metavar="URL",
-        help="the OpenAI-compatible engine score_model and label_model graders ask (e.g. a vLLM engine's "
-        "http://host:8000/v1); without it model graders are refused",
+        "--reinforcement-train",
+        default="",
+        metavar="JSON",
+        help="native train settings of every reinforcement job, which OpenAI's API has no place for, e.g. "
+        '\'{"max_completion_tokens": 256, "temperature": 0.8, "grpo_beta": 0.04}\' (schemas/json/ lists them); '
+        "the request's hyperparameters apply on top",
     )
-    p.add_argument("--judge-api-key-file", metavar="FILE", help="the judge engine's API key, if it wants one")
-    p.add_argument(
-        "--python-graders",
-        choices=["auto", "on", "off"],
-        default="auto",
-        help="auto: run python graders only where the sandbox isolates them fully (root on Linux); on: also where "
-        "it cannot (no network or filesystem isolation: trusted graders only); off: refuse them",
-    )
+    grader_flags(p, "in /v1/fine_tuning/alpha/graders/run (jobs' graders run on the nodes: `jetlora agent`'s flags)")

@@ -11,7 +11,7 @@ from aiohttp import web
 
 from schemas import names
 from schemas.events import CheckpointList
-from schemas.gateway import CreateJob, FineTuningJob, GatewayJob
+from schemas.gateway import CreateJob, FineTuningJob, GatewayJob, Hyperparameters
 from schemas.jobs import Accepted, Error, InitAdapter, JobQuery, JobReply, JobSummary, Rejected
 from services import bus
 from services.gateway.errors import TENANT, OpenAIError, bad_request, json_response, not_found, read_json
@@ -27,6 +27,7 @@ from services.gateway.openai_map import (
     job_request,
     shown_hyperparameters,
 )
+from services.gateway.reinforcement import reinforcement_settings
 from services.gateway.paging import limit_of, page, paged, unknown_after
 from services.gateway.records import JobRecords, metadata_filter
 from services.gateway.results import results_file_id
@@ -60,8 +61,9 @@ class Jobs:
 
     async def create(self, request: web.Request) -> web.Response:
         tenant, req = request[TENANT], await read_json(request, CreateJob)
+        grader = reinforcement_settings(req)[1] if req.method and req.method.type == "reinforcement" else None
         method, hp = hyperparameters(req)
-        if method == "supervised" and hp.beta != "auto":
+        if method == "supervised" and isinstance(hp, Hyperparameters) and hp.beta != "auto":
             raise bad_request("beta is dpo's: drop it, or set method.type to 'dpo'", "hyperparameters.beta")
         model, start = await self._model(tenant, req.model)
         for param, file in (("training_file", req.training_file), ("validation_file", req.validation_file)):
@@ -69,7 +71,7 @@ class Jobs:
                 await self._check_file(tenant, file, param)
         seed = req.seed if req.seed is not None else secrets.randbelow(2**31)
         adapter = adapter_name(req.model, req.suffix, secrets.token_hex(4))
-        jr = msgspec.structs.replace(job_request(req, model, method, hp, adapter, seed), init_adapter=start)
+        jr = msgspec.structs.replace(job_request(req, model, method, hp, adapter, seed, grader), init_adapter=start)
         reply = await bus.request(self.nc, names.jobs_api(tenant).submit, jr, Accepted | Rejected)
         if isinstance(reply, Rejected):
             raise rejection(reply)
@@ -84,6 +86,7 @@ class Jobs:
             metadata=req.metadata,
             method=method,  # type: ignore[arg-type]
             hyperparameters=shown_hyperparameters(hp, jr.train),
+            grader=msgspec.to_builtins(grader) if grader is not None else None,
             fine_tuned_model=adapter,
             created=time.time(),
             eval_steps=jr.train.eval_steps,

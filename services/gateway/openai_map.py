@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
 
 from schemas.events import EventEntry, Preparing, Progress, Samples, StateChange
 from schemas.gateway import CheckpointObject, CreateJob, FineTuningJob, GatewayJob, Hyperparameters, JobEventObject
-from schemas.gateway import ApiError
+from schemas.gateway import ApiError, ReinforcementHyperparameters
+from schemas.graders import Grader
 from schemas.jobs import CheckpointInfo, DatasetRef, JobRequest, JobSummary, RegisterSpec
 from schemas.training import TrainConfig
+from services.gateway.reinforcement import grpo_settings, reinforcement_event, shown_reinforcement
 
 STATUS = {
     "queued": "queued",
@@ -22,6 +27,7 @@ STATUS = {
     "failed": "failed",
     "cancelled": "cancelled",
 }
+NATIVE_METHOD = {"supervised": "sft", "dpo": "dpo", "reinforcement": "grpo"}
 ADAPTER_NAME_MAX = 128  # a subject token's (schemas.jobs.NodeId)
 FINISHED = {"succeeded", "stopped", "failed", "cancelled"}
 
@@ -35,9 +41,18 @@ class BaseModel:
     accelerator: str = "any"
     served_by: str = "vllm"
     save_steps: int = 100  # a checkpoint every this many steps (OpenAI's clients list them)
+    reinforcement: dict[str, Any] = field(default_factory=dict)  # native train settings of its reinforcement jobs
+    # that OpenAI's API has no place for (max_completion_tokens, temperature, grpo_beta, lr_scheduler...): the
+    # operator's (jetlora gateway --reinforcement-train); the request's hyperparameters apply on top
 
 
-def hyperparameters(req: CreateJob) -> tuple[str, Hyperparameters]:
+def base_train(model: BaseModel, method: str) -> TrainConfig:
+    """A job's native train settings before its hyperparameters: the operator's for reinforcement jobs."""
+    settings = model.reinforcement if method == "reinforcement" else {}
+    return msgspec.convert({**settings, "method": NATIVE_METHOD[method]}, TrainConfig)
+
+
+def hyperparameters(req: CreateJob) -> tuple[str, Hyperparameters | ReinforcementHyperparameters]:
     """The method and its hyperparameters, from `method` or the older top-level `hyperparameters`."""
     method = req.method.type if req.method else "supervised"
     settings = getattr(req.method, method, None) if req.method else None
@@ -53,10 +68,17 @@ def adapter_name(model: str, suffix: str | None, unique: str) -> str:
 
 
 def job_request(
-    req: CreateJob, model: BaseModel, method: str, hp: Hyperparameters, adapter: str, seed: int
+    req: CreateJob,
+    model: BaseModel,
+    method: str,
+    hp: Hyperparameters | ReinforcementHyperparameters,
+    adapter: str,
+    seed: int,
+    grader: Grader | None = None,
 ) -> JobRequest:
-    train = TrainConfig(method="dpo" if method == "dpo" else "sft")
-    if hp.beta != "auto":
+    """The native request; `grader` is a reinforcement job's (checked by reinforcement_settings)."""
+    train = base_train(model, method)
+    if isinstance(hp, Hyperparameters) and hp.beta != "auto":
         train.dpo_beta = hp.beta
     if hp.n_epochs != "auto":
         train.epochs = float(hp.n_epochs)
@@ -67,6 +89,9 @@ def job_request(
     train.seed, train.save_steps = seed, model.save_steps
     if req.validation_file:  # evaluated at each checkpoint, so each checkpoint has its valid_loss
         train.eval_steps = model.save_steps
+    if isinstance(hp, ReinforcementHyperparameters):
+        assert grader is not None
+        grpo_settings(train, hp, grader, train.eval_steps)
     return JobRequest(
         model=model.name,
         base_dir=model.base_dir,
@@ -80,7 +105,7 @@ def job_request(
     )
 
 
-def shown_hyperparameters(hp: Hyperparameters, train: TrainConfig | None = None) -> dict:
+def shown_hyperparameters(hp: Hyperparameters | ReinforcementHyperparameters, train: TrainConfig | None = None) -> dict:
     """OpenAI shows the values used: jetlora's defaults where the request said auto."""
     train = train or TrainConfig()
     shown = {
@@ -90,6 +115,8 @@ def shown_hyperparameters(hp: Hyperparameters, train: TrainConfig | None = None)
     }
     if train.method == "dpo":
         shown["beta"] = train.dpo_beta
+    if isinstance(hp, ReinforcementHyperparameters):
+        shown |= shown_reinforcement(hp, train)
     return shown
 
 
@@ -112,7 +139,10 @@ def fine_tuning_job(
         out.model = kept.model  # as asked: a base model, or the fine-tuned model it went on from
         out.seed, out.metadata, out.user_provided_suffix = kept.seed, kept.metadata, kept.suffix
         out.hyperparameters = kept.hyperparameters
-        out.method = {"type": kept.method, kept.method: {"hyperparameters": kept.hyperparameters}}
+        settings: dict = {"hyperparameters": kept.hyperparameters}
+        if kept.grader is not None:  # reinforcement's
+            settings = {"grader": kept.grader, **settings}
+        out.method = {"type": kept.method, kept.method: settings}
         out.fine_tuned_model = kept.fine_tuned_model if status == "succeeded" else None
     if status == "failed":
         out.error = ApiError(message=job.message or "the job failed", type="job_failed", code="job_failed")
@@ -124,6 +154,9 @@ def fine_tuning_job(
 def event_object(entry: EventEntry) -> JobEventObject | None:
     """One of the job's events as OpenAI shows it; None for what OpenAI has no place for (samples)."""
     e, ident = entry.event, f"ftevent-{entry.seq}"
+    if isinstance(e, Progress) and e.reinforcement is not None:
+        text, data = reinforcement_event(e, e.reinforcement)
+        return JobEventObject(id=ident, created_at=int(e.ts), level="info", type="metrics", message=text, data=data)
     if isinstance(e, Progress):
         data = {
             "step": e.step,
@@ -166,6 +199,7 @@ def checkpoint_object(job: str, adapter: str, c: CheckpointInfo) -> CheckpointOb
         ("train_loss", c.loss),
         ("valid_loss", c.eval_loss),
         ("full_valid_loss", c.eval_loss),
+        ("full_valid_mean_reward", c.eval_reward),  # grpo's, named as OpenAI's RFT events name it
     )
     metrics = {k: v for k, v in shown if v is not None}  # jetlora evaluates the whole validation file each time
     return CheckpointObject(

@@ -100,7 +100,7 @@ def _model(grader: ScoreModelGrader | LabelModelGrader, field: str, context: Gra
             FieldError(
                 f"{field}.model",
                 "no judge engine is configured here for model graders; the operator names an OpenAI-compatible "
-                "engine that serves the judge model (jetlora gateway --judge-url URL)",
+                f"engine that serves the judge model ({context.command} --judge-url URL)",
             )
         )
     return errors

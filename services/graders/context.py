@@ -25,6 +25,7 @@ class GraderContext:
     memory_mib: int = 512
     max_processes: int = 8
     scratch_dir: str | None = None  # where each sandbox gets a fresh directory; None: the system's temp dir
+    command: str = "jetlora gateway"  # whose flags set this context: refusals name them
 
     def scratch(self) -> str:
         return self.scratch_dir or tempfile.gettempdir()

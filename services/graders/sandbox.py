@@ -63,12 +63,15 @@ def refusal(ctx: GraderContext, found: SandboxStatus | None = None) -> str:
     """Why python graders may not run here (found: this machine's status, probed when not given), or "" where
     they may."""
     if ctx.python_graders == "off":
-        return "python graders are turned off here (the operator's python_graders setting)"
+        return (
+            f"python graders are turned off here ({ctx.command} --python-graders off); the operator allows them "
+            "with --python-graders auto (isolated) or on"
+        )
     found = found or status()
     if ctx.python_graders == "auto" and not found.isolated:
         return (
             f"python graders cannot be isolated on this machine ({found.why_not}); the operator may accept "
-            "that by turning them on explicitly (jetlora gateway --python-graders on)"
+            f"that by turning them on explicitly ({ctx.command} --python-graders on)"
         )
     return ""
 

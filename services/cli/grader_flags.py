@@ -1,0 +1,61 @@
+"""Where graders run, as the operator allows it: the flags `jetlora gateway` (its graders endpoints) and `jetlora
+agent` (its trainers' grpo jobs) share, and what each builds from them."""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+from services.runtime import StartupError
+
+TRAINER_ENV = {  # what a trainer reads (trainer/rollouts.py grader_context), from the agent's flags
+    "judge_url": "JETLORA_JUDGE_URL",
+    "judge_api_key": "JETLORA_JUDGE_API_KEY",
+    "python_graders": "JETLORA_PYTHON_GRADERS",
+}
+
+
+def grader_flags(p: argparse.ArgumentParser, where: str) -> None:
+    """--judge-url, --judge-api-key-file, --python-graders; `where` says what they govern, in the help."""
+    p.add_argument(
+        "--judge-url",
+        metavar="URL",
+        default=os.environ.get(TRAINER_ENV["judge_url"]) or None,
+        help=f"the OpenAI-compatible engine that score_model and label_model graders ask {where} (e.g. a vLLM "
+        "engine's http://host:8000/v1); without it model graders are refused (env JETLORA_JUDGE_URL)",
+    )
+    p.add_argument("--judge-api-key-file", metavar="FILE", help="the judge engine's API key, if it wants one")
+    p.add_argument(
+        "--python-graders",
+        choices=["auto", "on", "off"],
+        default=os.environ.get(TRAINER_ENV["python_graders"], "auto"),
+        help=f"python graders {where}: auto runs them only where the sandbox isolates them fully (root on Linux); "
+        "on also where it cannot (no network or filesystem isolation: trusted graders only); off refuses them "
+        "(env JETLORA_PYTHON_GRADERS)",
+    )
+
+
+def judge_api_key(args) -> str | None:
+    if not args.judge_api_key_file:
+        return None
+    try:
+        with open(args.judge_api_key_file) as f:
+            return f.read().strip()
+    except OSError as e:
+        raise StartupError(f"--judge-api-key-file {args.judge_api_key_file}: {e.strerror}") from None
+
+
+def grader_context(args):
+    """The gateway's graders endpoints' context."""
+    from services.graders import GraderContext
+
+    return GraderContext(
+        judge_url=args.judge_url, judge_api_key=judge_api_key(args), python_graders=args.python_graders
+    )
+
+
+def trainer_env(args) -> dict[str, str]:
+    """The agent's trainers' environment for graders (the key's only where one is given, so that an operator's
+    JETLORA_JUDGE_API_KEY in the agent's own environment still reaches them)."""
+    values = {"judge_url": args.judge_url, "judge_api_key": judge_api_key(args), "python_graders": args.python_graders}
+    return {TRAINER_ENV[k]: v for k, v in values.items() if v}
