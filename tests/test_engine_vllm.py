@@ -45,8 +45,8 @@ def free_port() -> int:
 class Vllm:
     """vLLM's OpenAI server on the tiny model, fp32, with runtime LoRA updates and the filesystem resolver."""
 
-    def __init__(self, model: Path, resolver_dir: Path, log: Path) -> None:
-        self.model, self.resolver_dir, self.log = model, resolver_dir, log
+    def __init__(self, model: Path, resolver_dir: Path, log: Path, extra: tuple[str, ...] = ()) -> None:
+        self.model, self.resolver_dir, self.log, self.extra = model, resolver_dir, log, extra
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.proc: subprocess.Popen | None = None
@@ -80,6 +80,7 @@ class Vllm:
                 "2",
                 "--port",
                 str(self.port),
+                *self.extra,
             ],
             stdout=open(self.log, "ab"),
             stderr=subprocess.STDOUT,

@@ -4,18 +4,24 @@ completions the adapter samples and a grader scores (grpo). The loop asks an obj
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
+import msgspec
 import torch
 
 from schemas.events import PreferenceMetrics, ReinforcementMetrics, Sample, Samples
 from trainer import data
+from trainer.adapter_init import save_plain_lora
+from trainer.engine_rollouts import EngineRollouts
+from trainer.errors import JobError
 from trainer.dpo import PairStats, dpo_loss
 from trainer.grpo import grpo_loss
 from trainer.losses import batch_loss
 from trainer.reward_stats import RewardWindow
-from trainer.rollouts import Rollout, complete, grade, grader_context, rollout, texts_of
+from trainer.rollouts import Rollout, complete, grade, grader_context, rollout, runnable, texts_of
 from trainer.samples import AUTO_PROMPTS
 
 
@@ -24,7 +30,7 @@ class Sft:
     autocast_dtype: torch.dtype
     chunk_tokens: int
 
-    def rollout(self, model, batches: list) -> list:
+    def rollout(self, model, batches: list, step: int = 0) -> list:
         """What the step learns from: the batches as they are (the data holds the answers)."""
         return batches
 
@@ -46,7 +52,7 @@ class Dpo:
     beta: float
     window: PairStats = field(default_factory=PairStats)  # since the last metrics()
 
-    def rollout(self, model, batches: list) -> list:
+    def rollout(self, model, batches: list, step: int = 0) -> list:
         """What the step learns from: the pairs as they are."""
         return batches
 
@@ -84,15 +90,24 @@ class Grpo:
     tokenizer: Any
     device: str
     context: Any  # services.graders' GraderContext: where graders run
+    engine: EngineRollouts | None = None  # train.rollouts engine (or auto, with an engine): the node's vLLM samples
     window: RewardWindow = field(init=False)  # since the last metrics()
+    versions: set[int] = field(default_factory=set)  # the adapter versions sampled from since the last metrics()
 
     def __post_init__(self) -> None:
         self.window = RewardWindow(self.train.grader)
 
-    def rollout(self, model, batches: list) -> list[Rollout]:
-        """What the step learns from: each micro-batch's prompts answered now by the adapter, and graded."""
-        out = [rollout(model, self.tokenizer, p, self.train, self.context, self.device) for p in batches if p]
+    def rollout(self, model, batches: list, step: int = 0) -> list[Rollout]:
+        """What the step learns from: each micro-batch's prompts answered now by the adapter as it is after `step`
+        optimizer steps (the trainer's, or the engine's copy of it), and graded."""
+        batches = [p for p in batches if p]
+        if self.engine is not None:
+            out = self.engine.rollouts(model, batches, step)
+        else:
+            out = [rollout(model, self.tokenizer, p, self.train, self.context, self.device) for p in batches]
         for batch in out:
+            batch.version = step if batch.version is None else batch.version
+            self.versions.add(batch.version)
             self.window.add(batch)
         return out
 
@@ -112,7 +127,11 @@ class Grpo:
         """The rewards of the completions graded since the last call (one device: the request's checks)."""
         metrics = self.window.report(with_kl=self.train.grpo_beta > 0)
         self.window = RewardWindow(self.train.grader)
-        return metrics
+        versions, self.versions = sorted(self.versions), set()
+        if metrics is None:
+            return None
+        engine = self.engine.report() if self.engine is not None else {}
+        return msgspec.structs.replace(metrics, sampled_from=versions, **engine)
 
     @torch.no_grad()
     def evaluate(self, model, batches: list, step: int) -> tuple[float, Samples]:
@@ -129,11 +148,34 @@ class Grpo:
         return mean, Samples(step=step, model="adapter", samples=shown[:AUTO_PROMPTS])
 
 
-def objective_for(spec, tokenizer, device: str, autocast_dtype: torch.dtype) -> Sft | Dpo | Grpo:
+def objective_for(spec, tokenizer, device: str, autocast_dtype: torch.dtype, initial=None) -> Sft | Dpo | Grpo:
+    """The job's method; grpo's completions sampled by the node's vLLM where train.rollouts asks for it (`initial`:
+    the adapter's start where it moved part of the base, so that the engine gets a plain LoRA)."""
     train = spec.request.train
     if train.method == "dpo":
         return Dpo(autocast_dtype, train.loss_chunk_tokens, train.dpo_beta)
     if train.method == "grpo":
         context = grader_context(spec.out_dir)
-        return Grpo(autocast_dtype, train.loss_chunk_tokens, train, tokenizer, device, context)
+        runnable(train.grader, context)
+        engine = rollout_engine(spec, tokenizer, device, context, initial)
+        return Grpo(autocast_dtype, train.loss_chunk_tokens, train, tokenizer, device, context, engine)
     return Sft(autocast_dtype, train.loss_chunk_tokens)
+
+
+def rollout_engine(spec, tokenizer, device: str, context, initial) -> EngineRollouts | None:
+    """Who samples grpo's completions: the node's vLLM (train.rollouts engine, or auto where the agent found one),
+    else the trainer; engine where the node has none is a JobError saying why."""
+    train, engine = spec.request.train, spec.rollout_engine
+    if train.rollouts == "trainer" or (engine is None and train.rollouts == "auto"):
+        return None
+    if engine is None:
+        raise JobError(
+            f"train.rollouts is engine, but {spec.no_rollout_engine or 'the agent named no vLLM engine'}: run the "
+            "job on a node with one (the job's `node`), or set train.rollouts to auto or trainer"
+        )
+    save = functools.partial(_save_plain, initial=initial, lora=spec.request.lora)
+    return EngineRollouts(engine, spec, tokenizer, device, save, context, strict=train.rollouts == "engine")
+
+
+def _save_plain(model, out: Path, initial, lora) -> Path:
+    return save_plain_lora(model, out, initial, lora)

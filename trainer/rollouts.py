@@ -1,7 +1,8 @@
 """Completions the adapter writes itself, graded: what a grpo step learns from.
 
-Each prompt is answered `group_size` times by sampling (transformers' generate, the adapter on, plain sampling at
-the temperature, whatever the model's own generation_config says), the answers are decoded and scored by the
+Each prompt is answered `group_size` times by sampling (transformers' generate's tokens, the adapter on, plain
+sampling at the temperature, whatever the model's own generation_config says; trainer/sampling.py's lean loop where
+it samples just what generate would), the answers are decoded and scored by the
 job's grader, and each score is compared with its group's: the advantage, as TRL's GRPOTrainer computes it. The
 batch is laid out as TRL lays it out: each row its prompt, left-padded, then its completion, right-padded; a
 completion runs through its first end-of-sequence token (the tokenizer's, or one the model's generation_config
@@ -13,6 +14,7 @@ from __future__ import annotations
 import math
 import os
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -20,9 +22,10 @@ import torch
 from transformers import GenerationConfig
 
 from schemas.graders import GradeResult, Sample
-from services.graders import GraderContext, grade_many
+from services.graders import GraderContext, check, grade_many
 from trainer.errors import JobError
 from trainer.rft import Prompts
+from trainer.sampling import sample
 
 ADVANTAGE_EPS = 1e-4  # TRL's: (reward - group mean) / (group std + 1e-4)
 PLAIN_SAMPLING = dict(  # every warper off: samples from the policy at its temperature, what the loss assumes
@@ -43,6 +46,7 @@ class Rollout:
     texts: list[str]
     results: list[GradeResult]
     seconds: float  # spent sampling and grading
+    version: int | None = None  # the adapter version (optimizer steps taken) the completions were sampled from
     tokens: int = field(init=False)  # real tokens, prompts and completions
 
     def __post_init__(self) -> None:
@@ -57,6 +61,7 @@ class Rollout:
             self.texts,
             self.results,
             self.seconds,
+            self.version,
         )
 
 
@@ -73,7 +78,16 @@ def grader_context(out_dir: str) -> GraderContext:
         judge_api_key=env.get("JETLORA_JUDGE_API_KEY") or None,
         python_graders=python,
         scratch_dir=str(scratch),
+        command="jetlora agent",
     )
+
+
+def runnable(grader, context: GraderContext) -> None:
+    """A grader this node cannot run (no judge engine for a model grader, python graders not allowed here) fails
+    the job at start, naming the agent's flag, rather than scoring every completion 0."""
+    errors = check(grader, "train.grader", context)
+    if errors:
+        raise JobError("; ".join(f"{e.field}: {e.reason}" for e in errors))
 
 
 @torch.no_grad()
@@ -88,15 +102,28 @@ def complete(model, tokenizer, prompts: list[list[int]], max_tokens: int, temper
         ids[n, width - len(p) :], mask[n, width - len(p) :] = torch.tensor(p), 1
     how = dict(PLAIN_SAMPLING, temperature=temperature) if temperature is not None else PLAIN_GREEDY
     config = GenerationConfig(max_new_tokens=max_tokens, pad_token_id=pad, eos_token_id=eos, **how, **NO_PENALTIES)
-    was_training = model.training
-    model.eval()
-    out = model.generate(input_ids=ids.to(device), attention_mask=mask.to(device), generation_config=config).cpu()
-    model.train(was_training)
+    with evaluating(model):
+        out = sample(model, ids.to(device), mask.to(device), config).cpu()
     completions = out[:, width:]
     is_eos = torch.isin(completions, torch.tensor(eos))
     ends = torch.where(is_eos.any(1), is_eos.int().argmax(1), completions.shape[1])  # TRL's: through the first eos
     completion_mask = (torch.arange(completions.shape[1])[None, :] <= ends[:, None]).long()
     return out, torch.cat([mask, completion_mask], dim=1), completion_mask
+
+
+@contextmanager
+def evaluating(model):
+    """The model in eval mode (dropout off) while it samples, each module's flag set directly: transformers'
+    train()/eval() also kernelizes the model again at every switch (its hub kernels: the same results), which costs
+    more than a small model's whole forward pass."""
+    modes = [(m, m.training) for m in model.modules()]
+    for m, _ in modes:
+        m.training = False
+    try:
+        yield
+    finally:
+        for m, was in modes:
+            m.training = was
 
 
 def eos_ids(model, tokenizer) -> list[int]:

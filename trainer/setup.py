@@ -155,7 +155,7 @@ def prepare(spec: TrainerSpec) -> Run:
         ),
         prompts=sample_prompts(t.sample_prompts, tokenizer, eval_set, train_set),
         initial=initial,
-        objective=objective_for(spec, tokenizer, device, dtype if device == "cuda" else torch.float32),
+        objective=objective_for(spec, tokenizer, device, dtype if device == "cuda" else torch.float32, initial),
     )
     if spec.resume_from:
         state = resume(model, optimizer, run.scheduler, Path(spec.resume_from))

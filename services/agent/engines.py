@@ -10,8 +10,11 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from schemas.jobs import PROBE_PROMPT, PROBE_TOKENS
+from schemas.events import RolloutEngine
+from schemas.jobs import PROBE_PROMPT, PROBE_TOKENS, JobRequest
+from schemas.parity import PARITY_EPSILON, PARITY_FACTOR
 from schemas.registry import AdapterVersion, NodeState, Smoke
+from schemas.training import MUTATING_INITS
 from services.agent.engine_http import EngineHttp
 
 HTTP_TIMEOUT_S = 30.0
@@ -32,6 +35,8 @@ class Engine:
     )
     restart: str = ""  # llama.cpp: a shell command that restarts the server with the placed adapters
     max_adapters: int = 0  # vLLM: the most adapter names loaded at once, the least recently used unloaded (0: any)
+    parity_factor: float = PARITY_FACTOR  # parity beyond factor x its floor + epsilon is a mismatch (parity.py)
+    parity_epsilon: float = PARITY_EPSILON
 
     @property
     def label(self) -> str:
@@ -66,6 +71,30 @@ class Engine:
     def needs(self, v: AdapterVersion):
         """The stored file this engine loads: the GGUF for llama.cpp, the PEFT directory for vLLM."""
         return v.gguf if self.kind == "llamacpp" else v.peft
+
+
+def rollout_engine(engines: list[Engine], request: JobRequest, priority: int) -> tuple[RolloutEngine | None, str]:
+    """The vLLM a grpo job samples through (train.rollouts engine or auto), or why this node has none: a vLLM of
+    the job's base model with an address (its runtime LoRA API), able to load the job's adapter."""
+    t, lora = request.train, request.lora
+    if t.method != "grpo" or t.rollouts == "trainer":
+        return None, ""
+    fits = [e for e in engines if e.kind == "vllm" and e.url and e.model == request.model]
+    if not fits:
+        return None, (
+            f"this node has no vLLM engine of {request.model} (an agent started with --engine vllm=URL "
+            f"--engine-model {request.model})"
+        )
+    engine = fits[0]
+    rank = 2 * lora.r if lora.init in MUTATING_INITS else lora.r  # a pissa or loftq adapter is served at 2r
+    if rank > engine.max_rank:
+        return (
+            None,
+            f"its vLLM takes LoRA ranks up to {engine.max_rank} (--engine-max-rank), and this adapter's is {rank}",
+        )
+    if unknown := sorted(set(lora.target_modules) - engine.modules):
+        return None, f"its vLLM cannot serve an adapter of {', '.join(unknown)}"
+    return RolloutEngine(url=engine.url, priority=priority), ""
 
 
 class EngineError(Exception):

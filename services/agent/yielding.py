@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
 from dataclasses import dataclass, field
 
+from schemas.events import ENGINE_WAIT
 from services.agent.engine_load import LoadWatch, Reading
 from services.aio import sleep_unless_stopped
 
@@ -171,7 +173,7 @@ class Yielder:
                 continue
             if not engine.policy.yields(run.assignment.engine_priority):
                 continue
-            if reading.busy and not y.to:
+            if reading.busy and not y.to and not waits_on_engine(trainer):
                 trainer.suspend()
                 y.to, y.since = label, time.monotonic()
                 await self.agent.report_yield(run, f"yielding to {label}: {describe(reading)}")
@@ -240,6 +242,12 @@ class Yielder:
             for device in sorted(engine.reclaiming):
                 await self.agent.reclaim_device(device, 0)
             engine.reclaiming = set()
+
+
+def waits_on_engine(trainer) -> bool:
+    """Whether a grpo trainer waits on its rollout engine now (schemas.events.ENGINE_WAIT): it computes nothing, and
+    what the engine serves may be its own requests; it is stopped for live traffic once it computes again."""
+    return os.path.exists(os.path.join(trainer.spec.out_dir, ENGINE_WAIT))
 
 
 def describe(reading: Reading) -> str:
