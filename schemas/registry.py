@@ -12,6 +12,8 @@ from msgspec import Meta, Struct, field
 
 from schemas import names
 from schemas.jobs import JobId, NodeId, Probe, TenantId
+from schemas.gates import Gate, GateSpec
+from schemas.parity import ParityFigures
 
 AdapterName = Annotated[NodeId, Meta(description='what requests to the engine call it (`"model": NAME`)')]
 Version = Annotated[int, Meta(ge=1)]
@@ -67,6 +69,8 @@ class Alias(Struct, kw_only=True):
     changes: int = 0  # how many times what it serves changed (promote, rollback, retire): a caller's expect_changes
     canary: Canary | None = None  # a promote under way: its nodes serve canary.version, the others `current`
     last_rollout: str = ""  # how the last canary ended, and why
+    gate: Gate | None = None  # a gated promote under way (schemas/gates.py): the registry decides it
+    last_gate: str = ""  # how the last gate ended, with its figures
 
     def serving(self, node: str) -> int | None:
         """The version `node` serves: the canary's on a canary node, else the current one (None: retired)."""
@@ -84,8 +88,9 @@ class Smoke(Struct, kw_only=True):
     text: str
 
 
-# loaded: the engine answers the version's probe as its trainer did; mismatch: it serves the name, but answers
-# otherwise (another adapter, or none); placed: the files are where the engine reads them, but no engine address
+# loaded: the engine answers the version's probe as its trainer did (and its log-probabilities are within parity);
+# mismatch: it serves the name, but answers otherwise (another adapter, or none), or its log-probabilities are
+# beyond parity's limit (schemas/parity.py); placed: the files are where the engine reads them, but no engine address
 # was given to load or check them; needs-restart: placed for an engine that must be restarted to serve it;
 # unloaded: retired, or (its message says so) still promoted but unloaded to keep the engine under its
 # --engine-max-adapters; on-demand: the same for vLLM's filesystem resolver, whose files stay placed, so vLLM loads it
@@ -103,6 +108,7 @@ class NodeAdapterStatus(Struct, kw_only=True):
     state: NodeState
     message: str = ""
     smoke: Smoke | None = None
+    parity: ParityFigures | None = None  # the engine's log-probabilities against the trainer's (schemas/parity.py)
     updated: float = 0.0  # the agent's clock: for people to read, never for the registry to decide by
     seq: int = 0  # the registry's: the bucket sequence the report was stored at (0 as agents send it)
 
@@ -114,6 +120,7 @@ class RegisterRequest(Struct, forbid_unknown_fields=True, kw_only=True):
     name: AdapterName
     job: JobId
     promote: bool = False
+    gate: GateSpec | None = None  # promote only through this gate (schemas/gates.py)
 
 
 class PromoteRequest(Struct, forbid_unknown_fields=True, kw_only=True):
@@ -158,6 +165,7 @@ class PromoteRequest(Struct, forbid_unknown_fields=True, kw_only=True):
         | None
     ) = None
     canary_deadline_s: Annotated[float, Meta(gt=0)] = 600.0  # the canary nodes' time to verify it
+    gate: GateSpec | None = None  # promote only if this eval says it beats what the name serves now
 
 
 class AliasRequest(Struct, forbid_unknown_fields=True, kw_only=True):

@@ -28,6 +28,7 @@ from services.agent.adapter_files import download
 from services.agent.engine_cap import EngineCap
 from services.agent.engine_http import EngineHttp
 from services.agent.engines import Engine, answering, verify
+from services.agent.parity import ParityCheck
 from services.agent.registry_bucket import RegistryBucket
 from services.agent.served_state import ServedState
 from services.agent.staging import Stager
@@ -69,6 +70,7 @@ class Rollout:
         self.cache = AdapterCache(self.root, cache_bytes)
         self.http = EngineHttp()  # every engine call of the rollout; closed when run() ends
         self.cap = EngineCap(self)  # --engine-max-adapters: the least recently used names unloaded past it
+        self.parity = ParityCheck(self.http)  # the engines' log-probabilities against the trainers' (parity.py)
 
     async def run(self, stop: asyncio.Event) -> None:
         """Follow the aliases until `stop`, and check what each engine really serves; a watch the server breaks (a
@@ -174,18 +176,21 @@ class Rollout:
         )
         with self.cache.holding(file.sha256):  # not evicted between its fetch and the engine's load
             local = await self.fetch(file, gguf)
+            if gguf and not await asyncio.to_thread(llamacpp.placed_names, engine):  # it serves its base alone
+                await self.parity.note_base(engine, version)
             state, message = await driver(engine).load(engine, version.name, local, http=self.http)
             await self.served.remember(engine.label, version.name, [version.version, file.sha256])
             self.cap.used(engine, version.name)
-        checked = None
+        checked = parity = None
         if state == "loaded" and engine.url:
             state, said, checked = await self._verify(engine, version, file.sha256)
+            state, said, parity = await self.parity.judged(engine, version, state, said)
             message = f"{message}; {said}"
-        await self.report(engine, version.name, version.version, state, message, checked)
+        await self.report(engine, version.name, version.version, state, message, checked, parity)
 
     async def _verify(self, engine: Engine, version: AdapterVersion, sha256: str) -> tuple[NodeState, str, Smoke]:
         """`loaded` only if the engine answers the version's probe as its trainer did (and vLLM's runtime API says
-        it serves the name from this version's files)."""
+        it serves the name from this version's files); parity is judged after (parity.py)."""
         state, said, answer = await verify(engine, version, http=self.http)
         if engine.kind == "vllm" and state == "loaded":
             root = ((await vllm.served(engine, http=self.http)) or {}).get(version.name, "")
@@ -283,7 +288,7 @@ class Rollout:
         return self.root / file.sha256 / ("adapter.gguf" if gguf else "peft")
 
     async def report(
-        self, engine: Engine, name: str, version: int, state: NodeState, message: str, checked=None
+        self, engine: Engine, name: str, version: int, state: NodeState, message: str, checked=None, parity=None
     ) -> None:
         status = NodeAdapterStatus(
             name=name,
@@ -293,6 +298,7 @@ class Rollout:
             state=state,
             message=message,
             smoke=checked,
+            parity=parity,
             updated=time.time(),
         )
         log.info("adapter %s@%d on %s: %s %s", name, version, engine.label, state, message)

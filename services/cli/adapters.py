@@ -15,6 +15,7 @@ from schemas.registry import (
     RegisterRequest,
 )
 from services.cli import args as args_
+from services.cli import gate
 from services.cli.client import EXIT_OK, CommandFailed, ask, run_client, show
 
 
@@ -42,6 +43,10 @@ def describe(r: AdapterReply) -> list[str]:
         )
     if a.last_rollout:
         lines.append(f"  last rollout: {a.last_rollout}")
+    if a.gate is not None:
+        lines.append(f"  gate: @{a.gate.version} on eval {a.gate.eval}: {a.gate.note}")
+    if a.last_gate:
+        lines.append(f"  last gate: {a.last_gate}")
     for v in r.versions:
         mark = (
             "*" if v.version == a.current else ("c" if a.canary is not None and v.version == a.canary.version else " ")
@@ -55,6 +60,14 @@ def describe(r: AdapterReply) -> list[str]:
     for n in r.nodes:
         smoke = f"  ({n.smoke.latency_ms:.0f} ms: {n.smoke.text.strip()[:40]!r})" if n.smoke else ""
         lines.append(f"   node {n.node} [{n.engine}]: @{n.version} {n.state}  {n.message}{smoke}")
+        if (p := n.parity) is not None:
+            verdict = "not judged" if p.within is None else ("within" if p.within else "BEYOND")
+            floor = "" if p.floor_mean is None else f"  floor {p.floor_mean:.3g} (max {p.floor_max:.3g})"
+            limit = "" if p.limit is None else f"  limit {p.limit:.3g}"
+            lines.append(
+                f"     parity @{n.version}: |Δ log p| mean {p.mean:.3g} max {p.max:.3g} over {p.tokens} tokens"
+                f"{floor}{limit}: {verdict}" + (f" ({p.note})" if p.note else "")
+            )
     return lines
 
 
@@ -72,7 +85,12 @@ def cmd_adapters(args) -> int:
                 AdapterReply,
             )
         elif args.action == "show":
+            from services.cli.evals import version_scores
+
             reply = await ask(nc, names.ADAPTERS.show, AdapterQuery(name=args.name), AdapterReply)
+            scores = await version_scores(nc, None, args.name)  # each version's eval runs
+            show(reply, args.json, lambda r: print("\n".join(describe(r) + scores)))
+            return EXIT_OK
         else:
             name, version = split_version(args.name)
             seen = args.expect_changes  # what its caller saw (`adapters show` prints it): a change since refuses it
@@ -86,12 +104,17 @@ def cmd_adapters(args) -> int:
                         expect_changes=seen,
                         canary=args.canary,
                         canary_deadline_s=args.canary_deadline,
+                        gate=gate.spec(args),
                     ),
                     names.ADAPTERS.promote,
                 )
             else:
                 request, subject = AliasRequest(name=name, expect_changes=seen), getattr(names.ADAPTERS, args.action)
             reply = await ask(nc, subject, request, AdapterReply)
+            if args.action == "promote" and args.gate is not None and not args.no_wait:
+                reply, code = await gate.wait(nc, reply, version)
+                show(reply, args.json, lambda r: print("\n".join(describe(r))))
+                return code
         show(reply, args.json, lambda r: print("\n".join(describe(r))))
         return EXIT_OK
 
@@ -130,6 +153,7 @@ def register(sub: args_.SubCommands) -> None:
                 metavar="S",
                 help="how long the canary nodes have to verify it (default 600)",
             )
+            gate.add_arguments(r)
         if verb in ("promote", "rollback", "retire"):
             r.add_argument(
                 "--expect-changes",

@@ -11,6 +11,7 @@ from aiohttp import web
 from schemas import names
 from services.bus import RequestError
 from services.gateway.errors import JSON_MAX, TENANT, OpenAIError, error_response, json_response, too_large
+from services.gateway.evals import Evals
 from services.gateway.events import JobEvents
 from services.gateway.files import Files
 from services.gateway.graders import Graders
@@ -65,6 +66,7 @@ def make_app(
         + Jobs(nc, records, events, models).routes()
         + Models(nc, models).routes()
         + Graders(graders or GraderContext()).routes()
+        + Evals(nc, models, spool_dir).routes()
         + [web.get("/healthz", healthz)]
     )
     return app

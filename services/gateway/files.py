@@ -20,6 +20,7 @@ from schemas.datasets import DatasetUpload
 from schemas.gateway import FileObject
 from schemas.jobs import Error
 from services import bus
+from services.gateway.eval_items import ITEMS_PREFIX  # the items of eval runs: kept with the runs, not files
 from services.gateway.errors import TENANT, OpenAIError, bad_request, json_response
 from services.gateway.lookups import dataset_info
 from services.gateway.paging import limit_of, page
@@ -125,7 +126,7 @@ class Files:
         reply = await bus.request(self.nc, names.datasets_api(request[TENANT]).list, DatasetListQuery(), DatasetList)
         datasets = sorted(reply.datasets, key=lambda d: (moment(d.created), d.name), reverse=order == "desc")
         wanted = request.query.get("purpose") in (None, "fine-tune")
-        files = [file_object(d) for d in datasets] if wanted else []
+        files = [file_object(d) for d in datasets if not d.name.startswith(ITEMS_PREFIX)] if wanted else []
         return json_response(page(files, request.query.get("after"), limit, "file of yours"))
 
     async def retrieve(self, request: web.Request) -> web.Response:

@@ -10,6 +10,7 @@ import nats.micro
 from nats.aio.client import Client
 
 from schemas import names
+from schemas.gates import GateSpec
 from schemas.jobs import Error
 from schemas.training import MUTATING_INITS
 from schemas.registry import (
@@ -29,7 +30,7 @@ from schemas.registry import (
 from services import __version__, bus
 from services.aio import cancel_and_wait
 from services.job_records import JobRecords
-from services.registry import canary
+from services.registry import canary, gate
 from services.registry.nodes import DEPARTED_S, SWEEP_S, NodeLiveness
 from services.registry.store import AdapterRegistry, RegistryError, registry_view
 
@@ -37,7 +38,12 @@ log = logging.getLogger(__name__)
 
 
 async def register_job(
-    jobs: JobRecords, registry: AdapterRegistry, name: str, job_id: str, promote: bool = False
+    jobs: JobRecords,
+    registry: AdapterRegistry,
+    name: str,
+    job_id: str,
+    promote: bool = False,
+    gate_spec: GateSpec | None = None,
 ) -> AdapterVersion:
     """The job's stored artifacts as the next version of `name`; RegistryError says why not. The job's record is
     read through the jobs bucket's stored format (services/job_records.py), never asked of the scheduler: it
@@ -72,9 +78,17 @@ async def register_job(
         ),
         tenant=stored.tenant,
     )
-    if promote:
+    if promote and gate_spec is not None:  # the gate promotes it, or not (gate.py)
+        base_dir = gate_spec.base_dir or req.base_dir
+        await registry.note_alias(name, lambda a: gate.begin(a, gate_spec, version, base_dir, req.accelerator))
+    elif promote:
         await registry.change_alias(name, lambda a: _promoted(a, version.version), expect=None)
-    log.info("registered %s@%d from job %s%s", name, version.version, job_id, " and promoted it" if promote else "")
+    done = (
+        " and promoted it"
+        if promote and gate_spec is None
+        else (" gated by eval " + gate_spec.eval if gate_spec else "")
+    )
+    log.info("registered %s@%d from job %s%s", name, version.version, job_id, done)
     return version
 
 
@@ -89,20 +103,20 @@ def _promoted(alias: Alias, version: int) -> Alias:
     history = (
         alias.history + [alias.current] if alias.current is not None and alias.current != version else alias.history
     )
-    return msgspec.structs.replace(alias, current=version, history=history, retired=False, canary=None)
+    return msgspec.structs.replace(alias, current=version, history=history, retired=False, canary=None, gate=None)
 
 
 def _rolled_back(alias: Alias) -> Alias:
     if not alias.history:
         raise RegistryError(f"{alias.name} has no earlier version to roll back to")
     return msgspec.structs.replace(
-        alias, current=alias.history[-1], history=alias.history[:-1], retired=False, canary=None
+        alias, current=alias.history[-1], history=alias.history[:-1], retired=False, canary=None, gate=None
     )
 
 
 def _retired(alias: Alias) -> Alias:
     history = alias.history + [alias.current] if alias.current is not None else alias.history
-    return msgspec.structs.replace(alias, current=None, history=history, retired=True, canary=None)
+    return msgspec.structs.replace(alias, current=None, history=history, retired=True, canary=None, gate=None)
 
 
 class RegistryService:
@@ -123,10 +137,11 @@ class RegistryService:
         following = asyncio.create_task(view.run(stop), name="registry-view")
         guarding = asyncio.create_task(canary.guard(self.registry, stop), name="canaries")
         hearing = asyncio.create_task(self.nodes.run(stop), name="registry-nodes")
+        gating = asyncio.create_task(gate.keep_deciding(self.nc, self.registry, _promoted, stop), name="gates")
         try:
             await self._serve(stop)
         finally:
-            await cancel_and_wait([following, guarding, hearing])
+            await cancel_and_wait([following, guarding, hearing, gating])
 
     async def _serve(self, stop: asyncio.Event) -> None:
         service = await nats.micro.add_service(
@@ -157,7 +172,7 @@ class RegistryService:
 
     async def _register(self, q: RegisterRequest) -> AdapterReply | Error:
         try:
-            await register_job(self.jobs, self.registry, q.name, q.job, q.promote)
+            await register_job(self.jobs, self.registry, q.name, q.job, q.promote, q.gate)
         except RegistryError as e:
             return Error(str(e), field="job")
         return await self._reply(q.name)
@@ -186,6 +201,8 @@ class RegistryService:
             return Error(
                 f"no version {q.name}@{q.version}; `jetlora adapters show {q.name}` lists its versions", field="version"
             )
+        if q.gate is not None:
+            return await self._gated(q)
         if q.canary is None:
             return await self._change(q.name, lambda a: _promoted(a, q.version), q)
         after = await self.registry.newest_seq()  # reports stored after this count for the canary
@@ -197,6 +214,21 @@ class RegistryService:
         except RegistryError as e:
             return Error(str(e), field="canary")
         return await self._change(q.name, lambda a: msgspec.structs.replace(a, canary=trial, retired=False), q)
+
+    async def _gated(self, q: PromoteRequest) -> AdapterReply | Error:
+        """Start a gated promote: stored in the alias and answered at once; gate.py decides it."""
+        spec, version = q.gate, await self.registry.version(q.name, q.version)
+        assert spec is not None and version is not None
+        if q.canary is not None:
+            return Error("a gated promote takes no canary yet: promote through the gate, then roll out", "canary")
+        alias, _ = await self.registry.alias(q.name)
+        if (why := await gate.eval_exists(self.nc, alias.tenant if alias else None, spec.eval)) is not None:
+            return Error(f"the gate cannot use eval {spec.eval}: {why}", "gate.eval")
+        try:
+            base_dir, accelerator = await gate.where(self.jobs, version, spec)
+        except RegistryError as e:
+            return Error(str(e), "gate.base_dir")
+        return await self._change(q.name, lambda a: gate.begin(a, spec, version, base_dir, accelerator), q)
 
     async def _rollback(self, q: AliasRequest) -> AdapterReply | Error:
         return await self._change(q.name, _rolled_back, q)

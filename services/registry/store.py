@@ -201,6 +201,17 @@ class AdapterRegistry:
                 )
         raise RegistryError(f"{name} kept changing; try again")
 
+    async def note_alias(self, name: str, change) -> Alias | None:
+        """Apply change(alias) -> alias | None by compare-and-set without counting a change of what it serves (a
+        gate's progress, or its refusal); None (from `change` too): nothing written."""
+        for _ in range(CAS_ATTEMPTS):
+            alias, revision = await self.alias(name)
+            if alias is None or (changed := change(alias)) is None:
+                return None
+            if await self._put_alias(msgspec.structs.replace(changed, updated=time.time()), revision):
+                return changed
+        raise RegistryError(f"{name} kept changing; try again")
+
     async def _put_alias(self, alias: Alias, revision: int) -> bool:
         key = names.adapter_alias_key(alias.name)
         try:
