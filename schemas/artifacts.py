@@ -9,7 +9,7 @@ from msgspec import Meta, Struct
 from schemas.jobs import JobId
 from schemas.validate import pattern
 
-ArtifactKind = Literal["peft", "gguf", "checkpoint", "tensorboard"]
+ArtifactKind = Literal["peft", "gguf", "checkpoint", "tensorboard", "eval"]  # eval: an eval run's results (JSONL)
 KEEP_CHECKPOINTS = 3  # a job's newest checkpoints kept in the store; older ones are deleted as new ones arrive
 FILE_NAME = pattern(
     r"^(?!\.\.?\Z)[^/\\\x00-\x1f\x7f]*\Z",

@@ -34,6 +34,14 @@ class ReinforcementMetrics(Struct, kw_only=True):
     completion_tokens: float  # the completions' mean length
     rollouts_per_s: float  # completions sampled and graded per second of doing so
     grading_failures: int = 0  # completions the grader failed on (scored 0)
+    sampled_by: Literal["trainer", "engine", "both"] = "trainer"  # who sampled the window's completions
+    sampled_from: list[int] = field(default_factory=list)  # the adapter versions (optimizer steps taken) they were
+    # sampled from: a step's completions are its adapter's before the step, so step s learns from version s - 1
+    sync_s: float | None = None  # engine rollouts: mean seconds per sync (save, load into the engine, probe confirmed)
+    syncs: int = 0  # syncs in the window
+    stale_rollouts: int = 0  # engine completions dropped: the engine no longer served their version after sampling
+    stale_share: float | None = None  # stale / all the engine sampled in the window (None: the engine sampled none)
+    fallback_rollouts: int = 0  # completions the trainer sampled because the engine failed or stayed stale
 
 
 class Progress(Struct, tag="progress", tag_field="type", kw_only=True):
@@ -83,6 +91,15 @@ class DataFile(Struct, kw_only=True):
 
 
 RENDEZVOUS_ENV = "JETLORA_RENDEZVOUS"  # the file through which a multi-device job's ranks meet (torch's FileStore)
+ENGINE_WAIT = "engine-wait"  # a file in the trainer's out_dir while it waits on its rollout engine (computing nothing)
+
+
+class RolloutEngine(Struct, kw_only=True):
+    """The node's vLLM a grpo job samples its completions through (the agent's --engine vllm=URL of the job's base
+    model)."""
+
+    url: str  # its OpenAI-compatible API: /v1/completions, /v1/load_lora_adapter, /v1/unload_lora_adapter
+    priority: int = 0  # rollouts' request priority (vLLM --scheduling-policy priority: larger is later); 0: none
 
 
 class TrainerSpec(Struct, kw_only=True):
@@ -98,6 +115,8 @@ class TrainerSpec(Struct, kw_only=True):
     validation: DataFile | None = None  # request.validation_dataset, fetched
     token_cache: str | None = None  # where tokenized datasets are kept between jobs; None: in out_dir
     init_adapter: str | None = None  # request.init_adapter's PEFT directory, fetched
+    rollout_engine: RolloutEngine | None = None  # grpo with train.rollouts engine or auto: the node's vLLM
+    no_rollout_engine: str = ""  # why the node offers none (train.rollouts engine fails with it; auto: the trainer)
 
 
 class Preparing(Struct, tag="preparing", tag_field="type", kw_only=True):
@@ -168,6 +187,25 @@ class Samples(Struct, tag="samples", tag_field="type", kw_only=True):
 
 JobEvent = Progress | StateChange | Preparing | Samples
 TrainerEvent = Started | Preparing | Progress | Samples | Checkpoint | Finished | Failed
+
+
+class GroupControl(Struct, forbid_unknown_fields=True, kw_only=True):
+    """A line the agent writes to a co-training group's trainer (`python -m trainer.co_train DIR`) on its stdin:
+    a job joins (`spec`: its TrainerSpec, as a trainer alone is given it), or one of its jobs is cancelled
+    (dropped at once), stopped (its adapter saved) or paused (a checkpoint to resume from), each after the step
+    under way. The group ends once its stdin is closed and no job is left in it."""
+
+    action: Literal["add", "cancel", "stop", "pause"]
+    job: JobId
+    spec: TrainerSpec | None = None  # with `add`
+
+
+class GroupEvent(Struct, kw_only=True):
+    """A line a co-training group's trainer prints on stdout: one of its jobs' events, as a trainer alone prints
+    it; a job's Finished or Failed is its last."""
+
+    job: JobId
+    event: TrainerEvent
 
 
 class EventsQuery(Struct, forbid_unknown_fields=True, kw_only=True):

@@ -18,9 +18,12 @@ def check_request(req: JobRequest, grader_check: GraderCheck | None = None) -> l
     """Rules that span fields or need more than a type: each error says what to change. A grader is checked by
     `grader_check` where the caller has it (the graders are plumbing above the contract: the scheduler passes it)."""
     errors = _data_errors(req) + _held_out_errors(req) + _schedule_errors(req) + _device_errors(req)
-    errors += _adapter_errors(req)
+    errors += _adapter_errors(req) + _eval_errors(req)
     if grader_check is not None and req.train.grader is not None:
         errors += grader_check(req.train.grader, "train.grader")
+    if grader_check is not None and req.evaluate is not None:
+        for n, c in enumerate(req.evaluate.criteria):
+            errors += grader_check(c.grader, f"evaluate.criteria.{n}.grader")
     return errors + check_training(req.lora, req.train, req.accelerator, req.quantization, req.served_by)
 
 
@@ -153,7 +156,29 @@ def _adapter_errors(req: JobRequest) -> list[FieldError]:
     return errors
 
 
-DATASET_OF_METHOD = {"dpo": "a preference dataset", "grpo": "an rft dataset (prompts and the fields its grader reads)"}
+DATASET_OF_METHOD = {
+    "dpo": "a preference dataset",
+    "grpo": "an rft dataset (prompts and the fields its grader reads)",
+    "eval": "an rft dataset (the eval's items)",
+}
+
+
+def _eval_errors(req: JobRequest) -> list[FieldError]:
+    """An eval run (train.method eval) carries its `evaluate`, and only it does."""
+    if req.train.method == "eval" and req.evaluate is None:
+        return [FieldError("evaluate", "train.method eval grades an eval's items: run one with `jetlora evals run`")]
+    if req.train.method != "eval" and req.evaluate is not None:
+        return [FieldError("evaluate", "evaluate is an eval run's: set train.method to eval or drop it")]
+    if req.evaluate is not None and req.register is not None:
+        return [FieldError("register", "an eval run trains no adapter to register: drop register")]
+    if req.register is not None and req.register.gate is not None and not req.register.promote:
+        return [
+            FieldError(
+                "register.gate",
+                "a gate decides whether the new version is promoted: set register.promote true, or drop the gate",
+            )
+        ]
+    return []
 
 
 REQUIRED_PLACEHOLDERS = {"model": "-", "base_dir": "/-", "data": [{"q": "-", "a": "-"}], "dataset": None}

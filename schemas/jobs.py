@@ -6,7 +6,10 @@ from typing import Annotated, Literal, get_args
 
 from msgspec import Meta, Struct, field
 
+from schemas.evals import EvalJob
+from schemas.gates import GateSpec
 from schemas.integrations import Integration
+from schemas.parity import ParityText
 from schemas.text import Name, OneLine, Text
 from schemas.training import ATTENTION_AND_MLP, MODULE_NAME, SEED_MAX, STEPS_MAX, LoraConfig, TrainConfig
 from schemas.validate import FieldError, pattern
@@ -86,6 +89,9 @@ class RegisterSpec(Struct, forbid_unknown_fields=True, kw_only=True):
 
     name: Annotated[NodeId, Meta(description="the adapter's name: its versions are NAME@1, NAME@2, ...")]
     promote: Annotated[bool, Meta(description="make it what NAME serves: engines of its base model load it")] = False
+    gate: (
+        Annotated[GateSpec, Meta(description="promote only if this eval says it beats what NAME serves now")] | None
+    ) = None
 
 
 class InitAdapter(Struct, forbid_unknown_fields=True, kw_only=True):
@@ -168,6 +174,10 @@ class JobRequest(Struct, forbid_unknown_fields=True, kw_only=True):
         ]
         | None
     ) = None
+    evaluate: Annotated[
+        EvalJob | None,
+        Meta(description="train.method eval's: the graders and sampling of an eval run (the evals service sets it)"),
+    ] = None
     integrations: Annotated[
         list[Integration],
         Meta(
@@ -222,6 +232,7 @@ class Probe(Struct, kw_only=True):
     text: str  # the greedy continuation, at most PROBE_TOKENS tokens, decoded without special tokens
     head: str  # its first PROBE_HEAD_TOKENS tokens, decoded
     dtype: str  # the precision the trainer ran in, e.g. "float32", "bfloat16"
+    parity: list[ParityText] | None = None  # the probe set's log-probabilities (schemas/parity.py); None: older
 
 
 class ArtifactRef(Struct):

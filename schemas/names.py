@@ -20,6 +20,7 @@ The subject tree is shaped so that permissions can be written against it:
     jetlora.adapters.<verb>             the adapter registry: register, list, show, promote, rollback, retire,
                                         references
     jetlora.adapters.status.<node>      agent -> anyone: what its engines did with an adapter
+    jetlora.evals[.<tenant>].<verb>     the evals service: evals, their runs and results
 
 No other module spells a subject: they all call these functions.
 """
@@ -43,6 +44,7 @@ ARTIFACTS_BUCKET = "jetlora_artifacts"  # object store of adapters and GGUF file
 DATASETS_BUCKET = "jetlora_datasets"  # object store of training data, one object per dataset name
 ADAPTERS_KV = "jetlora_adapters"  # the adapter registry: version.<name>.<n>, alias.<name>, node.<name>.<node>
 KEYS_KV, GATEWAY_JOBS_KV = "jetlora_keys", "jetlora_gateway_jobs"  # the OpenAI gateway's keys, and its jobs' requests
+EVALS_KV = "jetlora_evals"  # evals and their runs (schemas/evals.py): eval.<tenant>.<name>, run.<tenant>.<id>
 SCHEDULER_CONSUMER = "jetlora_scheduler_states_v3"  # durable consumer of job states (v3: the tenant in the subject)
 OLD_SCHEDULER_CONSUMERS = ("jetlora_scheduler_states_v2",)  # filters that match no subject now: deleted at start
 
@@ -199,7 +201,31 @@ def tenant_of_dataset_upload(subject: str) -> str | None:
     return _checked_tenant_token(parts[2], subject) if len(parts) == 5 else None
 
 
-TENANT_GROUPS = (API_GROUP, ARTIFACTS_GROUP, DATASETS_GROUP)  # the requests that carry a tenant token
+EVALS_GROUP = f"{PREFIX}.evals"  # the evals service (nats.micro group "jetlora.evals", served beside the registry)
+EVALS_SERVICE = "jetlora-evals"
+
+
+class EvalsApi(NamedTuple):
+    """Eval requests: an admin's (jetlora.evals.<verb>) or a tenant's (jetlora.evals.<tenant>.<verb>, its own)."""
+
+    create: str
+    list: str
+    show: str
+    delete: str
+    run: str  # place a run of an eval against a base model or an adapter version
+    runs: str
+    run_show: str
+    run_cancel: str
+    run_delete: str
+    items: str  # a run's per-item results, a page at a time
+    compare: str  # two completed runs of one eval, paired by item (schemas/gates.py)
+
+
+def evals_api(tenant: str | None = None) -> EvalsApi:
+    return _subjects(EvalsApi, EVALS_GROUP if tenant is None else f"{EVALS_GROUP}.{tenant}")
+
+
+TENANT_GROUPS = (API_GROUP, ARTIFACTS_GROUP, DATASETS_GROUP, EVALS_GROUP)  # the requests that carry a tenant token
 
 
 def reserved_tenant_subjects() -> list[str]:

@@ -52,6 +52,7 @@ class RunningAttempt(Struct, kw_only=True):
     attempt: int
     devices: list[int]  # rank 0's first
     state: JobState  # as the node last reported it: preparing, running or uploading
+    group: str | None = None  # the co-training group it trains in (one process with the group's other jobs)
 
 
 class Heartbeat(Struct, kw_only=True):
@@ -84,6 +85,8 @@ class Assignment(Struct, kw_only=True):
     tenant: TenantId | None = None  # whose job it is: its artifacts are recorded as that tenant's
     engine_priority: int | None = None  # its priority against serving engines (--engine-yield exempt=P), the
     # scheduler's to give: an admin's job's own priority; None: it always yields (a tenant's, whatever it asked for)
+    group: str | None = None  # co-train it in this group: one trainer process on the device for the group's jobs,
+    # sharing the base model (the node starts it with the first, the next join it); None: a trainer of its own
 
     @property
     def ranks(self) -> list[int]:

@@ -20,7 +20,15 @@ ATTENTION_AND_MLP = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_pr
 ADAM_BETAS = (0.9, 0.999)
 ADAM_EPS = 1e-8
 MUTATING_INITS = ("pissa", "loftq")  # they change the base's weights: the adapter is saved as a plain LoRA of 2r
-GRPO_FIELDS = ("group_size", "max_completion_tokens", "temperature", "grpo_beta", "grpo_epsilon", "eval_samples")
+GRPO_FIELDS = (
+    "group_size",
+    "max_completion_tokens",
+    "temperature",
+    "grpo_beta",
+    "grpo_epsilon",
+    "eval_samples",
+    "rollouts",
+)
 
 
 class LoftQ(Struct, forbid_unknown_fields=True, kw_only=True):
@@ -139,12 +147,13 @@ class TrainConfig(Struct, forbid_unknown_fields=True, kw_only=True):
     ] = field(default_factory=list)
     sample_max_tokens: Annotated[int, Meta(ge=1, le=1024)] = 48
     method: Annotated[
-        Literal["sft", "dpo", "grpo"],
+        Literal["sft", "dpo", "grpo", "eval"],
         Meta(
             description=(
                 "sft: learn the answers (chat, qa, alpaca or text data); dpo: prefer one answer to another (preference "
                 "data), the base model with the adapter switched off being the reference; grpo: reinforcement from the "
-                "grader's scores of completions the adapter samples itself (rft data)"
+                "grader's scores of completions the adapter samples itself (rft data); eval: train nothing, sample and grade an "
+                "eval's items with the adapter (or the base) and store the results (an eval run: `jetlora evals run`)"
             )
         ),
     ] = "sft"
@@ -176,6 +185,18 @@ class TrainConfig(Struct, forbid_unknown_fields=True, kw_only=True):
     eval_samples: Annotated[
         int, Meta(ge=1, le=100_000, description="grpo: held-out prompts answered and graded at each evaluation")
     ] = 16
+    rollouts: Annotated[
+        Literal["trainer", "engine", "auto"],
+        Meta(
+            description=(
+                "grpo: who samples the completions. trainer: the trainer itself (transformers' generate); engine: the "
+                "node's co-located vLLM (the adapter synced into it after every step under a name of the job's own, "
+                "at a lower priority than live traffic where the engine schedules by priority): a node without one "
+                "fails the job saying so, so pin it with `node`; auto: the node's vLLM where it has one, else the "
+                "trainer"
+            )
+        ),
+    ] = "trainer"
 
 
 def check_training(

@@ -67,6 +67,7 @@ async def ensure_resources(nc: Client, replicas: int = 1) -> None:
         (names.IDEMPOTENCY_KV, dict(history=1, ttl=IDEMPOTENCY_S)),
         (names.KEYS_KV, dict(history=1)),
         (names.GATEWAY_JOBS_KV, dict(history=1)),
+        (names.EVALS_KV, dict(history=1)),
     ):
         try:
             await js.key_value(bucket)

@@ -34,6 +34,11 @@ def main(argv: list[str]) -> int:
             from trainer.gguf_export import check_exportable
 
             check_exportable(spec.request.base_dir)  # before training, not after it
+        if spec.request.train.method == "eval":  # an eval run: samples and grades, trains nothing
+            from trainer.evaluate import evaluate
+
+            emit(evaluate(spec))
+            return 0
         from trainer.loop import train  # torch loads here, after the spec is known to be sound
 
         finished = train(spec, SIGNALS)

@@ -50,15 +50,17 @@ def save_checkpoint(
     return path
 
 
-def resume(model, optimizer, scheduler, checkpoint: Path) -> dict:
-    """Load a checkpoint written by save_checkpoint (tensors only: weights_only, never arbitrary pickles)."""
+def resume(model, optimizer, scheduler, checkpoint: Path, load=None) -> dict:
+    """Load a checkpoint written by save_checkpoint (tensors only: weights_only, never arbitrary pickles); `load`
+    puts the adapter's weights (peft's names) into the model (default: peft's own, for a peft model)."""
     from peft import set_peft_model_state_dict
     from safetensors.torch import load_file
 
     state_file = checkpoint / "trainer_state.pt"
     if not state_file.is_file():
         raise JobError(f"checkpoint {checkpoint} has no trainer_state.pt; resubmit the job without resume")
-    set_peft_model_state_dict(model, load_file(str(checkpoint / "adapter" / "adapter_model.safetensors")))
+    weights = load_file(str(checkpoint / "adapter" / "adapter_model.safetensors"))
+    load(weights) if load else set_peft_model_state_dict(model, weights)
     state = torch.load(state_file, weights_only=True)
     optimizer.load_state_dict(state["optimizer"])
     scheduler.load_state_dict(state["scheduler"])

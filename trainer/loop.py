@@ -21,6 +21,7 @@ from schemas.events import (
     Started,
     TrainerSpec,
 )
+from schemas.training import MUTATING_INITS
 from trainer import data
 from trainer.adapter_init import save_plain_lora
 from trainer.best import BestEval
@@ -109,7 +110,7 @@ def train(spec: TrainerSpec, signals: Signals | None = None) -> Finished:
         first_batch, at.batch_in_epoch = at.batch_in_epoch, 0  # a resumed run starts mid-epoch, where it stopped
         for first in range(first_batch, len(batches), t.grad_accum):
             lease.hold_while_lapsed()  # the agent cannot vouch for this attempt now: no step until it can
-            micro = run.objective.rollout(run.model, batches[first : first + t.grad_accum])  # grpo: sampled, graded
+            micro = run.objective.rollout(run.model, batches[first : first + t.grad_accum], at.step)  # grpo: sampled
             step_loss, grad_norm, lr = optimizer_step(run, micro)
             at.step += 1
             window_loss, window_count = window_loss + step_loss, window_count + 1
@@ -217,7 +218,8 @@ def save_the_end(run: Run, paused: bool, early: str) -> Finished:
         as_lora=lambda m, out: save_plain_lora(m, out, run.initial, run.spec.request.lora),
     )
     if run.world.main and finished.state != "paused":
-        finished = msgspec.structs.replace(finished, probe=probe(run.model, run.tokenizer, run.device))
+        plain = run.spec.request.lora.init not in MUTATING_INITS  # pissa, loftq: the trainer's base is not the engine's
+        finished = msgspec.structs.replace(finished, probe=probe(run.model, run.tokenizer, run.device, base=plain))
     return finished
 
 

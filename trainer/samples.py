@@ -8,6 +8,7 @@ from schemas.events import Sample, Samples
 from schemas.jobs import PROBE_HEAD_TOKENS, PROBE_PROMPT, PROBE_TOKENS, Probe
 from trainer.data import Examples
 from trainer.formats import IGNORE, prompt_text
+from trainer.parity import parity_set
 from trainer.rft import Prompts
 
 AUTO_PROMPTS = 3
@@ -61,9 +62,10 @@ def samples_event(model, tokenizer, prompts, device: str, max_tokens: int, step:
 
 
 @torch.no_grad()
-def probe(model, tokenizer, device: str) -> Probe:
+def probe(model, tokenizer, device: str, base: bool = True) -> Probe:
     """The adapter's greedy answer to PROBE_PROMPT, tokenized as an engine's completions API does (special tokens
-    added) and decoded in the prompt's context, as an engine streams it (a first token's leading space kept)."""
+    added) and decoded in the prompt's context, as an engine streams it (a first token's leading space kept); with
+    the probe set's log-probabilities for parity (trainer/parity.py; `base`: with the adapter off too)."""
     was_training = model.training
     model.eval()
     ids = tokenizer(PROBE_PROMPT)["input_ids"]
@@ -85,5 +87,9 @@ def probe(model, tokenizer, device: str) -> Probe:
 
     dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
     return Probe(
-        prompt=PROBE_PROMPT, text=continuation(PROBE_TOKENS), head=continuation(PROBE_HEAD_TOKENS), dtype=dtype
+        prompt=PROBE_PROMPT,
+        text=continuation(PROBE_TOKENS),
+        head=continuation(PROBE_HEAD_TOKENS),
+        dtype=dtype,
+        parity=parity_set(model, tokenizer, device, base),
     )

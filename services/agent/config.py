@@ -7,6 +7,7 @@ from pathlib import Path
 
 from services.agent.engines import Engine
 from services.agent.rollout import CHECK_INTERVAL_S
+from services.agent.group_run import DEFAULT_GROUP_TRAINER
 from services.agent.runner import DEFAULT_TRAINER
 from services.agent.yielding import YieldPolicy
 
@@ -21,6 +22,7 @@ class AgentConfig:
     offer_cpu: bool = False
     simulate_gpus: str | None = None
     trainer_command: list[str] = field(default_factory=lambda: list(DEFAULT_TRAINER))
+    group_command: list[str] = field(default_factory=lambda: list(DEFAULT_GROUP_TRAINER))  # co-training groups'
     keep_job_dirs: bool = False
     dataset_cache_mib: int = 20480  # datasets (and their tokenized copies) kept for the next job
     adapter_cache_mib: int = 10240  # fetched adapters kept (what engines serve stays even over it)
@@ -28,6 +30,8 @@ class AgentConfig:
     models: list[str] = field(default_factory=list)  # base model directories here, advertised with their shapes
     engine_yield: list[YieldPolicy] = field(default_factory=list)  # per engine (one: for all); none: YieldPolicy()
     engine_check_interval: float = CHECK_INTERVAL_S  # how often what each engine serves is compared with the registry
+    rollout_priority: int = 0  # grpo rollouts' priority at a vLLM that schedules by priority (larger: later); 0: none
+    grader_env: dict[str, str] = field(default_factory=dict)  # the trainers' graders settings (JETLORA_JUDGE_URL...)
     stage_adapters: bool = True  # fetch a new version of a served adapter when it is registered, before its promotion
     trainer_lease_s: float | None = None  # a trainer computes this long after the node's last heartbeat reached
     # the bus; None: two heartbeat intervals (below the scheduler's window of misses x interval, so a cut-off

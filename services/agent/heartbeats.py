@@ -71,7 +71,13 @@ def compose(agent: Agent, read: tuple[list[Device], str]) -> Heartbeat:
         no_gpu_reason=agent.no_gpu_reason,
         running=list(agent.jobs),
         attempts=[
-            RunningAttempt(job=run.assignment.job, attempt=run.attempt, devices=run.devices, state=run.state)
+            RunningAttempt(
+                job=run.assignment.job,
+                attempt=run.attempt,
+                devices=run.devices,
+                state=run.state,
+                group=run.assignment.group,
+            )
             for run in agent.runs.values()
             if not run.superseded and not run.final
         ],

@@ -35,6 +35,8 @@ from schemas.nodes import CPU_DEVICE, Assignment, on_devices
 from services import bus
 from services.agent.config import AgentConfig
 from services.agent.datasets import DatasetCache, DatasetUnavailable, LocalDataset
+from services.agent.engines import rollout_engine
+from services.agent.group_run import GroupMember, GroupProcess
 from services.agent.runner import TrainerRun
 from services.agent.shipping import fetch_adapter, fetch_checkpoint, ship_checkpoint, ship_results
 from services.agent.yielding import Yielded, Yielder
@@ -51,7 +53,7 @@ class RunningJob:
     assignment: Assignment
     devices: list[int]  # one rank on each, rank 0's first
     task: asyncio.Task | None = None
-    trainer: TrainerRun | None = None
+    trainer: TrainerRun | GroupMember | None = None
     stop_asked: bool = False
     cancel_asked: bool = False  # a cancel came: shutting down now must not hand the job back to the queue
     paused_by: str | None = None  # a pause was asked, by this ("user", or a serving engine)
@@ -83,6 +85,7 @@ class JobLifecycle:
     datasets: DatasetCache
     yielder: Yielder
     runs: dict[tuple[str, int], RunningJob]
+    groups: dict[str, GroupProcess]
     finished: dict[str, float]
     draining: bool
 
@@ -191,15 +194,19 @@ class JobLifecycle:
     async def _train(self, run: RunningJob, job_dir: Path) -> Finished | Failed | Cancelled:
         """Fetch what the job needs, run its trainer to its end (what was asked of the job meanwhile passed on to
         it), its events reported as they come."""
-        run.trainer = TrainerRun(
-            await self._trainer_spec(run, job_dir),
-            job_dir,
-            self.cfg.trainer_command,
-            _trainer_env(run),
-            ranks=len(run.devices),
-            niceness=self.yielder.niceness(run.devices),
-            lease_s=self.cfg.lease_s,
-        )
+        spec = await self._trainer_spec(run, job_dir)
+        if run.assignment.group:  # co-trained: it joins its group's process (started for the first job)
+            run.trainer = self._group_of(run).member(spec)
+        else:
+            run.trainer = TrainerRun(
+                spec,
+                job_dir,
+                self.cfg.trainer_command,
+                {**_trainer_env(run), **self.cfg.grader_env},
+                ranks=len(run.devices),
+                niceness=self.yielder.niceness(run.devices),
+                lease_s=self.cfg.lease_s,
+            )
         if run.cancel_asked:  # asked while this task was cancelled at an await that can swallow it (3.11's wait_for)
             run.trainer.cancel()
         if run.stop_asked:
@@ -208,10 +215,34 @@ class JobLifecycle:
             run.trainer.pause()
         return await run.trainer.run(functools.partial(self._on_trainer_event, run))
 
+    def _group_of(self, run: RunningJob) -> GroupProcess:
+        """The co-training group the job joins: the one running here, or a new one it starts."""
+        name = run.assignment.group
+        assert name is not None, "only a co-trained job has a group"
+        group = self.groups.get(name)
+        if group is None or group.closing:
+
+            def forget(ended: GroupProcess) -> None:
+                if self.groups.get(ended.name) is ended:
+                    del self.groups[ended.name]
+
+            group = GroupProcess(
+                name,
+                self.cfg.work_dir / "jobs" / f"group-{name}-{run.assignment.job}-{run.attempt}",
+                self.cfg.group_command,
+                {**_trainer_env(run), **self.cfg.grader_env},
+                niceness=self.yielder.niceness(run.devices),
+                lease_s=self.cfg.lease_s,
+                on_empty=forget,
+            )
+            self.groups[name] = group
+        return group
+
     async def _trainer_spec(self, run: RunningJob, job_dir: Path) -> TrainerSpec:
         """What the trainer is told: the job, and where what it starts from (a checkpoint, datasets, an adapter) is
         on this node, fetched here first."""
         a = run.assignment
+        engine, no_engine = rollout_engine(self.cfg.engines, a.request, self.cfg.rollout_priority)
         return TrainerSpec(
             job=a.job,
             attempt=a.attempt,
@@ -223,6 +254,8 @@ class JobLifecycle:
             validation=await self._fetch_dataset(run, a.request.validation_dataset),
             token_cache=str(self.datasets.tokens),
             init_adapter=await self._fetch_init_adapter(run, job_dir),
+            rollout_engine=engine,
+            no_rollout_engine=no_engine,
         )
 
     async def _on_trainer_event(self, run: RunningJob, ev) -> None:

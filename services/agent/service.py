@@ -28,6 +28,7 @@ from services.agent.config import AgentConfig
 from services.agent.datasets import DatasetCache
 from services.agent.devices import DeviceProbe
 from services.agent.models import read_shapes
+from services.agent.group_run import GroupProcess
 from services.agent.job_run import JobLifecycle, RunningJob
 from services.agent.rollout import Rollout
 from services.agent.yielding import Yielder, engine_yields
@@ -47,6 +48,7 @@ class Agent(JobLifecycle):
         self.nc, self.js, self.cfg = nc, nc.jetstream(), config
         self.probe = DeviceProbe(config.offer_cpu, config.simulate_gpus)
         self.runs: dict[tuple[str, int], RunningJob] = {}  # (job, attempt): one ending while the next is assigned
+        self.groups: dict[str, GroupProcess] = {}  # co-training groups' processes here, by group
         self.confirming: asyncio.Task | None = None  # the check that the last heartbeat reached the server
         self.last_confirmed = float("-inf")  # monotonic: when the last heartbeat the server confirmed was sent
         self.finished: dict[str, float] = {}
@@ -176,7 +178,7 @@ class Agent(JobLifecycle):
             if not await self.end_attempt(run, f"attempt {a.attempt} replaces it", wait_s=ATTEMPT_END_S):
                 return AssignRefused(a.job, f"attempt {run.attempt} of the job is still ending here; try again")
         self.devices, _ = await self.probe.read_async()  # NVML may block: its own thread
-        busy = {key: run.devices for key, run in self.runs.items()}
+        busy = {key: run.devices for key, run in self.runs.items() if not _same_group(a, run)}
         reason = refusal(a, self.devices, busy, self.reclaim, self.draining)
         if reason:
             return AssignRefused(a.job, reason)
@@ -242,3 +244,8 @@ class Agent(JobLifecycle):
     async def reclaim_device(self, device: int, mib: int) -> None:
         """An engine here wants a device's memory back (or lets go of it): as if it had asked on the bus."""
         await self._on_reclaim(Reclaim(device=device, mib=mib))
+
+
+def _same_group(a: Assignment, run: RunningJob) -> bool:
+    """Whether `a` joins the co-training group `run` trains in, on the same device: it shares that device."""
+    return a.group is not None and run.assignment.group == a.group and run.devices == a.ranks

@@ -79,7 +79,11 @@ async def ship_checkpoint(
 
 
 async def ship_results(nc: Client, node: str, a: Assignment, result: Finished, out_dir: Path) -> list[ArtifactRef]:
-    """The adapter as tar.gz, the GGUF when made and the TensorBoard log, uploaded before the job may succeed."""
+    """The adapter as tar.gz, the GGUF when made and the TensorBoard log, uploaded before the job may succeed (an
+    eval run's: its results, JSONL)."""
+    if a.request.train.method == "eval":
+        results = Path(result.adapter_dir) / "results.jsonl"
+        return [await _upload(nc, node, a, "eval", results, _meta(a, f"{a.job}-eval.jsonl", summary="eval results"))]
     adapter = Path(result.adapter_dir)
     tar_path = adapter.parent / "adapter.tar.gz"
     await asyncio.to_thread(tar_dir, adapter, tar_path)

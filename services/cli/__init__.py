@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import argparse
 
-from services.cli import adapters, artifacts, datasets, estimate, gateway, jobs, serve, tools
+from services.cli import adapters, artifacts, datasets, estimate, evals, gateway, jobs, serve, tools
 from services.runtime import setup_logging
 
 COMMANDS = (
@@ -15,6 +15,7 @@ COMMANDS = (
     artifacts,
     datasets,
     adapters,
+    evals,
     gateway,
     tools,
     estimate,

@@ -61,6 +61,10 @@ def _service_users() -> dict[str, dict]:
     scheduler_publishes += [names.ARTIFACTS_DELETE, names.SERVICE_DISCOVERY_ALL]
     scheduler_publishes += [names.ADAPTERS.references]  # retention asks the registry what its versions reference
     scheduler_publishes += [names.ADAPTERS.show, names.ADAPTERS.register]  # submit's checks; a job's registration
+    # the evals service (beside it): its bucket, and a run's job submitted, shown and cancelled as its tenant's
+    scheduler_publishes += [names.kv(names.EVALS_KV).subjects, names.SUBMIT, names.CANCEL, names.DATASETS.show]
+    scheduler_publishes += [names.jobs_api("*").submit, names.jobs_api("*").cancel, names.datasets_api("*").show]
+    scheduler_publishes += [names.EVALS_GROUP + ".>"]  # the registry's gates ask the evals service, as the tenant
     any_tenant = "*"  # the gateway acts for the tenant of each request's key: a tenant's verbs, never an admin's
     # (roles() denies it the reserved tokens, `_` and `upload`, that this wildcard would match)
     gateway_publishes = list(names.jobs_api(any_tenant)) + list(names.datasets_api(any_tenant))
@@ -70,7 +74,10 @@ def _service_users() -> dict[str, dict]:
     )
     gateway_publishes += [names.js_api("STREAM", "INFO", "*"), names.ADAPTERS.show]  # a fine-tuned model's base
     gateway_publishes += [names.ADAPTERS.list, names.ADAPTERS.retire]  # /v1/models: a tenant's, and DELETE (retire)
-    scheduler_hears = [names.API_GROUP + ".>", names.ADAPTERS_GROUP + ".>", names.HEARTBEATS_ALL]
+    gateway_publishes += list(names.evals_api(any_tenant))  # /v1/evals
+    gateway_publishes += _read_stream(DATA)  # an eval run's items from a file of the tenant's (it checks whose first)
+    scheduler_hears = [names.API_GROUP + ".>", names.ADAPTERS_GROUP + ".>", names.EVALS_GROUP + ".>"]
+    scheduler_hears += [names.HEARTBEATS_ALL]
     stores = [names.objects(names.ARTIFACTS_BUCKET).subjects, names.objects(names.DATASETS_BUCKET).subjects]
     return {
         "scheduler": {
@@ -90,7 +97,11 @@ def _people() -> dict[str, dict]:
     api = list(names.jobs_api()) + [names.LIST_NODES]  # an admin's
     datasets = [names.DATASETS_UPLOAD_ALL, names.DATASETS.list, names.DATASETS.show] + _read_stream(DATA)
     watch = _read_stream(JOBS)
-    operates = list(names.ADAPTERS) + [names.DATASETS.delete, names.node("*").reclaim, names.ARTIFACTS_LIST]
+    operates = (
+        list(names.ADAPTERS)
+        + list(names.evals_api())
+        + [names.DATASETS.delete, names.node("*").reclaim, names.ARTIFACTS_LIST]
+    )
     operates += [
         names.ARTIFACTS_DELETE,
         names.js_api("STREAM", "PURGE", OBJ),
@@ -99,7 +110,10 @@ def _people() -> dict[str, dict]:
     operates += [names.kv(names.KEYS_KV).subjects] + _read_stream(names.kv(names.KEYS_KV).stream)  # the gateway's keys
     shown = [names.LIST_JOBS, names.LIST_NODES, names.ARTIFACTS_LIST, names.ADAPTERS.list]
     return {
-        "submitter": {"publish": api + watch + datasets + [names.ADAPTERS.list, names.ADAPTERS.show], "subscribe": []},
+        "submitter": {
+            "publish": api + watch + datasets + list(names.evals_api()) + [names.ADAPTERS.list, names.ADAPTERS.show],
+            "subscribe": [],
+        },
         "operator": {
             "publish": api + watch + datasets + operates + _object_read() + [names.SERVICE_DISCOVERY_ALL],
             "subscribe": [names.HEARTBEATS_ALL],
@@ -113,6 +127,7 @@ def _tenant(tenant: str) -> dict:
     """Its own verbs only: it sees, cancels and stops its own jobs, and follows their events live."""
     names.check_tenant(tenant)
     publishes = list(names.jobs_api(tenant)) + list(names.artifacts_api(tenant)) + list(names.datasets_api(tenant))
+    publishes += list(names.evals_api(tenant))
     return {"publish": publishes + [names.dataset_upload("*", tenant)], "subscribe": [names.tenant_events(tenant)]}
 
 

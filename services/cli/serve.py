@@ -12,13 +12,15 @@ from services.runtime import StartupError
 
 
 async def run_scheduler(nc, stop, args) -> None:
-    """The scheduler, and beside it the adapter registry's endpoints."""
+    """The scheduler, and beside it the adapter registry's endpoints and the evals service's."""
+    from services.evals.service import EvalsService
     from services.registry.service import RegistryService
     from services.scheduler.service import Scheduler
 
     async with asyncio.TaskGroup() as tg:
         tg.create_task(Scheduler(nc, scheduler_config(args)).run(stop))
         tg.create_task(RegistryService(nc).run(stop))
+        tg.create_task(EvalsService(nc).run(stop))
 
 
 async def run_agent(nc, stop, args) -> None:
@@ -77,12 +79,12 @@ async def run_all(nc, stop, args) -> None:
 async def _gateway(nc, args):
     """`up --gateway-port`: the OpenAI-compatible API beside the rest, its port bound before anything starts."""
     from services.bus import ensure_resources
+    from services.cli.grader_flags import grader_context
     from services.gateway.app import Gateway
 
     await ensure_resources(nc)  # its buckets: `up` owns the resources, but the scheduler makes them a moment later
-    gateway = Gateway(
-        nc, base_models(args.base_model, args.gateway_accelerator, "vllm", args.save_steps), port=args.gateway_port
-    )
+    models = base_models(args.base_model, args.gateway_accelerator, "vllm", args.save_steps)
+    gateway = Gateway(nc, models, port=args.gateway_port, graders=grader_context(args))  # the agent's grader flags
     try:
         await gateway.start()
     except OSError as e:

@@ -8,6 +8,8 @@ import shlex
 import socket
 from pathlib import Path
 
+from schemas.parity import PARITY_EPSILON, PARITY_FACTOR
+from services.cli.grader_flags import grader_flags, trainer_env
 from services.runtime import StartupError
 
 
@@ -51,8 +53,10 @@ def agent_config(args):
         models=args.model,
         engine_yield=_yields(args),
         engine_check_interval=args.engine_check_interval,
+        rollout_priority=args.engine_rollout_priority,
         stage_adapters=not args.no_staging,
         trainer_lease_s=args.trainer_lease_s,
+        grader_env=trainer_env(args),
     )
     if args.trainer_command:
         cfg.trainer_command = shlex.split(args.trainer_command)
@@ -83,6 +87,7 @@ def _engines(args) -> list:
         raise StartupError(str(e)) from None
     for i, engine in enumerate(engines):
         engine.max_adapters = (caps[0] if len(caps) == 1 else caps[i]) if caps else 0
+        engine.parity_factor, engine.parity_epsilon = args.engine_parity_factor, args.engine_parity_epsilon
         if engine.max_adapters < 0:
             raise StartupError(f"--engine-max-adapters {engine.max_adapters}: write a count, or 0 for no cap")
     return engines
@@ -103,6 +108,7 @@ def agent_flags(p: argparse.ArgumentParser) -> None:
     _engine_flags(p)
     _rollout_flags(p)
     _cache_flags(p)
+    grader_flags(p, "in this node's grpo jobs (the trainer's environment)")
 
 
 def _node_flags(p: argparse.ArgumentParser) -> None:
@@ -161,6 +167,15 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
         "reported so; keep it within vLLM's --max-cpu-loras",
     )
     p.add_argument(
+        "--engine-rollout-priority",
+        type=int,
+        default=0,
+        metavar="P",
+        help="the priority grpo jobs' rollouts ask of a vLLM --engine started with --scheduling-policy priority "
+        "(larger is served later; live requests ask 0 unless they say otherwise), e.g. 10; 0: the engine schedules "
+        "first come, first served",
+    )
+    p.add_argument(
         "--engine-restart",
         default="",
         help="llama.cpp: a command that restarts llama-server with the placed adapters ($JETLORA_ADAPTER_PATH)",
@@ -176,6 +191,22 @@ def _rollout_flags(p: argparse.ArgumentParser) -> None:
         metavar="S",
         help="how often the agent compares what each engine serves with the registry (and reloads what an "
         "engine lost, e.g. after it restarted)",
+    )
+    p.add_argument(
+        "--engine-parity-factor",
+        type=float,
+        default=PARITY_FACTOR,
+        metavar="F",
+        help="train/serve parity: a version whose mean per-token |Δ log p| against its trainer's is above F x the "
+        "same measured with the base model alone (the engine's noise floor) + --engine-parity-epsilon is reported "
+        "mismatch (a canary on it rolls back)",
+    )
+    p.add_argument(
+        "--engine-parity-epsilon",
+        type=float,
+        default=PARITY_EPSILON,
+        metavar="NATS",
+        help="what parity allows above F x the floor, where the floor is near 0 (an fp32 engine)",
     )
     p.add_argument(
         "--no-staging",

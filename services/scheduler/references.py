@@ -40,8 +40,10 @@ TRAINS_ON = {"dpo": "preference pairs", "grpo": "rft prompts", "sft": "answers"}
 def method_mismatch(name: str, fmt: str, method: str) -> str | None:
     """Why a dataset of format `fmt` does not fit the job's train.method; None when it does."""
     wanted = METHOD_OF_FORMAT.get(fmt, "sft")
-    if wanted == method:
+    if wanted == method or (method == "eval" and fmt == "rft"):
         return None
+    if method == "eval":
+        return f"dataset {name} holds {fmt} rows; an eval's items are rft rows (messages ending in a user turn)"
     if method == "dpo":
         return f"dataset {name} holds {fmt} rows; dpo trains on preference pairs: name a preference dataset"
     if method == "grpo":

@@ -45,6 +45,11 @@ def registered_note(reply: AdapterReply, name: str, job: JobId, promote: bool) -
     if not made:
         return None
     promoted = promote and reply.alias.current == max(made)
+    gate = reply.alias.gate
+    if promote and not promoted and gate is not None and gate.version == max(made):
+        return (
+            f"registered as {name}@{max(made)}; gate {gate.eval} decides its promote (`jetlora adapters show {name}`)"
+        )
     return f"registered as {name}@{max(made)}" + (" and promoted" if promoted else "")
 
 
@@ -53,7 +58,7 @@ async def register(nc: Client, job: JobId, spec: RegisterSpec, stopped: asyncio.
     does not answer, ask again (after a time-out, only once its adapter shows no version made of the job, so that
     none is registered twice). The note for the job's message; None when `stopped` (this scheduler stopped
     leading) ended the asking."""
-    asked = RegisterRequest(name=spec.name, job=job, promote=spec.promote)
+    asked = RegisterRequest(name=spec.name, job=job, promote=spec.promote, gate=spec.gate)
     last = ""
     for attempt, pause in enumerate((0.0, *REGISTER_PAUSES_S)):
         if attempt and await sleep_unless_stopped(stopped, pause):

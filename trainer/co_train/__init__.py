@@ -7,4 +7,6 @@ job.py         one job's own state: optimizer, schedule, step, data order, accum
 job_losses.py  each job's loss from its rows of the shared output (sft, dpo)
 group.py       the step, top to bottom: one forward, one backward, each job stepping on its own
 peft_export.py a job's adapter saved in peft's layout
+member.py      what a trainer alone does around a job's steps: events, evaluation, samples, checkpoints, its end
+process.py     the group's trainer process: the agent's lines on stdin, each job's events on stdout
 """

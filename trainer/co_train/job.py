@@ -159,8 +159,8 @@ def job_from_spec(spec: TrainerSpec, base: SharedBase, tokenizer, device: str) -
     t = spec.request.train
     if t.method not in METHODS:
         raise JobError(f"train.method {t.method} is not co-trained; a group trains {METHODS} jobs")
-    if spec.init_adapter or spec.resume_from:
-        raise JobError("a co-trained job starts from a new adapter (init_adapter and resume_from come later)")
+    if spec.init_adapter:
+        raise JobError("a job that starts from init_adapter trains alone, not in a co-training group")
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     train_set, eval_set = job_data(spec, tokenizer)
     steps = plan(len(data.make_batches(train_set, t, pad_id, 0)), t)

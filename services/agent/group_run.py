@@ -1,0 +1,234 @@
+"""A co-training group on this node: one trainer process (`python -m trainer.co_train`) holding a base model once
+and training the adapters of several jobs on it. Each job's run holds a GroupMember, which the job's run drives as
+it drives a trainer alone (runner.TrainerRun): run it to its end with its events passed on, cancel, stop or pause
+it, renew its lease, stop it for a serving engine. Jobs join by a line on the process's stdin; its stdout carries
+each job's events, tagged with the job. The process dying fails every job still in it, as a trainer's death fails
+its job; the last job leaving closes its stdin and the process ends."""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import os
+import signal
+import sys
+import time
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+
+import msgspec
+
+from schemas import trainer_lease
+from schemas.events import Cancelled, Failed, Finished, GroupControl, GroupEvent, TrainerSpec
+from services.aio import cancel_and_wait
+from services.procs import PID_FILE, die_with_parent, niced, write_pid_file
+
+log = logging.getLogger(__name__)
+DEFAULT_GROUP_TRAINER = [sys.executable, "-m", "trainer.co_train"]
+STDERR_LINES = 3
+END_S = 30.0  # how long a group left by its last job may take to end its step and exit before it is killed
+_decode = msgspec.json.Decoder(GroupEvent)
+_encode = msgspec.json.Encoder()
+
+
+class GroupProcess:
+    """One group's trainer process and the jobs in it, by job."""
+
+    def __init__(
+        self,
+        name: str,
+        workdir: Path,
+        command: list[str],
+        env: dict[str, str],
+        niceness: int = 0,
+        lease_s: float = 0.0,
+        on_empty: Callable[["GroupProcess"], None] = lambda _: None,
+    ) -> None:
+        self.name, self.workdir, self.env, self.lease_s = name, workdir, env, lease_s
+        self.command = niced(command, niceness)
+        self.on_empty = on_empty  # the agent forgets the group: a job placed in it from now on starts a new one
+        self.lease = workdir.resolve() / "lease"
+        self.members: dict[str, GroupMember] = {}
+        self.proc: asyncio.subprocess.Process | None = None
+        self.closing = False  # its last job left: no job joins it any more
+        self.tasks: list[asyncio.Task] = []
+        self._starting = asyncio.Lock()
+        self.stderr_tail: collections.deque[str] = collections.deque(maxlen=STDERR_LINES)
+
+    def member(self, spec: TrainerSpec) -> "GroupMember":
+        return GroupMember(self, spec)
+
+    async def join(self, member: "GroupMember") -> None:
+        """The job joins (its line sent); the process is started for the first."""
+        self.members[member.spec.job] = member  # before any await: the group is not empty while it joins
+        async with self._starting:
+            if self.proc is None:
+                await self._start()
+        self.send(GroupControl(action="add", job=member.spec.job, spec=member.spec))
+
+    async def _start(self) -> None:
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        root = str(Path(__file__).resolve().parents[2])  # so `-m trainer.co_train` finds the trainer package
+        env = {
+            **os.environ,
+            **self.env,
+            "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])),
+            "PYTHONUNBUFFERED": "1",
+        }
+        if self.lease_s:
+            self.renew()
+            env[trainer_lease.ENV] = str(self.lease)
+        self.proc = await asyncio.create_subprocess_exec(
+            *die_with_parent(self.command, signal.SIGKILL),
+            stdin=asyncio.subprocess.PIPE,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
+            cwd=self.workdir,
+            env=env,
+            limit=2**24,
+            process_group=0,
+        )
+        write_pid_file(self.workdir, self.proc.pid)
+        stderr = asyncio.create_task(self._read_stderr(self.proc))
+        self.tasks = [stderr, asyncio.create_task(self._read_events(self.proc, stderr))]
+
+    def send(self, c: GroupControl) -> None:
+        """A line to the process (buffered: a step under way never holds the agent's loop)."""
+        proc = self.proc
+        if proc is None or proc.returncode is not None or proc.stdin is None or proc.stdin.is_closing():
+            return
+        proc.stdin.write(_encode.encode(c) + b"\n")
+
+    async def _read_events(self, proc: asyncio.subprocess.Process, stderr: asyncio.Task) -> None:
+        """Each job's events to its member, as they come; once the process is gone, every job left in it fails."""
+        assert proc.stdout is not None
+        async for line in proc.stdout:
+            if not line.startswith(b"{"):
+                continue
+            try:
+                ev = _decode.decode(line)
+            except msgspec.DecodeError:
+                log.debug("group %s printed a line that is not an event: %r", self.name, line[:200])
+                continue
+            if (member := self.members.get(ev.job)) is not None:
+                member.events.put_nowait(ev.event)
+        code = await proc.wait()
+        await asyncio.wait([stderr], timeout=5.0)
+        tail = " | ".join(self.stderr_tail)
+        for member in list(self.members.values()):
+            member.events.put_nowait(
+                Failed(
+                    message=f"the co-training group's trainer process exited unexpectedly (exit code {code})"
+                    + (f": {tail}" if tail else "")
+                )
+            )
+
+    async def _read_stderr(self, proc: asyncio.subprocess.Process) -> None:
+        assert proc.stderr is not None
+        async for line in proc.stderr:
+            if text := line.decode(errors="replace").rstrip():
+                self.stderr_tail.append(text)
+                log.debug("group %s: %s", self.name, text)
+
+    async def leave(self, member: "GroupMember") -> None:
+        """The job is out of the group (ended, failed or cancelled); the last one out ends the process."""
+        if self.members.get(member.spec.job) is member:
+            del self.members[member.spec.job]
+        if self.members or self.closing:
+            return
+        self.closing = True
+        self.on_empty(self)
+        proc = self.proc
+        try:
+            if proc is not None and proc.returncode is None:
+                assert proc.stdin is not None
+                proc.stdin.close()  # no job joins any more: it exits after the step under way
+                await asyncio.wait_for(proc.wait(), END_S)
+        except asyncio.TimeoutError:
+            log.warning(
+                "co-training group %s had not exited %.0fs after its last job left; killing it", self.name, END_S
+            )
+        finally:  # cancelled too: nothing of the group is left running
+            self.signal(signal.SIGKILL)
+            await cancel_and_wait(self.tasks)
+            (self.workdir / PID_FILE).unlink(missing_ok=True)
+
+    def renew(self, heard_at: float | None = None) -> None:
+        if self.lease_s:
+            start = time.monotonic() if heard_at is None else heard_at
+            trainer_lease.write(str(self.lease), start + self.lease_s)
+
+    def signal(self, sig: int) -> None:
+        """The process's whole group (its data loaders and compilers too)."""
+        if self.proc is not None and self.proc.returncode is None:
+            try:
+                os.killpg(self.proc.pid, sig)
+            except ProcessLookupError:
+                pass
+
+
+class GroupMember:
+    """One job in a group, driven as a trainer alone is (runner.TrainerRun's interface)."""
+
+    def __init__(self, group: GroupProcess, spec: TrainerSpec) -> None:
+        self.group, self.spec = group, spec
+        self.events: asyncio.Queue = asyncio.Queue()
+        self.cancelled = False
+        self.joined = False
+        self.asked: list[str] = []  # stop or pause asked before it joined
+
+    @property
+    def proc(self) -> asyncio.subprocess.Process | None:
+        return self.group.proc if self.joined else None
+
+    async def run(self, on_event: Callable[[object], Awaitable[None]]) -> Finished | Failed | Cancelled:
+        if self.cancelled:
+            return Cancelled()
+        try:
+            await self.group.join(self)
+            self.joined = True
+            if self.cancelled:  # while it joined
+                self.group.send(GroupControl(action="cancel", job=self.spec.job))
+            for action in self.asked:
+                self.group.send(GroupControl(action=action, job=self.spec.job))  # type: ignore[arg-type]
+            while True:
+                ev = await self.events.get()
+                if isinstance(ev, (Finished, Failed, Cancelled)):
+                    return ev
+                await on_event(ev)
+        except BaseException:
+            self.cancel()  # this run was cancelled (or failed passing an event on): the job leaves the group now
+            raise
+        finally:
+            await self.group.leave(self)
+
+    def cancel(self) -> None:
+        """Drop the job from the group at once (its neighbours go on); the run ends as cancelled."""
+        if not self.cancelled:
+            self.cancelled = True
+            if self.joined:
+                self.group.send(GroupControl(action="cancel", job=self.spec.job))
+            self.events.put_nowait(Cancelled())
+
+    def stop(self) -> None:
+        self._ask("stop")
+
+    def pause(self) -> None:
+        self._ask("pause")
+
+    def _ask(self, action: str) -> None:
+        if self.joined:
+            self.group.send(GroupControl(action=action, job=self.spec.job))  # type: ignore[arg-type]
+        else:
+            self.asked.append(action)
+
+    def renew(self, heard_at: float | None = None) -> None:
+        self.group.renew(heard_at)
+
+    def suspend(self) -> None:
+        """A serving engine wants the device: the whole group stops where it stands (it shares the device)."""
+        self.group.signal(signal.SIGSTOP)
+
+    def go_on(self) -> None:
+        self.group.signal(signal.SIGCONT)
