@@ -16,7 +16,7 @@ from schemas import names
 from schemas.artifacts import ArtifactMeta, Chunk, ChunkAck
 from schemas.datasets import DatasetUpload
 from schemas.events import EventPage, EventsQuery, Progress, Samples, StateChange
-from schemas.jobs import Accepted, JobReply, JobQuery, Rejected, SubmitReply
+from schemas.jobs import Accepted, JobReply, JobQuery, Rejected, SubmitReply, Error
 from schemas.registry import AdapterQuery, AdapterReply
 from services import bus
 from services.transfer.sender import upload_dataset
@@ -115,11 +115,12 @@ async def test_no_tenant_or_node_can_read_replace_or_serve_what_is_anothers(flee
     done = await finished(globex, "globex", g)
     assert done.state == "succeeded", done.message
 
-    async def promoted():  # the scheduler registers a succeeded job's adapter right after it records the success
-        alias = (
-            await bus.request(operator.nc, names.ADAPTERS.show, AdapterQuery(name="globex-support"), AdapterReply)
-        ).alias
-        return alias if alias.current == 1 else None
+    async def promoted():  # the scheduler asks the registry to register a job's adapter after it records the
+        # success, so a reader can see the success first: until then the name is unknown (an Error)
+        shown = await bus.request(
+            operator.nc, names.ADAPTERS.show, AdapterQuery(name="globex-support"), AdapterReply | Error
+        )
+        return shown.alias if isinstance(shown, AdapterReply) and shown.alias.current == 1 else None
 
     alias = await wait_for(promoted, timeout=20, what="globex-support@1 to be promoted")
     assert alias.tenant == "globex"

@@ -59,12 +59,12 @@ def train_adapter(base_dir: Path, out: Path, seed: int, pairs=QA_PAIRS, steps: i
     from trainer import events
     from trainer.loop import train
 
-    events.mute()
     spec = spec_for(base_dir, out, **{**TRAIN, "max_steps": steps, "seed": seed})
     data = [{"q": q, "a": a} for q, a in pairs]
     request = msgspec.convert({**msgspec.to_builtins(spec.request), "data": data}, type(spec.request))
     request = msgspec.structs.replace(request, lora=msgspec.convert(LORA, LoraConfig))
-    return Path(train(msgspec.structs.replace(spec, request=request), None).adapter_dir)
+    with events.muted():  # muting for good would silence every later in-process run of this pytest process
+        return Path(train(msgspec.structs.replace(spec, request=request), None).adapter_dir)
 
 
 # --- faults, each made from a good adapter's directory ------------------------------------------------------------

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import sys
 
 import msgspec
@@ -14,6 +15,17 @@ def mute() -> None:
     """This process is not the job's rank 0: its events would repeat rank 0's."""
     global _muted
     _muted = True
+
+
+@contextlib.contextmanager
+def muted():
+    """No events while inside (a caller that runs the trainer's loop in its own process, for its result alone)."""
+    global _muted
+    was, _muted = _muted, True
+    try:
+        yield
+    finally:
+        _muted = was
 
 
 def emit(event) -> None:
