@@ -255,3 +255,57 @@ def test_a_reward_is_better_higher_for_keeping_the_best_and_stopping_early():
     assert "the eval reward did not improve by more than 0.01 for 2 evaluations (best 0.5000 at step 20)" in (
         best.why_stopped(0.01)
     )
+
+
+HOSTILE = '''import os, socket
+
+def grade(sample, item):
+    """1.0 when nothing of the node reached this grader; a 10 GiB allocation where the item asks for one."""
+    if item.get("hostile") == "alloc":
+        bytearray(10 << 30)
+    leaks = 0
+    try:
+        socket.create_connection(("127.0.0.1", int(item["nats_port"])), timeout=2).close()
+        leaks += 1
+    except OSError:
+        pass
+    leaks += any(k.startswith(("JETLORA", "NATS")) for k in os.environ)
+    try:
+        open(item["creds"]).read()
+        leaks += 1
+    except OSError:
+        pass
+    return 1.0 if leaks == 0 else 0.0
+'''
+
+
+async def test_a_hostile_python_grader_is_contained_and_the_job_and_node_go_on(stack, nc, agents, tiny_model, tmp_path):
+    """In a real job: a grader that tries the bus's port, the trainer's environment and a credentials file finds
+    none of them (every such sample scores 1.0), one that allocates 10 GiB scores 0 and is counted; the job ends
+    and its node still heartbeats."""
+    if not graders.status().isolated:
+        pytest.skip(f"no sandbox here: {graders.status().why_not}")
+    creds = tmp_path / "agent.creds"
+    creds.write_text("-----BEGIN NATS USER JWT-----\nsecret\n")
+    creds.chmod(0o600)
+    port = nc.connected_url.port
+    rows = [
+        {**row, "nats_port": port, "creds": str(creds), "hostile": "alloc" if k % 2 else "probe"}
+        for k, row in enumerate(rft_rows())
+    ]
+    agents.start("cpu", gpus=None, offer_cpu=True, trainer=None, interval=0.25)
+    await wait_nodes(nc, 1)
+    await upload_dataset(nc, "hostile-rft", data_file(tmp_path / "rft.jsonl", "rft", rows).path)
+    grader = {"type": "python", "name": "hostile", "source": HOSTILE}
+    train = {**grpo_train(), "grader": grader, "batch_size": 8, "group_size": 2, "max_steps": 2}
+    train.update(max_completion_tokens=4, eval_steps=0, save_steps=0, grpo_beta=0.0)
+    base = {"model": "tiny", "base_dir": str(tiny_model), "accelerator": "cpu"}
+    reply = await submit(nc, {**base, "dataset": {"name": "hostile-rft"}, "train": train})
+    assert isinstance(reply, Accepted), reply
+    job = await wait_state(nc, reply.job, ("succeeded", "failed"), timeout=240)
+    assert job.state == "succeeded", (job.message, agents.log("cpu")[-3000:])
+    progress = [e for e in [ev async for ev in follow(nc, reply.job)] if isinstance(e, Progress)]
+    assert len(progress) == 2
+    for p in progress:  # 8 prompts x 2 completions a step: the 8 of the alloc rows failed, the 8 others found nothing
+        assert p.reinforcement.grading_failures == 8 and p.reinforcement.reward == 0.5, p.reinforcement
+    await wait_nodes(nc, 1)  # the node is still there, heartbeating
