@@ -5,6 +5,8 @@ are refused naming the field. And a node's --python-graders reaches its trainers
 
 from __future__ import annotations
 
+import csv
+import io
 import json
 import time
 
@@ -108,6 +110,9 @@ async def test_sft_then_reinforcement_through_the_openai_client(nc, gateway, age
     assert [c.step_number for c in checkpoints] == [40, 20], checkpoints
     assert all(c.metrics.full_valid_mean_reward is not None for c in checkpoints) and checkpoints[0].metrics.step == 40
     assert done.fine_tuned_model and done.fine_tuned_model != sft.fine_tuned_model
+    rows = list(csv.DictReader(io.StringIO((await client.files.content(done.result_files[0])).text)))
+    assert list(rows[0])[-4:] == ["train_mean_reward", "train_reward_std", "train_pass_rate", "full_valid_mean_reward"]
+    assert float(rows[-1]["train_mean_reward"]) == rewards[-1] and float(rows[-1]["full_valid_mean_reward"]) >= 0.8
 
     async def listed() -> bool:
         return done.fine_tuned_model in [m.id for m in (await client.models.list()).data]

@@ -22,6 +22,7 @@ FILENAME = "step_metrics.csv"
 # figure, as jetlora evaluates the whole validation file each time
 COLUMNS = ["step", "train_loss", "valid_loss", "full_valid_loss", "learning_rate", "trained_tokens"]
 DPO_COLUMNS = ["rewards_chosen", "rewards_rejected", "reward_margin", "reward_accuracy"]
+RFT_COLUMNS = ["train_mean_reward", "train_reward_std", "train_pass_rate", "full_valid_mean_reward"]  # as its events
 
 
 def results_file_id(job: str) -> str:
@@ -35,18 +36,22 @@ def is_results_file(ident: str) -> bool:
 def render(progress: list[Progress], record: GatewayJob | None) -> bytes:
     """One row per logged step. The eval loss is shown at the steps it was measured at (every `eval_steps`, and
     the last), not carried to the steps between as the progress events carry it."""
-    dpo = bool(record and record.method == "dpo")
+    method = record.method if record else "supervised"
     every = record.eval_steps if record else 0
     out = io.StringIO()
     writer = csv.writer(out, lineterminator="\n")
-    writer.writerow(COLUMNS + (DPO_COLUMNS if dpo else []))
+    writer.writerow(COLUMNS + {"dpo": DPO_COLUMNS, "reinforcement": RFT_COLUMNS}.get(method, []))
     for i, p in enumerate(progress):
-        measured = p.eval_loss is not None and ((every and p.step % every == 0) or i == len(progress) - 1)
-        valid = p.eval_loss if measured else None
+        at_eval = (every and p.step % every == 0) or i == len(progress) - 1
+        valid = p.eval_loss if p.eval_loss is not None and at_eval else None
         row = [p.step, p.loss, valid, valid, p.lr, p.tokens]
-        if dpo:
+        if method == "dpo":
             pref = p.preference
             row += [pref.rewards_chosen, pref.rewards_rejected, pref.margin, pref.accuracy] if pref else [None] * 4
+        elif method == "reinforcement":
+            rl = p.reinforcement
+            row += [rl.reward, rl.reward_std, rl.pass_rate] if rl else [None] * 3
+            row.append(p.eval_reward if p.eval_reward is not None and at_eval else None)
         writer.writerow(["" if v is None else v for v in row])
     return out.getvalue().encode()
 
