@@ -157,6 +157,15 @@ class JobRequest(Struct, forbid_unknown_fields=True, kw_only=True):
         ),
     ] = "none"
     priority: Annotated[int, Meta(ge=PRIORITY_MIN, le=PRIORITY_MAX)] = 0
+    co_train: Annotated[
+        bool,
+        Meta(
+            description=(
+                "false: train alone, never in a co-training group (one trainer process sharing the base model with "
+                "other jobs of the same base, as the scheduler's --co-train policy allows)"
+            )
+        ),
+    ] = True
     retries: Annotated[int, Meta(ge=0, le=20, description="times the job is re-queued when its node goes away")] = 0
     lora: LoraConfig = field(default_factory=LoraConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
@@ -276,6 +285,7 @@ class JobStatus(Struct, kw_only=True):
     node: NodeId | None = None
     device: int | None = None  # the job's first (rank 0's) device
     devices: list[int] = field(default_factory=list)  # all of them, for a job on several; else empty
+    group: str | None = None  # the co-training group its attempt trains in (one process on the device); None: alone
     attempt: int = 0  # assignments so far; agents' state events name theirs, so stale ones are ignored
     held_by: list[NodeId] = field(default_factory=list)  # the node of each attempt, oldest first: whose events count
     event_seq: int = 0  # the JOBS stream sequence of the last state event applied: an older one redelivered is stale
@@ -313,6 +323,7 @@ class JobSummary(Struct, kw_only=True):
     artifacts: list[ArtifactRef]
     paused_by: str | None = None
     devices: list[int] = field(default_factory=list)  # a job on several devices: all of them
+    group: str | None = None  # the co-training group it trains (or trained) in
 
 
 def summarize(stored: StoredRequest, status: JobStatus) -> "JobSummary":
@@ -337,6 +348,7 @@ def summarize(stored: StoredRequest, status: JobStatus) -> "JobSummary":
         artifacts=status.artifacts,
         paused_by=status.paused_by,
         devices=status.devices,
+        group=status.group,
     )
 
 

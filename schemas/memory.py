@@ -41,6 +41,7 @@ class ModelShape(Struct, kw_only=True, omit_defaults=True):
     vocab: Annotated[int, Meta(ge=1)]
     experts: int = 1  # mixture-of-experts: MLPs per layer
     dtype: str = "bfloat16"
+    digest: str = ""  # the weights' identity (schemas/co_train.py weights_digest): jobs co-train only on equal ones
 
     @classmethod
     def from_config(cls, directory: str, config: dict, params: int | None = None) -> "ModelShape":

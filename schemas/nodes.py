@@ -87,6 +87,8 @@ class Assignment(Struct, kw_only=True):
     # scheduler's to give: an admin's job's own priority; None: it always yields (a tenant's, whatever it asked for)
     group: str | None = None  # co-train it in this group: one trainer process on the device for the group's jobs,
     # sharing the base model (the node starts it with the first, the next join it); None: a trainer of its own
+    need_mib: int | None = None  # free memory the device must have for it: a job joining a running group adds only
+    # its own adapter, optimizer and activations to what the group holds; None: request.gpu_mib
 
     @property
     def ranks(self) -> list[int]:
@@ -147,6 +149,7 @@ class NodeInfo(Struct, kw_only=True):
     no_gpu_reason: str
     running: list[str]
     engines: list[EngineLoad] = field(default_factory=list)
+    attempts: list[RunningAttempt] = field(default_factory=list)  # what runs there: each job's attempt and group
 
 
 class NodeList(Struct, tag="nodes", tag_field="type"):

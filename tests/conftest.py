@@ -123,7 +123,8 @@ async def services(nats_server, nc):
     await s.close()
 
 
-STACK_CONFIG = SchedulerConfig(heartbeat_interval=0.25, misses=3, assign_timeout=2.0)
+# co_train off: the stand-in trainer (hold_trainer.py) trains alone; tests/test_co_train_stack.py groups real ones
+STACK_CONFIG = SchedulerConfig(co_train="off", heartbeat_interval=0.25, misses=3, assign_timeout=2.0)
 
 
 @pytest.fixture

@@ -44,7 +44,7 @@ class Fleet:
     async def start(self) -> None:
         self.sched_c, arts_c, reg_c = [await as_user(self.url, u) for u in ("scheduler", "artifacts", "scheduler")]
         await bus.ensure_resources(self.sched_c.nc)
-        sched = Scheduler(self.sched_c.nc, SchedulerConfig(heartbeat_interval=0.25))
+        sched = Scheduler(self.sched_c.nc, SchedulerConfig(co_train="off", heartbeat_interval=0.25))
         self.tasks = [
             asyncio.create_task(s.run(self.stop))
             for s in (sched, ArtifactService(arts_c.nc), RegistryService(reg_c.nc))

@@ -40,6 +40,8 @@ def up(nats_server, nc, tmp_path):
             str(tmp_path / "agent"),
             "--trainer-command",
             HOLD_TRAINER,
+            "--co-train",
+            "off",
         ],
         cwd=ROOT,
         stdout=subprocess.DEVNULL,

@@ -50,7 +50,7 @@ async def test_killing_the_stream_leader_mid_job_loses_nothing(cluster, tmp_path
     started = []
     try:
         for factory in (
-            lambda c: Scheduler(c, SchedulerConfig(heartbeat_interval=0.25, misses=8)),
+            lambda c: Scheduler(c, SchedulerConfig(co_train="off", heartbeat_interval=0.25, misses=8)),
             lambda c: ArtifactService(c),
         ):
             conn = await nats.connect(**opts)

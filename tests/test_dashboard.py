@@ -73,7 +73,7 @@ async def _stepped(nc, job_id: str, steps: int):
 async def test_the_loss_curve_grows_while_the_job_trains(nc, services, agents, tiny_model, nats_server):
     from playwright.async_api import async_playwright
 
-    sched, *_ = await services.start(lambda c: Scheduler(c, SchedulerConfig(heartbeat_interval=0.5)))
+    sched, *_ = await services.start(lambda c: Scheduler(c, SchedulerConfig(co_train="off", heartbeat_interval=0.5)))
     await services.start(lambda c: ArtifactService(c))
     dash, *_ = await services.start(lambda c: Dashboard(c, nats_server.ws_url, port=0))
     await services.start(lambda c: RegistryService(c))

@@ -21,7 +21,7 @@ PROGRESS = msgspec.json.Decoder(Progress)
 
 
 async def test_a_job_trains_on_a_cpu_agent_and_stores_peft_and_gguf(nc, services, agents, tiny_model, tmp_path):
-    sched, *_ = await services.start(lambda c: Scheduler(c, SchedulerConfig(heartbeat_interval=0.5)))
+    sched, *_ = await services.start(lambda c: Scheduler(c, SchedulerConfig(co_train="off", heartbeat_interval=0.5)))
     art, *_ = await services.start(lambda c: ArtifactService(c))
     await asyncio.wait_for(sched.leading.wait(), 10)
     agents.start("cpu-node", gpus=None, offer_cpu=True, trainer=None, interval=0.5)
@@ -60,7 +60,9 @@ async def test_a_job_trains_on_a_cpu_agent_and_stores_peft_and_gguf(nc, services
 
 
 async def test_a_job_whose_node_dies_resumes_on_another_from_its_checkpoint(nc, services, agents, tiny_model):
-    sched, *_ = await services.start(lambda c: Scheduler(c, SchedulerConfig(heartbeat_interval=0.25, misses=4)))
+    sched, *_ = await services.start(
+        lambda c: Scheduler(c, SchedulerConfig(co_train="off", heartbeat_interval=0.25, misses=4))
+    )
     await services.start(lambda c: ArtifactService(c))
     await asyncio.wait_for(sched.leading.wait(), 10)
     agents.start("first", gpus=None, offer_cpu=True, trainer=None, interval=0.25)

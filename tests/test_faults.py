@@ -30,7 +30,7 @@ from tests.conftest import (
 )
 from tests.qa import pairs
 
-CFG = SchedulerConfig(heartbeat_interval=0.25, misses=4)
+CFG = SchedulerConfig(co_train="off", heartbeat_interval=0.25, misses=4)
 
 
 @pytest.fixture
@@ -97,7 +97,7 @@ async def test_the_scheduler_killed_mid_job_loses_nothing_and_assigns_nothing_tw
     await bus.ensure_resources(nc)
     services = InProcess(own_server.url)
     agents = Agents(own_server.url, tmp_path)
-    sched = service_proc("scheduler", own_server.url, tmp_path, "--heartbeat-interval", "0.25")
+    sched = service_proc("scheduler", own_server.url, tmp_path, "--heartbeat-interval", "0.25", "--co-train", "off")
     try:
         await services.start(lambda c: ArtifactService(c))
         agents.start("n1", gpus="4096,4096", interval=0.25, hold_s=2.0)
@@ -110,7 +110,7 @@ async def test_the_scheduler_killed_mid_job_loses_nothing_and_assigns_nothing_tw
         sched.kill()
         sched.wait()
         await asyncio.sleep(1.0)
-        sched = service_proc("scheduler", own_server.url, tmp_path, "--heartbeat-interval", "0.25")
+        sched = service_proc("scheduler", own_server.url, tmp_path, "--heartbeat-interval", "0.25", "--co-train", "off")
         for jid in ids:
             j = await wait_state(nc, jid, ("succeeded", "failed"), timeout=60)
             assert j.state == "succeeded", j.message

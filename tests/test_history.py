@@ -35,7 +35,9 @@ JOB = {"model": "tiny", "base_dir": "/models/tiny", "data": pairs(1)}
 
 
 async def lead(services, **config) -> Scheduler:
-    sched, stop, task = await services.start(lambda c: Scheduler(c, SchedulerConfig(heartbeat_interval=0.25, **config)))
+    sched, stop, task = await services.start(
+        lambda c: Scheduler(c, SchedulerConfig(co_train="off", heartbeat_interval=0.25, **config))
+    )
     await asyncio.wait_for(sched.leading.wait(), 10)
     sched.test_handle = (stop, task)  # type: ignore[attr-defined]
     return sched

@@ -32,7 +32,7 @@ from tests.conftest import (
 )
 from tests.qa import pairs
 
-CFG = SchedulerConfig(heartbeat_interval=0.25, misses=4)
+CFG = SchedulerConfig(co_train="off", heartbeat_interval=0.25, misses=4)
 
 
 async def ask(nc, subject, query, reply_type=JobReply):

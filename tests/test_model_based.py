@@ -41,7 +41,8 @@ class World:
         await bus.ensure_resources(self.nc)
         self.stop = asyncio.Event()
         self.sched = Scheduler(
-            await nats.connect(self.server.url), SchedulerConfig(heartbeat_interval=0.25, misses=3, assign_timeout=2.0)
+            await nats.connect(self.server.url),
+            SchedulerConfig(co_train="off", heartbeat_interval=0.25, misses=3, assign_timeout=2.0),
         )
         self.task = self.loop.create_task(self.sched.run(self.stop))
         await asyncio.wait_for(self.sched.leading.wait(), 10)

@@ -70,7 +70,7 @@ async def test_each_role_does_its_work_under_the_deploy_permissions(secured, tmp
     sched_c, arts_c, sub_c = [await as_user(secured.url, u) for u in ("scheduler", "artifacts", "submitter")]
     await bus.ensure_resources(sched_c.nc)
     stop = asyncio.Event()
-    sched = Scheduler(sched_c.nc, SchedulerConfig(heartbeat_interval=0.25))
+    sched = Scheduler(sched_c.nc, SchedulerConfig(co_train="off", heartbeat_interval=0.25))
     tasks = [asyncio.create_task(sched.run(stop)), asyncio.create_task(ArtifactService(arts_c.nc).run(stop))]
     (tmp_path / "pw").write_text(password("agent-n1"))
     agent_pw = ["--user", "agent-n1", "--password-file", str(tmp_path / "pw")]
@@ -175,7 +175,7 @@ async def test_the_gateway_works_as_its_keys_tenants_under_the_deploy_permission
     sched_c, arts_c, op, gw = [await as_user(secured.url, u) for u in ("scheduler", "artifacts", "operator", "gateway")]
     await bus.ensure_resources(sched_c.nc)
     stop = asyncio.Event()
-    sched = Scheduler(sched_c.nc, SchedulerConfig(heartbeat_interval=0.25))
+    sched = Scheduler(sched_c.nc, SchedulerConfig(co_train="off", heartbeat_interval=0.25))
     tasks = [asyncio.create_task(sched.run(stop)), asyncio.create_task(ArtifactService(arts_c.nc).run(stop))]
     tasks.append(asyncio.create_task(RegistryService(sched_c.nc).run(stop)))  # beside the scheduler, as it runs
     key, record = new_key("acme")
@@ -238,7 +238,7 @@ async def test_the_operator_and_a_monitor_discover_every_service_and_read_its_st
     sched_c, arts_c = [await as_user(secured.url, u) for u in ("scheduler", "artifacts")]
     await bus.ensure_resources(sched_c.nc)
     stop = asyncio.Event()
-    sched = Scheduler(sched_c.nc, SchedulerConfig(heartbeat_interval=0.25))
+    sched = Scheduler(sched_c.nc, SchedulerConfig(co_train="off", heartbeat_interval=0.25))
     parts = (sched.run(stop), RegistryService(sched_c.nc).run(stop), ArtifactService(arts_c.nc).run(stop))
     tasks = [asyncio.create_task(p) for p in parts]
     wanted = {names.SCHEDULER_SERVICE, names.ADAPTER_SERVICE, names.ARTIFACT_SERVICE}

@@ -27,7 +27,9 @@ EXEMPT_ABOVE_0 = "compute,poll=0.05,holdoff=0.3,exempt=0"
 
 async def start(services, **config) -> Scheduler:
     """A scheduler with acme's ceiling at CEILING (globex has the default's), and an artifact service."""
-    cfg = SchedulerConfig(heartbeat_interval=0.25, misses=4, quotas={"acme": TenantQuota(priority=CEILING)}, **config)
+    cfg = SchedulerConfig(
+        co_train="off", heartbeat_interval=0.25, misses=4, quotas={"acme": TenantQuota(priority=CEILING)}, **config
+    )
     sched, *_ = await services.start(lambda c: Scheduler(c, cfg))
     await services.start(lambda c: ArtifactService(c))
     await asyncio.wait_for(sched.leading.wait(), 10)

@@ -26,7 +26,7 @@ from services.scheduler.store import JobStore, LoadError
 from tests.conftest import ROOT, get_job, kv_keys, submit, wait_for
 from tests.qa import pairs
 
-CFG = SchedulerConfig(heartbeat_interval=0.25, misses=4)
+CFG = SchedulerConfig(co_train="off", heartbeat_interval=0.25, misses=4)
 
 
 async def test_taking_over_a_lease_that_expires_mid_create_never_raises(nc):

@@ -30,6 +30,8 @@ async def _up(state, hold_s: float) -> tuple[subprocess.Popen, str]:
         "0.25",
         "--trainer-command",
         HOLD_TRAINER,
+        "--co-train",
+        "off",
         env={"XDG_STATE_HOME": str(state), "HOLD_S": str(hold_s)},
         stdout=subprocess.PIPE,
         stderr=open(state / f"up-{time.monotonic_ns()}.log", "w"),

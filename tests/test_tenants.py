@@ -24,7 +24,9 @@ async def submit_as(nc, tenant: str, **kw) -> SubmitReply:
 
 
 async def start(services, **config) -> Scheduler:
-    sched, *_ = await services.start(lambda c: Scheduler(c, SchedulerConfig(heartbeat_interval=0.25, **config)))
+    sched, *_ = await services.start(
+        lambda c: Scheduler(c, SchedulerConfig(co_train="off", heartbeat_interval=0.25, **config))
+    )
     await asyncio.wait_for(sched.leading.wait(), 10)
     return sched
 

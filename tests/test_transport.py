@@ -26,7 +26,7 @@ async def run_a_job(url: str, opts: dict, agent_flags: tuple[str, ...], tmp_path
     conns = [await connection.connect(BusOptions(url=url, **opts), service=False) for _ in range(3)]
     nc, stop = conns[0], asyncio.Event()
     await bus.ensure_resources(nc)
-    sched = Scheduler(conns[1], SchedulerConfig(heartbeat_interval=0.25))
+    sched = Scheduler(conns[1], SchedulerConfig(co_train="off", heartbeat_interval=0.25))
     tasks = [asyncio.create_task(sched.run(stop)), asyncio.create_task(ArtifactService(conns[2]).run(stop))]
     agents = Agents(url, tmp_path)
     try:

@@ -101,7 +101,7 @@ async def test_a_retried_submission_returns_the_first_job_and_stores_nothing_new
 
 async def test_a_key_is_free_again_after_the_window(nc, services):
     sched, *_ = await services.start(
-        lambda c: Scheduler(c, SchedulerConfig(heartbeat_interval=0.25, idempotency_window_s=0.5))
+        lambda c: Scheduler(c, SchedulerConfig(co_train="off", heartbeat_interval=0.25, idempotency_window_s=0.5))
     )
     await asyncio.wait_for(sched.leading.wait(), 10)
     first = await submit(nc, keyed("nightly"))

@@ -53,7 +53,9 @@ async def test_a_gpu_job_on_a_cpu_only_fleet_says_so_and_starts_when_a_gpu_joins
 
 async def test_a_busy_fleet_an_unknown_node_and_a_tenant_quota_each_say_theirs(nc, services, agents):
     sched, *_ = await services.start(
-        lambda c: Scheduler(c, SchedulerConfig(heartbeat_interval=0.25, quotas={"acme": TenantQuota(devices=1)}))
+        lambda c: Scheduler(
+            c, SchedulerConfig(co_train="off", heartbeat_interval=0.25, quotas={"acme": TenantQuota(devices=1)})
+        )
     )
     await asyncio.wait_for(sched.leading.wait(), 10)
     agents.start("n1", gpus="4096,4096", hold_s=30)

@@ -39,6 +39,8 @@ def _device_refusal(
         return f"device {index} is a CPU; a job on several devices runs one rank per GPU"
     if reclaim.get(index):
         return f"device {index}'s serving engine wants {reclaim[index]} MiB back"
-    if dev.free_mib < a.request.gpu_mib:
-        return f"device {index} has {dev.free_mib} MiB free, the job needs {a.request.gpu_mib}"
+    need = a.request.gpu_mib if a.need_mib is None else a.need_mib
+    if dev.free_mib < need:
+        joining = f" to join co-training group {a.group}" if a.need_mib is not None else ""
+        return f"device {index} has {dev.free_mib} MiB free, the job needs {need}{joining}"
     return None

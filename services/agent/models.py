@@ -8,6 +8,7 @@ import logging
 import struct
 from pathlib import Path
 
+from schemas.co_train import weights_digest
 from schemas.memory import ModelShape
 
 log = logging.getLogger(__name__)
@@ -37,9 +38,11 @@ def read_shape(directory: str) -> ModelShape:
     except (OSError, ValueError) as e:
         raise ValueError(f"{directory}: no readable config.json ({e})") from None
     try:
-        return ModelShape.from_config(str(path), config, safetensors_params(path) or None)
+        shape = ModelShape.from_config(str(path), config, safetensors_params(path) or None)
     except (KeyError, ValueError, TypeError, struct.error) as e:
         raise ValueError(f"{directory}: config.json or the safetensors headers are not a decoder's ({e!r})") from None
+    shape.digest = weights_digest(directory)  # jobs co-train only on equal weights
+    return shape
 
 
 def read_shapes(directories: list[str]) -> list[ModelShape]:

@@ -67,7 +67,8 @@ def cmd_jobs(args) -> int:
 
 def where(j) -> str:
     """The devices a job holds, as the table shows them."""
-    return ",".join(map(str, j.devices)) if j.devices else "" if j.device is None else str(j.device)
+    at = ",".join(map(str, j.devices)) if j.devices else "" if j.device is None else str(j.device)
+    return f"{at} ({j.group})" if at and j.group else at
 
 
 def _jobs_table(reply: JobList) -> None:
@@ -114,14 +115,16 @@ def _nodes_table(reply: NodeList) -> None:
 
     t = Table("node", "alive", "device", "free / total MiB", "jobs", "note")
     for n in reply.nodes:
+        groups = {a.job: a.group for a in n.attempts if a.group}
         for d in [*n.devices] or [None]:  # type: ignore[list-item]  # a node without devices still gets a row
+            shared = sorted({groups[j] for j in (d.jobs if d else []) if j in groups})
             t.add_row(
                 n.node,
                 "yes" if n.alive else "no",
                 "" if d is None else f"{d.index} {d.name}",
                 "" if d is None else f"{d.free_mib} / {d.total_mib}",
                 "" if d is None else ",".join(d.jobs),
-                cell(n.no_gpu_reason),
+                cell(n.no_gpu_reason or ("co-training group " + ", ".join(shared) if shared else "")),
             )
         for e in n.engines:  # what its serving engines are doing, as the agent last read them
             load = e.error or (

@@ -8,6 +8,7 @@ import shlex
 import socket
 from pathlib import Path
 
+from schemas.co_train import CO_TRAIN_POLICIES
 from schemas.parity import PARITY_EPSILON, PARITY_FACTOR
 from services.cli.grader_flags import grader_flags, trainer_env
 from services.runtime import StartupError
@@ -22,6 +23,8 @@ def scheduler_config(args):
         default = TenantQuota.parse(args.default_quota)
     except ValueError as e:
         raise StartupError(f"--quota/--default-quota: {e}") from None
+    if args.co_train_max < 1:
+        raise StartupError(f"--co-train-max {args.co_train_max}: a group holds at least 1 job; give 1 or more")
     return SchedulerConfig(
         heartbeat_interval=args.heartbeat_interval,
         misses=args.misses,
@@ -34,6 +37,8 @@ def scheduler_config(args):
         idempotency_window_s=args.idempotency_hours * 3600,
         reconcile_interval_s=args.reconcile_interval_s,
         requests_per_tenant=args.requests_per_tenant,
+        co_train=args.co_train,
+        co_train_max=args.co_train_max,
     )
 
 
@@ -263,6 +268,7 @@ def scheduler_flags(p: argparse.ArgumentParser) -> None:
         metavar="queued:N,devices:M,priority:P",
         help="the quota of tenants without their own --quota (default: no limits, priority ceiling 0)",
     )
+    _co_train_flags(p)
     p.add_argument(
         "--reclaim-pause-priority",
         type=int,
@@ -301,6 +307,19 @@ def scheduler_flags(p: argparse.ArgumentParser) -> None:
         type=float,
         default=24.0,
         help="a submission's idempotency key returns its first job for this long",
+    )
+
+
+def _co_train_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--co-train",
+        choices=CO_TRAIN_POLICIES,
+        default="same-tenant",
+        help="which queued jobs of one base model may train in one process on a device, sharing the base: off "
+        "(none), same-tenant (a tenant's own jobs: tenants' data never share a process), any",
+    )
+    p.add_argument(
+        "--co-train-max", type=int, default=8, help="jobs in one co-training group at most (the scheduler's --co-train)"
     )
 
 

@@ -37,6 +37,7 @@ from schemas.nodes import Control, ControlReply, NodeInfo, NodeList
 from schemas.validate import InvalidRequest
 from services import bus, graders
 from services.scheduler import listing, references, sizing
+from services.scheduler.grouping import co_train_note
 from services.scheduler.core import Job, SchedulerCore
 from services.scheduler.history import events_page
 from services.scheduler.idempotency import IdempotencyKeys
@@ -193,6 +194,9 @@ class SchedulerApi:
     def _held_mib(self, slot) -> int:
         """What the jetlora job on a device was placed for (it gives that back when it ends)."""
         core = self.core
+        group = core.groups.on(slot)
+        if group is not None:
+            return sum(core.jobs[j].stored.request.gpu_mib for j in group.members if j in core.jobs)
         job = core.jobs.get(core.fleet.reserved.get(slot, ""))
         return job.stored.request.gpu_mib if job else 0
 
@@ -280,6 +284,7 @@ class SchedulerApi:
                     no_gpu_reason=hb.no_gpu_reason,
                     running=hb.running,
                     engines=hb.engines,
+                    attempts=hb.attempts,
                 )
             )
         return NodeList(nodes)
@@ -293,6 +298,7 @@ class SchedulerApi:
         job = await self._job(q, tenant)
         if job.status.state != "queued" or job.placing:
             where = f" on {job.status.node}" if job.status.node and job.status.state in ACTIVE_STATES else ""
+            where += f" in co-training group {job.status.group}" if where and job.status.group else ""
             return JobWhy(
                 job=job.id, state=job.status.state, summary=f"{job.status.state}{where}: {job.status.message}"
             )
@@ -301,7 +307,7 @@ class SchedulerApi:
         )
         reason = WaitingReasons(core).reason(job)
         if not reason.startswith("waiting: tenant"):
-            reason = summary
+            reason = summary + co_train_note(core.groups, core.fleet, core.cfg, job.stored.request, job.stored.tenant)
         return JobWhy(job=job.id, state="queued", summary=with_reason(job.status.message, reason), nodes=nodes)
 
     async def _job_checkpoints(self, q: JobQuery, tenant: str | None) -> CheckpointList:

@@ -13,6 +13,7 @@ from schemas.jobs import ACTIVE_STATES, TERMINAL_STATES, JobState
 from schemas.nodes import Control, ControlReply, Heartbeat, RunningAttempt
 from services import bus
 from services.scheduler.core import Job, SchedulerCore
+from services.scheduler.grouping import holder
 
 log = logging.getLogger(__name__)
 RESEND_AFTER_HEARTBEATS = 2  # an end the node still has not acted on is asked again after this many heartbeats
@@ -38,7 +39,7 @@ class Attempts:
             if job is not None and _current(job, hb.node, a):
                 continue
             if job is not None and self._can_take_back(job, hb, a):
-                core.hold_for(job, [(hb.node, d) for d in a.devices])
+                core.hold_for(job, [(hb.node, d) for d in a.devices], a.group)
                 core.spawn(self._take_back(job, hb.node, a))
                 continue
             key = (hb.node, a.job, a.attempt)
@@ -61,7 +62,7 @@ class Attempts:
             and job.id not in core.unsure
             and not hb.draining
             and bool(a.devices)
-            and all(core.fleet.reserved.get((hb.node, d)) in (None, job.id) for d in a.devices)
+            and all(core.fleet.reserved.get((hb.node, d)) in (None, job.id, holder(job.id, a.group)) for d in a.devices)
         )
 
     async def _take_back(self, job: Job, node: str, a: RunningAttempt) -> None:
@@ -78,6 +79,7 @@ class Attempts:
                 node=node,
                 device=a.devices[0],
                 devices=a.devices if len(a.devices) > 1 else [],
+                group=a.group,
                 retries_used=retries_used,
             )
         except Exception as e:

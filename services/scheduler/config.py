@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from schemas.co_train import CoTrainPolicy
 from schemas.jobs import PRIORITY_MAX, PRIORITY_MIN, StoredRequest
 from schemas.validate import FieldError
 
@@ -75,6 +76,8 @@ class SchedulerConfig:
     queued_requests_per_tenant: int = 512  # a tenant's requests waiting for a turn (beyond: refused as busy)
     quotas: dict[str, TenantQuota] = field(default_factory=dict)  # per tenant
     default_quota: TenantQuota = TenantQuota()  # for tenants not in quotas
+    co_train: CoTrainPolicy = "same-tenant"  # which jobs may share a trainer process (schemas/co_train.py)
+    co_train_max: int = 8  # jobs in one co-training group at most
 
     def quota(self, tenant: str | None) -> TenantQuota:
         """A tenant's own quota, else the default; an admin's (tenant None) has no limit and no ceiling."""

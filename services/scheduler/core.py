@@ -19,13 +19,16 @@ from services.scheduler.queue import JobQueue
 from services.scheduler.index import Finished, JobIndex
 from services.scheduler.config import SchedulerConfig, TenantQuota
 from services.scheduler.fence import Deposed
+from services.scheduler.grouping import Groups, holder
 from services.scheduler.store import JobStore
 
 __all__ = ["SchedulerConfig", "SchedulerCore", "TenantQuota", "Job", "UNPLACED", "held", "engine_tag", "engine_slot"]
 log = logging.getLogger(__name__)
 REQUEST_CACHE_BYTES = 64 * 2**20  # full requests of queued jobs kept in memory, so placing one needs no KV read
 REQUEST_CACHE_ITEM = 64 * 2**10
-UNPLACED: dict[str, Any] = dict(node=None, device=None, devices=[])  # a job's status fields when it holds no device
+UNPLACED: dict[str, Any] = dict(
+    node=None, device=None, devices=[], group=None
+)  # a job's status fields when it holds no device
 STATES_REDELIVERED_S = 5.0  # a state event taken but not applied by the last leader comes again within this
 
 
@@ -59,6 +62,7 @@ class Job:
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)  # one status write at a time, each from the latest
     suspect: bool = False  # a check that its node lost it is under way
     placing: list[SlotKey] | None = None  # devices held for it while its assignment is being written
+    placing_group: str | None = None  # the co-training group it is being placed into
     lost_from: tuple[NodeId, int, int] | None = None  # (node, attempt, retries used before) when a node went silent
 
     @property
@@ -108,7 +112,9 @@ class SchedulerCore:
         self.recheck = asyncio.Event()  # the reconcile loop has jobs to read back
         self.finished: dict[JobId, float] = {}  # finished jobs still in memory -> when they ended (monotonic), in order
         self.queued_by_tenant: Counter[str | None] = Counter()  # counted as states change, never by a scan
-        self.devices_by_tenant: Counter[str | None] = Counter()
+        self.devices_by_tenant: Counter[str | None] = Counter()  # distinct devices its active jobs hold
+        self.tenant_slots: Counter[tuple[str | None, Any]] = Counter()  # (tenant, slot) -> its jobs there
+        self.groups = Groups()  # co-training groups, a projection of the statuses and placements
         self.connected_at = time.monotonic()  # the last proof that the store answers us (a lease renewal)
         self.heard_at = float("-inf")  # when any heartbeat last came in
 
@@ -149,21 +155,24 @@ class SchedulerCore:
     def _project(self, job: Job, old: JobStatus | None, new: JobStatus) -> None:
         """Move what memory derives from a job's status from `old` (None: not counted yet) to `new`."""
         before, after = (held(old) if old else []), held(new)
+        old_holder, new_holder = holder(job.id, old.group if old else None), holder(job.id, new.group)
         if old is not None:
             self._count(job, old, -1)
-            for slot in before:
-                if slot not in after:
-                    self.fleet.release(slot, job.id)
+            self._leave(
+                job, old.group if before else None, [s for s in before if s not in after or old_holder != new_holder]
+            )
             if before and (not after or old.node != new.node):
                 self.by_node.get(old.node or "", set()).discard(job.id)
             if old.state == "paused":
                 self._unnote_paused(job.id, old)
         self._count(job, new, 1)
         for slot in after:
-            holder = self.fleet.reserved.get(slot)
-            if holder not in (None, job.id):
-                log.error("job %s holds %s device %d, which job %s holds too", job.id, *slot, holder)
-            self.fleet.reserve(slot, job.id)
+            taken = self.fleet.reserved.get(slot)
+            if taken not in (None, new_holder):
+                log.error("job %s holds %s device %d, which %s holds too", job.id, *slot, taken)
+            self.fleet.reserve(slot, new_holder)
+            if new.group:
+                self.groups.join(new.group, slot, job.id, job.stored.request, job.stored.tenant, self.fleet)
         if after and new.node is not None:
             self.by_node.setdefault(new.node, set()).add(job.id)
             if old is None or (old.node, old.attempt) != (new.node, new.attempt) or not before:
@@ -182,21 +191,33 @@ class SchedulerCore:
         if before != after:
             self.wake.set()
 
-    def hold_for(self, job: Job, slots: list[SlotKey]) -> None:
-        """Hold devices for a job while a write that gives them to it is under way (a placement, a node's attempt
-        taken back): no other job is placed there, and the job leaves the queue until the write is answered."""
+    def _leave(self, job: Job, group: str | None, slots: list[SlotKey]) -> None:
+        """The job no longer holds `slots`: each goes back unless the job's group still trains there."""
+        if not slots:
+            return
+        if group is not None and not self.groups.leave(group, job.id):
+            return  # the group's other jobs keep the device
         for slot in slots:
-            self.fleet.reserve(slot, job.id)
-        job.placing = slots
+            self.fleet.release(slot, holder(job.id, group))
+
+    def hold_for(self, job: Job, slots: list[SlotKey], group: str | None = None) -> None:
+        """Hold devices for a job while a write that gives them to it is under way (a placement, a node's attempt
+        taken back): no other job is placed there, and the job leaves the queue until the write is answered. A job
+        placed into a co-training group holds the group's device with the group."""
+        for slot in slots:
+            self.fleet.reserve(slot, holder(job.id, group))
+            if group is not None:
+                self.groups.join(group, slot, job.id, job.stored.request, job.stored.tenant, self.fleet)
+        job.placing, job.placing_group = slots, group
         self.queue.discard(job.id)
 
     def unhold(self, job: Job) -> None:
         """The write answered (or failed): what the job's status holds stays held, the rest is free again, and a
         job still queued goes back to its place."""
-        slots, job.placing = job.placing or [], None
-        for slot in slots:
-            if slot not in held(job.status):
-                self.fleet.release(slot, job.id)
+        slots, group = job.placing or [], job.placing_group
+        job.placing, job.placing_group = None, None
+        kept = held(job.status) if job.status.group == group else []
+        self._leave(job, group, [slot for slot in slots if slot not in kept])
         if job.status.state == "queued" and job.id not in self.queue:
             self.enqueue(job)
 
@@ -218,11 +239,20 @@ class SchedulerCore:
         return self.adopt(stored, status, revision)
 
     def _count(self, job: Job, status: JobStatus, sign: int) -> None:
-        """Count a job in (1) or out of (-1) its tenant's queued jobs and held devices, as `status` stands."""
+        """Count a job in (1) or out of (-1) its tenant's queued jobs and held devices, as `status` stands: a device
+        counts once for a tenant however many of its jobs co-train there."""
+        tenant = job.stored.tenant
         if status.state == "queued":
-            self.queued_by_tenant[job.stored.tenant] += sign
+            self.queued_by_tenant[tenant] += sign
         elif status.state in ACTIVE_STATES:
-            self.devices_by_tenant[job.stored.tenant] += sign * max(1, len(status.devices))
+            slots: list[Any] = held(status) or [(None, job.id)]  # an active job's status names its device
+            for slot in slots:
+                key = (tenant, slot)
+                self.tenant_slots[key] += sign
+                if self.tenant_slots[key] == (1 if sign > 0 else 0):
+                    self.devices_by_tenant[tenant] += sign
+                if self.tenant_slots[key] <= 0:
+                    del self.tenant_slots[key]
 
     def forget(self, job_id: JobId) -> None:
         """A finished job leaves memory; the store still answers for it."""

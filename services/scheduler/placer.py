@@ -10,6 +10,7 @@ from schemas import names
 from schemas.nodes import Assignment, AssignRefused, AssignReply, on_devices
 from services import bus
 from services.aio import wait_first
+from services.scheduler import grouping
 from services.scheduler.config import engine_priority
 from services.scheduler.core import Job, SchedulerCore
 
@@ -40,60 +41,15 @@ class Placer:
             ender.cancel()
 
     def place_pass(self) -> None:
-        core = self.core
-        holding = self._devices_by_tenant()
-        kept_nodes = core.gang_holds = {
-            n: j
-            for n, j in core.gang_holds.items()
-            if j in core.queue and n in core.fleet.nodes and not core.fleet.nodes[n].heartbeat.draining
-        }
-
-        def kept_from(job_id: str, priority: int) -> set[str]:
-            """Nodes kept for a waiting multi-device job this one may not pass (it has no higher priority)."""
-            return {
-                n for n, j in kept_nodes.items() if j != job_id and core.jobs[j].stored.request.priority >= priority
-            }
-
-        def fits(node=None):
-            def try_place(job_id: str) -> bool:
-                job = core.jobs[job_id]
-                if job.lock.locked() or job_id in core.unsure or job.placing:  # being written, or read back
-                    return False
-                req, tenant = job.stored.request, job.stored.tenant
-                if self._device_quota_full(holding, tenant, req.devices):
-                    return False  # the tenant holds its quota of devices: the job waits, others pass it
-                kept = kept_from(job_id, req.priority)
-                if node is not None and node in kept:
-                    return False
-                if req.devices == 1:
-                    slot = core.fleet.find(req.gpu_mib, req.accelerator, node, kept)
-                    slots = [slot] if slot else None
-                else:
-                    slots = core.fleet.find_gang(req.gpu_mib, req.accelerator, req.devices, node, kept)
-                    if slots is None:
-                        self._keep_for_gang(job_id, node, kept)
-                if not slots:
-                    return False
-                core.hold_for(job, slots)  # held while the assignment is written, so no other pass takes them
-                kept_nodes.pop(next((n for n, j in kept_nodes.items() if j == job_id), ""), None)
-                holding[tenant] = holding.get(tenant, 0) + len(slots)
-                return True
-
-            return try_place
-
+        core, placing = self.core, PlacementPass(self)
         for node in core.queue.pinned_nodes():
-            for job_id in core.queue.take(fits(node), node=node, window=core.cfg.backfill_window):
-                core.spawn(self._assign(core.jobs[job_id]))
-        if core.fleet.any_free():
-            for job_id in core.queue.take(fits(), window=core.cfg.backfill_window):
-                core.spawn(self._assign(core.jobs[job_id]))
-                if not core.fleet.any_free():
+            for job_id in core.queue.take(placing.fits(node), node=node, window=core.cfg.backfill_window):
+                core.spawn(self._assign(core.jobs[job_id], placing.needs.get(job_id)))
+        if core.fleet.any_free() or core.groups.by_id:
+            for job_id in core.queue.take(placing.fits(), window=core.cfg.backfill_window):
+                core.spawn(self._assign(core.jobs[job_id], placing.needs.get(job_id)))
+                if not core.fleet.any_free() and not core.groups.by_id:
                     break
-
-    def _device_quota_full(self, holding: dict, tenant: str | None, devices: int) -> bool:
-        """Whether `devices` more would take the tenant past its device quota (holding: what each holds now)."""
-        limit = self.core.cfg.quota(tenant).devices
-        return limit is not None and holding.get(tenant, 0) + devices > limit
 
     def _keep_for_gang(self, job_id: str, node: str | None, kept: set[str]) -> None:
         """A multi-device job that does not fit yet has a node kept for it: jobs behind it in the queue are
@@ -112,15 +68,11 @@ class Placer:
             core.gang_holds[home] = job_id
             log.info("node %s is kept for job %s, which needs %d devices there", home, job_id, req.devices)
 
-    def _devices_by_tenant(self) -> dict[str | None, int]:
-        """Devices each tenant's jobs hold now (counted as their states change)."""
-        return {t: n for t, n in self.core.devices_by_tenant.items() if t is not None and n}
-
-    async def _assign(self, job: Job) -> None:
+    async def _assign(self, job: Job, need_mib: int | None) -> None:
         """Record the placement, then hand the job to its node. Until the record is stored the devices are held
         for the job (job.placing); a write that fails leaves the job queued, as the store has it."""
         core = self.core
-        slots = job.placing or []
+        slots, group = job.placing or [], job.placing_group
         node, device = slots[0]
         attempt = job.status.attempt + 1
         devices = [i for _, i in slots] if len(slots) > 1 else []
@@ -128,11 +80,13 @@ class Placer:
             written = await core.set_state(
                 job,
                 "assigned",
-                f"assigned to {node} {on_devices([i for _, i in slots])}",
+                f"assigned to {node} {on_devices([i for _, i in slots])}"
+                + (f" in co-training group {group}" if group else ""),
                 attempt=attempt,
                 node=node,
                 device=device,
                 devices=devices,
+                group=group,
                 held_by=[*job.status.held_by, node][-100:],
                 when=lambda s: s.state == "queued",
             )
@@ -142,9 +96,11 @@ class Placer:
         finally:
             core.unhold(job)  # not placed after all: it keeps its place in the queue
         if written:
-            await self._hand_over(job, node, device, devices, attempt)
+            await self._hand_over(job, node, device, devices, attempt, need_mib)
 
-    async def _hand_over(self, job: Job, node: str, device: int, devices: list[int], attempt: int) -> None:
+    async def _hand_over(
+        self, job: Job, node: str, device: int, devices: list[int], attempt: int, need_mib: int | None
+    ) -> None:
         core = self.core
         try:
             request = core.take_cached_request(job.id) or (await core.store.request(job.id)).request
@@ -160,6 +116,8 @@ class Placer:
                     resume_from=job.status.checkpoint,
                     tenant=job.stored.tenant,
                     engine_priority=engine_priority(job.stored),
+                    group=job.status.group,
+                    need_mib=need_mib,
                 ),
                 AssignReply,
                 timeout=core.cfg.assign_timeout,
@@ -176,3 +134,85 @@ class Placer:
                 )
             except Exception as e:  # the node lists no such attempt: liveness gives it back after the grace
                 log.warning("could not re-queue %s after its node refused it: %s", job.id, e)
+
+
+class PlacementPass:
+    """One pass over the queue: what it has given out so far (each tenant's devices, the nodes kept for multi-device
+    jobs, the co-training groups it started) and how it tries each job: into a running group of its kind, else
+    onto free devices."""
+
+    def __init__(self, placer: Placer) -> None:
+        self.placer, core = placer, placer.core
+        self.core = core
+        self.holding: dict[str | None, int] = {t: n for t, n in core.devices_by_tenant.items() if t is not None and n}
+        self.kept_nodes = core.gang_holds = {
+            n: j
+            for n, j in core.gang_holds.items()
+            if j in core.queue and n in core.fleet.nodes and not core.fleet.nodes[n].heartbeat.draining
+        }
+        self.founders: set[str] | None = None  # read off the queue once, when a job is first placed on a free device
+        self.needs: dict[str, int | None] = {}  # job -> what its device must have free when it joins a running group
+
+    def kept_from(self, job_id: str, priority: int) -> set[str]:
+        """Nodes kept for a waiting multi-device job this one may not pass (it has no higher priority)."""
+        jobs = self.core.jobs
+        return {n for n, j in self.kept_nodes.items() if j != job_id and jobs[j].stored.request.priority >= priority}
+
+    def quota_full(self, tenant: str | None, devices: int) -> bool:
+        """Whether `devices` more would take the tenant past its device quota."""
+        limit = self.core.cfg.quota(tenant).devices
+        return limit is not None and self.holding.get(tenant, 0) + devices > limit
+
+    def founds_group(self, job_id: str) -> bool:
+        """Whether the job starts a co-training group: others of its kind wait with it."""
+        core = self.core
+        if self.founders is None:
+            queued = [core.jobs[j] for j in core.queue.ids() if j in core.jobs]
+            self.founders = grouping.founders([(j.id, j.stored.request, j.stored.tenant) for j in queued], core.cfg)
+        return job_id in self.founders
+
+    def fits(self, node: str | None = None):
+        return lambda job_id: self.try_place(job_id, node)
+
+    def try_place(self, job_id: str, node: str | None) -> bool:
+        core = self.core
+        job = core.jobs[job_id]
+        if job.lock.locked() or job_id in core.unsure or job.placing:  # being written, or read back
+            return False
+        req, tenant = job.stored.request, job.stored.tenant
+        kept = self.kept_from(job_id, req.priority)
+        if node is not None and node in kept:
+            return False
+        joined = grouping.find_group(core.groups, core.fleet, core.cfg, req, tenant)
+        if joined is not None and joined[0].slot[0] not in kept:
+            return self.join(job, *joined)
+        if self.quota_full(tenant, req.devices):
+            return False  # the tenant holds its quota of devices: the job waits, others pass it
+        if req.devices == 1:
+            slot = core.fleet.find(req.gpu_mib, req.accelerator, node, kept)
+            slots = [slot] if slot else None
+        else:
+            slots = core.fleet.find_gang(req.gpu_mib, req.accelerator, req.devices, node, kept)
+            if slots is None:
+                self.placer._keep_for_gang(job_id, node, kept)
+        if not slots:
+            return False
+        # held while the assignment is written, so no other pass takes them; a job others of its kind wait with
+        # starts a co-training group there, which they join
+        core.hold_for(job, slots, grouping.new_group_id() if self.founds_group(job_id) else None)
+        self.needs[job_id] = None
+        self.kept_nodes.pop(next((n for n, j in self.kept_nodes.items() if j == job_id), ""), None)
+        self.holding[tenant] = self.holding.get(tenant, 0) + len(slots)
+        return True
+
+    def join(self, job: Job, group: grouping.CoGroup, need: int) -> bool:
+        """The job trains in the group's process from its next step (a device its tenant holds already adds
+        nothing to its quota)."""
+        tenant = job.stored.tenant
+        adds = 0 if (tenant, group.slot) in self.core.tenant_slots else 1
+        if self.quota_full(tenant, adds):
+            return False
+        self.core.hold_for(job, [group.slot], group.id)
+        self.needs[job.id] = need
+        self.holding[tenant] = self.holding.get(tenant, 0) + adds
+        return True

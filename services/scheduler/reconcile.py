@@ -11,6 +11,7 @@ import time
 from services.aio import wait_first
 from schemas.jobs import TERMINAL_STATES
 from services.scheduler.core import Job, SchedulerCore, held
+from services.scheduler.grouping import holder
 
 log = logging.getLogger(__name__)
 RECHECK_PAUSE_S = 0.5  # between read-backs while the store does not answer
@@ -88,25 +89,48 @@ class Reconcile:
             if job.status.state not in ("queued", "paused") and not job.slots:
                 log.error("job %s is %s on no device; it is re-read when it next changes", job_id, job.status.state)
 
+    def _check_groups(self) -> None:
+        """Rebuild the co-training groups' members from the statuses and placements; fix and log any drift."""
+        core = self.core
+        want: dict[str, set[str]] = {}
+        for job in core.jobs.values():
+            for group in {job.status.group if held(job.status) else None, job.placing_group} - {None}:
+                want.setdefault(group, set()).add(job.id)  # type: ignore[arg-type]
+        have = {g.id: set(g.members) for g in core.groups.by_id.values()}
+        if want != have:
+            log.error("memory's co-training groups drifted from the statuses (%s, not %s); rebuilt", have, want)
+            for group, members in have.items():
+                for job_id in members - want.get(group, set()):
+                    core.groups.leave(group, job_id)
+            for group, members in want.items():
+                for job_id in members - have.get(group, set()):
+                    job = core.jobs[job_id]
+                    slot = (job.placing or held(job.status))[0]
+                    core.groups.join(group, slot, job_id, job.stored.request, job.stored.tenant, core.fleet)
+            self.drift += 1
+
     def check_projection(self) -> None:
         """Rebuild the devices held and each node's jobs from the statuses in memory; fix and log any drift."""
         core = self.core
         want: dict[tuple[str, int], str] = {}
         for job in core.jobs.values():
-            for slot in held(job.status) + (job.placing or []):
-                if slot in want and want[slot] != job.id:
-                    log.error("jobs %s and %s both hold %s device %d", want[slot], job.id, *slot)
-                want[slot] = job.id
-        for slot, job_id in list(core.fleet.reserved.items()):
-            if want.get(slot) != job_id:
-                log.error("%s device %d was held for job %s, whose status holds it not; freed", *slot, job_id)
-                core.fleet.release(slot, job_id)
+            claims = [(slot, holder(job.id, job.status.group)) for slot in held(job.status)]
+            claims += [(slot, holder(job.id, job.placing_group)) for slot in job.placing or []]
+            for slot, who in claims:
+                if slot in want and want[slot] != who:
+                    log.error("%s and %s both hold %s device %d", want[slot], who, *slot)
+                want[slot] = who
+        for slot, who in list(core.fleet.reserved.items()):
+            if want.get(slot) != who:
+                log.error("%s device %d was held for %s, whose status holds it not; freed", *slot, who)
+                core.fleet.release(slot, who)
                 self.drift += 1
-        for slot, job_id in want.items():
-            if core.fleet.reserved.get(slot) != job_id:
-                log.error("%s device %d is job %s's by its status but was not held; held", *slot, job_id)
-                core.fleet.reserve(slot, job_id)
+        for slot, who in want.items():
+            if core.fleet.reserved.get(slot) != who:
+                log.error("%s device %d is %s's by its status but was not held; held", *slot, who)
+                core.fleet.reserve(slot, who)
                 self.drift += 1
+        self._check_groups()
         nodes: dict[str, set[str]] = {}
         for job in core.jobs.values():
             if held(job.status) and job.status.node is not None:

@@ -110,8 +110,10 @@ class Stack:
 
     # --- services --------------------------------------------------------------------------------------------
     def start_scheduler(self, name: str = "scheduler", *flags: str) -> subprocess.Popen:
-        """`jetlora scheduler` (with the adapter registry), heartbeats every `heartbeat_interval`."""
-        return self._start(name, "scheduler", ["--heartbeat-interval", str(self.heartbeat_interval)], flags)
+        """`jetlora scheduler` (with the adapter registry), heartbeats every `heartbeat_interval`; no co-training
+        (the stand-in trainer trains alone)."""
+        base = ["--heartbeat-interval", str(self.heartbeat_interval), "--co-train", "off"]
+        return self._start(name, "scheduler", base, flags)
 
     def start_artifacts(self, name: str = "artifacts", *flags: str) -> subprocess.Popen:
         """`jetlora artifacts`, the artifact service."""

@@ -12,6 +12,7 @@ from typing import Any
 import torch
 from transformers import get_scheduler
 
+from schemas.co_train import METHODS
 from schemas.events import TrainerSpec
 from trainer import data
 from trainer.co_train.layer import LoraWeights
@@ -21,8 +22,6 @@ from trainer.objectives import Dpo, Sft, objective_for
 from trainer.optimizers import make_optimizer
 from trainer.setup import Plan, Position, plan
 from trainer.tokenize import job_data
-
-METHODS = ("sft", "dpo")
 
 
 @dataclass

@@ -14,6 +14,7 @@ import traceback
 import msgspec
 import torch
 
+from schemas.co_train import same_weights
 from schemas.events import Failed, GroupControl, GroupEvent, TrainerSpec
 from trainer import lease
 from trainer import model as base_model
@@ -98,6 +99,8 @@ class Group:
         if r.devices > 1:
             raise JobError(f"devices {r.devices}: a job on several devices trains alone, not in a co-training group")
         key = (r.base_dir, r.train.precision, r.quantization, spec.device)
+        if self.key is not None and key[1:] == self.key[1:] and same_weights(r.base_dir, self.key[0]):
+            key = self.key  # the same weights in another directory
         if self.trainer is None:
             self.device = spec.device if spec.device == "cpu" or torch.cuda.is_available() else "cpu"
             dtype = base_model.pick_dtype(r.train.precision, self.device)
@@ -107,7 +110,7 @@ class Group:
         elif key != self.key:
             raise JobError(
                 f"job {spec.job} (base_dir, precision, quantization, device = {key}) cannot join a group training "
-                f"{self.key}; submit it with co_train false to train alone"
+                f"{self.key}; submit it with co_train: false to train alone"
             )
         return self.trainer
 
