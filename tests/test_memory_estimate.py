@@ -122,3 +122,33 @@ def test_the_estimate_command_reads_the_model_here_and_says_what_would_fit(tmp_p
     assert f"~{printed.mib:,} MiB per device" in out and "both: ~" in out and "(still too much)" in out, out
     assert main(["estimate", str(tmp_path / "job.json")]) == 2  # /models/elsewhere is not on this machine
     assert "give --model-dir" in capsys.readouterr().err
+
+
+def test_a_co_training_group_holds_the_base_once_and_each_jobs_own_state(tmp_path, capsys):
+    from schemas.co_train import GroupEstimate, group_estimate, own_mib
+    from services.cli import main
+
+    big = tmp_path / "llama-3-8b"
+    big.mkdir()
+    (big / "config.json").write_text(json.dumps(LLAMA_3_8B))
+    shape = read_shape(str(big))
+    jobs = [request(big, batch_size=b, max_seq_length=512) for b in (1, 2, 4)]
+    jobs[2] = msgspec.structs.replace(jobs[2], lora=msgspec.structs.replace(jobs[2].lora, r=64))
+    group = group_estimate(shape, jobs)
+    alone = [estimate(shape, r) for r in jobs]
+    assert group.own_mib == [own_mib(n) for n in alone]  # each job's part is what it would take alone less the base
+    assert group.mib == group.base_mib + sum(group.own_mib)
+    assert group.base_mib > alone[0].weights_mib  # the weights with the allocator's margin, and the CUDA context
+    saved = sum(n.mib for n in alone) - group.mib
+    assert abs(saved - 2 * group.base_mib) <= 3, (saved, group.base_mib)  # two copies of the base fewer, to rounding
+
+    files = []
+    for i, r in enumerate(jobs):
+        files.append(str(tmp_path / f"job{i}.json"))
+        (tmp_path / f"job{i}.json").write_bytes(msgspec.json.encode(r))
+    assert main(["estimate", *files, "--model-dir", str(big), "--json"]) == 0
+    assert msgspec.json.decode(capsys.readouterr().out, type=GroupEstimate) == group
+    alone_file = tmp_path / "alone.json"
+    alone_file.write_bytes(msgspec.json.encode(msgspec.structs.replace(jobs[0], co_train=False)))
+    assert main(["estimate", files[0], str(alone_file), "--model-dir", str(big)]) == 2
+    assert "asked to train alone (co_train: false)" in capsys.readouterr().err

@@ -59,9 +59,12 @@ function renderNodes() {
   const rows = [];
   for (const [node, { hb, seen }] of state.nodes) {
     const alive = Date.now() - seen < 3 * 1000 * (hb.interval_s || 1);
+    const groups = new Map((hb.attempts || []).filter((a) => a.group).map((a) => [a.job, a.group]));
     for (const d of hb.devices.length ? hb.devices : [null]) {
+      const shared = d ? [...new Set(d.jobs.filter((j) => groups.has(j)).map((j) => groups.get(j)))] : [];
+      const jobs = d ? d.jobs.join(", ") + (shared.length ? ` (co-training group ${shared.join(", ")})` : "") : "";
       rows.push(`<tr class="${alive ? "" : "dead"}"><td>${node}</td><td>${alive ? "up" : "silent"}</td>` +
-        (d ? `<td>${d.index} ${d.name}</td><td>${d.free_mib} / ${d.total_mib} MiB</td><td>${d.jobs.join(", ")}</td>`
+        (d ? `<td>${d.index} ${d.name}</td><td>${d.free_mib} / ${d.total_mib} MiB</td><td>${escape(jobs)}</td>`
            : `<td colspan="3">${hb.no_gpu_reason}</td>`) + "</tr>");
     }
   }
@@ -72,7 +75,7 @@ function renderJobs(config, nc, js) {
   $("jobs").innerHTML = state.jobs.map(  // newest first, as the scheduler lists them
     (j) =>
     `<tr data-job="${j.id}" class="${j.id === state.selected ? "sel" : ""}"><td><a href="?job=${j.id}">${j.id}</a></td>` +
-    `<td class="state-${j.state}">${j.state}</td><td>${j.node ?? ""}</td><td>${j.step}/${j.steps}</td>` +
+    `<td class="state-${j.state}">${j.state}</td><td>${j.node ?? ""}${j.group ? ` (${escape(j.group)})` : ""}</td><td>${j.step}/${j.steps}</td>` +
     `<td>${fmt(j.loss)}</td><td>${j.label}</td><td>${j.message}</td></tr>`).join("");
   for (const tr of $("jobs").querySelectorAll("tr")) {
     tr.onclick = (ev) => { ev.preventDefault(); select(config, nc, js, tr.dataset.job); };
