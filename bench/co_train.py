@@ -1,5 +1,6 @@
 """Many adapters, one base (trainer/co_train): K jobs on the same base trained as one group in one process,
-against K separate trainer processes running at once (each with its share of the cores), and against K trainer
+against K separate trainer processes running at once (each with its share of the cores, or sharing the GPU with
+--device cuda), and against K trainer
 processes one after another (each with all of them). The separate processes are jetlora's own single-job trainer
 (trainer.setup.prepare and loop.optimizer_step: peft); every side trains the same K jobs (their own seeds, data
 orders and ranks) for the same steps. Each process loads the model, takes one warm-up step, then waits until
@@ -61,15 +62,23 @@ def job_spec(model_dir: str, out: str, index: int, args):
             "learning_rate": 1e-3,
             "batch_size": args.rows,
             "max_seq_length": args.seq,
-            "precision": "fp32",
+            "precision": args.precision,
             "warmup_steps": 0,
             "seed": 100 + index,
         },
     }
-    return TrainerSpec(job=f"job{index}", attempt=1, request=msgspec.convert(request, JobRequest), out_dir=out)
+    return TrainerSpec(
+        job=f"job{index}", attempt=1, request=msgspec.convert(request, JobRequest), out_dir=out, device=args.device
+    )
 
 
-def peak_rss_mib() -> float:
+def peak_mib(device: str = "cpu") -> float:
+    """The process's peak: resident memory on the CPU; on a GPU, what torch allocated at most (the CUDA context,
+    the same for every process, left out)."""
+    if device == "cuda":
+        import torch
+
+        return torch.cuda.max_memory_allocated() / 2**20
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
@@ -83,17 +92,21 @@ def worker(args) -> dict:
     trainer; `group` trains jobs 0..k-1 as one group."""
     import torch
 
+    from trainer.model import pick_dtype
+
     torch.set_num_threads(max(1, args.threads))
+    dtype = pick_dtype(args.precision, args.device)
     with tempfile.TemporaryDirectory() as tmp:
         if args.worker == "base":
             from trainer.model import load
 
-            load(args.model, "cpu", torch.float32)
+            load(args.model, args.device, dtype)
             wait_for_go()
-            return {"peak_mib": peak_rss_mib()}
+            return {"peak_mib": peak_mib(args.device)}
         if args.worker == "single":
             return single_job(job_spec(args.model, tmp, args.index, args), args.steps)
-        return group_of(args.model, [job_spec(args.model, f"{tmp}/{i}", i, args) for i in range(args.k)], args.steps)
+        specs = [job_spec(args.model, f"{tmp}/{i}", i, args) for i in range(args.k)]
+        return group_of(args.model, specs, args.steps, args.device, dtype)
 
 
 def single_job(spec, steps: int) -> dict:
@@ -107,30 +120,40 @@ def single_job(spec, steps: int) -> dict:
     start = time.time()
     for i in range(1, steps + 1):
         optimizer_step(run, run.batches[i : i + 1])
-    return {"tokens": run.at.tokens - tokens, "start": start, "end": time.time(), "peak_mib": peak_rss_mib()}
+    sync(spec.device)
+    return {"tokens": run.at.tokens - tokens, "start": start, "end": time.time(), "peak_mib": peak_mib(spec.device)}
 
 
-def group_of(model_dir: str, specs: list, steps: int) -> dict:
+def sync(device: str) -> None:
+    if device == "cuda":
+        import torch
+
+        torch.cuda.synchronize()
+
+
+def group_of(model_dir: str, specs: list, steps: int, device: str, dtype) -> dict:
     import torch
 
     from trainer.co_train.group import CoTrainer
     from trainer.model import load
 
-    tokenizer, model = load(model_dir, "cpu", torch.float32)
-    group = CoTrainer(model, tokenizer)
+    tokenizer, model = load(model_dir, device, dtype)
+    group = CoTrainer(model, tokenizer, device, dtype if device == "cuda" else torch.float32)
     for spec in specs:
         group.add_job(spec)
     group.step()  # warm-up
     wait_for_go()
     start = time.time()
     results = [group.step() for _ in range(steps)]
+    sync(device)
     tokens = sum(r.tokens for step in results for r in step.values())
-    return {"tokens": tokens, "start": start, "end": time.time(), "peak_mib": peak_rss_mib()}
+    return {"tokens": tokens, "start": start, "end": time.time(), "peak_mib": peak_mib(device)}
 
 
 def launch(args, model_dir: str, kind: str, threads: int, **extra) -> subprocess.Popen:
     cmd = [sys.executable, __file__, "--worker", kind, "--model", model_dir, "--threads", str(threads)]
     cmd += ["--steps", str(args.steps), "--rows", str(args.rows), "--seq", str(args.seq), "--pairs", str(args.pairs)]
+    cmd += ["--device", args.device, "--precision", args.precision]
     for key, value in extra.items():
         cmd += [f"--{key}", str(value)]
     env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
@@ -155,7 +178,7 @@ def together(procs: list[subprocess.Popen]) -> list[dict]:
 
 
 def side(args, model_dir: str, name: str, k: int) -> dict:
-    """One side's run: aggregate tokens/s over its clock, and its largest process's peak RSS."""
+    """One side's run: aggregate tokens/s over its clock, and its largest process's peak memory."""
     cores = args.threads or os.cpu_count() or 1
     if name == "group":
         runs = together([launch(args, model_dir, "group", cores, k=k)])
@@ -193,7 +216,7 @@ def compare(args, model_dir: str, k: int, base_mib: float, job_mib: float) -> No
     separate_sum = statistics.median(x["separate"]["sum_peak_mib"] for x in rounds)
     print(
         f"K={k}: median tok/s group {tps['group']:.0f}, separate {tps['separate']:.0f}, serial {tps['serial']:.0f}; "
-        f"group peak RSS {group_peak:.0f} MiB against base + K x job + 10% = {bound:.0f} MiB "
+        f"group peak {'allocated' if args.device == 'cuda' else 'RSS'} {group_peak:.0f} MiB against base + K x job + 10% = {bound:.0f} MiB "
         f"({'within' if group_peak <= bound else 'OVER'}); separate processes' peaks add up to {separate_sum:.0f} MiB",
         flush=True,
     )
@@ -209,6 +232,8 @@ def main() -> None:
     ap.add_argument("--pairs", type=int, default=300, help="Q/A pairs per job")
     ap.add_argument("--hidden", type=int, default=256)
     ap.add_argument("--layers", type=int, default=6)
+    ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="cuda: on a GPU (bench/gpu_check.py)")
+    ap.add_argument("--precision", choices=["fp32", "bf16"], default="fp32")
     ap.add_argument("--worker", choices=["base", "single", "group"], help=argparse.SUPPRESS)
     ap.add_argument("--model", help=argparse.SUPPRESS)
     ap.add_argument(

@@ -210,6 +210,12 @@ def main() -> None:
             print(f"nf4 packed: {r['tokens_per_s']:,.0f} tok/s, peak {r['peak_mib']:,.0f} MiB, loss {r['loss']:.3f}")
         except Exception as e:
             print(f"nf4 did not run: {type(e).__name__}: {e}")
+        section("co-training: K = 8 jobs in one group against 8 trainer processes sharing the GPU (bf16)")
+        co_train = [sys.executable, str(ROOT / "bench" / "co_train.py"), "--ks", "2" if args.dry_run else "8"]
+        co_train += ["--rounds", "1" if args.dry_run else "3", "--steps", "2" if args.dry_run else "5"]
+        if not args.dry_run:
+            co_train += ["--device", "cuda", "--precision", "bf16", "--hidden", "1024", "--layers", "12", "--rows", "4"]
+        subprocess.run(co_train, check=False, timeout=None if args.dry_run else 300)
         section("the memory estimate against torch.cuda.max_memory_allocated")
         flags = [] if args.dry_run else ["--cuda"]
         subprocess.run([sys.executable, str(ROOT / "bench" / "memory_estimate.py"), *flags], check=False)
