@@ -55,6 +55,8 @@ class Comparison(Struct, kw_only=True):
     high: float
     resamples: int = RESAMPLES
     seed: int = SEED
+    candidate_low: float | None = None  # the 95% bootstrap interval of the candidate's own score (what a gated
+    candidate_high: float | None = None  # canary's served scores must lie within: schemas/served.py)
 
 
 class CompareRequest(Struct, forbid_unknown_fields=True, kw_only=True):
@@ -88,6 +90,8 @@ class Gate(Struct, kw_only=True):
     deadline: float = 0.0
     state: GateState = "evaluating"
     note: str = ""  # where it stands, for people
+    canary: str | None = None  # passed, it starts a canary of this many nodes (N or N%) carrying the eval
+    canary_deadline_s: float = 600.0  # that canary's nodes' time to load, verify and evaluate it
 
 
 def item_score(r: ItemResult) -> float:
@@ -124,6 +128,7 @@ def compare(candidate: list[ItemResult], incumbent: list[ItemResult], /, **names
     b = [item_score(theirs[i]) for i in order]
     diffs = [x - y for x, y in zip(a, b, strict=True)]
     low, high = paired_interval(diffs)
+    own_low, own_high = paired_interval(a)  # the same resampling, of the candidate's item scores alone
     return Comparison(
         eval=names.get("eval", ""),
         candidate=names.get("candidate", ""),
@@ -136,6 +141,8 @@ def compare(candidate: list[ItemResult], incumbent: list[ItemResult], /, **names
         diff=sum(diffs) / len(diffs),
         low=low,
         high=high,
+        candidate_low=own_low,
+        candidate_high=own_high,
     )
 
 

@@ -14,6 +14,7 @@ from schemas import names
 from schemas.jobs import JobId, NodeId, Probe, TenantId
 from schemas.gates import Gate, GateSpec
 from schemas.parity import ParityFigures
+from schemas.served import ServedEval, ServedScore
 
 AdapterName = Annotated[NodeId, Meta(description='what requests to the engine call it (`"model": NAME`)')]
 Version = Annotated[int, Meta(ge=1)]
@@ -47,13 +48,15 @@ class AdapterVersion(Struct, kw_only=True):
 
 class Canary(Struct, kw_only=True):
     """A promote under way on a few nodes first: when each of them reports this version `loaded` (verified) by the
-    deadline, the alias serves it everywhere; a `failed` or `mismatch` on any, or the deadline, rolls it back."""
+    deadline, the alias serves it everywhere; a `failed` or `mismatch` on any, or the deadline, rolls it back. A gated
+    canary (`eval`) also needs each node's served score within the trainer-side interval (schemas/served.py)."""
 
     version: Version
     nodes: list[NodeId]
     deadline: float  # the registry's wall clock, as `started`: never an agent's
     started: float = 0.0
     after: int = 0  # the registry bucket's sequence when the nodes were picked: only reports stored after it count
+    eval: ServedEval | None = None  # a gated canary's: the eval its nodes run through their engines
 
 
 class Alias(Struct, kw_only=True):
@@ -109,6 +112,7 @@ class NodeAdapterStatus(Struct, kw_only=True):
     message: str = ""
     smoke: Smoke | None = None
     parity: ParityFigures | None = None  # the engine's log-probabilities against the trainer's (schemas/parity.py)
+    served: ServedScore | None = None  # a gated canary's eval through this engine (schemas/served.py)
     updated: float = 0.0  # the agent's clock: for people to read, never for the registry to decide by
     seq: int = 0  # the registry's: the bucket sequence the report was stored at (0 as agents send it)
 

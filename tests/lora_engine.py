@@ -1,14 +1,17 @@
 """A small real HTTP server speaking what the agent asks of vLLM about adapters, for tests that cannot run vLLM:
 its runtime LoRA API (/v1/models, /v1/load_lora_adapter, /v1/unload_lora_adapter), completions under an adapter's
-name, the filesystem resolver (a name it does not know, placed in its directory with the base model's path, is
-loaded at its first request) and `/metrics` with `vllm:lora_requests_info`, a series per label set as vLLM keeps
-them, valued at the time of the step that set it. It answers in vLLM's shapes and errors, nothing more."""
+name (with the log-probabilities parity asks for: `logprob_token_ids`, one value per name that a test sets), chat
+completions under a name (answered by what a test sets for it: a served eval's answers), the filesystem resolver (a
+name it does not know, placed in its directory with the base model's path, is loaded at its first request) and
+`/metrics` with `vllm:lora_requests_info`, a series per label set as vLLM keeps them, valued at the time of the step
+that set it. It answers in vLLM's shapes and errors, nothing more."""
 
 from __future__ import annotations
 
 import json
 import time
 from pathlib import Path
+from typing import Callable
 
 from aiohttp import web
 
@@ -22,6 +25,9 @@ class LoraEngine:
         self.unloads: list[str] = []  # every name unloaded through the API, in order
         self.running: set[str] = set()  # adapters with a request running now (a test sets it), beside each completion
         self.series: dict[tuple[str, str], float] = {}  # (running, waiting) label values -> when last set
+        self.answers: dict[str, Callable[[list[dict]], str]] = {}  # name -> its chat answer to the messages
+        self.logprobs: dict[str, float] = {}  # name -> the log-probability it gives every token asked (else -1)
+        self.chats: list[dict] = []  # every chat completion request, as sent
         self.url = ""
 
     async def start(self) -> "LoraEngine":
@@ -30,6 +36,7 @@ class LoraEngine:
         app.router.add_post("/v1/load_lora_adapter", self._load)
         app.router.add_post("/v1/unload_lora_adapter", self._unload)
         app.router.add_post("/v1/completions", self._complete)
+        app.router.add_post("/v1/chat/completions", self._chat)
         app.router.add_get("/metrics", self._metrics)
         self.runner = web.AppRunner(app)
         await self.runner.setup()
@@ -69,12 +76,30 @@ class LoraEngine:
         return web.Response(text=f"Success: LoRA adapter '{name}' removed successfully.")
 
     async def _complete(self, request: web.Request) -> web.Response:
-        name = (await request.json())["model"]
+        body = await request.json()
+        name = body["model"]
         if name != BASE and name not in self.adapters and not self._resolve(name):
             return _error(404, f"The model `{name}` does not exist.")
         if name != BASE:
             self.step({name})
+        if "logprob_token_ids" in body:  # parity: each prefix, the log-probability of every token asked about
+            value = self.logprobs.get(name, -1.0)
+            top = {f"token_id:{t}": value for t in body["logprob_token_ids"]}
+            choices = [
+                {"index": i, "text": "", "logprobs": {"top_logprobs": [top]}} for i in range(len(body["prompt"]))
+            ]
+            return web.json_response({"object": "text_completion", "choices": choices})
         return web.json_response({"object": "text_completion", "choices": [{"index": 0, "text": f" {name} here"}]})
+
+    async def _chat(self, request: web.Request) -> web.Response:
+        body = await request.json()
+        name = body["model"]
+        if name != BASE and name not in self.adapters and not self._resolve(name):
+            return _error(404, f"The model `{name}` does not exist.")
+        self.chats.append(body)
+        text = self.answers[name](body["messages"]) if name in self.answers else f" {name} here"
+        message = {"role": "assistant", "content": text}
+        return web.json_response({"object": "chat.completion", "choices": [{"index": 0, "message": message}]})
 
     def _resolve(self, name: str) -> bool:
         """vLLM's filesystem resolver: a directory of that name whose base model is this engine's `--model`."""

@@ -3,7 +3,8 @@ adapter once per sha256, check it, load it, verify the engine answers as the ada
 that went; unload what is retired. And keep checking: an engine that restarted, or lost an adapter, gets it back.
 
 A version registered for a name the node serves is fetched ahead of its promotion (staging.py); an engine with a
-cap on the names it keeps loaded unloads the least recently used past it (engine_cap.py).
+cap on the names it keeps loaded unloads the least recently used past it (engine_cap.py); a gated canary's version,
+once loaded and verified, is evaluated through the engine (canary_evals.py).
 What was loaded is remembered on disk (served_state.py), so an agent that restarts converges without loading
 anything twice (and the checks find what an engine lost meanwhile). Nothing here waits on an engine or the disk on
 the event loop (it also sends the node's heartbeats): engines are asked through aiohttp (engine_http.py), files are
@@ -25,11 +26,13 @@ from schemas.registry import Alias, AdapterVersion, NodeAdapterStatus, NodeState
 from services.agent import llamacpp, vllm
 from services.agent.adapter_cache import AdapterCache
 from services.agent.adapter_files import download
+from services.agent.canary_evals import CanaryEvals
 from services.agent.engine_cap import EngineCap
 from services.agent.engine_http import EngineHttp
 from services.agent.engines import Engine, answering, verify
 from services.agent.parity import ParityCheck
 from services.agent.registry_bucket import RegistryBucket
+from services.agent.served_eval import grader_context
 from services.agent.served_state import ServedState
 from services.agent.staging import Stager
 from services.aio import cancel_and_wait, sleep_unless_stopped
@@ -55,6 +58,7 @@ class Rollout:
         check_interval: float = CHECK_INTERVAL_S,
         stage: bool = True,
         cache_bytes: int = 10 * 2**30,
+        grader_env: dict[str, str] | None = None,
     ) -> None:
         self.nc, self.js, self.node, self.engines = nc, nc.jetstream(), node, engines
         self.root = work_dir / "adapters"
@@ -71,6 +75,8 @@ class Rollout:
         self.http = EngineHttp()  # every engine call of the rollout; closed when run() ends
         self.cap = EngineCap(self)  # --engine-max-adapters: the least recently used names unloaded past it
         self.parity = ParityCheck(self.http)  # the engines' log-probabilities against the trainers' (parity.py)
+        self.graders = grader_context(grader_env or {}, work_dir)  # where gated canaries' evals are graded
+        self.evals = CanaryEvals(self)  # gated canaries' evals through the engines (canary_evals.py)
 
     async def run(self, stop: asyncio.Event) -> None:
         """Follow the aliases until `stop`, and check what each engine really serves; a watch the server breaks (a
@@ -92,6 +98,7 @@ class Rollout:
             await _keep(stop, "following the adapter registry", self._follow)
         finally:
             await cancel_and_wait([checking, staging, *self.fetching.values()])
+            await self.evals.close()
 
     async def _follow(self, stop: asyncio.Event) -> None:
         kv = await self.js.key_value(names.ADAPTERS_KV)
@@ -129,6 +136,7 @@ class Rollout:
         within their caps (engine_cap.py). again: load it even where it was loaded (or parked) before (the engine
         lost it; its cap has room again)."""
         self.aliases[alias.name] = alias
+        await self.evals.settle(alias)  # an eval the alias no longer asks for ends before anything changes
         version = None
         if (target := alias.serving(self.node)) is not None:
             key = (alias.name, target)
@@ -169,6 +177,7 @@ class Rollout:
             return
         if parked == [version.version, file.sha256] and not again:
             return  # unloaded to keep the engine within its cap: back when promoted anew, or there is room
+        await self.evals.drop(engine, alias.name)  # an eval of what it loaded before would report it stale
         gguf = engine.kind == "llamacpp"
         staged = await asyncio.to_thread(self._local(file, gguf).exists)
         await self.report(
@@ -187,6 +196,8 @@ class Rollout:
             state, said, parity = await self.parity.judged(engine, version, state, said)
             message = f"{message}; {said}"
         await self.report(engine, version.name, version.version, state, message, checked, parity)
+        if state == "loaded" and engine.url:
+            self.evals.start(engine, alias, version, message, checked, parity)
 
     async def _verify(self, engine: Engine, version: AdapterVersion, sha256: str) -> tuple[NodeState, str, Smoke]:
         """`loaded` only if the engine answers the version's probe as its trainer did (and vLLM's runtime API says
@@ -288,7 +299,15 @@ class Rollout:
         return self.root / file.sha256 / ("adapter.gguf" if gguf else "peft")
 
     async def report(
-        self, engine: Engine, name: str, version: int, state: NodeState, message: str, checked=None, parity=None
+        self,
+        engine: Engine,
+        name: str,
+        version: int,
+        state: NodeState,
+        message: str,
+        checked=None,
+        parity=None,
+        served=None,
     ) -> None:
         status = NodeAdapterStatus(
             name=name,
@@ -299,6 +318,7 @@ class Rollout:
             message=message,
             smoke=checked,
             parity=parity,
+            served=served,
             updated=time.time(),
         )
         log.info("adapter %s@%d on %s: %s %s", name, version, engine.label, state, message)

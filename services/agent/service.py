@@ -96,6 +96,7 @@ class Agent(JobLifecycle):
                 self.cfg.engine_check_interval,
                 self.cfg.stage_adapters,
                 self.cfg.adapter_cache_mib * 2**20,
+                self.cfg.grader_env,
             ).run(stop)
         )
         yielding = asyncio.create_task(self.yielder.run(stop))

@@ -14,6 +14,8 @@ from schemas.registry import (
     PromoteRequest,
     RegisterRequest,
 )
+from schemas.served import describe as served_line
+from schemas.served import trainer_side
 from services.cli import args as args_
 from services.cli import gate
 from services.cli.client import EXIT_OK, CommandFailed, ask, run_client, show
@@ -41,6 +43,11 @@ def describe(r: AdapterReply) -> list[str]:
             f"  canary: @{a.canary.version} on {', '.join(a.canary.nodes)} (the others serve @{a.current}), "
             f"{max(0.0, left):.0f}s left to verify it"
         )
+        if (e := a.canary.eval) is not None:
+            lines.append(
+                f"  gated: each canary node runs eval {e.eval} (run {e.run}'s items) through its engine, to score "
+                f"within {trainer_side(e)}"
+            )
     if a.last_rollout:
         lines.append(f"  last rollout: {a.last_rollout}")
     if a.gate is not None:
@@ -68,6 +75,9 @@ def describe(r: AdapterReply) -> list[str]:
                 f"     parity @{n.version}: |Δ log p| mean {p.mean:.3g} max {p.max:.3g} over {p.tokens} tokens"
                 f"{floor}{limit}: {verdict}" + (f" ({p.note})" if p.note else "")
             )
+        if n.served is not None:
+            gated = a.canary.eval if a.canary is not None and a.canary.version == n.version else None
+            lines.append(f"     {served_line(gated, n.served)}")
     return lines
 
 
@@ -144,7 +154,9 @@ def register(sub: args_.SubCommands) -> None:
                 metavar="N|N%",
                 help="move it on N of the nodes serving NAME first (or N%% of "
                 "them); the rest follow once those verify it, and a "
-                "failure or mismatch there rolls it back by itself",
+                "failure or mismatch there rolls it back by itself; with "
+                "--gate, once the gate passes, and each of those nodes also "
+                "runs the eval through its engine",
             )
             r.add_argument(
                 "--canary-deadline",

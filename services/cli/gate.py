@@ -1,6 +1,7 @@
-"""`jetlora adapters promote NAME@V --gate EVAL [--margin M]`: the registry keeps the gate and decides it
-(services/registry/gate.py); this waits for that decision, printing where it stands, up to the gate's deadline.
-Leaving early (Ctrl-C, --no-wait) leaves the gate running: `jetlora adapters show NAME` prints how it ended."""
+"""`jetlora adapters promote NAME@V --gate EVAL [--margin M] [--canary N]`: the registry keeps the gate and decides
+it (services/registry/gate.py); this waits for that decision, printing where it stands, up to the gate's deadline,
+and with --canary for the gated canary it then starts (its nodes' served scores: schemas/served.py). Leaving early
+(Ctrl-C, --no-wait) leaves them running: `jetlora adapters show NAME` prints how they ended."""
 
 from __future__ import annotations
 
@@ -39,23 +40,66 @@ def spec(args) -> GateSpec | None:
 
 
 async def wait(nc, reply: AdapterReply, version: int) -> tuple[AdapterReply, int]:
-    """Until the registry decides the gate it started for NAME@version: the reply then, and the exit code."""
+    """Until the registry decides the gate it started for NAME@version, and the gated canary that gate started (if
+    asked with --canary): the reply then, and the exit code."""
     gate = reply.alias.gate
     if gate is None or gate.version != version:
         return reply, EXIT_OK if reply.alias.current == version else EXIT_REJECTED
-    started, said = gate.started, ""
-    while True:
-        now_gate = reply.alias.gate
-        if now_gate is None or now_gate.started != started:
-            break
-        if now_gate.note != said:
-            said = now_gate.note
-            print(f"gate {now_gate.eval} of {reply.alias.name}@{version}: {said}", file=sys.stderr, flush=True)
-        if time.time() > now_gate.deadline + 60:  # the registry's own deadline passed long since: it is not deciding
-            print("the registry has not decided the gate by its deadline; is it running?", file=sys.stderr)
-            return reply, EXIT_REJECTED
+    started = gate.started
+    ongoing = await _follow(
+        nc,
+        reply,
+        lambda a: a.gate is not None and a.gate.started == started,
+        lambda r: f"gate {gate.eval} of {r.alias.name}@{version}: {r.alias.gate.note if r.alias.gate else ''}",
+        lambda a: a.gate.deadline if a.gate else 0.0,
+    )
+    if ongoing is None:
+        return reply, EXIT_REJECTED
+    reply, a = ongoing, ongoing.alias
+    print(a.last_gate, file=sys.stderr, flush=True)
+    if gate.canary is not None and a.last_gate.startswith("gate passed"):
+        if a.canary is not None and a.canary.version == version:
+            since = a.canary.started
+            ended = await _follow(
+                nc,
+                reply,
+                lambda a: a.canary is not None and a.canary.started == since,
+                lambda r: f"canary of {r.alias.name}@{version}: {_canary_nodes(r)}",
+                lambda a: a.canary.deadline if a.canary else 0.0,
+            )
+            if ended is None:
+                return reply, EXIT_REJECTED
+            reply, a = ended, ended.alias
+        if a.last_rollout.startswith(f"canary of {a.name}@{version} "):  # (it may have ended between two looks)
+            print(a.last_rollout, file=sys.stderr, flush=True)
+    return reply, EXIT_OK if a.current == version and a.last_gate.startswith("gate passed") else EXIT_REJECTED
+
+
+async def _follow(nc, reply: AdapterReply, ongoing, note, deadline) -> AdapterReply | None:
+    """Poll `adapters show` while `ongoing(alias)`, printing `note(reply)` as it changes; the reply once it is over,
+    None if the registry's own deadline passed long since (it is not deciding)."""
+    said = ""
+    while ongoing(reply.alias):
+        if (now := note(reply)) != said:
+            said = now
+            print(said, file=sys.stderr, flush=True)
+        if time.time() > deadline(reply.alias) + 60:
+            print("the registry has not decided it by its deadline; is it running?", file=sys.stderr)
+            return None
         await asyncio.sleep(POLL_S)
         reply = await ask(nc, names.ADAPTERS.show, AdapterQuery(name=reply.alias.name), AdapterReply)
-    a = reply.alias
-    print(a.last_gate, file=sys.stderr, flush=True)
-    return reply, EXIT_OK if a.current == version and a.last_gate.startswith("gate passed") else EXIT_REJECTED
+    return reply
+
+
+def _canary_nodes(r: AdapterReply) -> str:
+    """Where each canary node stands: its state of the canary's version, and its served score once it has one."""
+    c = r.alias.canary
+    assert c is not None
+    seen = {n.node: n for n in r.nodes if n.version == c.version and n.seq > c.after}
+    said = []
+    for node in c.nodes:
+        n = seen.get(node)
+        said.append(
+            f"{node} {n.state if n else 'waiting'}" + (f" (served {n.served.mean:.3f})" if n and n.served else "")
+        )
+    return ", ".join(said)

@@ -1,5 +1,6 @@
 """Canary rollouts: a promote moves the name on a few of the live nodes serving it first, and the registry finishes
-it (every node) or rolls it back by itself, from what those nodes report.
+it (every node) or rolls it back by itself, from what those nodes report. A gated canary (schemas/served.py) also
+waits for each node's served score of its eval, and rolls back one outside the trainer-side interval.
 
 One clock decides: the registry's. A report counts for a canary only if the bucket stored it after the canary's
 nodes were picked (its sequence, `seq`, is above the canary's `after`), never by a time an agent wrote; the deadline
@@ -15,7 +16,9 @@ import time
 
 import msgspec
 
+from schemas.parity import describe as describe_parity
 from schemas.registry import AdapterReply, Alias, Canary, NodeAdapterStatus
+from schemas.served import bounds, counts, trainer_side, within
 from services.aio import sleep_unless_stopped
 from services.registry.store import AdapterRegistry, RegistryError
 
@@ -60,27 +63,65 @@ def outcome(alias: Alias, nodes: list[NodeAdapterStatus], now: float) -> tuple[b
         if n.node in canary.nodes and n.version == canary.version and n.seq > canary.after
     }
     for node in canary.nodes:
-        if node in on and on[node].state in BAD:
-            return False, (
-                f"canary of {alias.name}@{canary.version} rolled back: node {node} reported "
-                f"{on[node].state}: {on[node].message}"
-            )
-    if all(node in on and on[node].state == "loaded" for node in canary.nodes):
+        if (why := _rolled_back(alias, canary, node, on.get(node))) is not None:
+            return False, why
+    if all(_verified(canary, on.get(node)) for node in canary.nodes):
+        served = ""
+        if (e := canary.eval) is not None:
+            scores = ", ".join(f"{n} {s.mean:.3f}" for n in canary.nodes if (s := on[n].served) is not None)
+            served = f" (served eval {e.eval}: {scores}, within {trainer_side(e)})"
         return True, (
             f"canary of {alias.name}@{canary.version} passed on {', '.join(canary.nodes)} in "
-            f"{now - canary.started:.1f}s; promoted on every node"
+            f"{now - canary.started:.1f}s{served}; promoted on every node"
         )
     if now > canary.deadline:
-        waiting = ", ".join(
-            f"{n} {on[n].state if n in on else 'silent'}"
-            for n in canary.nodes
-            if n not in on or on[n].state != "loaded"
-        )
+        waiting = ", ".join(_waiting(n, on.get(n)) for n in canary.nodes if not _verified(canary, on.get(n)))
         return False, (
             f"canary of {alias.name}@{canary.version} rolled back: not verified within "
             f"{canary.deadline - canary.started:.0f}s ({waiting})"
         )
     return None
+
+
+def _verified(canary: Canary, n: NodeAdapterStatus | None) -> bool:
+    """The node loaded the version, verified; on a gated canary, with its served score of the canary's eval."""
+    return n is not None and n.state == "loaded" and (canary.eval is None or counts(canary.eval, n.served))
+
+
+def _waiting(node: str, n: NodeAdapterStatus | None) -> str:
+    if n is None:
+        return f"{node} silent"
+    return f"{node} {n.state}" + (", no served score yet" if n.state == "loaded" else "")
+
+
+def _rolled_back(alias: Alias, canary: Canary, node: str, n: NodeAdapterStatus | None) -> str | None:
+    """Why this node's report rolls the canary back (None: it does not): a failed load, a mismatch (its probe, or
+    parity beyond bounds: the figures are in its message), and on a gated canary a served score outside the
+    trainer-side interval."""
+    if n is None:
+        return None
+    head = f"canary of {alias.name}@{canary.version} rolled back: node {node}"
+    if n.state in BAD:
+        return f"{head} reported {n.state}: {n.message}"
+    e = canary.eval
+    if e is None or n.state != "loaded":
+        return None
+    parity = "parity not measured" if n.parity is None else describe_parity(n.parity)
+    if n.parity is not None and n.parity.within is False:
+        return f"{head}: its engine's log-probabilities are beyond bounds: {parity}"
+    s = n.served
+    if s is None or not counts(e, s) or within(e, s):
+        return None
+    low, high = bounds(e)
+    per_grader = ", ".join(
+        f"{g} {m:.3f}" + (f" (trainer {e.graders[g]:.3f})" if g in e.graders else "") for g, m in s.graders.items()
+    )
+    return (
+        f"{head} served eval {e.eval} at {s.mean:.3f} over {s.items} items, outside the trainer-side "
+        f"{e.mean:.3f} [{e.low:.3f}, {e.high:.3f}] widened by {e.tolerance:g} to [{low:.3f}, {high:.3f}]; "
+        f"per grader {per_grader}; {s.agree} of {s.items} answered as the trainer; {parity}"
+        + (f"; e.g. {s.example}" if s.example else "")
+    )
 
 
 def finished(alias: Alias, passed: bool, why: str) -> Alias:

@@ -3,22 +3,24 @@ in the alias and answers at once; this loop advances every gate under way, one s
 the evals service with a time-out (it owns the runs and their results; the registry never reads its bucket): the eval
 runs a side lacks are started (as the alias's tenant), waited for on the registry's clock up to the gate's deadline,
 then compared there, paired by item. The registry decides: the lower end of the 95% interval of (candidate -
-incumbent) at least the margin promotes it; anything else leaves what the name serves as it was. The outcome, with
-its figures, is the alias's `last_gate`. A plain promote, rollback or retire ends a gate under way."""
+incumbent) at least the margin promotes it (or, asked with --canary, starts a gated canary: gated_canary.py);
+anything else leaves what the name serves as it was. The outcome, with its figures, is the alias's `last_gate`. A
+plain promote, rollback or retire ends a gate under way."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
 import time
-from typing import Callable
+from dataclasses import dataclass
+from typing import Awaitable, Callable
 
 import msgspec
 from nats.aio.client import Client
 
 from schemas import names
 from schemas.evals import EvalReply, EvalRun, RunList, RunListQuery, RunQuery, RunReply, RunRequest
-from schemas.gates import CompareReply, CompareRequest, Gate, GateSpec, unevaluated, verdict
+from schemas.gates import CompareReply, CompareRequest, Comparison, Gate, GateSpec, unevaluated, verdict
 from schemas.jobs import Error
 from schemas.registry import AdapterVersion, Alias
 from services import bus
@@ -27,6 +29,8 @@ from services.job_records import JobRecords
 from services.registry.store import AdapterRegistry, RegistryError
 
 log = logging.getLogger(__name__)
+Promoted = Callable[[Alias, int], Alias]  # the alias once it serves that version
+Canaried = Callable[[Alias, "Decided"], Awaitable[None]]  # a passed gate's canary started (gated_canary.py)
 CHECK_S = 1.0
 ASK_TIMEOUT_S = 5.0
 ENDED_BAD = ("failed", "canceled")
@@ -55,7 +59,26 @@ async def eval_exists(nc: Client, tenant: str | None, name: str) -> str | None:
     return reply.error if isinstance(reply, Error) else None
 
 
-def begin(alias: Alias, spec: GateSpec, version: AdapterVersion, base_dir: str, accelerator: str) -> Alias:
+@dataclass
+class Decided:
+    """How a gate ended: passed or not, why (with the figures), and, decided by its runs, their comparison and the
+    candidate's run (what a gated canary's nodes answer again through their engines)."""
+
+    passed: bool
+    why: str
+    comparison: Comparison | None = None
+    candidate: EvalRun | None = None
+
+
+def begin(
+    alias: Alias,
+    spec: GateSpec,
+    version: AdapterVersion,
+    base_dir: str,
+    accelerator: str,
+    canary: tuple[str, float] | None = None,
+) -> Alias:
+    """The alias with a gate under way; `canary` (N or N%, its deadline): a gate that passes starts that canary."""
     now = time.time()
     incumbent = None if alias.retired else alias.current
     gate = Gate(
@@ -69,6 +92,8 @@ def begin(alias: Alias, spec: GateSpec, version: AdapterVersion, base_dir: str, 
         started=now,
         deadline=now + spec.deadline_s,
         note="starting the eval runs",
+        canary=canary[0] if canary else None,
+        canary_deadline_s=canary[1] if canary else 600.0,
     )
     return msgspec.structs.replace(alias, gate=gate)
 
@@ -117,8 +142,8 @@ async def _side(nc: Client, alias: Alias, gate: Gate, role: str) -> EvalRun | st
     return shown.run if isinstance(shown, RunReply) else f"its run {run_id}: {shown.error}"
 
 
-async def step(nc: Client, alias: Alias, now: float) -> Gate | tuple[bool, str]:
-    """One step of the alias's gate: the gate as it stands now (runs started, a note), or (passed, why)."""
+async def step(nc: Client, alias: Alias, now: float) -> Gate | Decided:
+    """One step of the alias's gate: the gate as it stands now (runs started, a note), or how it was decided."""
     gate = alias.gate
     assert gate is not None
     runs: dict[str, EvalRun] = {}
@@ -126,28 +151,30 @@ async def step(nc: Client, alias: Alias, now: float) -> Gate | tuple[bool, str]:
         run = await _side(nc, alias, gate, role)
         model = _model(alias.name, gate, gate.version if role == "candidate" else gate.incumbent)
         if isinstance(run, str):
-            return False, unevaluated(model, role, f"its eval run could not be had: {run}")
+            return Decided(False, unevaluated(model, role, f"its eval run could not be had: {run}"))
         if run.state in ENDED_BAD:
-            return False, unevaluated(model, role, f"eval run {run.id} {run.state}: {run.message}")
+            return Decided(False, unevaluated(model, role, f"eval run {run.id} {run.state}: {run.message}"))
         runs[role] = run
         gate = msgspec.structs.replace(gate, **{f"{role}_run": run.id})
     pending = [f"{role} {r.id} {r.state}" for role, r in runs.items() if r.state != "completed"]
     if pending:
         if now > gate.deadline:
-            return False, (
+            return Decided(
+                False,
                 f"gate refused: its eval runs did not end within {gate.deadline - gate.started:.0f}s "
-                f"({', '.join(pending)})"
+                f"({', '.join(pending)})",
             )
         return msgspec.structs.replace(gate, note=f"waiting for eval runs: {', '.join(pending)}")
     ask = CompareRequest(candidate=runs["candidate"].id, incumbent=runs["incumbent"].id)
     reply = await bus.request(nc, names.evals_api(alias.tenant).compare, ask, CompareReply | Error, ASK_TIMEOUT_S)
     if isinstance(reply, Error):
-        return False, f"gate refused: the runs could not be compared: {reply.field}: {reply.error}"
-    return verdict(reply.comparison, gate.margin)
+        return Decided(False, f"gate refused: the runs could not be compared: {reply.field}: {reply.error}")
+    return Decided(*verdict(reply.comparison, gate.margin), reply.comparison, runs["candidate"])
 
 
-async def advance(nc: Client, registry: AdapterRegistry, alias: Alias, promoted: Callable[[Alias, int], Alias]) -> None:
-    """One step of a gate under way, written by compare-and-set only while the alias holds that same gate."""
+async def advance(nc: Client, registry: AdapterRegistry, alias: Alias, promoted: Promoted, canaried: Canaried) -> None:
+    """One step of a gate under way, written by compare-and-set only while the alias holds that same gate. A gate
+    that passes promotes the candidate, or (asked with a canary) starts that canary through `canaried`."""
     gate = alias.gate
     assert gate is not None
     try:
@@ -161,24 +188,26 @@ async def advance(nc: Client, registry: AdapterRegistry, alias: Alias, promoted:
     if isinstance(decided, Gate):
         await registry.note_alias(alias.name, lambda a: msgspec.structs.replace(a, gate=decided) if same(a) else None)
         return
-    passed, why = decided
-    (log.info if passed else log.warning)("%s@%d: %s", alias.name, gate.version, why)
-    if not passed:
+    (log.info if decided.passed else log.warning)("%s@%d: %s", alias.name, gate.version, decided.why)
+    if not decided.passed:
         await registry.note_alias(
-            alias.name, lambda a: msgspec.structs.replace(a, gate=None, last_gate=why) if same(a) else None
+            alias.name, lambda a: msgspec.structs.replace(a, gate=None, last_gate=decided.why) if same(a) else None
         )
+        return
+    if gate.canary is not None:
+        await canaried(alias, decided)
         return
 
     def promote(a: Alias) -> Alias:
         if not same(a):
             raise RegistryError("its gate ended meanwhile (a promote, rollback or retire)")
-        return msgspec.structs.replace(promoted(a, gate.version), gate=None, last_gate=why)
+        return msgspec.structs.replace(promoted(a, gate.version), gate=None, last_gate=decided.why)
 
     await registry.change_alias(alias.name, promote, None)
 
 
 async def keep_deciding(
-    nc: Client, registry: AdapterRegistry, promoted: Callable[[Alias, int], Alias], stop: asyncio.Event
+    nc: Client, registry: AdapterRegistry, promoted: Promoted, canaried: Canaried, stop: asyncio.Event
 ) -> None:
     """Advance every gate under way, a step each pass."""
     while not await sleep_unless_stopped(stop, CHECK_S):
@@ -191,6 +220,6 @@ async def keep_deciding(
             if reply.alias.gate is None:
                 continue
             try:
-                await advance(nc, registry, reply.alias, promoted)
+                await advance(nc, registry, reply.alias, promoted, canaried)
             except RegistryError as e:
                 log.info("gate of %s: %s", reply.alias.name, e)

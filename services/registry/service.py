@@ -21,6 +21,7 @@ from schemas.registry import (
     AdapterVersion,
     Alias,
     AliasRequest,
+    Canary,
     PromoteRequest,
     References,
     ReferencesQuery,
@@ -30,7 +31,7 @@ from schemas.registry import (
 from services import __version__, bus
 from services.aio import cancel_and_wait
 from services.job_records import JobRecords
-from services.registry import canary, gate
+from services.registry import canary, gate, gated_canary
 from services.registry.nodes import DEPARTED_S, SWEEP_S, NodeLiveness
 from services.registry.store import AdapterRegistry, RegistryError, registry_view
 
@@ -137,7 +138,9 @@ class RegistryService:
         following = asyncio.create_task(view.run(stop), name="registry-view")
         guarding = asyncio.create_task(canary.guard(self.registry, stop), name="canaries")
         hearing = asyncio.create_task(self.nodes.run(stop), name="registry-nodes")
-        gating = asyncio.create_task(gate.keep_deciding(self.nc, self.registry, _promoted, stop), name="gates")
+        gating = asyncio.create_task(
+            gate.keep_deciding(self.nc, self.registry, _promoted, self._canaried, stop), name="gates"
+        )
         try:
             await self._serve(stop)
         finally:
@@ -205,22 +208,34 @@ class RegistryService:
             return await self._gated(q)
         if q.canary is None:
             return await self._change(q.name, lambda a: _promoted(a, q.version), q)
-        after = await self.registry.newest_seq()  # reports stored after this count for the canary
-        reply = await self._reply(q.name)
-        if isinstance(reply, Error):
-            return reply
         try:
-            trial = canary.pick(reply, q.canary, q.version, q.canary_deadline_s, self.nodes.live, after)
+            trial = await self._pick(q.name, q.canary, q.version, q.canary_deadline_s)
         except RegistryError as e:
             return Error(str(e), field="canary")
         return await self._change(q.name, lambda a: msgspec.structs.replace(a, canary=trial, retired=False), q)
 
+    async def _pick(self, name: str, spec: str, version: int, deadline_s: float) -> Canary:
+        """The canary nodes for NAME@version now (canary.pick); RegistryError says why there are none."""
+        after = await self.registry.newest_seq()  # reports stored after this count for the canary
+        reply = await self._reply(name)
+        if isinstance(reply, Error):
+            raise RegistryError(reply.error)
+        return canary.pick(reply, spec, version, deadline_s, self.nodes.live, after)
+
+    async def _canaried(self, alias: Alias, decided: gate.Decided) -> None:
+        """A gate asked with --canary passed: its canary starts, carrying the eval (gated_canary.py)."""
+        await gated_canary.start(self.nc, self.registry, alias, decided, self._pick)
+
     async def _gated(self, q: PromoteRequest) -> AdapterReply | Error:
-        """Start a gated promote: stored in the alias and answered at once; gate.py decides it."""
+        """Start a gated promote: stored in the alias and answered at once; gate.py decides it (and, asked with a
+        canary, its canary then: gated_canary.py). A canary that could not start now is refused now."""
         spec, version = q.gate, await self.registry.version(q.name, q.version)
         assert spec is not None and version is not None
         if q.canary is not None:
-            return Error("a gated promote takes no canary yet: promote through the gate, then roll out", "canary")
+            try:
+                await self._pick(q.name, q.canary, q.version, q.canary_deadline_s)
+            except RegistryError as e:
+                return Error(str(e), "canary")
         alias, _ = await self.registry.alias(q.name)
         if (why := await gate.eval_exists(self.nc, alias.tenant if alias else None, spec.eval)) is not None:
             return Error(f"the gate cannot use eval {spec.eval}: {why}", "gate.eval")
@@ -228,7 +243,8 @@ class RegistryService:
             base_dir, accelerator = await gate.where(self.jobs, version, spec)
         except RegistryError as e:
             return Error(str(e), "gate.base_dir")
-        return await self._change(q.name, lambda a: gate.begin(a, spec, version, base_dir, accelerator), q)
+        trial = (q.canary, q.canary_deadline_s) if q.canary is not None else None
+        return await self._change(q.name, lambda a: gate.begin(a, spec, version, base_dir, accelerator, trial), q)
 
     async def _rollback(self, q: AliasRequest) -> AdapterReply | Error:
         return await self._change(q.name, _rolled_back, q)
