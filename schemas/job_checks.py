@@ -17,6 +17,8 @@ GraderCheck = Callable[[Grader, str], list[FieldError]]  # services.graders.chec
 def check_request(req: JobRequest, grader_check: GraderCheck | None = None) -> list[FieldError]:
     """Rules that span fields or need more than a type: each error says what to change. A grader is checked by
     `grader_check` where the caller has it (the graders are plumbing above the contract: the scheduler passes it)."""
+    if req.train.method == "session" or req.session is not None:
+        return _session_errors(req)
     errors = _data_errors(req) + _held_out_errors(req) + _schedule_errors(req) + _device_errors(req)
     errors += _adapter_errors(req) + _eval_errors(req)
     if grader_check is not None and req.train.grader is not None:
@@ -25,6 +27,24 @@ def check_request(req: JobRequest, grader_check: GraderCheck | None = None) -> l
         for n, c in enumerate(req.evaluate.criteria):
             errors += grader_check(c.grader, f"evaluate.criteria.{n}.grader")
     return errors + check_training(req.lora, req.train, req.accelerator, req.quantization, req.served_by)
+
+
+def _session_errors(req: JobRequest) -> list[FieldError]:
+    """A training session (the Tinker API) carries its `session` and no data: its client sends the data call by call."""
+    if req.train.method != "session":
+        return [FieldError("session", "session is a training session's: set train.method to session or drop it")]
+    if req.session is None:
+        return [FieldError("session", "train.method session needs its adapter: rank, train_attn, train_mlp...")]
+    if not req.session.target_modules():
+        return [
+            FieldError("session.train_mlp", "train nothing? set at least one of train_attn, train_mlp, train_unembed")
+        ]
+    errors = []
+    if req.data or req.dataset is not None:
+        errors.append(FieldError("data", "a session takes its data call by call (forward_backward): drop data"))
+    if req.devices > 1 or req.served_by != "vllm" or req.init_adapter is not None:
+        errors.append(FieldError("devices", "a session trains on one device, for vLLM, from a fresh adapter"))
+    return errors
 
 
 def _data_errors(req: JobRequest) -> list[FieldError]:

@@ -10,6 +10,7 @@ from schemas.evals import EvalJob
 from schemas.gates import GateSpec
 from schemas.integrations import Integration
 from schemas.parity import ParityText
+from schemas.sessions import SessionSpec
 from schemas.text import Name, OneLine, Text
 from schemas.training import ATTENTION_AND_MLP, MODULE_NAME, SEED_MAX, STEPS_MAX, LoraConfig, TrainConfig
 from schemas.validate import FieldError, pattern
@@ -183,6 +184,10 @@ class JobRequest(Struct, forbid_unknown_fields=True, kw_only=True):
         ]
         | None
     ) = None
+    session: Annotated[
+        SessionSpec | None,
+        Meta(description="train.method session's: the adapter a Tinker training client drives (the gateway sets it)"),
+    ] = None
     evaluate: Annotated[
         EvalJob | None,
         Meta(description="train.method eval's: the graders and sampling of an eval run (the evals service sets it)"),

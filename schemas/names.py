@@ -8,6 +8,8 @@ The subject tree is shaped so that permissions can be written against it:
     jetlora.node.<node>.assign          scheduler -> agent: run this job (request/reply)
     jetlora.node.<node>.control         scheduler -> agent: cancel / stop-and-save / pause a job
     jetlora.node.<node>.reclaim         an engine -> agent: give this device's memory back (pauses its job)
+    jetlora.node.<node>.session         gateway -> agent: a call for a training session there (the Tinker API)
+    jetlora.node.<node>.evaluate        evals service -> agent: an eval run's items through an engine there
     jetlora.job.<tenant>.<job>.<node>.state      agent -> JOBS stream: the job's state changed (on that node)
     jetlora.job.<tenant>.<job>.<node>.progress   agent -> JOBS stream: a training event (on that node)
     jetlora.job.<tenant>.<job>.<node>.preparing  agent -> JOBS stream: tokenizing the data, before the first step
@@ -280,6 +282,8 @@ class NodeSubjects(NamedTuple):
     assign: str  # scheduler -> agent: run this job on that device (request/reply)
     control: str  # scheduler -> agent: cancel, stop-and-save or pause a job (request/reply)
     reclaim: str  # a serving engine (or its operator) -> agent: this device's memory is wanted back (request/reply)
+    session: str  # gateway -> agent: a call for a training session the node runs (schemas/sessions.py, request/reply)
+    evaluate: str  # evals service -> agent: an eval run through its engine (schemas/engine_evals.py, request/reply)
 
 
 def node(node_id: str = "*") -> NodeSubjects:

@@ -147,13 +147,14 @@ class TrainConfig(Struct, forbid_unknown_fields=True, kw_only=True):
     ] = field(default_factory=list)
     sample_max_tokens: Annotated[int, Meta(ge=1, le=1024)] = 48
     method: Annotated[
-        Literal["sft", "dpo", "grpo", "eval"],
+        Literal["sft", "dpo", "grpo", "eval", "session"],
         Meta(
             description=(
                 "sft: learn the answers (chat, qa, alpaca or text data); dpo: prefer one answer to another (preference "
                 "data), the base model with the adapter switched off being the reference; grpo: reinforcement from the "
                 "grader's scores of completions the adapter samples itself (rft data); eval: train nothing, sample and grade an "
-                "eval's items with the adapter (or the base) and store the results (an eval run: `jetlora evals run`)"
+                "eval's items with the adapter (or the base) and store the results (an eval run: `jetlora evals run`); session: "
+                "a trainer that stays up and takes calls (the Tinker API: forward_backward, optim_step, sample...)"
             )
         ),
     ] = "sft"

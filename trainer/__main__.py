@@ -34,6 +34,11 @@ def main(argv: list[str]) -> int:
             from trainer.gguf_export import check_exportable
 
             check_exportable(spec.request.base_dir)  # before training, not after it
+        if spec.request.train.method == "session":  # a training session: takes calls until stopped or idle
+            from trainer.session import serve
+
+            emit(serve(spec, SIGNALS))
+            return 0
         if spec.request.train.method == "eval":  # an eval run: samples and grades, trains nothing
             from trainer.evaluate import evaluate
 

@@ -37,6 +37,7 @@ from services.agent.config import AgentConfig
 from services.agent.datasets import DatasetCache, DatasetUnavailable, LocalDataset
 from services.agent.engines import rollout_engine
 from services.agent.group_run import GroupMember, GroupProcess
+from services.agent.session_run import SessionRun
 from services.agent.runner import TrainerRun
 from services.agent.shipping import fetch_adapter, fetch_checkpoint, ship_checkpoint, ship_results
 from services.agent.yielding import Yielded, Yielder
@@ -198,7 +199,8 @@ class JobLifecycle:
         if run.assignment.group:  # co-trained: it joins its group's process (started for the first job)
             run.trainer = self._group_of(run).member(spec)
         else:
-            run.trainer = TrainerRun(
+            kind = SessionRun if run.assignment.request.train.method == "session" else TrainerRun
+            run.trainer = kind(
                 spec,
                 job_dir,
                 self.cfg.trainer_command,
@@ -264,6 +266,8 @@ class JobLifecycle:
         a = run.assignment
         if isinstance(ev, Started):
             await self._report(run, "running", ev.message or f"training {ev.steps} steps on {ev.device}")
+            if isinstance(run.trainer, SessionRun):
+                run.trainer.ready.set()  # it takes calls from now on
         elif isinstance(ev, Progress):
             await self._progress(run, ev)
         elif isinstance(ev, Preparing):

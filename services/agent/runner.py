@@ -33,6 +33,13 @@ class TrainerRun:
 
     The trainer never outlives the run: it dies with the agent (parent-death signal) and with this coroutine."""
 
+    decoder: msgspec.json.Decoder = _decode  # what its stdout's lines are
+    stdin: int = asyncio.subprocess.DEVNULL  # a session's trainer reads its calls there
+
+    def took(self, line: object) -> bool:
+        """Whether a line that is not an event was this run's own to handle (a session's answers)."""
+        return False
+
     def __init__(
         self,
         spec: TrainerSpec,
@@ -117,7 +124,7 @@ class TrainerRun:
             *die_with_parent([*self.command, str(spec_path)], signal.SIGKILL),
             stdout=asyncio.subprocess.PIPE if rank == 0 else asyncio.subprocess.DEVNULL,
             stderr=asyncio.subprocess.PIPE,
-            stdin=asyncio.subprocess.DEVNULL,
+            stdin=self.stdin if rank == 0 else asyncio.subprocess.DEVNULL,
             cwd=self.workdir,
             env={**env, "RANK": str(rank), "LOCAL_RANK": str(rank)} if self.ranks > 1 else env,
             limit=2**24,
@@ -165,13 +172,13 @@ class TrainerRun:
             if not line.startswith(b"{"):
                 continue
             try:
-                event = _decode.decode(line)
+                event = self.decoder.decode(line)
             except msgspec.DecodeError:
                 log.debug("trainer printed a line that is not an event: %r", line[:200])
                 continue
             if isinstance(event, (Finished, Failed)):
                 final = event
-            else:
+            elif not self.took(event):
                 await on_event(event)
         return final
 

@@ -29,6 +29,7 @@ from services.agent.datasets import DatasetCache
 from services.agent.devices import DeviceProbe
 from services.agent.models import read_shapes
 from services.agent.group_run import GroupProcess
+from services.agent.session_run import SessionDesk
 from services.agent.job_run import JobLifecycle, RunningJob
 from services.agent.rollout import Rollout
 from services.agent.yielding import Yielder, engine_yields
@@ -49,6 +50,7 @@ class Agent(JobLifecycle):
         self.probe = DeviceProbe(config.offer_cpu, config.simulate_gpus)
         self.runs: dict[tuple[str, int], RunningJob] = {}  # (job, attempt): one ending while the next is assigned
         self.groups: dict[str, GroupProcess] = {}  # co-training groups' processes here, by group
+        self.sessions = SessionDesk(lambda: self.jobs)  # calls for the training sessions that run here
         self.confirming: asyncio.Task | None = None  # the check that the last heartbeat reached the server
         self.last_confirmed = float("-inf")  # monotonic: when the last heartbeat the server confirmed was sent
         self.finished: dict[str, float] = {}
@@ -83,6 +85,7 @@ class Agent(JobLifecycle):
             await self.nc.subscribe(subjects.assign, cb=on_assign),
             await self.nc.subscribe(subjects.control, cb=on_control),
             await self.nc.subscribe(subjects.reclaim, cb=on_reclaim),
+            await self.nc.subscribe(subjects.session, cb=self.sessions.on_message),
         ]
         await self.nc.flush()
         log.info("agent %s up with %d device(s)", self.cfg.node, len(self.devices))
@@ -109,6 +112,7 @@ class Agent(JobLifecycle):
         self.draining = True
         for sub in subs:
             await sub.unsubscribe()
+        await self.sessions.close()
         runs = [run for run in self.runs.values() if not run.superseded]
         for run in runs:
             log.warning(

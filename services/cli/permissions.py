@@ -65,6 +65,8 @@ def _service_users() -> dict[str, dict]:
     scheduler_publishes += [names.kv(names.EVALS_KV).subjects, names.SUBMIT, names.CANCEL, names.DATASETS.show]
     scheduler_publishes += [names.jobs_api("*").submit, names.jobs_api("*").cancel, names.datasets_api("*").show]
     scheduler_publishes += [names.EVALS_GROUP + ".>"]  # the registry's gates ask the evals service, as the tenant
+    # an eval run through the engine that serves its name: the evals service asks that node, and stores the results
+    scheduler_publishes += [names.node("*").evaluate, names.objects(names.ARTIFACTS_BUCKET).subjects]
     any_tenant = "*"  # the gateway acts for the tenant of each request's key: a tenant's verbs, never an admin's
     # (roles() denies it the reserved tokens, `_` and `upload`, that this wildcard would match)
     gateway_publishes = list(names.jobs_api(any_tenant)) + list(names.datasets_api(any_tenant))
@@ -76,6 +78,7 @@ def _service_users() -> dict[str, dict]:
     gateway_publishes += [names.ADAPTERS.list, names.ADAPTERS.retire]  # /v1/models: a tenant's, and DELETE (retire)
     gateway_publishes += list(names.evals_api(any_tenant))  # /v1/evals
     gateway_publishes += _read_stream(DATA)  # an eval run's items from a file of the tenant's (it checks whose first)
+    gateway_publishes += [names.node("*").session]  # the Tinker API's calls, for sessions of the key's tenant
     scheduler_hears = [names.API_GROUP + ".>", names.ADAPTERS_GROUP + ".>", names.EVALS_GROUP + ".>"]
     scheduler_hears += [names.HEARTBEATS_ALL]
     stores = [names.objects(names.ARTIFACTS_BUCKET).subjects, names.objects(names.DATASETS_BUCKET).subjects]
@@ -141,7 +144,13 @@ def _agent(node: str) -> dict:
     publishes += _object_read() + _read_stream(DATA) + _read_stream(ADAPTERS.stream)
     return {
         "publish": publishes,
-        "subscribe": [names.node(node).assign, names.node(node).control, names.node(node).reclaim],
+        "subscribe": [
+            names.node(node).assign,
+            names.node(node).control,
+            names.node(node).reclaim,
+            names.node(node).session,
+            names.node(node).evaluate,
+        ],
     }
 
 

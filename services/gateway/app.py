@@ -1,5 +1,5 @@
-"""The gateway's HTTP server (aiohttp): every /v1 request carries `Authorization: Bearer <key>`; the key's tenant
-is the only tenant the request acts as. It talks to jetlora's services over NATS only, like any client."""
+"""The gateway's HTTP server (aiohttp): every /v1 request carries `Authorization: Bearer <key>` (the Tinker API's
+under /api/v1, `X-API-Key: tml-<key>`); the key's tenant is the only tenant the request acts as. It talks to jetlora's services over NATS only, like any client."""
 
 from __future__ import annotations
 
@@ -21,6 +21,7 @@ from services.gateway.models import Models
 from services.gateway.openai_map import BaseModel
 from services.gateway.records import JobRecords
 from services.gateway.results import Results
+from services.gateway.tinker.api import TinkerApi
 from services.graders import GraderContext
 
 log = logging.getLogger(__name__)
@@ -33,9 +34,11 @@ def make_app(
     models: dict[str, BaseModel],
     spool_dir: str | None = None,
     graders: GraderContext | None = None,
+    tinker_idle_s: float = 900.0,
 ) -> web.Application:
     """Every body is read whole only up to JSON_MAX (client_max_size); an upload is streamed to the spool.
-    `graders`: where the graders endpoints may run what (default: no judge engine, python graders only isolated)."""
+    `graders`: where the graders endpoints may run what (default: no judge engine, python graders only isolated);
+    `tinker_idle_s`: how long a Tinker training session may go without a call before its device is freed."""
 
     @web.middleware
     async def openai_errors(request: web.Request, handler):
@@ -60,15 +63,22 @@ def make_app(
         return json_response({"ok": nc.is_connected})
 
     records, events = JobRecords(nc.jetstream(), jobs_kv), JobEvents(nc)
-    app = web.Application(middlewares=[openai_errors], client_max_size=JSON_MAX)
+    tinker = TinkerApi(nc, keys, models, tinker_idle_s)
+    app = web.Application(middlewares=[openai_errors, TinkerApi.refusals], client_max_size=JSON_MAX)
     app.add_routes(
         Files(nc, Results(nc, events, records), spool_dir).routes()
         + Jobs(nc, records, events, models).routes()
         + Models(nc, models).routes()
         + Graders(graders or GraderContext()).routes()
         + Evals(nc, models, spool_dir).routes()
+        + tinker.routes()
         + [web.get("/healthz", healthz)]
     )
+
+    async def close_tinker(_app) -> None:
+        await tinker.close()
+
+    app.on_cleanup.append(close_tinker)
     return app
 
 

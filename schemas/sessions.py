@@ -1,0 +1,174 @@
+"""Training sessions: a job (`train.method: "session"`) whose trainer stays up and takes calls one at a time, the
+Tinker API's training client on jetlora's fleet. The gateway sends a SessionRequest to the node that runs the job
+(names.node(node).session, request/reply); the agent hands the call to the job's trainer on its stdin and answers
+with what the trainer printed back (a SessionAnswer line beside its events).
+
+Calls act on one LoRA adapter of a frozen base: forward (and backward: gradients add up until the next optim_step),
+an optimizer step, saving and loading its weights, sampling. Tensors travel as plain lists; a call's error names
+the field at fault."""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from msgspec import Meta, Struct, field
+
+
+ATTENTION = ["q_proj", "k_proj", "v_proj", "o_proj"]
+MLP = ["gate_proj", "up_proj", "down_proj"]
+UNEMBED = ["lm_head"]
+LOSSES = ("cross_entropy", "importance_sampling", "ppo")
+SAVED_NAME = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"  # a name the client gives a save (one segment of a tinker:// path)
+
+
+class SessionSpec(Struct, forbid_unknown_fields=True, kw_only=True):
+    """The adapter a session trains (Tinker's LoraConfig) and how long it may sit idle."""
+
+    rank: Annotated[int, Meta(ge=1, le=256)] = 32
+    seed: int | None = None
+    train_attn: bool = True
+    train_mlp: bool = True
+    train_unembed: bool = False
+    idle_s: Annotated[float, Meta(ge=10, le=7 * 86400)] = 900.0  # no call this long: checkpointed, its device freed
+
+    def target_modules(self) -> list[str]:
+        return (
+            (ATTENTION if self.train_attn else [])
+            + (MLP if self.train_mlp else [])
+            + (UNEMBED if self.train_unembed else [])
+        )
+
+
+class Datum(Struct, kw_only=True):
+    """One sequence: its input tokens and the loss's inputs, each as long as the tokens (position i's target is
+    what follows token i)."""
+
+    tokens: list[int]
+    inputs: dict[str, list[float]]  # target_tokens (as numbers), weights, logprobs, advantages
+
+
+class ForwardBackward(Struct, tag="forward_backward", tag_field="type", kw_only=True):
+    data: list[Datum]
+    loss_fn: str
+    config: dict[str, float] = field(default_factory=dict)  # ppo: clip_low_threshold, clip_high_threshold
+    forward_only: bool = False
+
+
+class OptimStep(Struct, tag="optim_step", tag_field="type", kw_only=True):
+    """AdamW on the gradients summed since the last step (Tinker's AdamParams)."""
+
+    learning_rate: Annotated[float, Meta(gt=0, le=1)] = 1e-4
+    beta1: Annotated[float, Meta(ge=0, lt=1)] = 0.9
+    beta2: Annotated[float, Meta(ge=0, lt=1)] = 0.95
+    eps: Annotated[float, Meta(gt=0)] = 1e-12
+    weight_decay: Annotated[float, Meta(ge=0)] = 0.0
+    grad_clip_norm: Annotated[float, Meta(ge=0)] = 0.0  # 0: none
+
+
+class SaveWeights(Struct, tag="save", tag_field="type", kw_only=True):
+    """state: the adapter and the optimizer (to go on from); sampler: the adapter alone (to sample from, or to
+    register)."""
+
+    name: Annotated[str, Meta(pattern=SAVED_NAME)]
+    kind: Literal["state", "sampler"]
+
+
+class LoadWeights(Struct, tag="load", tag_field="type", kw_only=True):
+    """A state this session saved: its adapter, and its optimizer when asked."""
+
+    name: Annotated[str, Meta(pattern=SAVED_NAME)]
+    optimizer: bool = False
+
+
+class Sample(Struct, tag="sample", tag_field="type", kw_only=True):
+    prompt: list[int]
+    num_samples: Annotated[int, Meta(ge=1, le=256)] = 1
+    max_tokens: Annotated[int, Meta(ge=1, le=8192)] = 64
+    temperature: Annotated[float, Meta(ge=0)] = 1.0
+    top_k: int = -1  # -1: all
+    top_p: Annotated[float, Meta(gt=0, le=1)] = 1.0
+    seed: int | None = None
+    stop_tokens: list[int] = field(default_factory=list)  # besides the end of sequence
+    stop_strings: list[str] = field(default_factory=list)
+    weights: str | None = None  # a sampler save of this session to sample with; None: the adapter as it is now
+
+
+class Ping(Struct, tag="ping", tag_field="type", kw_only=True):
+    """Is the session up, and what does it train."""
+
+
+SessionCall = ForwardBackward | OptimStep | SaveWeights | LoadWeights | Sample | Ping
+
+
+class SessionRequest(Struct, kw_only=True):
+    """A call for the session `job` (of `tenant`, as the gateway bound it to the caller's key)."""
+
+    job: str
+    tenant: str | None
+    call: SessionCall
+
+
+class ForwardResult(Struct, tag="forward_backward", tag_field="type", kw_only=True):
+    logprobs: list[list[float]]  # per datum, the target tokens' log-probabilities
+    loss: float  # the loss's sum over the batch
+    tokens: int  # tokens with a nonzero weight
+
+
+class StepResult(Struct, tag="optim_step", tag_field="type", kw_only=True):
+    step: int  # optimizer steps taken so far
+    grad_norm: float
+    learning_rate: float
+
+
+class SavedResult(Struct, tag="save", tag_field="type", kw_only=True):
+    name: str
+    kind: str
+    step: int
+
+
+class LoadedResult(Struct, tag="load", tag_field="type", kw_only=True):
+    name: str
+    step: int
+
+
+class SampledSequence(Struct, kw_only=True):
+    tokens: list[int]
+    logprobs: list[float]
+    stop: Literal["stop", "length"]
+
+
+class SampleResult(Struct, tag="sample", tag_field="type", kw_only=True):
+    sequences: list[SampledSequence]
+
+
+class PingResult(Struct, tag="ping", tag_field="type", kw_only=True):
+    step: int
+    rank: int
+    base_model: str  # the job's catalog name
+    tokenizer_dir: str  # the base model's directory on the node (the client loads its tokenizer from there)
+    arch: str = ""
+
+
+class CallError(Struct, tag="error", tag_field="type", kw_only=True):
+    """The call was refused (nothing changed) or failed; `field` names what to change."""
+
+    message: str
+    field: str = ""
+    retry: bool = False  # the session is moving or starting: ask again
+
+
+SessionReply = ForwardResult | StepResult | SavedResult | LoadedResult | SampleResult | PingResult | CallError
+
+
+class SessionAnswer(Struct, tag="answer", tag_field="type", kw_only=True):
+    """What the trainer prints for the call it read as line `id`."""
+
+    id: int
+    reply: SessionReply
+
+
+class SessionLine(Struct, kw_only=True):
+    """What the agent writes on the trainer's stdin: call number `id`."""
+
+    id: int
+    call: SessionCall

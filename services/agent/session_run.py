@@ -1,0 +1,96 @@
+"""A training session's trainer (train.method session): a trainer run whose stdin takes calls and whose stdout
+answers them beside its events. The agent passes each call that reaches it on names.node(node).session to the
+job's trainer, one at a time, and replies with the trainer's answer."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+
+import msgspec
+
+from schemas.events import TrainerEvent
+from schemas.sessions import CallError, SessionAnswer, SessionCall, SessionLine, SessionReply, SessionRequest
+from services import bus
+from services.agent.runner import TrainerRun
+from services.aio import cancel_and_wait
+
+log = logging.getLogger(__name__)
+_decode = msgspec.json.Decoder(TrainerEvent | SessionAnswer)
+_encode = msgspec.json.Encoder()
+CALL_TIMEOUT_S = 600.0  # one call at most (a forward_backward of a large batch on a slow device)
+
+
+class SessionRun(TrainerRun):
+    decoder = _decode
+    stdin = asyncio.subprocess.PIPE
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.ids = itertools.count(1)
+        self.pending: dict[int, asyncio.Future] = {}
+        self.turn = asyncio.Lock()  # one call at a time, in the order they came
+        self.ready = asyncio.Event()  # the trainer said Started: it takes calls
+
+    def took(self, line: object) -> bool:
+        if isinstance(line, SessionAnswer):
+            waiter = self.pending.pop(line.id, None)
+            if waiter is not None and not waiter.done():
+                waiter.set_result(line.reply)
+            return True
+        return False
+
+    async def call(self, call: SessionCall, timeout: float = CALL_TIMEOUT_S) -> SessionReply:
+        """The trainer's answer to `call`, or why there is none."""
+        async with self.turn:
+            proc = self.proc
+            if proc is None or proc.stdin is None or proc.returncode is not None or not self.ready.is_set():
+                return CallError(message="the session is starting; ask again", retry=True)
+            number = next(self.ids)
+            waiter = self.pending[number] = asyncio.get_running_loop().create_future()
+            try:
+                proc.stdin.write(_encode.encode(SessionLine(id=number, call=call)) + b"\n")
+                await proc.stdin.drain()
+                return await asyncio.wait_for(waiter, timeout)
+            except (ConnectionError, BrokenPipeError):
+                return CallError(message="the session's trainer has ended; ask again", retry=True)
+            except asyncio.TimeoutError:
+                log.warning("session %s did not answer call %d within %.0f s", self.spec.job, number, timeout)
+                return CallError(message=f"the session did not answer within {timeout:.0f} s", retry=True)
+            finally:
+                self.pending.pop(number, None)
+
+
+class SessionDesk:
+    """Where calls for this node's sessions arrive (names.node(node).session): each answered in a task of its own,
+    so a long call of one session never holds up another's; one session's calls still run in the order they came."""
+
+    def __init__(self, jobs) -> None:
+        self.jobs = jobs  # job -> the agent's RunningJob, as the agent holds them
+        self.tasks: set[asyncio.Task] = set()
+        self.answer = bus.handler(self.call, SessionRequest)
+
+    async def on_message(self, msg) -> None:
+        task = asyncio.create_task(self._answer(msg))
+        self.tasks.add(task)
+        task.add_done_callback(self._done)
+
+    async def _answer(self, msg) -> None:
+        await self.answer(msg)
+
+    def _done(self, task: asyncio.Task) -> None:
+        self.tasks.discard(task)
+        if not task.cancelled() and task.exception():
+            log.error("a session call failed in the agent: %r", task.exception(), exc_info=task.exception())
+
+    async def call(self, request: SessionRequest) -> SessionReply:
+        run = self.jobs().get(request.job)
+        if run is None or run.assignment.tenant != request.tenant:  # another tenant's session is none of its own
+            return CallError(message=f"session {request.job} does not run on this node", retry=True)
+        if not isinstance(run.trainer, SessionRun):
+            return CallError(message="the session is starting; ask again", retry=True)
+        return await run.trainer.call(request.call)
+
+    async def close(self) -> None:
+        await cancel_and_wait(list(self.tasks))

@@ -1,0 +1,61 @@
+"""What the Tinker client expects of every answer: its key in X-API-Key (a jetlora key behind Tinker's `tml-`
+prefix, which the client insists on), JSON bodies, and refusals as 4xx with a `detail` it shows (a 4xx without a
+body, or a 5xx, it retries for minutes)."""
+
+from __future__ import annotations
+
+import msgspec
+from aiohttp import web
+
+from services.gateway.keys import KeyStore
+
+TINKER_PREFIX = "tml-"  # TINKER_API_KEY=tml-<a jetlora key>
+_encode = msgspec.json.Encoder().encode
+
+
+class TinkerRefusal(Exception):
+    """A request refused as sent: the client raises it at once (400, 401, 403, 404 or 422), naming the field."""
+
+    def __init__(self, status: int, detail: str) -> None:
+        super().__init__(detail)
+        self.status, self.detail = status, detail
+
+
+def reply(obj, status: int = 200) -> web.Response:
+    return web.Response(body=_encode(obj), status=status, content_type="application/json")
+
+
+def refused(e: TinkerRefusal) -> web.Response:
+    return reply({"detail": e.detail}, e.status)
+
+
+async def tenant_of(request: web.Request, keys: KeyStore) -> str:
+    key = request.headers.get("X-API-Key", "").strip()
+    tenant = await keys.tenant_of(key.removeprefix(TINKER_PREFIX)) if key.startswith(TINKER_PREFIX) else None
+    if tenant is None:
+        raise TinkerRefusal(
+            401, "unknown API key: give TINKER_API_KEY=tml-<a jetlora key> (`jetlora keys create --tenant T` makes one)"
+        )
+    return tenant
+
+
+async def body(request: web.Request) -> dict:
+    try:
+        value = await request.json()
+    except ValueError:
+        raise TinkerRefusal(400, "the body is not JSON") from None
+    if not isinstance(value, dict):
+        raise TinkerRefusal(400, "the body is not a JSON object")
+    return value
+
+
+def field(data: dict, name: str, kind: type | tuple = str, default=...):
+    """data[name] of the kind asked, or a 400 naming it."""
+    if name not in data or data[name] is None:
+        if default is not ...:
+            return default
+        raise TinkerRefusal(400, f"{name} is missing")
+    value = data[name]
+    if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+        raise TinkerRefusal(400, f"{name} has the wrong type ({type(value).__name__})")
+    return value

@@ -1,0 +1,120 @@
+"""The Tinker API's protobuf messages, to and from jetlora's session calls: a ForwardBackwardRequest becomes a
+schemas.sessions.ForwardBackward; a session's ForwardResult and SampleResult become the ForwardBackwardOutput and
+SampleResponse the client decodes. Tensors are little-endian arrays (int32 tokens; float32 or int64 inputs)."""
+
+from __future__ import annotations
+
+import sys
+from array import array
+
+from google.protobuf import descriptor_pool, message_factory
+
+from schemas.sessions import Datum, ForwardBackward, ForwardResult, SampleResult
+from services.gateway.tinker.schema_pb import DESCRIPTOR
+
+CONTENT_TYPE = "application/x-protobuf"
+_pool = descriptor_pool.DescriptorPool()
+_pool.AddSerializedFile(DESCRIPTOR)
+
+
+def _message(name: str):
+    return message_factory.GetMessageClass(_pool.FindMessageTypeByName(f"tinker_public.{name}"))
+
+
+ForwardBackwardRequest = _message("ForwardBackwardRequest")
+ForwardBackwardOutput = _message("ForwardBackwardOutput")
+SampleResponse = _message("SampleResponse")
+DTYPE_FLOAT32, DTYPE_INT64, DTYPE_INT32 = 1, 2, 3
+STOP, LENGTH = 0, 1
+
+
+class ProtoRefused(ValueError):
+    """A request the gateway cannot take as sent; `field` names the part at fault."""
+
+    def __init__(self, message: str, field: str) -> None:
+        super().__init__(message)
+        self.field = field
+
+
+def _little(kind: str, raw: bytes) -> array:
+    values = array(kind)
+    values.frombytes(raw)
+    if sys.byteorder != "little":
+        values.byteswap()
+    return values
+
+
+def _bytes(values: array) -> bytes:
+    if sys.byteorder != "little":
+        values = array(values.typecode, values)
+        values.byteswap()
+    return values.tobytes()
+
+
+def _tensor(t, where: str) -> list[float]:
+    if t.WhichOneof("encoding") != "dense":
+        raise ProtoRefused(f"{where} is sparse; send it dense", where)
+    kinds = {DTYPE_FLOAT32: "f", DTYPE_INT64: "q", DTYPE_INT32: "i"}
+    if t.dtype not in kinds:
+        raise ProtoRefused(f"{where} has dtype {t.dtype}; send float32 or int64", where)
+    if len(t.shape) > 1:
+        raise ProtoRefused(f"{where} has shape {list(t.shape)}; one value per input token is served", where)
+    return [float(v) for v in _little(kinds[t.dtype], t.dense)]
+
+
+def _tokens(datum, i: int) -> list[int]:
+    tokens: list[int] = []
+    for chunk in datum.model_input:
+        kind = chunk.WhichOneof("chunk")
+        if kind != "encoded_text":
+            raise ProtoRefused(f"data[{i}].model_input holds a {kind} chunk; only encoded text is served", f"data[{i}]")
+        tokens += _little("i", chunk.encoded_text.tokens).tolist()
+    return tokens
+
+
+def forward_backward(body: bytes) -> tuple[str, int, ForwardBackward]:
+    """(model_id, seq_id, the call) of a ForwardBackwardRequest."""
+    req = ForwardBackwardRequest()
+    try:
+        req.ParseFromString(body)
+    except Exception as e:  # protobuf's DecodeError
+        raise ProtoRefused(f"the body is not a ForwardBackwardRequest ({e})", "body") from None
+    config = {k: v for k, v in req.loss_fn_config.items()}
+    for key, value in req.loss_fn_config_v2.items():
+        if value.WhichOneof("value") == "number":
+            config[key] = value.number
+    data = [
+        Datum(
+            tokens=_tokens(d, i),
+            inputs={name: _tensor(t, f"data[{i}].loss_fn_inputs.{name}") for name, t in d.loss_fn_inputs.items()},
+        )
+        for i, d in enumerate(req.data)
+    ]
+    call = ForwardBackward(data=data, loss_fn=req.loss_fn, config=config, forward_only=req.forward_only)
+    return req.model_id, req.seq_id, call
+
+
+def forward_output(result: ForwardResult) -> bytes:
+    """The client's ForwardBackwardOutput: one record with every datum's target log-probs, and loss:sum."""
+    out = ForwardBackwardOutput(loss_fn_output_type="ArrayRecord")
+    record = out.loss_fn_outputs.add()
+    record.type_tag, record.num_datums = "ArrayRecord", len(result.logprobs)
+    offsets, data = array("q", [0]), array("f")
+    for row in result.logprobs:
+        data.extend(row)
+        offsets.append(len(data) * 4)
+    field = record.fields["logprobs"]
+    field.data, field.offsets, field.dtype = _bytes(data), _bytes(offsets), DTYPE_FLOAT32
+    out.metrics["loss:sum"] = result.loss
+    out.metrics["num_tokens:sum"] = float(result.tokens)
+    return out.SerializeToString()
+
+
+def sample_output(result: SampleResult) -> bytes:
+    out = SampleResponse()
+    for s in result.sequences:
+        seq = out.sequences.add()
+        seq.stop_reason = STOP if s.stop == "stop" else LENGTH
+        seq.tokens = _bytes(array("i", s.tokens))
+        seq.logprobs = _bytes(array("f", s.logprobs))
+    return out.SerializeToString()

@@ -1,0 +1,166 @@
+"""The Tinker API's sessions and training models as the gateway holds them, and how a call reaches a model's
+trainer: each training model is a session job (train.method session) of the key's tenant; its calls run in the
+order the client numbered them (seq_id: a client sends a batch's chunks at once, the first last), each sent to the
+node that runs the job (names.node(node).session). A model whose job waits (placed, starting, paused for idling,
+moved after its node died) is waited for, resumed when paused, and its call sent again."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+import time
+from dataclasses import dataclass, field
+
+from schemas import names
+from schemas.jobs import Accepted, Error, JobQuery, JobReply, JobRequest, Rejected, SubmitReply
+from schemas.sessions import CallError, Ping, PingResult, SessionCall, SessionReply, SessionRequest
+from services import bus
+from services.gateway.tinker.futures import CallFailed
+
+log = logging.getLogger(__name__)
+CALL_WAIT_S = 1800.0  # how long a call waits for its session to be placed, started or resumed
+POLL_S = 0.25
+TERMINAL = ("succeeded", "failed", "cancelled", "stopped")
+
+
+@dataclass
+class Model:
+    """A training model: one session job of its tenant, and its calls in their order."""
+
+    id: str  # "<session_id>:train:<n>", as the client derives it
+    tenant: str
+    job: str
+    base_model: str
+    rank: int
+    node: str | None = None  # where its job ran when last asked
+    info: PingResult | None = None
+    next_seq: int = 1  # the seq_id whose turn it is (create_model was 0)
+    waiting: dict[int, tuple[SessionCall | None, asyncio.Future]] = field(default_factory=dict)
+    requests: dict[int, str] = field(default_factory=dict)  # seq_id -> its request id (a re-send gets the same)
+    pump: asyncio.Task | None = None
+    samplers: set[str] = field(default_factory=set)  # the sampler weights it saved, by name
+
+
+@dataclass
+class Session:
+    id: str
+    tenant: str
+    heard: float = field(default_factory=time.monotonic)
+    models: int = 0  # model_seq_ids handed out
+    samplers: int = 0
+    finished: bool = False
+
+
+@dataclass
+class Sampler:
+    """A sampling session: a training model's adapter as it is (weights None) or as a save left it."""
+
+    id: str
+    tenant: str
+    model: str
+    weights: str | None
+    base_model: str
+    model_path: str | None
+
+
+class Sessions:
+    """Every session, training model and sampling session of the gateway (held in memory)."""
+
+    def __init__(self, nc) -> None:
+        self.nc = nc
+        self.sessions: dict[str, Session] = {}
+        self.models: dict[str, Model] = {}
+        self.samplers: dict[str, Sampler] = {}
+
+    def new_session(self, tenant: str) -> Session:
+        session = Session("sess-" + secrets.token_hex(8), tenant)
+        self.sessions[session.id] = session
+        return session
+
+    def session(self, tenant: str, session_id: str) -> Session | None:
+        s = self.sessions.get(session_id)
+        return s if s is not None and s.tenant == tenant else None  # another tenant's is none of its own
+
+    def model(self, tenant: str, model_id: str) -> Model | None:
+        m = self.models.get(model_id)
+        return m if m is not None and m.tenant == tenant else None
+
+    async def create(self, session: Session, seq: int, request: JobRequest, base_model: str, rank: int) -> Model:
+        """Submit the model's session job as the tenant's, and wait until its trainer answers."""
+        reply = await bus.request(self.nc, names.jobs_api(session.tenant).submit, request, SubmitReply)
+        if isinstance(reply, Rejected):
+            raise CallFailed("; ".join(f"{e.field}: {e.reason}" if e.field else e.reason for e in reply.errors))
+        assert isinstance(reply, Accepted)
+        model = Model(f"{session.id}:train:{seq}", session.tenant, reply.job, base_model, rank)
+        self.models[model.id] = model
+        info = await self.send(model, Ping())
+        if not isinstance(info, PingResult):
+            raise CallFailed(f"model {model.id}'s session did not start: {getattr(info, 'message', info)}")
+        model.info = info
+        return model
+
+    def submit(self, model: Model, seq: int, call: SessionCall | None) -> asyncio.Future:
+        """The call's turn comes after every lower seq_id's (None: a seq_id refused at the door, only skipped)."""
+        waiter = asyncio.get_running_loop().create_future()
+        model.waiting[seq] = (call, waiter)
+        if model.pump is None or model.pump.done():
+            model.pump = asyncio.create_task(self._pump(model))
+        return waiter
+
+    async def _pump(self, model: Model) -> None:
+        while model.next_seq in model.waiting:
+            call, waiter = model.waiting.pop(model.next_seq)
+            model.next_seq += 1
+            if call is None or waiter.done():
+                continue
+            try:
+                waiter.set_result(await self.send(model, call))
+            except Exception as e:  # the call's own error goes to its future
+                if not waiter.done():
+                    waiter.set_exception(e)
+
+    async def send(self, model: Model, call: SessionCall) -> SessionReply:
+        """The session's answer, waiting through its job's placement, start, idle pause or move to another node."""
+        deadline = time.monotonic() + CALL_WAIT_S
+        while time.monotonic() < deadline:
+            if model.node is not None:
+                request = SessionRequest(job=model.job, tenant=model.tenant, call=call)
+                try:
+                    reply = await bus.request(self.nc, names.node(model.node).session, request, SessionReply, 900)
+                except bus.RequestError as e:
+                    log.info("model %s: its node %s did not answer (%s); looking for its job", model.id, model.node, e)
+                    reply = CallError(message=str(e), retry=True)
+                if not (isinstance(reply, CallError) and reply.retry):
+                    return reply
+            model.node = await self._where(model)
+            if model.node is None:
+                await asyncio.sleep(POLL_S)
+        raise CallFailed(f"model {model.id}'s session did not start within {CALL_WAIT_S:.0f} s", "server")
+
+    async def _where(self, model: Model) -> str | None:
+        """The node that runs the model's job now; a paused job is resumed, an ended one fails the call."""
+        api = names.jobs_api(model.tenant)
+        reply = await bus.request(self.nc, api.job, JobQuery(model.job), JobReply | Error)
+        if isinstance(reply, Error):
+            raise CallFailed(f"model {model.id}: {reply.error}")
+        job = reply.job
+        if job.state in TERMINAL:
+            raise CallFailed(f"model {model.id}'s session has ended ({job.state}: {job.message})")
+        if job.state == "paused":  # idle, or a serving engine took its device: it goes on from its checkpoint
+            await bus.request(self.nc, api.resume, JobQuery(model.job), JobReply | Error)
+        return job.node if job.state == "running" else None
+
+    async def end(self, model: Model) -> None:
+        """The client finished: the session stops and stores its adapter (the job's artifact)."""
+        reply = await bus.request(self.nc, names.jobs_api(model.tenant).stop, JobQuery(model.job), JobReply | Error)
+        if isinstance(reply, Error):
+            log.info("model %s: stopping its session job: %s", model.id, reply.error)
+        if model.pump is not None:
+            model.pump.cancel()
+
+    async def close(self) -> None:
+        pumps = [m.pump for m in self.models.values() if m.pump is not None and not m.pump.done()]
+        for pump in pumps:
+            pump.cancel()
+        await asyncio.gather(*pumps, return_exceptions=True)

@@ -1,0 +1,182 @@
+"""`python -m trainer JOB.json` for a training session (train.method session): load the base and a fresh LoRA, say
+Started, then take calls one at a time from stdin (SessionLine) and print each answer (SessionAnswer) beside the
+events a trainer prints. It ends when asked to stop (its adapter saved: the job's artifact), to pause (a checkpoint),
+or when no call came for the session's idle_s (a checkpoint too: the job pauses, its device is freed, and the next
+call resumes it from there). Saved states are checkpoints the agent stores: a session whose node dies goes on from
+the last one elsewhere."""
+
+from __future__ import annotations
+
+import queue
+import sys
+import threading
+import time
+from pathlib import Path
+
+import msgspec
+import torch
+
+from schemas.events import Checkpoint, Finished, Progress, Started, TrainerSpec
+from schemas.sessions import (
+    CallError,
+    ForwardBackward,
+    ForwardResult,
+    LoadedResult,
+    LoadWeights,
+    OptimStep,
+    Ping,
+    PingResult,
+    Sample,
+    SampleResult,
+    SavedResult,
+    SaveWeights,
+    SessionAnswer,
+    SessionLine,
+    SessionReply,
+    StepResult,
+)
+from trainer import model as base_model
+from trainer import session_model as ops
+from trainer.errors import JobError
+from trainer.events import emit
+from trainer.signals import Signals
+
+LINE = msgspec.json.Decoder(SessionLine)
+POLL_S = 0.2
+
+
+class Session:
+    """The base with its one trainable adapter, its optimizer, and what it saved."""
+
+    def __init__(self, spec: TrainerSpec) -> None:
+        from peft import LoraConfig, get_peft_model
+
+        req, s = spec.request, spec.request.session
+        assert s is not None, "a session job carries its session"
+        self.spec, self.out = spec, Path(spec.out_dir)
+        self.device = spec.device if spec.device == "cpu" or torch.cuda.is_available() else "cpu"
+        dtype = base_model.pick_dtype(req.train.precision, self.device)
+        self.tokenizer, model = base_model.load(req.base_dir, self.device, dtype, req.quantization)
+        if s.seed is not None:
+            torch.manual_seed(s.seed)
+        config = LoraConfig(r=s.rank, lora_alpha=s.rank, target_modules=s.target_modules(), bias="none")
+        self.model = get_peft_model(model, config)  # alpha = rank: the update's scale is 1 whatever the rank
+        self.params = [p for p in self.model.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(self.params, lr=1e-4, betas=(0.9, 0.95), eps=1e-12, weight_decay=0.0)
+        self.vocab = self.model.get_output_embeddings().weight.shape[0]
+        self.step, self.last_loss, self.tokens = 0, None, 0
+        self.snapshots: dict[str, dict[str, torch.Tensor]] = {}  # sampler saves, to sample with
+        if spec.resume_from:
+            self.step = ops.load_state(self.model, self.optimizer, Path(spec.resume_from), with_optimizer=True)
+
+    def call(self, call) -> SessionReply:
+        if isinstance(call, ForwardBackward):
+            ops.check_batch(call, self.vocab)
+            self.model.train()
+            logprobs, loss, weighed = ops.forward_backward(self.model, call, self.device)
+            if not call.forward_only:
+                self.last_loss, self.tokens = loss / max(1, weighed), self.tokens + weighed
+            return ForwardResult(logprobs=logprobs, loss=loss, tokens=weighed)
+        if isinstance(call, OptimStep):
+            norm = ops.optim_step(self.optimizer, self.params, call)
+            self.step += 1
+            emit(Progress(step=self.step, steps=0, loss=self.last_loss, lr=call.learning_rate, grad_norm=norm,
+                          tokens=self.tokens, ts=time.time()))  # fmt: skip
+            return StepResult(step=self.step, grad_norm=norm, learning_rate=call.learning_rate)
+        if isinstance(call, SaveWeights):
+            return self.save(call)
+        if isinstance(call, LoadWeights):
+            path = self.out / "states" / call.name
+            if not (path / "trainer_state.pt").is_file():
+                raise ops.CallRefused(f"this session saved no state named {call.name!r}", "path")
+            self.step = ops.load_state(self.model, self.optimizer, path, call.optimizer)
+            return LoadedResult(name=call.name, step=self.step)
+        if isinstance(call, Sample):
+            return SampleResult(sequences=self.sample(call))
+        assert isinstance(call, Ping)
+        req = self.spec.request
+        arch = str(getattr(self.model.config, "model_type", ""))
+        rank = self.spec.request.session.rank if self.spec.request.session else 0
+        return PingResult(step=self.step, rank=rank, base_model=req.model, tokenizer_dir=req.base_dir, arch=arch)
+
+    def save(self, call: SaveWeights) -> SavedResult:
+        if call.kind == "state":
+            path = ops.save_state(self.model, self.optimizer, self.step, self.out / "states" / call.name)
+            emit(Checkpoint(step=self.step, path=str(path)))  # stored by the agent: where the session goes on from
+        else:
+            from peft import get_peft_model_state_dict
+
+            weights = get_peft_model_state_dict(self.model)
+            self.snapshots[call.name] = {k: v.detach().clone() for k, v in weights.items()}
+            self.model.save_pretrained(self.out / "sampler" / call.name, safe_serialization=True)
+        return SavedResult(name=call.name, kind=call.kind, step=self.step)
+
+    def sample(self, call: Sample):
+        from peft import get_peft_model_state_dict, set_peft_model_state_dict
+
+        self.model.eval()
+        if call.weights is None:
+            return ops.sample(self.model, self.tokenizer, call, self.device)
+        if call.weights not in self.snapshots:
+            raise ops.CallRefused(f"this session saved no sampler weights named {call.weights!r}", "model_path")
+        now = {k: v.detach().clone() for k, v in get_peft_model_state_dict(self.model).items()}
+        set_peft_model_state_dict(self.model, self.snapshots[call.weights])
+        try:
+            return ops.sample(self.model, self.tokenizer, call, self.device)
+        finally:
+            set_peft_model_state_dict(self.model, now)
+
+    def end(self, pause: bool, why: str = "") -> Finished:
+        """Stopped: the adapter as it is now; paused (asked, or idle): a checkpoint to go on from."""
+        if pause:
+            path = ops.save_state(self.model, self.optimizer, self.step, self.out / "states" / f"paused-{self.step}")
+            emit(Checkpoint(step=self.step, path=str(path)))
+            return Finished(state="paused", step=self.step, adapter_dir=str(path), message=why)
+        adapter = self.out / "adapter"
+        self.model.save_pretrained(adapter, safe_serialization=True)
+        return Finished(state="stopped", step=self.step, adapter_dir=str(adapter))
+
+
+def read_lines(lines: queue.Queue) -> None:
+    """stdin's lines, into the queue; None when it closes (the agent went away)."""
+    for raw in sys.stdin.buffer:
+        lines.put(raw)
+    lines.put(None)
+
+
+def answer(session: Session, raw: bytes) -> None:
+    try:
+        line = LINE.decode(raw)
+    except msgspec.ValidationError as e:
+        print(f"a call that does not decode: {e}", file=sys.stderr, flush=True)
+        return
+    try:
+        reply: SessionReply = session.call(line.call)
+    except ops.CallRefused as e:
+        reply = CallError(message=str(e), field=e.field)
+    except (JobError, ValueError, RuntimeError) as e:
+        reply = CallError(message=f"the call failed: {e}")
+    emit(SessionAnswer(id=line.id, reply=reply))
+
+
+def serve(spec: TrainerSpec, signals: Signals) -> Finished:
+    session = Session(spec)
+    idle_s = spec.request.session.idle_s if spec.request.session else 900.0
+    note = f"; resumed from step {session.step}" if spec.resume_from else ""
+    emit(Started(steps=0, examples=0, device=session.device, message=f"session ready{note}"))
+    lines: queue.Queue = queue.Queue()
+    threading.Thread(target=read_lines, args=(lines,), daemon=True).start()
+    last = time.monotonic()
+    while not signals.asked:
+        try:
+            raw = lines.get(timeout=POLL_S)
+        except queue.Empty:
+            if time.monotonic() - last > idle_s:  # nobody calls: free the device, go on from here when called
+                why = f"no call for {idle_s:.0f} s: checkpointed at step {session.step}; the next call resumes it"
+                return session.end(pause=True, why=why)
+            continue
+        if raw is None:
+            return session.end(pause=True, why="the agent closed the session's input")
+        answer(session, raw)
+        last = time.monotonic()
+    return session.end(pause=signals.pause)
