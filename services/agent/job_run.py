@@ -281,8 +281,8 @@ class JobLifecycle:
                 self.js, self._subjects(a).samples, _enc.encode(samples), f"{a.job}.{a.attempt}.x{ev.step}{ev.model}"
             )
         elif isinstance(ev, Checkpoint):
-            if run.paused_by and run.checkpoint_upload:  # the pause's checkpoint is what resume needs
-                await run.checkpoint_upload
+            if (run.paused_by or isinstance(run.trainer, SessionRun)) and run.checkpoint_upload:
+                await run.checkpoint_upload  # what a resume needs; a session's client was told each save is kept
             if run.checkpoint_upload and not run.checkpoint_upload.done():
                 log.info("job %s: checkpoint at step %d skipped, the previous one is still uploading", a.job, ev.step)
             else:

@@ -51,7 +51,9 @@ async def run_gateway(nc, stop, args) -> None:
     from services.gateway.app import Gateway
 
     models = base_models(args.base_model, args.accelerator, args.served_by, args.save_steps, args.reinforcement_train)
-    gateway = Gateway(nc, models, args.host, args.port, graders=grader_context(args))
+    if not 10 <= args.tinker_idle_s <= 7 * 86400:
+        raise StartupError(f"--tinker-idle-s {args.tinker_idle_s}: give 10 to 604800 seconds")
+    gateway = Gateway(nc, models, args.host, args.port, graders=grader_context(args), tinker_idle_s=args.tinker_idle_s)
     try:
         await gateway.start()
     except OSError as e:
@@ -137,5 +139,12 @@ def gateway_flags(p: argparse.ArgumentParser) -> None:
         help="native train settings of every reinforcement job, which OpenAI's API has no place for, e.g. "
         '\'{"max_completion_tokens": 256, "temperature": 0.8, "grpo_beta": 0.04}\' (schemas/json/ lists them); '
         "the request's hyperparameters apply on top",
+    )
+    p.add_argument(
+        "--tinker-idle-s",
+        type=float,
+        default=900.0,
+        help="a Tinker API training session with no call this long is checkpointed and its device freed; the next "
+        "call resumes it (10 s at least)",
     )
     grader_flags(p, "in /v1/fine_tuning/alpha/graders/run (jobs' graders run on the nodes: `jetlora agent`'s flags)")

@@ -106,15 +106,17 @@ class Gateway:
         port: int = 8000,
         spool_dir: str | None = None,
         graders: GraderContext | None = None,
+        tinker_idle_s: float = 900.0,
     ) -> None:
         self.nc, self.models, self.host, self.port, self.spool_dir = nc, models, host, port, spool_dir
-        self.graders = graders
+        self.graders, self.tinker_idle_s = graders, tinker_idle_s
         self._runner: web.AppRunner | None = None
 
     async def start(self) -> None:
         js = self.nc.jetstream()
         jobs_kv = await js.key_value(names.GATEWAY_JOBS_KV)
-        app = make_app(self.nc, await KeyStore.open(js), jobs_kv, self.models, self.spool_dir, self.graders)
+        keys = await KeyStore.open(js)
+        app = make_app(self.nc, keys, jobs_kv, self.models, self.spool_dir, self.graders, self.tinker_idle_s)
         self._runner = web.AppRunner(app, access_log=None)
         await self._runner.setup()
         site = web.TCPSite(self._runner, self.host, self.port)

@@ -34,6 +34,8 @@ class Model:
     base_model: str
     rank: int
     node: str | None = None  # where its job ran when last asked
+    attempt: int = 0  # the job's attempt its calls went to: another one means the session moved or came back
+    resumed: bool = False  # the gateway resumed it (idle, or paused for an engine): it goes on exactly where it was
     info: PingResult | None = None
     next_seq: int = 1  # the seq_id whose turn it is (create_model was 0)
     waiting: dict[int, tuple[SessionCall | None, asyncio.Future]] = field(default_factory=dict)
@@ -139,7 +141,8 @@ class Sessions:
         raise CallFailed(f"model {model.id}'s session did not start within {CALL_WAIT_S:.0f} s", "server")
 
     async def _where(self, model: Model) -> str | None:
-        """The node that runs the model's job now; a paused job is resumed, an ended one fails the call."""
+        """The node that runs the model's job now; a paused job is resumed, an ended one fails the call, and one
+        that moved after its node went away fails this call, saying where it goes on from."""
         api = names.jobs_api(model.tenant)
         reply = await bus.request(self.nc, api.job, JobQuery(model.job), JobReply | Error)
         if isinstance(reply, Error):
@@ -148,8 +151,18 @@ class Sessions:
         if job.state in TERMINAL:
             raise CallFailed(f"model {model.id}'s session has ended ({job.state}: {job.message})")
         if job.state == "paused":  # idle, or a serving engine took its device: it goes on from its checkpoint
+            model.resumed = True
             await bus.request(self.nc, api.resume, JobQuery(model.job), JobReply | Error)
-        return job.node if job.state == "running" else None
+        if job.state != "running":
+            return None
+        moved, model.attempt = model.attempt not in (0, job.attempt) and not model.resumed, job.attempt
+        model.resumed = False
+        if moved:
+            raise CallFailed(
+                f"model {model.id}'s node went away; its session goes on on {job.node} from its last saved state "
+                f"(attempt {job.attempt}): calls since that save_state were lost; load_state it, or redo them"
+            )
+        return job.node
 
     async def end(self, model: Model) -> None:
         """The client finished: the session stops and stores its adapter (the job's artifact)."""

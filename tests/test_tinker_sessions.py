@@ -1,0 +1,113 @@
+"""A Tinker training session lives as long as its client needs it, and no longer holds a device than it is used:
+one left idle is checkpointed and its device freed, and the next call resumes it exactly where it was; one whose
+node is killed goes on on another node from its last save, and the client is told so once."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+
+import pytest
+
+from schemas import names
+from schemas.jobs import JobList, JobListQuery
+from services import bus
+from services.gateway.app import Gateway
+from services.gateway.openai_map import BaseModel
+from tests.conftest import get_job, list_nodes, wait_for, wait_nodes
+from tests.test_tinker_api import client, datums, key_for
+
+pytestmark = pytest.mark.timeout(300)
+os.environ.setdefault("TINKER_TELEMETRY", "0")
+IDLE_S = 10.0
+
+
+@pytest.fixture
+async def gateway(stack, nc, tiny_model):
+    gw = Gateway(nc, {"tiny": BaseModel("tiny", str(tiny_model), accelerator="cpu")}, port=0, tinker_idle_s=IDLE_S)
+    await gw.start()
+    yield gw
+    await gw.close()
+
+
+async def job_of(nc, model_id: str):
+    jobs = await bus.request(nc, names.jobs_api("acme").jobs, JobListQuery(), JobList)
+    return next(j for j in jobs.jobs if j.label.endswith(model_id))
+
+
+class Loop:
+    """A training client in a thread of its own (the tinker client blocks), one step at a time."""
+
+    def __init__(self, gw: Gateway, key: str) -> None:
+        self.sc = client(gw, key)
+        self.tc = self.sc.create_lora_training_client(base_model="tiny", rank=4, seed=0, train_unembed=False).result()
+        from tinker import types
+
+        self.types = types
+        self.batch, _ = datums(self.tc.get_tokenizer(), types)
+
+    def step(self) -> None:
+        self.tc.forward_backward(self.batch, "cross_entropy").result()
+        self.tc.optim_step(self.types.AdamParams(learning_rate=1e-2)).result()
+
+    def logprobs(self) -> list[list[float]]:
+        out = self.tc.forward(self.batch, "cross_entropy").result()
+        return [o["logprobs"].tolist() for o in out.loss_fn_outputs]
+
+
+async def test_an_idle_session_frees_its_device_and_the_next_call_resumes_it(nc, gateway, agents):
+    agents.start("box", gpus=None, offer_cpu=True, trainer=None, interval=0.25)
+    await wait_nodes(nc, 1)
+    loop = await asyncio.to_thread(Loop, gateway, await key_for(nc, "acme"))
+    await asyncio.to_thread(loop.step)
+    before = await asyncio.to_thread(loop.logprobs)
+    job = await job_of(nc, loop.tc.model_id)
+    paused = await wait_for(
+        lambda: _state(nc, job.id, "paused"), timeout=IDLE_S + 60, what="the idle session checkpointed and paused"
+    )
+    assert "no call for 10 s" in paused.message, paused
+    await wait_for(lambda: _device_free(nc, "box"), timeout=10, what="box's device free")
+    after = await asyncio.to_thread(loop.logprobs)  # the next call resumes it from its checkpoint
+    assert after == before
+    resumed = await get_job(nc, job.id)
+    assert resumed.state == "running" and resumed.attempt == 2, resumed
+    loop.sc.close("success")
+
+
+async def test_a_session_whose_node_is_killed_goes_on_elsewhere_from_its_last_save(nc, gateway, agents):
+    agents.start("a1", gpus=None, offer_cpu=True, trainer=None, interval=0.25)
+    await wait_nodes(nc, 1)
+    loop = await asyncio.to_thread(Loop, gateway, await key_for(nc, "acme"))
+    await asyncio.to_thread(loop.step)
+    await asyncio.to_thread(lambda: loop.tc.save_state("kept").result())
+    before = await asyncio.to_thread(loop.logprobs)
+    job = await job_of(nc, loop.tc.model_id)
+    await wait_for(lambda: _checkpointed(nc, job.id), timeout=30, what="the save stored as the job's checkpoint")
+    agents.start("a2", gpus=None, offer_cpu=True, trainer=None, interval=0.25)
+    await wait_nodes(nc, 2)
+    agents.kill("a1")
+    moved = await wait_for(lambda: _moved(nc, job.id), timeout=60, what="the session running on a2")
+    assert moved.node == "a2" and moved.attempt == 2, moved
+    with pytest.raises(Exception, match="went away") as told:  # the client is told once, with what to do
+        await asyncio.to_thread(loop.logprobs)
+    assert "load_state" in str(told.value)
+    assert await asyncio.to_thread(loop.logprobs) == before  # it went on from the save
+    loop.sc.close("success")
+
+
+async def _state(nc, job_id: str, state: str):
+    j = await get_job(nc, job_id)
+    return j if j.state == state else None
+
+
+async def _device_free(nc, node: str) -> bool:
+    return all(not d.jobs for n in await list_nodes(nc) if n.node == node for d in n.devices)
+
+
+async def _checkpointed(nc, job_id: str) -> bool:
+    return "checkpoint at step" in (await get_job(nc, job_id)).message
+
+
+async def _moved(nc, job_id: str):
+    j = await get_job(nc, job_id)
+    return j if j.state == "running" and j.attempt >= 2 else None
