@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import sys
 
 import aiohttp
 import pytest
@@ -15,12 +16,13 @@ import torch
 
 from schemas import names
 from schemas.jobs import JobList, JobListQuery
+from schemas.registry import AdapterQuery, AdapterReply
 from services import bus
 from services.gateway.app import Gateway
 from services.gateway.keys import KeyStore, new_key
 from services.gateway.openai_map import BaseModel
 from services.transfer.download import download, safe_extract
-from tests.conftest import wait_nodes, wait_state
+from tests.conftest import ROOT, wait_nodes, wait_state
 from tests.qa import QA_PAIRS
 
 pytestmark = pytest.mark.timeout(600)
@@ -106,11 +108,14 @@ def supervised_loop(gw: Gateway, key: str, sc) -> dict:
         "after": [o["logprobs"].tolist() for o in after.loss_fn_outputs],
         "batch": [(d.model_input.to_ints(), list(d.loss_fn_inputs["target_tokens"].tolist())) for d in batch],
         "sample": [(s.tokens, s.logprobs) for s in sample.sequences],
+        "prompt": prompt.to_ints(),
         "checkpoints": [c.tinker_path for c in runs.checkpoints],
     }
 
 
-async def test_a_supervised_loop_trains_saves_loads_and_its_adapter_loads_in_peft(nc, gateway, tiny_model, tmp_path):
+async def test_a_supervised_loop_trains_saves_loads_and_its_adapter_loads_in_peft(
+    nc, gateway, tiny_model, tmp_path, nats_server
+):
     key = await key_for(nc, "acme")
     out = await asyncio.to_thread(supervised, gateway, key)
     losses = out["losses"]
@@ -139,7 +144,23 @@ async def test_a_supervised_loop_trains_saves_loads_and_its_adapter_loads_in_pef
             logits = model(input_ids=torch.tensor([tokens])).logits.float()
             lp = torch.log_softmax(logits, -1)[0].gather(-1, torch.tensor(targets).long().unsqueeze(-1)).squeeze(-1)
             worst = max(worst, float((lp - torch.tensor(served)).abs().max()))
+        for tokens, logprobs in out["sample"]:  # the sampler's log-probs are the trainer's (it samples itself)
+            ids = torch.tensor([out["prompt"] + tokens[:-1]])
+            lp = torch.log_softmax(model(input_ids=ids).logits.float(), -1)[0, len(out["prompt"]) - 1 :]
+            picked = lp.gather(-1, torch.tensor(tokens).unsqueeze(-1)).squeeze(-1)
+            worst = max(worst, float((picked - torch.tensor(logprobs)).abs().max()))
     assert worst < 1e-5, worst
+
+    # what the loop trained becomes a registry version, as any job's adapter does
+    registered = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "services.cli", "adapters", "register", "tinker-capitals", "--from-session",
+        out["model_id"], "--nats", nats_server.url, cwd=ROOT, stdout=asyncio.subprocess.PIPE,
+    )  # fmt: skip
+    assert await registered.wait() == 0
+    reply = await bus.request(nc, names.ADAPTERS.show, AdapterQuery(name="tinker-capitals"), AdapterReply)
+    version = reply.versions[0]
+    assert (version.job, version.r, version.probe is not None) == (job.id, 8, True)
+    assert version.target_modules == ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
 def reinforcement(gw: Gateway, key: str) -> list[float]:

@@ -132,9 +132,12 @@ class Session:
             path = ops.save_state(self.model, self.optimizer, self.step, self.out / "states" / f"paused-{self.step}")
             emit(Checkpoint(step=self.step, path=str(path)))
             return Finished(state="paused", step=self.step, adapter_dir=str(path), message=why)
+        from trainer.samples import probe
+
         adapter = self.out / "adapter"
         self.model.save_pretrained(adapter, safe_serialization=True)
-        return Finished(state="stopped", step=self.step, adapter_dir=str(adapter))
+        fingerprint = probe(self.model, self.tokenizer, self.device)  # what an engine that serves it must answer
+        return Finished(state="stopped", step=self.step, adapter_dir=str(adapter), probe=fingerprint)
 
 
 def read_lines(lines: queue.Queue) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 import time
 
 from schemas import names
@@ -18,6 +19,7 @@ from schemas.served import describe as served_line
 from schemas.served import trainer_side
 from services.cli import args as args_
 from services.cli import gate
+from schemas.jobs import JobList, JobListQuery
 from services.cli.client import EXIT_OK, CommandFailed, ask, run_client, show
 
 
@@ -88,12 +90,20 @@ def cmd_adapters(args) -> int:
             show(reply, args.json, lambda r: [print("\n".join(describe(a))) for a in r.adapters])
             return EXIT_OK
         if args.action == "register":
+            job = args.job or await session_job(nc, args.from_session)
             reply = await ask(
                 nc,
                 names.ADAPTERS.register,
-                RegisterRequest(name=args.name, job=args.job, promote=args.promote),
+                RegisterRequest(name=args.name, job=job, promote=args.promote),
                 AdapterReply,
             )
+            if "lm_head" in reply.versions[-1].target_modules:
+                print(
+                    f"note: {args.name}@{reply.versions[-1].version} adapts lm_head (Tinker's train_unembed): vLLM and "
+                    "llama.cpp serve no LoRA there, so no engine loads it; its session's sampler serves it. Train "
+                    "with train_unembed=False for an adapter the engines serve.",
+                    file=sys.stderr,
+                )
         elif args.action == "show":
             from services.cli.evals import version_scores
 
@@ -129,6 +139,21 @@ def cmd_adapters(args) -> int:
         return EXIT_OK
 
     return run_client(args, go)
+
+
+async def session_job(nc, model_id: str | None) -> str:
+    """The job of a Tinker training model (the gateway labels each session job `tinker <model_id>`)."""
+    if not model_id:
+        raise CommandFailed("say which adapter: a JOB, or --from-session MODEL_ID")
+    after = None
+    while True:
+        page = await ask(nc, names.LIST_JOBS, JobListQuery(limit=1000, after=after), JobList)
+        found = [j.id for j in page.jobs if j.label == f"tinker {model_id}"]
+        if found:
+            return found[0]
+        if page.next is None:
+            raise CommandFailed(f"no session job of Tinker model {model_id}; `jetlora jobs` lists them")
+        after = page.next
 
 
 def register(sub: args_.SubCommands) -> None:
@@ -174,6 +199,11 @@ def register(sub: args_.SubCommands) -> None:
                 help="refuse unless NAME is at change N, as `adapters show` printed it (compare-and-set)",
             )
         if verb == "register":
-            r.add_argument("job")
+            r.add_argument("job", nargs="?", help="the job whose adapter it is")
+            r.add_argument(
+                "--from-session",
+                metavar="MODEL_ID",
+                help="or a Tinker training model's (its client finished its session): its model_id, <session>:train:<n>",
+            )
             r.add_argument("--promote", action="store_true")
     p.set_defaults(fn=cmd_adapters)

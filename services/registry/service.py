@@ -53,15 +53,18 @@ async def register_job(
     if found is None:
         raise RegistryError(f"no job {job_id}; `jetlora jobs` lists them")
     stored, status = found
-    if status is None or status.state != "succeeded":
+    session = stored.request.session  # a Tinker training session ends stopped, its adapter stored
+    if status is None or status.state not in ("succeeded", "stopped" if session else "succeeded"):
         raise RegistryError(
             f"job {job_id} is {status.state if status else 'queued'}; only a succeeded job's adapter is registered"
+            + (" (a session's, once its client finished it)" if session else "")
         )
     files = {a.kind: StoredFile(name=a.name, sha256=a.sha256, size=a.size) for a in status.artifacts}
     if "peft" not in files:
         raise RegistryError(f"job {job_id} stored no PEFT adapter; it cannot be registered")
     req = stored.request
-    r, alpha = stored_rank(req.lora)
+    r, alpha = (session.rank, float(session.rank)) if session else stored_rank(req.lora)
+    targets = session.target_modules() if session else list(req.lora.target_modules)
     version = await registry.add_version(
         AdapterVersion(
             name=name,
@@ -72,7 +75,7 @@ async def register_job(
             gguf=files.get("gguf"),
             r=r,
             alpha=alpha,
-            target_modules=list(req.lora.target_modules),
+            target_modules=targets,
             final_loss=status.loss,
             eval_loss=status.eval_loss,
             probe=next((a.probe for a in status.artifacts if a.kind == "peft"), None),
