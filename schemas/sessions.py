@@ -21,6 +21,16 @@ LOSSES = ("cross_entropy", "importance_sampling", "ppo")
 SAVED_NAME = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"  # a name the client gives a save (one segment of a tinker:// path)
 
 
+class SessionStart(Struct, forbid_unknown_fields=True, kw_only=True):
+    """A session that starts from a state another session of the tenant saved (Tinker's
+    create_training_client_from_state): that job's checkpoint at `step`."""
+
+    job: Annotated[str, Meta(max_length=64)]
+    step: Annotated[int, Meta(ge=0)]
+    optimizer: bool = True  # its optimizer's state too; False: the adapter alone, the optimizer fresh
+    checkpoint: str | None = None  # set by the scheduler: the object-store name of that checkpoint
+
+
 class SessionSpec(Struct, forbid_unknown_fields=True, kw_only=True):
     """The adapter a session trains (Tinker's LoraConfig) and how long it may sit idle."""
 
@@ -30,6 +40,7 @@ class SessionSpec(Struct, forbid_unknown_fields=True, kw_only=True):
     train_mlp: bool = True
     train_unembed: bool = False
     idle_s: Annotated[float, Meta(ge=10, le=7 * 86400)] = 900.0  # no call this long: checkpointed, its device freed
+    start_from: SessionStart | None = None
 
     def target_modules(self) -> list[str]:
         return (

@@ -111,3 +111,25 @@ async def _checkpointed(nc, job_id: str) -> bool:
 async def _moved(nc, job_id: str):
     j = await get_job(nc, job_id)
     return j if j.state == "running" and j.attempt >= 2 else None
+
+
+async def test_a_new_training_client_starts_from_a_saved_state_of_another(nc, gateway, agents):
+    agents.start("box", gpus=None, offer_cpu=True, trainer=None, interval=0.25)
+    await wait_nodes(nc, 1)
+    loop = await asyncio.to_thread(Loop, gateway, await key_for(nc, "acme"))
+    await asyncio.to_thread(loop.step)
+    path = await asyncio.to_thread(lambda: loop.tc.save_state("first").result().path)
+    before = await asyncio.to_thread(loop.logprobs)
+
+    def resumed() -> tuple[str, list[list[float]]]:
+        tc = loop.sc.create_training_client_from_state_with_optimizer(path).result()
+        out = tc.forward(loop.batch, "cross_entropy").result()
+        tc.forward_backward(loop.batch, "cross_entropy").result()
+        tc.optim_step(loop.types.AdamParams(learning_rate=1e-2)).result()  # and it trains on from there
+        return tc.model_id, [o["logprobs"].tolist() for o in out.loss_fn_outputs]
+
+    model_id, after = await asyncio.to_thread(resumed)
+    assert model_id != loop.tc.model_id and after == before
+    job = await job_of(nc, model_id)
+    assert job.step == 2, job  # the optimizer's state came with it: step 1 was the first session's
+    loop.sc.close("success")

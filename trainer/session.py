@@ -66,8 +66,11 @@ class Session:
         self.vocab = self.model.get_output_embeddings().weight.shape[0]
         self.step, self.last_loss, self.tokens = 0, None, 0
         self.snapshots: dict[str, dict[str, torch.Tensor]] = {}  # sampler saves, to sample with
-        if spec.resume_from:
+        if spec.resume_from:  # its own checkpoint (moved, or resumed after idling)
             self.step = ops.load_state(self.model, self.optimizer, Path(spec.resume_from), with_optimizer=True)
+        elif spec.init_adapter and s.start_from is not None:  # another session's saved state
+            path, optimizer = Path(spec.init_adapter), s.start_from.optimizer
+            self.step = ops.load_state(self.model, self.optimizer, path, with_optimizer=optimizer)
 
     def call(self, call) -> SessionReply:
         if isinstance(call, ForwardBackward):
@@ -165,7 +168,7 @@ def answer(session: Session, raw: bytes) -> None:
 def serve(spec: TrainerSpec, signals: Signals) -> Finished:
     session = Session(spec)
     idle_s = spec.request.session.idle_s if spec.request.session else 900.0
-    note = f"; resumed from step {session.step}" if spec.resume_from else ""
+    note = f"; resumed from step {session.step}" if spec.resume_from or spec.init_adapter else ""
     emit(Started(steps=0, examples=0, device=session.device, message=f"session ready{note}"))
     lines: queue.Queue = queue.Queue()
     threading.Thread(target=read_lines, args=(lines,), daemon=True).start()

@@ -39,7 +39,7 @@ from services.agent.engines import rollout_engine
 from services.agent.group_run import GroupMember, GroupProcess
 from services.agent.session_run import SessionRun
 from services.agent.runner import TrainerRun
-from services.agent.shipping import fetch_adapter, fetch_checkpoint, ship_checkpoint, ship_results
+from services.agent.shipping import fetch_adapter, fetch_checkpoint, fetch_session_start, ship_checkpoint, ship_results
 from services.agent.yielding import Yielded, Yielder
 from services.transfer.sender import UploadError
 
@@ -318,7 +318,10 @@ class JobLifecycle:
         return str(where)
 
     async def _fetch_init_adapter(self, run: RunningJob, job_dir: Path) -> str | None:
-        """The registered adapter the job starts from, unpacked into its directory."""
+        """The registered adapter the job starts from (a session: the saved state it starts from), unpacked into its
+        directory."""
+        if (start := await fetch_session_start(self.nc, run.assignment, job_dir)) is not None:
+            return str(start)
         ref = run.assignment.request.init_adapter
         if ref is None or ref.peft is None:
             return None

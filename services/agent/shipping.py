@@ -117,6 +117,14 @@ async def fetch_checkpoint(nc: Client, a: Assignment, job_dir: Path) -> Path:
     return await _fetch_unpacked(nc, a.resume_from, job_dir / "resume")
 
 
+async def fetch_session_start(nc: Client, a: Assignment, job_dir: Path) -> Path | None:
+    """The saved state a training session starts from (another session's checkpoint), unpacked; None for none."""
+    start = a.request.session.start_from if a.request.session is not None else None
+    if start is None or start.checkpoint is None or a.resume_from is not None:  # a resumed one has its own
+        return None
+    return await _fetch_unpacked(nc, start.checkpoint, job_dir / "start")
+
+
 async def _fetch_unpacked(nc: Client, name: str, where: Path) -> Path:
     """A stored archive downloaded beside `where` and unpacked into it."""
     archive = where.with_name(f"{where.name}.tar.gz")

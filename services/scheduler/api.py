@@ -131,6 +131,8 @@ class SchedulerApi:
             request, errors = await references.pin_datasets(self.core, request, tenant)
             if not errors and request.init_adapter is not None:
                 request, errors = await references.pin_init_adapter(self.core, request, tenant)
+            if not errors and request.session is not None:
+                request, errors = await references.pin_session_start(self.core, request, tenant)
             if errors:
                 return Rejected(errors)
             return await self._store_new(request, size, tenant, job_id)

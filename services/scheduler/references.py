@@ -154,3 +154,29 @@ async def pin_init_adapter(
         ]
     pinned = msgspec.structs.replace(ref, version=version.version, peft=version.peft.name)
     return msgspec.structs.replace(req, init_adapter=pinned), []
+
+
+async def pin_session_start(
+    core: SchedulerCore, req: JobRequest, tenant: str | None
+) -> tuple[JobRequest, list[FieldError]]:
+    """A session that starts from another session's saved state: that job must be a session of the same tenant
+    with a checkpoint stored at that step; the request gets the checkpoint's object name (another tenant's job is
+    'no such session' to it)."""
+    session = req.session
+    start = session.start_from if session is not None else None
+    if session is None or start is None:
+        return req, []
+    try:
+        source = await core.lookup(start.job)
+    except Exception as e:
+        return req, [FieldError("session.start_from.job", f"the jobs bucket could not be read ({e}); submit again")]
+    if source is None or source.stored.tenant != tenant or source.stored.request.session is None:
+        return req, [FieldError("session.start_from.job", f"no session job {start.job} of yours")]
+    found = [c for c in source.status.checkpoints if c.step == start.step]
+    if not found:
+        steps = sorted({c.step for c in source.status.checkpoints})
+        return req, [
+            FieldError("session.start_from.step", f"session {start.job} stored no state at step {start.step}: {steps}")
+        ]
+    pinned = msgspec.structs.replace(start, checkpoint=found[-1].name)
+    return msgspec.structs.replace(req, session=msgspec.structs.replace(session, start_from=pinned)), []

@@ -14,7 +14,8 @@ from dataclasses import dataclass, field
 
 from schemas import names
 from schemas.jobs import Accepted, Error, JobQuery, JobReply, JobRequest, Rejected, SubmitReply
-from schemas.sessions import CallError, Ping, PingResult, SessionCall, SessionReply, SessionRequest
+from schemas.events import CheckpointList
+from schemas.sessions import CallError, Ping, PingResult, SessionCall, SessionReply, SessionRequest, SessionSpec
 from services import bus
 from services.gateway.tinker.futures import CallFailed
 
@@ -42,6 +43,8 @@ class Model:
     requests: dict[int, str] = field(default_factory=dict)  # seq_id -> its request id (a re-send gets the same)
     pump: asyncio.Task | None = None
     samplers: set[str] = field(default_factory=set)  # the sampler weights it saved, by name
+    saves: dict[str, int] = field(default_factory=dict)  # the states it saved: name -> the step each was taken at
+    spec: SessionSpec | None = None  # its adapter, for a model started from one of its states
 
 
 @dataclass
@@ -94,7 +97,7 @@ class Sessions:
         if isinstance(reply, Rejected):
             raise CallFailed("; ".join(f"{e.field}: {e.reason}" if e.field else e.reason for e in reply.errors))
         assert isinstance(reply, Accepted)
-        model = Model(f"{session.id}:train:{seq}", session.tenant, reply.job, base_model, rank)
+        model = Model(f"{session.id}:train:{seq}", session.tenant, reply.job, base_model, rank, spec=request.session)
         self.models[model.id] = model
         info = await self.send(model, Ping())
         if not isinstance(info, PingResult):
@@ -163,6 +166,18 @@ class Sessions:
                 f"(attempt {job.attempt}): calls since that save_state were lost; load_state it, or redo them"
             )
         return job.node
+
+    async def stored(self, model: Model, step: int, timeout: float = 120.0) -> None:
+        """Until the model's job has stored its checkpoint at `step` (a save is stored just after it answers)."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            reply = await bus.request(
+                self.nc, names.jobs_api(model.tenant).checkpoints, JobQuery(model.job), CheckpointList | Error
+            )
+            if isinstance(reply, CheckpointList) and any(c.step == step for c in reply.checkpoints):
+                return
+            await asyncio.sleep(POLL_S)
+        raise CallFailed(f"model {model.id}'s state at step {step} was not stored within {timeout:.0f} s", "server")
 
     async def end(self, model: Model) -> None:
         """The client finished: the session stops and stores its adapter (the job's artifact)."""

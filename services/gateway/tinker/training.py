@@ -25,6 +25,7 @@ from schemas.sessions import (
     SessionCall,
     SAVED_NAME,
     SessionSpec,
+    SessionStart,
     StepResult,
 )
 from services.gateway.openai_map import BaseModel
@@ -115,15 +116,7 @@ class Training:
         spec = checked({"train_unembed": True, **settings, "idle_s": self.idle_s}, SessionSpec, "lora_config")
         seq = field(data, "model_seq_id", int, session.models)
         session.models = max(session.models, seq + 1)
-        job = JobRequest(
-            model=base.name,
-            base_dir=base.base_dir,
-            accelerator=base.accelerator,  # type: ignore[arg-type]
-            session=spec,
-            retries=3,  # a node that dies moves the session to another, from its last saved state
-            label=f"tinker {session.id}:train:{seq}",
-        )
-        job.train.method = "session"
+        job = session_job(base, spec, f"{session.id}:train:{seq}")
 
         async def created() -> Outcome:
             model = await self.sessions.create(session, seq, job, base.name, spec.rank)
@@ -166,8 +159,15 @@ class Training:
             model,
             field(data, "seq_id", int),
             call,
-            lambda r: Outcome(json={"path": tinker_path(model.id, "weights", answered(r, SavedResult).name)}),
+            lambda r: Outcome(
+                json={"path": tinker_path(model.id, "weights", self._saved(model, answered(r, SavedResult)))}
+            ),
         )
+
+    @staticmethod
+    def _saved(model: Model, saved: SavedResult) -> str:
+        model.saves[saved.name] = saved.step
+        return saved.name
 
     @staticmethod
     def _save(name: str, kind: str) -> SaveWeights:
@@ -197,10 +197,8 @@ class Training:
 
     async def load_weights(self, request: web.Request) -> web.Response:
         tenant, data = await self.tenant_of(request), await body(request)
-        if "model_id" not in data:
-            raise TinkerRefusal(
-                400, "create_training_client_from_state is not served yet: create a model and call load_state on it"
-            )
+        if "model_id" not in data:  # create_training_client_from_state: a new model from a saved state
+            return await self._create_from_state(tenant, data)
         model = self._model(tenant, data)
         owner, kind, name = parse_path(field(data, "path"))
         if owner != model.id or kind != "weights":
@@ -212,6 +210,30 @@ class Training:
             return Outcome(json={"path": data["path"], "model_id": model.id, "step": loaded.step})
 
         return self._ordered(tenant, model, field(data, "seq_id", int), call, done)
+
+    async def _create_from_state(self, tenant: str, data: dict) -> web.Response:
+        session = self.sessions.session(tenant, field(data, "session_id"))
+        if session is None:
+            raise TinkerRefusal(404, f"no session {data['session_id']!r} of yours: create_session first")
+        path = field(data, "path")
+        owner, kind, name = parse_path(path)
+        source = self.sessions.model(tenant, owner)
+        if source is None or kind != "weights" or name not in source.saves or source.spec is None:
+            raise TinkerRefusal(404, f"path {path!r}: no state of yours by that name (save_state makes one)")
+        base = self.models[source.base_model]
+        start = SessionStart(job=source.job, step=source.saves[name], optimizer=bool(data.get("optimizer", False)))
+        spec = msgspec.structs.replace(source.spec, start_from=start)
+        seq = field(data, "model_seq_id", int, session.models)
+        session.models = max(session.models, seq + 1)
+        job = session_job(base, spec, f"{session.id}:train:{seq}")
+
+        async def created() -> Outcome:
+            await self.sessions.stored(source, start.step)
+            model = await self.sessions.create(session, seq, job, base.name, spec.rank)
+            model.saves, model.spec = {}, spec
+            return Outcome(json={"model_id": model.id, "path": path, "type": "load_weights"})
+
+        return reply({"request_id": self.futures.start(tenant, created())})
 
     async def create_sampler(self, request: web.Request) -> web.Response:
         tenant, data = await self.tenant_of(request), await body(request)
@@ -249,6 +271,21 @@ class Training:
         request_id = self.futures.start(tenant, sampled())
         ids = [f"{request_id}-{i}-{int(started)}" for i in range(call.num_samples)]
         return reply({"request_id": request_id, "sample_sequence_ids": ids})
+
+
+def session_job(base: BaseModel, spec: SessionSpec, model_id: str) -> JobRequest:
+    """The session job of a training model: the tenant's, on the base model's nodes, moved (not lost) if its node
+    dies."""
+    job = JobRequest(
+        model=base.name,
+        base_dir=base.base_dir,
+        accelerator=base.accelerator,  # type: ignore[arg-type]
+        session=spec,
+        retries=3,  # a node that dies moves the session to another, from its last saved state
+        label=f"tinker {model_id}",
+    )
+    job.train.method = "session"
+    return job
 
 
 def sample_call(data: dict, weights: str | None) -> Sample:
