@@ -16,6 +16,7 @@ from schemas.datasets import (
     Pinning,
     PinningQuery,
 )
+from schemas.engine_evals import EngineEvalReply, EngineEvalRequest
 from schemas.events import (
     CheckpointList,
     EventPage,
@@ -109,6 +110,8 @@ MESSAGES = {
     "References": References | Error,
     "PinningQuery": PinningQuery,
     "Pinning": Pinning | Error,
+    "EngineEvalRequest": EngineEvalRequest,
+    "EngineEvalReply": EngineEvalReply | Error,
 }
 
 # (address, kind, message, reply, who sends, what it is)
@@ -261,6 +264,14 @@ CHANNELS = [
         "ReclaimReply",
         "serving engines",
         "a device's serving engine wants memory back (or no longer does): the job there pauses if its priority allows",
+    ),
+    (
+        names.node("{node}").evaluate,
+        "request",
+        "EngineEvalRequest",
+        "EngineEvalReply",
+        "evals service",
+        "an eval run's items answered through the node's engine that serves the adapter, under its name, and graded",
     ),
     (
         names.job("{job}", "{node}").state,

@@ -2,8 +2,10 @@
 (OpenAI's testing_criteria) and sampling settings; runs of one against a base model or a registered adapter version.
 A run is placed as a job (train.method "eval", its `evaluate` part below): the trainer samples each item's
 completions, grades them with every grader and stores the results as the job's `eval` artifact, one JSON line an
-item then the summary (`ItemResult`..., `EvalSummary`). The evals service keeps evals and runs in names.EVALS_KV
-(the end of this module); a run's record holds its summary once it ended: results are kept per adapter version.
+item then the summary (`ItemResult`..., `EvalSummary`); or, where an engine serves the version under its name, it
+runs through that engine (schemas/engine_evals.py) and is stored in the same format. The evals service keeps evals
+and runs in names.EVALS_KV (the end of this module); a run's record holds its summary once it ended: results are
+kept per adapter version.
 
 This module imports no other schema module but graders, so that schemas/jobs.py may take `EvalJob`."""
 
@@ -134,6 +136,7 @@ def summarize(results: list[ItemResult], criteria: list[Criterion]) -> EvalSumma
 
 # --- the evals service's records and requests ----------------------------------------------------------------------
 RunState = Literal["queued", "in_progress", "completed", "failed", "canceled"]
+Via = Literal["auto", "engine", "trainer"]  # what samples a run: auto, an engine that serves the name where one does
 
 
 class EvalDef(Struct, kw_only=True):
@@ -174,6 +177,8 @@ class EvalRun(Struct, kw_only=True):
     metadata: dict[str, str] | None = None
     source: dict[str, Any] | None = None  # OpenAI's data_source, as sent (the gateway's runs)
     sampling: Sampling | None = None  # what it sampled with, where the run said (else the eval's)
+    via: str = "trainer"  # what sampled it: "trainer", or "engine <label> on <node>" (schemas/engine_evals.py)
+    via_note: str = ""  # why that path: what forced it, or why no engine did (a fallback's failure)
 
     @property
     def model(self) -> str:
@@ -223,6 +228,7 @@ class RunRequest(Struct, forbid_unknown_fields=True, kw_only=True):
     metadata: dict[str, str] | None = None
     source: dict[str, Any] | None = None
     sampling: Sampling | None = None  # instead of the eval's
+    via: Via = "auto"  # auto: through an engine that serves adapter@version now, else the trainer
 
 
 class RunQuery(Struct, forbid_unknown_fields=True, kw_only=True):
@@ -251,6 +257,7 @@ class ItemsQuery(Struct, forbid_unknown_fields=True, kw_only=True):
 class ItemsPage(Struct, tag="items", tag_field="type", kw_only=True):
     items: list[ItemResult]
     has_more: bool = False
+    via: str = ""  # the run's (EvalRun.via)
 
 
 # --- the bucket (names.EVALS_KV) as stored: `eval.<tenant>.<name>` (EvalDef), `run.<tenant>.<id>` (EvalRun), the

@@ -280,3 +280,30 @@ async def _ping(nc, inbox: str, heard: dict, wanted: set[str]) -> bool:
     await nc.publish("$SRV.PING", b"", reply=inbox)
     await nc.flush()
     return wanted <= set(heard)
+
+
+async def test_an_engine_eval_run_asks_its_node_and_stores_its_results_under_the_deploy_permissions(secured):
+    """The evals service (in the scheduler's process, as its user) asks a node's agent on that node's evaluate
+    subject, and stores and deletes the run's results in the artifacts bucket; an agent hears only its own node's."""
+    from schemas.evals import EvalRun, EvalSummary
+    from services.evals.engine_path import drop_results, store_results
+
+    sched, agent = await as_user(secured.url, "scheduler"), await as_user(secured.url, "agent-n1")
+    await bus.ensure_resources(sched.nc)
+
+    async def answer(msg):
+        await msg.respond(b'{"type": "engine_eval", "node": "n1", "engine": "e", "items": []}')
+
+    await agent.nc.subscribe(names.node("n1").evaluate, cb=answer)
+    await agent.nc.flush()
+    reply = await sched.nc.request(names.node("n1").evaluate, b"{}", timeout=5)
+    assert b"engine_eval" in reply.data
+    run = EvalRun(id="evalrun_p", eval="e", job="", base_model="tiny", dataset="d")
+    name, _ = await store_results(sched.nc.jetstream(), run, [], EvalSummary(items=0, samples=0, graders=[]))
+    await drop_results(sched.nc.jetstream(), msgspec.structs.replace(run, results=name))
+    await agent.nc.subscribe(names.node("n2").evaluate)  # another node's runs
+    await agent.nc.flush()
+    await wait_for(lambda: bool(agent.violations), what="the server to refuse the subscription")
+    assert not sched.violations, sched.violations
+    for c in (sched, agent):
+        await c.nc.close()

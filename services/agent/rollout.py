@@ -4,7 +4,8 @@ that went; unload what is retired. And keep checking: an engine that restarted, 
 
 A version registered for a name the node serves is fetched ahead of its promotion (staging.py); an engine with a
 cap on the names it keeps loaded unloads the least recently used past it (engine_cap.py); a gated canary's version,
-once loaded and verified, is evaluated through the engine (canary_evals.py).
+once loaded and verified, is evaluated through the engine (canary_evals.py), and so is an eval run of a name it
+serves that the evals service sends this node (eval_runs.py).
 What was loaded is remembered on disk (served_state.py), so an agent that restarts converges without loading
 anything twice (and the checks find what an engine lost meanwhile). Nothing here waits on an engine or the disk on
 the event loop (it also sends the node's heartbeats): engines are asked through aiohttp (engine_http.py), files are
@@ -30,6 +31,7 @@ from services.agent.canary_evals import CanaryEvals
 from services.agent.engine_cap import EngineCap
 from services.agent.engine_http import EngineHttp
 from services.agent.engines import Engine, answering, verify
+from services.agent.eval_runs import EvalRuns
 from services.agent.parity import ParityCheck
 from services.agent.registry_bucket import RegistryBucket
 from services.agent.served_eval import grader_context
@@ -77,6 +79,7 @@ class Rollout:
         self.parity = ParityCheck(self.http)  # the engines' log-probabilities against the trainers' (parity.py)
         self.graders = grader_context(grader_env or {}, work_dir)  # where gated canaries' evals are graded
         self.evals = CanaryEvals(self)  # gated canaries' evals through the engines (canary_evals.py)
+        self.runs = EvalRuns(self)  # eval runs through the engines, asked by the evals service (eval_runs.py)
 
     async def run(self, stop: asyncio.Event) -> None:
         """Follow the aliases until `stop`, and check what each engine really serves; a watch the server breaks (a
@@ -92,6 +95,7 @@ class Rollout:
 
     async def _run(self, stop: asyncio.Event) -> None:
         log.info("rollout: %s follow the adapter registry", ", ".join(e.label for e in self.engines))
+        answering = await self.runs.subscribe()
         checking = asyncio.create_task(self._check_engines(stop))
         staging = asyncio.create_task(_keep(stop, "staging new versions", self.stager.follow)) if self.stager else None
         try:
@@ -99,6 +103,7 @@ class Rollout:
         finally:
             await cancel_and_wait([checking, staging, *self.fetching.values()])
             await self.evals.close()
+            await self.runs.close(answering)
 
     async def _follow(self, stop: asyncio.Event) -> None:
         kv = await self.js.key_value(names.ADAPTERS_KV)

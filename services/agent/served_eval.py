@@ -22,7 +22,7 @@ import msgspec
 from nats.js.errors import NotFoundError
 
 from schemas import names
-from schemas.evals import RESULT_LINE, ItemResult, Sampling
+from schemas.evals import RESULT_LINE, Criterion, ItemResult, Sampling
 from schemas.gates import item_score
 from schemas.graders import Sample
 from schemas.served import CONCURRENCY, ServedEval, ServedScore
@@ -59,10 +59,10 @@ async def evaluate(js, engine: Engine, name: str, e: ServedEval, context: Grader
     started = time.monotonic()
     try:
         async with asyncio.timeout(e.deadline_s):
-            await _runnable(e, context)
+            await runnable(e.criteria, context)
             items = await read_items(js, e)
-            outputs = await _answers(engine, name, items, e, http)
-            served = await asyncio.to_thread(grade, e, items, outputs, context)
+            outputs = await answers(engine, name, items, e.sampling, e.request_timeout_s, http)
+            served = await asyncio.to_thread(grade, e.criteria, items, outputs, context)
     except TimeoutError:
         raise EvalFailed(
             f"it did not end within its {e.deadline_s:.0f}s ({len(e.criteria)} graders, {e.items} items): a slow "
@@ -71,27 +71,20 @@ async def evaluate(js, engine: Engine, name: str, e: ServedEval, context: Grader
     return score(e, items, served, time.monotonic() - started)
 
 
-async def _runnable(e: ServedEval, context: GraderContext) -> None:
+async def runnable(criteria: list[Criterion], context: GraderContext) -> None:
     """A grader this node cannot run (a model grader without --judge-url, python graders not allowed here) fails the
     eval naming the flag, rather than scoring every answer 0. The sandboxes' scratch directory is made here."""
     await asyncio.to_thread(Path(context.scratch()).mkdir, parents=True, exist_ok=True)
-    for n, c in enumerate(e.criteria):
+    for n, c in enumerate(criteria):
         errors = await asyncio.to_thread(graders.check, c.grader, f"criteria.{n}.grader", context)
         if errors:
             raise EvalFailed(f"this node cannot run the eval's graders: {errors[0].field}: {errors[0].reason}")
 
 
 async def read_items(js, e: ServedEval) -> list[ItemResult]:
-    """The trainer-side run's item results (its `eval` artifact), in memory where small, else through a file."""
+    """The trainer-side run's item results (its `eval` artifact)."""
     try:
-        data = await fetch_small(js, names.ARTIFACTS_BUCKET, e.results, e.sha256)
-        if data is None:
-            tmp = await asyncio.to_thread(tempfile.mkdtemp, prefix="jetlora-served-eval-")
-            try:
-                await fetch_object(js, names.ARTIFACTS_BUCKET, e.results, Path(tmp) / "results.jsonl", e.sha256)
-                data = await asyncio.to_thread((Path(tmp) / "results.jsonl").read_bytes)
-            finally:
-                await asyncio.to_thread(shutil.rmtree, tmp, True)
+        data = await fetched(js, names.ARTIFACTS_BUCKET, e.results, e.sha256)
     except (DownloadError, OSError, NotFoundError) as err:
         raise EvalFailed(f"the trainer-side run {e.run}'s results ({e.results}) could not be read: {err}") from None
     try:
@@ -101,6 +94,19 @@ async def read_items(js, e: ServedEval) -> list[ItemResult]:
     if len(items) != e.items:
         raise EvalFailed(f"the trainer-side run {e.run} holds {len(items)} items, the canary says {e.items}")
     return items
+
+
+async def fetched(js, bucket: str, name: str, sha256: str) -> bytes:
+    """An object's bytes, its sha256 checked: in memory where small, else through a file (removed after)."""
+    data = await fetch_small(js, bucket, name, sha256)
+    if data is not None:
+        return data
+    tmp = await asyncio.to_thread(tempfile.mkdtemp, prefix="jetlora-served-eval-")
+    try:
+        await fetch_object(js, bucket, name, Path(tmp) / "object", sha256)
+        return await asyncio.to_thread((Path(tmp) / "object").read_bytes)
+    finally:
+        await asyncio.to_thread(shutil.rmtree, tmp, True)
 
 
 def _decoded(data: bytes) -> list[ItemResult]:
@@ -125,15 +131,18 @@ def _body(engine: Engine, name: str, messages: list[dict[str, str]], s: Sampling
     return body | {"repetition_penalty": 1.0, "top_k": -1, "min_p": 0.0}
 
 
-async def _answers(engine: Engine, name: str, items: list[ItemResult], e: ServedEval, http: EngineHttp):
-    """Each item's `n` completions through the engine (one where greedy: the same n times), CONCURRENCY at once."""
-    s, gate = e.sampling, asyncio.Semaphore(CONCURRENCY)
+async def answers(
+    engine: Engine, name: str, items: list[ItemResult], s: Sampling, timeout_s: float, http: EngineHttp
+) -> list[list[str]]:
+    """Each item's `n` completions through the engine under `name` (one where greedy: the same n times),
+    CONCURRENCY at once, each within `timeout_s`."""
+    gate = asyncio.Semaphore(CONCURRENCY)
 
     async def one(r: ItemResult, k: int) -> str:
         async with gate:
             body = _body(engine, name, r.input, s, k)
             try:
-                code, text = await post_json(f"{engine.url}/v1/chat/completions", body, e.request_timeout_s, http=http)
+                code, text = await post_json(f"{engine.url}/v1/chat/completions", body, timeout_s, http=http)
             except OSError as err:
                 raise EvalFailed(f"item {r.index}: the engine did not answer: {err}") from None
             if code != 200:
@@ -157,11 +166,11 @@ async def _answers(engine: Engine, name: str, items: list[ItemResult], e: Served
         await cancel_and_wait(tasks)
 
 
-def grade(e: ServedEval, items: list[ItemResult], outputs: list[list[str]], context: GraderContext):
+def grade(criteria: list[Criterion], items: list[ItemResult], outputs: list[list[str]], context: GraderContext):
     """The served answers graded by every criterion, as the trainer's were (synchronous: run in a thread)."""
     rows = [{**r.item, "messages": r.input} for r, texts in zip(items, outputs) for _ in texts]
     samples = [Sample.from_model_sample(text) for texts in outputs for text in texts]
-    results = {c.grader.name: (c, graders.grade_many(c.grader, samples, rows, context)) for c in e.criteria}
+    results = {c.grader.name: (c, graders.grade_many(c.grader, samples, rows, context)) for c in criteria}
     served, at = [], 0
     for i, r in enumerate(items):
         span, at = slice(at, at + len(outputs[i])), at + len(outputs[i])

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import sys
 import time
 
 import msgspec
@@ -62,7 +63,9 @@ def run_line(r: EvalRun) -> str:
         scores = "  " + ", ".join(
             f"{g.name} {g.mean:.3f} [{g.low:.3f}, {g.high:.3f}] pass {g.pass_rate:.0%}" for g in r.summary.graders
         )
-    return f"{r.id}  eval {r.eval}  {r.model}  {r.state}  job {r.job}{scores}"
+    job = f"  job {r.job}" if r.job else ""
+    note = f" ({r.via_note})" if r.via_note else ""
+    return f"{r.id}  eval {r.eval}  {r.model}  {r.state}{job}  via {r.via}{note}{scores}"
 
 
 async def version_scores(nc, tenant: str | None, adapter: str) -> list[str]:
@@ -103,6 +106,7 @@ async def _run(nc, args):
         base_dir=args.base_dir,
         accelerator=args.accelerator,
         dataset=args.dataset,
+        via=args.via,
     )
     reply = await ask(nc, api.run, request, RunReply)
     deadline = time.monotonic() + args.wait
@@ -139,6 +143,8 @@ def cmd_evals(args) -> int:
             show(reply, args.json, lambda r: [print(run_line(x)) for x in r.runs])
         else:
             reply = await ask(nc, api.items, ItemsQuery(run=args.run, limit=args.limit), ItemsPage)
+            if not args.json and reply.via:
+                print(f"run {args.run}: sampled by {reply.via}", file=sys.stderr)
             show(reply, args.json, lambda r: [print(msgspec.json.encode(i).decode()) for i in r.items])
         return EXIT_OK
 
@@ -167,6 +173,13 @@ def register(sub: args_.SubCommands) -> None:
     r.add_argument("--base-dir", required=True, help="the base model's directory on the nodes")
     r.add_argument("--accelerator", choices=["gpu", "cpu", "any"], default="gpu")
     r.add_argument("--dataset", help="other items than the eval's dataset")
+    r.add_argument(
+        "--via",
+        choices=["auto", "engine", "trainer"],
+        default="auto",
+        help="what samples it: auto (default) an engine that serves NAME@V now where there is one (what users get), "
+        "else the trainer; or force either",
+    )
     r.add_argument("--wait", type=float, default=0.0, metavar="S", help="wait up to S seconds for it to end")
     args_.action(actions, "runs", "eval runs and their scores", tenant).add_argument("--eval")
     i = args_.action(actions, "results", "a run's per-item outputs and scores (JSON lines)", tenant)

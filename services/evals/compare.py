@@ -17,6 +17,12 @@ async def paired(store: EvalStore, candidate: EvalRun, incumbent: EvalRun) -> Co
             "of one eval",
             "incumbent",
         )
+    if _path(candidate) != _path(incumbent):  # like with like: an engine's sampling is not the trainer's
+        return Error(
+            f"run {candidate.id} was sampled by {candidate.via}, run {incumbent.id} by {incumbent.via}: compare runs "
+            "sampled the same way (`--via trainer` for both, as gates run them)",
+            "incumbent",
+        )
     for field, r in (("candidate", candidate), ("incumbent", incumbent)):
         if r.state != "completed":
             return Error(
@@ -37,3 +43,8 @@ async def paired(store: EvalStore, candidate: EvalRun, incumbent: EvalRun) -> Co
     except Unpaired as e:
         return Error(str(e), "incumbent")
     return CompareReply(comparison=found)
+
+
+def _path(run: EvalRun) -> str:
+    """What sampled the run: the trainer, or an engine (whichever engine on whichever node)."""
+    return run.via.partition(" ")[0]

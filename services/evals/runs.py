@@ -1,22 +1,27 @@
-"""An eval run placed as a job (train.method eval) on the tenant's own submit subject, and its record kept up with the
-job's: read through the jobs bucket's stored format (services/job_records.py), so a run's state answers while the
-scheduler is between leaders. A run that ended is finished once, by the follower (follow.py) as its job ends or on
-the first read after, whichever comes first (compare-and-set): its summary is read from its `eval` artifact and
-stored with the run, so results stay per adapter version."""
+"""An eval run placed as a job (train.method eval) on the tenant's own submit subject, or through the engine that
+serves its name (engine_path.py), and its record kept up with the job's: read through the jobs bucket's stored
+format (services/job_records.py), so a run's state answers while the scheduler is between leaders. A run that ended
+is finished once, by the follower (follow.py) as its job ends or on the first read after, whichever comes first
+(compare-and-set): its summary is read from its `eval` artifact and stored with the run, so results stay per adapter
+version."""
 
 from __future__ import annotations
 
 import secrets
 import time
+from dataclasses import dataclass
 
 import msgspec
 from nats.aio.client import Client
 
 from schemas import names
+from schemas.engine_evals import TRAINER, EngineEvalRequest, engine_via
 from schemas.evals import EvalDef, EvalJob, EvalRun, RunRequest, RunState
 from schemas.jobs import Accepted, Error, JobQuery, JobReply, Rejected
 from schemas.registry import AdapterQuery, AdapterReply
 from services import bus
+from services.evals import engine_path
+from services.evals.engine_path import ENDED, EngineRuns
 from services.evals.store import EvalStore
 from services.job_records import JobRecords
 
@@ -33,7 +38,6 @@ STATE_OF_JOB: dict[str, RunState] = {
     "stopped": "failed",
     "cancelled": "canceled",
 }
-ENDED = ("completed", "failed", "canceled")
 FIELDS = {"dataset.name": "dataset", "init_adapter.name": "adapter", "init_adapter.version": "version"}
 
 
@@ -43,13 +47,25 @@ class RunError(Exception):
         self.field = field
 
 
-async def target(nc: Client, q: RunRequest, tenant: str | None) -> tuple[str, str | None, int | None]:
-    """(base model, adapter, version) the run grades: a registered version of the tenant's, or a base model."""
+@dataclass
+class Target:
+    """What a run grades: a base model, or a registered version of the tenant's (with the registry's answer about its
+    name: its alias and where its engines loaded it)."""
+
+    base_model: str
+    adapter: str | None = None
+    version: int | None = None
+    found: AdapterReply | None = None
+
+
+async def target(nc: Client, q: RunRequest, tenant: str | None) -> Target:
+    """What the run grades: a registered version of the tenant's (none given: what its name serves now) or a base
+    model."""
     if (q.adapter is None) == (q.base_model is None):
         raise RunError("name what to grade: an adapter (NAME[@V]) or a base model, one of them", "adapter")
     if q.adapter is None:
         assert q.base_model is not None
-        return q.base_model, None, None
+        return Target(q.base_model)
     reply = await bus.request(
         nc, names.ADAPTERS.show, AdapterQuery(name=q.adapter), AdapterReply | Error, ASK_TIMEOUT_S
     )
@@ -61,53 +77,112 @@ async def target(nc: Client, q: RunRequest, tenant: str | None) -> tuple[str, st
         raise RunError(
             f"{q.adapter} has no version {version}; `jetlora adapters show {q.adapter}` lists its versions", "version"
         )
-    return found.base_model, q.adapter, found.version
+    return Target(found.base_model, q.adapter, found.version, reply)
 
 
-async def place(nc: Client, store: EvalStore, e: EvalDef, q: RunRequest, tenant: str | None) -> EvalRun:
-    """Submit the run's job on the tenant's subject (the scheduler checks it as any of the tenant's jobs) and store
-    the run; RunError names the field at fault."""
-    model, adapter, version = await target(nc, q, tenant)
+async def place(
+    nc: Client, store: EvalStore, engines: EngineRuns, e: EvalDef, q: RunRequest, tenant: str | None
+) -> EvalRun:
+    """Store the run and start it: through an engine that serves the name where engine_path.route() finds one, else
+    as a job on the tenant's submit subject (the scheduler checks it as any of the tenant's jobs). RunError names
+    the field at fault."""
+    t = await target(nc, q, tenant)
+    run = draft(e, q, tenant, t)
+    way = engine_path.route(q, t.adapter, t.version, t.found)
+    if not way.nodes:
+        if q.via == "engine":
+            raise RunError(f"--via engine: {way.note}", "via")
+        run = msgspec.structs.replace(run, job=await submit_job(nc, run, e, q), via_note=way.note)
+        await store.put_run(run)
+        return run
+    ref = await engine_path.pinned(nc.jetstream(), run.dataset, tenant)
+    if isinstance(ref, str):
+        raise RunError(ref, "dataset")
+    assert run.adapter is not None and run.version is not None
+    ask = EngineEvalRequest(
+        run=run.id, eval=e.name, adapter=run.adapter, version=run.version, dataset=ref, criteria=e.criteria,
+        sampling=run.sampling or e.sampling,
+    )  # fmt: skip
+    first = way.nodes[0]
+    run = msgspec.structs.replace(run, state="in_progress", via=engine_via(first.engine, first.node), via_note=way.note)
+    await store.put_run(run)
+
+    async def fallback(r: EvalRun, why: str) -> None:
+        await to_trainer(nc, store, r, e, q, why)
+
+    engines.start(run, ask, way.nodes, None if q.via == "engine" else fallback)
+    return run
+
+
+def draft(e: EvalDef, q: RunRequest, tenant: str | None, t: Target) -> EvalRun:
+    """The run's record before it is placed (no job, no path yet)."""
     dataset = q.dataset or e.dataset
     if dataset is None:
         raise RunError(f"eval {e.name} names no dataset: give the run one (its items, an rft dataset)", "dataset")
-    run_id = f"evalrun_{secrets.token_hex(8)}"
+    now = time.time()
+    return EvalRun(
+        id=f"evalrun_{secrets.token_hex(8)}",
+        eval=e.name,
+        tenant=tenant,
+        job="",
+        base_model=t.base_model,
+        adapter=t.adapter,
+        version=t.version,
+        dataset=dataset,
+        created=now,
+        updated=now,
+        name=q.name or f"{e.name} on {f'{t.adapter}@{t.version}' if t.adapter else t.base_model}",
+        metadata=q.metadata,
+        source=q.source,
+        sampling=q.sampling or e.sampling,
+    )
+
+
+async def submit_job(nc: Client, run: EvalRun, e: EvalDef, q: RunRequest) -> str:
+    """The run's job (train.method eval) submitted on the tenant's subject: its id; RunError where refused."""
     request = {
-        "model": model,
+        "model": run.base_model,
         "base_dir": q.base_dir,
         "accelerator": q.accelerator,
-        "dataset": {"name": dataset},
+        "dataset": {"name": run.dataset},
         "train": {"method": "eval"},
-        "evaluate": EvalJob(eval=e.name, run=run_id, criteria=e.criteria, sampling=q.sampling or e.sampling),
-        "label": f"eval {e.name} run {run_id}",
+        "evaluate": EvalJob(eval=e.name, run=run.id, criteria=e.criteria, sampling=run.sampling or e.sampling),
+        "label": f"eval {e.name} run {run.id}",
     }
-    if adapter is not None:
-        request["init_adapter"] = {"name": adapter, "version": version}
-    reply = await bus.request(nc, names.jobs_api(tenant).submit, request, Accepted | Rejected, ASK_TIMEOUT_S)
+    if run.adapter is not None:
+        request["init_adapter"] = {"name": run.adapter, "version": run.version}
+    reply = await bus.request(nc, names.jobs_api(run.tenant).submit, request, Accepted | Rejected, ASK_TIMEOUT_S)
     if isinstance(reply, Rejected):
         first = reply.errors[0]
         raise RunError(
             f"the run's job was refused: {first.field}: {first.reason}", FIELDS.get(first.field, first.field)
         )
-    now = time.time()
-    run = EvalRun(
-        id=run_id,
-        eval=e.name,
-        tenant=tenant,
-        job=reply.job,
-        base_model=model,
-        adapter=adapter,
-        version=version,
-        dataset=dataset,
-        created=now,
-        updated=now,
-        name=q.name or f"{e.name} on {adapter + '@' + str(version) if adapter else model}",
-        metadata=q.metadata,
-        source=q.source,
-        sampling=q.sampling or e.sampling,
-    )
-    await store.put_run(run)
-    return run
+    return reply.job
+
+
+async def to_trainer(nc: Client, store: EvalStore, run: EvalRun, e: EvalDef, q: RunRequest, why: str) -> None:
+    """An engine run that no engine sampled, placed as a job after all (auto), saying why; one that ended meanwhile
+    (cancelled) stays as it is."""
+    current = await store.run(run.tenant, run.id)
+    if current is None or current.state in ENDED:
+        return
+    note = f"{why}; sampled by the trainer instead"
+    try:
+        job = await submit_job(nc, current, e, q)
+    except (RunError, bus.RequestError) as err:
+        changes = {"state": "failed", "message": f"{why}; and through the trainer: {err}", "via": TRAINER}
+    else:
+        changes = {"state": "queued", "message": "", "job": job, "via": TRAINER}
+
+    def change(now: EvalRun) -> EvalRun | None:
+        if now.state in ENDED:
+            return None
+        return msgspec.structs.replace(now, **changes, via_note=note, updated=time.time())
+
+    stored = await store.update_run(run.tenant, run.id, change)
+    if "job" in changes and (stored is None or stored.job != changes["job"]):  # cancelled or deleted meanwhile
+        cancel = names.jobs_api(run.tenant).cancel
+        await bus.request(nc, cancel, JobQuery(changes["job"]), JobReply | Error, ASK_TIMEOUT_S)
 
 
 async def refresh(store: EvalStore, jobs: JobRecords, run: EvalRun) -> EvalRun:
@@ -115,6 +190,8 @@ async def refresh(store: EvalStore, jobs: JobRecords, run: EvalRun) -> EvalRun:
     compare-and-set: a run another writer ended (the follower, a cancel) stays as that writer left it."""
     if run.state in ENDED:
         return run
+    if not run.job:  # sampled through an engine: its asker finishes it (engine_path.py)
+        return await engine_path.expire(store, run)
     found = await jobs.find(run.job)
     if found is None or found.status is None:
         return run
@@ -143,7 +220,8 @@ async def refresh(store: EvalStore, jobs: JobRecords, run: EvalRun) -> EvalRun:
 async def cancel(nc: Client, store: EvalStore, run: EvalRun) -> EvalRun:
     if run.state not in ("queued", "in_progress"):
         return run
-    await bus.request(nc, names.jobs_api(run.tenant).cancel, JobQuery(run.job), JobReply | Error, ASK_TIMEOUT_S)
+    if run.job:  # (an engine run's asker is cancelled by the service: EngineRuns.cancel)
+        await bus.request(nc, names.jobs_api(run.tenant).cancel, JobQuery(run.job), JobReply | Error, ASK_TIMEOUT_S)
 
     def change(current: EvalRun) -> EvalRun | None:
         if current.state in ENDED:

@@ -1,5 +1,6 @@
 """The evals service (jetlora.evals[.<tenant>].<verb>), run beside the scheduler and the registry: evals (items,
-graders, sampling), their runs (placed as jobs: runs.py) and the runs' results, each tenant seeing its own only."""
+graders, sampling), their runs (placed as jobs: runs.py; or through the engine that serves the name: engine_path.py)
+and the runs' results, each tenant seeing its own only."""
 
 from __future__ import annotations
 
@@ -30,7 +31,7 @@ from schemas.gates import CompareReply, CompareRequest
 from schemas.jobs import Error
 from services import __version__, bus, graders
 from services.aio import cancel_and_wait
-from services.evals import compare, follow, runs
+from services.evals import compare, engine_path, follow, runs
 from services.evals.store import EvalStore
 from services.job_records import JobRecords
 
@@ -59,6 +60,7 @@ class EvalsService:
     async def run(self, stop: asyncio.Event) -> None:
         self.store = EvalStore(self.js, await self.js.key_value(names.EVALS_KV))
         self.jobs = await JobRecords.open(self.js)
+        self.engines = engine_path.EngineRuns(self.nc, self.store)  # runs sampled through engines, under way here
         service = await nats.micro.add_service(
             self.nc, name=names.EVALS_SERVICE, version=__version__, description="jetlora evals"
         )
@@ -87,6 +89,7 @@ class EvalsService:
             await stop.wait()
         finally:
             await cancel_and_wait([following])
+            await self.engines.close()
             await service.stop()
 
     async def _create(self, q: EvalCreate, tenant: str | None) -> EvalReply | Error:
@@ -143,8 +146,10 @@ class EvalsService:
             return found
         for r in await self.store.runs(tenant):
             if r.eval == q.name and r.tenant == tenant:
+                self.engines.cancel(r.id)
                 await runs.cancel(self.nc, self.store, r)
                 await self.store.delete_run(r)
+                await engine_path.drop_results(self.js, r)
         await self.store.delete_eval(tenant, q.name)
         return EvalReply(eval=found)
 
@@ -153,7 +158,7 @@ class EvalsService:
         if isinstance(found, Error):
             return Error(found.error, "eval")
         try:
-            return RunReply(run=await runs.place(self.nc, self.store, found, q, tenant))
+            return RunReply(run=await runs.place(self.nc, self.store, self.engines, found, q, tenant))
         except runs.RunError as e:
             return Error(str(e), e.field)
 
@@ -177,14 +182,19 @@ class EvalsService:
 
     async def _run_cancel(self, q: RunQuery, tenant: str | None) -> RunReply | Error:
         found = await self._find_run(q.run, tenant)
-        return found if isinstance(found, Error) else RunReply(run=await runs.cancel(self.nc, self.store, found))
+        if isinstance(found, Error):
+            return found
+        self.engines.cancel(found.id)
+        return RunReply(run=await runs.cancel(self.nc, self.store, found))
 
     async def _run_delete(self, q: RunQuery, tenant: str | None) -> RunReply | Error:
         found = await self._find_run(q.run, tenant)
         if isinstance(found, Error):
             return found
+        self.engines.cancel(found.id)
         await runs.cancel(self.nc, self.store, found)
         await self.store.delete_run(found)
+        await engine_path.drop_results(self.js, found)
         return RunReply(run=found)
 
     async def _items(self, q: ItemsQuery, tenant: str | None) -> ItemsPage | Error:
@@ -193,7 +203,7 @@ class EvalsService:
             return found
         items, _ = await self.store.results(found)
         page = [i for i in items if i.index > q.after]
-        return ItemsPage(items=page[: q.limit], has_more=len(page) > q.limit)
+        return ItemsPage(items=page[: q.limit], has_more=len(page) > q.limit, via=found.via)
 
     async def _compare(self, q: CompareRequest, tenant: str | None) -> CompareReply | Error:
         candidate = await self._find_run(q.candidate, tenant)

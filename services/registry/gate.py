@@ -19,6 +19,7 @@ import msgspec
 from nats.aio.client import Client
 
 from schemas import names
+from schemas.engine_evals import TRAINER
 from schemas.evals import EvalReply, EvalRun, RunList, RunListQuery, RunQuery, RunReply, RunRequest
 from schemas.gates import CompareReply, CompareRequest, Comparison, Gate, GateSpec, unevaluated, verdict
 from schemas.jobs import Error
@@ -103,7 +104,9 @@ def _model(name: str, gate: Gate, version: int | None) -> str:
 
 
 async def _run_for(nc: Client, alias: Alias, gate: Gate, version: int | None) -> EvalRun | str:
-    """A completed run of the gate's eval on this side (reused), else one started now; a string says why not."""
+    """A completed run of the gate's eval on this side (reused), else one started now; a string says why not. Both
+    sides are sampled by the trainer, like with like: the candidate is not served yet, so no engine could sample it,
+    and an engine-sampled incumbent (another precision, another sampler) would not compare with it."""
     api = names.evals_api(alias.tenant)
     query = RunListQuery(eval=gate.eval, adapter=alias.name if version is not None else None)
     found = await bus.request(nc, api.runs, query, RunList | Error, ASK_TIMEOUT_S)
@@ -113,6 +116,7 @@ async def _run_for(nc: Client, alias: Alias, gate: Gate, version: int | None) ->
             for r in found.runs
             if r.state == "completed"
             and r.source is None
+            and r.via == TRAINER
             and (r.adapter, r.version) == ((alias.name, version) if version is not None else (None, None))
             and r.base_model == gate.base_model
         ]
@@ -126,6 +130,7 @@ async def _run_for(nc: Client, alias: Alias, gate: Gate, version: int | None) ->
         base_dir=gate.base_dir,
         accelerator=gate.accelerator,  # type: ignore[arg-type]
         name=f"gate of {alias.name}@{gate.version}",
+        via="trainer",  # never auto: the incumbent is served, and auto would sample it through its engine
     )
     placed = await bus.request(nc, api.run, request, RunReply | Error, ASK_TIMEOUT_S)
     return placed.run if isinstance(placed, RunReply) else f"{placed.field}: {placed.error}"
