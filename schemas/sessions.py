@@ -18,7 +18,8 @@ ATTENTION = ["q_proj", "k_proj", "v_proj", "o_proj"]
 MLP = ["gate_proj", "up_proj", "down_proj"]
 UNEMBED = ["lm_head"]
 LOSSES = ("cross_entropy", "importance_sampling", "ppo")
-SAVED_NAME = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"  # a name the client gives a save (one segment of a tinker:// path)
+SAVED_NAME = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"
+BASE_WEIGHTS = "__base__"  # Sample.weights: the base model alone (the adapter off); no saved name looks like it  # a name the client gives a save (one segment of a tinker:// path)
 
 
 class SessionStart(Struct, forbid_unknown_fields=True, kw_only=True):
@@ -102,6 +103,7 @@ class Sample(Struct, tag="sample", tag_field="type", kw_only=True):
     stop_tokens: list[int] = field(default_factory=list)  # besides the end of sequence
     stop_strings: list[str] = field(default_factory=list)
     weights: str | None = None  # a sampler save of this session to sample with; None: the adapter as it is now
+    prompt_logprobs: bool = False  # also the log-probabilities of the prompt's tokens (Tinker's compute_logprobs)
 
 
 class Ping(Struct, tag="ping", tag_field="type", kw_only=True):
@@ -150,6 +152,7 @@ class SampledSequence(Struct, kw_only=True):
 
 class SampleResult(Struct, tag="sample", tag_field="type", kw_only=True):
     sequences: list[SampledSequence]
+    prompt_logprobs: list[float] | None = None  # of the prompt's tokens after the first, when asked
 
 
 class PingResult(Struct, tag="ping", tag_field="type", kw_only=True):

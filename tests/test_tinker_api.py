@@ -254,3 +254,24 @@ async def test_one_tenants_key_never_sees_or_drives_anothers_session(nc, gateway
     async with aiohttp.ClientSession(headers={"X-API-Key": "tml-jl-nope"}) as http:
         async with http.post(f"{url}/client/config", json={}) as r:
             assert r.status == 401 and "tml-<a jetlora key>" in (await r.json())["detail"]
+
+
+def base_logprobs(gw: Gateway, key: str, prompt: list[int]) -> list:
+    from tinker import types
+
+    with client(gw, key) as sc:
+        sampler = sc.create_sampling_client(base_model="tiny").result()
+        return sampler.compute_logprobs(types.ModelInput.from_ints(prompt)).result()
+
+
+async def test_a_base_models_sampler_gives_the_base_models_own_logprobs(nc, gateway, tiny_model):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    prompt = AutoTokenizer.from_pretrained(tiny_model).encode(QA_PAIRS[2][0] + " " + QA_PAIRS[2][1])
+    served = await asyncio.to_thread(base_logprobs, gateway, await key_for(nc, "acme"), prompt)
+    assert served[0] is None and len(served) == len(prompt)  # the first token has none
+    base = AutoModelForCausalLM.from_pretrained(tiny_model, torch_dtype=torch.float32).eval()
+    with torch.no_grad():
+        lp = torch.log_softmax(base(input_ids=torch.tensor([prompt])).logits.float(), -1)[0, :-1]
+    expected = lp.gather(-1, torch.tensor(prompt[1:]).unsqueeze(-1)).squeeze(-1)
+    assert float((torch.tensor(served[1:]) - expected).abs().max()) < 1e-5

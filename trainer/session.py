@@ -7,6 +7,7 @@ the last one elsewhere."""
 
 from __future__ import annotations
 
+import contextlib
 import queue
 import sys
 import threading
@@ -18,6 +19,7 @@ import torch
 
 from schemas.events import Checkpoint, Finished, Progress, Started, TrainerSpec
 from schemas.sessions import (
+    BASE_WEIGHTS,
     CallError,
     ForwardBackward,
     ForwardResult,
@@ -95,7 +97,11 @@ class Session:
             self.step = ops.load_state(self.model, self.optimizer, path, call.optimizer)
             return LoadedResult(name=call.name, step=self.step)
         if isinstance(call, Sample):
-            return SampleResult(sequences=self.sample(call))
+            with self.weights(call.weights):
+                sequences = ops.sample(self.model, self.tokenizer, call, self.device)
+                first, rest = call.prompt[:1], call.prompt[1:]
+                prompt = ops.scored(self.model, first, rest, self.device) if call.prompt_logprobs else None
+            return SampleResult(sequences=sequences, prompt_logprobs=prompt)
         assert isinstance(call, Ping)
         req = self.spec.request
         arch = str(getattr(self.model.config, "model_type", ""))
@@ -114,20 +120,26 @@ class Session:
             self.model.save_pretrained(self.out / "sampler" / call.name, safe_serialization=True)
         return SavedResult(name=call.name, kind=call.kind, step=self.step)
 
-    def sample(self, call: Sample):
+    @contextlib.contextmanager
+    def weights(self, name: str | None):
+        """The model as a sampler save left it (name), the base alone (BASE_WEIGHTS) or as it is now (None)."""
         from peft import get_peft_model_state_dict, set_peft_model_state_dict
 
         self.model.eval()
-        if call.weights is None:
-            return ops.sample(self.model, self.tokenizer, call, self.device)
-        if call.weights not in self.snapshots:
-            raise ops.CallRefused(f"this session saved no sampler weights named {call.weights!r}", "model_path")
-        now = {k: v.detach().clone() for k, v in get_peft_model_state_dict(self.model).items()}
-        set_peft_model_state_dict(self.model, self.snapshots[call.weights])
-        try:
-            return ops.sample(self.model, self.tokenizer, call, self.device)
-        finally:
-            set_peft_model_state_dict(self.model, now)
+        if name is None:
+            yield
+        elif name == BASE_WEIGHTS:
+            with self.model.disable_adapter():
+                yield
+        elif name not in self.snapshots:
+            raise ops.CallRefused(f"this session saved no sampler weights named {name!r}", "model_path")
+        else:
+            now = {k: v.detach().clone() for k, v in get_peft_model_state_dict(self.model).items()}
+            set_peft_model_state_dict(self.model, self.snapshots[name])
+            try:
+                yield
+            finally:
+                set_peft_model_state_dict(self.model, now)
 
     def end(self, pause: bool, why: str = "") -> Finished:
         """Stopped: the adapter as it is now; paused (asked, or idle): a checkpoint to go on from."""

@@ -112,6 +112,8 @@ def forward_output(result: ForwardResult) -> bytes:
 
 def sample_output(result: SampleResult) -> bytes:
     out = SampleResponse()
+    if result.prompt_logprobs is not None:  # the first token has none: NaN, as Tinker sends it
+        out.prompt_logprobs = _bytes(array("f", [float("nan"), *result.prompt_logprobs]))
     for s in result.sequences:
         seq = out.sequences.add()
         seq.stop_reason = STOP if s.stop == "stop" else LENGTH

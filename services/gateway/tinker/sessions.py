@@ -93,16 +93,23 @@ class Sessions:
 
     async def create(self, session: Session, seq: int, request: JobRequest, base_model: str, rank: int) -> Model:
         """Submit the model's session job as the tenant's, and wait until its trainer answers."""
-        reply = await bus.request(self.nc, names.jobs_api(session.tenant).submit, request, SubmitReply)
-        if isinstance(reply, Rejected):
-            raise CallFailed("; ".join(f"{e.field}: {e.reason}" if e.field else e.reason for e in reply.errors))
-        assert isinstance(reply, Accepted)
-        model = Model(f"{session.id}:train:{seq}", session.tenant, reply.job, base_model, rank, spec=request.session)
-        self.models[model.id] = model
+        model = await self.submit_job(session, f"{session.id}:train:{seq}", request, base_model, rank)
         info = await self.send(model, Ping())
         if not isinstance(info, PingResult):
             raise CallFailed(f"model {model.id}'s session did not start: {getattr(info, 'message', info)}")
         model.info = info
+        return model
+
+    async def submit_job(
+        self, session: Session, model_id: str, request: JobRequest, base_model: str, rank: int
+    ) -> Model:
+        """The model's session job, submitted as the tenant's (it runs once placed); CallFailed says why not."""
+        reply = await bus.request(self.nc, names.jobs_api(session.tenant).submit, request, SubmitReply)
+        if isinstance(reply, Rejected):
+            raise CallFailed("; ".join(f"{e.field}: {e.reason}" if e.field else e.reason for e in reply.errors))
+        assert isinstance(reply, Accepted)
+        model = Model(model_id, session.tenant, reply.job, base_model, rank, spec=request.session)
+        self.models[model.id] = model
         return model
 
     def submit(self, model: Model, seq: int, call: SessionCall | None) -> asyncio.Future:

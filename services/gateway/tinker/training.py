@@ -23,6 +23,7 @@ from schemas.sessions import (
     SavedResult,
     SaveWeights,
     SessionCall,
+    BASE_WEIGHTS,
     SAVED_NAME,
     SessionSpec,
     SessionStart,
@@ -239,13 +240,35 @@ class Training:
         tenant, data = await self.tenant_of(request), await body(request)
         path = data.get("model_path")
         if path is None:
-            raise TinkerRefusal(400, "base_model: sampling a base model alone is not served yet; give model_path")
+            return await self._base_sampler(tenant, data)
         owner, kind, name = parse_path(path, "model_path")
         model = self.sessions.model(tenant, owner)
         if model is None or kind != "sampler_weights" or name not in model.samplers:
             raise TinkerRefusal(404, f"model_path {path!r}: no sampler weights of yours by that name")
         sampler_id = f"{owner}:sample:{name}"
         self.sessions.samplers[sampler_id] = Sampler(sampler_id, tenant, owner, name, model.base_model, path)
+        return reply({"sampling_session_id": sampler_id})
+
+    async def _base_sampler(self, tenant: str, data: dict) -> web.Response:
+        """A sampling client of a base model alone: a session of its own, sampling with its adapter off (placed
+        like any session; its first sample waits until it runs)."""
+        session = self.sessions.session(tenant, field(data, "session_id"))
+        if session is None:
+            raise TinkerRefusal(404, f"no session {data['session_id']!r} of yours: create_session first")
+        name = field(data, "base_model")
+        base = self.models.get(name)
+        if base is None:
+            raise TinkerRefusal(
+                400, f"base_model {name!r} is not served here; get_server_capabilities lists {sorted(self.models)}"
+            )
+        seq = field(data, "sampling_session_seq_id", int, session.samplers)
+        session.samplers = max(session.samplers, seq + 1)
+        spec = SessionSpec(rank=1, train_mlp=False, idle_s=self.idle_s)  # an adapter it never uses
+        model = await self.sessions.submit_job(
+            session, f"{session.id}:base:{seq}", session_job(base, spec, f"{session.id}:base:{seq}"), name, 1
+        )
+        sampler_id = f"{model.id}:sample"
+        self.sessions.samplers[sampler_id] = Sampler(sampler_id, tenant, model.id, BASE_WEIGHTS, name, None)
         return reply({"sampling_session_id": sampler_id})
 
     async def get_sampler(self, request: web.Request) -> web.Response:
@@ -290,7 +313,7 @@ def session_job(base: BaseModel, spec: SessionSpec, model_id: str) -> JobRequest
 
 def sample_call(data: dict, weights: str | None) -> Sample:
     """A Sample call of an asample body, refusing what is not served, naming it."""
-    for name in ("prompt_logprobs", "topk_prompt_logprobs", "topk_sample_logprobs", "prompt_alt_tokens_k"):
+    for name in ("topk_prompt_logprobs", "topk_sample_logprobs", "prompt_alt_tokens_k", "target_prompt_logprobs"):
         if data.get(name):
             raise TinkerRefusal(400, f"{name} is not served yet; leave it out")
     chunks = field(field(data, "prompt", dict), "chunks", list)
@@ -308,7 +331,7 @@ def sample_call(data: dict, weights: str | None) -> Sample:
     }
     return checked(
         {**settings, "prompt": tokens, "num_samples": data.get("num_samples", 1), "stop_tokens": stop_tokens,
-         "stop_strings": stop_strings, "weights": weights},
+         "stop_strings": stop_strings, "weights": weights, "prompt_logprobs": bool(data.get("prompt_logprobs"))},
         Sample,
         "sampling_params",
     )  # fmt: skip
