@@ -17,6 +17,7 @@ from schemas.datasets import (
     PinningQuery,
 )
 from schemas.engine_evals import EngineEvalReply, EngineEvalRequest
+from schemas.sessions import SessionReply, SessionRequest
 from schemas.events import (
     CheckpointList,
     EventPage,
@@ -112,6 +113,8 @@ MESSAGES = {
     "Pinning": Pinning | Error,
     "EngineEvalRequest": EngineEvalRequest,
     "EngineEvalReply": EngineEvalReply | Error,
+    "SessionRequest": SessionRequest,
+    "SessionReply": SessionReply,
 }
 
 # (address, kind, message, reply, who sends, what it is)
@@ -272,6 +275,14 @@ CHANNELS = [
         "EngineEvalReply",
         "evals service",
         "an eval run's items answered through the node's engine that serves the adapter, under its name, and graded",
+    ),
+    (
+        names.node("{node}").session,
+        "request",
+        "SessionRequest",
+        "SessionReply",
+        "gateway",
+        "a call for a training session the node runs (the Tinker API): its trainer answers, one call at a time",
     ),
     (
         names.job("{job}", "{node}").state,
