@@ -119,6 +119,7 @@ async def test_a_supervised_loop_trains_saves_loads_and_its_adapter_loads_in_pef
     key = await key_for(nc, "acme")
     out = await asyncio.to_thread(supervised, gateway, key)
     losses = out["losses"]
+    print(f"loss per weighed token: step 1 {losses[0]:.3f}, step {len(losses)} {losses[-1]:.3f}")
     assert losses[-1] < 0.6 * losses[0], losses  # it learns the answers
     assert out["state"] == f"tinker://{out['model_id']}/weights/after-25"
     assert out["after"] == out["before"]  # load_state restored step 25's adapter exactly
