@@ -33,7 +33,7 @@ from services.gateway.openai_map import BaseModel
 from services.gateway.tinker import proto
 from services.gateway.tinker.futures import CallFailed, Futures, Outcome
 from services.gateway.tinker.http import TinkerRefusal, body, field, reply
-from services.gateway.tinker.sessions import Model, Sampler, Sessions
+from services.gateway.tinker.sessions import Model, Sampler, Session, Sessions
 
 T = TypeVar("T")
 PREFIX = "/api/v1"
@@ -99,17 +99,25 @@ class Training:
         model.requests[seq] = self.futures.start(tenant, result())
         return reply({"request_id": model.requests[seq], "model_id": model.id})
 
-    async def create_model(self, request: web.Request) -> web.Response:
-        tenant, data = await self.tenant_of(request), await body(request)
-        session = self.sessions.session(tenant, field(data, "session_id"))
-        if session is None:
-            raise TinkerRefusal(404, f"no session {data['session_id']!r} of yours: create_session first")
+    def _session_and_base(self, tenant: str, data: dict) -> tuple[Session, BaseModel]:
+        session = self._session(tenant, data)
         name = field(data, "base_model")
         base = self.models.get(name)
         if base is None:
             raise TinkerRefusal(
                 400, f"base_model {name!r} is not served here; get_server_capabilities lists {sorted(self.models)}"
             )
+        return session, base
+
+    def _session(self, tenant: str, data: dict) -> Session:
+        session = self.sessions.session(tenant, field(data, "session_id"))
+        if session is None:
+            raise TinkerRefusal(404, f"no session {data['session_id']!r} of yours: create_session first")
+        return session
+
+    async def create_model(self, request: web.Request) -> web.Response:
+        tenant, data = await self.tenant_of(request), await body(request)
+        session, base = self._session_and_base(tenant, data)
         lora, optimizer = field(data, "lora_config", dict, {}), field(data, "optimizer_config", dict, {})
         if optimizer.get("type", "adamw") != "adamw":
             raise TinkerRefusal(400, f"optimizer_config.type {optimizer.get('type')!r}: only adamw is served")
@@ -213,9 +221,7 @@ class Training:
         return self._ordered(tenant, model, field(data, "seq_id", int), call, done)
 
     async def _create_from_state(self, tenant: str, data: dict) -> web.Response:
-        session = self.sessions.session(tenant, field(data, "session_id"))
-        if session is None:
-            raise TinkerRefusal(404, f"no session {data['session_id']!r} of yours: create_session first")
+        session = self._session(tenant, data)
         path = field(data, "path")
         owner, kind, name = parse_path(path)
         source = self.sessions.model(tenant, owner)
@@ -252,23 +258,17 @@ class Training:
     async def _base_sampler(self, tenant: str, data: dict) -> web.Response:
         """A sampling client of a base model alone: a session of its own, sampling with its adapter off (placed
         like any session; its first sample waits until it runs)."""
-        session = self.sessions.session(tenant, field(data, "session_id"))
-        if session is None:
-            raise TinkerRefusal(404, f"no session {data['session_id']!r} of yours: create_session first")
-        name = field(data, "base_model")
-        base = self.models.get(name)
-        if base is None:
-            raise TinkerRefusal(
-                400, f"base_model {name!r} is not served here; get_server_capabilities lists {sorted(self.models)}"
-            )
+        session, base = self._session_and_base(tenant, data)
         seq = field(data, "sampling_session_seq_id", int, session.samplers)
         session.samplers = max(session.samplers, seq + 1)
         spec = SessionSpec(rank=1, train_mlp=False, idle_s=self.idle_s)  # an adapter it never uses
-        model = await self.sessions.submit_job(
-            session, f"{session.id}:base:{seq}", session_job(base, spec, f"{session.id}:base:{seq}"), name, 1
-        )
+        model_id = f"{session.id}:base:{seq}"
+        try:
+            model = await self.sessions.submit_job(session, model_id, session_job(base, spec, model_id), base.name, 1)
+        except CallFailed as e:
+            raise TinkerRefusal(400, f"base_model {base.name!r}: {e}") from None
         sampler_id = f"{model.id}:sample"
-        self.sessions.samplers[sampler_id] = Sampler(sampler_id, tenant, model.id, BASE_WEIGHTS, name, None)
+        self.sessions.samplers[sampler_id] = Sampler(sampler_id, tenant, model.id, BASE_WEIGHTS, base.name, None)
         return reply({"sampling_session_id": sampler_id})
 
     async def get_sampler(self, request: web.Request) -> web.Response:
