@@ -3,9 +3,10 @@
 A run is placed as a job (train.method "eval", its `evaluate` part below): the trainer samples each item's
 completions, grades them with every grader and stores the results as the job's `eval` artifact, one JSON line an
 item then the summary (`ItemResult`..., `EvalSummary`); or, where an engine serves the version under its name, it
-runs through that engine (schemas/engine_evals.py) and is stored in the same format. The evals service keeps evals
-and runs in names.EVALS_KV (the end of this module); a run's record holds its summary once it ended: results are
-kept per adapter version.
+runs through that engine (schemas/engine_evals.py) and is stored in the same format; a run of samples made
+elsewhere (`samples`: OpenAI's `jsonl` data source) is graded by the evals service as sent, stored the same way. The
+evals service keeps evals and runs in names.EVALS_KV (the end of this module); a run's record holds its summary once
+it ended: results are kept per adapter version.
 
 This module imports no other schema module but graders, so that schemas/jobs.py may take `EvalJob`."""
 
@@ -18,12 +19,14 @@ from typing import Annotated, Any, Literal
 import msgspec
 from msgspec import Meta, Struct, field
 
-from schemas.graders import Grader
+from schemas.graders import Grader, Sample
 
 Token = Annotated[
     str, Meta(pattern=r"^[A-Za-z0-9_-]{1,128}$", description="1-128 letters, digits, '_' or '-' (a subject token)")
 ]
 RESAMPLES, SEED = 1000, 0  # the bootstrap's: fixed, so a run's interval is reproducible
+SAMPLES = "samples"  # EvalRun.via of a run of samples made elsewhere (OpenAI's `jsonl` source): nothing sampled
+SAMPLES_MAX = 10_000  # the rows of such a run
 DEFAULT_PASS = 0.5  # a criterion with no pass_threshold passes a sample scoring at least this (string_check: a match)
 
 
@@ -177,7 +180,7 @@ class EvalRun(Struct, kw_only=True):
     metadata: dict[str, str] | None = None
     source: dict[str, Any] | None = None  # OpenAI's data_source, as sent (the gateway's runs)
     sampling: Sampling | None = None  # what it sampled with, where the run said (else the eval's)
-    via: str = "trainer"  # what sampled it: "trainer", or "engine <label> on <node>" (schemas/engine_evals.py)
+    via: str = "trainer"  # what sampled it: "trainer", "engine <label> on <node>" (schemas/engine_evals.py), SAMPLES
     via_note: str = ""  # why that path: what forced it, or why no engine did (a fallback's failure)
 
     @property
@@ -213,9 +216,17 @@ class EvalList(Struct, tag="evals", tag_field="type", kw_only=True):
     evals: list[EvalDef]
 
 
+class SampledItem(Struct, forbid_unknown_fields=True, kw_only=True):
+    """A row of samples made elsewhere (OpenAI's `jsonl` data source): the item, and the sample its graders grade."""
+
+    item: dict[str, Any]
+    sample: Sample
+
+
 class RunRequest(Struct, forbid_unknown_fields=True, kw_only=True):
     """Run an eval against a registered adapter version (adapter, version: none = what it serves now) or a base
-    model (base_model), on a node that has base_dir."""
+    model (base_model), on a node that has base_dir; or grade `samples` made elsewhere as they are (no model, no
+    base_dir: ""), in the evals service, nothing sampled (EvalRun.via SAMPLES)."""
 
     eval: Token
     adapter: Token | None = None
@@ -229,6 +240,7 @@ class RunRequest(Struct, forbid_unknown_fields=True, kw_only=True):
     source: dict[str, Any] | None = None
     sampling: Sampling | None = None  # instead of the eval's
     via: Via = "auto"  # auto: through an engine that serves adapter@version now, else the trainer
+    samples: Annotated[list[SampledItem], Meta(min_length=1, max_length=SAMPLES_MAX)] | None = None
 
 
 class RunQuery(Struct, forbid_unknown_fields=True, kw_only=True):

@@ -204,7 +204,10 @@ async def refusals(client: openai.AsyncOpenAI, eval_id: str) -> None:
             ),
             "data_source_config.type",
         ),
-        (client.evals.runs.create(eval_id, data_source={"type": "jsonl", "source": content}), "data_source.type"),
+        (
+            client.evals.runs.create(eval_id, data_source={"type": "jsonl", "source": content}),
+            "data_source.source.content[0].sample",  # a jsonl row carries its sample
+        ),
         (client.evals.runs.create(eval_id, data_source=completions("nope", content)), "data_source.model"),
         (
             client.evals.runs.create(

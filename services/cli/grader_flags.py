@@ -1,5 +1,6 @@
-"""Where graders run, as the operator allows it: the flags `jetlora gateway` (its graders endpoints) and `jetlora
-agent` (its trainers' grpo jobs) share, and what each builds from them."""
+"""Where graders run, as the operator allows it: the flags `jetlora gateway` (its graders endpoints), `jetlora
+agent` (its trainers' grpo jobs) and `jetlora scheduler` (the evals service's runs of samples) share, and what each
+builds from them."""
 
 from __future__ import annotations
 
@@ -45,12 +46,13 @@ def judge_api_key(args) -> str | None:
         raise StartupError(f"--judge-api-key-file {args.judge_api_key_file}: {e.strerror}") from None
 
 
-def grader_context(args):
-    """The gateway's graders endpoints' context."""
+def grader_context(args, command: str = "jetlora gateway"):
+    """The gateway's graders endpoints' context, or (`command` "jetlora scheduler") the evals service's, which grades
+    runs of samples made elsewhere."""
     from services.graders import GraderContext
 
     return GraderContext(
-        judge_url=args.judge_url, judge_api_key=judge_api_key(args), python_graders=args.python_graders
+        judge_url=args.judge_url, judge_api_key=judge_api_key(args), python_graders=args.python_graders, command=command
     )
 
 

@@ -6,13 +6,15 @@ import asyncio
 
 from services.cli import args as args_
 from services.cli.gateway import base_models
+from services.cli.grader_flags import grader_context, grader_flags
 from services.cli.running import run_service
 from services.cli.service_flags import agent_config, agent_flags, dashboard_flags, scheduler_config, scheduler_flags
 from services.runtime import StartupError
 
 
 async def run_scheduler(nc, stop, args) -> None:
-    """The scheduler, and beside it the adapter registry's endpoints and the evals service's."""
+    """The scheduler, and beside it the adapter registry's endpoints and the evals service's (which grades runs of
+    samples with the grader flags: `up` has the agent's)."""
     from services.evals.service import EvalsService
     from services.registry.service import RegistryService
     from services.scheduler.service import Scheduler
@@ -20,7 +22,7 @@ async def run_scheduler(nc, stop, args) -> None:
     async with asyncio.TaskGroup() as tg:
         tg.create_task(Scheduler(nc, scheduler_config(args)).run(stop))
         tg.create_task(RegistryService(nc).run(stop))
-        tg.create_task(EvalsService(nc).run(stop))
+        tg.create_task(EvalsService(nc, grader_context(args, "jetlora scheduler")).run(stop))
 
 
 async def run_agent(nc, stop, args) -> None:
@@ -79,7 +81,6 @@ async def run_all(nc, stop, args) -> None:
 async def _gateway(nc, args):
     """`up --gateway-port`: the OpenAI-compatible API beside the rest, its port bound before anything starts."""
     from services.bus import ensure_resources
-    from services.cli.grader_flags import grader_context
     from services.gateway.app import Gateway
 
     await ensure_resources(nc)  # its buckets: `up` owns the resources, but the scheduler makes them a moment later
@@ -117,6 +118,7 @@ def register(sub: args_.SubCommands) -> None:
     p.set_defaults(fn=lambda a: run_service(a, run_all))
     p = args_.service(sub, "scheduler", "run the scheduler")
     scheduler_flags(p)
+    grader_flags(p, "in eval runs of samples made elsewhere (OpenAI's jsonl data source), graded by the evals service")
     p.set_defaults(fn=lambda a: run_service(a, run_scheduler))
     p = args_.service(sub, "dashboard", "serve the live dashboard page")
     dashboard_flags(p)

@@ -10,7 +10,6 @@ reply could no longer come (expire())."""
 
 from __future__ import annotations
 
-import asyncio
 import hashlib
 import logging
 import time
@@ -25,13 +24,13 @@ from nats.js.errors import NotFoundError
 from schemas import names
 from schemas.artifacts import ArtifactMeta
 from schemas.engine_evals import DEADLINE_S, REPLY_SLACK_S, EngineEvalReply, EngineEvalRequest, engine_via
-from schemas.evals import EvalRun, EvalSummary, ItemResult, RunRequest, summarize
+from schemas.evals import SAMPLES, Criterion, EvalRun, EvalSummary, ItemResult, RunRequest, summarize
 from schemas.jobs import DatasetRef, Error
 from schemas.object_headers import artifact_headers, sha256_header
 from schemas.registry import AdapterReply, NodeAdapterStatus
 from services import bus
-from services.aio import cancel_and_wait
 from services.evals.store import EvalStore
+from services.evals.tasks import RunTasks
 from services.transfer.datasets import visible_dataset
 
 log = logging.getLogger(__name__)
@@ -79,30 +78,15 @@ async def pinned(js, dataset: str, tenant: str | None) -> DatasetRef | str:
     return DatasetRef(name=dataset, sha256=found.sha256, owner=found.owner)
 
 
-class EngineRuns:
+class EngineRuns(RunTasks):
     """The engine runs this evals service asks for, by run id, each in its own task."""
 
     def __init__(self, nc: Client, store: EvalStore) -> None:
+        super().__init__("asking its engine")
         self.nc, self.js, self.store = nc, nc.jetstream(), store
-        self.tasks: dict[str, asyncio.Task] = {}
 
     def start(self, run: EvalRun, ask: EngineEvalRequest, nodes: list[NodeAdapterStatus], fallback: Fallback | None):
-        task = asyncio.create_task(self._run(run, ask, nodes, fallback))
-        self.tasks[run.id] = task
-        task.add_done_callback(lambda t: self._ended(run.id, t))
-
-    def _ended(self, run: str, task: asyncio.Task) -> None:
-        if self.tasks.get(run) is task:
-            del self.tasks[run]
-        if not task.cancelled() and (e := task.exception()) is not None:  # the bucket away: expire() ends the run
-            log.error("eval run %s: asking its engine failed (%s: %s)", run, type(e).__name__, e)
-
-    def cancel(self, run: str) -> None:
-        if (task := self.tasks.get(run)) is not None:
-            task.cancel()
-
-    async def close(self) -> None:
-        await cancel_and_wait(list(self.tasks.values()))
+        self.spawn(run.id, self._run(run, ask, nodes, fallback))
 
     async def _run(self, run: EvalRun, ask: EngineEvalRequest, nodes, fallback: Fallback | None) -> None:
         """Ask each node in turn, within one deadline, until one answers; else fall back (or fail), saying why."""
@@ -138,25 +122,29 @@ class EngineRuns:
 
     async def _finish(self, run: EvalRun, reply: EngineEvalReply, ask: EngineEvalRequest) -> None:
         items = sorted(reply.items, key=lambda r: r.index)
-        summary = summarize(items, ask.criteria)
-        name, sha256 = await store_results(self.js, run, items, summary)
         via = engine_via(reply.engine, reply.node)
-        changes = {
-            "state": "completed",
-            "message": f"{len(items)} items answered through {via} in {reply.seconds:.1f}s",
-            "results": name,
-            "sha256": sha256,
-            "summary": summary,
-            "via": via,
-        }
-
-        def change(current: EvalRun) -> EvalRun | None:
-            if current.state in ENDED:  # cancelled meanwhile: it stays so
-                return None
-            return msgspec.structs.replace(current, **changes, updated=time.time())
-
-        await self.store.update_run(run.tenant, run.id, change)
+        said = f"{len(items)} items answered through {via} in {reply.seconds:.1f}s"
+        await complete(self.js, self.store, run, items, ask.criteria, said, via=via)
         log.info("eval run %s: completed through %s", run.id, via)
+
+
+async def complete(
+    js, store: EvalStore, run: EvalRun, items: list[ItemResult], criteria: list[Criterion], message: str, **more
+) -> None:
+    """A run this service carried out, finished: its results stored (store_results) and the run completed with them
+    and their summary; one that ended meanwhile (cancelled, deleted) stays as it is, and the results go."""
+    summary = summarize(items, criteria)
+    name, sha256 = await store_results(js, run, items, summary)
+    changes = {"state": "completed", "message": message, "results": name, "sha256": sha256, "summary": summary, **more}
+
+    def change(current: EvalRun) -> EvalRun | None:
+        if current.state in ENDED:
+            return None
+        return msgspec.structs.replace(current, **changes, updated=time.time())
+
+    stored = await store.update_run(run.tenant, run.id, change)
+    if stored is None or stored.results != name:
+        await drop_results(js, msgspec.structs.replace(run, results=name))
 
 
 async def store_results(js, run: EvalRun, items: list[ItemResult], summary: EvalSummary) -> tuple[str, str]:
@@ -172,7 +160,8 @@ async def store_results(js, run: EvalRun, items: list[ItemResult], summary: Eval
 
 
 async def drop_results(js, run: EvalRun) -> None:
-    """An engine run's results, deleted with the run (a trainer-side run's are its job's, which retention keeps)."""
+    """An engine run's (or a run of samples') results, deleted with the run (a trainer-side run's are its job's,
+    which retention keeps)."""
     if run.job or run.results is None:
         return
     try:
@@ -191,9 +180,11 @@ async def fail(store: EvalStore, run: EvalRun, why: str) -> None:
 
 
 async def expire(store: EvalStore, run: EvalRun) -> EvalRun:
-    """An engine run (no job) still unfinished after its asker's deadline could have ended: failed, saying so."""
+    """An engine run or a run of samples (no job) still unfinished after its asker's deadline could have ended:
+    failed, saying so."""
     if run.job or run.state in ENDED or time.time() - run.updated < DEADLINE_S + 2 * REPLY_SLACK_S:
         return run
-    why = "its engine's answer never came (the evals service that asked stopped meanwhile?); run it again"
+    what = "its grading never ended" if run.via == SAMPLES else "its engine's answer never came"
+    why = f"{what} (the evals service that ran it stopped meanwhile?); run it again"
     await fail(store, run, why)
     return await store.run(run.tenant, run.id) or run

@@ -1,6 +1,6 @@
 """The evals service (jetlora.evals[.<tenant>].<verb>), run beside the scheduler and the registry: evals (items,
-graders, sampling), their runs (placed as jobs: runs.py; or through the engine that serves the name: engine_path.py)
-and the runs' results, each tenant seeing its own only."""
+graders, sampling), their runs (placed as jobs: runs.py; or through the engine that serves the name: engine_path.py;
+or, for samples made elsewhere, graded here: samples.py) and the runs' results, each tenant seeing its own only."""
 
 from __future__ import annotations
 
@@ -31,8 +31,9 @@ from schemas.gates import CompareReply, CompareRequest
 from schemas.jobs import Error
 from services import __version__, bus, graders
 from services.aio import cancel_and_wait
-from services.evals import compare, engine_path, follow, runs
+from services.evals import compare, engine_path, follow, runs, samples
 from services.evals.store import EvalStore
+from services.graders import GraderContext
 from services.job_records import JobRecords
 
 
@@ -51,16 +52,19 @@ def criteria_errors(q: EvalCreate) -> Error | None:
 
 
 class EvalsService:
-    """Answers jetlora.evals.*. Evals and runs are in names.EVALS_KV; any number may run."""
+    """Answers jetlora.evals.*. Evals and runs are in names.EVALS_KV; any number may run. `grading`: how runs of
+    samples are graded here (default: no judge engine, python graders only where the sandbox isolates them)."""
 
-    def __init__(self, nc: Client) -> None:
+    def __init__(self, nc: Client, grading: GraderContext | None = None) -> None:
         self.nc, self.js = nc, nc.jetstream()
+        self.grading = grading or GraderContext(command="jetlora scheduler")
         self.ready = asyncio.Event()
 
     async def run(self, stop: asyncio.Event) -> None:
         self.store = EvalStore(self.js, await self.js.key_value(names.EVALS_KV))
         self.jobs = await JobRecords.open(self.js)
         self.engines = engine_path.EngineRuns(self.nc, self.store)  # runs sampled through engines, under way here
+        self.sampled = samples.SampleRuns(self.nc, self.store, self.grading)  # runs of samples graded here
         service = await nats.micro.add_service(
             self.nc, name=names.EVALS_SERVICE, version=__version__, description="jetlora evals"
         )
@@ -90,6 +94,7 @@ class EvalsService:
         finally:
             await cancel_and_wait([following])
             await self.engines.close()
+            await self.sampled.close()
             await service.stop()
 
     async def _create(self, q: EvalCreate, tenant: str | None) -> EvalReply | Error:
@@ -146,7 +151,7 @@ class EvalsService:
             return found
         for r in await self.store.runs(tenant):
             if r.eval == q.name and r.tenant == tenant:
-                self.engines.cancel(r.id)
+                self._stop(r.id)
                 await runs.cancel(self.nc, self.store, r)
                 await self.store.delete_run(r)
                 await engine_path.drop_results(self.js, r)
@@ -158,6 +163,8 @@ class EvalsService:
         if isinstance(found, Error):
             return Error(found.error, "eval")
         try:
+            if q.samples is not None:
+                return RunReply(run=await self.sampled.start(found, q, tenant))
             return RunReply(run=await runs.place(self.nc, self.store, self.engines, found, q, tenant))
         except runs.RunError as e:
             return Error(str(e), e.field)
@@ -184,18 +191,23 @@ class EvalsService:
         found = await self._find_run(q.run, tenant)
         if isinstance(found, Error):
             return found
-        self.engines.cancel(found.id)
+        self._stop(found.id)
         return RunReply(run=await runs.cancel(self.nc, self.store, found))
 
     async def _run_delete(self, q: RunQuery, tenant: str | None) -> RunReply | Error:
         found = await self._find_run(q.run, tenant)
         if isinstance(found, Error):
             return found
-        self.engines.cancel(found.id)
+        self._stop(found.id)
         await runs.cancel(self.nc, self.store, found)
         await self.store.delete_run(found)
         await engine_path.drop_results(self.js, found)
         return RunReply(run=found)
+
+    def _stop(self, run: str) -> None:
+        """The run's task here, if this service asks an engine for it or grades it, cancelled."""
+        self.engines.cancel(run)
+        self.sampled.cancel(run)
 
     async def _items(self, q: ItemsQuery, tenant: str | None) -> ItemsPage | Error:
         found = await self._find_run(q.run, tenant)

@@ -29,18 +29,15 @@ DS = "data_source"
 
 
 def check_kind(ds: Any) -> dict[str, Any]:
+    """A `completions` data source (a `jsonl` one is eval_samples.py's)."""
     if not isinstance(ds, dict):
-        raise bad_request(f"{DS}: give an object with type 'completions'", DS)
+        raise bad_request(f"{DS}: give an object with type 'completions' or 'jsonl'", DS)
     kind = ds.get("type")
-    if kind == "jsonl":
-        raise bad_request(
-            f"{DS}.type 'jsonl' grades samples made elsewhere, with no model; jetlora grades what its models answer: "
-            "send type 'completions' with a model, input_messages and the same source",
-            f"{DS}.type",
-        )
     if kind != "completions":
         raise bad_request(
-            f"{DS}.type: got {kind!r}; give 'completions' (a model of yours answers each item)", f"{DS}.type"
+            f"{DS}.type: got {kind!r}; give 'completions' (a model of yours answers each item) or 'jsonl' (each "
+            "item comes with its sample, made elsewhere)",
+            f"{DS}.type",
         )
     extra = set(ds) - {"type", "source", "input_messages", "model", "sampling_params"}
     if extra:
@@ -113,6 +110,12 @@ def _bounded(found: list[dict[str, Any]], field: str) -> list[dict[str, Any]]:
 async def _file_items(nc, tenant: str, ident: Any, field: str) -> list[dict[str, Any]]:
     """A file of the tenant's, one JSON object a line: `{"item": {...}}` (OpenAI's eval files) or the item itself
     (an rft row: its messages and fields)."""
+    rows = await file_rows(nc, tenant, ident, field)
+    return [r["item"] if isinstance(r.get("item"), dict) and "messages" not in r else r for r in rows]
+
+
+async def file_rows(nc, tenant: str, ident: Any, field: str) -> list[dict[str, Any]]:
+    """The rows of a file of the tenant's (another tenant's is not found), read whole: each line's JSON object."""
     from services.transfer.download import fetch_object
 
     if not isinstance(ident, str):
@@ -125,8 +128,7 @@ async def _file_items(nc, tenant: str, ident: Any, field: str) -> list[dict[str,
         stored = names.dataset_object(info.name, info.owner)
         await fetch_object(nc.jetstream(), names.DATASETS_BUCKET, stored, path, info.sha256)
         lines = [line for line in path.read_bytes().splitlines() if line.strip()]
-    rows = [msgspec.json.decode(line) for line in lines]
-    return [r["item"] if isinstance(r.get("item"), dict) and "messages" not in r else r for r in rows]
+    return [msgspec.json.decode(line) for line in lines]
 
 
 def check_schema(found: list[dict[str, Any]], schema: dict[str, Any] | None, source: dict[str, Any]) -> None:

@@ -2,7 +2,8 @@
 tenant subjects (jetlora.evals.<tenant>.<verb>): a key sees only its tenant's evals and runs (another's are a 404,
 lists hold none of them). An eval's testing_criteria are graders (evals_map.py); a run's items are rendered and
 stored as its own dataset (eval_items.py), then placed by the evals service as a job against a base model of the
-gateway's or a fine-tuned model of the tenant's."""
+gateway's or a fine-tuned model of the tenant's; a `jsonl` run's rows carry their samples (eval_samples.py), which the
+evals service grades as sent."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from schemas.evals import EvalCreate, EvalDef, EvalList, EvalReply, EvalRun, Ite
 from schemas.evals import EvalQuery, RunListQuery, RunQuery, RunRequest
 from schemas.jobs import Error
 from services import bus
-from services.gateway import eval_items, evals_map
+from services.gateway import eval_items, eval_samples, evals_map
 from services.gateway.errors import TENANT, bad_request, is_token, json_response, not_found, read_json
 from services.gateway.lookups import fine_tuned_model, unanswered
 from services.gateway.openai_map import BaseModel
@@ -33,6 +34,13 @@ def order_of(request: web.Request, allowed: tuple[str, ...] = ("asc", "desc")) -
     if order not in allowed:
         raise bad_request(f"order must be 'asc' or 'desc', not {order!r}", "order")
     return order == "desc"
+
+
+def _run_name(body: dict[str, Any]) -> str:
+    name = body.get("name", "")
+    if not isinstance(name, str) or len(name) > 256:
+        raise bad_request("name: a string of up to 256 characters", "name")
+    return name
 
 
 class Evals:
@@ -162,12 +170,13 @@ class Evals:
         extra = set(body) - {"data_source", "name", "metadata"}
         if extra:
             raise bad_request(f"{sorted(extra)[0]}: unknown field of a run", sorted(extra)[0])
-        ds = eval_items.check_kind(body.get("data_source"))
+        ds = body.get("data_source")
+        if isinstance(ds, dict) and ds.get("type") == "jsonl":
+            return await self._samples_run(tenant, e, ds, body)
+        ds = eval_items.check_kind(ds)
         target = await self._target(tenant, ds["model"])
         settings = eval_items.sampling(ds.get("sampling_params"), e.sampling)
-        name = body.get("name", "")
-        if not isinstance(name, str) or len(name) > 256:
-            raise bad_request("name: a string of up to 256 characters", "name")
+        name = _run_name(body)
         found = await eval_items.items(self.nc, tenant, ds.get("source"))
         eval_items.check_schema(found, e.item_schema, ds["source"])
         rows = eval_items.rows(found, ds.get("input_messages"))
@@ -185,6 +194,32 @@ class Evals:
         if isinstance(reply, Error):
             await self._drop_items(tenant, EvalRun(id="-", eval=e.name, job="-", base_model="-", dataset=dataset))
             field = RUN_FIELDS.get(reply.field or "", "data_source.model")
+            raise bad_request(f"{field}: {reply.error}", field)
+        return json_response(evals_map.run_object(reply.run))
+
+    async def _samples_run(self, tenant: str, e: EvalDef, ds: dict[str, Any], body: dict[str, Any]) -> web.Response:
+        """A `jsonl` run: its rows' samples, checked here, graded by the evals service as sent (nothing sampled)."""
+        source = eval_samples.check(ds)
+        rows = eval_samples.sampled(await eval_samples.rows(self.nc, tenant, source), e.item_schema, source)
+        q = RunRequest(
+            eval=e.name,
+            base_dir="",
+            name=_run_name(body),
+            metadata=evals_map.check_metadata(body.get("metadata")),
+            source=ds,
+            samples=rows,
+        )
+        try:
+            reply = await self._ask(tenant, "run", q, RunReply)
+        except bus.PayloadTooLarge as err:
+            raise bad_request(
+                f"data_source.source: the rows come to {err.size / 2**20:.1f} MiB with their samples, over the "
+                f"{err.limit / 2**20:.1f} MiB a run's request may carry here: split them across runs",
+                "data_source.source",
+            ) from None
+        if isinstance(reply, Error):
+            field = evals_map.native_field(reply.field or "")
+            field = field if field.startswith("testing_criteria") else "data_source.source"
             raise bad_request(f"{field}: {reply.error}", field)
         return json_response(evals_map.run_object(reply.run))
 

@@ -9,7 +9,7 @@ from typing import Any
 
 import msgspec
 
-from schemas.evals import Criterion, EvalDef, EvalRun, ItemResult, Sampling
+from schemas.evals import SAMPLES, Criterion, EvalDef, EvalRun, ItemResult, Sampling
 from services.gateway.errors import OpenAIError, bad_request
 from services.graders import check
 from services.graders.decode import decode_grader
@@ -203,7 +203,7 @@ def output_item(r: EvalRun, i: ItemResult) -> dict[str, Any]:
             "output": [{"role": "assistant", "content": o} for o in i.outputs],
             "model": (r.source or {}).get("model") or r.model,
             "temperature": s.temperature,
-            "max_completion_tokens": s.max_tokens,
+            "max_completion_tokens": 0 if r.via == SAMPLES else s.max_tokens,  # a jsonl run's: nothing sampled
             "top_p": 1.0,
             "seed": s.seed,
             "finish_reason": "",
