@@ -22,6 +22,8 @@ from services.gateway.tinker.futures import CallFailed
 log = logging.getLogger(__name__)
 CALL_WAIT_S = 1800.0  # how long a call waits for its session to be placed, started or resumed
 POLL_S = 0.25
+CALL_S = 900.0  # one call at most (a large batch on a slow device)
+WATCH_S = 5.0  # while a call runs longer than this, its job is checked this often
 TERMINAL = ("succeeded", "failed", "cancelled", "stopped")
 
 
@@ -137,18 +139,46 @@ class Sessions:
         deadline = time.monotonic() + CALL_WAIT_S
         while time.monotonic() < deadline:
             if model.node is not None:
-                request = SessionRequest(job=model.job, tenant=model.tenant, call=call)
-                try:
-                    reply = await bus.request(self.nc, names.node(model.node).session, request, SessionReply, 900)
-                except bus.RequestError as e:
-                    log.info("model %s: its node %s did not answer (%s); looking for its job", model.id, model.node, e)
-                    reply = CallError(message=str(e), retry=True)
+                reply = await self._ask(
+                    model, model.node, SessionRequest(job=model.job, tenant=model.tenant, call=call)
+                )
                 if not (isinstance(reply, CallError) and reply.retry):
                     return reply
             model.node = await self._where(model)
             if model.node is None:
                 await asyncio.sleep(POLL_S)
         raise CallFailed(f"model {model.id}'s session did not start within {CALL_WAIT_S:.0f} s", "server")
+
+    async def _ask(self, model: Model, node: str, request: SessionRequest) -> SessionReply:
+        """The node's answer; while a long call runs, the job is watched, so a node that died mid-call (its job
+        re-queued, or another attempt running) ends the wait at once instead of at the request's timeout."""
+        asking = asyncio.create_task(bus.request(self.nc, names.node(node).session, request, SessionReply, CALL_S))
+        try:
+            while not asking.done():
+                await asyncio.wait([asking], timeout=WATCH_S)
+                if not asking.done() and not await self._still_on(model, node):
+                    log.info("model %s: its job left node %s during a call; looking for it", model.id, node)
+                    return CallError(message=f"node {node} no longer runs the session", retry=True)
+            return asking.result()
+        except bus.RequestError as e:
+            log.info("model %s: its node %s did not answer (%s); looking for its job", model.id, node, e)
+            return CallError(message=str(e), retry=True)
+        finally:
+            if not asking.done():
+                asking.cancel()
+                await asyncio.gather(asking, return_exceptions=True)
+
+    async def _still_on(self, model: Model, node: str) -> bool:
+        try:
+            reply = await bus.request(self.nc, names.jobs_api(model.tenant).job, JobQuery(model.job), JobReply | Error)
+        except bus.RequestError:
+            return True  # the scheduler between leaders: keep waiting for the node
+        return (
+            isinstance(reply, JobReply)
+            and reply.job.node == node
+            and reply.job.attempt == model.attempt
+            and (reply.job.state == "running")
+        )
 
     async def _where(self, model: Model) -> str | None:
         """The node that runs the model's job now; a paused job is resumed, an ended one fails the call, and one
