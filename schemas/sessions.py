@@ -24,12 +24,13 @@ BASE_WEIGHTS = "__base__"  # Sample.weights: the base model alone (the adapter o
 
 class SessionStart(Struct, forbid_unknown_fields=True, kw_only=True):
     """A session that starts from a state another session of the tenant saved (Tinker's
-    create_training_client_from_state): that job's checkpoint at `step`."""
+    create_training_client_from_state): the save `name` in that job's latest checkpoint."""
 
-    job: Annotated[str, Meta(max_length=64)]
-    step: Annotated[int, Meta(ge=0)]
+    job: Annotated[str, Meta(pattern=r"^[A-Za-z0-9_-]{1,64}$")]
+    name: Annotated[str, Meta(pattern=SAVED_NAME)]  # the save_state
+    step: Annotated[int, Meta(ge=0)]  # the step it was saved at
     optimizer: bool = True  # its optimizer's state too; False: the adapter alone, the optimizer fresh
-    checkpoint: str | None = None  # set by the scheduler: the object-store name of that checkpoint
+    checkpoint: str | None = None  # set by the scheduler: that job's latest stored checkpoint (it holds every save)
 
 
 class SessionSpec(Struct, forbid_unknown_fields=True, kw_only=True):
@@ -119,17 +120,19 @@ class SessionRequest(Struct, kw_only=True):
     job: str
     tenant: str | None
     call: SessionCall
+    call_id: str = ""  # the same for every try of one call: a try that arrives twice is answered, not run, twice
 
 
+# A number that is not finite (a diverged loss, log 0) travels as null (JSON has no NaN): the gateway sends NaN.
 class ForwardResult(Struct, tag="forward_backward", tag_field="type", kw_only=True):
-    logprobs: list[list[float]]  # per datum, the target tokens' log-probabilities
-    loss: float  # the loss's sum over the batch
+    logprobs: list[list[float | None]]  # per datum, the target tokens' log-probabilities
+    loss: float | None  # the loss's sum over the batch
     tokens: int  # tokens with a nonzero weight
 
 
 class StepResult(Struct, tag="optim_step", tag_field="type", kw_only=True):
     step: int  # optimizer steps taken so far
-    grad_norm: float
+    grad_norm: float | None
     learning_rate: float
 
 
@@ -146,13 +149,13 @@ class LoadedResult(Struct, tag="load", tag_field="type", kw_only=True):
 
 class SampledSequence(Struct, kw_only=True):
     tokens: list[int]
-    logprobs: list[float]
+    logprobs: list[float | None]
     stop: Literal["stop", "length"]
 
 
 class SampleResult(Struct, tag="sample", tag_field="type", kw_only=True):
     sequences: list[SampledSequence]
-    prompt_logprobs: list[float] | None = None  # of the prompt's tokens after the first, when asked
+    prompt_logprobs: list[float | None] | None = None  # of the prompt's tokens after the first, when asked
 
 
 class PingResult(Struct, tag="ping", tag_field="type", kw_only=True):

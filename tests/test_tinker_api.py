@@ -276,3 +276,25 @@ async def test_a_base_models_sampler_gives_the_base_models_own_logprobs(nc, gate
         lp = torch.log_softmax(base(input_ids=torch.tensor([prompt])).logits.float(), -1)[0, :-1]
     expected = lp.gather(-1, torch.tensor(prompt[1:]).unsqueeze(-1)).squeeze(-1)
     assert float((torch.tensor(served[1:]) - expected).abs().max()) < 1e-5
+
+
+def refused_then_goes_on(gw: Gateway, key: str) -> tuple[str, int]:
+    import tinker
+    from tinker import types
+
+    with client(gw, key) as sc:
+        tc = sc.create_lora_training_client(base_model="tiny", rank=4, train_unembed=False).result()
+        batch, _ = datums(tc.get_tokenizer(), types)
+        try:
+            tc.optim_step(types.AdamParams(learning_rate=0.0)).result()
+            refusal = ""
+        except tinker.BadRequestError as e:
+            refusal = str(e)
+        out = tc.forward(batch, "cross_entropy").result(timeout=120)  # the refused seq_id took its turn as nothing
+        return refusal, len(out.loss_fn_outputs)
+
+
+async def test_a_refused_call_names_its_field_and_the_calls_after_it_run(nc, gateway):
+    refusal, answered = await asyncio.to_thread(refused_then_goes_on, gateway, await key_for(nc, "acme"))
+    assert "adam_params" in refusal and "learning_rate" in refusal, refusal
+    assert answered == 8

@@ -60,6 +60,8 @@ async def test_an_idle_session_frees_its_device_and_the_next_call_resumes_it(nc,
     await wait_nodes(nc, 1)
     loop = await asyncio.to_thread(Loop, gateway, await key_for(nc, "acme"))
     await asyncio.to_thread(loop.step)
+    saved = await asyncio.to_thread(lambda: loop.tc.save_state("before-idle").result().path)
+    sampler = await asyncio.to_thread(lambda: loop.tc.save_weights_for_sampler("s1").result().path)
     before = await asyncio.to_thread(loop.logprobs)
     job = await job_of(nc, loop.tc.model_id)
     paused = await wait_for(
@@ -71,6 +73,14 @@ async def test_an_idle_session_frees_its_device_and_the_next_call_resumes_it(nc,
     assert after == before
     resumed = await get_job(nc, job.id)
     assert resumed.state == "running" and resumed.attempt == 2, resumed
+
+    def saves_still_there() -> list:  # what it saved before idling came back with it
+        loop.tc.load_state(saved).result()
+        sampling = loop.sc.create_sampling_client(model_path=sampler).result()
+        prompt = loop.types.ModelInput.from_ints(loop.batch[0].model_input.to_ints()[:4])
+        return sampling.sample(prompt, 1, loop.types.SamplingParams(max_tokens=2, seed=1)).result().sequences
+
+    assert len(await asyncio.to_thread(saves_still_there)) == 1
     loop.sc.close("success")
 
 

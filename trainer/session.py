@@ -8,6 +8,7 @@ the last one elsewhere."""
 from __future__ import annotations
 
 import contextlib
+import math
 import queue
 import sys
 import threading
@@ -39,6 +40,7 @@ from schemas.sessions import (
 )
 from trainer import model as base_model
 from trainer import session_model as ops
+from trainer.session_store import SessionStore
 from trainer.errors import JobError
 from trainer.events import emit
 from trainer.signals import Signals
@@ -67,19 +69,24 @@ class Session:
         self.optimizer = torch.optim.AdamW(self.params, lr=1e-4, betas=(0.9, 0.95), eps=1e-12, weight_decay=0.0)
         self.vocab = self.model.get_output_embeddings().weight.shape[0]
         self.step, self.last_loss, self.tokens = 0, None, 0
+        self.store = SessionStore(self.out / "session")
         self.snapshots: dict[str, dict[str, torch.Tensor]] = {}  # sampler saves, to sample with
-        if spec.resume_from:  # its own checkpoint (moved, or resumed after idling)
-            self.step = ops.load_state(self.model, self.optimizer, Path(spec.resume_from), with_optimizer=True)
-        elif spec.init_adapter and s.start_from is not None:  # another session's saved state
-            path, optimizer = Path(spec.init_adapter), s.start_from.optimizer
-            self.step = ops.load_state(self.model, self.optimizer, path, with_optimizer=optimizer)
+        if spec.resume_from:  # its own checkpoint (moved, or resumed after idling): its saves come back too
+            self.store.restore(Path(spec.resume_from))
+            self.step = ops.load_state(self.model, self.optimizer, self.store.current, with_optimizer=True)
+            self.snapshots = self.store.samplers()
+        elif spec.init_adapter and s.start_from is not None:  # a state another session of the tenant saved
+            path = Path(spec.init_adapter) / "states" / s.start_from.name
+            if not (path / "trainer_state.pt").is_file():
+                raise JobError(f"session.start_from: the stored checkpoint holds no state {s.start_from.name!r}")
+            self.step = ops.load_state(self.model, self.optimizer, path, with_optimizer=s.start_from.optimizer)
 
     def call(self, call) -> SessionReply:
         if isinstance(call, ForwardBackward):
             ops.check_batch(call, self.vocab)
             self.model.train()
             logprobs, loss, weighed = ops.forward_backward(self.model, call, self.device)
-            if not call.forward_only:
+            if not call.forward_only and math.isfinite(loss):
                 self.last_loss, self.tokens = loss / max(1, weighed), self.tokens + weighed
             return ForwardResult(logprobs=logprobs, loss=loss, tokens=weighed)
         if isinstance(call, OptimStep):
@@ -91,12 +98,14 @@ class Session:
         if isinstance(call, SaveWeights):
             return self.save(call)
         if isinstance(call, LoadWeights):
-            path = self.out / "states" / call.name
+            path = self.store.state(call.name)
             if not (path / "trainer_state.pt").is_file():
                 raise ops.CallRefused(f"this session saved no state named {call.name!r}", "path")
             self.step = ops.load_state(self.model, self.optimizer, path, call.optimizer)
             return LoadedResult(name=call.name, step=self.step)
         if isinstance(call, Sample):
+            if not call.prompt or min(call.prompt) < 0 or max(call.prompt) >= self.vocab:
+                raise ops.CallRefused(f"prompt: give 1 or more tokens, each in 0..{self.vocab - 1}", "prompt")
             with self.weights(call.weights):
                 sequences = ops.sample(self.model, self.tokenizer, call, self.device)
                 first, rest = call.prompt[:1], call.prompt[1:]
@@ -110,14 +119,16 @@ class Session:
 
     def save(self, call: SaveWeights) -> SavedResult:
         if call.kind == "state":
-            path = ops.save_state(self.model, self.optimizer, self.step, self.out / "states" / call.name)
-            emit(Checkpoint(step=self.step, path=str(path)))  # stored by the agent: where the session goes on from
+            ops.save_state(self.model, self.optimizer, self.step, self.store.state(call.name))
+            self.store.keep_current(call.name)
+            emit(Checkpoint(step=self.step, path=str(self.store.root)))  # stored by the agent, every save with it
         else:
             from peft import get_peft_model_state_dict
 
             weights = get_peft_model_state_dict(self.model)
             self.snapshots[call.name] = {k: v.detach().clone() for k, v in weights.items()}
-            self.model.save_pretrained(self.out / "sampler" / call.name, safe_serialization=True)
+            self.model.save_pretrained(self.store.sampler(call.name), safe_serialization=True)
+            self.store.prune(self.snapshots)
         return SavedResult(name=call.name, kind=call.kind, step=self.step)
 
     @contextlib.contextmanager
@@ -144,9 +155,9 @@ class Session:
     def end(self, pause: bool, why: str = "") -> Finished:
         """Stopped: the adapter as it is now; paused (asked, or idle): a checkpoint to go on from."""
         if pause:
-            path = ops.save_state(self.model, self.optimizer, self.step, self.out / "states" / f"paused-{self.step}")
-            emit(Checkpoint(step=self.step, path=str(path)))
-            return Finished(state="paused", step=self.step, adapter_dir=str(path), message=why)
+            ops.save_state(self.model, self.optimizer, self.step, self.store.current)
+            emit(Checkpoint(step=self.step, path=str(self.store.root)))
+            return Finished(state="paused", step=self.step, adapter_dir=str(self.store.root), message=why)
         from trainer.samples import probe
 
         adapter = self.out / "adapter"
@@ -172,8 +183,9 @@ def answer(session: Session, raw: bytes) -> None:
         reply: SessionReply = session.call(line.call)
     except ops.CallRefused as e:
         reply = CallError(message=str(e), field=e.field)
-    except (JobError, ValueError, RuntimeError) as e:
-        reply = CallError(message=f"the call failed: {e}")
+    except Exception as e:  # one call's failure is its own: the session goes on
+        print(f"a call failed: {e!r}", file=sys.stderr, flush=True)
+        reply = CallError(message=f"the call failed: {type(e).__name__}: {e}")
     emit(SessionAnswer(id=line.id, reply=reply))
 
 

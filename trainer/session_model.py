@@ -121,7 +121,7 @@ def optim_step(optimizer: torch.optim.Optimizer, params: list[torch.nn.Parameter
 def save_state(model, optimizer, step: int, path: Path) -> Path:
     """The adapter (PEFT's layout) and the optimizer's state: enough to go on from, here or on another node."""
     path.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(path / "adapter", safe_serialization=True)
+    model.save_pretrained(path / "adapter", safe_serialization=True, selected_adapters=["default"])
     torch.save({"optimizer": optimizer.state_dict(), "step": step}, path / "trainer_state.pt")
     return path
 

@@ -178,7 +178,7 @@ class JobLifecycle:
                 await self._report(run, "paused", "paused before the trainer started", paused_by=run.paused_by)
             elif not self.draining:
                 await self._report(run, "cancelled", "cancelled before the trainer started")
-        except (UploadError, DatasetUnavailable) as e:
+        except (UploadError, DatasetUnavailable, SessionLost) as e:
             await self._report(run, "failed", str(e))
         except Exception as e:
             log.exception("job %s failed in the agent", a.job)
@@ -307,6 +307,10 @@ class JobLifecycle:
         try:
             where = await fetch_checkpoint(self.nc, a, job_dir)
         except Exception as e:
+            if a.request.session is not None:  # a session's client was told its saves are kept: never step 0
+                raise SessionLost(
+                    f"the session's checkpoint {a.resume_from} could not be fetched ({e}): it fails rather than go on from step 0; its saves stay stored (create_training_client_from_state starts from one)"
+                ) from e
             log.warning(
                 "job %s: checkpoint %s could not be fetched (%s); starting from step 0", a.job, a.resume_from, e
             )
@@ -335,6 +339,10 @@ class JobLifecycle:
             await self._report(run, "running", f"checkpoint at step {ev.step} stored", checkpoint=info)
         except Exception as e:
             log.warning("job %s: checkpoint at step %d not stored: %s", run.assignment.job, ev.step, e)
+
+
+class SessionLost(Exception):
+    """A training session could not be given back what it saved: it fails rather than start again from nothing."""
 
 
 def _trainer_env(run: RunningJob) -> dict[str, str]:

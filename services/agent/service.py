@@ -4,6 +4,8 @@ life, from fetching its data to shipping its adapter, is in job_run.py)."""
 from __future__ import annotations
 
 import asyncio
+
+import msgspec
 import logging
 
 from nats.aio.client import Client
@@ -184,6 +186,8 @@ class Agent(JobLifecycle):
                 return AssignRefused(a.job, f"attempt {run.attempt} of the job is still ending here; try again")
         self.devices, _ = await self.probe.read_async()  # NVML may block: its own thread
         busy = {key: run.devices for key, run in self.runs.items() if not _same_group(a, run)}
+        if a.need_mib is not None and not any(_same_group(a, run) for run in self.runs.values()):
+            a = msgspec.structs.replace(a, need_mib=None)  # no process of its group here yet: it needs all of it
         reason = refusal(a, self.devices, busy, self.reclaim, self.draining)
         if reason:
             return AssignRefused(a.job, reason)

@@ -5,6 +5,7 @@ job's trainer, one at a time, and replies with the trainer's answer."""
 from __future__ import annotations
 
 import asyncio
+import collections
 import itertools
 import logging
 
@@ -20,6 +21,7 @@ log = logging.getLogger(__name__)
 _decode = msgspec.json.Decoder(TrainerEvent | SessionAnswer)
 _encode = msgspec.json.Encoder()
 CALL_TIMEOUT_S = 600.0  # one call at most (a forward_backward of a large batch on a slow device)
+REMEMBERED = 64  # call ids whose answers are kept for a try sent again
 
 
 class SessionRun(TrainerRun):
@@ -32,6 +34,15 @@ class SessionRun(TrainerRun):
         self.pending: dict[int, asyncio.Future] = {}
         self.turn = asyncio.Lock()  # one call at a time, in the order they came
         self.ready = asyncio.Event()  # the trainer said Started: it takes calls
+        self.calls: collections.OrderedDict[str, asyncio.Future] = collections.OrderedDict()  # by call_id, the last
+
+    async def run(self, on_event):
+        try:
+            return await super().run(on_event)
+        finally:  # the trainer ended: the calls it never answered are tried again where the session goes on
+            for waiter in self.pending.values():
+                if not waiter.done():
+                    waiter.set_result(CallError(message="the session's trainer ended; ask again", retry=True))
 
     def took(self, line: object) -> bool:
         if isinstance(line, SessionAnswer):
@@ -41,8 +52,21 @@ class SessionRun(TrainerRun):
             return True
         return False
 
-    async def call(self, call: SessionCall, timeout: float = CALL_TIMEOUT_S) -> SessionReply:
-        """The trainer's answer to `call`, or why there is none."""
+    async def call(self, call: SessionCall, call_id: str = "", timeout: float = CALL_TIMEOUT_S) -> SessionReply:
+        """The trainer's answer to `call`, or why there is none; a call_id seen lately gets that call's answer (a
+        try sent again by the gateway), never a second run."""
+        if not call_id:
+            return await self._call(call, timeout)
+        if call_id not in self.calls:
+            self.calls[call_id] = asyncio.ensure_future(self._call(call, timeout))
+            while len(self.calls) > REMEMBERED:
+                self.calls.popitem(last=False)
+        reply = await asyncio.shield(self.calls[call_id])
+        if isinstance(reply, CallError) and reply.retry:
+            self.calls.pop(call_id, None)  # it never ran: a later try runs it
+        return reply
+
+    async def _call(self, call: SessionCall, timeout: float) -> SessionReply:
         async with self.turn:
             proc = self.proc
             if proc is None or proc.stdin is None or proc.returncode is not None or not self.ready.is_set():
@@ -90,7 +114,7 @@ class SessionDesk:
             return CallError(message=f"session {request.job} does not run on this node", retry=True)
         if not isinstance(run.trainer, SessionRun):
             return CallError(message="the session is starting; ask again", retry=True)
-        return await run.trainer.call(request.call)
+        return await run.trainer.call(request.call, request.call_id)
 
     async def close(self) -> None:
         await cancel_and_wait(list(self.tasks))

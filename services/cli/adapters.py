@@ -145,15 +145,21 @@ async def session_job(nc, model_id: str | None) -> str:
     """The job of a Tinker training model (the gateway labels each session job `tinker <model_id>`)."""
     if not model_id:
         raise CommandFailed("say which adapter: a JOB, or --from-session MODEL_ID")
-    after = None
+    after, found = None, []
     while True:
         page = await ask(nc, names.LIST_JOBS, JobListQuery(limit=1000, after=after), JobList)
-        found = [j.id for j in page.jobs if j.label == f"tinker {model_id}"]
-        if found:
-            return found[0]
+        found += [j.id for j in page.jobs if j.label == f"tinker {model_id}"]
         if page.next is None:
-            raise CommandFailed(f"no session job of Tinker model {model_id}; `jetlora jobs` lists them")
+            break
         after = page.next
+    sessions = list(dict.fromkeys(found))
+    if len(sessions) != 1:  # a label is a submitter's to write: two alike are not guessed between
+        raise CommandFailed(
+            f"{len(sessions)} session jobs are labelled Tinker model {model_id}: give the JOB itself (`jetlora jobs`)"
+            if sessions
+            else f"no session job of Tinker model {model_id}; `jetlora jobs` lists them"
+        )
+    return sessions[0]
 
 
 def register(sub: args_.SubCommands) -> None:

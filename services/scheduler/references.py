@@ -172,11 +172,24 @@ async def pin_session_start(
         return req, [FieldError("session.start_from.job", f"the jobs bucket could not be read ({e}); submit again")]
     if source is None or source.stored.tenant != tenant or source.stored.request.session is None:
         return req, [FieldError("session.start_from.job", f"no session job {start.job} of yours")]
-    found = [c for c in source.status.checkpoints if c.step == start.step]
-    if not found:
-        steps = sorted({c.step for c in source.status.checkpoints})
+    was = source.stored.request
+    assert was.session is not None
+    if (was.base_dir, was.session.rank, was.session.target_modules()) != (
+        req.base_dir,
+        session.rank,
+        session.target_modules(),
+    ):
         return req, [
-            FieldError("session.start_from.step", f"session {start.job} stored no state at step {start.step}: {steps}")
+            FieldError(
+                "session.start_from.job",
+                f"session {start.job} trained rank {was.session.rank} on {was.session.target_modules()} of "
+                f"{was.base_dir}: start from it with the same base_dir, rank and train_attn/train_mlp/train_unembed",
+            )
         ]
-    pinned = msgspec.structs.replace(start, checkpoint=found[-1].name)
+    stored = source.status.checkpoint  # the latest: every session checkpoint carries all its saves
+    if stored is None or not any(c.step == start.step for c in source.status.checkpoints):
+        return req, [
+            FieldError("session.start_from.step", f"session {start.job} stored no state at step {start.step} yet")
+        ]
+    pinned = msgspec.structs.replace(start, checkpoint=stored)
     return msgspec.structs.replace(req, session=msgspec.structs.replace(session, start_from=pinned)), []

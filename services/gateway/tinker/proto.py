@@ -4,6 +4,7 @@ SampleResponse the client decodes. Tensors are little-endian arrays (int32 token
 
 from __future__ import annotations
 
+import math
 import sys
 from array import array
 
@@ -44,6 +45,14 @@ def _little(kind: str, raw: bytes) -> array:
     return values
 
 
+def _floats(values) -> array:
+    """float32s, NaN where the session sent null (a number that was not finite)."""
+    return array("f", (NAN if v is None else v for v in values))
+
+
+NAN = float("nan")
+
+
 def _bytes(values: array) -> bytes:
     if sys.byteorder != "little":
         values = array(values.typecode, values)
@@ -59,7 +68,10 @@ def _tensor(t, where: str) -> list[float]:
         raise ProtoRefused(f"{where} has dtype {t.dtype}; send float32 or int64", where)
     if len(t.shape) > 1:
         raise ProtoRefused(f"{where} has shape {list(t.shape)}; one value per input token is served", where)
-    return [float(v) for v in _little(kinds[t.dtype], t.dense)]
+    values = [float(v) for v in _little(kinds[t.dtype], t.dense)]
+    if not all(math.isfinite(v) for v in values):
+        raise ProtoRefused(f"{where} holds a NaN or an infinity; send finite numbers", where)
+    return values
 
 
 def _tokens(datum, i: int) -> list[int]:
@@ -72,13 +84,18 @@ def _tokens(datum, i: int) -> list[int]:
     return tokens
 
 
-def forward_backward(body: bytes) -> tuple[str, int, ForwardBackward]:
-    """(model_id, seq_id, the call) of a ForwardBackwardRequest."""
+def forward_backward(body: bytes):
+    """The ForwardBackwardRequest in the body (its model_id and seq_id name the call; call_of reads the rest)."""
     req = ForwardBackwardRequest()
     try:
         req.ParseFromString(body)
     except Exception as e:  # protobuf's DecodeError
         raise ProtoRefused(f"the body is not a ForwardBackwardRequest ({e})", "body") from None
+    return req
+
+
+def call_of(req) -> ForwardBackward:
+    """The session call of a ForwardBackwardRequest; ProtoRefused names the datum or input it cannot take."""
     config = {k: v for k, v in req.loss_fn_config.items()}
     for key, value in req.loss_fn_config_v2.items():
         if value.WhichOneof("value") == "number":
@@ -90,8 +107,7 @@ def forward_backward(body: bytes) -> tuple[str, int, ForwardBackward]:
         )
         for i, d in enumerate(req.data)
     ]
-    call = ForwardBackward(data=data, loss_fn=req.loss_fn, config=config, forward_only=req.forward_only)
-    return req.model_id, req.seq_id, call
+    return ForwardBackward(data=data, loss_fn=req.loss_fn, config=config, forward_only=req.forward_only)
 
 
 def forward_output(result: ForwardResult) -> bytes:
@@ -101,11 +117,11 @@ def forward_output(result: ForwardResult) -> bytes:
     record.type_tag, record.num_datums = "ArrayRecord", len(result.logprobs)
     offsets, data = array("q", [0]), array("f")
     for row in result.logprobs:
-        data.extend(row)
+        data.extend(_floats(row))
         offsets.append(len(data) * 4)
     field = record.fields["logprobs"]
     field.data, field.offsets, field.dtype = _bytes(data), _bytes(offsets), DTYPE_FLOAT32
-    out.metrics["loss:sum"] = result.loss
+    out.metrics["loss:sum"] = NAN if result.loss is None else result.loss
     out.metrics["num_tokens:sum"] = float(result.tokens)
     return out.SerializeToString()
 
@@ -113,10 +129,10 @@ def forward_output(result: ForwardResult) -> bytes:
 def sample_output(result: SampleResult) -> bytes:
     out = SampleResponse()
     if result.prompt_logprobs is not None:  # the first token has none: NaN, as Tinker sends it
-        out.prompt_logprobs = _bytes(array("f", [float("nan"), *result.prompt_logprobs]))
+        out.prompt_logprobs = _bytes(_floats([None, *result.prompt_logprobs]))
     for s in result.sequences:
         seq = out.sequences.add()
         seq.stop_reason = STOP if s.stop == "stop" else LENGTH
         seq.tokens = _bytes(array("i", s.tokens))
-        seq.logprobs = _bytes(array("f", s.logprobs))
+        seq.logprobs = _bytes(_floats(s.logprobs))
     return out.SerializeToString()

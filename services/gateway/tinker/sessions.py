@@ -39,6 +39,7 @@ class Model:
     node: str | None = None  # where its job ran when last asked
     attempt: int = 0  # the job's attempt its calls went to: another one means the session moved or came back
     resumed: bool = False  # the gateway resumed it (idle, or paused for an engine): it goes on exactly where it was
+    lost: str = ""  # it moved after its node went away: what its next training call is told
     info: PingResult | None = None
     next_seq: int = 1  # the seq_id whose turn it is (create_model was 0)
     waiting: dict[int, tuple[SessionCall | None, asyncio.Future]] = field(default_factory=dict)
@@ -129,23 +130,30 @@ class Sessions:
             if call is None or waiter.done():
                 continue
             try:
-                waiter.set_result(await self.send(model, call))
+                waiter.set_result(await self.send(model, call, training=True))
+            except asyncio.CancelledError:  # the session ended (finish): this call and the rest are answered so
+                if not waiter.done():
+                    waiter.set_exception(CallFailed(f"model {model.id}'s session has finished"))
+                raise
             except Exception as e:  # the call's own error goes to its future
                 if not waiter.done():
                     waiter.set_exception(e)
 
-    async def send(self, model: Model, call: SessionCall) -> SessionReply:
-        """The session's answer, waiting through its job's placement, start, idle pause or move to another node."""
-        deadline = time.monotonic() + CALL_WAIT_S
+    async def send(self, model: Model, call: SessionCall, training: bool = False) -> SessionReply:
+        """The session's answer, waiting through its job's placement, start, idle pause or move to another node.
+        After a move, the next training call fails once, saying so (a sample does not: it carries no state)."""
+        deadline, call_id = time.monotonic() + CALL_WAIT_S, secrets.token_hex(8)
+        request = SessionRequest(job=model.job, tenant=model.tenant, call=call, call_id=call_id)
         while time.monotonic() < deadline:
+            if training and model.lost:
+                lost, model.lost = model.lost, ""
+                raise CallFailed(lost)
             if model.node is not None:
-                reply = await self._ask(
-                    model, model.node, SessionRequest(job=model.job, tenant=model.tenant, call=call)
-                )
+                reply = await self._ask(model, model.node, request)
                 if not (isinstance(reply, CallError) and reply.retry):
                     return reply
             model.node = await self._where(model)
-            if model.node is None:
+            if model.node is None or (training and model.lost):
                 await asyncio.sleep(POLL_S)
         raise CallFailed(f"model {model.id}'s session did not start within {CALL_WAIT_S:.0f} s", "server")
 
@@ -160,7 +168,14 @@ class Sessions:
                     log.info("model %s: its job left node %s during a call; looking for it", model.id, node)
                     return CallError(message=f"node {node} no longer runs the session", retry=True)
             return asking.result()
+        except bus.PayloadTooLarge:
+            raise CallFailed(
+                "the call is too large for one message on the bus: send fewer datums at a time (the client's "
+                "forward_backward chunks follow client/config) or shorter ones"
+            ) from None
         except bus.RequestError as e:
+            if "did not decode" in str(e):  # an answer, but not a session's: asking again gets the same
+                raise CallFailed(f"the session's node answered what is not an answer ({e})", "server") from None
             log.info("model %s: its node %s did not answer (%s); looking for its job", model.id, node, e)
             return CallError(message=str(e), retry=True)
         finally:
@@ -197,8 +212,8 @@ class Sessions:
             return None
         moved, model.attempt = model.attempt not in (0, job.attempt) and not model.resumed, job.attempt
         model.resumed = False
-        if moved:
-            raise CallFailed(
+        if moved:  # told to the next training call (sessions.send)
+            model.lost = (
                 f"model {model.id}'s node went away; its session goes on on {job.node} from its last saved state "
                 f"(attempt {job.attempt}): calls since that save_state were lost; load_state it, or redo them"
             )
@@ -223,6 +238,10 @@ class Sessions:
             log.info("model %s: stopping its session job: %s", model.id, reply.error)
         if model.pump is not None:
             model.pump.cancel()
+        for _, waiter in model.waiting.values():
+            if not waiter.done():
+                waiter.set_exception(CallFailed(f"model {model.id}'s session has finished"))
+        model.waiting.clear()
 
     async def close(self) -> None:
         pumps = [m.pump for m in self.models.values() if m.pump is not None and not m.pump.done()]

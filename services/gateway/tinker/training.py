@@ -4,6 +4,7 @@ once with a request id; the work runs in the model's order and its result is fet
 
 from __future__ import annotations
 
+import contextlib
 import re
 import time
 from typing import Any, TypeVar
@@ -85,6 +86,16 @@ class Training:
             raise TinkerRefusal(404, f"no training model {data['model_id']!r} of yours")
         return model
 
+    @contextlib.contextmanager
+    def _skipped_if_refused(self, model: Model, seq: int):
+        """A call refused at the door still takes its turn (as nothing), so the model's later calls run."""
+        try:
+            yield
+        except TinkerRefusal:
+            if seq >= model.next_seq and seq not in model.waiting and seq not in model.requests:
+                self.sessions.submit(model, seq, None)
+            raise
+
     def _ordered(self, tenant: str, model: Model, seq: int, call: SessionCall, done) -> web.Response:
         """The call in the model's order (a re-sent seq_id gets its first request id)."""
         if seq in model.requests:
@@ -136,37 +147,45 @@ class Training:
     async def forward_backward(self, request: web.Request) -> web.Response:
         tenant = await self.tenant_of(request)
         try:
-            model_id, seq, call = proto.forward_backward(await request.read())
+            message = proto.forward_backward(await request.read())
         except proto.ProtoRefused as e:
             raise TinkerRefusal(400, f"{e} ({e.field})") from None
-        model = self._model(tenant, {"model_id": model_id})
+        model, seq = self._model(tenant, {"model_id": message.model_id}), message.seq_id
+        with self._skipped_if_refused(model, seq):
+            try:
+                call = proto.call_of(message)
+            except proto.ProtoRefused as e:
+                raise TinkerRefusal(400, f"{e} ({e.field})") from None
         return self._ordered(
             tenant, model, seq, call, lambda r: Outcome(body=proto.forward_output(answered(r, ForwardResult)))
         )
 
     async def optim_step(self, request: web.Request) -> web.Response:
         tenant, data = await self.tenant_of(request), await body(request)
-        model, adam = self._model(tenant, data), field(data, "adam_params", dict, {})
-        unknown = sorted(set(adam) - {"learning_rate", "beta1", "beta2", "eps", "weight_decay", "grad_clip_norm"})
-        if unknown or "optimizer_params" in data:
-            raise TinkerRefusal(400, f"adam_params {unknown or 'optimizer_params'}: only AdamParams are served")
-        call = checked(adam, OptimStep, "adam_params")
+        model, seq = self._model(tenant, data), field(data, "seq_id", int)
+        with self._skipped_if_refused(model, seq):
+            adam = field(data, "adam_params", dict, {})
+            unknown = sorted(set(adam) - {"learning_rate", "beta1", "beta2", "eps", "weight_decay", "grad_clip_norm"})
+            if unknown or "optimizer_params" in data:
+                raise TinkerRefusal(400, f"adam_params {unknown or 'optimizer_params'}: only AdamParams are served")
+            call = checked(adam, OptimStep, "adam_params")
 
         def done(r) -> Outcome:
             step = answered(r, StepResult)
-            return Outcome(json={"metrics": {"step": float(step.step), "grad_norm": step.grad_norm}})
+            metrics = {"step": float(step.step)} | ({} if step.grad_norm is None else {"grad_norm": step.grad_norm})
+            return Outcome(json={"metrics": metrics})
 
-        return self._ordered(tenant, model, field(data, "seq_id", int), call, done)
+        return self._ordered(tenant, model, seq, call, done)
 
     async def save_weights(self, request: web.Request) -> web.Response:
         tenant, data = await self.tenant_of(request), await body(request)
-        model = self._model(tenant, data)
-        name = field(data, "path")
-        call = self._save(name, "state")
+        model, seq = self._model(tenant, data), field(data, "seq_id", int)
+        with self._skipped_if_refused(model, seq):
+            call = self._save(field(data, "path"), "state")
         return self._ordered(
             tenant,
             model,
-            field(data, "seq_id", int),
+            seq,
             call,
             lambda r: Outcome(
                 json={"path": tinker_path(model.id, "weights", self._saved(model, answered(r, SavedResult)))}
@@ -202,23 +221,27 @@ class Training:
                 json={"path": path} if named is not None else {"path": path, "sampling_session_id": sampler_id}
             )
 
-        return self._ordered(tenant, model, field(data, "seq_id", int), self._save(name, "sampler"), done)
+        seq = field(data, "seq_id", int)
+        with self._skipped_if_refused(model, seq):
+            call = self._save(name, "sampler")
+        return self._ordered(tenant, model, seq, call, done)
 
     async def load_weights(self, request: web.Request) -> web.Response:
         tenant, data = await self.tenant_of(request), await body(request)
         if "model_id" not in data:  # create_training_client_from_state: a new model from a saved state
             return await self._create_from_state(tenant, data)
-        model = self._model(tenant, data)
-        owner, kind, name = parse_path(field(data, "path"))
-        if owner != model.id or kind != "weights":
-            raise TinkerRefusal(400, f"path: a model loads the states it saved (tinker://{model.id}/weights/NAME)")
-        call = LoadWeights(name=name, optimizer=bool(data.get("optimizer", False)))
+        model, seq = self._model(tenant, data), field(data, "seq_id", int)
+        with self._skipped_if_refused(model, seq):
+            owner, kind, name = parse_path(field(data, "path"))
+            if owner != model.id or kind != "weights":
+                raise TinkerRefusal(400, f"path: a model loads the states it saved (tinker://{model.id}/weights/NAME)")
+            call = LoadWeights(name=name, optimizer=bool(data.get("optimizer", False)))
 
         def done(r) -> Outcome:
             loaded = answered(r, LoadedResult)
             return Outcome(json={"path": data["path"], "model_id": model.id, "step": loaded.step})
 
-        return self._ordered(tenant, model, field(data, "seq_id", int), call, done)
+        return self._ordered(tenant, model, seq, call, done)
 
     async def _create_from_state(self, tenant: str, data: dict) -> web.Response:
         session = self._session(tenant, data)
@@ -228,7 +251,8 @@ class Training:
         if source is None or kind != "weights" or name not in source.saves or source.spec is None:
             raise TinkerRefusal(404, f"path {path!r}: no state of yours by that name (save_state makes one)")
         base = self.models[source.base_model]
-        start = SessionStart(job=source.job, step=source.saves[name], optimizer=bool(data.get("optimizer", False)))
+        optimizer = bool(data.get("optimizer", False))
+        start = SessionStart(job=source.job, name=name, step=source.saves[name], optimizer=optimizer)
         spec = msgspec.structs.replace(source.spec, start_from=start)
         seq = field(data, "model_seq_id", int, session.models)
         session.models = max(session.models, seq + 1)
@@ -306,6 +330,7 @@ def session_job(base: BaseModel, spec: SessionSpec, model_id: str) -> JobRequest
         session=spec,
         retries=3,  # a node that dies moves the session to another, from its last saved state
         label=f"tinker {model_id}",
+        idempotency_key=f"tinker {model_id}",  # a create_model sent again is the same job, not a second one
     )
     job.train.method = "session"
     return job
