@@ -75,10 +75,14 @@ def make_app(
         + [web.get("/healthz", healthz)]
     )
 
-    async def close_tinker(_app) -> None:
+    async def reap_tinker(_app):
+        reaper = asyncio.create_task(tinker.reap())
+        yield
+        reaper.cancel()
+        await asyncio.gather(reaper, return_exceptions=True)
         await tinker.close()
 
-    app.on_cleanup.append(close_tinker)
+    app.cleanup_ctx.append(reap_tinker)
     return app
 
 

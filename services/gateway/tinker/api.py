@@ -5,6 +5,7 @@ client's handshake (client/config), sessions and their heartbeats, the fleet's b
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 
@@ -19,6 +20,8 @@ from services.gateway.tinker.sessions import Sessions
 from services.gateway.tinker.training import PREFIX, Training, tinker_path
 
 log = logging.getLogger(__name__)
+REAP_S = 30.0
+SILENT_S = 600.0  # a session with no heartbeat this long is ended (the client sends one every 10 s)
 CHUNK_BYTES = 150_000  # a forward_backward request's protobuf at most: its JSON on the bus is a few times larger
 
 
@@ -133,7 +136,7 @@ class TinkerApi:
         if session is None:
             raise TinkerRefusal(404, f"no session {request.match_info['id']!r} of yours")
         session.finished = True
-        for model in [m for m in self.sessions.models.values() if m.id.startswith(session.id + ":")]:
+        for model in self.sessions.of(session):
             await self.sessions.end(model)  # each stores its adapter: the job's artifact, to register
         return reply({})
 
@@ -152,6 +155,28 @@ class TinkerApi:
             for name in sorted(model.samplers)
         ]
         return reply({"checkpoints": listed, "cursor": None})
+
+    async def reap(self) -> None:
+        """Every REAP_S: a session whose client stopped heartbeating (killed, lost) ends as if it had finished
+        (its jobs stop and store their adapters); futures nobody fetched go."""
+        while True:
+            await asyncio.sleep(REAP_S)
+            try:
+                await self._reap_once()
+            except Exception:  # a round that failed is logged, and the next one runs
+                log.exception("reaping Tinker sessions failed")
+
+    async def _reap_once(self) -> None:
+        now = time.monotonic()
+        for session in [s for s in self.sessions.sessions.values() if not s.finished and now - s.heard > SILENT_S]:
+            log.info("session %s of %s sent no heartbeat for %.0f s: ending it", session.id, session.tenant, SILENT_S)
+            session.finished = True
+            for model in self.sessions.of(session):
+                try:
+                    await self.sessions.end(model)
+                except Exception as e:  # the scheduler away: stopped by hand, or its job pauses when idle
+                    log.warning("session %s: model %s not stopped (%s)", session.id, model.id, e)
+        self.futures.expire()
 
     async def close(self) -> None:
         await self.futures.close()

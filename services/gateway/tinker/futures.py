@@ -47,7 +47,7 @@ class Futures:
 
     def start(self, tenant: str, work: Awaitable[Outcome]) -> str:
         """Run `work` for the tenant; the request id its result is fetched by."""
-        self._expire()
+        self.expire()
         request_id = "req-" + secrets.token_hex(12)
         task = asyncio.ensure_future(work)
         task.add_done_callback(self._log_fault)
@@ -72,11 +72,12 @@ class Futures:
                 json={"error": f"the gateway failed on this call ({type(e).__name__}: {e})", "category": "server"}
             )
 
-    def _expire(self) -> None:
+    def expire(self) -> None:
+        """Results fetched KEEP_S ago, and any older than a day (never fetched, or never done), go."""
         now = time.monotonic()
         for request_id, entry in list(self.pending.items()):
-            old = entry.fetched is not None and now - entry.fetched > KEEP_S
-            if old or (entry.task.done() and now - entry.created > 24 * 3600):  # never fetched: a day
+            if (entry.fetched is not None and now - entry.fetched > KEEP_S) or now - entry.created > 24 * 3600:
+                entry.task.cancel()
                 del self.pending[request_id]
 
     @staticmethod

@@ -90,6 +90,9 @@ class Sessions:
         s = self.sessions.get(session_id)
         return s if s is not None and s.tenant == tenant else None  # another tenant's is none of its own
 
+    def of(self, session: Session) -> list[Model]:
+        return [m for m in self.models.values() if m.id.startswith(session.id + ":")]
+
     def model(self, tenant: str, model_id: str) -> Model | None:
         m = self.models.get(model_id)
         return m if m is not None and m.tenant == tenant else None
