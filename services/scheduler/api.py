@@ -38,6 +38,7 @@ from schemas.validate import InvalidRequest
 from services import bus, graders
 from services.scheduler import listing, references, sizing
 from services.scheduler.grouping import co_train_note
+from services.scheduler.admission_checks import capacity_errors, held_mib, quota_errors
 from services.scheduler.core import Job, SchedulerCore
 from services.scheduler.history import events_page
 from services.scheduler.idempotency import IdempotencyKeys
@@ -120,9 +121,9 @@ class SchedulerApi:
         submissions cannot all pass the count before any of them is stored."""
         async with self._quota_turn(tenant):
             ceiling = self.core.cfg.quota(tenant).priority_errors(tenant, request.priority)  # refused, not clamped
-            if errors := ceiling + self._capacity_errors(request) + self._quota_errors(tenant):
+            if errors := ceiling + capacity_errors(self.core, request) + quota_errors(self.core, tenant):
                 return Rejected(errors)
-            request, errors = sizing.size(self.core.fleet, request, self._held_mib)
+            request, errors = sizing.size(self.core.fleet, request, functools.partial(held_mib, self.core))
             if errors:
                 return Rejected(errors)
             errors = await references.ownership_errors(self.core, request, tenant)
@@ -141,19 +142,6 @@ class SchedulerApi:
         if tenant is None or self.core.cfg.quota(tenant).queued is None:
             return contextlib.nullcontext()
         return self._quota_locks.setdefault(tenant, asyncio.Lock())
-
-    def _quota_errors(self, tenant: str | None) -> list[FieldError]:
-        core = self.core
-        limit = core.cfg.quota(tenant).queued
-        if limit is None or (queued := core.queued_by_tenant[tenant]) < limit:
-            return []
-        return [
-            FieldError(
-                "",
-                f"tenant {tenant} has {queued} jobs waiting for a device, its quota is {limit}; "
-                "submit again once some have started, or ask an admin to raise the quota",
-            )
-        ]
 
     async def _job_exists(self, job_id: str) -> bool:
         return await self.core.lookup(job_id) is not None
@@ -192,57 +180,6 @@ class SchedulerApi:
             size,
         )
         return Accepted(stored.id)
-
-    def _held_mib(self, slot) -> int:
-        """What the jetlora job on a device was placed for (it gives that back when it ends)."""
-        core = self.core
-        group = core.groups.on(slot)
-        if group is not None:
-            return sum(core.jobs[j].stored.request.gpu_mib for j in group.members if j in core.jobs)
-        job = core.jobs.get(core.fleet.reserved.get(slot, ""))
-        return job.stored.request.gpu_mib if job else 0
-
-    def _capacity_errors(self, req: JobRequest) -> list[FieldError]:
-        """A job no known device could ever hold is refused now rather than queued forever."""
-        core = self.core
-        if not core.fleet.nodes or (req.node and req.node not in core.fleet.nodes):
-            return []
-        best = core.fleet.largest(req.accelerator, req.node)
-        where = f"node {req.node}" if req.node else "any known node"
-        if best is None:
-            kind = {"gpu": "a GPU", "cpu": "an offered CPU", "any": "a device"}[req.accelerator]
-            lack = f"node {req.node} has no {kind}" if req.node else f"no known node has {kind}"
-            if req.quantization == "nf4":  # the field the submitter chose for the GPU
-                return [
-                    FieldError(
-                        "quantization",
-                        f"nf4 needs a GPU and {lack}; add a GPU node, or set "
-                        "quantization to 'none' and accelerator to 'cpu'",
-                    )
-                ]
-            return [FieldError("accelerator", f"{lack}; choose another accelerator or node")]
-        node, dev = best
-        if dev.total_mib < req.gpu_mib:
-            return [
-                FieldError(
-                    "gpu_mib",
-                    f"{req.gpu_mib} MiB is more than {where} has: the largest is {node} device "
-                    f"{dev.index} ({dev.name or dev.kind}) with {dev.total_mib} MiB total, {dev.free_mib} MiB free; "
-                    "ask for less or add a bigger GPU",
-                )
-            ]
-        if req.devices > 1:
-            most, name = core.fleet.most_devices(req.gpu_mib, req.accelerator, req.node)
-            if most < req.devices:
-                has = f"{name} has {most}" if name else "none has one"
-                return [
-                    FieldError(
-                        "devices",
-                        f"{req.devices} devices with {req.gpu_mib} MiB each must be on one node, "
-                        f"and of {where} {has}; ask for fewer devices or less gpu_mib",
-                    )
-                ]
-        return []
 
     # --- queries ---------------------------------------------------------------------------------
     async def _job(self, q: JobQuery, tenant: str | None) -> Job:

@@ -16,6 +16,7 @@ from nats.aio.client import Client
 from schemas.jobs import ACTIVE_STATES, TERMINAL_STATES, JobId, JobRequest, JobState, JobStatus, NodeId, StoredRequest
 from services.scheduler.placement import Fleet, SlotKey
 from services.scheduler.queue import JobQueue
+from services.scheduler.request_cache import RequestCache
 from services.scheduler.index import Finished, JobIndex
 from services.scheduler.config import SchedulerConfig, TenantQuota
 from services.scheduler.fence import Deposed
@@ -24,8 +25,6 @@ from services.scheduler.store import JobStore
 
 __all__ = ["SchedulerConfig", "SchedulerCore", "TenantQuota", "Job", "UNPLACED", "held", "engine_tag", "engine_slot"]
 log = logging.getLogger(__name__)
-REQUEST_CACHE_BYTES = 64 * 2**20  # full requests of queued jobs kept in memory, so placing one needs no KV read
-REQUEST_CACHE_ITEM = 64 * 2**10
 UNPLACED: dict[str, Any] = dict(
     node=None, device=None, devices=[], group=None
 )  # a job's status fields when it holds no device
@@ -106,8 +105,7 @@ class SchedulerCore:
         self.unsure: set[JobId] = set()  # jobs whose last write went unanswered: read back before anything else
         self.submitting: set[JobId] = set()  # submissions being stored: marked active, not yet in memory
         self.seq = 0
-        self.full_requests: dict[JobId, tuple[JobRequest, int]] = {}  # job -> (request with data, its size)
-        self.cached_bytes = 0
+        self.requests = RequestCache()  # queued jobs' full requests, so placing one reads nothing
         self.wake = asyncio.Event()
         self.recheck = asyncio.Event()  # the reconcile loop has jobs to read back
         self.finished: dict[JobId, float] = {}  # finished jobs still in memory -> when they ended (monotonic), in order
@@ -144,7 +142,7 @@ class SchedulerCore:
     def take_new(self, job: Job, request: JobRequest, size: int) -> None:
         """A job just stored joins memory and the queue (its full request cached, so placing it reads nothing)."""
         self.jobs[job.id] = job
-        self._cache_request(job.id, request, size)
+        self.requests.put(job.id, request, size)
         self._project(job, None, job.status)
 
     def apply(self, job: Job, status: JobStatus, revision: int) -> None:
@@ -187,7 +185,7 @@ class SchedulerCore:
         if new.state in TERMINAL_STATES and (old is None or old.state not in TERMINAL_STATES):
             self.finished.pop(job.id, None)
             self.finished[job.id] = time.monotonic()  # at the end: the dict stays in the order jobs ended
-            self.take_cached_request(job.id)
+            self.requests.take(job.id)
         if before != after:
             self.wake.set()
 
@@ -274,18 +272,6 @@ class SchedulerCore:
     def _unnote_paused(self, job_id: JobId, status: JobStatus) -> None:
         if (slot := engine_slot(status.paused_by)) is not None:
             self.engine_paused.get(slot, set()).discard(job_id)
-
-    def _cache_request(self, job_id: JobId, request: JobRequest, size: int) -> None:
-        if size <= REQUEST_CACHE_ITEM and self.cached_bytes + size <= REQUEST_CACHE_BYTES:
-            self.full_requests[job_id] = (request, size)
-            self.cached_bytes += size
-
-    def take_cached_request(self, job_id: JobId) -> JobRequest | None:
-        entry = self.full_requests.pop(job_id, None)
-        if entry is None:
-            return None
-        self.cached_bytes -= entry[1]
-        return entry[0]
 
     # --- status writes ---------------------------------------------------------------------------
     async def _write(self, job: Job, status: JobStatus) -> int:

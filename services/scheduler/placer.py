@@ -103,7 +103,7 @@ class Placer:
     ) -> None:
         core = self.core
         try:
-            request = core.take_cached_request(job.id) or (await core.store.request(job.id)).request
+            request = core.requests.take(job.id) or (await core.store.request(job.id)).request
             reply = await bus.request(
                 core.nc,
                 names.node(node).assign,
