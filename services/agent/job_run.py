@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
-import os
 import shutil
 import time
 from dataclasses import dataclass, field
@@ -37,8 +36,8 @@ from services.agent.config import AgentConfig
 from services.agent.datasets import DatasetCache, DatasetUnavailable, LocalDataset
 from services.agent.engines import rollout_engine
 from services.agent.group_run import GroupMember, GroupProcess
-from services.agent.session_run import SessionRun
-from services.agent.runner import TrainerRun
+from services.agent.session_run import SessionLost, SessionRun
+from services.agent.runner import TrainerRun, trainer_env
 from services.agent.shipping import fetch_adapter, fetch_checkpoint, fetch_session_start, ship_checkpoint, ship_results
 from services.agent.yielding import Yielded, Yielder
 from services.transfer.sender import UploadError
@@ -204,7 +203,7 @@ class JobLifecycle:
                 spec,
                 job_dir,
                 self.cfg.trainer_command,
-                {**_trainer_env(run), **self.cfg.grader_env},
+                {**trainer_env(run.assignment.device, run.devices), **self.cfg.grader_env},
                 ranks=len(run.devices),
                 niceness=self.yielder.niceness(run.devices),
                 lease_s=self.cfg.lease_s,
@@ -232,7 +231,7 @@ class JobLifecycle:
                 name,
                 self.cfg.work_dir / "jobs" / f"group-{name}-{run.assignment.job}-{run.attempt}",
                 self.cfg.group_command,
-                {**_trainer_env(run), **self.cfg.grader_env},
+                {**trainer_env(run.assignment.device, run.devices), **self.cfg.grader_env},
                 niceness=self.yielder.niceness(run.devices),
                 lease_s=self.cfg.lease_s,
                 on_empty=forget,
@@ -339,19 +338,3 @@ class JobLifecycle:
             await self._report(run, "running", f"checkpoint at step {ev.step} stored", checkpoint=info)
         except Exception as e:
             log.warning("job %s: checkpoint at step %d not stored: %s", run.assignment.job, ev.step, e)
-
-
-class SessionLost(Exception):
-    """A training session could not be given back what it saved: it fails rather than start again from nothing."""
-
-
-def _trainer_env(run: RunningJob) -> dict[str, str]:
-    """The trainer's environment beyond the agent's: its devices, and a share of the node's cores per rank."""
-    gpu = run.assignment.device != CPU_DEVICE
-    env = {
-        "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True",
-        "CUDA_VISIBLE_DEVICES": ",".join(map(str, run.devices)) if gpu else "",
-    }
-    if len(run.devices) > 1 and "OMP_NUM_THREADS" not in os.environ:  # ranks share the node's cores
-        env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // len(run.devices)))
-    return env

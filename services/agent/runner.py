@@ -16,6 +16,7 @@ from pathlib import Path
 import msgspec
 
 from schemas import trainer_lease
+from schemas.nodes import CPU_DEVICE
 from schemas.events import RENDEZVOUS_ENV, Cancelled, Failed, Finished, TrainerEvent, TrainerSpec
 from services.aio import cancel_and_wait
 from services.procs import die_with_parent, niced, write_pid_file
@@ -244,3 +245,15 @@ def rank_env(ranks: int, workdir: Path) -> dict[str, str]:
     rendezvous = workdir.resolve() / "rendezvous"  # the ranks start in the job directory: a relative path would miss
     rendezvous.unlink(missing_ok=True)  # a run before this one (paused, resumed) may have left it
     return {"WORLD_SIZE": str(ranks), RENDEZVOUS_ENV: str(rendezvous)}
+
+
+def trainer_env(device: int, devices: list[int]) -> dict[str, str]:
+    """The trainer's environment beyond the agent's: its devices, and a share of the node's cores per rank."""
+    gpu = device != CPU_DEVICE
+    env = {
+        "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True",
+        "CUDA_VISIBLE_DEVICES": ",".join(map(str, devices)) if gpu else "",
+    }
+    if len(devices) > 1 and "OMP_NUM_THREADS" not in os.environ:  # ranks share the node's cores
+        env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // len(devices)))
+    return env

@@ -24,6 +24,10 @@ CALL_TIMEOUT_S = 600.0  # one call at most (a forward_backward of a large batch 
 REMEMBERED = 64  # call ids whose answers are kept for a try sent again
 
 
+class SessionLost(Exception):
+    """A training session could not be given back what it saved: it fails rather than start again from nothing."""
+
+
 class SessionRun(TrainerRun):
     decoder = _decode
     stdin = asyncio.subprocess.PIPE

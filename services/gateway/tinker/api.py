@@ -17,7 +17,9 @@ from services.gateway.tinker import proto
 from services.gateway.tinker.futures import Futures
 from services.gateway.tinker.http import TinkerRefusal, body, field, refused, reply, tenant_of
 from services.gateway.tinker.sessions import Sessions
-from services.gateway.tinker.training import PREFIX, Training, tinker_path
+from services.gateway.tinker.common import tinker_path
+from services.gateway.tinker.sampling import Sampling
+from services.gateway.tinker.training import PREFIX, Training
 
 log = logging.getLogger(__name__)
 REAP_S = 30.0
@@ -30,23 +32,28 @@ class TinkerApi:
         self.nc, self.keys, self.models = nc, keys, models
         self.sessions, self.futures = Sessions(nc), Futures()
         self.training = Training(self.sessions, self.futures, models, idle_s)
+        self.sampling = Sampling(self.sessions, self.futures, models, idle_s)
 
     async def tenant(self, request: web.Request) -> str:
         return await tenant_of(request, self.keys)
 
     def routes(self) -> list[web.RouteDef]:
-        return [
-            web.post(PREFIX + "/client/config", self.client_config),
-            web.post(PREFIX + "/client/dynamic_config", self.dynamic_config),
-            web.post(PREFIX + "/create_session", self.create_session),
-            web.post(PREFIX + "/session_heartbeat", self.heartbeat),
-            web.post(PREFIX + "/telemetry", self.telemetry),
-            web.get(PREFIX + "/get_server_capabilities", self.capabilities),
-            web.post(PREFIX + "/get_info", self.get_info),
-            web.post(PREFIX + "/retrieve_future", self.retrieve_future),
-            web.post(PREFIX + "/sessions/{id}/finish", self.finish),
-            web.get(PREFIX + "/training_runs/{id}/checkpoints", self.checkpoints),
-        ] + self.training.routes(self.tenant)
+        return (
+            [
+                web.post(PREFIX + "/client/config", self.client_config),
+                web.post(PREFIX + "/client/dynamic_config", self.dynamic_config),
+                web.post(PREFIX + "/create_session", self.create_session),
+                web.post(PREFIX + "/session_heartbeat", self.heartbeat),
+                web.post(PREFIX + "/telemetry", self.telemetry),
+                web.get(PREFIX + "/get_server_capabilities", self.capabilities),
+                web.post(PREFIX + "/get_info", self.get_info),
+                web.post(PREFIX + "/retrieve_future", self.retrieve_future),
+                web.post(PREFIX + "/sessions/{id}/finish", self.finish),
+                web.get(PREFIX + "/training_runs/{id}/checkpoints", self.checkpoints),
+            ]
+            + self.training.routes(self.tenant)
+            + self.sampling.routes(self.tenant)
+        )
 
     @staticmethod
     @web.middleware
