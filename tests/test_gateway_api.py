@@ -228,6 +228,7 @@ def test_keys_create_prints_json_and_a_bad_tenant_is_a_message(nats_server):
     assert made.returncode == 0, made.stderr
     shown = json.loads(made.stdout)
     assert shown["tenant"] == "acme" and shown["label"] == "ci" and shown["key"].startswith(f"jl-{shown['id']}-")
+    assert shown["tinker_key"] == "tml-" + shown["key"]  # the form the tinker client takes
     listed = keys("ls", "--json")
     assert shown["id"] in [k["id"] for k in json.loads(listed.stdout)]
     bad = keys("create", "--tenant", "no.such", "--json")

@@ -66,6 +66,7 @@ async def run_gateway(nc, stop, args) -> None:
 
 def cmd_keys(args) -> int:
     from services.gateway.keys import KeyStore, new_key
+    from services.gateway.tinker.http import TINKER_PREFIX
 
     as_json = getattr(args, "json", False)
 
@@ -79,9 +80,12 @@ def cmd_keys(args) -> int:
             await store.put(record)
             if as_json:
                 shown = {"key": key, "id": record.id, "tenant": record.tenant, "label": record.label}
-                print(json.dumps(shown | {"created": record.created}))
+                print(json.dumps(shown | {"created": record.created, "tinker_key": TINKER_PREFIX + key}))
             else:
-                print(f"{key}\n(tenant {record.tenant}, id {record.id}; shown once: it is stored hashed)")
+                print(
+                    f"{key}\n(tenant {record.tenant}, id {record.id}; shown once: it is stored hashed; for the Tinker "
+                    f"API's client: TINKER_API_KEY={TINKER_PREFIX}{key})"
+                )
         elif args.action == "ls":
             records = sorted(await store.records(), key=lambda r: r.created)
             show(
