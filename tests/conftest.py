@@ -53,6 +53,8 @@ async def reset_resources(nc) -> None:
         names.kv(names.IDEMPOTENCY_KV).stream,
         names.objects(names.ARTIFACTS_BUCKET).stream,
         names.objects(names.DATASETS_BUCKET).stream,
+        names.kv(names.EVALS_KV).stream,  # one test's evals are none of the next's
+        names.kv(names.GATEWAY_JOBS_KV).stream,
     ):
         try:
             await js.delete_stream(stream)

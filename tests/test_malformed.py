@@ -7,22 +7,28 @@ import subprocess
 import sys
 
 import msgspec
+import nats.errors
 
 from schemas import names
 from schemas.jobs import Error, JobReply, Rejected, SubmitReply
-from tests.conftest import ROOT
+from tests.conftest import ROOT, retrying
 
 DEEP = b"[" * 100_000 + b"]" * 100_000
 HUGE = b'{"model": "tiny", "base_dir": "/m", "data": [{"q": "a", "a": "b"}], "train": {"learning_rate": 1e999}}'
 
 
+async def asked(nc, subject: str, payload: bytes):
+    """The reply, asked again while nothing answers yet (a scheduler that has just taken the lead)."""
+    return await retrying(lambda: nc.request(subject, payload, timeout=10), nats.errors.NoRespondersError)
+
+
 async def test_deep_nesting_and_numbers_out_of_range_are_rejections(nc, stack):
     for payload in (DEEP, HUGE, b'{"model": ' + DEEP + b"}"):
-        reply = msgspec.json.decode((await nc.request(names.SUBMIT, payload, timeout=10)).data, type=SubmitReply)
+        reply = msgspec.json.decode((await asked(nc, names.SUBMIT, payload)).data, type=SubmitReply)
         assert isinstance(reply, Rejected), reply
         assert "the service failed" not in reply.errors[0].reason, reply
     for payload in (DEEP, b'{"job": ' + DEEP + b"}"):
-        reply = msgspec.json.decode((await nc.request(names.GET_JOB, payload, timeout=10)).data, type=JobReply | Error)
+        reply = msgspec.json.decode((await asked(nc, names.GET_JOB, payload)).data, type=JobReply | Error)
         assert isinstance(reply, Error) and "the service failed" not in reply.error, reply
 
 

@@ -18,7 +18,7 @@ from services import bus
 from services.artifacts.service import ArtifactService
 from services.embedded import EmbeddedNats
 from services.scheduler.service import Scheduler, SchedulerConfig
-from tests.conftest import HOLD_TRAINER, ROOT, submit, wait_for, wait_state
+from tests.conftest import HOLD_TRAINER, ROOT, retrying, submit, wait_for, wait_state
 from tests.qa import pairs
 
 NODES = ["n1", "n2"]
@@ -296,7 +296,9 @@ async def test_an_engine_eval_run_asks_its_node_and_stores_its_results_under_the
 
     await agent.nc.subscribe(names.node("n1").evaluate, cb=answer)
     await agent.nc.flush()
-    reply = await sched.nc.request(names.node("n1").evaluate, b"{}", timeout=5)
+    reply = await retrying(  # the subscription may reach the server a moment after the flush under load
+        lambda: sched.nc.request(names.node("n1").evaluate, b"{}", timeout=5), nats.errors.NoRespondersError
+    )
     assert b"engine_eval" in reply.data
     run = EvalRun(id="evalrun_p", eval="e", job="", base_model="tiny", dataset="d")
     name, _ = await store_results(sched.nc.jetstream(), run, [], EvalSummary(items=0, samples=0, graders=[]))
