@@ -228,8 +228,9 @@ async def test_one_tenants_key_never_sees_or_drives_anothers_session(nc, gateway
 
     mine, theirs = await key_for(nc, "acme"), await key_for(nc, "globex")
 
+    sc = client(gateway, mine)  # open while the other tenant tries its session; closed at the end
+
     def start() -> str:
-        sc = client(gateway, mine)  # left open: its session goes on while the other tenant tries it
         tc = sc.create_lora_training_client(base_model="tiny", rank=4, train_unembed=False).result()
         tc.save_weights_for_sampler("s").result()
         return tc.model_id
@@ -255,6 +256,7 @@ async def test_one_tenants_key_never_sees_or_drives_anothers_session(nc, gateway
     async with aiohttp.ClientSession(headers={"X-API-Key": "tml-jl-nope"}) as http:
         async with http.post(f"{url}/client/config", json={}) as r:
             assert r.status == 401 and "tml-<a jetlora key>" in (await r.json())["detail"]
+    await asyncio.to_thread(lambda: sc.close("success"))  # its heartbeats stop with it
 
 
 def base_logprobs(gw: Gateway, key: str, prompt: list[int]) -> list:
