@@ -38,14 +38,8 @@ from tests.lora_engine import LoraEngine
 from tests.qa import QA_PAIRS
 from tests.test_registry import serving, show
 from tests.test_registry_lifecycle import peft_archive, stored
+from tests.test_gates import SAYS_ANSWER
 
-SAYS_ANSWER = {
-    "type": "string_check",
-    "name": "says_answer",
-    "input": "{{sample.output_text}}",
-    "reference": "{{item.answer}}",
-    "operation": "ilike",
-}
 ITEMS = [{"question": q, "answer": a.split()[-1].rstrip(".")} for q, a in QA_PAIRS[:8]]  # Paris, Tokyo, ...
 ANSWERS = {item["question"]: item["answer"] for item in ITEMS}
 BASE_LOGPROB, ADAPTER_LOGPROB = -1.0, -0.5  # what the engines give every token (tests/lora_engine.py)

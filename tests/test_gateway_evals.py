@@ -22,14 +22,8 @@ from tests.qa import pairs
 from tests.test_gateway import client_for, finished
 from tests.test_gateway_rft import gateway, sft_hyperparameters, upload  # noqa: F401  (a fixture)
 from tests.test_grpo import CAPITALS, rft_rows
+from tests.test_gates import SAYS_ANSWER
 
-SAYS_ANSWER = {
-    "type": "string_check",
-    "name": "says_answer",
-    "input": "{{sample.output_text}}",
-    "reference": "{{item.answer}}",
-    "operation": "ilike",
-}
 NAMES_CITY = {
     "type": "python",
     "name": "names_city",
