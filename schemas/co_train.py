@@ -17,7 +17,7 @@ from typing import Literal
 
 from msgspec import Struct
 
-from schemas.memory import ALLOCATOR_MARGIN, MIB, Estimate, ModelShape, estimate
+from schemas.memory import ALLOCATOR_MARGIN, Estimate, ModelShape, estimate
 
 CoTrainPolicy = Literal["off", "same-tenant", "any"]
 CO_TRAIN_POLICIES: tuple[CoTrainPolicy, ...] = ("off", "same-tenant", "any")
@@ -107,11 +107,11 @@ __all__ = [
     "GroupEstimate",
     "GroupKey",
     "METHODS",
-    "MIB",
     "group_estimate",
     "group_key",
     "own_mib",
     "same_weights",
+    "shared_mib",
     "weights_digest",
     "why_alone",
 ]

@@ -52,7 +52,7 @@ class Sampling:
         spec = SessionSpec(rank=1, train_mlp=False, idle_s=self.idle_s)  # an adapter it never uses
         model_id = f"{session.id}:base:{seq}"
         try:
-            model = await self.sessions.submit_job(session, model_id, session_job(base, spec, model_id), base.name, 1)
+            model = await self.sessions.submit_job(session, model_id, session_job(base, spec, model_id), base.name)
         except CallFailed as e:
             raise TinkerRefusal(400, f"base_model {base.name!r}: {e}") from None
         sampler_id = f"{model.id}:sample"

@@ -35,7 +35,6 @@ class Model:
     tenant: str
     job: str
     base_model: str
-    rank: int
     node: str | None = None  # where its job ran when last asked
     attempt: int = 0  # the job's attempt its calls went to: another one means the session moved or came back
     resumed: bool = False  # the gateway resumed it (idle, or paused for an engine): it goes on exactly where it was
@@ -97,24 +96,22 @@ class Sessions:
         m = self.models.get(model_id)
         return m if m is not None and m.tenant == tenant else None
 
-    async def create(self, session: Session, seq: int, request: JobRequest, base_model: str, rank: int) -> Model:
+    async def create(self, session: Session, seq: int, request: JobRequest, base_model: str) -> Model:
         """Submit the model's session job as the tenant's, and wait until its trainer answers."""
-        model = await self.submit_job(session, f"{session.id}:train:{seq}", request, base_model, rank)
+        model = await self.submit_job(session, f"{session.id}:train:{seq}", request, base_model)
         info = await self.send(model, Ping())
         if not isinstance(info, PingResult):
             raise CallFailed(f"model {model.id}'s session did not start: {getattr(info, 'message', info)}")
         model.info = info
         return model
 
-    async def submit_job(
-        self, session: Session, model_id: str, request: JobRequest, base_model: str, rank: int
-    ) -> Model:
+    async def submit_job(self, session: Session, model_id: str, request: JobRequest, base_model: str) -> Model:
         """The model's session job, submitted as the tenant's (it runs once placed); CallFailed says why not."""
         reply = await bus.request(self.nc, names.jobs_api(session.tenant).submit, request, SubmitReply)
         if isinstance(reply, Rejected):
             raise CallFailed("; ".join(f"{e.field}: {e.reason}" if e.field else e.reason for e in reply.errors))
         assert isinstance(reply, Accepted)
-        model = Model(model_id, session.tenant, reply.job, base_model, rank, spec=request.session)
+        model = Model(model_id, session.tenant, reply.job, base_model, spec=request.session)
         self.models[model.id] = model
         return model
 

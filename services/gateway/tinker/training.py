@@ -98,7 +98,7 @@ class Training:
         job = session_job(base, spec, f"{session.id}:train:{seq}")
 
         async def created() -> Outcome:
-            model = await self.sessions.create(session, seq, job, base.name, spec.rank)
+            model = await self.sessions.create(session, seq, job, base.name)
             return Outcome(json={"model_id": model.id, "type": "create_model"})
 
         return reply({"request_id": self.futures.start(tenant, created())})
@@ -219,7 +219,7 @@ class Training:
 
         async def created() -> Outcome:
             await self.sessions.stored(source, start.step)
-            model = await self.sessions.create(session, seq, job, base.name, spec.rank)
+            model = await self.sessions.create(session, seq, job, base.name)
             model.saves, model.spec = {}, spec
             return Outcome(json={"model_id": model.id, "path": path, "type": "load_weights"})
 
