@@ -104,7 +104,7 @@ class DatasetChecker:
         """The whole lines data[:end] checked at once (one decode for all of them), where that gives what the line
         by line check would; False where it may not (the first rows, a blank line, any error): then they go line by
         line."""
-        if self.fmt is None or len(self.head) < HEAD_ROWS or end > self.limits.max_row_bytes:
+        if self.fmt in (None, "evals") or len(self.head) < HEAD_ROWS or end > self.limits.max_row_bytes:
             return False
         if data[:1].isspace() or _BLANK_LINE_AFTER.search(data, 0, end):
             return False  # no line is blank, so each holds a row or more, and as many rows as lines is one each
@@ -209,6 +209,8 @@ class DatasetChecker:
         elif self.fmt == "rft":
             chars = sum(len(m.content) for m in row.messages)
             self.roles.update(m.role for m in row.messages)
+        elif self.fmt == "evals":  # no text of its own: the row's JSON, as sent (evals rows go line by line)
+            chars = len(line)
         else:
             chars = len(row.text)
         self._counted(chars, line)

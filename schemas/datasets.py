@@ -13,7 +13,7 @@ from msgspec import Meta, Struct, field
 from schemas import names
 from schemas.jobs import DatasetName, DatasetRef, JobId, JobState, TenantId  # noqa: F401 (a job names its data with a DatasetRef)
 
-DatasetFormat = Literal["qa", "chat", "alpaca", "text", "preference", "rft"]
+DatasetFormat = Literal["qa", "chat", "alpaca", "text", "preference", "rft", "evals"]
 FORMATS: dict[str, str] = {  # what each format's rows hold, as error messages show it
     "qa": '{"q": question, "a": answer}',
     "chat": '{"messages": [{"role": "system"|"user"|"assistant", "content": text, "weight": 0|1 (optional)}, ...]}',
@@ -23,6 +23,8 @@ FORMATS: dict[str, str] = {  # what each format's rows hold, as error messages s
     '"non_preferred_output": [{"role": "assistant", "content": text}]} (OpenAI\'s, for DPO)',
     "rft": '{"messages": [..., {"role": "user", "content": text}], ...any fields the grader reads as {{item.<field>}}} '
     "(OpenAI's reinforcement fine-tuning rows, for GRPO: the messages end with the user turn the model answers)",
+    "evals": '{"item": {...}, "sample": {...}}, or any JSON object (OpenAI\'s eval data, files of purpose "evals": '
+    "checked only as JSON objects, read by eval runs, never trained on; never detected, only named)",
 }
 ROLES = ("system", "user", "assistant")
 
@@ -81,6 +83,7 @@ ROW_TYPES: dict[str, type] = {
     "text": TextRow,
     "preference": PreferenceRow,
     "rft": RftRow,
+    "evals": dict,  # any JSON object: an eval's item and sample, checked against the eval's item_schema by each run
 }
 
 

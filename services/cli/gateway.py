@@ -49,11 +49,23 @@ def reinforcement_train(text: str) -> dict:
 
 async def run_gateway(nc, stop, args) -> None:
     from services.gateway.app import Gateway
+    from services.gateway.files import UploadLimits
 
     models = base_models(args.base_model, args.accelerator, args.served_by, args.save_steps, args.reinforcement_train)
     if not 10 <= args.tinker_idle_s <= 7 * 86400:
         raise StartupError(f"--tinker-idle-s {args.tinker_idle_s}: give 10 to 604800 seconds")
-    gateway = Gateway(nc, models, args.host, args.port, graders=grader_context(args), tinker_idle_s=args.tinker_idle_s)
+    if args.file_max_mib < 1 or args.tenant_files_mib < args.file_max_mib:
+        raise StartupError("--file-max-mib: give 1 or more, and --tenant-files-mib at least as much")
+    uploads = UploadLimits(args.file_max_mib * 2**20, args.tenant_files_mib * 2**20)
+    gateway = Gateway(
+        nc,
+        models,
+        args.host,
+        args.port,
+        graders=grader_context(args),
+        tinker_idle_s=args.tinker_idle_s,
+        uploads=uploads,
+    )
     try:
         await gateway.start()
     except OSError as e:
@@ -150,5 +162,12 @@ def gateway_flags(p: argparse.ArgumentParser) -> None:
         default=900.0,
         help="a Tinker API training session with no call this long is checkpointed and its device freed; the next "
         "call resumes it (10 s at least)",
+    )
+    p.add_argument("--file-max-mib", type=int, default=512, help="the most one uploaded file may hold (POST /v1/files)")
+    p.add_argument(
+        "--tenant-files-mib",
+        type=int,
+        default=10240,
+        help="the most a tenant's files may hold together (stored, and uploads under way); past it an upload is a 413",
     )
     grader_flags(p, "in /v1/fine_tuning/alpha/graders/run (jobs' graders run on the nodes: `jetlora agent`'s flags)")

@@ -12,8 +12,9 @@ from schemas import names
 from services.bus import RequestError
 from services.gateway.errors import JSON_MAX, TENANT, OpenAIError, error_response, json_response, too_large
 from services.gateway.evals import Evals
+from services.gateway.faults import FAULTS, REQUEST_ID_HEADER, Faults, request_id, unforeseen
 from services.gateway.events import JobEvents
-from services.gateway.files import Files
+from services.gateway.files import Files, UploadLimits
 from services.gateway.graders import Graders
 from services.gateway.jobs import Jobs
 from services.gateway.keys import KeyStore
@@ -35,13 +36,22 @@ def make_app(
     spool_dir: str | None = None,
     graders: GraderContext | None = None,
     tinker_idle_s: float = 900.0,
+    uploads: UploadLimits = UploadLimits(),
 ) -> web.Application:
     """Every body is read whole only up to JSON_MAX (client_max_size); an upload is streamed to the spool.
     `graders`: where the graders endpoints may run what (default: no judge engine, python graders only isolated);
-    `tinker_idle_s`: how long a Tinker training session may go without a call before its device is freed."""
+    `tinker_idle_s`: how long a Tinker training session may go without a call before its device is freed;
+    `uploads`: the most one file, and one tenant's files together, may hold."""
 
     @web.middleware
     async def openai_errors(request: web.Request, handler):
+        ident = request_id()
+        response = await _answer(request, handler, ident)
+        if not response.prepared:
+            response.headers[REQUEST_ID_HEADER] = ident
+        return response
+
+    async def _answer(request: web.Request, handler, ident: str) -> web.StreamResponse:
         try:
             if request.path.startswith("/v1/"):
                 request[TENANT] = await _tenant(request, keys)
@@ -58,19 +68,23 @@ def make_app(
             return error_response(OpenAIError(400, "the request ended before its body did; send it again"))
         except web.HTTPException as e:
             return error_response(OpenAIError(e.status, e.reason, None, None))
+        except Exception:  # a fault of ours that no handler foresaw: OpenAI's shape, logged with its request id
+            return error_response(unforeseen(request, ident, app[FAULTS]))
 
     async def healthz(request: web.Request) -> web.Response:
-        return json_response({"ok": nc.is_connected})
+        return json_response({"ok": nc.is_connected, "faults": app[FAULTS].count})
 
     records, events = JobRecords(nc.jetstream(), jobs_kv), JobEvents(nc)
     tinker = TinkerApi(nc, keys, models, tinker_idle_s)
     app = web.Application(middlewares=[openai_errors, TinkerApi.refusals], client_max_size=JSON_MAX)
+    app[FAULTS] = Faults()
+    grading = Graders(graders or GraderContext())
     app.add_routes(
-        Files(nc, Results(nc, events, records), spool_dir).routes()
-        + Jobs(nc, records, events, models).routes()
+        Files(nc, Results(nc, events, records), spool_dir, uploads).routes()
+        + Jobs(nc, records, events, models, grading).routes()
         + Models(nc, models).routes()
-        + Graders(graders or GraderContext()).routes()
-        + Evals(nc, models, spool_dir).routes()
+        + grading.routes()
+        + Evals(nc, models, grading, spool_dir).routes()
         + tinker.routes()
         + [web.get("/healthz", healthz)]
     )
@@ -111,16 +125,19 @@ class Gateway:
         spool_dir: str | None = None,
         graders: GraderContext | None = None,
         tinker_idle_s: float = 900.0,
+        uploads: UploadLimits = UploadLimits(),
     ) -> None:
         self.nc, self.models, self.host, self.port, self.spool_dir = nc, models, host, port, spool_dir
-        self.graders, self.tinker_idle_s = graders, tinker_idle_s
+        self.graders, self.tinker_idle_s, self.uploads = graders, tinker_idle_s, uploads
         self._runner: web.AppRunner | None = None
 
     async def start(self) -> None:
         js = self.nc.jetstream()
         jobs_kv = await js.key_value(names.GATEWAY_JOBS_KV)
         keys = await KeyStore.open(js)
-        app = make_app(self.nc, keys, jobs_kv, self.models, self.spool_dir, self.graders, self.tinker_idle_s)
+        app = make_app(
+            self.nc, keys, jobs_kv, self.models, self.spool_dir, self.graders, self.tinker_idle_s, self.uploads
+        )
         self._runner = web.AppRunner(app, access_log=None)
         await self._runner.setup()
         site = web.TCPSite(self._runner, self.host, self.port)

@@ -2,15 +2,19 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import msgspec
 from aiohttp import web
 
 from schemas import names
 from schemas.gateway import ApiError, ErrorBody
 from schemas.validate import field_error
+from services.gateway import numbers
 from services.gateway.terms import openai_terms
 
 _encode = msgspec.json.Encoder().encode
+_any = msgspec.json.Decoder().decode
 JSON_MAX = 4 * 2**20  # a JSON request's body (a job's settings): the app's limit; uploads are streamed instead
 TENANT = web.RequestKey("tenant", str)  # set from the request's key by the app's middleware, before any handler
 
@@ -77,12 +81,26 @@ async def read_json(request: web.Request, cls):
 
 
 def decode(data: bytes, cls):
-    """A request body as cls, or a 400 naming the field msgspec found wrong."""
+    """A request body as cls, or a 400 naming the field that is wrong: one msgspec found, or a number out of
+    range anywhere in it (numbers.py)."""
     try:
-        return msgspec.json.decode(data, type=cls)
+        raw = _any(data)
+    except msgspec.DecodeError as e:
+        found = numbers.locate(data)
+        if found is not None:
+            raise number_refused(*found) from None
+        raise bad_request(f"the body is not valid JSON ({e}); send a JSON object") from None
+    if (found := numbers.unfit(raw)) is not None:
+        raise number_refused(*found)
+    if cls == dict[str, Any] and not isinstance(raw, dict):
+        raise bad_request(f"the body is a JSON {type(raw).__name__}, not an object; send a JSON object")
+    try:
+        return raw if cls == dict[str, Any] else msgspec.convert(raw, cls)
     except msgspec.ValidationError as e:
         err = field_error(e)
         reason = openai_terms(err.reason)
         raise bad_request(f"{err.field}: {reason}" if err.field else reason, err.field or None) from None
-    except msgspec.DecodeError as e:
-        raise bad_request(f"the body is not valid JSON ({e}); send a JSON object") from None
+
+
+def number_refused(field: str, why: str) -> OpenAIError:
+    return bad_request(f"{field}: {why}" if field else why, field or None, "invalid_number")

@@ -7,21 +7,19 @@ from __future__ import annotations
 
 import secrets
 import tempfile
-from pathlib import Path
 from typing import Any
 
 import msgspec
 
-from schemas import names
 from schemas.datasets import DatasetUpload
 from schemas.evals import Sampling
+from services.gateway import file_reads, item_schema
 from services.gateway.errors import OpenAIError, bad_request
 from services.gateway.lookups import dataset_info
 from services.graders.templates import TemplateError, render
 
 ITEMS_PREFIX = "evalitems_"  # the datasets the gateway stores a run's items in (not listed as files)
 ITEMS_MAX = 10_000
-FILE_MAX = 64 * 2**20  # a file_id source read whole
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
 SAMPLING_KNOWN = {"temperature", "max_completion_tokens", "top_p", "seed"}
 SAMPLING_REFUSED = {"reasoning_effort", "response_format", "tools"}
@@ -108,44 +106,36 @@ def _bounded(found: list[dict[str, Any]], field: str) -> list[dict[str, Any]]:
 
 
 async def _file_items(nc, tenant: str, ident: Any, field: str) -> list[dict[str, Any]]:
-    """A file of the tenant's, one JSON object a line: `{"item": {...}}` (OpenAI's eval files) or the item itself
-    (an rft row: its messages and fields)."""
-    rows = await file_rows(nc, tenant, ident, field)
+    """A file of the tenant's, one JSON object a line: `{"item": {...}}` (OpenAI's eval files, purpose "evals",
+    whose rows may carry a `sample` too) or the item itself (an rft row: its messages and fields)."""
+    rows = await file_rows(nc, tenant, ident, field, ITEMS_MAX)
     return [r["item"] if isinstance(r.get("item"), dict) and "messages" not in r else r for r in rows]
 
 
-async def file_rows(nc, tenant: str, ident: Any, field: str) -> list[dict[str, Any]]:
-    """The rows of a file of the tenant's (another tenant's is not found), read whole: each line's JSON object."""
-    from services.transfer.download import fetch_object
-
+async def file_rows(nc, tenant: str, ident: Any, field: str, most: int) -> list[dict[str, Any]]:
+    """The rows of a file of the tenant's (another tenant's is not found), each line's JSON object: refused when
+    it holds more than `most` rows before any is read."""
     if not isinstance(ident, str):
         raise bad_request(f"{field}: give the id of a file of yours (POST /v1/files)", field)
     info = await dataset_info(nc, tenant, ident, field)
-    if info.size > FILE_MAX:
-        raise bad_request(f"{field}: {ident} is {info.size} bytes; a run's items file is up to {FILE_MAX}", field)
-    with tempfile.TemporaryDirectory() as tmp:
-        path = Path(tmp) / "items.jsonl"
-        stored = names.dataset_object(info.name, info.owner)
-        await fetch_object(nc.jetstream(), names.DATASETS_BUCKET, stored, path, info.sha256)
-        lines = [line for line in path.read_bytes().splitlines() if line.strip()]
-    return [msgspec.json.decode(line) for line in lines]
+    rows = await file_reads.all_rows(nc, info, most, field)
+    for n, row in enumerate(rows):
+        if not isinstance(row, dict):
+            raise bad_request(f"{field}: line {n + 1} of {ident} is not a JSON object; each row is one", field)
+    return rows
 
 
 def check_schema(found: list[dict[str, Any]], schema: dict[str, Any] | None, source: dict[str, Any]) -> None:
-    """The items hold what the eval's item_schema requires (its `required` keys)."""
-    required = (schema or {}).get("required") or []
-    for n, item in enumerate(found):
-        missing = [k for k in required if k not in item]
-        if not missing:
-            continue
+    """Each item valid under the eval's item_schema (JSON Schema), or a 400 naming the row and the path in it."""
+
+    def refused(n: int, path: str, why: str) -> OpenAIError:
         if source.get("type") == "file_id":
-            raise bad_request(
-                f"{DS}.source.id: line {n + 1} of {source.get('id')} has no {missing[0]!r}, which the eval's "
-                "item_schema requires",
-                f"{DS}.source.id",
-            )
-        field = f"{DS}.source.content[{n}].item.{missing[0]}"
-        raise bad_request(f"{field}: the eval's item_schema requires it", field)
+            field = f"{DS}.source.id"
+            return bad_request(f"{field}: line {n + 1} of {source.get('id')}: {path}: {why}", field)
+        field = f"{DS}.source.content[{n}].{path}"
+        return bad_request(f"{field}: {why}", field)
+
+    item_schema.validate_items(found, schema, refused)
 
 
 def rows(found: list[dict[str, Any]], input_messages: Any) -> list[dict[str, Any]]:

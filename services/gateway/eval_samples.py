@@ -42,7 +42,7 @@ async def rows(nc, tenant: str, source: dict[str, Any]) -> list[Any]:
     its `sample` (an rft row that carries its sample)."""
     found: Any
     if source["type"] == "file_id":
-        found = [_unwrapped(r) for r in await file_rows(nc, tenant, source.get("id"), f"{SOURCE}.id")]
+        found = [_unwrapped(r) for r in await file_rows(nc, tenant, source.get("id"), f"{SOURCE}.id", SAMPLES_MAX)]
     else:
         found = source.get("content")
         if not isinstance(found, list) or not found:

@@ -7,6 +7,7 @@ evals service grades as sent."""
 
 from __future__ import annotations
 
+import asyncio
 import secrets
 from typing import Any
 
@@ -18,14 +19,14 @@ from schemas.evals import EvalCreate, EvalDef, EvalList, EvalReply, EvalRun, Ite
 from schemas.evals import EvalQuery, RunListQuery, RunQuery, RunRequest
 from schemas.jobs import Error
 from services import bus
-from services.gateway import eval_items, eval_samples, evals_map
+from services.gateway import eval_items, eval_samples, evals_map, grader_door, item_schema, output_items
 from services.gateway.errors import TENANT, bad_request, is_token, json_response, not_found, read_json
+from services.gateway.graders import Graders
 from services.gateway.lookups import fine_tuned_model, unanswered
 from services.gateway.openai_map import BaseModel
-from services.gateway.paging import limit_of, page
+from services.gateway.paging import limit_of, page, paged, unknown_after
 
 RUN_FIELDS = {"dataset": "data_source.source", "adapter": "data_source.model", "version": "data_source.model"}
-ITEMS_PAGE = 1000
 
 
 def order_of(request: web.Request, allowed: tuple[str, ...] = ("asc", "desc")) -> bool:
@@ -44,8 +45,8 @@ def _run_name(body: dict[str, Any]) -> str:
 
 
 class Evals:
-    def __init__(self, nc, models: dict[str, BaseModel], spool_dir: str | None = None) -> None:
-        self.nc, self.models, self.spool_dir = nc, models, spool_dir
+    def __init__(self, nc, models: dict[str, BaseModel], graders: Graders, spool_dir: str | None = None) -> None:
+        self.nc, self.models, self.graders, self.spool_dir = nc, models, graders, spool_dir
 
     def routes(self) -> list[web.RouteDef]:
         base, run = "/v1/evals", "/v1/evals/{id}/runs/{run_id}"
@@ -91,12 +92,18 @@ class Evals:
         if extra:
             raise bad_request(f"{sorted(extra)[0]}: unknown field of an eval", sorted(extra)[0])
         schema, sample = evals_map.data_source_config(body["data_source_config"])
+        item_schema.check(schema)
         name = body.get("name", "")
         if not isinstance(name, str) or len(name) > 512:
             raise bad_request("name: a string of up to 512 characters", "name")
+        criteria = evals_map.criteria(body["testing_criteria"])
+        for n, c in enumerate(criteria):  # as /graders/validate checks each, its templates against the item_schema
+            grader_door.against_schema(c.grader, f"testing_criteria[{n}]", schema)
+        for n, c in enumerate(criteria):
+            await grader_door.sources_load(self.graders, request[TENANT], c.grader, f"testing_criteria[{n}]")
         q = EvalCreate(
             name=f"eval_{secrets.token_hex(12)}",
-            criteria=evals_map.criteria(body["testing_criteria"]),
+            criteria=criteria,
             title=name,
             item_schema=schema,
             include_sample_schema=sample,
@@ -178,7 +185,7 @@ class Evals:
         settings = eval_items.sampling(ds.get("sampling_params"), e.sampling)
         name = _run_name(body)
         found = await eval_items.items(self.nc, tenant, ds.get("source"))
-        eval_items.check_schema(found, e.item_schema, ds["source"])
+        await asyncio.to_thread(eval_items.check_schema, found, e.item_schema, ds["source"])
         rows = eval_items.rows(found, ds.get("input_messages"))
         dataset = await eval_items.store_rows(self.nc, tenant, rows, e.name, self.spool_dir)
         q = RunRequest(
@@ -200,7 +207,8 @@ class Evals:
     async def _samples_run(self, tenant: str, e: EvalDef, ds: dict[str, Any], body: dict[str, Any]) -> web.Response:
         """A `jsonl` run: its rows' samples, checked here, graded by the evals service as sent (nothing sampled)."""
         source = eval_samples.check(ds)
-        rows = eval_samples.sampled(await eval_samples.rows(self.nc, tenant, source), e.item_schema, source)
+        found = await eval_samples.rows(self.nc, tenant, source)
+        rows = await asyncio.to_thread(eval_samples.sampled, found, e.item_schema, source)
         q = RunRequest(
             eval=e.name,
             base_dir="",
@@ -279,30 +287,26 @@ class Evals:
         return json_response({"object": "eval.run.deleted", "deleted": True, "run_id": run.id})
 
     # --- output items ------------------------------------------------------------------------------------------
-    async def _items(self, tenant: str, run: EvalRun) -> list:
-        """Every item of a finished run, read a page at a time (none before it completed)."""
-        found, after = [], -1
-        while True:
-            reply = await self._ask(tenant, "items", ItemsQuery(run=run.id, after=after, limit=ITEMS_PAGE), ItemsPage)
-            if isinstance(reply, Error):
-                raise evals_map.unknown_run(run.id)
-            found += reply.items
-            if not reply.has_more or not reply.items:
-                return found
-            after = reply.items[-1].index
-
     async def list_items(self, request: web.Request) -> web.Response:
+        """A page of the run's output items, reading only that page of them (output_items.py)."""
         tenant, limit, desc = request[TENANT], limit_of(request, 20), order_of(request)
-        status = request.query.get("status")
+        status, after = request.query.get("status"), request.query.get("after")
         if status not in (None, "pass", "fail"):
             raise bad_request(f"status must be 'pass' or 'fail', not {status!r}", "status")
         run = await self._run(request)
-        items = sorted(await self._items(tenant, run), key=lambda i: i.index, reverse=desc)
-        shown = [evals_map.output_item(run, i) for i in items]
-        shown = [o for o in shown if status is None or o["status"] == status]
-        return json_response(
-            page(shown, request.query.get("after"), limit, "output item of this run", lambda x: x["id"])
-        )
+        start = evals_map.index_of(run.id, after) if after else None
+        if after and start is None:
+            raise unknown_after(after, "output item of this run")
+
+        async def ask(after_index: int, most: int) -> tuple[list, bool]:
+            query = ItemsQuery(run=run.id, after=after_index, limit=most)
+            reply = await self._ask(tenant, "items", query, ItemsPage)
+            if isinstance(reply, Error):
+                raise evals_map.unknown_run(run.id)
+            return reply.items, reply.has_more
+
+        shown, more = await output_items.page(ask, run, start, limit, desc, status)
+        return json_response(paged(shown, more, lambda x: x["id"]))
 
     async def retrieve_item(self, request: web.Request) -> web.Response:
         run, ident = await self._run(request), request.match_info["item_id"]

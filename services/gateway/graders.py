@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import msgspec
 from aiohttp import web
@@ -19,6 +20,7 @@ from services.graders import GraderContext, check, grade_many
 from services.graders.decode import decode_grader
 
 RUNS_AT_ONCE = 4  # grader runs the gateway does at a time; more wait
+T = TypeVar("T")
 
 
 class Graders:
@@ -43,6 +45,12 @@ class Graders:
         if errors or grader is None:
             raise _invalid(errors)
         return grader
+
+    async def in_slot(self, tenant: str, work: Callable[[], T]) -> T:
+        """`work` (a blocking check or grading: a sandbox process, a judge call) in a thread, in one of the grader
+        slots, on `tenant`'s turn: the door's checks (grader_door.py) take the same slots as these endpoints."""
+        async with self._slots:
+            return await asyncio.to_thread(work)
 
     async def validate(self, request: web.Request) -> web.Response:
         grader = await self._grader(await read_json(request, dict[str, Any]))

@@ -10,12 +10,15 @@ import msgspec
 from aiohttp import web
 
 from schemas import names
+from schemas.datasets import DatasetInfo
 from schemas.events import CheckpointList
 from schemas.gateway import CreateJob, FineTuningJob, GatewayJob, Hyperparameters
 from schemas.jobs import Accepted, Error, InitAdapter, JobQuery, JobReply, JobSummary, Rejected
 from services import bus
+from services.gateway import file_reads, grader_door
 from services.gateway.errors import TENANT, OpenAIError, bad_request, json_response, not_found, read_json
 from services.gateway.events import JobEvents
+from services.gateway.graders import Graders
 from services.gateway.lookups import dataset_info, fine_tuned_model, gather_bounded, job_summary, job_summary_or_none
 from services.gateway.openai_map import (
     STATUS,
@@ -27,11 +30,14 @@ from services.gateway.openai_map import (
     job_request,
     shown_hyperparameters,
 )
-from services.gateway.reinforcement import reinforcement_settings
+from services.gateway.reinforcement import WHERE, reinforcement_settings
 from services.gateway.paging import limit_of, page, paged, unknown_after
 from services.gateway.records import JobRecords, metadata_filter
 from services.gateway.results import results_file_id
 from services.gateway.terms import openai_terms, param_of
+
+
+GRADER = f"{WHERE}.grader"
 
 
 def rejection(reply: Rejected) -> OpenAIError:
@@ -43,8 +49,10 @@ def rejection(reply: Rejected) -> OpenAIError:
 
 
 class Jobs:
-    def __init__(self, nc, records: JobRecords, events: JobEvents, models: dict[str, BaseModel]) -> None:
-        self.nc, self.records, self.events, self.models = nc, records, events, models
+    def __init__(
+        self, nc, records: JobRecords, events: JobEvents, models: dict[str, BaseModel], graders: Graders
+    ) -> None:
+        self.nc, self.records, self.events, self.models, self.graders = nc, records, events, models, graders
 
     def routes(self) -> list[web.RouteDef]:
         base = "/v1/fine_tuning/jobs"
@@ -66,9 +74,15 @@ class Jobs:
         if method == "supervised" and isinstance(hp, Hyperparameters) and hp.beta != "auto":
             raise bad_request("beta is dpo's: drop it, or set method.type to 'dpo'", "hyperparameters.beta")
         model, start = await self._model(tenant, req.model)
-        for param, file in (("training_file", req.training_file), ("validation_file", req.validation_file)):
-            if file is not None:
-                await self._check_file(tenant, file, param)
+        files = {"training_file": req.training_file, "validation_file": req.validation_file}
+        infos = {param: await self._check_file(tenant, file, param) for param, file in files.items() if file}
+        if grader is not None:  # as /graders/validate checks it, and its templates against the files' first rows
+            await grader_door.sources_load(self.graders, tenant, grader, GRADER)
+            for param, info in infos.items():
+                if info.stats.format != "rft":
+                    continue  # the scheduler refuses it, saying which file a reinforcement job takes
+                rows = await file_reads.first_rows(self.nc, info, grader_door.ROWS_CHECKED)
+                grader_door.against_rows(grader, GRADER, rows, info.name, param)
         seed = req.seed if req.seed is not None else secrets.randbelow(2**31)
         adapter = adapter_name(req.model, req.suffix, secrets.token_hex(4))
         jr = msgspec.structs.replace(job_request(req, model, method, hp, adapter, seed, grader), init_adapter=start)
@@ -109,13 +123,20 @@ class Jobs:
             "model_not_available",
         )
 
-    async def _check_file(self, tenant: str, file: str, param: str) -> None:
+    async def _check_file(self, tenant: str, file: str, param: str) -> DatasetInfo:
         try:
-            await dataset_info(self.nc, tenant, file, param)
+            info = await dataset_info(self.nc, tenant, file, param)
         except OpenAIError:
             raise bad_request(
                 f"invalid {param}: no file '{file}' of yours; upload it with POST /v1/files", param
             ) from None
+        if info.stats.format == "evals":
+            raise bad_request(
+                f"invalid {param}: '{file}' is a file of purpose 'evals' (an eval's items and samples), which eval "
+                "runs read; fine-tuning trains on a file of purpose 'fine-tune'",
+                param,
+            )
+        return info
 
     async def _object(self, tenant: str, summary: JobSummary, kept: GatewayJob | None) -> FineTuningJob:
         """OpenAI's job object; a succeeded job's trained tokens are read from its newest progress event."""
