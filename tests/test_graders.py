@@ -5,7 +5,6 @@ a real local HTTP server speaking OpenAI's chat completions shape."""
 
 from __future__ import annotations
 
-import asyncio
 import json
 import math
 import subprocess
@@ -15,7 +14,7 @@ import pytest
 from aiohttp import web
 
 from schemas.graders import Sample
-from services.graders import GraderContext, check, grade_many
+from services.graders import GraderContext, check, grade_many, grade_many_async
 from services.graders.decode import decode_grader
 from services.graders.similarity import words
 from tests.conftest import ROOT
@@ -344,7 +343,7 @@ LABEL = {
 
 
 async def _grade_async(raw, outputs, items, ctx):
-    return await asyncio.to_thread(grade_many, grader(raw), [Sample.from_model_sample(o) for o in outputs], items, ctx)
+    return await grade_many_async(grader(raw), [Sample.from_model_sample(o) for o in outputs], items, ctx)
 
 
 async def test_score_model_asks_the_judge_engine_with_rendered_messages():
@@ -379,7 +378,7 @@ async def test_label_model_passes_on_passing_labels():
         ((200, "eleven", None), "model_grader_parse_error", "not a number"),
         ((200, '{"result": 11}', None), "model_grader_parse_error", "outside the grader's range"),
         ((200, "", "I cannot grade this"), "model_grader_refusal_error", "refused"),
-        ((503, "", None), "model_grader_server_error", "HTTP 503"),
+        ((503, "", None), "model_grader_server_error", "request id judge-"),
     ],
 )
 async def test_a_judge_that_fails_scores_0_saying_why(reply, kind, words_):
@@ -399,13 +398,15 @@ async def test_a_bare_number_answer_is_read_and_an_unreachable_judge_is_a_server
 
 
 def test_where_the_sandbox_cannot_isolate_python_graders_need_the_operator_to_turn_them_on():
-    from services.graders.sandbox import SandboxStatus, _session, refusal
+    from services.graders.blocking import run
+    from services.graders.sandbox import SandboxStatus, _call_deadline, _session, refusal
 
     elsewhere = SandboxStatus(False, "no namespaces on this machine")
     refused = refusal(CTX, elsewhere)
     assert "no namespaces on this machine" in refused and "--python-graders on" in refused
     assert refusal(GraderContext(python_graders="on"), elsewhere) == ""
     source = "import os\ndef grade(sample, item):\n    return float(len(os.environ))\n"
-    unisolated = _session(source, [(0, {"output_text": "x"}, {})], CTX, isolated=False)  # what "on" runs there
+    case = [(0, {"output_text": "x"}, {})]
+    unisolated = run(_session(source, case, CTX, False, _call_deadline(CTX, 1, None)))  # what "on" runs there
     result = unisolated.results[0]
     assert result.error == "" and result.score <= 1.0  # its own process, an empty environment (Python's LC_CTYPE)

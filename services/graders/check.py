@@ -1,10 +1,14 @@
 """check(): everything wrong with a grader at once, each error naming its field and the fix. Without a context
-only the grader itself is checked (formulas, templates, metrics, ranges, labels); with one, also whether it can run
-here (a judge engine for model graders, the sandbox for python graders, whose source is loaded there)."""
+only the grader itself is checked (formulas, templates, metrics, ranges, labels, a multi grader's size); with one,
+also whether it can run here (a judge engine for model graders and the image hosts it may fetch, the sandbox for
+python graders, whose source is loaded there). check_async is the same for async callers: cancelling it kills the
+sandboxes it started, and `deadline` bounds their time together."""
 
 from __future__ import annotations
 
+import asyncio
 import math
+from dataclasses import dataclass
 
 from schemas.graders import (
     Content,
@@ -17,21 +21,78 @@ from schemas.graders import (
     TextSimilarityGrader,
 )
 from schemas.validate import FieldError
-from services.graders import formula, sandbox, templates
+from services.graders import blocking, formula, judge, sandbox, templates
 from services.graders.context import GraderContext
+from services.graders.deadline import Deadline
 from services.graders.similarity import EMBEDDING_METRICS
 
 MAX_SOURCE = 256 * 1024
+MAX_GRADERS = 16  # graders one multi grader holds in all, nested multi graders and their graders counted
+
+
+@dataclass(frozen=True)
+class _Load:
+    """A python grader's source, to be loaded in the sandbox where its error would stand."""
+
+    field: str
+    source: str
 
 
 def check(grader: Grader, field: str = "grader", context: GraderContext | None = None) -> list[FieldError]:
-    """Every error, [] for a grader that can run (here, given a context)."""
+    """Every error, [] for a grader that can run (here, given a context). Synchronous: loads python graders'
+    sources in sandboxes on a loop of its own; async callers use check_async."""
+    found = _static(grader, field, context)
+    if not any(isinstance(e, _Load) for e in found):
+        return [e for e in found if isinstance(e, FieldError)]
+    return blocking.run(_loaded(found, context, None))
+
+
+async def check_async(
+    grader: Grader, field: str = "grader", context: GraderContext | None = None, deadline: Deadline | None = None
+) -> list[FieldError]:
+    """check() for async callers; `deadline` bounds the sandbox time of every source it loads together."""
+    if context is not None and context.python_graders != "off":
+        await asyncio.to_thread(sandbox.status)  # probed once, off the loop
+    return await _loaded(_static(grader, field, context), context, deadline)
+
+
+async def _loaded(found: list[FieldError | _Load], context: GraderContext | None, deadline: Deadline | None):
+    errors: list[FieldError] = []
+    for e in found:
+        if isinstance(e, FieldError):
+            errors.append(e)
+            continue
+        assert context is not None
+        why = await sandbox.check_source_async(e.source, context, deadline)
+        if why:
+            errors.append(FieldError(e.field, f"{why}; define grade(sample, item) returning a number"))
+    return errors
+
+
+def count(grader: Grader) -> int:
+    """Graders in this one, itself included."""
+    return 1 + sum(count(g) for g in grader.graders.values()) if isinstance(grader, MultiGrader) else 1
+
+
+def _static(grader: Grader, field: str, context: GraderContext | None) -> list[FieldError | _Load]:
+    if isinstance(grader, MultiGrader) and (n := count(grader) - 1) > MAX_GRADERS:
+        return [
+            FieldError(
+                f"{field}.graders",
+                f"this multi grader holds {n} graders (nested ones counted); at most {MAX_GRADERS} are taken: "
+                "split the grading, or compute more in one python grader",
+            )
+        ]
+    return _each(grader, field, context)
+
+
+def _each(grader: Grader, field: str, context: GraderContext | None) -> list[FieldError | _Load]:
     if isinstance(grader, (StringCheckGrader, TextSimilarityGrader)):
-        return _text(grader, field)
+        return list(_text(grader, field))
     if isinstance(grader, PythonGrader):
         return _python(grader, field, context)
     if isinstance(grader, (ScoreModelGrader, LabelModelGrader)):
-        return _model(grader, field, context)
+        return list(_model(grader, field, context))
     return _multi(grader, field, context)
 
 
@@ -53,7 +114,7 @@ def _text(grader: StringCheckGrader | TextSimilarityGrader, field: str) -> list[
     return errors
 
 
-def _python(grader: PythonGrader, field: str, context: GraderContext | None) -> list[FieldError]:
+def _python(grader: PythonGrader, field: str, context: GraderContext | None) -> list[FieldError | _Load]:
     if not grader.source.strip():
         return [FieldError(f"{field}.source", "give the source of a function grade(sample, item) -> float")]
     if len(grader.source.encode()) > MAX_SOURCE:
@@ -63,11 +124,10 @@ def _python(grader: PythonGrader, field: str, context: GraderContext | None) -> 
     why = sandbox.refusal(context)
     if why:
         return [FieldError(f"{field}.type", why)]
-    why = sandbox.check_source(grader.source, context)
-    return [FieldError(f"{field}.source", f"{why}; define grade(sample, item) returning a number")] if why else []
+    return [_Load(f"{field}.source", grader.source)]
 
 
-def _content(content: Content, field: str) -> list[FieldError]:
+def _content(content: Content, field: str, context: GraderContext | None) -> list[FieldError]:
     if isinstance(content, str):
         return _template(content, field)
     parts = content if isinstance(content, list) else [content]
@@ -80,6 +140,9 @@ def _content(content: Content, field: str) -> list[FieldError]:
             errors += _template(part.text, f"{where}.text")
         elif hasattr(part, "image_url"):
             errors += _template(part.image_url, f"{where}.image_url")
+            literal = "{{" not in part.image_url  # a template's URL is checked as rendered, sample by sample
+            if context is not None and literal and (why := judge.image_refusal(part.image_url, context)):
+                errors.append(FieldError(f"{where}.image_url", why))
     return errors
 
 
@@ -88,7 +151,7 @@ def _model(grader: ScoreModelGrader | LabelModelGrader, field: str, context: Gra
     if not grader.input:
         errors.append(FieldError(f"{field}.input", "give the messages the judge model reads (with templates)"))
     for k, message in enumerate(grader.input):
-        errors += _content(message.content, f"{field}.input[{k}].content")
+        errors += _content(message.content, f"{field}.input[{k}].content", context)
     if not grader.model.strip():
         errors.append(FieldError(f"{field}.model", "name the judge model (one the judge engine serves)"))
     if isinstance(grader, ScoreModelGrader):
@@ -135,8 +198,8 @@ def _labels(grader: LabelModelGrader, field: str) -> list[FieldError]:
     return errors
 
 
-def _multi(grader: MultiGrader, field: str, context: GraderContext | None) -> list[FieldError]:
-    errors = []
+def _multi(grader: MultiGrader, field: str, context: GraderContext | None) -> list[FieldError | _Load]:
+    errors: list[FieldError | _Load] = []
     if not grader.graders:
         errors.append(FieldError(f"{field}.graders", "name at least one grader"))
     try:
@@ -144,5 +207,5 @@ def _multi(grader: MultiGrader, field: str, context: GraderContext | None) -> li
     except formula.FormulaError as e:
         errors.append(FieldError(f"{field}.calculate_output", str(e)))
     for name, sub in grader.graders.items():
-        errors += check(sub, f"{field}.graders.{name}", context)
+        errors += _each(sub, f"{field}.graders.{name}", context)
     return errors

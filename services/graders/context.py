@@ -13,17 +13,22 @@ PythonGraders = Literal["auto", "on", "off"]
 class GraderContext:
     """What the operator allows here. `python_graders`: "auto" runs them only where the sandbox isolates fully
     (services/graders/sandbox.py), "on" also where it cannot (the operator accepts what is missing), "off" never.
-    The limits hold per sample (cpu_s, wall_s) or per sandbox process (memory_mib, max_processes)."""
+    The limits hold per sample (cpu_s, wall_s), per sandbox process (memory_mib, max_processes) or, where a caller
+    asks for it (the gateway's graders endpoints), per request (request_sandbox_s)."""
 
     judge_url: str | None = None  # an OpenAI-compatible engine (…/v1/chat/completions); None: model graders refused
     judge_api_key: str | None = None
     judge_timeout_s: float = 60.0
     judge_concurrency: int = 8
+    judge_image_hosts: tuple[str, ...] = ()  # hosts the judge engine may fetch input_image URLs from; else data: only
     python_graders: PythonGraders = "auto"
     cpu_s: float = 10.0
     wall_s: float = 20.0
     memory_mib: int = 512
     max_processes: int = 8
+    request_sandbox_s: float = 60.0  # the most sandbox time one request's python graders may take, load and run
+    tenant_calls: int = 4  # grader calls (validate, run) one tenant has running at a time on one gateway
+    tenant_waiting: int = 16  # and waiting their turn; more are refused (429)
     scratch_dir: str | None = None  # where each sandbox gets a fresh directory; None: the system's temp dir
     command: str = "jetlora gateway"  # whose flags set this context: refusals name them
 

@@ -3,6 +3,7 @@ grader that fails, overruns or returns no finite number scores 0 for that sample
 
 from __future__ import annotations
 
+import asyncio
 import math
 from typing import Any
 
@@ -19,19 +20,28 @@ from schemas.graders import (
     StringCheckGrader,
     TextSimilarityGrader,
 )
-from services.graders import formula, judge, sandbox, templates
+from services.graders import blocking, formula, judge, sandbox, templates
 from services.graders.context import GraderContext
+from services.graders.deadline import Deadline
 from services.graders.similarity import EMBEDDING_METRICS, similarity
 
 OTHER, VARIABLE, FORMULA = "other_error", "invalid_variable_error", "formula_parse_error"
 
 
-def grade_many(grader: Grader, samples: list[Sample], items: list[Any], context: GraderContext) -> list[GradeResult]:
-    """One result per sample (synchronous: async callers use asyncio.to_thread)."""
+async def grade_many_async(
+    grader: Grader, samples: list[Sample], items: list[Any], context: GraderContext, deadline: Deadline | None = None
+) -> list[GradeResult]:
+    """One result per sample. Cancelling it kills the sandboxes and judge requests it started. `deadline`: when the
+    caller's budget of sandbox time ends (python graders past it score 0 naming it)."""
     if len(items) != len(samples):
         raise ValueError(f"{len(samples)} samples but {len(items)} items: give one item per sample")
     as_dicts = [msgspec.to_builtins(s) for s in samples]
-    return [_finite(r) for r in _batch(grader, as_dicts, items, context)]
+    return [_finite(r) for r in await _batch(grader, as_dicts, items, context, deadline)]
+
+
+def grade_many(grader: Grader, samples: list[Sample], items: list[Any], context: GraderContext) -> list[GradeResult]:
+    """grade_many_async for synchronous callers (the trainer's rollouts)."""
+    return blocking.run(grade_many_async(grader, samples, items, context))
 
 
 def _failed(error: str, kind: str = OTHER) -> GradeResult:
@@ -44,15 +54,17 @@ def _finite(result: GradeResult) -> GradeResult:
     return GradeResult(score=0.0, error=f"the score is {result.score}, not a finite number", error_kind=OTHER)
 
 
-def _batch(grader: Grader, samples: list[dict], items: list[Any], ctx: GraderContext) -> list[GradeResult]:
+async def _batch(
+    grader: Grader, samples: list[dict], items: list[Any], ctx: GraderContext, deadline: Deadline | None
+) -> list[GradeResult]:
     try:
-        if isinstance(grader, (StringCheckGrader, TextSimilarityGrader)):
-            return [_text(grader, s, i) for s, i in zip(samples, items)]
+        if isinstance(grader, (StringCheckGrader, TextSimilarityGrader)):  # CPU bound and short: off the loop
+            return await asyncio.to_thread(lambda: [_text(grader, s, i) for s, i in zip(samples, items)])
         if isinstance(grader, PythonGrader):
-            return sandbox.run_python(grader.source, samples, items, ctx)
+            return await sandbox.run_python_async(grader.source, samples, items, ctx, deadline)
         if isinstance(grader, (ScoreModelGrader, LabelModelGrader)):
-            return judge.grade_model(grader, samples, items, ctx)
-        return _multi(grader, samples, items, ctx)
+            return await judge.grade_model(grader, samples, items, ctx)
+        return await _multi(grader, samples, items, ctx, deadline)
     except Exception as e:  # noqa: BLE001 - a grader's own failure is every sample's error, never the caller's
         return [_failed(f"the {type(grader).__name__} failed: {type(e).__name__}: {e}") for _ in samples]
 
@@ -81,14 +93,18 @@ def string_check(operation: str, text: str, reference: str) -> bool:
     return reference.casefold() in text.casefold()
 
 
-def _multi(grader: MultiGrader, samples: list[dict], items: list[Any], ctx: GraderContext) -> list[GradeResult]:
+async def _multi(
+    grader: MultiGrader, samples: list[dict], items: list[Any], ctx: GraderContext, deadline: Deadline | None
+) -> list[GradeResult]:
     """Each named grader over the batch, then the formula per sample; a sample any named grader failed on scores 0
     (its error names the grader), so a broken grader never yields a partial reward silently."""
     try:
         tree = formula.parse(grader.calculate_output, set(grader.graders))
     except formula.FormulaError as e:
         return [_failed(f"calculate_output: {e}", FORMULA) for _ in samples]
-    named = {name: [_finite(r) for r in _batch(g, samples, items, ctx)] for name, g in grader.graders.items()}
+    named = {
+        name: [_finite(r) for r in await _batch(g, samples, items, ctx, deadline)] for name, g in grader.graders.items()
+    }
     out = []
     for k in range(len(samples)):
         scores = {name: results[k].score for name, results in named.items()}

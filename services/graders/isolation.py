@@ -3,9 +3,10 @@
 Isolated (Linux, the service running as root, util-linux's unshare/setpriv/prlimit present): new network, mount,
 pid, IPC and UTS namespaces; inside, a read-only tmpfs root holding only /usr, the library directories, the
 Python installation, /etc/ld.so.cache, /dev/{null,zero,random,urandom}, a /proc of its own pid namespace and a
-SCRATCH_MIB tmpfs as /sandbox (its working directory, the runner copied in); chroot into it, then an empty
-environment, then a uid and gid of its own (no groups, no_new_privs, so no capabilities and no setuid), then
-rlimits, then `python -I -S`. Anywhere else only the unisolated fallback is
+SCRATCH_MIB tmpfs as /sandbox (its working directory, the runner copied in); chroot into it (exec'd: the runner
+becomes the pid namespace's first process, which nothing inside can signal and whose exit ends every process
+there), then an empty environment, then a uid and gid of its own (no groups, no_new_privs, so no capabilities and
+no setuid), then rlimits, then `python -I -S`. Anywhere else only the unisolated fallback is
 possible, which an operator must turn on (python_graders="on")."""
 
 from __future__ import annotations
@@ -46,7 +47,7 @@ mount -t tmpfs -o "size=${SCRATCH_MIB}m,mode=700,uid=$U,gid=$U,nosuid,nodev" jet
 cp "$H/runner.py" "$R/sandbox/runner.py"
 mount -t proc -o nosuid,nodev,noexec proc "$R/proc"
 mount -o remount,ro,bind "$R"
-chroot "$R" "$@"
+exec chroot "$R" "$@"
 """
     % SCRATCH_MIB
 )

@@ -1,25 +1,35 @@
 """score_model and label_model: a judge model this fleet serves, asked through an OpenAI-compatible engine's chat
-completions (GraderContext.judge_url, e.g. a vLLM engine's /v1/chat/completions). The grader's `input` messages
-are rendered with the templates and sent with a JSON schema for the answer ({"result": number} or
-{"result": one of labels}); the answer is read from that JSON, or from a bare number or label."""
+completions (GraderContext.judge_url, e.g. a vLLM engine's /v1/chat/completions) with aiohttp on the caller's loop,
+so a cancelled grading call cancels its requests. The grader's `input` messages are rendered with the templates and
+sent with a JSON schema for the answer ({"result": number} or {"result": one of labels}); the answer is read from
+that JSON, or from a bare number or label.
+
+What the judge host does on a tenant's behalf is bounded: an input_image's URL must be a data: URL unless the
+operator names the hosts the engine may fetch images from (GraderContext.judge_image_hosts); a redirect is never
+followed (it would carry the judge's key to another host); what the engine answers on a failure goes to the
+operator's log under a request id, and the tenant sees a fixed message with that id."""
 
 from __future__ import annotations
 
+import asyncio
 import json
+import logging
 import math
 import re
-import urllib.error
-import urllib.request
-from concurrent.futures import ThreadPoolExecutor
+import secrets
 from typing import Any
+from urllib.parse import urlsplit
 
-from schemas.graders import Content, InputMessage, LabelModelGrader, ScoreModelGrader
-from schemas.graders import GradeResult
+import aiohttp
+
+from schemas.graders import Content, GradeResult, InputMessage, LabelModelGrader, ScoreModelGrader
 from services.graders import templates
 from services.graders.context import GraderContext
 
+log = logging.getLogger(__name__)
 PARSE, REFUSAL, SERVER = "model_grader_parse_error", "model_grader_refusal_error", "model_grader_server_error"
-_OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # the fleet's own engine: no proxy
+REPLY_MAX = 8 * 2**20  # the most of a judge's reply that is read
+LOGGED_MAX = 2000  # the most of a failed reply's body the operator's log keeps
 _NUMBER = re.compile(r"^\s*(-?\d+(?:\.\d+)?(?:[eE][+-]?\d+)?)\s*$")
 
 
@@ -31,32 +41,76 @@ def chat_url(url: str) -> str:
     return f"{url}/chat/completions" if url.endswith("/v1") else f"{url}/v1/chat/completions"
 
 
-def grade_model(
+class ImageRefused(ValueError):
+    """An input_image URL the judge engine may not be asked to fetch."""
+
+
+class JudgeFailed(Exception):
+    """The judge engine gave no usable answer; the operator's log has why, under the request id."""
+
+
+def image_refusal(url: str, ctx: GraderContext) -> str:
+    """Why the judge engine may not be sent this image URL, or "" where it may: a data: URL always, an http(s) URL
+    only on a host the operator named (no user part, nothing a URL parser could read two ways)."""
+    if url[:5].lower() == "data:":
+        return ""
+    allowed = {h.lower() for h in ctx.judge_image_hosts}
+    plain = url.isprintable() and not any(c in url for c in " \\@")
+    parts = urlsplit(url) if plain else None
+    if parts is not None and parts.scheme in ("http", "https") and (parts.hostname or "") in allowed:
+        return ""
+    hosts = ", ".join(sorted(allowed)) or "none"
+    return (
+        "an input_image's image_url must be a data: URL (the image itself, base64) here: the judge engine would "
+        f"fetch any other itself; the operator names hosts it may fetch from ({ctx.command} --judge-image-hosts; "
+        f"named now: {hosts})"
+    )
+
+
+async def grade_model(
     grader: ScoreModelGrader | LabelModelGrader, samples: list[dict[str, Any]], items: list[Any], ctx: GraderContext
 ) -> list[GradeResult]:
-    """Each sample judged by one request to the engine, a few at a time."""
+    """Each sample judged by one request to the engine, `judge_concurrency` at a time."""
     if not ctx.judge_url:
         why = "no judge engine is configured here for model graders (the operator names one: --judge-url)"
         return [GradeResult(score=0.0, error=why, error_kind=SERVER) for _ in samples]
-    with ThreadPoolExecutor(max_workers=max(1, ctx.judge_concurrency)) as pool:
-        return list(pool.map(lambda pair: _one(grader, pair[0], pair[1], ctx), zip(samples, items)))
+    turns = asyncio.Semaphore(max(1, ctx.judge_concurrency))
+    timeout = aiohttp.ClientTimeout(total=ctx.judge_timeout_s)
+    async with aiohttp.ClientSession(timeout=timeout, trust_env=False) as session:  # the fleet's engine: no proxy
+
+        async def judged(sample: dict, item: Any) -> GradeResult:
+            async with turns:
+                return await _one(session, grader, sample, item, ctx)
+
+        return list(await asyncio.gather(*(judged(s, i) for s, i in zip(samples, items))))
 
 
-def _one(grader: ScoreModelGrader | LabelModelGrader, sample: dict, item: Any, ctx: GraderContext) -> GradeResult:
+async def _one(
+    session: aiohttp.ClientSession,
+    grader: ScoreModelGrader | LabelModelGrader,
+    sample: dict,
+    item: Any,
+    ctx: GraderContext,
+) -> GradeResult:
     try:
-        messages = [_message(m, sample, item) for m in grader.input]
+        messages = [_message(m, sample, item, ctx) for m in grader.input]
     except templates.TemplateError as e:
         return GradeResult(score=0.0, error=str(e), error_kind="invalid_variable_error")
+    except ImageRefused as e:
+        return GradeResult(score=0.0, error=str(e), error_kind="other_error")
+    rid = f"judge-{secrets.token_hex(6)}"
     try:
-        reply = _post(ctx, _body(grader, messages))
-    except (OSError, ValueError) as e:  # urllib's errors are OSErrors; a reply that is no JSON, ValueError
-        return GradeResult(score=0.0, error=f"the judge engine did not answer ({e})", error_kind=SERVER)
-    try:
+        reply = await _post(session, ctx, _body(grader, messages), rid)
         message = reply["choices"][0]["message"]
         usage = int((reply.get("usage") or {}).get("total_tokens") or 0)
-    except (KeyError, IndexError, TypeError, ValueError):
+        if not isinstance(message, dict):
+            raise TypeError("message is not an object")
+    except JudgeFailed:
+        return GradeResult(score=0.0, error=_failed(rid), error_kind=SERVER)
+    except (KeyError, IndexError, TypeError, ValueError, AttributeError) as e:
+        log.warning("judge request %s: the reply is not a chat completion (%s): %s", rid, e, str(reply)[:LOGGED_MAX])
         return GradeResult(
-            score=0.0, error=f"the judge's reply is not a chat completion: {str(reply)[:200]}", error_kind=PARSE
+            score=0.0, error=f"the judge's reply is not a chat completion (request id {rid})", error_kind=PARSE
         )
     if message.get("refusal"):
         return GradeResult(
@@ -68,11 +122,15 @@ def _one(grader: ScoreModelGrader | LabelModelGrader, sample: dict, item: Any, c
     return GradeResult(score=result, token_usage=usage)
 
 
-def _message(m: InputMessage, sample: dict, item: Any) -> dict[str, Any]:
-    return {"role": m.role, "content": _content(m.content, sample, item)}
+def _failed(rid: str) -> str:
+    return f"the judge engine gave no answer (request id {rid}); the operator's log says why under that id"
 
 
-def _content(content: Content, sample: dict, item: Any) -> Any:
+def _message(m: InputMessage, sample: dict, item: Any, ctx: GraderContext) -> dict[str, Any]:
+    return {"role": m.role, "content": _content(m.content, sample, item, ctx)}
+
+
+def _content(content: Content, sample: dict, item: Any, ctx: GraderContext) -> Any:
     if isinstance(content, str):
         return templates.render(content, sample, item)
     parts = content if isinstance(content, list) else [content]
@@ -84,6 +142,8 @@ def _content(content: Content, sample: dict, item: Any) -> Any:
             out.append({"type": "text", "text": templates.render(part.text, sample, item)})  # type: ignore[union-attr]
         elif part.__struct_config__.tag == "input_image":
             url = templates.render(part.image_url, sample, item)  # type: ignore[union-attr]
+            if why := image_refusal(url, ctx):
+                raise ImageRefused(why)
             detail = {"detail": part.detail} if part.detail else {}  # type: ignore[union-attr]
             out.append({"type": "image_url", "image_url": {"url": url, **detail}})
         else:
@@ -112,22 +172,54 @@ def _body(grader: ScoreModelGrader | LabelModelGrader, messages: list[dict[str, 
     return body
 
 
-def _post(ctx: GraderContext, body: dict[str, Any]) -> dict[str, Any]:
-    headers = {"Content-Type": "application/json"}
+async def _post(session: aiohttp.ClientSession, ctx: GraderContext, body: dict[str, Any], rid: str) -> dict[str, Any]:
+    """The engine's reply as a JSON object; JudgeFailed (logged with the engine's answer) where there is none."""
+    url = chat_url(ctx.judge_url or "")
+    headers = {"Content-Type": "application/json", "X-Request-Id": rid}
     if ctx.judge_api_key:
         headers["Authorization"] = f"Bearer {ctx.judge_api_key}"
-    request = urllib.request.Request(
-        chat_url(ctx.judge_url or ""), data=json.dumps(body).encode(), headers=headers, method="POST"
-    )
     try:
-        with _OPENER.open(request, timeout=ctx.judge_timeout_s) as response:
-            reply = json.loads(response.read(8 * 2**20))
-    except urllib.error.HTTPError as e:
-        detail = e.read(500).decode(errors="replace")
-        raise OSError(f"HTTP {e.code}: {detail}") from None
+        async with session.post(url, data=json.dumps(body).encode(), headers=headers, allow_redirects=False) as r:
+            data = await _read(r)
+            status, where = r.status, r.headers.get("Location", "")
+    except TimeoutError:
+        log.warning("judge request %s to %s: no answer within %gs", rid, url, ctx.judge_timeout_s)
+        raise JudgeFailed from None
+    except (aiohttp.ClientError, OSError) as e:
+        log.warning("judge request %s to %s: %s: %s", rid, url, type(e).__name__, e)
+        raise JudgeFailed from None
+    text = data[:LOGGED_MAX].decode(errors="replace")
+    if 300 <= status < 400:
+        log.warning(
+            "judge request %s to %s: HTTP %d to %r, not followed (a redirect would carry the judge's key to another "
+            "host); give --judge-url the engine's own address",
+            rid,
+            url,
+            status,
+            where,
+        )
+        raise JudgeFailed
+    if status >= 400:
+        log.warning("judge request %s to %s: HTTP %d: %s", rid, url, status, text)
+        raise JudgeFailed
+    try:
+        reply = json.loads(data)
+    except ValueError:
+        log.warning("judge request %s to %s: the reply is not JSON: %s", rid, url, text)
+        raise JudgeFailed from None
     if not isinstance(reply, dict):
-        raise ValueError("the reply is not a JSON object")
+        log.warning("judge request %s to %s: the reply is not a JSON object: %s", rid, url, text)
+        raise JudgeFailed
     return reply
+
+
+async def _read(r: aiohttp.ClientResponse) -> bytes:
+    data = b""
+    async for chunk in r.content.iter_chunked(65536):
+        data += chunk
+        if len(data) > REPLY_MAX:
+            raise aiohttp.ClientPayloadError(f"the reply is over {REPLY_MAX} bytes")
+    return data
 
 
 def _answer(grader: ScoreModelGrader | LabelModelGrader, text: str) -> float | str:
