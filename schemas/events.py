@@ -79,6 +79,7 @@ class StateChange(Struct, tag="state", tag_field="type", kw_only=True):
     ts: float = 0.0
     paused_by: str | None = None  # with `paused`: who asked (see Control.by)
     checkpoint: CheckpointInfo | None = None  # a checkpoint was stored: a resumed or re-queued job goes on from it
+    train_alone: str = ""  # with `queued`: why the job trains alone from now on (it left a co-training group)
 
 
 class DataFile(Struct, kw_only=True):
@@ -117,6 +118,8 @@ class TrainerSpec(Struct, kw_only=True):
     init_adapter: str | None = None  # request.init_adapter's PEFT directory, fetched
     rollout_engine: RolloutEngine | None = None  # grpo with train.rollouts engine or auto: the node's vLLM
     no_rollout_engine: str = ""  # why the node offers none (train.rollouts engine fails with it; auto: the trainer)
+    base_digest: str = ""  # co-trained: request.base_dir's content digest as the agent hashed it (a group's process
+    # takes a joiner only with its own base's; "": the process hashes it itself)
 
 
 class Preparing(Struct, tag="preparing", tag_field="type", kw_only=True):
@@ -189,23 +192,37 @@ JobEvent = Progress | StateChange | Preparing | Samples
 TrainerEvent = Started | Preparing | Progress | Samples | Checkpoint | Finished | Failed
 
 
+class Requeue(Struct, tag="requeue", tag_field="type", kw_only=True):
+    """A co-trained job leaves its group to train alone (the group's shared step ran out of memory with it in): the
+    checkpoint it printed just before is where it goes on from; the agent hands it back to the queue, saying why."""
+
+    step: int
+    message: str
+    checkpoint: str = ""  # the checkpoint it printed for this (the agent stores it first); "": none newer than its last
+
+
 class GroupControl(Struct, forbid_unknown_fields=True, kw_only=True):
     """A line the agent writes to a co-training group's trainer (`python -m trainer.co_train DIR`) on its stdin:
     a job joins (`spec`: its TrainerSpec, as a trainer alone is given it), or one of its jobs is cancelled
     (dropped at once), stopped (its adapter saved) or paused (a checkpoint to resume from), each after the step
-    under way. The group ends once its stdin is closed and no job is left in it."""
+    under way; held (it yields to a serving engine: it takes no step until `go`) or let go on. Each names the
+    attempt it is for (0: whichever is there): a line for an attempt the group no longer holds is left. The group
+    ends once its stdin is closed and no job is left in it."""
 
-    action: Literal["add", "cancel", "stop", "pause"]
+    action: Literal["add", "cancel", "stop", "pause", "hold", "go"]
     job: JobId
     spec: TrainerSpec | None = None  # with `add`
+    attempt: int = 0
 
 
 class GroupEvent(Struct, kw_only=True):
     """A line a co-training group's trainer prints on stdout: one of its jobs' events, as a trainer alone prints
-    it; a job's Finished or Failed is its last."""
+    it, with the attempt it belongs to (the agent drops a superseded attempt's); a job's Finished, Failed or
+    Requeue is its last."""
 
     job: JobId
-    event: TrainerEvent
+    event: TrainerEvent | Requeue
+    attempt: int = 0
 
 
 class EventsQuery(Struct, forbid_unknown_fields=True, kw_only=True):

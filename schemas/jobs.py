@@ -295,6 +295,7 @@ class JobStatus(Struct, kw_only=True):
     held_by: list[NodeId] = field(default_factory=list)  # the node of each attempt, oldest first: whose events count
     event_seq: int = 0  # the JOBS stream sequence of the last state event applied: an older one redelivered is stale
     retries_used: int = 0  # times the job was re-queued because its node went away
+    train_alone: str = ""  # why it trains alone from now on (split out of a co-training group); "": as it asks
     artifacts: list[ArtifactRef] = field(default_factory=list)
     checkpoint: str | None = None  # object-store name of the latest checkpoint: a re-queued job resumes from it
     checkpoints: list[CheckpointInfo] = field(default_factory=list)  # those stored, oldest first
