@@ -2,17 +2,16 @@
 such a group holds in memory. The scheduler groups by these rules, the CLI estimates by them, the trainer's group
 process checks the same identity of the weights.
 
-A group trains jobs of one base model (equal weights by `weights_digest`, else the same directory), precision and
-quantisation, on one device; sft and dpo jobs only, each starting from a fresh adapter; no job asks to train alone.
-Which tenants' jobs may share a process is the operator's policy (`--co-train`)."""
+A group trains jobs of one base model (equal content by schemas/weights_digest.py where the node advertised its
+digest, else the same directory on the node; the group's process compares the digests itself either way),
+precision and quantisation, and one yield rule (request.priority, which with the tenant decides whether a job gives
+way to a serving engine), on one device; sft and dpo jobs only, each starting from a fresh adapter; no job asks to
+train alone, and none was split out of a group for memory (JobStatus.train_alone). Which tenants' jobs may share a
+process is the operator's policy (`--co-train`)."""
 
 from __future__ import annotations
 
-import hashlib
-import json
 import math
-import struct
-from pathlib import Path
 from typing import Literal
 
 from msgspec import Struct
@@ -22,7 +21,7 @@ from schemas.memory import ALLOCATOR_MARGIN, Estimate, ModelShape, estimate
 CoTrainPolicy = Literal["off", "same-tenant", "any"]
 CO_TRAIN_POLICIES: tuple[CoTrainPolicy, ...] = ("off", "same-tenant", "any")
 METHODS = ("sft", "dpo")  # what a group trains
-GroupKey = tuple[str, str, str]  # (weights, precision, quantization)
+GroupKey = tuple[str, str, str, int]  # (weights, precision, quantization, priority: the yield rule)
 
 
 def why_alone(request) -> str | None:
@@ -43,11 +42,20 @@ def why_alone(request) -> str | None:
     return None
 
 
+def why_alone_now(request, status) -> str | None:
+    """why_alone, or why a job (its JobStatus) trains alone since it left a group: its step ran out of memory."""
+    return why_alone(request) or (status.train_alone or None)
+
+
 def group_key(request, shape: ModelShape | None) -> GroupKey:
-    """What jobs of one group share: the base weights (by digest where the node advertised it), precision and
-    quantisation."""
+    """What jobs of one group share: the base weights (the content digest where the node advertised it: until its
+    agent has hashed the base, the directory, which on one node is the same files; the group's process checks the
+    digests whichever it was), precision and quantisation; and the rule by which they yield to a serving engine,
+    which the scheduler derives from the priority (an admin's job above --engine-yield exempt=P does not yield, a
+    tenant's always does: the agent holds each member by its own rule, and jobs of unequal priority are never
+    grouped)."""
     weights = shape.digest if shape is not None and shape.digest else "dir:" + request.base_dir.rstrip("/")
-    return (weights, request.train.precision, request.quantization)
+    return (weights, request.train.precision, request.quantization, request.priority)
 
 
 class GroupEstimate(Struct, kw_only=True):
@@ -75,32 +83,6 @@ def group_estimate(shape: ModelShape, requests: list, device: str = "cuda") -> G
     return GroupEstimate(mib=base + sum(own), base_mib=base, own_mib=own)
 
 
-def weights_digest(directory: str) -> str:
-    """The identity of a model directory's weights without reading them: sha256 over config.json and each
-    safetensors file's name, size and header (tensor names, shapes, dtypes and offsets). Two directories with equal
-    digests hold the same model as far as training can tell without hashing gigabytes; '' when unreadable."""
-    path, h = Path(directory), hashlib.sha256()
-    try:
-        h.update((path / "config.json").read_bytes())
-        for file in sorted(path.glob("*.safetensors")):
-            with open(file, "rb") as f:
-                (size,) = struct.unpack("<Q", f.read(8))
-                header = json.loads(f.read(size))
-            h.update(file.name.encode() + b"\0" + str(file.stat().st_size).encode() + b"\0")
-            h.update(json.dumps(header, sort_keys=True).encode())
-    except (OSError, ValueError, struct.error):
-        return ""
-    return "sha256:" + h.hexdigest()
-
-
-def same_weights(a: str, b: str) -> bool:
-    """Whether two model directories hold the same weights (the same path, or equal digests)."""
-    if a.rstrip("/") == b.rstrip("/"):
-        return True
-    da = weights_digest(a)
-    return bool(da) and da == weights_digest(b)
-
-
 __all__ = [
     "CO_TRAIN_POLICIES",
     "CoTrainPolicy",
@@ -110,8 +92,7 @@ __all__ = [
     "group_estimate",
     "group_key",
     "own_mib",
-    "same_weights",
     "shared_mib",
-    "weights_digest",
     "why_alone",
+    "why_alone_now",
 ]

@@ -41,7 +41,8 @@ class ModelShape(Struct, kw_only=True, omit_defaults=True):
     vocab: Annotated[int, Meta(ge=1)]
     experts: int = 1  # mixture-of-experts: MLPs per layer
     dtype: str = "bfloat16"
-    digest: str = ""  # the weights' identity (schemas/co_train.py weights_digest): jobs co-train only on equal ones
+    digest: str = ""  # the content's identity (schemas/weights_digest.py): jobs co-train only on equal ones; "" until
+    # the agent has hashed the base (a heartbeat may come first: then the scheduler groups by directory)
 
     @classmethod
     def from_config(cls, directory: str, config: dict, params: int | None = None) -> "ModelShape":

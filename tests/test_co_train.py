@@ -266,3 +266,40 @@ def test_a_job_evaluates_its_own_adapter_as_peft_would(base, tiny_model, tmp_pat
         batches = data.make_batches(job.eval_set, job.train, tokenizer.pad_token_id, 0)
         own = evaluate(loaded, batches, "cpu", torch.float32, 1024, objective=job.objective)
         assert job.evaluate("cpu") == pytest.approx(own, abs=1e-5, rel=0)
+
+
+def test_a_step_out_of_memory_is_undone_and_the_others_train_on_as_alone(
+    base, tiny_model, tmp_path, tmp_path_factory, monkeypatch
+):
+    """A shared step that runs out of memory (injected past a token budget: a CPU has no device memory to run out of)
+    is undone for every job, one mid-way through its accumulation included; the largest job is named to leave, and
+    once it has the others go on exactly as they would alone."""
+    from trainer.co_train.group import OOM_FAULT_ENV, StepOutOfMemory
+
+    tokenizer, model = base
+    monkeypatch.setenv(OOM_FAULT_ENV, "1000")  # the two jobs' steps hold at most 2 x 128 + 128 positions
+    group = CoTrainer(copy.deepcopy(model), tokenizer)
+    for i in (0, 3):  # job3 accumulates two micro-batches a step
+        group.add_job(job_spec(tiny_model, tmp_path, f"job{i}", *JOBS[i]))
+    group.step()  # job0 stepped, job3 half-way through its first step
+    huge = job_spec(tiny_model, tmp_path, "huge", dict(r=4, alpha=8, target_modules=ATTN), dict(batch_size=64))
+    huge = msgspec.structs.replace(huge, request=msgspec.structs.replace(huge.request, data=data_rows(6)))
+    group.add_job(huge)
+    with pytest.raises(StepOutOfMemory) as failed:
+        group.step()
+    assert failed.value.largest == "huge" and failed.value.positions["huge"] > 1000, failed.value.positions
+    assert all(p.grad is None for p in group.jobs["job3"].params)  # its half-step undone
+    group.remove_job("huge")
+    group.run()
+    shared_tmp = tmp_path_factory.getbasetemp() / "co_train_alone"
+    shared_tmp.mkdir(exist_ok=True)
+    for i in (0, 3):
+        assert group.jobs[f"job{i}"].state == "trained"
+        assert_matches_alone(group.jobs[f"job{i}"], alone_result(i, model, tokenizer, tiny_model, shared_tmp))
+
+
+def data_rows(times: int) -> list:
+    """The Q/A pairs `times` over (a job with many rows)."""
+    from schemas.jobs import QA
+
+    return [QA(q=q, a=a) for _ in range(times) for q, a in QA_PAIRS]

@@ -5,6 +5,7 @@ whose loss stops being a number fails alone. Each writes what a trainer alone wr
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import threading
@@ -15,7 +16,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from schemas.events import Checkpoint, Failed, Finished, GroupControl, GroupEvent, Progress, Started
+from schemas.events import Checkpoint, Failed, Finished, GroupControl, GroupEvent, Progress, Requeue, Started
 from tests.test_co_train import ATTN, MLP, job_spec
 
 DEADLINE_S = 60.0
@@ -25,15 +26,17 @@ ROOT = Path(__file__).resolve().parent.parent
 class GroupProcess:
     """The group's process, its events gathered by job as they come."""
 
-    def __init__(self) -> None:
+    def __init__(self, env: dict | None = None) -> None:
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "trainer.co_train"],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             cwd=ROOT,
+            env={**os.environ, **(env or {})},
         )
         self.events: dict[str, list] = {}
+        self.attempts: dict[tuple[str, int], list] = {}  # the same events by (job, attempt)
         self.changed = threading.Condition()
         threading.Thread(target=self._read, daemon=True).start()
 
@@ -44,6 +47,7 @@ class GroupProcess:
                 ev = msgspec.json.decode(line, type=GroupEvent)
                 with self.changed:
                     self.events.setdefault(ev.job, []).append(ev.event)
+                    self.attempts.setdefault((ev.job, ev.attempt), []).append(ev.event)
                     self.changed.notify_all()
         with self.changed:
             self.changed.notify_all()  # the process's end: nothing more comes
@@ -54,14 +58,24 @@ class GroupProcess:
         assert self.proc.stderr is not None
         return f"the process exited {self.proc.returncode}: {self.proc.stderr.read().decode()[-3000:]}"
 
-    def send(self, action: str, job: str, spec=None) -> None:
+    def send(self, action: str, job: str, spec=None, attempt: int = 0) -> None:
         assert self.proc.stdin is not None
-        self.proc.stdin.write(msgspec.json.encode(GroupControl(action=action, job=job, spec=spec)) + b"\n")
+        line = GroupControl(action=action, job=job, spec=spec, attempt=spec.attempt if spec else attempt)
+        self.proc.stdin.write(msgspec.json.encode(line) + b"\n")
         self.proc.stdin.flush()
 
+    def wait(self, what: str, predicate) -> None:
+        """Until predicate() holds (under the lock the events are gathered with)."""
+        with self.changed:
+            ok = self.changed.wait_for(lambda: predicate() or self.proc.poll() is not None, DEADLINE_S)
+        assert ok and predicate(), f"no {what}: {self.events}; {self.stderr()}"
+
+    def at_step(self, job: str, step: int) -> bool:
+        return any(isinstance(e, Progress) and e.step >= step for e in self.events.get(job, []))
+
     def last(self, job: str):
-        """The job's last event (Finished or Failed), waited for."""
-        ended = lambda: any(isinstance(e, (Finished, Failed)) for e in self.events.get(job, []))  # noqa: E731
+        """The job's last event (Finished, Failed or Requeue), waited for."""
+        ended = lambda: any(isinstance(e, (Finished, Failed, Requeue)) for e in self.events.get(job, []))  # noqa: E731
         with self.changed:
             ok = self.changed.wait_for(lambda: ended() or self.proc.poll() is not None, DEADLINE_S)
         assert ok and ended(), f"job {job} did not end: {self.events.get(job)}; {self.stderr()}"
@@ -138,3 +152,75 @@ def test_jobs_join_end_stop_pause_resume_and_cancel_alone_in_one_process(tiny_mo
     assert got.keys() == want.keys()
     for key in want:
         torch.testing.assert_close(got[key], want[key], atol=1e-5, rtol=1e-5)
+
+
+def test_a_step_out_of_memory_hands_the_largest_job_back_with_its_checkpoint_and_the_rest_go_on(tiny_model, tmp_path):
+    """The group's shared step runs out of memory (injected past a token budget) once a small job joins a huge one:
+    nobody fails; the huge one, having taken the most of the step, leaves with a checkpoint of where it stood and is
+    handed back (Requeue, naming only itself); the small one trains to its end on the loss curve it has alone."""
+    from tests.test_co_train import data_rows
+    from trainer.co_train.group import OOM_FAULT_ENV
+
+    huge = spec(tiny_model, tmp_path, "huge", batch_size=64, max_steps=8)
+    huge = msgspec.structs.replace(huge, request=msgspec.structs.replace(huge.request, data=data_rows(6)))
+    small = spec(tiny_model, tmp_path, "small", max_steps=5)
+    group = GroupProcess(env={OOM_FAULT_ENV: "1000"})  # the small job's steps hold at most 128 positions
+    try:
+        group.send("add", "huge", huge)
+        group.wait("two steps of the huge job, alone in the group", lambda: group.at_step("huge", 2))
+        group.send("add", "small", small)
+        handed_back = group.last("huge")
+        assert group.proc.stdin is not None
+        group.proc.stdin.close()
+        done = group.last("small")
+        assert group.proc.wait(timeout=DEADLINE_S) == 0
+    finally:
+        group.proc.kill()
+    assert isinstance(handed_back, Requeue), handed_back
+    assert handed_back.step >= 2 and "ran out of memory" in handed_back.message and "small" not in handed_back.message
+    assert handed_back.checkpoint == str(Path(huge.out_dir) / "checkpoints" / f"step-{handed_back.step}")
+    assert (Path(handed_back.checkpoint) / "trainer_state.pt").is_file()
+    assert f"from step {handed_back.step}" in handed_back.message
+    assert isinstance(done, Finished) and done.state == "trained" and done.step == 5, done
+    curve = [e.loss for e in group.events["small"] if isinstance(e, Progress)]
+    assert curve == pytest.approx(alone_curve(tiny_model, small), abs=1e-5, rel=0)
+
+
+def alone_curve(tiny_model, job_spec) -> list[float]:
+    """The job's per-step losses trained alone (a group of one, in this process)."""
+    from trainer.co_train.group import CoTrainer
+    from trainer.model import load
+
+    tokenizer, model = load(str(tiny_model), "cpu", torch.float32)
+    group = CoTrainer(model, tokenizer)
+    job = group.add_job(job_spec)
+    group.run()
+    return [r.loss for r in job.history]
+
+
+def test_a_superseded_attempts_lines_and_events_never_pass_for_the_next_one(tiny_model, tmp_path):
+    """Attempt 2 of a job joins while attempt 1 still trains in the group (the job was placed again before its
+    last step ended): attempt 1 leaves at once, a line still meant for it is left, and every event of the job from
+    then on is attempt 2's, each tagged so."""
+    first = msgspec.structs.replace(spec(tiny_model, tmp_path, "a1", max_steps=200), job="a", attempt=1)
+    second = msgspec.structs.replace(spec(tiny_model, tmp_path, "a2", max_steps=3), job="a", attempt=2)
+    group = GroupProcess()
+    try:
+        group.send("add", "a", first)
+        group.wait("attempt 1 under way", lambda: group.at_step("a", 1))
+        group.send("add", "a", second)
+        group.send("stop", "a", attempt=1)  # meant for the attempt that is gone: left
+        group.send("add", "a", first)  # attempt 1's line again, late: the group holds the newer
+        assert group.proc.stdin is not None
+        group.proc.stdin.close()
+        done = group.last("a")
+        assert group.proc.wait(timeout=DEADLINE_S) == 0
+        stderr = group.stderr()
+    finally:
+        group.proc.kill()
+    assert isinstance(done, Finished) and done.state == "trained" and done.step == 3, done
+    assert Path(done.adapter_dir).is_relative_to(Path(second.out_dir))
+    assert group.attempts[("a", 2)][-1] is done
+    assert [e.step for e in group.attempts[("a", 2)] if isinstance(e, Progress)] == [1, 2, 3]
+    assert not any(isinstance(e, (Finished, Failed)) for e in group.attempts[("a", 1)])
+    assert "attempt 1 leaves the group, superseded by attempt 2" in stderr and "stop for job a attempt 1 left" in stderr

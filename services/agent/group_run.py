@@ -1,9 +1,14 @@
 """A co-training group on this node: one trainer process (`python -m trainer.co_train`) holding a base model once
 and training the adapters of several jobs on it. Each job's run holds a GroupMember, which the job's run drives as
 it drives a trainer alone (runner.TrainerRun): run it to its end with its events passed on, cancel, stop or pause
-it, renew its lease, stop it for a serving engine. Jobs join by a line on the process's stdin; its stdout carries
-each job's events, tagged with the job. The process dying fails every job still in it, as a trainer's death fails
-its job; the last job leaving closes its stdin and the process ends."""
+it, renew its lease, stop it for a serving engine. Jobs join by a line on the process's stdin, with their base's
+content digest (services/agent/models.py DIGESTS: the group's process lets in only its own base's); its stdout
+carries each job's events, tagged with the job and the attempt (a superseded attempt's are dropped, and logged).
+
+Yielding is per member: a member held for a serving engine sits out the group's steps (a line to the process); the
+process is stopped (SIGSTOP) only while every member is held, and goes on (SIGCONT) as soon as one is not, so one
+member's pause or an exempt member never lets another compute that must yield. The process dying fails every job
+still in it, as a trainer's death fails its job; the last job leaving closes its stdin and the process ends."""
 
 from __future__ import annotations
 
@@ -20,7 +25,8 @@ from pathlib import Path
 import msgspec
 
 from schemas import trainer_lease
-from schemas.events import Cancelled, Failed, Finished, GroupControl, GroupEvent, TrainerSpec
+from schemas.events import Cancelled, Failed, Finished, GroupControl, GroupEvent, Requeue, TrainerSpec
+from services.agent.models import DIGESTS
 from services.aio import cancel_and_wait
 from services.procs import PID_FILE, die_with_parent, niced, write_pid_file
 
@@ -55,17 +61,19 @@ class GroupProcess:
         self.tasks: list[asyncio.Task] = []
         self._starting = asyncio.Lock()
         self.stderr_tail: collections.deque[str] = collections.deque(maxlen=STDERR_LINES)
+        self.stopped = False  # SIGSTOPped: every member it holds must yield
 
     def member(self, spec: TrainerSpec) -> "GroupMember":
         return GroupMember(self, spec)
 
     async def join(self, member: "GroupMember") -> None:
-        """The job joins (its line sent); the process is started for the first."""
+        """The job joins (its line sent, with its base's digest); the process is started for the first."""
         self.members[member.spec.job] = member  # before any await: the group is not empty while it joins
+        spec = msgspec.structs.replace(member.spec, base_digest=await base_digest(member.spec.request.base_dir))
         async with self._starting:
             if self.proc is None:
                 await self._start()
-        self.send(GroupControl(action="add", job=member.spec.job, spec=member.spec))
+        self.send(GroupControl(action="add", job=spec.job, spec=spec, attempt=spec.attempt))
 
     async def _start(self) -> None:
         self.workdir.mkdir(parents=True, exist_ok=True)
@@ -111,8 +119,18 @@ class GroupProcess:
             except msgspec.DecodeError:
                 log.debug("group %s printed a line that is not an event: %r", self.name, line[:200])
                 continue
-            if (member := self.members.get(ev.job)) is not None:
+            member = self.members.get(ev.job)
+            if member is not None and ev.attempt == member.spec.attempt:
                 member.events.put_nowait(ev.event)
+            else:
+                log.info(
+                    "group %s: dropped a %s event of job %s attempt %d (%s)",
+                    self.name,
+                    type(ev.event).__name__,
+                    ev.job,
+                    ev.attempt,
+                    f"attempt {member.spec.attempt} runs now" if member else "no attempt of it runs here now",
+                )
         code = await proc.wait()
         await asyncio.wait([stderr], timeout=5.0)
         tail = " | ".join(self.stderr_tail)
@@ -136,8 +154,10 @@ class GroupProcess:
         if self.members.get(member.spec.job) is member:
             del self.members[member.spec.job]
         if self.members or self.closing:
+            self.settle()
             return
         self.closing = True
+        self.settle()  # it must run to see its stdin close
         self.on_empty(self)
         proc = self.proc
         try:
@@ -159,6 +179,15 @@ class GroupProcess:
             start = time.monotonic() if heard_at is None else heard_at
             trainer_lease.write(str(self.lease), start + self.lease_s)
 
+    def settle(self) -> None:
+        """Stop the process while every member that joined is held (it yields for all of them), let it go on as
+        soon as one is not (or it is closing): its state follows all its members', never one's alone."""
+        joined = [m for m in self.members.values() if m.joined and not m.cancelled]
+        stop = bool(joined) and all(m.held for m in joined) and not self.closing
+        if stop != self.stopped:
+            self.signal(signal.SIGSTOP if stop else signal.SIGCONT)
+            self.stopped = stop
+
     def signal(self, sig: int) -> None:
         """The process's whole group (its data loaders and compilers too)."""
         if self.proc is not None and self.proc.returncode is None:
@@ -176,25 +205,27 @@ class GroupMember:
         self.events: asyncio.Queue = asyncio.Queue()
         self.cancelled = False
         self.joined = False
-        self.asked: list[str] = []  # stop or pause asked before it joined
+        self.held = False  # yielding to a serving engine: it sits out the group's steps
+        self.asked: list[str] = []  # stop, pause or hold asked before it joined
 
     @property
     def proc(self) -> asyncio.subprocess.Process | None:
         return self.group.proc if self.joined else None
 
-    async def run(self, on_event: Callable[[object], Awaitable[None]]) -> Finished | Failed | Cancelled:
+    async def run(self, on_event: Callable[[object], Awaitable[None]]) -> Finished | Failed | Cancelled | Requeue:
         if self.cancelled:
             return Cancelled()
         try:
             await self.group.join(self)
             self.joined = True
             if self.cancelled:  # while it joined
-                self.group.send(GroupControl(action="cancel", job=self.spec.job))
+                self._send("cancel")
             for action in self.asked:
-                self.group.send(GroupControl(action=action, job=self.spec.job))  # type: ignore[arg-type]
+                self._send(action)
+            self.group.settle()
             while True:
                 ev = await self.events.get()
-                if isinstance(ev, (Finished, Failed, Cancelled)):
+                if isinstance(ev, (Finished, Failed, Cancelled, Requeue)):
                     return ev
                 await on_event(ev)
         except BaseException:
@@ -203,12 +234,16 @@ class GroupMember:
         finally:
             await self.group.leave(self)
 
+    def _send(self, action: str) -> None:
+        self.group.send(GroupControl(action=action, job=self.spec.job, attempt=self.spec.attempt))  # type: ignore[arg-type]
+
     def cancel(self) -> None:
         """Drop the job from the group at once (its neighbours go on); the run ends as cancelled."""
         if not self.cancelled:
             self.cancelled = True
             if self.joined:
-                self.group.send(GroupControl(action="cancel", job=self.spec.job))
+                self._send("cancel")
+                self.group.settle()
             self.events.put_nowait(Cancelled())
 
     def stop(self) -> None:
@@ -219,7 +254,7 @@ class GroupMember:
 
     def _ask(self, action: str) -> None:
         if self.joined:
-            self.group.send(GroupControl(action=action, job=self.spec.job))  # type: ignore[arg-type]
+            self._send(action)
         else:
             self.asked.append(action)
 
@@ -227,8 +262,24 @@ class GroupMember:
         self.group.renew(heard_at)
 
     def suspend(self) -> None:
-        """A serving engine wants the device: the whole group stops where it stands (it shares the device)."""
-        self.group.signal(signal.SIGSTOP)
+        """A serving engine wants the device: this job sits out the group's steps from the next one (the process
+        stops where it stands once every member is held)."""
+        self._hold(True)
 
     def go_on(self) -> None:
-        self.group.signal(signal.SIGCONT)
+        self._hold(False)
+
+    def _hold(self, held: bool) -> None:
+        self.held = held
+        self._ask("hold" if held else "go")
+        self.group.settle()
+
+
+async def base_digest(base_dir: str) -> str:
+    """The content digest of a joiner's base, from the agent's cache (hashed in a thread when a file is new or
+    changed); "" when it cannot be read (the group's process then hashes it, or refuses the job, itself)."""
+    try:
+        return await asyncio.to_thread(DIGESTS.directory, base_dir)
+    except (OSError, ValueError) as e:
+        log.warning("base %s: its content digest could not be computed here (%s)", base_dir, e)
+        return ""

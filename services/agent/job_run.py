@@ -24,6 +24,7 @@ from schemas.events import (
     Finished,
     Preparing,
     Progress,
+    Requeue,
     Samples,
     Started,
     StateChange,
@@ -105,6 +106,7 @@ class JobLifecycle:
         paused_by: str | None = None,
         checkpoint: CheckpointInfo | None = None,
         give_up_after: float = 300.0,
+        train_alone: str = "",
     ) -> None:
         a = run.assignment
         if run.superseded:  # not the job's attempt any more: its word would only be ignored
@@ -120,6 +122,7 @@ class JobLifecycle:
             ts=time.time(),
             paused_by=paused_by,
             checkpoint=checkpoint,
+            train_alone=train_alone,
         )
         run.reports += 1
         await bus.publish_durably(
@@ -150,6 +153,11 @@ class JobLifecycle:
             result = await self._train(run, job_dir)
             if run.checkpoint_upload:  # its state event must not come after the job's end
                 await run.checkpoint_upload
+            if isinstance(result, Requeue):  # split out of its co-training group: its checkpoint first
+                if result.checkpoint:
+                    await self._ship_checkpoint(run, Checkpoint(step=result.step, path=result.checkpoint))
+                await self._report(run, "queued", result.message + run.yielded.summary(), train_alone=result.message)
+                return
             if isinstance(result, (Failed, Cancelled)):
                 await self._report(
                     run,
@@ -191,7 +199,7 @@ class JobLifecycle:
             if not self.cfg.keep_job_dirs:  # a job's directory may be large: not on the loop heartbeats share
                 await asyncio.shield(asyncio.to_thread(shutil.rmtree, job_dir, ignore_errors=True))
 
-    async def _train(self, run: RunningJob, job_dir: Path) -> Finished | Failed | Cancelled:
+    async def _train(self, run: RunningJob, job_dir: Path) -> Finished | Failed | Cancelled | Requeue:
         """Fetch what the job needs, run its trainer to its end (what was asked of the job meanwhile passed on to
         it), its events reported as they come."""
         spec = await self._trainer_spec(run, job_dir)

@@ -1,6 +1,11 @@
-"""Several jobs' micro-batches as one batch for one forward: their rows one job after another, each job's rows a
-contiguous span, all in the packed form (position ids that restart at each sequence, no attention mask), right-
-padded to the widest row with padding that is a sequence of its own and learns nothing."""
+"""Several jobs' micro-batches as one batch for one forward, in the packed form (position ids that restart at each
+sequence, no attention mask), each job's part contiguous. Two layouts:
+
+flat    every job's rows end to end in one row of token positions: nothing is padded to another job's width, so
+        the step holds what each job's own batch holds (the sum the scheduler's group estimate adds up); attention
+        is computed per job's rows by trainer/co_train/varlen.py. The layout wherever the model allows it.
+padded  the jobs' rows stacked, right-padded to the widest row with padding that is a sequence of its own and
+        learns nothing: for models whose attention the flat layout does not compute (sliding windows)."""
 
 from __future__ import annotations
 
@@ -8,20 +13,39 @@ from dataclasses import dataclass
 
 import torch
 
+from trainer.co_train import varlen
 from trainer.co_train.layer import Routing
 from trainer.data import IGNORE, Batch
 
 
 @dataclass
 class Combined:
-    """The group's batch for one forward, and where each job's rows are in it."""
+    """The group's batch for one forward, and where each job's part is in it."""
 
     batch: Batch
-    spans: dict[str, slice]  # job -> its rows
+    spans: dict[str, slice]  # job -> its rows (padded) or its token positions (flat)
+    shapes: dict[str, tuple[int, int]]  # job -> (rows, width) of its own micro-batch
+    layout: varlen.Layout | None = None  # flat: how attention goes piece by piece
 
     @property
     def routing(self) -> Routing:
-        return Routing(list(self.spans.items()))
+        return Routing(list(self.spans.items()), tokens=self.layout is not None)
+
+    def positions(self, job: str) -> int:
+        """Token positions the job takes in the batch (its rows, padded ones to the batch's width)."""
+        rows, width = self.shapes[job]
+        return rows * (width if self.layout is not None else self.batch.input_ids.shape[1])
+
+    def out_of(self, out: torch.Tensor, job: str) -> torch.Tensor:
+        """The job's part of the model's output, shaped as its own batch's ([rows, width, ...]; padded: the batch's
+        width)."""
+        if self.layout is None:
+            return out[self.spans[job]]
+        rows, width = self.shapes[job]
+        return out[0, self.spans[job]].reshape(rows, width, *out.shape[2:])
+
+    def targets_of(self, job: str) -> torch.Tensor:
+        return self.out_of(self.batch.targets.unsqueeze(-1), job).squeeze(-1)
 
 
 def positions_of(batch: Batch) -> torch.Tensor:
@@ -35,6 +59,29 @@ def positions_of(batch: Batch) -> torch.Tensor:
     return torch.where(mask, real, tail)
 
 
+def combine(micro: dict[str, Batch], pad_id: int, model=None) -> Combined:
+    """Each job's micro-batch (in the order given) as one batch: flat when `model`'s attention allows it."""
+    if model is not None and varlen.supported(model):
+        return combine_flat(micro, model)
+    return combine_padded(micro, pad_id)
+
+
+def combine_flat(micro: dict[str, Batch], model) -> Combined:
+    ids, targets, positions, spans, shapes, pieces, at = [], [], [], {}, {}, [], 0
+    for job, b in micro.items():
+        rows, width = b.input_ids.shape
+        ids.append(b.input_ids.reshape(-1))
+        targets.append(b.targets.reshape(-1))
+        own = positions_of(b)
+        positions.append(own.reshape(-1))
+        spans[job], shapes[job] = slice(at, at + rows * width), (rows, width)
+        pieces.append((at, own))
+        at += rows * width
+    tokens = sum(b.tokens for b in micro.values())
+    batch = Batch(torch.cat(ids)[None], torch.cat(targets)[None], torch.cat(positions)[None], None, tokens)
+    return Combined(batch, spans, shapes, varlen.layout(model, pieces))
+
+
 def widen(t: torch.Tensor, width: int, fill: int) -> torch.Tensor:
     if t.shape[1] == width:
         return t
@@ -46,18 +93,18 @@ def widened_positions(positions: torch.Tensor, width: int) -> torch.Tensor:
     extra = width - positions.shape[1]
     if not extra:
         return positions
-    return torch.cat([positions, torch.arange(extra).expand(positions.shape[0], extra)], dim=1)
+    pad = torch.arange(extra, device=positions.device).expand(positions.shape[0], extra)
+    return torch.cat([positions, pad], dim=1)
 
 
-def combine(micro: dict[str, Batch], pad_id: int) -> Combined:
-    """Each job's micro-batch (in the order given) stacked into one packed batch."""
+def combine_padded(micro: dict[str, Batch], pad_id: int) -> Combined:
     width = max(b.input_ids.shape[1] for b in micro.values())
-    ids, targets, positions, spans, at = [], [], [], {}, 0
+    ids, targets, positions, spans, shapes, at = [], [], [], {}, {}, 0
     for job, b in micro.items():
         ids.append(widen(b.input_ids, width, pad_id))
         targets.append(widen(b.targets, width, IGNORE))
         positions.append(widened_positions(positions_of(b), width))
-        spans[job] = slice(at, at + b.input_ids.shape[0])
+        spans[job], shapes[job] = slice(at, at + b.input_ids.shape[0]), tuple(b.input_ids.shape)
         at += b.input_ids.shape[0]
     tokens = sum(b.tokens for b in micro.values())
-    return Combined(Batch(torch.cat(ids), torch.cat(targets), torch.cat(positions), None, tokens), spans)
+    return Combined(Batch(torch.cat(ids), torch.cat(targets), torch.cat(positions), None, tokens), spans, shapes)

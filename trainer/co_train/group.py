@@ -1,11 +1,15 @@
 """K jobs training their adapters on one frozen base in one process, top to bottom: each forward takes the next
-micro-batch of every running job, stacked; the base runs once for all rows and each layer adds each job's LoRA to
-its own rows; each job's loss comes from its own rows; one backward over their sum (the jobs' parameters are
-disjoint and each loss depends only on its own rows, so each job's gradient is its own loss's); then every job at
-the end of its accumulation clips and steps on its own. A job whose loss is not a number fails alone; jobs join
-and leave between forwards."""
+micro-batch of every running job, laid out together (trainer/co_train/combine.py); the base runs once for all of
+them and each layer adds each job's LoRA to its own part; each job's loss comes from its own part; one backward
+over their sum (the jobs' parameters are disjoint and each loss depends only on its own part, so each job's
+gradient is its own loss's); then every job at the end of its accumulation clips and steps on its own. A job whose
+loss is not a number fails alone; jobs join and leave between forwards, and a held job (yielding to a serving
+engine) sits out forwards until it is let go on. A forward or backward that runs out of memory is undone for every
+job (each begins its step again) and raised as StepOutOfMemory, for the process to split the group."""
 
 from __future__ import annotations
+
+import os
 
 import torch
 
@@ -17,6 +21,23 @@ from trainer.co_train.shared_base import SharedBase
 from trainer.errors import JobError
 from trainer.objectives import Dpo
 
+OOM_FAULT_ENV = "JETLORA_CO_TRAIN_OOM_ABOVE"  # tests only: a step of several jobs over this many token positions
+# fails as out of memory after its forward (a CPU has no device memory to run out of), through the real split path
+
+
+class StepOutOfMemory(Exception):
+    """The shared step ran out of memory; every job's step under way was undone. `positions`: each job's token
+    positions in that step (what it added to the step's activations)."""
+
+    def __init__(self, positions: dict[str, int], error: str) -> None:
+        super().__init__(f"the shared step ran out of memory: {error}")
+        self.positions, self.error = positions, error
+
+    @property
+    def largest(self) -> str:
+        """The job that took the most of the step (ties: by name, so that the choice is the same every time)."""
+        return max(self.positions, key=lambda job: (self.positions[job], job))
+
 
 class CoTrainer:
     """A group: the shared base and its jobs, by name."""
@@ -26,6 +47,7 @@ class CoTrainer:
         self.tokenizer, self.device = tokenizer, device
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         self.jobs: dict[str, CoJob] = {}
+        self.oom_above = int(os.environ.get(OOM_FAULT_ENV) or 0)
 
     def add_job(self, spec: TrainerSpec) -> CoJob:
         """A job joins: it takes part from the next forward on; the others' state is left as it was."""
@@ -44,7 +66,8 @@ class CoTrainer:
 
     @property
     def running(self) -> list[CoJob]:
-        return [j for j in self.jobs.values() if j.running]
+        """The jobs that take part in the next forward: running, and not held."""
+        return [j for j in self.jobs.values() if j.running and not j.held]
 
     def step(self) -> dict[str, StepResult]:
         """One forward and backward over the next micro-batch of every running job; the jobs whose step that
@@ -53,16 +76,34 @@ class CoTrainer:
 
     def forward_backward(self) -> list[CoJob]:
         """The next micro-batch of every running job in one forward, and one backward over their summed losses;
-        returns the jobs whose step that micro-batch completed (their gradients are ready)."""
+        returns the jobs whose step that micro-batch completed (their gradients are ready). StepOutOfMemory when
+        it ran out of memory (every job's step undone)."""
         jobs = self.running
         if not jobs:
             return []
         micro = {j.name: j.next_micro_batch(self.device) for j in jobs}
-        combined = combine(micro, self.pad_id)
+        combined = combine(micro, self.pad_id, self.base.model)
+        failed = ""
+        try:
+            self._forward_backward(jobs, micro, combined)
+        except torch.OutOfMemoryError as e:  # what the step held goes with this block: the error's frames too
+            failed = str(e).strip().splitlines()[0] if str(e).strip() else "out of memory"
+        if failed:
+            for job in jobs:
+                job.undo_step()
+            if self.device == "cuda":
+                torch.cuda.empty_cache()
+            raise StepOutOfMemory({j.name: combined.positions(j.name) for j in jobs}, failed)
+        return [j for j in jobs if j.running and j.step_complete]
+
+    def _forward_backward(self, jobs: list[CoJob], micro: dict, combined) -> None:
         dpo = [j.name for j in jobs if isinstance(j.objective, Dpo)]
         referenced = reference_outputs(self.base, micro, dpo, self.pad_id)
         with self.base.routed(combined.routing):
-            out = self.base.output(combined.batch)
+            out = self.base.output(combined.batch, combined.layout)
+        positions = combined.batch.input_ids.numel()
+        if self.oom_above and len(jobs) > 1 and positions > self.oom_above:
+            raise torch.OutOfMemoryError(f"{positions:,} token positions, over {OOM_FAULT_ENV}={self.oom_above:,}")
         total = None
         for job in jobs:
             loss = job_loss(self.base, job.objective, out, combined, job.name, referenced.get(job.name))
@@ -73,7 +114,6 @@ class CoTrainer:
                 self.base.detach(job.name)
         if total is not None:
             total.backward()
-        return [j for j in jobs if j.running and j.step_complete]
 
     def run(self) -> None:
         """Forward after forward while any job runs."""

@@ -52,6 +52,7 @@ class CoJob:
     view: JobView  # the job's adapter alone on the base, for evaluation and samples
     at: Position = field(default_factory=Position)
     state: str = "running"  # running, trained, failed
+    held: bool = False  # yielding to a serving engine: it sits out forwards until let go on
     message: str = ""
     history: list[StepResult] = field(default_factory=list)
     _epoch_batches: Any = None
@@ -59,6 +60,7 @@ class CoJob:
     _step_count: int = 0  # target tokens (dpo: pairs) in this step: its loss is the mean over them
     _step_loss: float = 0.0
     _step_tokens: int = 0
+    _draws: list = field(default_factory=list)  # its dropout generators' states as its step began
 
     @property
     def name(self) -> str:
@@ -96,6 +98,16 @@ class CoJob:
         self._step_micro = [b for b in self._epoch_batches[first : first + self.train.grad_accum] if b is not None]
         self._step_count = sum(self.objective.count(b) for b in self._step_micro)
         self._step_loss, self._step_tokens = 0.0, 0
+        self._draws = [w.generator.get_state() for w in self.weights.values() if w.generator is not None]
+
+    def undo_step(self) -> None:
+        """The step under way begins again from its first micro-batch, as if it never began: its gradients, loss
+        and dropout draws as they were (a shared forward that ran out of memory)."""
+        self.optimizer.zero_grad(set_to_none=True)
+        self._step_micro = []
+        generators = [w.generator for w in self.weights.values() if w.generator is not None]
+        for generator, state in zip(generators, self._draws, strict=False):
+            generator.set_state(state)
 
     def scaled(self, summed_loss: torch.Tensor, batch: data.Batch) -> torch.Tensor:
         """A micro-batch's summed loss as its part of the step's mean; counted into the step's loss."""

@@ -18,22 +18,21 @@ def reference_outputs(base: SharedBase, micro: dict, dpo_jobs: list[str], pad_id
     """The dpo jobs' rows through the base alone (their reference: no adapter), in one forward of their own."""
     if not dpo_jobs:
         return {}
-    ref = combine({j: micro[j] for j in dpo_jobs}, pad_id)
+    ref = combine({j: micro[j] for j in dpo_jobs}, pad_id, base.model)
     with base.routed(Routing()):
-        out = base.output(ref.batch)
-    return {j: out[span] for j, span in ref.spans.items()}
+        out = base.output(ref.batch, ref.layout)
+    return {j: ref.out_of(out, j) for j in ref.spans}
 
 
 def job_loss(
     base: SharedBase, objective, out: torch.Tensor, combined: Combined, job: str, referenced: torch.Tensor | None
 ) -> torch.Tensor:
-    """The job's summed loss (divided later by what its step's loss is averaged over) over its rows of `out`."""
-    rows = combined.spans[job]
-    targets = combined.batch.targets[rows]
+    """The job's summed loss (divided later by what its step's loss is averaged over) over its part of `out`."""
+    own, targets = combined.out_of(out, job), combined.targets_of(job)
     if isinstance(objective, Dpo):
-        policy = logps_of(out[rows], base.head, targets, objective.chunk_tokens)
+        policy = logps_of(own, base.head, targets, objective.chunk_tokens)
         reference = logps_of(referenced, base.head, targets[:, : referenced.shape[1]], objective.chunk_tokens)
         loss, stats = preference_loss(policy, reference, objective.beta)
         objective.window.add(stats)
         return loss
-    return targets_loss(out[rows], base.head, targets.reshape(-1), objective.chunk_tokens)
+    return targets_loss(own, base.head, targets.reshape(-1), objective.chunk_tokens)

@@ -13,9 +13,11 @@ import torch.nn.functional as F
 class Routing:
     """Which rows of the batch now going through the model belong to which adapter: a list of (adapter, rows),
     rows a slice where they are contiguous (the group orders its batch so), else an index tensor. Rows named by no
-    group get no delta anywhere: the base model alone (dpo's reference)."""
+    group get no delta anywhere: the base model alone (dpo's reference). With `tokens`, what the groups name are
+    token positions of the batch taken as one row (the group's flat layout), not rows."""
 
     groups: list[tuple[str, slice | torch.Tensor]] = field(default_factory=list)
+    tokens: bool = False
 
     @classmethod
     def of_rows(cls, adapters: list[str | None]) -> "Routing":
@@ -63,8 +65,15 @@ class MultiLoraLinear(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self.base_layer(x)
+        routing = self.routing.now
+        if routing.tokens:  # [batch, tokens, features] taken as [positions, features] (views)
+            flat_x, flat_out = x.reshape(-1, x.shape[-1]), out.reshape(-1, out.shape[-1])
+            return self._add_deltas(routing, flat_x, flat_out).reshape(out.shape)
+        return self._add_deltas(routing, x, out)
+
+    def _add_deltas(self, routing: Routing, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         deltas = []
-        for name, rows in self.routing.now.groups:
+        for name, rows in routing.groups:
             lora = self.adapters.get(name)
             if lora is not None:  # else this job does not target this layer
                 deltas.append((rows, lora.delta(x[rows], self.training).to(out.dtype)))

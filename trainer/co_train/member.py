@@ -83,8 +83,12 @@ class Member:
     def out_dir(self) -> Path:
         return Path(self.job.spec.out_dir)
 
+    @property
+    def attempt(self) -> int:
+        return self.job.spec.attempt
+
     def emit(self, event) -> None:
-        emit(GroupEvent(job=self.name, event=event))
+        emit(GroupEvent(job=self.job.spec.job, attempt=self.attempt, event=event))
 
     def publish(self, event) -> None:
         self.emit(event)
@@ -151,13 +155,18 @@ class Member:
         )
 
     def checkpoint(self) -> None:
+        path = self.save()
+        self.emit(Checkpoint(step=self.job.at.step, path=str(path)))
+
+    def save(self) -> Path:
+        """A checkpoint of where the job stands (between its steps), in trainer/checkpoints.py's layout."""
         j, at = self.job, self.job.at
         path = save_checkpoint(
             self.model, j.optimizer, j.scheduler, self.out_dir, at.step, at.epoch, at.batch_in_epoch, at.tokens,
             self.best.state(),
         )  # fmt: skip
         self.board.copy_into(path)
-        self.emit(Checkpoint(step=at.step, path=str(path)))
+        return path
 
     def end(self, paused: bool, early: str) -> Finished:
         """Save the adapter (paused: the checkpoint just taken is it) and say how the job ended."""

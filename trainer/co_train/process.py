@@ -1,8 +1,9 @@
 """A co-training group's trainer process, top to bottom: the agent's lines on stdin (schemas/events.py
-GroupControl) are taken between steps; a job joins (the base is loaded with the first), steps with the others,
-reports as a trainer alone does (each of its events on stdout as a GroupEvent), and leaves when it ends, fails,
-is cancelled, stopped or paused. A job's failure is its own: its neighbours go on. The process ends once its stdin
-is closed and no job is left."""
+GroupControl) are taken between steps; a job joins (the base is loaded with the first; a later one only onto the
+same content, schemas/weights_digest.py), steps with the others, reports as a trainer alone does (each of its events
+on stdout as a GroupEvent, with its attempt), and leaves when it ends, fails, is cancelled, stopped or paused. A
+job's failure is its own: its neighbours go on; a step that runs out of memory splits the group (split.py). The
+process ends once its stdin is closed and no job is left."""
 
 from __future__ import annotations
 
@@ -14,16 +15,26 @@ import traceback
 import msgspec
 import torch
 
-from schemas.co_train import same_weights
-from schemas.events import Failed, GroupControl, GroupEvent, TrainerSpec
+from schemas.events import Failed, GroupControl, GroupEvent, Requeue, TrainerSpec
+from schemas.weights_digest import FileDigests
 from trainer import lease
 from trainer import model as base_model
-from trainer.co_train.group import CoTrainer
+from trainer.co_train.group import CoTrainer, StepOutOfMemory
 from trainer.co_train.member import Member, member_for
+from trainer.co_train.split import leave_for_memory
 from trainer.errors import JobError
 from trainer.events import emit
 
 _decode = msgspec.json.Decoder(GroupControl)
+
+
+def note(text: str) -> None:
+    """A line for the agent's log (stderr): what the group did that no job's events say."""
+    print(text, file=sys.stderr, flush=True)
+
+
+class OtherWeights(JobError):
+    """A joiner whose base is not the group's content."""
 
 
 class Controls:
@@ -41,7 +52,7 @@ class Controls:
             try:
                 self.lines.put(_decode.decode(line))
             except msgspec.DecodeError as e:
-                print(f"a control line that is not a GroupControl was left: {e}", file=sys.stderr, flush=True)
+                note(f"a control line that is not a GroupControl was left: {e}")
         self.lines.put(None)
 
     def take(self, wait: bool) -> list[GroupControl]:
@@ -59,27 +70,44 @@ class Controls:
 
 
 class Group:
-    """The shared base (loaded with the first job) and the jobs training on it."""
+    """The shared base (loaded with the first job) and the jobs training on it, one attempt of each."""
 
     def __init__(self) -> None:
         self.trainer: CoTrainer | None = None
-        self.key: tuple | None = None  # what every job of the group shares: base, precision, quantisation, device
+        self.key: tuple | None = None  # what every job of the group shares: content digest, precision, quant, device
+        self.base_dir = ""  # where the base was loaded from
         self.device = "cpu"
         self.members: dict[str, Member] = {}
+        self.digests = FileDigests()  # a joiner's base hashed here only when the agent sent no digest
+
+    @property
+    def all_held(self) -> bool:
+        return bool(self.members) and all(m.job.held for m in self.members.values())
 
     def handle(self, c: GroupControl) -> None:
         if c.action == "add" and c.spec is not None:
             self.add(c.spec)
-        elif c.job in self.members:
-            if c.action == "cancel":
-                self.drop(c.job)
-            elif self.members[c.job].asked != "pause":  # a pause asked stays one
-                self.members[c.job].asked = c.action
+            return
+        member = self.members.get(c.job)
+        if member is None or (c.attempt and c.attempt != member.attempt):
+            held = f"attempt {member.attempt}" if member else "no attempt"
+            note(f"{c.action} for job {c.job} attempt {c.attempt} left: the group holds {held} of it")
+        elif c.action == "cancel":
+            self.drop(c.job)
+        elif c.action in ("hold", "go"):
+            member.job.held = c.action == "hold"
+        elif member.asked != "pause":  # a pause asked stays one
+            member.asked = c.action
 
     def add(self, spec: TrainerSpec) -> None:
-        """The job joins from the next step on; a job that cannot join fails alone, saying why."""
-        if spec.job in self.members:
-            return  # the same job's line again: it is already here
+        """The job joins from the next step on; a job that cannot join fails alone, saying why (one whose base is
+        not this group's content is handed back to be placed again, alone)."""
+        present = self.members.get(spec.job)
+        if present is not None:
+            if present.attempt >= spec.attempt:
+                return  # the same line again, or an older attempt's: the group holds the newer
+            note(f"job {spec.job}: attempt {present.attempt} leaves the group, superseded by attempt {spec.attempt}")
+            self.drop(spec.job)
         try:
             trainer = self._trainer_for(spec)
             job = trainer.add_job(spec)
@@ -88,48 +116,66 @@ class Group:
             except BaseException:
                 trainer.remove_job(spec.job)
                 raise
-        except (JobError, msgspec.ValidationError) as e:
-            emit(GroupEvent(job=spec.job, event=Failed(message=str(e))))
+        except OtherWeights as e:
+            emit(GroupEvent(job=spec.job, attempt=spec.attempt, event=Requeue(step=0, message=str(e))))
+        except (JobError, msgspec.ValidationError, OSError) as e:
+            emit(GroupEvent(job=spec.job, attempt=spec.attempt, event=Failed(message=str(e))))
         except Exception as e:
             traceback.print_exc()
-            emit(GroupEvent(job=spec.job, event=Failed(message=f"the trainer failed: {e!r}")))
+            emit(GroupEvent(job=spec.job, attempt=spec.attempt, event=Failed(message=f"the trainer failed: {e!r}")))
 
     def _trainer_for(self, spec: TrainerSpec) -> CoTrainer:
         r = spec.request
         if r.devices > 1:
             raise JobError(f"devices {r.devices}: a job on several devices trains alone, not in a co-training group")
-        key = (r.base_dir, r.train.precision, r.quantization, spec.device)
-        if self.key is not None and key[1:] == self.key[1:] and same_weights(r.base_dir, self.key[0]):
-            key = self.key  # the same weights in another directory
+        digest = spec.base_digest or self._digest(r.base_dir)
+        key = (digest, r.train.precision, r.quantization, spec.device)
         if self.trainer is None:
             self.device = spec.device if spec.device == "cpu" or torch.cuda.is_available() else "cpu"
             dtype = base_model.pick_dtype(r.train.precision, self.device)
             tokenizer, model = base_model.load(r.base_dir, self.device, dtype, r.quantization)
             autocast = dtype if self.device == "cuda" else torch.float32
-            self.trainer, self.key = CoTrainer(model, tokenizer, self.device, autocast), key
+            self.trainer, self.key, self.base_dir = CoTrainer(model, tokenizer, self.device, autocast), key, r.base_dir
+        elif key[0] != self.key[0]:  # type: ignore[index]
+            raise OtherWeights(
+                f"its base_dir {r.base_dir} ({digest}) is not the content of the co-training group's base "
+                f"{self.base_dir} ({self.key[0]}): it was not let in, and is handed back to train alone"  # type: ignore[index]
+            )
         elif key != self.key:
             raise JobError(
-                f"job {spec.job} (base_dir, precision, quantization, device = {key}) cannot join a group training "
-                f"{self.key}; submit it with co_train: false to train alone"
+                f"job {spec.job} (precision, quantization, device = {key[1:]}) cannot join a group training "
+                f"{self.key[1:]}; submit it with co_train: false to train alone"  # type: ignore[index]
             )
         return self.trainer
 
+    def _digest(self, base_dir: str) -> str:
+        try:
+            return self.digests.directory(base_dir)
+        except ValueError as e:
+            raise JobError(f"base_dir {base_dir}: {e}") from None
+
     def drop(self, job: str) -> None:
-        """The job leaves now (cancelled, or ended): its LoRA comes off the base, its logs are closed."""
+        """The job leaves now (cancelled, ended, superseded or split out): its LoRA comes off the base, its logs are
+        closed."""
         member = self.members.pop(job)
         if self.trainer is not None and job in self.trainer.jobs:
             self.trainer.remove_job(job)
         try:
             member.board.close()
         except OSError as e:  # a cancelled job's directory may be gone already: its logs are of no use then
-            print(f"job {job}: its logs were not closed ({e})", file=sys.stderr, flush=True)
+            note(f"job {job}: its logs were not closed ({e})")
 
     def step(self) -> None:
-        """One forward and backward of every job, each job's step where its accumulation completes; then each
-        stepped job does what a trainer alone does after a step, and the jobs that ended or failed leave."""
+        """One forward and backward of every job not held, each job's step where its accumulation completes; then
+        each stepped job does what a trainer alone does after a step, and the jobs that ended or failed leave. A
+        step that ran out of memory was undone: its largest job leaves, and the rest take the step again."""
         assert self.trainer is not None, "a group steps once a job has joined"
         lease.hold_while_lapsed()  # the agent cannot vouch for these attempts now: no step until it can
-        results = self.trainer.step()
+        try:
+            results = self.trainer.step()
+        except StepOutOfMemory as oom:
+            leave_for_memory(self, oom)
+            return
         for name, job in list(self.trainer.jobs.items()):
             if job.state == "failed":
                 self._end(name, Failed(message=job.message))
@@ -147,10 +193,12 @@ class Group:
                 self._end(name, finished)
 
     def _end(self, job: str, event) -> None:
-        emit(GroupEvent(job=job, event=event))
         if job in self.members:
+            self.members[job].emit(event)
             self.drop(job)
         elif self.trainer is not None and job in self.trainer.jobs:
+            spec = self.trainer.jobs[job].spec
+            emit(GroupEvent(job=job, attempt=spec.attempt, event=event))
             self.trainer.remove_job(job)
 
 
@@ -158,20 +206,26 @@ def serve(stream) -> int:
     """Run the group until stdin is closed and no job is left in it."""
     controls, group = Controls(stream), Group()
     while True:
-        for c in controls.take(wait=not group.members):
+        for c in controls.take(wait=not group.members or group.all_held):
             try:
                 group.handle(c)
             except Exception as e:  # one job's line: the others go on
                 traceback.print_exc()
-                emit(GroupEvent(job=c.job, event=Failed(message=f"the trainer failed: {e!r}")))
+                event = Failed(message=f"the trainer failed: {e!r}")
+                emit(GroupEvent(job=c.job, attempt=c.spec.attempt if c.spec else c.attempt, event=event))
         if not group.members:
             if controls.closed:
                 return 0
             continue
+        if group.all_held:
+            if not controls.closed:
+                continue  # until one is let go on
+            for member in group.members.values():  # nobody is left to let them go on
+                member.job.held = False
         try:
             group.step()
         except Exception as e:  # the shared forward or backward: every job here goes with it
             traceback.print_exc()
-            for job in list(group.members):
-                emit(GroupEvent(job=job, event=Failed(message=f"the co-training group's step failed: {e!r}")))
+            for member in list(group.members.values()):
+                member.emit(Failed(message=f"the co-training group's step failed: {e!r}"))
             return 1

@@ -5,11 +5,12 @@ their jobs' adapters."""
 from __future__ import annotations
 
 import math
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 
 import torch
 
 from trainer.co_train.layer import LoraWeights, MultiLoraLinear, Routing, RoutingHolder
+from trainer.co_train.varlen import Layout, flat_attention
 from trainer.errors import JobError
 from trainer.losses import output_head
 
@@ -76,9 +77,10 @@ class SharedBase:
         finally:
             self.routing.now = before
 
-    def output(self, batch) -> torch.Tensor:
+    def output(self, batch, flat: Layout | None = None) -> torch.Tensor:
         """The model's output for the batch as routed now: the last hidden state where the output projection is
-        plain (the losses take it through the projection a chunk at a time), else the logits."""
+        plain (the losses take it through the projection a chunk at a time), else the logits. `flat`: the batch is
+        the group's flat layout, attended piece by piece (trainer/co_train/varlen.py)."""
         inputs = dict(
             input_ids=batch.input_ids,
             position_ids=batch.position_ids,
@@ -86,7 +88,11 @@ class SharedBase:
             use_cache=False,
         )
         half = self.autocast_dtype != torch.float32
-        with torch.autocast(device_type=batch.input_ids.device.type, dtype=self.autocast_dtype, enabled=half):
+        attending = flat_attention(self.model, flat) if flat is not None else nullcontext()
+        with (
+            attending,
+            torch.autocast(device_type=batch.input_ids.device.type, dtype=self.autocast_dtype, enabled=half),
+        ):
             if self.head:
                 return self.head.decoder(**inputs).last_hidden_state
             return self.model(**inputs).logits
