@@ -47,6 +47,9 @@ DATASETS_BUCKET = "jetlora_datasets"  # object store of training data, one objec
 ADAPTERS_KV = "jetlora_adapters"  # the adapter registry: version.<name>.<n>, alias.<name>, node.<name>.<node>
 KEYS_KV, GATEWAY_JOBS_KV = "jetlora_keys", "jetlora_gateway_jobs"  # the OpenAI gateway's keys, and its jobs' requests
 EVALS_KV = "jetlora_evals"  # evals and their runs (schemas/evals.py): eval.<tenant>.<name>, run.<tenant>.<id>
+TINKER_KV = "jetlora_tinker"  # the Tinker API's sessions, models and samplers (schemas/tinker_store.py)
+TINKER_FUTURES_KV = "jetlora_tinker_futures"  # its calls and their outcomes, each kept a day at most
+TINKER_RESULTS_BUCKET = "jetlora_tinker_results"  # object store: outcomes (and calls) too large for a KV value
 SCHEDULER_CONSUMER = "jetlora_scheduler_states_v3"  # durable consumer of job states (v3: the tenant in the subject)
 OLD_SCHEDULER_CONSUMERS = ("jetlora_scheduler_states_v2",)  # filters that match no subject now: deleted at start
 

@@ -17,9 +17,11 @@ from msgspec import Meta, Struct, field
 ATTENTION = ["q_proj", "k_proj", "v_proj", "o_proj"]
 MLP = ["gate_proj", "up_proj", "down_proj"]
 UNEMBED = ["lm_head"]
-LOSSES = ("cross_entropy", "importance_sampling", "ppo")
-SAVED_NAME = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"
-BASE_WEIGHTS = "__base__"  # Sample.weights: the base model alone (the adapter off); no saved name looks like it  # a name the client gives a save (one segment of a tinker:// path)
+LOSSES = ("cross_entropy", "importance_sampling", "ppo", "cispo", "dro")
+SNAPSHOTS_KEPT = 4  # unnamed sampler saves (save_weights_and_get_sampling_client) a session keeps; named ones all
+SEED = Annotated[int, Meta(ge=0, le=2**63 - 1)]
+SAVED_NAME = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"  # a name the client gives a save (one segment of a tinker:// path)
+BASE_WEIGHTS = "__base__"  # Sample.weights: the base model alone (the adapter off); no saved name looks like it
 
 
 class SessionStart(Struct, forbid_unknown_fields=True, kw_only=True):
@@ -37,7 +39,7 @@ class SessionSpec(Struct, forbid_unknown_fields=True, kw_only=True):
     """The adapter a session trains (Tinker's LoraConfig) and how long it may sit idle."""
 
     rank: Annotated[int, Meta(ge=1, le=256)] = 32
-    seed: int | None = None
+    seed: SEED | None = None  # the adapter's initial weights (the same seed: the same adapter)
     train_attn: bool = True
     train_mlp: bool = True
     train_unembed: bool = False
@@ -63,7 +65,7 @@ class Datum(Struct, kw_only=True):
 class ForwardBackward(Struct, tag="forward_backward", tag_field="type", kw_only=True):
     data: list[Datum]
     loss_fn: str
-    config: dict[str, float] = field(default_factory=dict)  # ppo: clip_low_threshold, clip_high_threshold
+    config: dict[str, float] = field(default_factory=dict)  # ppo, cispo: clip_low/high_threshold; dro: beta
     forward_only: bool = False
 
 
@@ -73,9 +75,9 @@ class OptimStep(Struct, tag="optim_step", tag_field="type", kw_only=True):
     learning_rate: Annotated[float, Meta(gt=0, le=1)] = 1e-4
     beta1: Annotated[float, Meta(ge=0, lt=1)] = 0.9
     beta2: Annotated[float, Meta(ge=0, lt=1)] = 0.95
-    eps: Annotated[float, Meta(gt=0)] = 1e-12
-    weight_decay: Annotated[float, Meta(ge=0)] = 0.0
-    grad_clip_norm: Annotated[float, Meta(ge=0)] = 0.0  # 0: none
+    eps: Annotated[float, Meta(gt=0, le=1)] = 1e-12
+    weight_decay: Annotated[float, Meta(ge=0, le=1e3)] = 0.0  # a finite number (a gateway refuses infinity)
+    grad_clip_norm: Annotated[float, Meta(ge=0, le=1e9)] = 0.0  # 0: none
 
 
 class SaveWeights(Struct, tag="save", tag_field="type", kw_only=True):
@@ -97,10 +99,10 @@ class Sample(Struct, tag="sample", tag_field="type", kw_only=True):
     prompt: list[int]
     num_samples: Annotated[int, Meta(ge=1, le=256)] = 1
     max_tokens: Annotated[int, Meta(ge=1, le=8192)] = 64
-    temperature: Annotated[float, Meta(ge=0)] = 1.0
-    top_k: int = -1  # -1: all
+    temperature: Annotated[float, Meta(ge=0, le=1e4)] = 1.0
+    top_k: Annotated[int, Meta(ge=-1, le=2**31 - 1)] = -1  # -1: all
     top_p: Annotated[float, Meta(gt=0, le=1)] = 1.0
-    seed: int | None = None
+    seed: SEED | None = None
     stop_tokens: list[int] = field(default_factory=list)  # besides the end of sequence
     stop_strings: list[str] = field(default_factory=list)
     weights: str | None = None  # a sampler save of this session to sample with; None: the adapter as it is now
@@ -111,7 +113,14 @@ class Ping(Struct, tag="ping", tag_field="type", kw_only=True):
     """Is the session up, and what does it train."""
 
 
-SessionCall = ForwardBackward | OptimStep | SaveWeights | LoadWeights | Sample | Ping
+class Forget(Struct, tag="forget", tag_field="type", kw_only=True):
+    """A save the client deleted: its files go (a later checkpoint no longer carries it)."""
+
+    name: Annotated[str, Meta(pattern=SAVED_NAME)]
+    kind: Literal["state", "sampler"]
+
+
+SessionCall = ForwardBackward | OptimStep | SaveWeights | LoadWeights | Sample | Ping | Forget
 
 
 class SessionRequest(Struct, kw_only=True):
@@ -166,6 +175,11 @@ class PingResult(Struct, tag="ping", tag_field="type", kw_only=True):
     arch: str = ""
 
 
+class ForgotResult(Struct, tag="forget", tag_field="type", kw_only=True):
+    name: str
+    kind: str
+
+
 class CallError(Struct, tag="error", tag_field="type", kw_only=True):
     """The call was refused (nothing changed) or failed; `field` names what to change."""
 
@@ -174,7 +188,9 @@ class CallError(Struct, tag="error", tag_field="type", kw_only=True):
     retry: bool = False  # the session is moving or starting: ask again
 
 
-SessionReply = ForwardResult | StepResult | SavedResult | LoadedResult | SampleResult | PingResult | CallError
+SessionReply = (
+    ForwardResult | StepResult | SavedResult | LoadedResult | SampleResult | PingResult | ForgotResult | CallError
+)
 
 
 class SessionAnswer(Struct, tag="answer", tag_field="type", kw_only=True):

@@ -19,6 +19,7 @@ from nats.micro.service import Group
 
 from schemas import names
 from schemas.jobs import Error, Rejected
+from schemas.tinker_store import FUTURE_TTL_S
 from schemas.validate import FieldError, InvalidRequest, decoder_for
 
 log = logging.getLogger(__name__)
@@ -68,16 +69,23 @@ async def ensure_resources(nc: Client, replicas: int = 1) -> None:
         (names.KEYS_KV, dict(history=1)),
         (names.GATEWAY_JOBS_KV, dict(history=1)),
         (names.EVALS_KV, dict(history=1)),
+        (names.TINKER_KV, dict(history=1)),
+        (names.TINKER_FUTURES_KV, dict(history=1, ttl=FUTURE_TTL_S)),  # a future nobody fetched goes
     ):
         try:
             await js.key_value(bucket)
         except (NotFoundError, BadRequestError):
             await js.create_key_value(KeyValueConfig(bucket=bucket, replicas=replicas, storage=StorageType.FILE, **kw))
-    for bucket in (names.ARTIFACTS_BUCKET, names.DATASETS_BUCKET):
+    for bucket, ttl in (
+        (names.ARTIFACTS_BUCKET, None),
+        (names.DATASETS_BUCKET, None),
+        (names.TINKER_RESULTS_BUCKET, FUTURE_TTL_S),
+    ):
         try:
             await js.object_store(bucket)
         except (NotFoundError, BadRequestError):
-            await js.create_object_store(bucket, ObjectStoreConfig(replicas=replicas, storage=StorageType.FILE))
+            settings = ObjectStoreConfig(replicas=replicas, storage=StorageType.FILE, ttl=ttl)
+            await js.create_object_store(bucket, settings)
 
 
 async def publish_durably(js, subject: str, payload: bytes, msg_id: str, give_up_after: float = 300.0):

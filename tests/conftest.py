@@ -55,6 +55,9 @@ async def reset_resources(nc) -> None:
         names.objects(names.DATASETS_BUCKET).stream,
         names.kv(names.EVALS_KV).stream,  # one test's evals are none of the next's
         names.kv(names.GATEWAY_JOBS_KV).stream,
+        names.kv(names.TINKER_KV).stream,  # one test's Tinker sessions are none of the next's
+        names.kv(names.TINKER_FUTURES_KV).stream,
+        names.objects(names.TINKER_RESULTS_BUCKET).stream,
     ):
         try:
             await js.delete_stream(stream)

@@ -123,7 +123,8 @@ async def test_a_supervised_loop_trains_saves_loads_and_its_adapter_loads_in_pef
     assert losses[-1] < 0.6 * losses[0], losses  # it learns the answers
     assert out["state"] == f"tinker://{out['model_id']}/weights/after-25"
     assert out["after"] == out["before"]  # load_state restored step 25's adapter exactly
-    assert out["checkpoints"] == [f"tinker://{out['model_id']}/sampler_weights/final"]
+    run = f"tinker://{out['model_id']}"  # its saves, oldest first: a state, then sampler weights
+    assert out["checkpoints"] == [f"{run}/weights/after-25", f"{run}/sampler_weights/final"]
     for tokens, logprobs in out["sample"]:
         assert tokens and len(logprobs) == len(tokens) and all(lp <= 0 for lp in logprobs)
 

@@ -22,6 +22,8 @@ from schemas.events import Checkpoint, Finished, Progress, Started, TrainerSpec
 from schemas.sessions import (
     BASE_WEIGHTS,
     CallError,
+    Forget,
+    ForgotResult,
     ForwardBackward,
     ForwardResult,
     LoadedResult,
@@ -111,6 +113,12 @@ class Session:
                 first, rest = call.prompt[:1], call.prompt[1:]
                 prompt = ops.scored(self.model, first, rest, self.device) if call.prompt_logprobs else None
             return SampleResult(sequences=sequences, prompt_logprobs=prompt)
+        if isinstance(call, Forget):
+            if call.kind == "sampler":
+                self.snapshots.pop(call.name, None)
+            if not self.store.forget(call.name, call.kind):
+                raise ops.CallRefused(f"this session has no {call.kind} save named {call.name!r}", "checkpoint")
+            return ForgotResult(name=call.name, kind=call.kind)
         assert isinstance(call, Ping)
         req = self.spec.request
         arch = str(getattr(self.model.config, "model_type", ""))

@@ -11,6 +11,8 @@ import torch
 from schemas.sessions import LOSSES, Datum, ForwardBackward, OptimStep, Sample, SampledSequence
 from trainer.errors import JobError
 
+DRO_BETA = 0.05  # Tinker's default beta for dro
+
 
 class CallRefused(JobError):
     """A call the session cannot take as sent (nothing changed); `field` names what to change."""
@@ -24,8 +26,8 @@ def check_batch(fb: ForwardBackward, vocab: int) -> None:
     """Refuse a batch whose loss or inputs do not fit, naming the datum and the input."""
     if fb.loss_fn not in LOSSES:
         raise CallRefused(f"loss_fn {fb.loss_fn!r} is not served here; use one of {', '.join(LOSSES)}", "loss_fn")
-    need = {"cross_entropy": ("target_tokens",), "importance_sampling": ("target_tokens", "logprobs", "advantages")}
-    need["ppo"] = need["importance_sampling"]
+    policy = ("target_tokens", "logprobs", "advantages")
+    need = {"cross_entropy": ("target_tokens",), **dict.fromkeys(LOSSES[1:], policy)}
     if not fb.data:
         raise CallRefused("forward_backward needs at least one datum", "data")
     for i, d in enumerate(fb.data):
@@ -82,16 +84,31 @@ def loss_of(fb: ForwardBackward, lp: torch.Tensor, data: list[Datum], mask: torc
     width, device = lp.shape[1], lp.device
     live = mask.float()
     if fb.loss_fn == "cross_entropy":
-        weights = column(data, "weights", width, str(device)) if all("weights" in d.inputs for d in data) else live
+        weights = _weights(data, width, str(device)) if _weighted(data) else live
         weights = weights * live
         return -(lp * weights).sum(), int((weights != 0).sum())
     advantages = column(data, "advantages", width, str(device)) * live
-    ratio = torch.exp(lp - column(data, "logprobs", width, str(device)))
+    sampled = column(data, "logprobs", width, str(device))
+    ratio, weighed = torch.exp(lp - sampled), int((advantages != 0).sum())
     if fb.loss_fn == "importance_sampling":
-        return -(ratio * advantages).sum(), int((advantages != 0).sum())
+        return -(ratio * advantages).sum(), weighed
+    if fb.loss_fn == "dro":  # Tinker's: a quadratic penalty on the log-ratio keeps the update near the sampler,
+        beta = fb.config.get("beta", DRO_BETA)  # on the sampled tokens (those with weights, else an advantage)
+        sampled_mask = _weights(data, width, str(device)) if _weighted(data) else (advantages != 0).float()
+        return -(lp * advantages - 0.5 * beta * (lp - sampled).square() * sampled_mask * live).sum(), weighed
     low, high = fb.config.get("clip_low_threshold", 0.8), fb.config.get("clip_high_threshold", 1.2)
     clipped = torch.clamp(ratio, low, high)
-    return -torch.minimum(ratio * advantages, clipped * advantages).sum(), int((advantages != 0).sum())
+    if fb.loss_fn == "cispo":  # the clipped ratio weighs the log-probability's gradient, itself without one
+        return -(clipped.detach() * lp * advantages).sum(), weighed
+    return -torch.minimum(ratio * advantages, clipped * advantages).sum(), weighed
+
+
+def _weighted(data: list[Datum]) -> bool:
+    return all("weights" in d.inputs for d in data)
+
+
+def _weights(data: list[Datum], width: int, device: str) -> torch.Tensor:
+    return column(data, "weights", width, device)
 
 
 def forward_backward(model, fb: ForwardBackward, device: str) -> tuple[list[list[float]], float, int]:

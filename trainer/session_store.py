@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-SNAPSHOTS_KEPT = 4  # unnamed sampler saves (save_weights_and_get_sampling_client) kept; named ones all are
+from schemas.sessions import SNAPSHOTS_KEPT
 
 
 class SessionStore:
@@ -42,6 +42,13 @@ class SessionStore:
         found = {}
         for path in sorted((self.root / "sampler").glob("*/adapter_model.safetensors")):
             found[path.parent.name] = load_file(str(path))
+        return found
+
+    def forget(self, name: str, kind: str) -> bool:
+        """A save the client deleted: its files go (the next checkpoint no longer carries it)."""
+        path = self.state(name) if kind == "state" else self.sampler(name)
+        found = path.is_dir()
+        shutil.rmtree(path, ignore_errors=True)
         return found
 
     def prune(self, snapshots: dict) -> None:

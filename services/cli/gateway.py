@@ -11,6 +11,7 @@ from services.cli import args as args_
 from services.cli.client import EXIT_OK, CommandFailed, run_client, show
 from services.cli.grader_flags import grader_context, grader_flags
 from services.cli.running import run_service
+from services.cli.tinker_flags import tinker_flags, tinker_settings
 from services.runtime import StartupError
 
 
@@ -52,19 +53,12 @@ async def run_gateway(nc, stop, args) -> None:
     from services.gateway.files import UploadLimits
 
     models = base_models(args.base_model, args.accelerator, args.served_by, args.save_steps, args.reinforcement_train)
-    if not 10 <= args.tinker_idle_s <= 7 * 86400:
-        raise StartupError(f"--tinker-idle-s {args.tinker_idle_s}: give 10 to 604800 seconds")
+    tinker = tinker_settings(args)
     if args.file_max_mib < 1 or args.tenant_files_mib < args.file_max_mib:
         raise StartupError("--file-max-mib: give 1 or more, and --tenant-files-mib at least as much")
     uploads = UploadLimits(args.file_max_mib * 2**20, args.tenant_files_mib * 2**20)
     gateway = Gateway(
-        nc,
-        models,
-        args.host,
-        args.port,
-        graders=grader_context(args),
-        tinker_idle_s=args.tinker_idle_s,
-        uploads=uploads,
+        nc, models, args.host, args.port, graders=grader_context(args), tinker_settings=tinker, uploads=uploads
     )
     try:
         await gateway.start()
@@ -156,13 +150,7 @@ def gateway_flags(p: argparse.ArgumentParser) -> None:
         '\'{"max_completion_tokens": 256, "temperature": 0.8, "grpo_beta": 0.04}\' (schemas/json/ lists them); '
         "the request's hyperparameters apply on top",
     )
-    p.add_argument(
-        "--tinker-idle-s",
-        type=float,
-        default=900.0,
-        help="a Tinker API training session with no call this long is checkpointed and its device freed; the next "
-        "call resumes it (10 s at least)",
-    )
+    tinker_flags(p)
     p.add_argument("--file-max-mib", type=int, default=512, help="the most one uploaded file may hold (POST /v1/files)")
     p.add_argument(
         "--tenant-files-mib",

@@ -79,6 +79,7 @@ def _service_users() -> dict[str, dict]:
     gateway_publishes += list(names.evals_api(any_tenant))  # /v1/evals
     gateway_publishes += _read_stream(DATA)  # an eval run's items from a file of the tenant's (it checks whose first)
     gateway_publishes += [names.node("*").session]  # the Tinker API's calls, for sessions of the key's tenant
+    gateway_publishes += _tinker_store()  # what the Tinker API's clients were told, shared by every gateway
     scheduler_hears = [names.API_GROUP + ".>", names.ADAPTERS_GROUP + ".>", names.EVALS_GROUP + ".>"]
     scheduler_hears += [names.HEARTBEATS_ALL]
     stores = [names.objects(names.ARTIFACTS_BUCKET).subjects, names.objects(names.DATASETS_BUCKET).subjects]
@@ -93,6 +94,15 @@ def _service_users() -> dict[str, dict]:
         },
         "gateway": {"publish": gateway_publishes, "subscribe": []},
     }
+
+
+def _tinker_store() -> list[str]:
+    """The Tinker API's buckets: written, followed, and a finished session's records purged."""
+    stores = [names.kv(names.TINKER_KV), names.kv(names.TINKER_FUTURES_KV), names.objects(names.TINKER_RESULTS_BUCKET)]
+    out = []
+    for store in stores:
+        out += [store.subjects, names.js_api("STREAM", "PURGE", store.stream)] + _read_stream(store.stream)
+    return out
 
 
 def _people() -> dict[str, dict]:

@@ -9,6 +9,7 @@ from services.cli.gateway import base_models
 from services.cli.grader_flags import grader_context, grader_flags
 from services.cli.running import run_service
 from services.cli.service_flags import agent_config, agent_flags, dashboard_flags, scheduler_config, scheduler_flags
+from services.cli.tinker_flags import tinker_flags, tinker_settings
 from services.runtime import StartupError
 
 
@@ -85,7 +86,9 @@ async def _gateway(nc, args):
 
     await ensure_resources(nc)  # its buckets: `up` owns the resources, but the scheduler makes them a moment later
     models = base_models(args.base_model, args.gateway_accelerator, "vllm", args.save_steps)
-    gateway = Gateway(nc, models, port=args.gateway_port, graders=grader_context(args))  # the agent's grader flags
+    gateway = Gateway(
+        nc, models, port=args.gateway_port, graders=grader_context(args), tinker_settings=tinker_settings(args)
+    )  # the agent's grader flags
     try:
         await gateway.start()
     except OSError as e:
@@ -115,6 +118,7 @@ def register(sub: args_.SubCommands) -> None:
         help="a base model the API's jobs may name (repeat)",
     )
     p.add_argument("--save-steps", type=int, default=100, help="the API's jobs: a checkpoint every N steps")
+    tinker_flags(p)
     p.set_defaults(fn=lambda a: run_service(a, run_all))
     p = args_.service(sub, "scheduler", "run the scheduler")
     scheduler_flags(p)

@@ -23,6 +23,7 @@ from services.gateway.openai_map import BaseModel
 from services.gateway.records import JobRecords
 from services.gateway.results import Results
 from services.gateway.tinker.api import TinkerApi
+from services.gateway.tinker.settings import TinkerSettings
 from services.graders import GraderContext
 
 log = logging.getLogger(__name__)
@@ -37,10 +38,12 @@ def make_app(
     graders: GraderContext | None = None,
     tinker_idle_s: float = 900.0,
     uploads: UploadLimits = UploadLimits(),
+    tinker_settings: TinkerSettings | None = None,
 ) -> web.Application:
     """Every body is read whole only up to JSON_MAX (client_max_size); an upload is streamed to the spool.
     `graders`: where the graders endpoints may run what (default: no judge engine, python graders only isolated);
-    `tinker_idle_s`: how long a Tinker training session may go without a call before its device is freed;
+    `tinker_idle_s`: how long a Tinker training session may go without a call before its device is freed (or all
+    of the Tinker API's settings in `tinker_settings`);
     `uploads`: the most one file, and one tenant's files together, may hold."""
 
     @web.middleware
@@ -75,7 +78,7 @@ def make_app(
         return json_response({"ok": nc.is_connected, "faults": app[FAULTS].count})
 
     records, events = JobRecords(nc.jetstream(), jobs_kv), JobEvents(nc)
-    tinker = TinkerApi(nc, keys, models, tinker_idle_s)
+    tinker = TinkerApi(nc, keys, models, tinker_settings or TinkerSettings(idle_s=tinker_idle_s))
     app = web.Application(middlewares=[openai_errors, TinkerApi.refusals], client_max_size=JSON_MAX)
     app[FAULTS] = Faults()
     grading = Graders(graders or GraderContext())
@@ -89,14 +92,12 @@ def make_app(
         + [web.get("/healthz", healthz)]
     )
 
-    async def reap_tinker(_app):
-        reaper = asyncio.create_task(tinker.reap())
+    async def run_tinker(_app):
+        await tinker.start()
         yield
-        reaper.cancel()
-        await asyncio.gather(reaper, return_exceptions=True)
         await tinker.close()
 
-    app.cleanup_ctx.append(reap_tinker)
+    app.cleanup_ctx.append(run_tinker)
     return app
 
 
@@ -126,9 +127,11 @@ class Gateway:
         graders: GraderContext | None = None,
         tinker_idle_s: float = 900.0,
         uploads: UploadLimits = UploadLimits(),
+        tinker_settings: TinkerSettings | None = None,
     ) -> None:
         self.nc, self.models, self.host, self.port, self.spool_dir = nc, models, host, port, spool_dir
         self.graders, self.tinker_idle_s, self.uploads = graders, tinker_idle_s, uploads
+        self.tinker_settings = tinker_settings
         self._runner: web.AppRunner | None = None
 
     async def start(self) -> None:
@@ -136,7 +139,15 @@ class Gateway:
         jobs_kv = await js.key_value(names.GATEWAY_JOBS_KV)
         keys = await KeyStore.open(js)
         app = make_app(
-            self.nc, keys, jobs_kv, self.models, self.spool_dir, self.graders, self.tinker_idle_s, self.uploads
+            self.nc,
+            keys,
+            jobs_kv,
+            self.models,
+            self.spool_dir,
+            self.graders,
+            self.tinker_idle_s,
+            self.uploads,
+            self.tinker_settings,
         )
         self._runner = web.AppRunner(app, access_log=None)
         await self._runner.setup()

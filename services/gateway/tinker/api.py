@@ -1,41 +1,73 @@
 """The Tinker API under /api/v1/, beside the OpenAI routes and with the same per-tenant keys, so the official `tinker`
 client drives jetlora step by step (TINKER_BASE_URL = the gateway, TINKER_API_KEY = tml-<a jetlora key>): the
 client's handshake (client/config), sessions and their heartbeats, the fleet's base models, model info, futures
-(retrieve_future, a long poll) and the end of a session; the training and sampling calls are training.py's."""
+(retrieve_future, a long poll) and the end of a session; the training, sampling and RestClient routes are
+training.py's, sampling.py's and runs.py's. Everything a client was told lives in JetStream (store.py): any gateway
+answers any client, and one that restarts loses nothing."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import secrets
 import time
 
 from aiohttp import web
 
+from schemas.tinker_store import SessionRecord, session_key, valid_id
 from services.gateway.keys import KeyStore
 from services.gateway.openai_map import BaseModel
 from services.gateway.tinker import proto
-from services.gateway.tinker.futures import Futures
-from services.gateway.tinker.http import TinkerRefusal, body, field, refused, reply, tenant_of
-from services.gateway.tinker.sessions import Sessions
-from services.gateway.tinker.common import tinker_path
+from services.gateway.tinker.common import PREFIX, Ctx
+from services.gateway.tinker.futures import Book
+from services.gateway.tinker.http import Fault, TinkerRefusal, body, fault_reply, field, logged_fault, refused, reply
+from services.gateway.tinker.mirror import Liveness, Mirror
+from services.gateway.tinker.order import Order
+from services.gateway.tinker.outcomes import Runner
+from services.gateway.tinker.reaper import Reaper
+from services.gateway.tinker.runs import Runs
 from services.gateway.tinker.sampling import Sampling
-from services.gateway.tinker.training import PREFIX, Training
+from services.gateway.tinker.settings import TinkerSettings, limit
+from services.gateway.tinker.store import Store
+from services.gateway.tinker.trainers import Trainers
+from services.gateway.tinker.training import Training
 
 log = logging.getLogger(__name__)
-REAP_S = 30.0
-SILENT_S = 600.0  # a session with no heartbeat this long is ended (the client sends one every 10 s)
 CHUNK_BYTES = 150_000  # a forward_backward request's protobuf at most: its JSON on the bus is a few times larger
 
 
 class TinkerApi:
-    def __init__(self, nc, keys: KeyStore, models: dict[str, BaseModel], idle_s: float = 900.0) -> None:
-        self.nc, self.keys, self.models = nc, keys, models
-        self.sessions, self.futures = Sessions(nc), Futures()
-        self.training = Training(self.sessions, self.futures, models, idle_s)
-        self.sampling = Sampling(self.sessions, self.futures, models, idle_s)
+    def __init__(
+        self, nc, keys: KeyStore, models: dict[str, BaseModel], settings: TinkerSettings | None = None
+    ) -> None:
+        self.nc, self.gateway = nc, "gw-" + secrets.token_hex(6)
+        self.settings = settings or TinkerSettings()
+        store = Store(nc)
+        book, trainers, mirror = Book(store), Trainers(nc, store), Mirror(store)
+        self.order = Order(store, mirror, book, Runner(store, book, trainers), self.gateway, self.settings)
+        mirror.on_call = self.order.written
+        self.ctx = Ctx(self.gateway, keys, models, self.settings, store, mirror, book, self.order, trainers)
+        self.reaper = Reaper(store, mirror, book, trainers, self.settings)
+        self.liveness = Liveness(store, self.gateway)
+        self._tasks: list[asyncio.Task] = []
 
-    async def tenant(self, request: web.Request) -> str:
-        return await tenant_of(request, self.keys)
+    async def start(self) -> None:
+        """Open the buckets, follow them, say this gateway is up; then reap and beat until closed."""
+        await self.ctx.store.open()
+        await self.liveness.beat()
+        await self.ctx.mirror.start()
+        self._tasks = [asyncio.create_task(self.reaper.run()), asyncio.create_task(self.liveness.run())]
+
+    async def close(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self.order.close()
+        try:
+            await self.liveness.end()  # its models are taken over at once by the next gateway a client calls
+        except Exception as e:  # the server gone first: they are taken over LIVE_S from now
+            log.info("the gateway's liveness record was not deleted (%s)", e)
+        await self.ctx.mirror.close()
 
     def routes(self) -> list[web.RouteDef]:
         return (
@@ -49,23 +81,38 @@ class TinkerApi:
                 web.post(PREFIX + "/get_info", self.get_info),
                 web.post(PREFIX + "/retrieve_future", self.retrieve_future),
                 web.post(PREFIX + "/sessions/{id}/finish", self.finish),
-                web.get(PREFIX + "/training_runs/{id}/checkpoints", self.checkpoints),
             ]
-            + self.training.routes(self.tenant)
-            + self.sampling.routes(self.tenant)
+            + Training(self.ctx).routes()
+            + Sampling(self.ctx).routes()
+            + Runs(self.ctx).routes()
         )
 
     @staticmethod
     @web.middleware
     async def refusals(request: web.Request, handler):
-        """A refusal in the shape the client shows (and does not retry)."""
+        """Under /api/v1: a refusal in the shape the client shows (and does not retry); a fault nobody foresaw as a
+        500 in the same shape, naming the request id its traceback is logged under. Never a bare 5xx."""
+        if not request.path.startswith(PREFIX + "/"):
+            return await handler(request)
         try:
             return await handler(request)
         except TinkerRefusal as e:
             return refused(e)
+        except Fault as e:
+            return fault_reply(e)
+        except web.HTTPException as e:  # a route or method that does not exist, a body over the limit
+            if e.status >= 500:
+                return fault_reply(logged_fault(request))
+            return reply({"detail": f"{e.reason}: {request.method} {request.path}"[:300]}, e.status)
+        except ConnectionResetError:  # the client went away mid-body: nobody reads the answer
+            return reply({"detail": "the request ended before its body did; send it again"}, 400)
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            return fault_reply(logged_fault(request))
 
     async def client_config(self, request: web.Request) -> web.Response:
-        await self.tenant(request)  # a bad key is told at the client's first call
+        await self.ctx.tenant(request)  # a bad key is told at the client's first call
         chunk = min(CHUNK_BYTES, max(10_000, self.nc.max_payload // 6))
         return reply(
             {
@@ -80,38 +127,61 @@ class TinkerApi:
         )
 
     async def dynamic_config(self, request: web.Request) -> web.Response:
-        await self.tenant(request)
+        await self.ctx.tenant(request)
         return reply({})
 
     async def create_session(self, request: web.Request) -> web.Response:
-        session = self.sessions.new_session(await self.tenant(request))
+        ctx = self.ctx
+        tenant, data = await ctx.tenant(request), await body(request)
+        if refusal := limit(len(ctx.mirror.open_sessions(tenant)), self.settings.max_sessions, "sessions open",
+                            "max_sessions", "end sessions you no longer use (ServiceClient.close(), or end the script)"):  # fmt: skip
+            raise TinkerRefusal(400, refusal)
+        metadata = data.get("user_metadata")
+        kept = (
+            {str(k)[:100]: v[:1000] for k, v in metadata.items() if isinstance(v, str)}
+            if isinstance(metadata, dict)
+            else None
+        )
+        now = time.time()
+        session = SessionRecord(id="sess-" + secrets.token_hex(8), tenant=tenant, created=now, heard=now,
+                                user_metadata=dict(list(kept.items())[:32]) if kept else None)  # fmt: skip
+        revision = await ctx.store.create(ctx.store.kv, session_key(tenant, session.id), session)
+        if revision is None:
+            raise TinkerRefusal(409, "that session id was just taken; create the session again")
+        ctx.mirror.learn(session, revision)
         return reply({"session_id": session.id})
 
     async def heartbeat(self, request: web.Request) -> web.Response:
-        tenant, data = await self.tenant(request), await body(request)
-        session = self.sessions.session(tenant, field(data, "session_id"))
-        if session is None:
-            raise TinkerRefusal(404, f"no session {data['session_id']!r} of yours")
-        if session.finished:
+        ctx = self.ctx
+        tenant, data = await ctx.tenant(request), await body(request)
+        session, _ = await ctx.session(tenant, field(data, "session_id"))
+        if session.finished is not None:
             return reply({"detail": "the session has finished"}, 410)
-        session.heard = time.monotonic()
+
+        def heard(s: SessionRecord) -> bool:
+            s.heard, s.paused = time.time(), False
+            return s.finished is None
+
+        written = await ctx.store.modify(ctx.store.kv, session_key(tenant, session.id), SessionRecord, heard)
+        if written is None or written.finished is not None:
+            return reply({"detail": "the session has finished"}, 410)
         return reply({"type": "session_heartbeat"})
 
     async def telemetry(self, request: web.Request) -> web.Response:
-        await self.tenant(request)
+        await self.ctx.tenant(request)
         return reply({"status": "accepted"})  # the client's own diagnostics: not kept
 
     async def capabilities(self, request: web.Request) -> web.Response:
-        await self.tenant(request)
-        models = [{"model_name": name, "trainable": True, "sampleable": True} for name in sorted(self.models)]
+        await self.ctx.tenant(request)
+        models = [{"model_name": name, "trainable": True, "sampleable": True} for name in sorted(self.ctx.models)]
         return reply({"supported_models": models})
 
     async def get_info(self, request: web.Request) -> web.Response:
-        tenant, data = await self.tenant(request), await body(request)
-        model = self.sessions.model(tenant, field(data, "model_id"))
-        if model is None or model.info is None:
-            raise TinkerRefusal(404, f"no training model {data['model_id']!r} of yours")
+        tenant, data = await self.ctx.tenant(request), await body(request)
+        model = await self.ctx.model(tenant, field(data, "model_id"))
         info = model.info
+        if info is None:
+            raise TinkerRefusal(404, f"training model {model.id} has not started yet: fetch its create_model first")
         return reply(
             {
                 "type": "get_info",
@@ -125,12 +195,19 @@ class TinkerApi:
         )
 
     async def retrieve_future(self, request: web.Request) -> web.Response:
-        tenant, data = await self.tenant(request), await body(request)
+        ctx = self.ctx
+        tenant, data = await ctx.tenant(request), await body(request)
         request_id = field(data, "request_id")
-        try:
-            outcome = await self.futures.retrieve(tenant, request_id)
-        except KeyError:
-            raise TinkerRefusal(404, f"no request {request_id!r} of yours (or its result expired)") from None
+        unknown = TinkerRefusal(404, f"no request {request_id[:200]!r} of yours (or its result expired: kept a day)")
+        known, outcome = await ctx.book.from_memory(tenant, request_id)
+        if not known:
+            future = await ctx.book.find(tenant, request_id) if valid_id(request_id) else None
+            if future is None:
+                raise unknown
+            try:
+                outcome = await ctx.book.from_store(future, ctx.order.revive)
+            except KeyError:
+                raise unknown from None
         if outcome is None:  # not done yet: the client asks again at once, quietly
             return reply({"type": "try_again", "request_id": request_id, "queue_state": "active"}, 408)
         if outcome.body is not None:
@@ -138,53 +215,18 @@ class TinkerApi:
         return reply(outcome.json)
 
     async def finish(self, request: web.Request) -> web.Response:
-        tenant = await self.tenant(request)
-        session = self.sessions.session(tenant, request.match_info["id"])
-        if session is None:
-            raise TinkerRefusal(404, f"no session {request.match_info['id']!r} of yours")
-        session.finished = True
-        for model in self.sessions.of(session):
-            await self.sessions.end(model)  # each stores its adapter: the job's artifact, to register
+        ctx = self.ctx
+        tenant = await ctx.tenant(request)
+        session, _ = await ctx.session(tenant, request.match_info["id"], "the path's session id")
+
+        ended: list[SessionRecord] = []
+
+        def finished(s: SessionRecord) -> bool:
+            ended[:] = [] if s.finished is not None else [s]
+            s.finished = s.finished or time.time()
+            return bool(ended)
+
+        await ctx.store.modify(ctx.store.kv, session_key(tenant, session.id), SessionRecord, finished)
+        for written in ended:
+            await self.reaper.end(written, "its client finished it")  # each stores its adapter, to register
         return reply({})
-
-    async def checkpoints(self, request: web.Request) -> web.Response:
-        tenant = await self.tenant(request)
-        model = self.sessions.model(tenant, request.match_info["id"])
-        if model is None:
-            raise TinkerRefusal(404, f"no training run {request.match_info['id']!r} of yours")
-        listed = [
-            {
-                "checkpoint_id": f"sampler_weights/{name}",
-                "checkpoint_type": "sampler",
-                "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-                "tinker_path": tinker_path(model.id, "sampler_weights", name),
-            }
-            for name in sorted(model.samplers)
-        ]
-        return reply({"checkpoints": listed, "cursor": None})
-
-    async def reap(self) -> None:
-        """Every REAP_S: a session whose client stopped heartbeating (killed, lost) ends as if it had finished
-        (its jobs stop and store their adapters); futures nobody fetched go."""
-        while True:
-            await asyncio.sleep(REAP_S)
-            try:
-                await self._reap_once()
-            except Exception:  # a round that failed is logged, and the next one runs
-                log.exception("reaping Tinker sessions failed")
-
-    async def _reap_once(self) -> None:
-        now = time.monotonic()
-        for session in [s for s in self.sessions.sessions.values() if not s.finished and now - s.heard > SILENT_S]:
-            log.info("session %s of %s sent no heartbeat for %.0f s: ending it", session.id, session.tenant, SILENT_S)
-            session.finished = True
-            for model in self.sessions.of(session):
-                try:
-                    await self.sessions.end(model)
-                except Exception as e:  # the scheduler away: stopped by hand, or its job pauses when idle
-                    log.warning("session %s: model %s not stopped (%s)", session.id, model.id, e)
-        self.futures.expire()
-
-    async def close(self) -> None:
-        await self.futures.close()
-        await self.sessions.close()

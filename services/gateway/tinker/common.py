@@ -1,42 +1,95 @@
-"""What the Tinker routes share: tinker:// paths, a session's answer or its failure, the session job of a training
-model, the caller's session and base model, and a body's values checked as a schema's Struct."""
+"""What the Tinker routes share: the gateway's parts (Ctx), the caller's own session, model and sampler (a 404
+for what is not the caller's), the session job of a training model, and a body's values checked as a schema's
+Struct (a 400 naming the field, numbers finite)."""
 
 from __future__ import annotations
 
-from typing import Any, TypeVar
+import math
+from dataclasses import dataclass
+from typing import TypeVar
 
 import msgspec
 
 from schemas.jobs import JobRequest
-from schemas.sessions import CallError, SessionSpec
+from schemas.sessions import SessionSpec
+from schemas.tinker_store import (
+    ModelRecord,
+    SamplerRecord,
+    SessionRecord,
+    model_key,
+    sampler_key,
+    session_key,
+    valid_id,
+)
+from services.gateway.keys import KeyStore
 from services.gateway.openai_map import BaseModel
-from services.gateway.tinker.futures import CallFailed
-from services.gateway.tinker.http import TinkerRefusal, field
-from services.gateway.tinker.sessions import Session, Sessions
+from services.gateway.tinker.futures import Book
+from services.gateway.tinker.http import TinkerRefusal, field, tenant_of
+from services.gateway.tinker.mirror import Mirror
+from services.gateway.tinker.order import Order
+from services.gateway.tinker.settings import TinkerSettings
+from services.gateway.tinker.store import Store
+from services.gateway.tinker.trainers import Trainers
 
 T = TypeVar("T")
-SCHEME = "tinker://"
+PREFIX = "/api/v1"
 
 
-def tinker_path(model_id: str, kind: str, name: str) -> str:
-    return f"{SCHEME}{model_id}/{kind}/{name}"
+@dataclass
+class Ctx:
+    gateway: str
+    keys: KeyStore
+    models: dict[str, BaseModel]
+    settings: TinkerSettings
+    store: Store
+    mirror: Mirror
+    book: Book
+    order: Order
+    trainers: Trainers
+
+    async def tenant(self, request) -> str:
+        return await tenant_of(request, self.keys)
+
+    async def session(self, tenant: str, session_id: object, where: str = "session_id") -> tuple[SessionRecord, int]:
+        """The caller's session and its revision (404 if it is none of its own)."""
+        found = self.mirror.session(tenant, session_id) if isinstance(session_id, str) else None
+        if found is None and valid_id(session_id):
+            found = await self.store.get(self.store.kv, session_key(tenant, str(session_id)), SessionRecord)
+        if found is None:
+            raise TinkerRefusal(404, f"no session {_shown(session_id)} of yours: create_session first ({where})")
+        return found
+
+    async def model(self, tenant: str, model_id: object, where: str = "model_id") -> ModelRecord:
+        """The caller's model: this gateway's copy where it runs the model's calls, else the store's."""
+        model = self.order.model(model_id) if isinstance(model_id, str) else None
+        if model is None and valid_id(model_id):
+            found = await self.store.get(self.store.kv, model_key(tenant, str(model_id)), ModelRecord)
+            model = found[0] if found is not None else None
+        if model is None or model.tenant != tenant:
+            raise TinkerRefusal(404, f"no training model {_shown(model_id)} of yours ({where})")
+        return model
+
+    async def sampler(self, tenant: str, sampler_id: object) -> SamplerRecord:
+        found = None
+        if valid_id(sampler_id):
+            found = await self.store.get(self.store.kv, sampler_key(tenant, str(sampler_id)), SamplerRecord)
+        if found is None:
+            raise TinkerRefusal(404, f"no sampling session {_shown(sampler_id)} of yours")
+        return found[0]
+
+    def base(self, data: dict) -> BaseModel:
+        name = field(data, "base_model")
+        base = self.models.get(name)
+        if base is None:
+            raise TinkerRefusal(
+                400,
+                f"base_model {_shown(name)} is not served here; get_server_capabilities lists {sorted(self.models)}",
+            )
+        return base
 
 
-def parse_path(path: str, where: str = "path") -> tuple[str, str, str]:
-    """(model id, kind, name) of tinker://<model>/<weights|sampler_weights>/<name>."""
-    parts = path.removeprefix(SCHEME).split("/") if path.startswith(SCHEME) else []
-    if len(parts) != 3 or parts[1] not in ("weights", "sampler_weights") or not parts[2]:
-        raise TinkerRefusal(400, f"{where} {path!r} is not tinker://<model>/weights|sampler_weights/<name>")
-    return parts[0], parts[1], parts[2]
-
-
-def answered(reply_: Any, expected: type) -> Any:
-    """The session's answer, or the call's failure as the client shows it."""
-    if isinstance(reply_, CallError):
-        raise CallFailed(reply_.message + (f" (field {reply_.field})" if reply_.field else ""))
-    if not isinstance(reply_, expected):
-        raise CallFailed(f"the session answered {type(reply_).__name__}, not {expected.__name__}", "server")
-    return reply_
+def _shown(value: object) -> str:
+    return repr(value)[:120]
 
 
 def session_job(base: BaseModel, spec: SessionSpec, model_id: str) -> JobRequest:
@@ -55,29 +108,11 @@ def session_job(base: BaseModel, spec: SessionSpec, model_id: str) -> JobRequest
     return job
 
 
-def session_and_base(
-    sessions: Sessions, models: dict[str, BaseModel], tenant: str, data: dict
-) -> tuple[Session, BaseModel]:
-    """The caller's session (404 if not its own) and the base model it names (400 if not served here)."""
-    session = session_of(sessions, tenant, data)
-    name = field(data, "base_model")
-    base = models.get(name)
-    if base is None:
-        raise TinkerRefusal(
-            400, f"base_model {name!r} is not served here; get_server_capabilities lists {sorted(models)}"
-        )
-    return session, base
-
-
-def session_of(sessions: Sessions, tenant: str, data: dict) -> Session:
-    session = sessions.session(tenant, field(data, "session_id"))
-    if session is None:
-        raise TinkerRefusal(404, f"no session {data['session_id']!r} of yours: create_session first")
-    return session
-
-
 def checked(values: dict, kind: type[T], where: str) -> T:
-    """values as `kind`, its constraints checked, or a 400 naming the field."""
+    """values as `kind`, its constraints checked and its numbers finite, or a 400 naming the field."""
+    for name, value in values.items():
+        if isinstance(value, float) and not math.isfinite(value):
+            raise TinkerRefusal(400, f"{where}.{name} is {value}: give a finite number")
     try:
         return msgspec.convert(values, kind)
     except msgspec.ValidationError as e:

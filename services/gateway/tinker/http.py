@@ -4,12 +4,17 @@ body, or a 5xx, it retries for minutes)."""
 
 from __future__ import annotations
 
+import logging
+import secrets
+
 import msgspec
 from aiohttp import web
 
 from services.gateway.keys import KeyStore
 
+log = logging.getLogger(__name__)
 TINKER_PREFIX = "tml-"  # TINKER_API_KEY=tml-<a jetlora key>
+REQUEST_ID_HEADER = "x-request-id"
 _encode = msgspec.json.Encoder().encode
 
 
@@ -19,6 +24,36 @@ class TinkerRefusal(Exception):
     def __init__(self, status: int, detail: str) -> None:
         super().__init__(detail)
         self.status, self.detail = status, detail
+
+
+class Fault(Exception):
+    """A request the gateway failed on in a way nobody foresaw, already logged with its traceback under `ident`."""
+
+    def __init__(self, ident: str) -> None:
+        super().__init__(ident)
+        self.ident = ident
+
+
+def fault_id() -> str:
+    return "err-" + secrets.token_hex(8)
+
+
+def logged_fault(request: web.Request) -> Fault:
+    """The fault being handled (call it from an `except`), logged with its traceback and a request id."""
+    ident = fault_id()
+    log.exception("Tinker API %s %s failed (request %s)", request.method, request.path, ident)
+    return Fault(ident)
+
+
+def fault_reply(fault: Fault) -> web.Response:
+    """A 500 in the shape the client shows, naming the request id the gateway's log has the traceback under."""
+    detail = (
+        f"the gateway failed on this request in a way it did not foresee; give the operator its request id "
+        f"{fault.ident} (the gateway's log has what went wrong under it)"
+    )
+    response = reply({"detail": detail, "request_id": fault.ident, "category": "server"}, 500)
+    response.headers[REQUEST_ID_HEADER] = fault.ident
+    return response
 
 
 def reply(obj, status: int = 200) -> web.Response:

@@ -37,8 +37,12 @@ class ProtoRefused(ValueError):
         self.field = field
 
 
-def _little(kind: str, raw: bytes) -> array:
+def _little(kind: str, raw: bytes, where: str) -> array:
     values = array(kind)
+    if len(raw) % values.itemsize:
+        raise ProtoRefused(
+            f"{where} holds {len(raw)} bytes, not a whole number of {values.itemsize}-byte values", where
+        )
     values.frombytes(raw)
     if sys.byteorder != "little":
         values.byteswap()
@@ -68,7 +72,9 @@ def _tensor(t, where: str) -> list[float]:
         raise ProtoRefused(f"{where} has dtype {t.dtype}; send float32 or int64", where)
     if len(t.shape) > 1:
         raise ProtoRefused(f"{where} has shape {list(t.shape)}; one value per input token is served", where)
-    values = [float(v) for v in _little(kinds[t.dtype], t.dense)]
+    values = [float(v) for v in _little(kinds[t.dtype], t.dense, where)]
+    if t.shape and t.shape[0] != len(values):
+        raise ProtoRefused(f"{where} has shape {list(t.shape)} but {len(values)} values", where)
     if not all(math.isfinite(v) for v in values):
         raise ProtoRefused(f"{where} holds a NaN or an infinity; send finite numbers", where)
     return values
@@ -80,7 +86,7 @@ def _tokens(datum, i: int) -> list[int]:
         kind = chunk.WhichOneof("chunk")
         if kind != "encoded_text":
             raise ProtoRefused(f"data[{i}].model_input holds a {kind} chunk; only encoded text is served", f"data[{i}]")
-        tokens += _little("i", chunk.encoded_text.tokens).tolist()
+        tokens += _little("i", chunk.encoded_text.tokens, f"data[{i}].model_input.tokens").tolist()
     return tokens
 
 
@@ -100,6 +106,9 @@ def call_of(req) -> ForwardBackward:
     for key, value in req.loss_fn_config_v2.items():
         if value.WhichOneof("value") == "number":
             config[key] = value.number
+    for key, number in config.items():
+        if not math.isfinite(number):
+            raise ProtoRefused(f"loss_fn_config[{key[:40]!r}] is {number}; give a finite number", "loss_fn_config")
     data = [
         Datum(
             tokens=_tokens(d, i),
@@ -107,6 +116,12 @@ def call_of(req) -> ForwardBackward:
         )
         for i, d in enumerate(req.data)
     ]
+    for i, d in enumerate(data):
+        if any(t < 0 for t in d.tokens):
+            raise ProtoRefused(f"data[{i}].model_input holds a negative token id", f"data[{i}].model_input.tokens")
+        if any(t < 0 or t != int(t) for t in d.inputs.get("target_tokens", ())):
+            where = f"data[{i}].loss_fn_inputs.target_tokens"
+            raise ProtoRefused(f"{where} holds what is not a token id (a whole number from 0)", where)
     return ForwardBackward(data=data, loss_fn=req.loss_fn, config=config, forward_only=req.forward_only)
 
 

@@ -1,29 +1,40 @@
-"""The Tinker API's sampling: sampling sessions on a training model's saved sampler weights (or its weights as they
-are), a base model's own sampling session, and asample, whose result is fetched with retrieve_future."""
+"""The Tinker API's sampling: sampling sessions on a training model's saved sampler weights, a base model's own
+sampling session (a session job of its own, sampling with its adapter off), and asample: stored, answered with a
+request id at once, and run at once (samples need no order); its outcome is fetched with retrieve_future."""
 
 from __future__ import annotations
 
+import math
+import secrets
 import time
 
 from aiohttp import web
 
-from schemas.sessions import BASE_WEIGHTS, Sample, SampleResult, SessionSpec
-from services.gateway.openai_map import BaseModel
-from services.gateway.tinker import proto
-from services.gateway.tinker.common import answered, checked, parse_path, session_and_base, session_job
-from services.gateway.tinker.futures import CallFailed, Futures, Outcome
+from schemas.sessions import BASE_WEIGHTS, Sample, SessionSpec
+from schemas.tinker_store import (
+    FutureRecord,
+    ModelRecord,
+    SamplerRecord,
+    SessionRecord,
+    model_key,
+    sampler_key,
+    session_key,
+)
+from services.gateway.tinker.common import PREFIX, Ctx, checked, session_job
+from services.gateway.tinker.futures import CallFailed
 from services.gateway.tinker.http import TinkerRefusal, body, field, reply
-from services.gateway.tinker.sessions import Sampler, Sessions
+from services.gateway.tinker.paths import parse_path
+from services.gateway.tinker.settings import limit
 
-PREFIX = "/api/v1"
+TOKEN_MAX = 2**31 - 1
+SETTINGS = ("max_tokens", "temperature", "top_k", "top_p", "seed")
 
 
 class Sampling:
-    def __init__(self, sessions: Sessions, futures: Futures, models: dict[str, BaseModel], idle_s: float) -> None:
-        self.sessions, self.futures, self.models, self.idle_s = sessions, futures, models, idle_s
+    def __init__(self, ctx: Ctx) -> None:
+        self.ctx = ctx
 
-    def routes(self, tenant_of) -> list[web.RouteDef]:
-        self.tenant_of = tenant_of
+    def routes(self) -> list[web.RouteDef]:
         return [
             web.post(PREFIX + "/create_sampling_session", self.create_sampler),
             web.get(PREFIX + "/samplers/{id}", self.get_sampler),
@@ -31,61 +42,116 @@ class Sampling:
         ]
 
     async def create_sampler(self, request: web.Request) -> web.Response:
-        tenant, data = await self.tenant_of(request), await body(request)
+        ctx = self.ctx
+        tenant, data = await ctx.tenant(request), await body(request)
         path = data.get("model_path")
         if path is None:
             return await self._base_sampler(tenant, data)
         owner, kind, name = parse_path(path, "model_path")
-        model = self.sessions.model(tenant, owner)
-        if model is None or kind != "sampler_weights" or name not in model.samplers:
-            raise TinkerRefusal(404, f"model_path {path!r}: no sampler weights of yours by that name")
+        model = await ctx.model(tenant, owner, "model_path")
+        save = model.samplers.get(name)
+        if kind != "sampler_weights" or save is None or (save.expires is not None and save.expires < time.time()):
+            raise TinkerRefusal(404, f"model_path {path[:200]!r}: no sampler weights of yours by that name")
         sampler_id = f"{owner}:sample:{name}"
-        self.sessions.samplers[sampler_id] = Sampler(sampler_id, tenant, owner, name, model.base_model, path)
+        sampler = SamplerRecord(id=sampler_id, tenant=tenant, model=owner, weights=name, base_model=model.base_model,
+                                model_path=path, created=time.time())  # fmt: skip
+        await ctx.store.put(ctx.store.kv, sampler_key(tenant, sampler_id), sampler)
         return reply({"sampling_session_id": sampler_id})
 
     async def _base_sampler(self, tenant: str, data: dict) -> web.Response:
         """A sampling client of a base model alone: a session of its own, sampling with its adapter off (placed
         like any session; its first sample waits until it runs)."""
-        session, base = session_and_base(self.sessions, self.models, tenant, data)
-        seq = field(data, "sampling_session_seq_id", int, session.samplers)
-        session.samplers = max(session.samplers, seq + 1)
-        spec = SessionSpec(rank=1, train_mlp=False, idle_s=self.idle_s)  # an adapter it never uses
+        ctx = self.ctx
+        session, _ = await ctx.session(tenant, field(data, "session_id"))
+        base = ctx.base(data)
+        seq = field(data, "sampling_session_seq_id", int, session.sampler_seq)
+        if not 0 <= seq < 1_000_000:
+            raise TinkerRefusal(400, f"sampling_session_seq_id {seq}: give 0 or more")
         model_id = f"{session.id}:base:{seq}"
+        sampler_id = f"{model_id}:sample"
+        if await ctx.store.get(ctx.store.kv, sampler_key(tenant, sampler_id), SamplerRecord) is not None:
+            return reply({"sampling_session_id": sampler_id})  # sent again
+        if refusal := limit(ctx.mirror.models_held(tenant), ctx.settings.max_models, "training models and samplers",
+                            "max_models", "finish sessions you no longer use (ServiceClient.close(), or end the script)"):  # fmt: skip
+            raise TinkerRefusal(400, refusal)
+        spec = SessionSpec(rank=1, train_mlp=False, idle_s=ctx.settings.idle_s)  # an adapter it never uses
         try:
-            model = await self.sessions.submit_job(session, model_id, session_job(base, spec, model_id), base.name)
+            job = await ctx.trainers.submit(tenant, session_job(base, spec, model_id))
         except CallFailed as e:
             raise TinkerRefusal(400, f"base_model {base.name!r}: {e}") from None
-        sampler_id = f"{model.id}:sample"
-        self.sessions.samplers[sampler_id] = Sampler(sampler_id, tenant, model.id, BASE_WEIGHTS, base.name, None)
+        now = time.time()
+        record = ModelRecord(id=model_id, tenant=tenant, session=session.id, base_model=base.name, kind="base",
+                             job=job, spec=spec, next_seq=1, created=now, last_request=now)  # fmt: skip
+        await ctx.store.create(ctx.store.kv, model_key(tenant, model_id), record)
+
+        def add(s: SessionRecord) -> bool:
+            s.models.append(model_id)
+            s.sampler_seq = max(s.sampler_seq, seq + 1)
+            return True
+
+        await ctx.store.modify(ctx.store.kv, session_key(tenant, session.id), SessionRecord, add)
+        sampler = SamplerRecord(id=sampler_id, tenant=tenant, model=model_id, weights=BASE_WEIGHTS,
+                                base_model=base.name, model_path=None, created=now)  # fmt: skip
+        await ctx.store.put(ctx.store.kv, sampler_key(tenant, sampler_id), sampler)
         return reply({"sampling_session_id": sampler_id})
 
     async def get_sampler(self, request: web.Request) -> web.Response:
-        tenant = await self.tenant_of(request)
-        sampler = self.sessions.samplers.get(request.match_info["id"])
-        if sampler is None or sampler.tenant != tenant:
-            raise TinkerRefusal(404, f"no sampling session {request.match_info['id']!r} of yours")
+        tenant = await self.ctx.tenant(request)
+        sampler = await self.ctx.sampler(tenant, request.match_info["id"])
         return reply({"sampler_id": sampler.id, "base_model": sampler.base_model, "model_path": sampler.model_path})
 
     async def asample(self, request: web.Request) -> web.Response:
-        tenant, data = await self.tenant_of(request), await body(request)
-        sampler = self.sessions.samplers.get(field(data, "sampling_session_id"))
-        model = self.sessions.model(tenant, sampler.model) if sampler and sampler.tenant == tenant else None
-        if sampler is None or model is None:
-            raise TinkerRefusal(404, f"no sampling session {data['sampling_session_id']!r} of yours")
+        ctx = self.ctx
+        tenant, data = await ctx.tenant(request), await body(request)
+        sampler = await ctx.sampler(tenant, field(data, "sampling_session_id"))
+        model = await ctx.model(tenant, sampler.model, "sampling_session_id")
         call = sample_call(data, sampler.weights)
-        started = time.time()
+        if refusal := limit(ctx.book.pending.get(tenant, 0), ctx.settings.max_pending, "calls not done yet",
+                            "max_pending", "fetch the results of earlier samples before sending more"):  # fmt: skip
+            raise TinkerRefusal(400, refusal)
+        now = time.time()
+        future = FutureRecord(id=f"{model.id}:s:{secrets.token_hex(8)}", tenant=tenant, model=model.id, seq=None,
+                              kind="sample", call=call, call_id=secrets.token_hex(8), created=now, worker=ctx.gateway)  # fmt: skip
+        stored = await ctx.book.record(future)
+        if stored is None:
+            raise TinkerRefusal(409, "that request id was just taken; send the sample again")
+        ctx.order.run_now(stored, model)
+        ids = [f"{future.id}-{i}-{int(now)}" for i in range(call.num_samples)]
+        return reply({"request_id": future.id, "sample_sequence_ids": ids})
 
-        async def sampled() -> Outcome:
-            result = answered(await self.sessions.send(model, call), SampleResult)
-            return Outcome(body=proto.sample_output(result))
 
-        request_id = self.futures.start(tenant, sampled())
-        ids = [f"{request_id}-{i}-{int(started)}" for i in range(call.num_samples)]
-        return reply({"request_id": request_id, "sample_sequence_ids": ids})
+def _number(value: object, where: str, whole: bool = False) -> float | int:
+    if isinstance(value, bool) or not isinstance(value, int if whole else (int, float)):
+        raise TinkerRefusal(400, f"{where} is {str(value)[:40]!r}: give a {'whole ' if whole else ''}number")
+    if isinstance(value, float) and not math.isfinite(value):
+        raise TinkerRefusal(400, f"{where} is {value}: give a finite number")
+    return value
+
+
+def _tokens(values: object, where: str) -> list[int]:
+    if not isinstance(values, list):
+        raise TinkerRefusal(400, f"{where}: give a list of token ids")
+    for n, t in enumerate(values):
+        if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t <= TOKEN_MAX:
+            raise TinkerRefusal(400, f"{where}[{n}] is {str(t)[:40]!r}: a token id is a whole number from 0")
+    return values
+
+
+def _stops(stop: object) -> tuple[list[int], list[str]]:
+    """sampling_params.stop: a string, a list of strings, or a list of token ids."""
+    if stop is None:
+        return [], []
+    if isinstance(stop, str):
+        return [], [stop]
+    if isinstance(stop, list) and all(isinstance(s, str) for s in stop):
+        return [], list(stop)
+    if isinstance(stop, list):
+        return _tokens(stop, "sampling_params.stop"), []
+    raise TinkerRefusal(400, f"sampling_params.stop is {str(stop)[:40]!r}: give a string, strings, or token ids")
 
 
 def sample_call(data: dict, weights: str | None) -> Sample:
-    """A Sample call of an asample body, refusing what is not served, naming it."""
+    """A Sample call of an asample body, refusing what is not served or malformed, naming it."""
     for name in ("topk_prompt_logprobs", "topk_sample_logprobs", "prompt_alt_tokens_k", "target_prompt_logprobs"):
         if data.get(name):
             raise TinkerRefusal(400, f"{name} is not served yet; leave it out")
@@ -94,17 +160,19 @@ def sample_call(data: dict, weights: str | None) -> Sample:
     for i, chunk in enumerate(chunks):
         if not isinstance(chunk, dict) or chunk.get("type") != "encoded_text":
             raise TinkerRefusal(400, f"prompt.chunks[{i}]: only encoded_text chunks are served")
-        tokens += [int(t) for t in chunk.get("tokens", [])]
+        tokens += _tokens(chunk.get("tokens", []), f"prompt.chunks[{i}].tokens")
     params = field(data, "sampling_params", dict, {})
-    stop = params.get("stop")
-    stop_strings = [stop] if isinstance(stop, str) else [s for s in stop or [] if isinstance(s, str)]
-    stop_tokens = [s for s in stop or [] if isinstance(s, int)] if not isinstance(stop, str) else []
-    settings = {
-        k: params[k] for k in ("max_tokens", "temperature", "top_k", "top_p", "seed") if params.get(k) is not None
-    }
+    stop_tokens, stop_strings = _stops(params.get("stop"))
+    settings = {}
+    for name in SETTINGS:
+        if params.get(name) is not None:
+            settings[name] = _number(
+                params[name], f"sampling_params.{name}", whole=name in ("max_tokens", "top_k", "seed")
+            )
+    num = _number(data.get("num_samples", 1), "num_samples", whole=True)
     return checked(
-        {**settings, "prompt": tokens, "num_samples": data.get("num_samples", 1), "stop_tokens": stop_tokens,
-         "stop_strings": stop_strings, "weights": weights, "prompt_logprobs": bool(data.get("prompt_logprobs"))},
+        {**settings, "prompt": tokens, "num_samples": num, "stop_tokens": stop_tokens, "stop_strings": stop_strings,
+         "weights": weights, "prompt_logprobs": data.get("prompt_logprobs") is True},
         Sample,
         "sampling_params",
     )  # fmt: skip

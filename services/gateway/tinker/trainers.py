@@ -1,23 +1,25 @@
-"""The Tinker API's sessions and training models as the gateway holds them, and how a call reaches a model's
-trainer: each training model is a session job (train.method session) of the key's tenant; its calls run in the
-order the client numbered them (seq_id: a client sends a batch's chunks at once, the first last), each sent to the
-node that runs the job (names.node(node).session). A model whose job waits (placed, starting, paused for idling,
-moved after its node died) is waited for, resumed when paused, and its call sent again."""
+"""How a Tinker call reaches its model's trainer: each training model is a session job (train.method session) of
+the key's tenant, and a call goes to the node that runs the job (names.node(node).session). A model whose job waits
+(placed, starting, paused for idling or silence, moved after its node died) is waited for, resumed when paused, and
+its call sent again. What the scheduler says of a job is asked once for every call of that model waiting on it
+(JobWatch), never once per call."""
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
-import secrets
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from schemas import names
-from schemas.jobs import Accepted, Error, JobQuery, JobReply, JobRequest, Rejected, SubmitReply
 from schemas.events import CheckpointList
-from schemas.sessions import CallError, Ping, PingResult, SessionCall, SessionReply, SessionRequest, SessionSpec
+from schemas.jobs import Error, JobQuery, JobReply, JobRequest, Rejected, SubmitReply
+from schemas.sessions import CallError, SessionCall, SessionReply, SessionRequest
+from schemas.tinker_store import ModelRecord, model_key
 from services import bus
 from services.gateway.tinker.futures import CallFailed
+from services.gateway.tinker.store import Store
 
 log = logging.getLogger(__name__)
 CALL_WAIT_S = 1800.0  # how long a call waits for its session to be placed, started or resumed
@@ -25,146 +27,100 @@ POLL_S = 0.25
 CALL_S = 900.0  # one call at most (a large batch on a slow device)
 WATCH_S = 5.0  # while a call runs longer than this, its job is checked this often
 TERMINAL = ("succeeded", "failed", "cancelled", "stopped")
+ROUTES_KEPT = 4096
+PAUSES_KEPT = 8
 
 
 @dataclass
-class Model:
-    """A training model: one session job of its tenant, and its calls in their order."""
+class Route:
+    """Where a model's calls went lately, as this gateway knows it."""
 
-    id: str  # "<session_id>:train:<n>", as the client derives it
-    tenant: str
-    job: str
-    base_model: str
-    node: str | None = None  # where its job ran when last asked
+    node: str | None = None
     attempt: int = 0  # the job's attempt its calls went to: another one means the session moved or came back
-    resumed: bool = False  # the gateway resumed it (idle, or paused for an engine): it goes on exactly where it was
     lost: str = ""  # it moved after its node went away: what its next training call is told
-    info: PingResult | None = None
-    next_seq: int = 1  # the seq_id whose turn it is (create_model was 0)
-    waiting: dict[int, tuple[SessionCall | None, asyncio.Future]] = field(default_factory=dict)
-    requests: dict[int, str] = field(default_factory=dict)  # seq_id -> its request id (a re-send gets the same)
-    pump: asyncio.Task | None = None
-    samplers: set[str] = field(default_factory=set)  # the sampler weights it saved, by name
-    saves: dict[str, int] = field(default_factory=dict)  # the states it saved: name -> the step each was taken at
-    spec: SessionSpec | None = None  # its adapter, for a model started from one of its states
 
 
-@dataclass
-class Session:
-    id: str
-    tenant: str
-    heard: float = field(default_factory=time.monotonic)
-    models: int = 0  # model_seq_ids handed out
-    samplers: int = 0
-    finished: bool = False
-
-
-@dataclass
-class Sampler:
-    """A sampling session: a training model's adapter as it is (weights None) or as a save left it."""
-
-    id: str
-    tenant: str
-    model: str
-    weights: str | None
-    base_model: str
-    model_path: str | None
-
-
-class Sessions:
-    """Every session, training model and sampling session of the gateway (held in memory)."""
+class JobWatch:
+    """A job's state as the scheduler tells it, asked once for all who wait on it and kept POLL_S."""
 
     def __init__(self, nc) -> None:
         self.nc = nc
-        self.sessions: dict[str, Session] = {}
-        self.models: dict[str, Model] = {}
-        self.samplers: dict[str, Sampler] = {}
+        self._asking: dict[str, asyncio.Future] = {}
+        self._answers: collections.OrderedDict[str, tuple[float, JobReply | Error]] = collections.OrderedDict()
 
-    def new_session(self, tenant: str) -> Session:
-        session = Session("sess-" + secrets.token_hex(8), tenant)
-        self.sessions[session.id] = session
-        return session
+    async def job(self, tenant: str, job: str) -> JobReply | Error:
+        cached = self._answers.get(job)
+        if cached is not None and time.monotonic() - cached[0] < POLL_S:
+            return cached[1]
+        asking = self._asking.get(job)
+        if asking is None:
+            asking = self._asking[job] = asyncio.ensure_future(self._ask(tenant, job))
+            asking.add_done_callback(lambda _: self._asking.pop(job, None))
+        return await asyncio.shield(asking)
 
-    def session(self, tenant: str, session_id: str) -> Session | None:
-        s = self.sessions.get(session_id)
-        return s if s is not None and s.tenant == tenant else None  # another tenant's is none of its own
+    async def _ask(self, tenant: str, job: str) -> JobReply | Error:
+        reply = await bus.request(self.nc, names.jobs_api(tenant).job, JobQuery(job), JobReply | Error)
+        self._answers[job] = (time.monotonic(), reply)
+        self._answers.move_to_end(job)
+        while len(self._answers) > ROUTES_KEPT:
+            self._answers.popitem(last=False)
+        return reply
 
-    def of(self, session: Session) -> list[Model]:
-        return [m for m in self.models.values() if m.id.startswith(session.id + ":")]
+    def forget(self, job: str) -> None:
+        """Its state changed by this gateway's own hand (resumed): ask again next time."""
+        self._answers.pop(job, None)
 
-    def model(self, tenant: str, model_id: str) -> Model | None:
-        m = self.models.get(model_id)
-        return m if m is not None and m.tenant == tenant else None
 
-    async def create(self, session: Session, seq: int, request: JobRequest, base_model: str) -> Model:
-        """Submit the model's session job as the tenant's, and wait until its trainer answers."""
-        model = await self.submit_job(session, f"{session.id}:train:{seq}", request, base_model)
-        info = await self.send(model, Ping())
-        if not isinstance(info, PingResult):
-            raise CallFailed(f"model {model.id}'s session did not start: {getattr(info, 'message', info)}")
-        model.info = info
-        return model
+class Trainers:
+    def __init__(self, nc, store: Store) -> None:
+        self.nc, self.store, self.watch = nc, store, JobWatch(nc)
+        self.routes: collections.OrderedDict[str, Route] = collections.OrderedDict()
 
-    async def submit_job(self, session: Session, model_id: str, request: JobRequest, base_model: str) -> Model:
-        """The model's session job, submitted as the tenant's (it runs once placed); CallFailed says why not."""
-        reply = await bus.request(self.nc, names.jobs_api(session.tenant).submit, request, SubmitReply)
+    def route(self, model: ModelRecord) -> Route:
+        route = self.routes.get(model.id)
+        if route is None:
+            route = self.routes[model.id] = Route(attempt=model.attempt, lost=model.lost)
+            while len(self.routes) > ROUTES_KEPT:
+                self.routes.popitem(last=False)
+        return route
+
+    async def submit(self, tenant: str, request: JobRequest) -> str:
+        """The session job, submitted as the tenant's (a create sent again is the same job: its idempotency key);
+        CallFailed says why not."""
+        reply = await bus.request(self.nc, names.jobs_api(tenant).submit, request, SubmitReply)
         if isinstance(reply, Rejected):
             raise CallFailed("; ".join(f"{e.field}: {e.reason}" if e.field else e.reason for e in reply.errors))
-        assert isinstance(reply, Accepted)
-        model = Model(model_id, session.tenant, reply.job, base_model, spec=request.session)
-        self.models[model.id] = model
-        return model
+        job = getattr(reply, "job", None)  # accepted, or its store did not answer yet: the same job when sent again
+        if not isinstance(job, str):
+            raise CallFailed(f"the scheduler answered {type(reply).__name__} to the session's submission", "server")
+        return job
 
-    def submit(self, model: Model, seq: int, call: SessionCall | None) -> asyncio.Future:
-        """The call's turn comes after every lower seq_id's (None: a seq_id refused at the door, only skipped)."""
-        waiter = asyncio.get_running_loop().create_future()
-        model.waiting[seq] = (call, waiter)
-        if model.pump is None or model.pump.done():
-            model.pump = asyncio.create_task(self._pump(model))
-        return waiter
-
-    async def _pump(self, model: Model) -> None:
-        while model.next_seq in model.waiting:
-            call, waiter = model.waiting.pop(model.next_seq)
-            model.next_seq += 1
-            if call is None or waiter.done():
-                continue
-            try:
-                waiter.set_result(await self.send(model, call, training=True))
-            except asyncio.CancelledError:  # the session ended (finish): this call and the rest are answered so
-                if not waiter.done():
-                    waiter.set_exception(CallFailed(f"model {model.id}'s session has finished"))
-                raise
-            except Exception as e:  # the call's own error goes to its future
-                if not waiter.done():
-                    waiter.set_exception(e)
-
-    async def send(self, model: Model, call: SessionCall, training: bool = False) -> SessionReply:
-        """The session's answer, waiting through its job's placement, start, idle pause or move to another node.
-        After a move, the next training call fails once, saying so (a sample does not: it carries no state)."""
-        deadline, call_id = time.monotonic() + CALL_WAIT_S, secrets.token_hex(8)
+    async def send(self, model: ModelRecord, call: SessionCall, call_id: str, training: bool = False) -> SessionReply:
+        """The session's answer, waiting through its job's placement, start, pause or move to another node. After a
+        move, the next training call fails once, saying so (a sample does not: it carries no state)."""
+        route, deadline = self.route(model), time.monotonic() + CALL_WAIT_S
         request = SessionRequest(job=model.job, tenant=model.tenant, call=call, call_id=call_id)
         while time.monotonic() < deadline:
-            if training and model.lost:
-                lost, model.lost = model.lost, ""
+            if training and route.lost:
+                lost, route.lost = route.lost, ""
                 raise CallFailed(lost)
-            if model.node is not None:
-                reply = await self._ask(model, model.node, request)
+            if route.node is not None:
+                reply = await self._ask(model, route, route.node, request)
                 if not (isinstance(reply, CallError) and reply.retry):
                     return reply
-            model.node = await self._where(model)
-            if model.node is None or (training and model.lost):
+            route.node = await self._where(model, route)
+            if route.node is None or (training and route.lost):
                 await asyncio.sleep(POLL_S)
         raise CallFailed(f"model {model.id}'s session did not start within {CALL_WAIT_S:.0f} s", "server")
 
-    async def _ask(self, model: Model, node: str, request: SessionRequest) -> SessionReply:
+    async def _ask(self, model: ModelRecord, route: Route, node: str, request: SessionRequest) -> SessionReply:
         """The node's answer; while a long call runs, the job is watched, so a node that died mid-call (its job
         re-queued, or another attempt running) ends the wait at once instead of at the request's timeout."""
         asking = asyncio.create_task(bus.request(self.nc, names.node(node).session, request, SessionReply, CALL_S))
         try:
             while not asking.done():
                 await asyncio.wait([asking], timeout=WATCH_S)
-                if not asking.done() and not await self._still_on(model, node):
+                if not asking.done() and not await self._still_on(model, route, node):
                     log.info("model %s: its job left node %s during a call; looking for it", model.id, node)
                     return CallError(message=f"node {node} no longer runs the session", retry=True)
             return asking.result()
@@ -183,68 +139,86 @@ class Sessions:
                 asking.cancel()
                 await asyncio.gather(asking, return_exceptions=True)
 
-    async def _still_on(self, model: Model, node: str) -> bool:
+    async def _still_on(self, model: ModelRecord, route: Route, node: str) -> bool:
         try:
-            reply = await bus.request(self.nc, names.jobs_api(model.tenant).job, JobQuery(model.job), JobReply | Error)
+            reply = await self.watch.job(model.tenant, model.job)
         except bus.RequestError:
             return True  # the scheduler between leaders: keep waiting for the node
         return (
             isinstance(reply, JobReply)
             and reply.job.node == node
-            and reply.job.attempt == model.attempt
-            and (reply.job.state == "running")
+            and reply.job.attempt == route.attempt
+            and reply.job.state == "running"
         )
 
-    async def _where(self, model: Model) -> str | None:
+    async def _where(self, model: ModelRecord, route: Route) -> str | None:
         """The node that runs the model's job now; a paused job is resumed, an ended one fails the call, and one
-        that moved after its node went away fails this call, saying where it goes on from."""
-        api = names.jobs_api(model.tenant)
-        reply = await bus.request(self.nc, api.job, JobQuery(model.job), JobReply | Error)
+        that moved after its node went away fails the next training call, saying where it goes on from."""
+        reply = await self.watch.job(model.tenant, model.job)
         if isinstance(reply, Error):
             raise CallFailed(f"model {model.id}: {reply.error}")
         job = reply.job
         if job.state in TERMINAL:
             raise CallFailed(f"model {model.id}'s session has ended ({job.state}: {job.message})")
-        if job.state == "paused":  # idle, or a serving engine took its device: it goes on from its checkpoint
-            model.resumed = True
-            await bus.request(self.nc, api.resume, JobQuery(model.job), JobReply | Error)
+        if job.state == "paused":  # idle, silent, or a serving engine took its device: it goes on from its checkpoint
+            await self._paused_at(model, job.attempt)
+            await bus.request(self.nc, names.jobs_api(model.tenant).resume, JobQuery(model.job), JobReply | Error)
+            self.watch.forget(model.job)
         if job.state != "running":
             return None
-        moved, model.attempt = model.attempt not in (0, job.attempt) and not model.resumed, job.attempt
-        model.resumed = False
-        if moved:  # told to the next training call (sessions.send)
-            model.lost = (
+        moved = route.attempt not in (0, job.attempt) and route.attempt not in await self._pauses(model)
+        route.attempt = job.attempt
+        if moved:  # a pause (idle, silent, an engine's) goes on exactly where it was; a node that went away does not  # told to the next training call (send)
+            route.lost = (
                 f"model {model.id}'s node went away; its session goes on on {job.node} from its last saved state "
                 f"(attempt {job.attempt}): calls since that save_state were lost; load_state it, or redo them"
             )
         return job.node
 
-    async def stored(self, model: Model, step: int, timeout: float = 120.0) -> None:
-        """Until the model's job has stored its checkpoint at `step` (a save is stored just after it answers)."""
+    async def _paused_at(self, model: ModelRecord, attempt: int) -> None:
+        """Every gateway learns that this attempt ended in a pause (so its next one is no move)."""
+
+        def add(m: ModelRecord) -> bool:
+            m.paused = [*m.paused, attempt][-PAUSES_KEPT:] if attempt not in m.paused else m.paused
+            return True
+
+        model.paused = [*model.paused, attempt][-PAUSES_KEPT:]
+        await self.store.modify(self.store.kv, model_key(model.tenant, model.id), ModelRecord, add)
+
+    async def _pauses(self, model: ModelRecord) -> list[int]:
+        found = await self.store.get(self.store.kv, model_key(model.tenant, model.id), ModelRecord)
+        return model.paused + (found[0].paused if found is not None else [])
+
+    async def running_on(self, model: ModelRecord) -> str | None:
+        """The node its job runs on now, if it runs (nothing resumed)."""
+        reply = await self.watch.job(model.tenant, model.job)
+        return reply.job.node if isinstance(reply, JobReply) and reply.job.state == "running" else None
+
+    async def stored(self, tenant: str, job: str, step: int, timeout: float = 120.0) -> None:
+        """Until the job has stored its checkpoint at `step` (a save is stored just after it answers)."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             reply = await bus.request(
-                self.nc, names.jobs_api(model.tenant).checkpoints, JobQuery(model.job), CheckpointList | Error
+                self.nc, names.jobs_api(tenant).checkpoints, JobQuery(job), CheckpointList | Error
             )
             if isinstance(reply, CheckpointList) and any(c.step == step for c in reply.checkpoints):
                 return
             await asyncio.sleep(POLL_S)
-        raise CallFailed(f"model {model.id}'s state at step {step} was not stored within {timeout:.0f} s", "server")
+        raise CallFailed(f"the state at step {step} of job {job} was not stored within {timeout:.0f} s", "server")
 
-    async def end(self, model: Model) -> None:
+    async def stop(self, model: ModelRecord) -> None:
         """The client finished: the session stops and stores its adapter (the job's artifact)."""
-        reply = await bus.request(self.nc, names.jobs_api(model.tenant).stop, JobQuery(model.job), JobReply | Error)
-        if isinstance(reply, Error):
-            log.info("model %s: stopping its session job: %s", model.id, reply.error)
-        if model.pump is not None:
-            model.pump.cancel()
-        for _, waiter in model.waiting.values():
-            if not waiter.done():
-                waiter.set_exception(CallFailed(f"model {model.id}'s session has finished"))
-        model.waiting.clear()
+        if model.job:
+            await self._job_verb(model, "stop")
 
-    async def close(self) -> None:
-        pumps = [m.pump for m in self.models.values() if m.pump is not None and not m.pump.done()]
-        for pump in pumps:
-            pump.cancel()
-        await asyncio.gather(*pumps, return_exceptions=True)
+    async def pause(self, model: ModelRecord) -> None:
+        """Its client went silent: checkpointed and its device freed; the next call resumes it."""
+        if model.job:
+            await self._job_verb(model, "pause")
+            self.watch.forget(model.job)
+
+    async def _job_verb(self, model: ModelRecord, verb: str) -> None:
+        subject = getattr(names.jobs_api(model.tenant), verb)
+        reply = await bus.request(self.nc, subject, JobQuery(model.job), JobReply | Error)
+        if isinstance(reply, Error):
+            log.info("model %s: %s of its session job: %s", model.id, verb, reply.error)

@@ -1,51 +1,48 @@
-"""The Tinker API's training calls: create_model (a session job of the key's tenant), forward_backward, optim_step,
-save_weights, save_weights_for_sampler, load_weights (and a new model from a saved state). Each answers at once with
-a request id; the work runs in the model's order and its result is fetched with retrieve_future."""
+"""The Tinker API's training calls: create_model (a session job of the key's tenant), forward_backward (and forward),
+optim_step, save_weights, save_weights_for_sampler, load_weights (and a new model from a saved state). Each is
+stored and answered at once with a request id; it runs in the model's order (order.py) and its outcome is fetched
+with retrieve_future. A call's seq_id is its turn: once the model and the seq_id are read, anything wrong with the
+rest of the call (or a fault of the gateway's own) still takes that turn, so the calls after it run."""
 
 from __future__ import annotations
 
-import contextlib
 import re
+import secrets
+import time
+from collections.abc import Callable
+from typing import Any
+
 import msgspec
 from aiohttp import web
 
 from schemas.sessions import (
-    ForwardResult,
-    LoadedResult,
+    LOSSES,
+    SAVED_NAME,
     LoadWeights,
     OptimStep,
-    SavedResult,
     SaveWeights,
     SessionCall,
-    SAVED_NAME,
     SessionSpec,
     SessionStart,
-    StepResult,
 )
-from services.gateway.openai_map import BaseModel
+from schemas.tinker_store import FutureRecord, ModelRecord, SessionRecord, model_key, ordered_request, session_key
 from services.gateway.tinker import proto
-from services.gateway.tinker.common import (
-    answered,
-    checked,
-    parse_path,
-    session_and_base,
-    session_job,
-    session_of,
-    tinker_path,
-)
-from services.gateway.tinker.futures import Futures, Outcome
-from services.gateway.tinker.http import TinkerRefusal, body, field, reply
-from services.gateway.tinker.sessions import Model, Sampler, Sessions
+from services.gateway.tinker.common import PREFIX, Ctx, checked, session_job
+from services.gateway.tinker.futures import failed
+from services.gateway.tinker.http import TinkerRefusal, body, field, logged_fault, reply
+from services.gateway.tinker.paths import parse_path
+from services.gateway.tinker.settings import limit
 
-PREFIX = "/api/v1"
+ADAM = ("learning_rate", "beta1", "beta2", "eps", "weight_decay", "grad_clip_norm")
+TTL_RANGE = (3600, 10 * 365 * 86400)  # Tinker's: an hour to ten years
+Built = tuple[str, SessionCall | None, dict[str, Any]]  # kind, call, args (outcomes.py)
 
 
 class Training:
-    def __init__(self, sessions: Sessions, futures: Futures, models: dict[str, BaseModel], idle_s: float) -> None:
-        self.sessions, self.futures, self.models, self.idle_s = sessions, futures, models, idle_s
+    def __init__(self, ctx: Ctx) -> None:
+        self.ctx = ctx
 
-    def routes(self, tenant_of) -> list[web.RouteDef]:
-        self.tenant_of = tenant_of
+    def routes(self) -> list[web.RouteDef]:
         return [
             web.post(PREFIX + "/create_model", self.create_model),
             web.post(PREFIX + "/forward_backward", self.forward_backward),
@@ -55,172 +52,217 @@ class Training:
             web.post(PREFIX + "/load_weights", self.load_weights),
         ]
 
-    def _model(self, tenant: str, data: dict) -> Model:
-        model = self.sessions.model(tenant, field(data, "model_id"))
-        if model is None:
-            raise TinkerRefusal(404, f"no training model {data['model_id']!r} of yours")
-        return model
-
-    @contextlib.contextmanager
-    def _skipped_if_refused(self, model: Model, seq: int):
-        """A call refused at the door still takes its turn (as nothing), so the model's later calls run."""
-        try:
-            yield
-        except TinkerRefusal:
-            if seq >= model.next_seq and seq not in model.waiting and seq not in model.requests:
-                self.sessions.submit(model, seq, None)
-            raise
-
-    def _ordered(self, tenant: str, model: Model, seq: int, call: SessionCall, done) -> web.Response:
-        """The call in the model's order (a re-sent seq_id gets its first request id)."""
-        if seq in model.requests:
-            return reply({"request_id": model.requests[seq]})
+    # --- a call in its model's order ------------------------------------------------------------------------------
+    async def _ordered(
+        self, request: web.Request, tenant: str, model_id: object, seq: object, build: Callable[[ModelRecord], Built]
+    ) -> web.Response:
+        ctx = self.ctx
+        if not isinstance(model_id, str):
+            raise TinkerRefusal(400, "model_id is missing: give the training model's id")
+        model = await ctx.model(tenant, model_id)
+        if model.kind != "train":
+            raise TinkerRefusal(400, f"model_id {model.id} is a base model's sampler: it takes no training calls")
+        if not isinstance(seq, int) or isinstance(seq, bool) or seq < 1:
+            raise TinkerRefusal(400, f"seq_id {str(seq)[:40]!r}: give the call's turn, a whole number from 1")
         if seq < model.next_seq:
+            taken = await ctx.book.find(tenant, ordered_request(model.id, seq))
+            if taken is not None:  # the same call sent again: the same request id
+                return reply({"request_id": taken.id, "model_id": model.id})
             raise TinkerRefusal(400, f"seq_id {seq} of {model.id} was taken already; the next is {model.next_seq}")
-        waiter = self.sessions.submit(model, seq, call)
+        window = ctx.settings.seq_window
+        if seq > model.next_seq + window and ctx.order.model(model.id) is None:
+            model = await ctx.model(tenant, model.id)  # the store's, fresher than this gateway's read
+        if seq > model.next_seq + window:
+            raise TinkerRefusal(
+                400,
+                f"seq_id {seq} is more than {window} ahead of model {model.id}'s next call ({model.next_seq}), the "
+                "most a client may send ahead: send calls in order, and fetch results before sending far ahead",
+            )
+        if refusal := limit(ctx.book.pending.get(tenant, 0), ctx.settings.max_pending, "calls not done yet",
+                            "max_pending", "fetch the results of earlier calls (future.result()) before sending more"):  # fmt: skip
+            raise TinkerRefusal(400, refusal)
+        try:
+            kind, call, args = build(model)
+        except TinkerRefusal as e:  # refused as sent: its turn is taken as nothing, so the calls after it run
+            await self._consume(model, seq, e.detail)
+            raise
+        except Exception:
+            fault = logged_fault(request)
+            await self._consume(model, seq, f"the gateway failed on this call; request {fault.ident}", "server")
+            raise fault from None
+        future = FutureRecord(id=ordered_request(model.id, seq), tenant=tenant, model=model.id, seq=seq, kind=kind,
+                              call=call, args=args, call_id=secrets.token_hex(8), created=time.time())  # fmt: skip
+        stored = await ctx.book.record(future)
+        if stored is None:
+            return reply({"request_id": future.id, "model_id": model.id})
+        await ctx.order.arrived(stored)
+        return reply({"request_id": stored.id, "model_id": model.id})
 
-        async def result() -> Outcome:
-            return done(await waiter)
+    async def _consume(self, model: ModelRecord, seq: int, message: str, category: str = "user") -> None:
+        refused = FutureRecord(id=ordered_request(model.id, seq), tenant=model.tenant, model=model.id, seq=seq,
+                               kind="refused", created=time.time(), outcome=failed(message, category))  # fmt: skip
+        if (stored := await self.ctx.book.record(refused)) is not None:
+            await self.ctx.order.arrived(stored)
 
-        model.requests[seq] = self.futures.start(tenant, result())
-        return reply({"request_id": model.requests[seq], "model_id": model.id})
-
+    # --- creating a model -----------------------------------------------------------------------------------------
     async def create_model(self, request: web.Request) -> web.Response:
-        tenant, data = await self.tenant_of(request), await body(request)
-        session, base = session_and_base(self.sessions, self.models, tenant, data)
+        ctx = self.ctx
+        tenant, data = await ctx.tenant(request), await body(request)
+        session, _ = await ctx.session(tenant, field(data, "session_id"))
+        base = ctx.base(data)
         lora, optimizer = field(data, "lora_config", dict, {}), field(data, "optimizer_config", dict, {})
         if optimizer.get("type", "adamw") != "adamw":
-            raise TinkerRefusal(400, f"optimizer_config.type {optimizer.get('type')!r}: only adamw is served")
+            raise TinkerRefusal(400, f"optimizer_config.type {str(optimizer.get('type'))[:40]!r}: only adamw is served")
         settings = {k: lora[k] for k in ("rank", "seed", "train_attn", "train_mlp", "train_unembed") if k in lora}
-        spec = checked({"train_unembed": True, **settings, "idle_s": self.idle_s}, SessionSpec, "lora_config")
-        seq = field(data, "model_seq_id", int, session.models)
-        session.models = max(session.models, seq + 1)
-        job = session_job(base, spec, f"{session.id}:train:{seq}")
+        spec = checked({"train_unembed": True, **settings, "idle_s": ctx.settings.idle_s}, SessionSpec, "lora_config")
+        if not spec.target_modules():
+            raise TinkerRefusal(400, "lora_config: train_attn, train_mlp and train_unembed are all false; set one")
+        seq = self._model_seq(data, session)
+        model_id = f"{session.id}:train:{seq}"
+        return await self._new_model(
+            tenant, session, model_id, base.name, spec, "create", session_job(base, spec, model_id), {}
+        )
 
-        async def created() -> Outcome:
-            model = await self.sessions.create(session, seq, job, base.name)
-            return Outcome(json={"model_id": model.id, "type": "create_model"})
+    def _model_seq(self, data: dict, session: SessionRecord) -> int:
+        seq = field(data, "model_seq_id", int, session.model_seq)
+        if not 0 <= seq < 1_000_000:
+            raise TinkerRefusal(400, f"model_seq_id {seq}: give 0 or more (the client counts its models from 0)")
+        return seq
 
-        return reply({"request_id": self.futures.start(tenant, created())})
+    async def _new_model(self, tenant: str, session: SessionRecord, model_id: str, base_model: str, spec: SessionSpec,
+                         kind: str, job, args: dict) -> web.Response:  # fmt: skip
+        """A model's record (its calls run here) and its create, the model's first call (seq 0)."""
+        ctx = self.ctx
+        first = ordered_request(model_id, 0)
+        if await ctx.store.get(ctx.store.kv, model_key(tenant, model_id), ModelRecord) is not None:
+            return reply({"request_id": first})  # a create sent again: the same model
+        if refusal := limit(ctx.mirror.models_held(tenant), ctx.settings.max_models, "training models and samplers",
+                            "max_models", "finish sessions you no longer use (ServiceClient.close(), or end the script)"):  # fmt: skip
+            raise TinkerRefusal(400, refusal)
+        now = time.time()
+        record = ModelRecord(id=model_id, tenant=tenant, session=session.id, base_model=base_model, spec=spec,
+                             pump=ctx.gateway, created=now, last_request=now)  # fmt: skip
+        revision = await ctx.store.create(ctx.store.kv, model_key(tenant, model_id), record)
+        if revision is None:
+            return reply({"request_id": first})
+        await self._add_to_session(tenant, session.id, model_id, int(model_id.rsplit(":", 1)[1]))
+        create = FutureRecord(id=first, tenant=tenant, model=model_id, seq=0, kind=kind, job=job, args=args,
+                              call_id=secrets.token_hex(8), created=now)  # fmt: skip
+        stored = await ctx.book.record(create) or create
+        ctx.order.start_new(record, revision, stored)
+        return reply({"request_id": first})
 
+    async def _add_to_session(self, tenant: str, session_id: str, model_id: str, seq: int) -> None:
+        def add(s: SessionRecord) -> bool:
+            s.models.append(model_id)
+            s.model_seq = max(s.model_seq, seq + 1)
+            return True
+
+        written = await self.ctx.store.modify(self.ctx.store.kv, session_key(tenant, session_id), SessionRecord, add)
+        if written is None:
+            raise TinkerRefusal(404, f"session {session_id} has ended")
+
+    async def _create_from_state(self, tenant: str, data: dict) -> web.Response:
+        ctx = self.ctx
+        session, _ = await ctx.session(tenant, field(data, "session_id"))
+        path = field(data, "path")
+        owner, kind, name = parse_path(path)
+        source = await ctx.model(tenant, owner, "path")
+        save = source.saves.get(name)
+        if kind != "weights" or save is None or source.spec is None or _expired(save):
+            raise TinkerRefusal(404, f"path {path[:200]!r}: no state of yours by that name (save_state makes one)")
+        if source.base_model not in ctx.models:
+            raise TinkerRefusal(400, f"path: its base model {source.base_model!r} is no longer served here")
+        optimizer = field(data, "optimizer", bool, False)
+        start = SessionStart(job=source.job, name=name, step=save.step, optimizer=optimizer)
+        spec = msgspec.structs.replace(source.spec, start_from=start)
+        seq = self._model_seq(data, session)
+        model_id = f"{session.id}:train:{seq}"
+        job = session_job(ctx.models[source.base_model], spec, model_id)
+        args = {"source_job": source.job, "step": save.step, "path": path}
+        return await self._new_model(tenant, session, model_id, source.base_model, spec, "create_from_state", job, args)
+
+    # --- the calls ------------------------------------------------------------------------------------------------
     async def forward_backward(self, request: web.Request) -> web.Response:
-        tenant = await self.tenant_of(request)
+        tenant = await self.ctx.tenant(request)
         try:
             message = proto.forward_backward(await request.read())
         except proto.ProtoRefused as e:
             raise TinkerRefusal(400, f"{e} ({e.field})") from None
-        model, seq = self._model(tenant, {"model_id": message.model_id}), message.seq_id
-        with self._skipped_if_refused(model, seq):
+
+        def build(model: ModelRecord) -> Built:
+            if message.loss_fn not in LOSSES:
+                raise TinkerRefusal(
+                    400, f"loss_fn {message.loss_fn[:40]!r} is not served; use one of {', '.join(LOSSES)}"
+                )
             try:
-                call = proto.call_of(message)
+                return "forward", proto.call_of(message), {}
             except proto.ProtoRefused as e:
                 raise TinkerRefusal(400, f"{e} ({e.field})") from None
-        return self._ordered(
-            tenant, model, seq, call, lambda r: Outcome(body=proto.forward_output(answered(r, ForwardResult)))
-        )
+
+        return await self._ordered(request, tenant, message.model_id, message.seq_id, build)
 
     async def optim_step(self, request: web.Request) -> web.Response:
-        tenant, data = await self.tenant_of(request), await body(request)
-        model, seq = self._model(tenant, data), field(data, "seq_id", int)
-        with self._skipped_if_refused(model, seq):
+        tenant, data = await self.ctx.tenant(request), await body(request)
+
+        def build(model: ModelRecord) -> Built:
             adam = field(data, "adam_params", dict, {})
-            unknown = sorted(set(adam) - {"learning_rate", "beta1", "beta2", "eps", "weight_decay", "grad_clip_norm"})
+            unknown = sorted(str(k)[:40] for k in set(adam) - set(ADAM))
             if unknown or "optimizer_params" in data:
                 raise TinkerRefusal(400, f"adam_params {unknown or 'optimizer_params'}: only AdamParams are served")
-            call = checked(adam, OptimStep, "adam_params")
+            return "optim", checked(adam, OptimStep, "adam_params"), {}
 
-        def done(r) -> Outcome:
-            step = answered(r, StepResult)
-            metrics = {"step": float(step.step)} | ({} if step.grad_norm is None else {"grad_norm": step.grad_norm})
-            return Outcome(json={"metrics": metrics})
-
-        return self._ordered(tenant, model, seq, call, done)
+        return await self._ordered(request, tenant, data.get("model_id"), data.get("seq_id"), build)
 
     async def save_weights(self, request: web.Request) -> web.Response:
-        tenant, data = await self.tenant_of(request), await body(request)
-        model, seq = self._model(tenant, data), field(data, "seq_id", int)
-        with self._skipped_if_refused(model, seq):
-            call = self._save(field(data, "path"), "state")
-        return self._ordered(
-            tenant,
-            model,
-            seq,
-            call,
-            lambda r: Outcome(
-                json={"path": tinker_path(model.id, "weights", self._saved(model, answered(r, SavedResult)))}
-            ),
-        )
+        tenant, data = await self.ctx.tenant(request), await body(request)
 
-    @staticmethod
-    def _saved(model: Model, saved: SavedResult) -> str:
-        model.saves[saved.name] = saved.step
-        return saved.name
+        def build(model: ModelRecord) -> Built:
+            return "save_state", _save(field(data, "path"), "state"), {"expires": _expires(data)}
 
-    @staticmethod
-    def _save(name: str, kind: str) -> SaveWeights:
-        if not isinstance(name, str) or not re.fullmatch(SAVED_NAME, name):
-            raise TinkerRefusal(400, f"path {name!r}: a name of letters, digits, '.', '_' and '-' (up to 128)")
-        return SaveWeights(name=name, kind=kind)  # type: ignore[arg-type]
+        return await self._ordered(request, tenant, data.get("model_id"), data.get("seq_id"), build)
 
     async def save_for_sampler(self, request: web.Request) -> web.Response:
-        tenant, data = await self.tenant_of(request), await body(request)
-        model = self._model(tenant, data)
-        named = data.get("path")
-        name = named if named is not None else f"snapshot-{field(data, 'sampling_session_seq_id', int)}"
-        sampler_id = f"{model.id}:sample:{name}"
+        tenant, data = await self.ctx.tenant(request), await body(request)
 
-        def done(r) -> Outcome:
-            saved = answered(r, SavedResult)
-            model.samplers.add(saved.name)
-            path = tinker_path(model.id, "sampler_weights", saved.name)
-            self.sessions.samplers[sampler_id] = Sampler(
-                sampler_id, tenant, model.id, saved.name, model.base_model, path
-            )
-            return Outcome(
-                json={"path": path} if named is not None else {"path": path, "sampling_session_id": sampler_id}
-            )
+        def build(model: ModelRecord) -> Built:
+            named = data.get("path")
+            name = named if named is not None else f"snapshot-{field(data, 'sampling_session_seq_id', int)}"
+            return "save_sampler", _save(name, "sampler"), {"named": named is not None, "expires": _expires(data)}
 
-        seq = field(data, "seq_id", int)
-        with self._skipped_if_refused(model, seq):
-            call = self._save(name, "sampler")
-        return self._ordered(tenant, model, seq, call, done)
+        return await self._ordered(request, tenant, data.get("model_id"), data.get("seq_id"), build)
 
     async def load_weights(self, request: web.Request) -> web.Response:
-        tenant, data = await self.tenant_of(request), await body(request)
+        tenant, data = await self.ctx.tenant(request), await body(request)
         if "model_id" not in data:  # create_training_client_from_state: a new model from a saved state
             return await self._create_from_state(tenant, data)
-        model, seq = self._model(tenant, data), field(data, "seq_id", int)
-        with self._skipped_if_refused(model, seq):
-            owner, kind, name = parse_path(field(data, "path"))
-            if owner != model.id or kind != "weights":
+
+        def build(model: ModelRecord) -> Built:
+            path = field(data, "path")
+            owner, kind, name = parse_path(path)
+            save = model.saves.get(name)
+            if owner != model.id or kind != "weights" or save is None or _expired(save):
                 raise TinkerRefusal(400, f"path: a model loads the states it saved (tinker://{model.id}/weights/NAME)")
-            call = LoadWeights(name=name, optimizer=bool(data.get("optimizer", False)))
+            return "load", LoadWeights(name=name, optimizer=field(data, "optimizer", bool, False)), {"path": path}
 
-        def done(r) -> Outcome:
-            loaded = answered(r, LoadedResult)
-            return Outcome(json={"path": data["path"], "model_id": model.id, "step": loaded.step})
+        return await self._ordered(request, tenant, data.get("model_id"), data.get("seq_id"), build)
 
-        return self._ordered(tenant, model, seq, call, done)
 
-    async def _create_from_state(self, tenant: str, data: dict) -> web.Response:
-        session = session_of(self.sessions, tenant, data)
-        path = field(data, "path")
-        owner, kind, name = parse_path(path)
-        source = self.sessions.model(tenant, owner)
-        if source is None or kind != "weights" or name not in source.saves or source.spec is None:
-            raise TinkerRefusal(404, f"path {path!r}: no state of yours by that name (save_state makes one)")
-        base = self.models[source.base_model]
-        optimizer = bool(data.get("optimizer", False))
-        start = SessionStart(job=source.job, name=name, step=source.saves[name], optimizer=optimizer)
-        spec = msgspec.structs.replace(source.spec, start_from=start)
-        seq = field(data, "model_seq_id", int, session.models)
-        session.models = max(session.models, seq + 1)
-        job = session_job(base, spec, f"{session.id}:train:{seq}")
+def _save(name: object, kind: str) -> SaveWeights:
+    if not isinstance(name, str) or not re.fullmatch(SAVED_NAME, name):
+        raise TinkerRefusal(400, f"path {str(name)[:200]!r}: a name of letters, digits, '.', '_' and '-' (up to 128)")
+    return SaveWeights(name=name, kind=kind)  # type: ignore[arg-type]
 
-        async def created() -> Outcome:
-            await self.sessions.stored(source, start.step)
-            model = await self.sessions.create(session, seq, job, base.name)
-            model.saves, model.spec = {}, spec
-            return Outcome(json={"model_id": model.id, "path": path, "type": "load_weights"})
 
-        return reply({"request_id": self.futures.start(tenant, created())})
+def _expires(data: dict) -> float | None:
+    """When a save the client gave ttl_seconds goes."""
+    ttl = field(data, "ttl_seconds", int, None)
+    if ttl is None:
+        return None
+    if not TTL_RANGE[0] <= ttl <= TTL_RANGE[1]:
+        raise TinkerRefusal(400, f"ttl_seconds {ttl}: give {TTL_RANGE[0]} (an hour) to {TTL_RANGE[1]} (ten years)")
+    return time.time() + ttl
+
+
+def _expired(save) -> bool:
+    return save.expires is not None and save.expires < time.time()

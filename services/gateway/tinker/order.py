@@ -1,0 +1,311 @@
+"""Who runs a model's calls, and in what order. A training model's calls run one at a time in the order the client
+numbered them (seq_id: a client sends a batch's chunks at once, the first last) on one gateway at a time: the one
+named in the model's record (`pump`), while it is up. A gateway that takes a call for a model nobody runs takes the
+model; one that takes a call for a model another gateway runs only stores it, and that gateway sees its key written
+(mirror.py). A gateway that stops, or is not heard of for LIVE_S, leaves its models to the next gateway a client
+calls. A seq_id that does not come within the gap timeout fails, and the calls after it run. Samples need no order:
+each runs at once on the gateway that took it (another takes it over if that one goes)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+
+from schemas.tinker_store import FutureRecord, ModelRecord, call_key, model_key, ordered_request
+from services.gateway.tinker.futures import Book, failed
+from services.gateway.tinker.mirror import Mirror
+from services.gateway.tinker.outcomes import Change, Runner
+from services.gateway.tinker.settings import TinkerSettings
+from services.gateway.tinker.store import Store
+
+log = logging.getLogger(__name__)
+LINGER_S = 60.0  # a model with no call this long is given back (any gateway takes it at its next call)
+
+
+@dataclass
+class Owned:
+    """A model whose ordered calls this gateway runs."""
+
+    record: ModelRecord
+    revision: int
+    arrived: dict[int, FutureRecord] = field(default_factory=dict)
+    wake: asyncio.Event = field(default_factory=asyncio.Event)
+    changes: list[Change] = field(default_factory=list)  # made since the record was last written
+    written_seq: int = 0
+    task: asyncio.Task | None = None
+
+
+class Order:
+    def __init__(
+        self, store: Store, mirror: Mirror, book: Book, runner: Runner, gateway: str, settings: TinkerSettings
+    ):
+        self.store, self.mirror, self.book, self.runner = store, mirror, book, runner
+        self.gateway, self.settings = gateway, settings
+        self.owned: dict[str, Owned] = {}
+        self.running: dict[str, asyncio.Task] = {}  # samples run here, by request id
+        self._locks: dict[str, asyncio.Lock] = {}
+
+    def model(self, model_id: str) -> ModelRecord | None:
+        """The record of a model whose calls run here (the freshest there is), else None: read the store."""
+        owned = self.owned.get(model_id)
+        return owned.record if owned is not None else None
+
+    def change(self, model_id: str, change: Change) -> bool:
+        """Change a model whose calls run here, in this gateway's copy and at its next write (False: not here)."""
+        owned = self.owned.get(model_id)
+        if owned is None:
+            return False
+        change(owned.record)
+        owned.changes.append(change)
+        owned.wake.set()
+        return True
+
+    # --- ordered calls --------------------------------------------------------------------------------------------
+    def start_new(self, record: ModelRecord, revision: int, first: FutureRecord) -> None:
+        """A model this gateway just made (its record names this gateway), and its create (seq 0)."""
+        owned = self.owned[record.id] = Owned(record, revision, written_seq=record.next_seq)
+        self._arrive(owned, first)
+        owned.task = asyncio.create_task(self._pump(owned))
+
+    async def arrived(self, future: FutureRecord) -> None:
+        """A call stored for its turn (or its turn taken at the door: it has its outcome already)."""
+        owned = self.owned.get(future.model)
+        if owned is not None:
+            self._arrive(owned, future)
+        else:
+            await self.ensure(future.tenant, future.model)
+
+    def _arrive(self, owned: Owned, future: FutureRecord) -> None:
+        assert future.seq is not None
+        if future.seq >= owned.record.next_seq and future.seq not in owned.arrived:
+            if future.outcome is None:
+                self.book.expect(future)
+            owned.arrived[future.seq] = future
+            owned.wake.set()
+
+    def written(self, tenant: str, request: str) -> None:
+        """A call's key was written by some gateway: one for a model run here is fetched if it is not here yet."""
+        self.book.written(request)
+        model_id, _, seq = request.rpartition(":")
+        owned = self.owned.get(model_id)
+        if owned is not None and seq.isdigit() and int(seq) >= owned.record.next_seq and int(seq) not in owned.arrived:
+            asyncio.create_task(self._fetch(owned, tenant, request))  # short: one read; _fetch catches all
+
+    async def _fetch(self, owned: Owned, tenant: str, request: str) -> None:
+        try:
+            future = await self.book.find(tenant, request)
+            if future is not None and self.owned.get(owned.record.id) is owned:
+                self._arrive(owned, future)
+        except Exception as e:  # the next arrival or fetch of a client looks again
+            log.warning("reading Tinker call %s failed: %s", request, e)
+
+    async def ensure(self, tenant: str, model_id: str) -> None:
+        """The model's calls run on a live gateway: this one takes the model if none does."""
+        lock = self._locks.setdefault(model_id, asyncio.Lock())
+        try:
+            async with lock:
+                if model_id in self.owned:
+                    self.owned[model_id].wake.set()
+                    return
+                found = await self.store.get(self.store.kv, model_key(tenant, model_id), ModelRecord)
+                if found is None:
+                    return
+                record, revision = found
+                if record.pump and record.pump != self.gateway and self.mirror.alive(record.pump):
+                    return
+                record.pump = self.gateway
+                written = await self.store.update(self.store.kv, model_key(tenant, model_id), record, revision)
+                if written is None:  # another gateway took it at the same moment
+                    return
+                owned = self.owned[model_id] = Owned(record, written, written_seq=record.next_seq)
+                await self._scan(owned)
+                owned.task = asyncio.create_task(self._pump(owned))
+        finally:
+            if not lock.locked() and not lock._waiters:  # type: ignore[attr-defined]
+                self._locks.pop(model_id, None)
+
+    async def _scan(self, owned: Owned) -> None:
+        """The calls stored for the model from its next seq_id on (as far as the window reaches)."""
+        record = owned.record
+        seqs = range(record.next_seq, record.next_seq + self.settings.seq_window + 1)
+        found = await asyncio.gather(*(self.book.find(record.tenant, ordered_request(record.id, s)) for s in seqs))
+        for future in found:
+            if future is not None:
+                self._arrive(owned, future)
+
+    async def _pump(self, owned: Owned) -> None:
+        record, gap_since = owned.record, None
+        try:
+            while True:
+                owned.wake.clear()
+                future = owned.arrived.pop(record.next_seq, None)
+                if future is not None:
+                    gap_since = None
+                    if future.outcome is None:
+                        await self._run(owned, future)
+                    else:
+                        self.book.resolve(future.id, future.outcome)
+                    record.next_seq += 1
+                    record.last_request = time.time()
+                    continue
+                if record.next_seq != owned.written_seq or owned.changes:
+                    await self._write(owned)
+                if owned.arrived:  # a later call came, this one not (yet): wait the gap timeout, then fail it
+                    gap_since = gap_since or time.monotonic()
+                    left = self.settings.gap_s - (time.monotonic() - gap_since)
+                    if left <= 0:
+                        await self._skip(owned, record.next_seq)
+                        continue
+                    await _wait(owned.wake, left)
+                    continue
+                if not await _wait(owned.wake, LINGER_S) and not owned.arrived and await self._give_back(owned):
+                    return
+        except asyncio.CancelledError:
+            raise
+        except Exception:  # the store away: the model goes to the next gateway a client calls
+            log.exception("running the calls of Tinker model %s stopped", record.id)
+            self._drop(owned)
+
+    async def _run(self, owned: Owned, future: FutureRecord) -> None:
+        outcome, changes = await self.runner.run(future, owned.record)
+        if changes:  # what a save changed is seen by every gateway before the client hears of it
+            owned.changes += changes
+            await self._write(owned)
+        await self.book.finish(future, outcome)
+
+    async def _skip(self, owned: Owned, seq: int) -> None:
+        """The seq_id never came: it fails (a late one is told so) and the calls after it run."""
+        record = owned.record
+        message = (
+            f"seq_id {seq} of model {record.id} did not arrive within {self.settings.gap_s:.0f} s of the calls after "
+            "it; they ran without it (send calls with consecutive seq_ids)"
+        )
+        skipped = FutureRecord(id=ordered_request(record.id, seq), tenant=record.tenant, model=record.id, seq=seq,
+                               kind="skipped", created=time.time(), outcome=failed(message))  # fmt: skip
+        if await self.book.record(skipped) is None:  # it came at the last moment
+            late = await self.book.find(record.tenant, skipped.id)
+            if late is not None:
+                self._arrive(owned, late)
+                return
+        log.info("model %s: %s", record.id, message)
+        record.next_seq = max(record.next_seq, seq + 1)
+
+    async def _write(self, owned: Owned) -> None:
+        """The model's record as this gateway holds it, over whatever another gateway changed meanwhile (a deleted
+        checkpoint); a record that names another gateway now means the model was taken over: stop."""
+        key, record = model_key(owned.record.tenant, owned.record.id), owned.record
+        record.pump = self.gateway
+        route = self.runner.trainers.routes.get(record.id)
+        if route is not None:
+            record.attempt, record.lost = route.attempt, route.lost
+        revision = await self.store.update(self.store.kv, key, record, owned.revision)
+        if revision is None:
+            changes, seq, last = owned.changes, record.next_seq, record.last_request
+
+            def merge(stored: ModelRecord) -> bool:
+                if stored.pump != self.gateway:
+                    raise TakenOver(record.id)
+                stored.next_seq, stored.last_request = max(stored.next_seq, seq), max(stored.last_request, last)
+                stored.job, stored.info = stored.job or record.job, stored.info or record.info
+                stored.attempt, stored.lost = record.attempt, record.lost
+                for change in changes:
+                    change(stored)
+                return True
+
+            merged = await self.store.modify(self.store.kv, key, ModelRecord, merge)
+            found = await self.store.get(self.store.kv, key, ModelRecord)
+            if merged is None or found is None:
+                raise TakenOver(record.id)
+            stored, revision = found
+            record.paused = stored.paused
+            for name in set(record.saves) - set(stored.saves):
+                record.saves.pop(name)
+            for name in set(record.samplers) - set(stored.samplers):
+                record.samplers.pop(name)
+        owned.revision, owned.written_seq, owned.changes = revision, record.next_seq, []
+
+    async def _give_back(self, owned: Owned) -> bool:
+        """Nobody called for LINGER_S: the model is no longer run here (False: a call came meanwhile)."""
+        owned.record.pump = ""
+        key = model_key(owned.record.tenant, owned.record.id)
+        if await self.store.update(self.store.kv, key, owned.record, owned.revision) is None:
+            owned.record.pump = self.gateway
+            await self._write(owned)
+            return False
+        self.owned.pop(owned.record.id, None)
+        if owned.arrived:  # came while it was given back: take it again
+            asyncio.create_task(self.ensure(owned.record.tenant, owned.record.id))
+        return True
+
+    def _drop(self, owned: Owned) -> None:
+        self.owned.pop(owned.record.id, None)
+        for future in owned.arrived.values():
+            self.book.abandon(future.id)
+
+    # --- calls run at once ----------------------------------------------------------------------------------------
+    def run_now(self, future: FutureRecord, model: ModelRecord) -> None:
+        self.book.expect(future)
+        self.running[future.id] = asyncio.create_task(self._run_now(future, model))
+
+    async def _run_now(self, future: FutureRecord, model: ModelRecord) -> None:
+        try:
+            outcome, _ = await self.runner.run(future, self.model(model.id) or model)
+            await self.book.finish(future, outcome)
+        except Exception:  # the store away: another gateway takes it over when its client asks
+            log.exception("Tinker call %s: its outcome was not stored", future.id)
+            self.book.abandon(future.id)
+        finally:
+            self.running.pop(future.id, None)
+
+    async def revive(self, future: FutureRecord) -> None:
+        """A fetch of a call not done yet: make sure a live gateway runs it (this one, if its own is gone)."""
+        if future.seq is not None:
+            await self.ensure(future.tenant, future.model)
+            owned = self.owned.get(future.model)
+            if owned is not None and future.seq >= owned.record.next_seq and future.seq not in owned.arrived:
+                self._arrive(owned, future)
+            return
+        if future.id in self.running or (future.worker and self.mirror.alive(future.worker)):
+            return
+        key = call_key(future.tenant, future.id)
+        found = await self.store.get(self.store.futures, key, FutureRecord)
+        if found is None or found[0].outcome is not None:
+            return
+        taken, revision = found
+        taken.worker = self.gateway
+        model = await self.store.get(self.store.kv, model_key(future.tenant, future.model), ModelRecord)
+        if model is not None and await self.store.update(self.store.futures, key, taken, revision) is not None:
+            log.info("Tinker call %s: its gateway %s is gone; running it here", future.id, future.worker)
+            self.run_now(taken, model[0])
+
+    async def close(self) -> None:
+        """Stop running calls here, and give every model back at once (the next gateway goes on with them)."""
+        tasks = [o.task for o in self.owned.values() if o.task is not None] + list(self.running.values())
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        for owned in list(self.owned.values()):
+            try:
+                owned.record.pump = ""
+                await self.store.update(
+                    self.store.kv, model_key(owned.record.tenant, owned.record.id), owned.record, owned.revision
+                )
+            except Exception as e:  # it goes to another gateway LIVE_S after this one's liveness record
+                log.info("model %s not given back (%s)", owned.record.id, e)
+            self._drop(owned)
+        for request in list(self.book.local):
+            self.book.abandon(request)
+
+
+class TakenOver(Exception):
+    """Another gateway runs the model's calls now (this one was not heard of for a while)."""
+
+
+async def _wait(event: asyncio.Event, timeout: float) -> bool:
+    try:
+        await asyncio.wait_for(event.wait(), timeout)
+        return True
+    except asyncio.TimeoutError:
+        return False
