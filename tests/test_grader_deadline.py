@@ -89,6 +89,11 @@ def sandbox_processes() -> list[str]:
     return found
 
 
+def sandboxes() -> int:
+    """Sandboxes running under this test process (one unshare each)."""
+    return sum(1 for p in sandbox_processes() if "unshare" in p)
+
+
 def until(condition, seconds: float):
     """condition()'s first truthy value within `seconds`, else its last value."""
     deadline = time.monotonic() + seconds

@@ -1,6 +1,8 @@
 """/v1/fine_tuning/alpha/graders/validate and /run, as OpenAI's client calls them: a grader checked (every error,
-`param` naming the first one's field) and run on one model sample and its item. Grading runs in a thread;
-python graders in the sandbox, never in the gateway's process."""
+`param` naming the first one's field) and run on one model sample and its item; python graders in the sandbox,
+never in the gateway's process. Each call takes one of its tenant's own turns (GraderContext.tenant_calls at a
+time, tenant_waiting more waiting, then 429), and its python graders, loads and runs together, have at most
+request_sandbox_s of sandbox time."""
 
 from __future__ import annotations
 
@@ -15,18 +17,18 @@ from aiohttp import web
 from schemas.gateway import GraderRunErrors, GraderRunMetadata, GraderRunResponse
 from schemas.graders import Grader, GradeResult, LabelModelGrader, MultiGrader, Sample, ScoreModelGrader
 from schemas.validate import FieldError
-from services.gateway.errors import OpenAIError, bad_request, json_response, read_json
-from services.graders import GraderContext, check, grade_many
+from services.gateway.errors import TENANT, OpenAIError, bad_request, json_response, read_json
+from services.gateway.tenant_turns import TenantTurns
+from services.graders import Deadline, GraderContext, check_async, grade_many_async
 from services.graders.decode import decode_grader
 
-RUNS_AT_ONCE = 4  # grader runs the gateway does at a time; more wait
 T = TypeVar("T")
 
 
 class Graders:
     def __init__(self, context: GraderContext) -> None:
         self.context = context
-        self._slots = asyncio.Semaphore(RUNS_AT_ONCE)
+        self.turns = TenantTurns("grader calls", context.tenant_calls, context.tenant_waiting)
 
     def routes(self) -> list[web.RouteDef]:
         return [
@@ -34,26 +36,35 @@ class Graders:
             web.post("/v1/fine_tuning/alpha/graders/run", self.run),
         ]
 
-    async def _grader(self, body: dict[str, Any]) -> Grader:
+    def _deadline(self) -> Deadline:
+        s = self.context.request_sandbox_s
+        return Deadline.after(
+            s,
+            f"this request's {s:g} s of sandbox time (its python graders' loads and runs together): use fewer or "
+            "faster python graders",
+        )
+
+    async def _grader(self, body: dict[str, Any], deadline: Deadline) -> Grader:
         """The body's grader, checked against what this gateway can run; a 400 naming every field that is wrong."""
         if "grader" not in body:
             raise bad_request("grader: missing required field; give the grader to check", "grader")
         grader, errors = decode_grader(body["grader"], "grader")
         if grader is not None:
-            async with self._slots:
-                errors = await asyncio.to_thread(check, grader, "grader", self.context)
+            errors = await check_async(grader, "grader", self.context, deadline)
         if errors or grader is None:
             raise _invalid(errors)
         return grader
 
     async def in_slot(self, tenant: str, work: Callable[[], T]) -> T:
-        """`work` (a blocking check or grading: a sandbox process, a judge call) in a thread, in one of the grader
-        slots, on `tenant`'s turn: the door's checks (grader_door.py) take the same slots as these endpoints."""
-        async with self._slots:
+        """`work` (a blocking check or grading: a sandbox process, a judge call) in a thread, on one of `tenant`'s
+        turns: the door's checks (grader_door.py) take the same turns as these endpoints."""
+        async with self.turns.turn(tenant):
             return await asyncio.to_thread(work)
 
     async def validate(self, request: web.Request) -> web.Response:
-        grader = await self._grader(await read_json(request, dict[str, Any]))
+        body = await read_json(request, dict[str, Any])
+        async with self.turns.turn(request[TENANT]):
+            grader = await self._grader(body, self._deadline())
         return json_response({"grader": msgspec.to_builtins(grader)})
 
     async def run(self, request: web.Request) -> web.Response:
@@ -64,11 +75,12 @@ class Graders:
         item = body.get("item", {})
         if item is not None and not isinstance(item, dict):
             raise bad_request("item: give the dataset item as a JSON object (the templates' `item`)", "item")
-        grader = await self._grader(body)
-        started = time.monotonic()
-        async with self._slots:
-            [result] = await asyncio.to_thread(
-                grade_many, grader, [Sample.from_model_sample(sample)], [item or {}], self.context
+        async with self.turns.turn(request[TENANT]):
+            deadline = self._deadline()
+            grader = await self._grader(body, deadline)
+            started = time.monotonic()
+            [result] = await grade_many_async(
+                grader, [Sample.from_model_sample(sample)], [item or {}], self.context, deadline
             )
         return json_response(_response(grader, result, time.monotonic() - started))
 

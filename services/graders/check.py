@@ -74,15 +74,20 @@ def count(grader: Grader) -> int:
     return 1 + sum(count(g) for g in grader.graders.values()) if isinstance(grader, MultiGrader) else 1
 
 
+def too_many(held: int, field: str) -> FieldError | None:
+    """The error for a multi grader that holds `held` graders (nested ones and theirs counted), if it is too many."""
+    if held <= MAX_GRADERS:
+        return None
+    return FieldError(
+        f"{field}.graders",
+        f"this multi grader holds {held} graders (nested ones counted); at most {MAX_GRADERS} are taken: split the "
+        "grading, or compute more in one python grader",
+    )
+
+
 def _static(grader: Grader, field: str, context: GraderContext | None) -> list[FieldError | _Load]:
-    if isinstance(grader, MultiGrader) and (n := count(grader) - 1) > MAX_GRADERS:
-        return [
-            FieldError(
-                f"{field}.graders",
-                f"this multi grader holds {n} graders (nested ones counted); at most {MAX_GRADERS} are taken: "
-                "split the grading, or compute more in one python grader",
-            )
-        ]
+    if isinstance(grader, MultiGrader) and (error := too_many(count(grader) - 1, field)) is not None:
+        return [error]
     return _each(grader, field, context)
 
 

@@ -21,7 +21,7 @@ from schemas.graders import (
 )
 from schemas.validate import FieldError, field_error, struct_errors
 from services.graders import formula
-from services.graders.check import check
+from services.graders.check import check, too_many
 
 MAX_NESTING = 4
 _CLASSES: dict[str, type[msgspec.Struct]] = {
@@ -35,7 +35,10 @@ _CLASSES: dict[str, type[msgspec.Struct]] = {
 
 
 def decode_grader(raw: Any, field: str = "grader") -> tuple[Grader | None, list[FieldError]]:
-    """The grader, or None and every error found."""
+    """The grader, or None and every error found (a multi grader holding too many graders: that alone, before any
+    of them is looked at)."""
+    if (error := too_many(_count(raw, 0) - 1, field)) is not None:
+        return None, [error]
     errors = _errors(raw, field, 0)
     if errors:
         return None, errors + [e for e in _semantic(raw, field) if e not in errors]
@@ -43,6 +46,14 @@ def decode_grader(raw: Any, field: str = "grader") -> tuple[Grader | None, list[
         return msgspec.convert(_normalized(raw), Grader), []  # type: ignore[arg-type]
     except msgspec.ValidationError as e:  # what the field-by-field pass missed
         return None, [field_error(e, field)]
+
+
+def _count(raw: Any, depth: int) -> int:
+    """Graders in the raw JSON, itself included (as deep as a multi may nest, and one level more)."""
+    raw = normalize_multi(raw)
+    if depth > MAX_NESTING or not isinstance(raw, dict) or not isinstance(raw.get("graders"), dict):
+        return 1
+    return 1 + sum(_count(sub, depth + 1) for sub in raw["graders"].values())
 
 
 def _normalized(raw: Any) -> Any:
@@ -57,7 +68,7 @@ def _errors(raw: Any, field: str, depth: int) -> list[FieldError]:
     if not isinstance(raw, dict):
         return [FieldError(field, f"a grader is a JSON object with a `type` ({', '.join(GRADER_TYPES)})")]
     kind = raw.get("type")
-    if kind not in _CLASSES:
+    if not isinstance(kind, str) or kind not in _CLASSES:  # a list or an object is no type (nor hashable)
         return [FieldError(f"{field}.type", f"got {kind!r}; a grader's type is one of {', '.join(GRADER_TYPES)}")]
     fields = {k: v for k, v in raw.items() if k != "type"}
     if kind != "multi" or not isinstance(raw.get("graders"), dict):
@@ -76,7 +87,7 @@ def _semantic(raw: Any, field: str) -> list[FieldError]:
     """Beside a multi's structural errors, what check() finds in the rest (its formula, the graders that decode),
     so that every error is told at once."""
     raw = normalize_multi(raw)
-    if not isinstance(raw, dict) or raw.get("type") not in _CLASSES:
+    if not isinstance(raw, dict) or not isinstance(raw.get("type"), str) or raw["type"] not in _CLASSES:
         return []
     if raw["type"] != "multi" or not isinstance(raw.get("graders"), dict):
         if _errors(raw, field, MAX_NESTING):
