@@ -76,6 +76,7 @@ def grader_context(out_dir: str) -> GraderContext:
     return GraderContext(
         judge_url=env.get("JETLORA_JUDGE_URL") or None,
         judge_api_key=env.get("JETLORA_JUDGE_API_KEY") or None,
+        judge_image_hosts=tuple(h for h in env.get("JETLORA_JUDGE_IMAGE_HOSTS", "").split(",") if h),
         python_graders=python,
         scratch_dir=str(scratch),
         command="jetlora agent",

@@ -48,6 +48,7 @@ def grader_context(env: dict[str, str], work_dir: Path) -> GraderContext:
     return GraderContext(
         judge_url=env.get("JETLORA_JUDGE_URL") or None,
         judge_api_key=env.get("JETLORA_JUDGE_API_KEY") or os.environ.get("JETLORA_JUDGE_API_KEY") or None,
+        judge_image_hosts=tuple(h for h in env.get("JETLORA_JUDGE_IMAGE_HOSTS", "").split(",") if h),
         python_graders=python,
         scratch_dir=str(work_dir / "graders"),
         command="jetlora agent",

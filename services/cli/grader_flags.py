@@ -13,11 +13,18 @@ TRAINER_ENV = {  # what a trainer reads (trainer/rollouts.py grader_context), fr
     "judge_url": "JETLORA_JUDGE_URL",
     "judge_api_key": "JETLORA_JUDGE_API_KEY",
     "python_graders": "JETLORA_PYTHON_GRADERS",
+    "judge_image_hosts": "JETLORA_JUDGE_IMAGE_HOSTS",
 }
 
 
+def image_hosts(value: str | None) -> tuple[str, ...]:
+    """The hosts --judge-image-hosts (or JETLORA_JUDGE_IMAGE_HOSTS) names, comma-separated."""
+    return tuple(h.strip().lower() for h in (value or "").split(",") if h.strip())
+
+
 def grader_flags(p: argparse.ArgumentParser, where: str) -> None:
-    """--judge-url, --judge-api-key-file, --python-graders; `where` says what they govern, in the help."""
+    """--judge-url, --judge-api-key-file, --judge-image-hosts, --python-graders; `where` says what they govern, in
+    the help."""
     p.add_argument(
         "--judge-url",
         metavar="URL",
@@ -26,6 +33,13 @@ def grader_flags(p: argparse.ArgumentParser, where: str) -> None:
         "engine's http://host:8000/v1); without it model graders are refused (env JETLORA_JUDGE_URL)",
     )
     p.add_argument("--judge-api-key-file", metavar="FILE", help="the judge engine's API key, if it wants one")
+    p.add_argument(
+        "--judge-image-hosts",
+        metavar="HOST[,HOST]",
+        default=os.environ.get(TRAINER_ENV["judge_image_hosts"]) or None,
+        help="hosts a model grader's input_image URL may name: the judge engine fetches such an image itself, so by "
+        "default only data: URLs (the image in the request) are taken (env JETLORA_JUDGE_IMAGE_HOSTS)",
+    )
     p.add_argument(
         "--python-graders",
         choices=["auto", "on", "off"],
@@ -52,12 +66,21 @@ def grader_context(args, command: str = "jetlora gateway"):
     from services.graders import GraderContext
 
     return GraderContext(
-        judge_url=args.judge_url, judge_api_key=judge_api_key(args), python_graders=args.python_graders, command=command
+        judge_url=args.judge_url,
+        judge_api_key=judge_api_key(args),
+        judge_image_hosts=image_hosts(args.judge_image_hosts),
+        python_graders=args.python_graders,
+        command=command,
     )
 
 
 def trainer_env(args) -> dict[str, str]:
     """The agent's trainers' environment for graders (the key's only where one is given, so that an operator's
     JETLORA_JUDGE_API_KEY in the agent's own environment still reaches them)."""
-    values = {"judge_url": args.judge_url, "judge_api_key": judge_api_key(args), "python_graders": args.python_graders}
+    values = {
+        "judge_url": args.judge_url,
+        "judge_api_key": judge_api_key(args),
+        "python_graders": args.python_graders,
+        "judge_image_hosts": ",".join(image_hosts(args.judge_image_hosts)),
+    }
     return {TRAINER_ENV[k]: v for k, v in values.items() if v}
