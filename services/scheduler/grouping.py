@@ -1,15 +1,23 @@
 """Co-training groups as the scheduler holds them: a projection of the jobs' statuses (and of the placements being
-written), and the questions placement asks of them: may this queued job join that running group, and does the
-device have room for what it adds.
+written), indexed so that the questions placement asks of them cost what one placement costs: may this queued job
+join a running group, and which one fits it best.
 
 A group lives on one device of one node. Its device is held for the group (`holder`), not for one job: the group
 keeps it while any member holds it, and gives it back when the last one leaves. Which jobs may share a group is
-schemas/co_train.py's rule and the operator's --co-train policy."""
+schemas/co_train.py's rule and the operator's --co-train policy.
+
+The index: every group with a place left sits in a sorted list of its bucket (what its jobs share, whose jobs it
+takes, the device's kind) by the room its device has beyond what it already holds. A group's room changes only when
+its node heartbeats or a member joins or leaves, and each of those re-files that group alone; a queued job finds the
+best-fitting group of its bucket by bisection. Nothing scans all groups, nor pairs of jobs."""
 
 from __future__ import annotations
 
+import bisect
+import itertools
 import logging
 import secrets
+from collections.abc import Container
 from dataclasses import dataclass, field
 
 from schemas.co_train import GroupKey, group_key, own_mib, shared_mib, why_alone
@@ -19,6 +27,9 @@ from services.scheduler.config import SchedulerConfig
 from services.scheduler.placement import Fleet, SlotKey
 
 log = logging.getLogger(__name__)
+Bucket = tuple[GroupKey, str, str]  # (what its jobs share, whose jobs it takes: "" for anyone's, device kind)
+SCAN = 64  # groups of one bucket looked at for one job at most (past the best fit: kept nodes, other digests)
+REASONS = 5  # groups `jetlora why` names at most
 
 
 def holder(job_id: str, group: str | None) -> str:
@@ -26,8 +37,12 @@ def holder(job_id: str, group: str | None) -> str:
     return f"group {group}" if group else job_id
 
 
+_ids = itertools.count(1)
+_THIS_PROCESS = secrets.token_hex(3)  # group ids of different schedulers (and runs of one) never meet
+
+
 def new_group_id() -> str:
-    return "cg-" + secrets.token_hex(4)
+    return f"cg-{_THIS_PROCESS}{next(_ids):x}"
 
 
 @dataclass
@@ -43,21 +58,25 @@ class CoGroup:
 
 
 class Groups:
-    """The groups of the jobs in memory, by id."""
+    """The groups of the jobs in memory, by id, by device and by node, with the open ones indexed by room."""
 
-    def __init__(self) -> None:
+    def __init__(self, fleet: Fleet, cfg: SchedulerConfig) -> None:
+        self.fleet, self.cfg = fleet, cfg
         self.by_id: dict[str, CoGroup] = {}
+        self.by_slot: dict[SlotKey, str] = {}
+        self.on_node: dict[str, set[str]] = {}
+        self._open: dict[Bucket, list[tuple[int, str]]] = {}  # sorted (room, group) of groups with a place left
+        self._filed: dict[str, tuple[Bucket, tuple[int, str]]] = {}  # group -> where it is in _open
 
-    def join(
-        self, group: str, slot: SlotKey, job_id: str, request: JobRequest, tenant: str | None, fleet: Fleet
-    ) -> None:
+    def join(self, group: str, slot: SlotKey, job_id: str, request: JobRequest, tenant: str | None) -> None:
         """The job holds (or is being placed on) the group's device; the first member makes the group."""
         g = self.by_id.get(group)
         if g is None:
-            shape = fleet.model_shape(request.base_dir, slot[0])
-            g = self.by_id[group] = CoGroup(
-                group, slot, group_key(request, shape), tenant, base_need(request, fleet, slot)
-            )
+            shape = self.fleet.model_shape(request.base_dir, slot[0])
+            g = CoGroup(group, slot, group_key(request, shape), tenant, base_need(request, self.fleet, slot))
+            self.by_id[group] = g
+            self.by_slot[slot] = group
+            self.on_node.setdefault(slot[0], set()).add(group)
         elif g.slot != slot:
             log.error(
                 "job %s joins group %s on %s device %d, but the group trains on %s device %d",
@@ -66,7 +85,8 @@ class Groups:
                 *slot,
                 *g.slot,
             )
-        g.members[job_id] = own_need(request, fleet, slot)
+        g.members[job_id] = own_need(request, self.fleet, slot)
+        self._file(g)
 
     def leave(self, group: str, job_id: str) -> bool:
         """The job no longer holds the group's device; True when it was the last (the device goes back)."""
@@ -74,13 +94,98 @@ class Groups:
         if g is None:
             return True
         g.members.pop(job_id, None)
-        if not g.members:
-            del self.by_id[group]
-            return True
-        return False
+        if g.members:
+            self._file(g)
+            return False
+        self._unfile(group)
+        del self.by_id[group]
+        if self.by_slot.get(g.slot) == group:
+            del self.by_slot[g.slot]
+        on_node = self.on_node.get(g.slot[0], set())
+        on_node.discard(group)
+        if not on_node:
+            self.on_node.pop(g.slot[0], None)
+        return True
 
     def on(self, slot: SlotKey) -> CoGroup | None:
-        return next((g for g in self.by_id.values() if g.slot == slot), None)
+        group = self.by_slot.get(slot)
+        return self.by_id.get(group) if group else None
+
+    def node_heard(self, node: str) -> None:
+        """The node's heartbeat changed what its devices have free (or that it is gone): its groups are re-filed."""
+        groups = self.on_node.get(node)
+        if groups:
+            seen = _running(self.fleet, node)
+            for group in groups:
+                self._file(self.by_id[group], seen)
+
+    # --- the index --------------------------------------------------------------------------------
+    def _who(self, tenant: str | None) -> str:
+        return (tenant or "") if self.cfg.co_train == "same-tenant" else ""
+
+    def _unfile(self, group: str) -> None:
+        filed = self._filed.pop(group, None)
+        if filed is None:
+            return
+        bucket, item = filed
+        rooms = self._open[bucket]
+        i = bisect.bisect_left(rooms, item)
+        if i < len(rooms) and rooms[i] == item:
+            del rooms[i]
+        if not rooms:
+            del self._open[bucket]
+
+    def _file(self, g: CoGroup, seen: frozenset[str] | None = None) -> None:
+        """File the group by the room its device has now, or take it out while it cannot take anyone (`seen`: the
+        jobs its node's last heartbeat lists running, when the caller has them)."""
+        self._unfile(g.id)
+        node, index = g.slot
+        view = self.fleet.nodes.get(node)
+        dev = view.devices.get(index) if view else None
+        if len(g.members) >= self.cfg.co_train_max or view is None or dev is None:
+            return
+        if view.heartbeat.draining or dev.failed or dev.reclaim_mib:
+            return
+        seen = _running(self.fleet, node) if seen is None else seen  # their memory is in free_mib
+        pending = sum(mib for job, mib in g.members.items() if job not in seen)
+        if not seen & g.members.keys():
+            pending += g.base_mib  # the group's process has not loaded the base yet
+        bucket, item = (g.key, self._who(g.tenant), dev.kind), (dev.free_mib - pending, g.id)
+        bisect.insort(self._open.setdefault(bucket, []), item)
+        self._filed[g.id] = (bucket, item)
+
+    def best_fit(
+        self, request: JobRequest, tenant: str | None, kept: Container[str] = ()
+    ) -> tuple[CoGroup, int] | None:
+        """The open group the job fits best (least room left once it joins), with the MiB it needs free there; on
+        no node in `kept`."""
+        fleet, who, kinds = self.fleet, self._who(tenant), self.fleet.kinds(request.accelerator)
+        if request.node is not None:  # the node's few groups
+            filed = [self._filed[g] for g in self.on_node.get(request.node, ()) if g in self._filed]
+            lists = [sorted(item for bucket, item in filed if bucket[1:] == (who, kind)) for kind in kinds]
+        else:
+            key = group_key(request, fleet.model_shape(request.base_dir))
+            lists = [self._open.get((key, who, kind), []) for kind in kinds]
+        best: tuple[int, CoGroup, int] | None = None
+        for rooms in filter(None, lists):
+            i = bisect.bisect_left(rooms, (own_need(request, fleet, self.by_id[rooms[0][1]].slot), ""))
+            for room, group in itertools.islice(rooms, i, i + SCAN):
+                g = self.by_id[group]
+                need = own_need(request, fleet, g.slot)
+                if g.slot[0] in kept or room < need:
+                    continue
+                if group_key(request, fleet.model_shape(request.base_dir, g.slot[0])) != g.key:
+                    continue  # this node's copy of the base is another
+                if best is None or room - need < best[0]:
+                    best = (room - need, g, need)
+                break  # the first that takes it is this kind's best fit
+        return (best[1], best[2]) if best else None
+
+
+def _running(fleet: Fleet, node: str) -> frozenset[str]:
+    """The jobs the node's last heartbeat lists running."""
+    view = fleet.nodes.get(node)
+    return view.running if view else frozenset()
 
 
 def _estimate(request: JobRequest, fleet: Fleet, slot: SlotKey) -> Estimate | None:
@@ -104,76 +209,49 @@ def base_need(request: JobRequest, fleet: Fleet, slot: SlotKey) -> int:
     return 0 if need is None else shared_mib(need)
 
 
-def may_share(cfg: SchedulerConfig, request: JobRequest, tenant: str | None, other_tenant: str | None) -> bool:
-    """Whether the policy and the job let it train in one process with a job of `other_tenant`."""
-    if cfg.co_train == "off" or why_alone(request) is not None:
-        return False
-    return cfg.co_train == "any" or tenant == other_tenant
+def may_co_train(cfg: SchedulerConfig, request: JobRequest) -> bool:
+    """Whether the policy and the job let it train in one process with others at all."""
+    return cfg.co_train != "off" and why_alone(request) is None
 
 
 def find_group(
-    groups: Groups, fleet: Fleet, cfg: SchedulerConfig, request: JobRequest, tenant: str | None
+    groups: Groups, cfg: SchedulerConfig, request: JobRequest, tenant: str | None, kept: Container[str] = ()
 ) -> tuple[CoGroup, int] | None:
     """A running group the job may join now, with the MiB it needs free there: the same base weights, precision
     and quantisation, the policy's tenants, a place left, and room on the device beyond what members placed since
-    the node's last heartbeat will take. The fullest such group first (best fit)."""
-    best: tuple[int, CoGroup, int] | None = None
-    for g in groups.by_id.values():
-        node, index = g.slot
-        if request.node not in (None, node) or not may_share(cfg, request, tenant, g.tenant):
-            continue
-        if len(g.members) >= cfg.co_train_max or group_key(request, fleet.model_shape(request.base_dir, node)) != g.key:
-            continue
-        view = fleet.nodes.get(node)
-        dev = view.devices.get(index) if view else None
-        if view is None or dev is None or view.heartbeat.draining or dev.failed or dev.reclaim_mib:
-            continue
-        if dev.kind not in fleet.kinds(request.accelerator):
-            continue
-        need = own_need(request, fleet, g.slot)
-        seen = {a.job for a in view.heartbeat.attempts if a.state == "running"}  # their memory is in free_mib
-        pending = sum(mib for job, mib in g.members.items() if job not in seen)
-        if not seen & g.members.keys():
-            pending += g.base_mib  # the group's process has not loaded the base yet
-        room = dev.free_mib - pending - need
-        if room >= 0 and (best is None or room < best[0]):
-            best = (room, g, need)
-    return (best[1], best[2]) if best else None
+    the node's last heartbeat will take; on no node in `kept`. The fullest such group first (best fit)."""
+    if not groups.by_id or not may_co_train(cfg, request):
+        return None
+    return groups.best_fit(request, tenant, kept)
 
 
-def founders(queued: list[tuple[str, JobRequest, str | None]], cfg: SchedulerConfig) -> set[str]:
-    """Of the queued jobs (id, request, tenant), those that start a new group when placed on a free device: each
-    that another queued job could train with (the same base directory, precision, quantisation, and tenant as the
-    policy wants). A job with nobody to share with trains alone, as it always has."""
-    if cfg.co_train == "off":
-        return set()
-    buckets: dict[tuple, list[str]] = {}
-    for job_id, request, tenant in queued:
-        if why_alone(request) is None:
-            who = tenant if cfg.co_train == "same-tenant" else ""
-            key = (
-                request.base_dir.rstrip("/"),
-                request.train.precision,
-                request.quantization,
-                request.accelerator,
-                who,
-            )
-            buckets.setdefault(key, []).append(job_id)
-    return {job for jobs in buckets.values() if len(jobs) > 1 for job in jobs}
+FounderKey = tuple[str, str, str, str, str]
 
 
-def co_train_note(groups: Groups, fleet: Fleet, cfg: SchedulerConfig, request: JobRequest, tenant: str | None) -> str:
-    """For `jetlora why` of a queued job: whether it may co-train, and why no running group takes it now."""
+def founder_key(cfg: SchedulerConfig, request: JobRequest, tenant: str | None) -> FounderKey | None:
+    """What queued jobs that could start a group together share (None: the job trains alone): the base directory,
+    precision, quantisation, accelerator and, under the same-tenant policy, the tenant. A job queued with others of
+    its key starts a group when placed on a free device; one with nobody to share with trains alone, as it always
+    has."""
+    if not may_co_train(cfg, request):
+        return None
+    who = (tenant or "") if cfg.co_train == "same-tenant" else ""
+    return (request.base_dir.rstrip("/"), request.train.precision, request.quantization, request.accelerator, who)
+
+
+def co_train_note(groups: Groups, cfg: SchedulerConfig, request: JobRequest, tenant: str | None) -> str:
+    """For `jetlora why` of a queued job: whether it may co-train, and why no running group takes it now (the first
+    few groups of its kind)."""
     if cfg.co_train == "off":
         return ""
     if (alone := why_alone(request)) is not None:
         return f"; it trains alone: {alone}"
-    reasons = []
+    fleet, reasons = groups.fleet, []
     for g in groups.by_id.values():
         node, index = g.slot
         if group_key(request, fleet.model_shape(request.base_dir, node)) != g.key:
             continue
-        if not may_share(cfg, request, tenant, g.tenant):
+        if cfg.co_train == "same-tenant" and tenant != g.tenant:
             reasons.append(f"group {g.id} on {node} is another tenant's (--co-train {cfg.co_train})")
         elif len(g.members) >= cfg.co_train_max:
             reasons.append(f"group {g.id} on {node} is full ({len(g.members)} jobs, --co-train-max)")
@@ -185,4 +263,7 @@ def co_train_note(groups: Groups, fleet: Fleet, cfg: SchedulerConfig, request: J
                 f"group {g.id} on {node} device {index} has {free:,} MiB free, the job would add "
                 f"{own_need(request, fleet, g.slot):,}"
             )
+        if len(reasons) >= REASONS:
+            reasons.append(f"(of {len(groups.by_id):,} groups)")
+            break
     return "; " + "; ".join(reasons) if reasons else ""

@@ -26,6 +26,14 @@ class NodeView:
     last_seen: float  # time.monotonic()
     last_seen_wall: float
     devices: dict[int, Device] = field(default_factory=dict)
+    _running: frozenset[str] | None = None
+
+    @property
+    def running(self) -> frozenset[str]:
+        """The jobs its last heartbeat lists running (read once per heartbeat)."""
+        if self._running is None:
+            self._running = frozenset(a.job for a in self.heartbeat.attempts if a.state == "running")
+        return self._running
 
 
 class Fleet:
@@ -42,6 +50,7 @@ class Fleet:
         self._indexed: dict[SlotKey, tuple[str, tuple[int, str, int]]] = {}
         self._largest: dict[tuple[str, ...], tuple[str, Device] | None] = {}  # cache; cleared when totals change
         self.busy: dict[SlotKey, float] = {}  # devices whose serving engine was busy lately: the fraction of polls
+        self._shapes: dict[str, dict[str, ModelShape]] = {}  # model directory -> node -> its shape there
 
     # --- the index -------------------------------------------------------------------------
     def _unindex(self, key: SlotKey) -> None:
@@ -80,7 +89,7 @@ class Fleet:
             view = NodeView(hb, now, time.time())
             self.nodes[hb.node] = view
         else:
-            view.heartbeat, view.last_seen, view.last_seen_wall = hb, now, time.time()
+            view.heartbeat, view.last_seen, view.last_seen_wall, view._running = hb, now, time.time(), None
             self.nodes.move_to_end(hb.node)
         seen = set()
         for dev in hb.devices:
@@ -98,7 +107,19 @@ class Fleet:
             del view.devices[gone]
             self._unindex((hb.node, gone))
         self._note_engines(hb, seen)
+        self._note_models(hb.node, hb.models)
         return not self._free_items(hb.node) <= before
+
+    def _note_models(self, node: str, models: list[ModelShape]) -> None:
+        """Index which nodes advertise which base models, so a job's model is looked up without a scan."""
+        here = {shape.dir.rstrip("/"): shape for shape in models}
+        for directory, nodes in list(self._shapes.items()):
+            if node in nodes and directory not in here:
+                del nodes[node]
+                if not nodes:
+                    del self._shapes[directory]
+        for directory, shape in here.items():
+            self._shapes.setdefault(directory, {})[node] = shape
 
     def _note_engines(self, hb: Heartbeat, devices: set[int]) -> None:
         for index in devices:
@@ -116,6 +137,7 @@ class Fleet:
 
     def forget(self, node: str) -> None:
         view = self.nodes.pop(node, None)
+        self._note_models(node, [])
         if view:
             self._largest.clear()
             for i in view.devices:
@@ -216,12 +238,10 @@ class Fleet:
         return best
 
     def model_shape(self, base_dir: str, node: str | None = None) -> ModelShape | None:
-        """The shape of the model at base_dir, from the heartbeats of the nodes that have it."""
-        for _, view in self.views(node):
-            for shape in view.heartbeat.models:
-                if shape.dir.rstrip("/") == base_dir.rstrip("/"):
-                    return shape
-        return None
+        """The shape of the model at base_dir, from the heartbeats of the nodes that have it (of `node` alone, when
+        given)."""
+        nodes = self._shapes.get(base_dir.rstrip("/"), {})
+        return nodes.get(node) if node is not None else next(iter(nodes.values()), None)
 
     def views(self, node: str | None) -> list[tuple[str, NodeView]]:
         """(name, view) of that node (none when it is unknown), or of every node."""

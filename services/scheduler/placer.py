@@ -3,18 +3,35 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+import time
+from dataclasses import dataclass
 
 
-from schemas import names
 from schemas.nodes import Assignment, AssignRefused, AssignReply, on_devices
 from services import bus
 from services.aio import wait_first
-from services.scheduler import grouping
+from services.scheduler import commands, grouping
 from services.scheduler.config import engine_priority
 from services.scheduler.core import Job, SchedulerCore
 
 log = logging.getLogger(__name__)
+PASS_BUDGET_S = 0.010  # one placement pass holds the loop at most about this long (then the next one goes on)
+
+
+@dataclass
+class PassStats:
+    """How long placement passes held the loop: the count, the longest, and how many ran out of their time."""
+
+    passes: int = 0
+    longest_s: float = 0.0
+    cut_short: int = 0
+
+    def passed(self, seconds: float) -> None:
+        self.passes += 1
+        self.longest_s = max(self.longest_s, seconds)
+        self.cut_short += seconds > PASS_BUDGET_S
 
 
 class Placer:
@@ -22,6 +39,7 @@ class Placer:
 
     def __init__(self, core: SchedulerCore) -> None:
         self.core = core
+        self.stats = PassStats()
 
     async def run(self, lost: asyncio.Event, stop: asyncio.Event) -> None:
         core = self.core
@@ -35,21 +53,41 @@ class Placer:
             while not (stop.is_set() or lost.is_set()):
                 await core.wake.wait()
                 core.wake.clear()
-                self.place_pass()
-                await asyncio.sleep(0)  # let heartbeats and submissions in between passes
+                if core.may_act():
+                    self.place_pass()
+                await asyncio.sleep(0)  # let heartbeats, submissions and the lease in between passes
         finally:
             ender.cancel()
 
     def place_pass(self) -> None:
+        """Place what fits, for at most PASS_BUDGET_S: a pass cut short wakes the next one, which goes on after
+        whatever else waits for the loop (a lease renewal, heartbeats, submissions)."""
         core, placing = self.core, PlacementPass(self)
-        for node in core.queue.pinned_nodes():
-            for job_id in core.queue.take(placing.fits(node), node=node, window=core.cfg.backfill_window):
+        started = time.perf_counter()
+        try:
+            for node in core.queue.pinned_nodes(among=core.fleet.nodes):  # unknown nodes' jobs wait, costing nothing
+                if not self._place(placing, node, started):
+                    return
+            if core.fleet.any_free() or core.groups.by_id:
+                self._place(placing, None, started)
+        finally:
+            self.stats.passed(time.perf_counter() - started)
+
+    def _place(self, placing: PlacementPass, node: str | None, started: float) -> bool:
+        """Place the queue's jobs (those pinned to `node`, or the rest) while they fit; False when the pass ran out
+        of its time (the next pass goes on)."""
+        core = self.core
+        with contextlib.closing(
+            core.queue.take(placing.fits(node), node=node, window=core.cfg.backfill_window)
+        ) as jobs:
+            for job_id in jobs:
                 core.spawn(self._assign(core.jobs[job_id], placing.needs.get(job_id)))
-        if core.fleet.any_free() or core.groups.by_id:
-            for job_id in core.queue.take(placing.fits(), window=core.cfg.backfill_window):
-                core.spawn(self._assign(core.jobs[job_id], placing.needs.get(job_id)))
-                if not core.fleet.any_free() and not core.groups.by_id:
+                if node is None and not core.fleet.any_free() and not core.groups.by_id:
                     break
+                if time.perf_counter() - started > PASS_BUDGET_S:
+                    core.wake.set()
+                    return False
+        return True
 
     def _keep_for_gang(self, job_id: str, node: str | None, kept: set[str]) -> None:
         """A multi-device job that does not fit yet has a node kept for it: jobs behind it in the queue are
@@ -104,9 +142,10 @@ class Placer:
         core = self.core
         try:
             request = core.requests.take(job.id) or (await core.store.request(job.id)).request
-            reply = await bus.request(
-                core.nc,
-                names.node(node).assign,
+            reply = await commands.send(
+                core,
+                node,
+                "assign",
                 Assignment(
                     job=job.id,
                     device=device,
@@ -120,10 +159,11 @@ class Placer:
                     need_mib=need_mib,
                 ),
                 AssignReply,
-                timeout=core.cfg.assign_timeout,
             )
         except bus.RequestError as e:
             reply = AssignRefused(job.id, str(e))
+        if isinstance(reply, AssignRefused) and not core.may_act():
+            return  # not sent, or refused as a deposed leader's: the next leader places the job
         if isinstance(reply, AssignRefused):
             log.info("node %s refused job %s: %s; re-queued", node, job.id, reply.reason)
             try:
@@ -150,7 +190,6 @@ class PlacementPass:
             for n, j in core.gang_holds.items()
             if j in core.queue and n in core.fleet.nodes and not core.fleet.nodes[n].heartbeat.draining
         }
-        self.founders: set[str] | None = None  # read off the queue once, when a job is first placed on a free device
         self.needs: dict[str, int | None] = {}  # job -> what its device must have free when it joins a running group
 
     def kept_from(self, job_id: str, priority: int) -> set[str]:
@@ -163,13 +202,9 @@ class PlacementPass:
         limit = self.core.cfg.quota(tenant).devices
         return limit is not None and self.holding.get(tenant, 0) + devices > limit
 
-    def founds_group(self, job_id: str) -> bool:
-        """Whether the job starts a co-training group: others of its kind wait with it."""
-        core = self.core
-        if self.founders is None:
-            queued = [core.jobs[j] for j in core.queue.ids() if j in core.jobs]
-            self.founders = grouping.founders([(j.id, j.stored.request, j.stored.tenant) for j in queued], core.cfg)
-        return job_id in self.founders
+    def founds_group(self, job: Job) -> bool:
+        """Whether the job starts a co-training group: others of its kind wait with it (counted as they queue)."""
+        return job.founder_key is not None and self.core.groupable[job.founder_key] > 1
 
     def fits(self, node: str | None = None):
         return lambda job_id: self.try_place(job_id, node)
@@ -183,8 +218,8 @@ class PlacementPass:
         kept = self.kept_from(job_id, req.priority)
         if node is not None and node in kept:
             return False
-        joined = grouping.find_group(core.groups, core.fleet, core.cfg, req, tenant)
-        if joined is not None and joined[0].slot[0] not in kept:
+        joined = grouping.find_group(core.groups, core.cfg, req, tenant, kept)
+        if joined is not None:
             return self.join(job, *joined)
         if self.quota_full(tenant, req.devices):
             return False  # the tenant holds its quota of devices: the job waits, others pass it
@@ -199,7 +234,7 @@ class PlacementPass:
             return False
         # held while the assignment is written, so no other pass takes them; a job others of its kind wait with
         # starts a co-training group there, which they join
-        core.hold_for(job, slots, grouping.new_group_id() if self.founds_group(job_id) else None)
+        core.hold_for(job, slots, grouping.new_group_id() if self.founds_group(job) else None)
         self.needs[job_id] = None
         self.kept_nodes.pop(next((n for n, j in self.kept_nodes.items() if j == job_id), ""), None)
         self.holding[tenant] = self.holding.get(tenant, 0) + len(slots)

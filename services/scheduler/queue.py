@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import heapq
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Generator
 
 
 class JobQueue:
@@ -33,10 +33,18 @@ class JobQueue:
         """Forget a job (cancelled, placed); its heap entry is dropped when it surfaces."""
         self._queued.discard(job)
 
-    def pinned_nodes(self) -> list[str]:
-        return [n for n, h in self._pinned.items() if h]
+    def pinned_nodes(self, among: Collection[str] | None = None) -> list[str]:
+        """Nodes jobs wait for (of those `among`, when given: a pass over the fleet's nodes then costs what the
+        smaller of the two holds, however many nodes nobody has seen jobs are pinned to)."""
+        if among is None:
+            return [n for n, h in self._pinned.items() if h]
+        if len(among) < len(self._pinned):
+            return [n for n in among if self._pinned.get(n)]
+        return [n for n, h in self._pinned.items() if h and n in among]
 
-    def take(self, fits: Callable[[str], bool], node: str | None = None, window: int = 64) -> Iterator[str]:
+    def take(
+        self, fits: Callable[[str], bool], node: str | None = None, window: int = 64
+    ) -> Generator[str, None, None]:
         """Yield queued jobs, best first, for which `fits(job)` placed them; give up after `window` that did not fit.
 
         Jobs that did not fit keep their place. Scanning stops at `window` misses so a queue

@@ -106,7 +106,7 @@ class Reconcile:
                 for job_id in members - have.get(group, set()):
                     job = core.jobs[job_id]
                     slot = (job.placing or held(job.status))[0]
-                    core.groups.join(group, slot, job_id, job.stored.request, job.stored.tenant, core.fleet)
+                    core.groups.join(group, slot, job_id, job.stored.request, job.stored.tenant)
             self.drift += 1
 
     def check_projection(self) -> None:
