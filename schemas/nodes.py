@@ -89,6 +89,7 @@ class Assignment(Struct, kw_only=True):
     # sharing the base model (the node starts it with the first, the next join it); None: a trainer of its own
     need_mib: int | None = None  # free memory the device must have for it: a job joining a running group adds only
     # its own adapter, optimizer and activations to what the group holds; None: request.gpu_mib
+    term: int = 0  # the sending scheduler's term: a node refuses it once it has seen a newer one (0: none)
 
     @property
     def ranks(self) -> list[int]:
@@ -117,6 +118,7 @@ class Control(Struct, forbid_unknown_fields=True):
     action: Literal["cancel", "stop", "pause", "end"]
     by: str = ""  # a pause's reason, reported back with the paused state: "user", or the engine that wanted memory
     attempt: int = 0  # the attempt it is meant for (a node refuses it for another); 0: whichever runs
+    term: int = 0  # the sending scheduler's term: a node refuses it once it has seen a newer one (0: none)
 
 
 class Reclaim(Struct, forbid_unknown_fields=True, kw_only=True):

@@ -34,6 +34,7 @@ from services.agent.group_run import GroupProcess
 from services.agent.session_run import SessionDesk
 from services.agent.job_run import JobLifecycle, RunningJob
 from services.agent.rollout import Rollout
+from services.agent.term_fence import TermFence
 from services.agent.yielding import Yielder, engine_yields
 from services.procs import end_leftovers
 
@@ -63,6 +64,7 @@ class Agent(JobLifecycle):
         self.datasets = DatasetCache(self.js, config.work_dir / "datasets", config.dataset_cache_mib * 2**20)
         self.models = read_shapes(config.models)
         self.yielder = Yielder(self, engine_yields(config))
+        self.terms = TermFence(self.js)  # the newest scheduler term seen: an older one's commands are refused
 
     async def run(self, stop: asyncio.Event) -> None:
         ended = await asyncio.to_thread(end_leftovers, self.cfg.work_dir / "jobs")
@@ -177,6 +179,8 @@ class Agent(JobLifecycle):
 
     # --- assignments -----------------------------------------------------------------------------
     async def _on_assign(self, a: Assignment) -> AssignAccepted | AssignRefused:
+        if refused := await self.terms.refusal(a.term, f"attempt {a.attempt} of job {a.job}"):
+            return AssignRefused(a.job, refused)
         for run in [r for r in self.runs.values() if r.assignment.job == a.job]:
             if run.attempt == a.attempt and not run.superseded:
                 return AssignAccepted(a.job)  # a repeated assignment of what we already run: accept again
@@ -197,6 +201,8 @@ class Agent(JobLifecycle):
         return AssignAccepted(a.job)
 
     async def _on_control(self, c: Control) -> ControlReply:
+        if refused := await self.terms.refusal(c.term, f"{c.action} of job {c.job}"):
+            return ControlReply(c.job, False, refused)
         if c.action == "end":
             ended = [r for r in self.runs.values() if r.assignment.job == c.job and c.attempt in (0, r.attempt)]
             for each in ended:

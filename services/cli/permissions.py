@@ -11,6 +11,7 @@ import json
 from collections.abc import Sequence
 
 from schemas import names
+from schemas.leadership import LEASE_STREAM
 
 JOBS, OBJ = names.JOBS_STREAM, names.objects(names.ARTIFACTS_BUCKET).stream
 DATA = names.objects(names.DATASETS_BUCKET).stream
@@ -152,6 +153,7 @@ def _agent(node: str) -> dict:
     publishes += [names.artifact_upload(node, "*"), names.js_api("INFO"), names.js_api("STREAM", "INFO", JOBS)]
     publishes += [f"{ADAPTERS.prefix}node.*.{node}", names.adapter_status(node)]  # what its engines loaded
     publishes += _object_read() + _read_stream(DATA) + _read_stream(ADAPTERS.stream)
+    publishes += [names.js_api("STREAM", "MSG", "GET", LEASE_STREAM)]  # the leading term: older ones are refused
     return {
         "publish": publishes,
         "subscribe": [

@@ -8,10 +8,10 @@ from __future__ import annotations
 import logging
 import time
 
-from schemas import names
 from schemas.jobs import ACTIVE_STATES, TERMINAL_STATES, JobState
 from schemas.nodes import Control, ControlReply, Heartbeat, RunningAttempt
 from services import bus
+from services.scheduler import commands
 from services.scheduler.core import Job, SchedulerCore
 from services.scheduler.grouping import holder
 
@@ -47,6 +47,11 @@ class Attempts:
                 continue
             self.asked[key] = now
             core.spawn(self._end(hb.node, a, job))
+
+    def forget_node(self, node: str) -> None:
+        """A node gone for good: nothing it ran is asked about any more."""
+        for key in [k for k in self.asked if k[0] == node]:
+            del self.asked[key]
 
     def _can_take_back(self, job: Job, hb: Heartbeat, a: RunningAttempt) -> bool:
         """The job waits in the queue because this node went silent while it ran this very attempt, and the
@@ -112,12 +117,8 @@ class Attempts:
         self.ended += 1
         log.warning("node %s runs attempt %d of job %s, but %s: ending it there", node, a.attempt, a.job, why)
         try:
-            reply = await bus.request(
-                core.nc,
-                names.node(node).control,
-                Control(a.job, "end", by=why, attempt=a.attempt),
-                ControlReply,
-                timeout=core.cfg.assign_timeout,
+            reply = await commands.send(
+                core, node, "control", Control(a.job, "end", by=why, attempt=a.attempt), ControlReply
             )
             if not reply.ok:
                 log.warning("node %s did not end attempt %d of job %s: %s", node, a.attempt, a.job, reply.message)

@@ -20,7 +20,7 @@ from services.scheduler.request_cache import RequestCache
 from services.scheduler.index import Finished, JobIndex
 from services.scheduler.config import SchedulerConfig, TenantQuota
 from services.scheduler.fence import Deposed
-from services.scheduler.grouping import Groups, holder
+from services.scheduler.grouping import FounderKey, Groups, founder_key, holder
 from services.scheduler.store import JobStore
 
 __all__ = ["SchedulerConfig", "SchedulerCore", "TenantQuota", "Job", "UNPLACED", "held", "engine_tag", "engine_slot"]
@@ -63,6 +63,7 @@ class Job:
     placing: list[SlotKey] | None = None  # devices held for it while its assignment is being written
     placing_group: str | None = None  # the co-training group it is being placed into
     lost_from: tuple[NodeId, int, int] | None = None  # (node, attempt, retries used before) when a node went silent
+    founder_key: FounderKey | None = None  # what it could start a co-training group with (None: it trains alone)
 
     @property
     def id(self) -> JobId:
@@ -90,6 +91,8 @@ class SchedulerCore:
         self.cfg = config or SchedulerConfig()
         self.tasks: set[asyncio.Task] = set()
         self.lost = asyncio.Event()  # set when this scheduler must stop leading (its term was taken)
+        self.lease_valid: Callable[[], bool] = lambda: True  # the lease's own clock (set while leading)
+        self.term = 0  # the term this scheduler leads in: every command it sends a node carries it
         self.reset()
 
     def reset(self) -> None:
@@ -104,6 +107,7 @@ class SchedulerCore:
         self.pausing: set[JobId] = set()  # pauses asked of nodes, not yet answered
         self.unsure: set[JobId] = set()  # jobs whose last write went unanswered: read back before anything else
         self.submitting: set[JobId] = set()  # submissions being stored: marked active, not yet in memory
+        self.pins_in_flight: Counter[str] = Counter()  # datasets pinned by submissions being stored (by object)
         self.seq = 0
         self.requests = RequestCache()  # queued jobs' full requests, so placing one reads nothing
         self.wake = asyncio.Event()
@@ -112,9 +116,22 @@ class SchedulerCore:
         self.queued_by_tenant: Counter[str | None] = Counter()  # counted as states change, never by a scan
         self.devices_by_tenant: Counter[str | None] = Counter()  # distinct devices its active jobs hold
         self.tenant_slots: Counter[tuple[str | None, Any]] = Counter()  # (tenant, slot) -> its jobs there
-        self.groups = Groups()  # co-training groups, a projection of the statuses and placements
+        self.groups = Groups(self.fleet, self.cfg)  # co-training groups, a projection of the statuses and placements
+        self.groupable: Counter[FounderKey] = Counter()  # queued jobs that could start a group together, by kind
         self.connected_at = time.monotonic()  # the last proof that the store answers us (a lease renewal)
         self.heard_at = float("-inf")  # when any heartbeat last came in
+
+    # --- leading -------------------------------------------------------------------------------
+    def may_act(self) -> bool:
+        """Whether this scheduler may act on what it holds now: asked at the moment it writes or sends, never once
+        per pass, since a loop that was late may have outlived its lease. A lease lapsed here stops the leading."""
+        if self.lost.is_set():
+            return False
+        if not self.lease_valid():
+            log.error("the scheduler lease lapsed before this scheduler acted (its loop was late); stepping down")
+            self.lost.set()
+            return False
+        return True
 
     # --- tasks ---------------------------------------------------------------------------------
     def spawn(self, coro: Coroutine[Any, Any, Any]) -> None:
@@ -131,6 +148,7 @@ class SchedulerCore:
     def adopt(self, stored: StoredRequest, status: JobStatus | None, revision: int) -> Job:
         """Take a stored job into memory as the store has it; a node holding one is awaited for a window."""
         job = Job(stored, status or JobStatus(updated=stored.created), revision)
+        job.founder_key = founder_key(self.cfg, stored.request, stored.tenant)
         self.jobs[job.id] = job
         self.seq = max(self.seq, stored.seq)
         self._project(job, None, job.status)
@@ -141,6 +159,7 @@ class SchedulerCore:
 
     def take_new(self, job: Job, request: JobRequest, size: int) -> None:
         """A job just stored joins memory and the queue (its full request cached, so placing it reads nothing)."""
+        job.founder_key = founder_key(self.cfg, job.stored.request, job.stored.tenant)
         self.jobs[job.id] = job
         self.requests.put(job.id, request, size)
         self._project(job, None, job.status)
@@ -170,7 +189,7 @@ class SchedulerCore:
                 log.error("job %s holds %s device %d, which %s holds too", job.id, *slot, taken)
             self.fleet.reserve(slot, new_holder)
             if new.group:
-                self.groups.join(new.group, slot, job.id, job.stored.request, job.stored.tenant, self.fleet)
+                self.groups.join(new.group, slot, job.id, job.stored.request, job.stored.tenant)
         if after and new.node is not None:
             self.by_node.setdefault(new.node, set()).add(job.id)
             if old is None or (old.node, old.attempt) != (new.node, new.attempt) or not before:
@@ -205,7 +224,7 @@ class SchedulerCore:
         for slot in slots:
             self.fleet.reserve(slot, holder(job.id, group))
             if group is not None:
-                self.groups.join(group, slot, job.id, job.stored.request, job.stored.tenant, self.fleet)
+                self.groups.join(group, slot, job.id, job.stored.request, job.stored.tenant)
         job.placing, job.placing_group = slots, group
         self.queue.discard(job.id)
 
@@ -242,6 +261,10 @@ class SchedulerCore:
         tenant = job.stored.tenant
         if status.state == "queued":
             self.queued_by_tenant[tenant] += sign
+            if job.founder_key is not None:
+                self.groupable[job.founder_key] += sign
+                if self.groupable[job.founder_key] <= 0:
+                    del self.groupable[job.founder_key]
         elif status.state in ACTIVE_STATES:
             slots: list[Any] = held(status) or [(None, job.id)]  # an active job's status names its device
             for slot in slots:

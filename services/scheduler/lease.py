@@ -10,17 +10,41 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from dataclasses import dataclass
 
 from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError
 from nats.js.kv import KeyValue
 
+from schemas.leadership import LEASE_KEY, LeaseRecord, decode_lease, encode_lease
 from services.aio import sleep_unless_stopped
 from services.bus import LEASE_TTL_S
 
 log = logging.getLogger(__name__)
-LEASE_KEY = "scheduler"
 STEP_DOWN_FRACTION = 2 / 3  # of the TTL after the last successful renewal was sent
 RENEWALS_PER_TTL = 6  # renewals are tried this often: several may fail before the deadline comes
+
+
+@dataclass
+class RenewalStats:
+    """How late a busy loop let the renewals go out: each woke this long after it was due."""
+
+    renewals: int = 0
+    late: int = 0  # woke more than half an interval after it was due
+    latest_s: float = 0.0
+
+    def woke(self, late_s: float, interval: float) -> None:
+        self.renewals += 1
+        self.latest_s = max(self.latest_s, late_s)
+        if late_s > interval / 2:
+            self.late += 1
+            if late_s > interval:
+                log.warning(
+                    "the scheduler's loop renewed its lease %.2fs late (it renews every %.2fs and steps down "
+                    "%.1fs after the last renewal): something held the loop",
+                    late_s,
+                    interval,
+                    interval * RENEWALS_PER_TTL * STEP_DOWN_FRACTION,
+                )
 
 
 class Lease:
@@ -30,6 +54,7 @@ class Lease:
 
     def __init__(self, kv: KeyValue, holder: str, ttl: float = LEASE_TTL_S) -> None:
         self.kv, self.holder, self.ttl = kv, holder, ttl
+        self.term = 0  # the term this holder leads in, written with every renewal (agents read it)
         self.revision = 0
         self.renewed_at = float("-inf")  # monotonic: when the last renewal that succeeded was sent
         self.contended_reads = 0  # creates whose follow-up read found the old lease already expired
@@ -60,7 +85,8 @@ class Lease:
                 pass
             self.revision = 0
         try:
-            self.revision = await self.kv.create(LEASE_KEY, self.holder.encode())
+            self.term = 0
+            self.revision = await self.kv.create(LEASE_KEY, self._value())
             self.renewed_at = sent
             return True
         except KeyWrongLastSequenceError:
@@ -81,16 +107,26 @@ class Lease:
         sent = time.monotonic()
         try:
             self.revision = await asyncio.wait_for(
-                self.kv.update(LEASE_KEY, self.holder.encode(), last=self.revision), self.interval
+                self.kv.update(LEASE_KEY, self._value(), last=self.revision), self.interval
             )
         except KeyWrongLastSequenceError:
             return False
         self.renewed_at = sent
         return True
 
+    def _value(self) -> bytes:
+        return encode_lease(LeaseRecord(holder=self.holder, term=self.term))
+
+    async def announce(self, term: int) -> None:
+        """Write the term this holder now leads in into the lease, before it sends any node a command: a node that
+        reads it refuses the commands of every older term. Raises when the lease is no longer ours."""
+        self.term = term
+        if not await self.renew():
+            raise RuntimeError("the lease was taken over before the new term could be written into it")
+
     async def holder_now(self) -> str | None:
         try:
-            return ((await self.kv.get(LEASE_KEY)).value or b"").decode()
+            return decode_lease((await self.kv.get(LEASE_KEY)).value or b"").holder
         except KeyNotFoundError:
             return None
         except Exception as e:

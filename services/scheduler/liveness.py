@@ -40,10 +40,13 @@ class Liveness:
         if hb.node != names.node_of_subject(msg.subject):
             log.warning("dropped a heartbeat for node %s sent on %s", hb.node, msg.subject)
             return
+        if not core.may_act():  # a heartbeat buffered while this scheduler stalled past its lease: not ours to judge
+            return
         core.awaited.pop(hb.node, None)
         core.heard_at = time.monotonic()  # proof that we hear the bus, as much as a lease renewal
         if core.fleet.heard(hb):
             core.wake.set()
+        core.groups.node_heard(hb.node)
         self.attempts.compare(hb)  # before anything else runs: a job it takes back is held for it at once
         self._missing(hb)
         self.pausing.react_to_engines(hb)
@@ -101,6 +104,8 @@ class Liveness:
         view = core.fleet.nodes.get(node)
         when = time.strftime("%H:%M:%S", time.localtime(view.last_seen_wall if view else time.time() - core.cfg.window))
         core.fleet.forget(node)
+        core.groups.node_heard(node)
+        self.attempts.forget_node(node)
         core.awaited.pop(node, None)
         log.warning("node %s stopped answering at %s", node, when)
         jobs = list(core.by_node.get(node, ()))

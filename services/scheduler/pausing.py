@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import logging
 
-from schemas import names
 from schemas.jobs import ACTIVE_STATES, Error
 from schemas.nodes import Control, ControlReply, Heartbeat
 from services import bus
 from services.scheduler.config import engine_priority
+from services.scheduler import commands
 from services.scheduler.core import Job, SchedulerCore, engine_tag
 from services.scheduler.placement import SlotKey
 
@@ -43,12 +43,12 @@ class Pausing:
             why = "is storing its artifacts and ends in a moment" if state == "uploading" else f"is {state}"
             return Error(f"job {job.id} {why}; only queued and running jobs pause", field="job")
         try:
-            reply = await bus.request(
-                core.nc,
-                names.node(job.status.node or "").control,
+            reply = await commands.send(
+                core,
+                job.status.node or "",
+                "control",
                 Control(job.id, "pause", by, attempt=job.status.attempt),
                 ControlReply,
-                timeout=core.cfg.assign_timeout,
             )
         except bus.RequestError as e:
             return Error(f"node {job.status.node} did not answer the pause ({e}); ask again", field="job")

@@ -22,7 +22,7 @@ from services.scheduler.core import STATES_REDELIVERED_S, SchedulerConfig, Sched
 from services.scheduler.events import JobEvents
 from services.scheduler.idempotency import IdempotencyKeys
 from services.scheduler.index import JobIndex
-from services.scheduler.lease import Lease
+from services.scheduler.lease import Lease, RenewalStats
 from services.scheduler.migrate import migrate
 from services.scheduler.liveness import Liveness
 from services.scheduler.pausing import Pausing
@@ -35,6 +35,10 @@ log = logging.getLogger(__name__)
 RETRY_LEAD_S = 1.0  # after a failed start as leader (NATS away, the bucket unreadable)
 LET_GO_S = 2.0  # how long a scheduler that stops leading waits to unsubscribe each of its endpoints
 FINISH_S = 2.0  # how long a scheduler told to stop lets its parts finish what they are applying
+
+
+def _never() -> bool:
+    return False
 
 
 class Scheduler:
@@ -55,6 +59,7 @@ class Scheduler:
         self.reconcile = Reconcile(core)
         self.holder = holder or f"scheduler-{uuid.uuid4().hex[:8]}"
         self.leading = asyncio.Event()
+        self.renewals = RenewalStats()
 
     async def run(self, stop: asyncio.Event) -> None:
         core = self.core
@@ -77,7 +82,9 @@ class Scheduler:
             log.info("%s holds the scheduler lease", self.holder)
             core.lost = asyncio.Event()
             try:
-                await core.store.take_term(self.holder, lease.valid)
+                fence = await core.store.take_term(self.holder, lease.valid)
+                await lease.announce(fence.term)  # nodes refuse older terms' commands from here on
+                core.term, core.lease_valid = fence.term, lease.valid
                 await self._lead(lease, stop)
             except Exception as e:  # no error may leave the fleet without a scheduler: stand by and lead again
                 log.error(
@@ -90,7 +97,7 @@ class Scheduler:
                 await sleep_unless_stopped(stop, RETRY_LEAD_S)
             finally:
                 self.leading.clear()
-                core.store.fence = None
+                core.store.fence, core.lease_valid = None, _never
                 await cancel_and_wait(list(core.tasks))
                 core.reset()
         await lease.release()
@@ -170,6 +177,17 @@ class Scheduler:
                     await asyncio.wait_for(end, LET_GO_S)
                 except Exception as e:  # NATS unreachable: the server drops them with the connection
                     log.debug("could not let go of an endpoint or subscription: %s", e)
+        passes, renewals = self.placer.stats, self.renewals
+        log.info(
+            "leading ended: %d placement passes (longest %.1f ms, %d past their budget); %d lease renewals "
+            "(%d late, the latest %.0f ms after it was due)",
+            passes.passes,
+            passes.longest_s * 1000,
+            passes.cut_short,
+            renewals.renewals,
+            renewals.late,
+            renewals.latest_s * 1000,
+        )
         if lost.is_set() and not stop.is_set():
             log.error("stopped leading: %s", await lease.why_lost())
 
@@ -208,8 +226,12 @@ class Scheduler:
                 return
 
     async def _keep_lease(self, lease: Lease, lost: asyncio.Event, stop: asyncio.Event) -> None:
-        """Renew the lease every interval while leading."""
-        while not lost.is_set() and not await sleep_unless_stopped(stop, lease.interval):
+        """Renew the lease every interval while leading, counting the renewals a busy loop made late."""
+        while not lost.is_set():
+            due = time.monotonic() + lease.interval
+            if await sleep_unless_stopped(stop, lease.interval):
+                return
+            self.renewals.woke(time.monotonic() - due, lease.interval)
             try:
                 ok = await lease.renew()
             except Exception as e:  # server unreachable: the lease may lapse; keep trying until the deadline
