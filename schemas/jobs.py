@@ -224,7 +224,16 @@ class Rejected(Struct, tag="rejected", tag_field="type"):
     errors: list[FieldError]
 
 
-SubmitReply = Accepted | Rejected
+class Unsure(Struct, tag="unknown", tag_field="type"):
+    """The scheduler could not tell whether the job was stored (its write went unanswered, or it stopped leading
+    mid-request): `job` is the id it reserved. `job` queries tell once the store answers; a retry with the same
+    idempotency_key returns this job, never a second one."""
+
+    job: JobId
+    reason: str
+
+
+SubmitReply = Accepted | Rejected | Unsure
 
 ActiveState = Literal["assigned", "preparing", "running", "uploading"]  # the job holds a device
 TerminalState = Literal["succeeded", "failed", "cancelled", "stopped"]  # the job ended; nothing changes it again

@@ -266,7 +266,8 @@ def scheduler_flags(p: argparse.ArgumentParser) -> None:
         "--default-quota",
         default="",
         metavar="queued:N,devices:M,priority:P",
-        help="the quota of tenants without their own --quota (default: no limits, priority ceiling 0)",
+        help="the quota of tenants without their own --quota (default: 10,000 queued jobs, no device limit, "
+        "priority ceiling 0)",
     )
     _co_train_flags(p)
     p.add_argument(

@@ -3,6 +3,8 @@ tenant's queued-jobs quota, and how much memory each device's jetlora jobs would
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 from schemas.jobs import FieldError, JobRequest
 from services.scheduler.core import SchedulerCore
 
@@ -49,9 +51,10 @@ def capacity_errors(core: SchedulerCore, req: JobRequest) -> list[FieldError]:
     return []
 
 
-def quota_errors(core: SchedulerCore, tenant: str | None) -> list[FieldError]:
+def quota_errors(core: SchedulerCore, tenant: str | None, admitting: Mapping[str | None, int]) -> list[FieldError]:
+    """The tenant's queued quota, counting its submissions being stored (`admitting`) as queued already."""
     limit = core.cfg.quota(tenant).queued
-    if limit is None or (queued := core.queued_by_tenant[tenant]) < limit:
+    if limit is None or (queued := core.queued_by_tenant[tenant] + admitting.get(tenant, 0)) < limit:
         return []
     return [
         FieldError(

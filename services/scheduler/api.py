@@ -1,13 +1,11 @@
-"""The scheduler's request endpoints: accept a job, answer queries, cancel or stop one."""
+"""The scheduler's request endpoints: take a job in (submission.py), answer queries, cancel, stop, pause or resume
+one."""
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import functools
 import logging
 import time
-import uuid
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -17,32 +15,27 @@ from schemas import names
 from schemas.jobs import (
     ACTIVE_STATES,
     TERMINAL_STATES,
-    Accepted,
     Error,
     FieldError,
     JobList,
     JobListQuery,
     JobQuery,
     JobReply,
-    JobRequest,
-    JobStatus,
     JobWhy,
     Rejected,
-    StoredRequest,
 )
 from schemas.datasets import PinningQuery
-from schemas.job_checks import parse_job_request
 from schemas.events import CheckpointList, EventPage, EventsQuery
 from schemas.nodes import Control, ControlReply, NodeInfo, NodeList
 from schemas.validate import InvalidRequest
-from services import bus, graders
-from services.scheduler import listing, references, sizing
+from services import bus
+from services.scheduler import commands, listing, references
 from services.scheduler.grouping import co_train_note
-from services.scheduler.admission_checks import capacity_errors, held_mib, quota_errors
 from services.scheduler.core import Job, SchedulerCore
 from services.scheduler.history import events_page
 from services.scheduler.idempotency import IdempotencyKeys
 from services.scheduler.pausing import BY_USER, Pausing
+from services.scheduler.submission import Submissions
 from services.scheduler.waiting import WaitingReasons, explain, with_reason
 
 log = logging.getLogger(__name__)
@@ -57,11 +50,14 @@ class SchedulerApi:
         self.core, self.pausing, self.idempotency = core, pausing, idempotency
         cfg = core.cfg
         per_tenant: dict[str, Any] = dict(
-            per_key=cfg.requests_per_tenant, queued_per_key=cfg.queued_requests_per_tenant, key=names.asker_of_subject
+            per_key=cfg.requests_per_tenant,
+            queued_per_key=cfg.queued_requests_per_tenant,
+            queued_bytes_per_key=cfg.queued_request_bytes_per_tenant,
+            key=names.asker_of_subject,
         )
         self._submitting = bus.Concurrently(core.spawn, cfg.max_concurrent_submits, **per_tenant)
         self._answering = bus.Concurrently(core.spawn, cfg.max_concurrent_submits, **per_tenant)
-        self._quota_locks: dict[str, asyncio.Lock] = {}  # a tenant's submissions counted one at a time
+        self.submissions = Submissions(core, idempotency)
         self._pinning = functools.partial(references.pinning, core)  # which unfinished jobs name a dataset
 
     def endpoints(self) -> list[tuple[str, str, Handler, bus.Concurrently | None]]:
@@ -80,7 +76,9 @@ class SchedulerApi:
             "checkpoints": (JobQuery, self._job_checkpoints),
             "why": (JobQuery, self._why_job),
         }
-        submit = bus.handler(self._accept, parse=self._parse_with_size, invalid=Rejected, with_subject=True)
+        submit = bus.handler(
+            self.submissions.accept, parse=Submissions.parse_with_size, invalid=Rejected, with_subject=True
+        )
         out: list[tuple[str, str, Handler, bus.Concurrently | None]] = [
             ("submit", "submit", submit, self._submitting),
             ("tenant-submit", "*.submit", submit, self._submitting),
@@ -93,93 +91,6 @@ class SchedulerApi:
             )
             out += [(verb, verb, answer, self._answering), (f"tenant-{verb}", f"*.{verb}", answer, self._answering)]
         return out
-
-    # --- submission ------------------------------------------------------------------------------
-    @staticmethod
-    def _parse_with_size(data: bytes) -> tuple[JobRequest, int]:
-        return parse_job_request(data, graders.check), len(data)  # a grpo job's grader is checked whole here
-
-    async def _accept(self, parsed: tuple[JobRequest, int], subject: str) -> Accepted | Rejected:
-        request, size = parsed
-        tenant = bus.tenant_of(subject)  # a reserved token (`_`: the admins') is refused here, storing nothing
-        if request.idempotency_key is None:
-            return await self._admit(request, size, tenant)
-        key = f"{tenant or ''}/{request.idempotency_key}"  # one tenant's keys are not another's
-        async with self.idempotency.turn(key):  # a retry waits for the first try's answer
-            first = await self.idempotency.claim(key, request, job_id := uuid.uuid4().hex[:16], self._job_exists)
-            if first is not None:
-                return Accepted(first)  # the same submission again: nothing new is stored
-            reply = await self._admit(request, size, tenant, job_id)  # a retry is answered before any quota
-            if isinstance(reply, Rejected):
-                await self.idempotency.release(key)
-            return reply
-
-    async def _admit(
-        self, request: JobRequest, size: int, tenant: str | None, job_id: str | None = None
-    ) -> Accepted | Rejected:
-        """Check, then store: for a tenant with a queued quota one submission at a time, so that concurrent
-        submissions cannot all pass the count before any of them is stored."""
-        async with self._quota_turn(tenant):
-            ceiling = self.core.cfg.quota(tenant).priority_errors(tenant, request.priority)  # refused, not clamped
-            if errors := ceiling + capacity_errors(self.core, request) + quota_errors(self.core, tenant):
-                return Rejected(errors)
-            request, errors = sizing.size(self.core.fleet, request, functools.partial(held_mib, self.core))
-            if errors:
-                return Rejected(errors)
-            errors = await references.ownership_errors(self.core, request, tenant)
-            if errors:
-                return Rejected(errors)
-            request, errors = await references.pin_datasets(self.core, request, tenant)
-            if not errors and request.init_adapter is not None:
-                request, errors = await references.pin_init_adapter(self.core, request, tenant)
-            if not errors and request.session is not None:
-                request, errors = await references.pin_session_start(self.core, request, tenant)
-            if errors:
-                return Rejected(errors)
-            return await self._store_new(request, size, tenant, job_id)
-
-    def _quota_turn(self, tenant: str | None):
-        if tenant is None or self.core.cfg.quota(tenant).queued is None:
-            return contextlib.nullcontext()
-        return self._quota_locks.setdefault(tenant, asyncio.Lock())
-
-    async def _job_exists(self, job_id: str) -> bool:
-        return await self.core.lookup(job_id) is not None
-
-    async def _store_new(
-        self, request: JobRequest, size: int, tenant: str | None, job_id: str | None = None
-    ) -> Accepted | Rejected:
-        core = self.core
-        core.seq += 1
-        job_id = job_id or uuid.uuid4().hex[:16]
-        core.submitting.add(job_id)
-        try:  # the index entry and the active mark first: a crash before the request leaves only what readers skip
-            index_seq, _ = await asyncio.gather(core.index.submitted(tenant, job_id), core.store.mark_active(job_id))
-            stored = StoredRequest(
-                id=job_id, request=request, created=time.time(), seq=core.seq, tenant=tenant, index_seq=index_seq
-            )
-            await core.store.add(stored)  # durable before the reply: a crash after it loses nothing
-        except Exception as e:
-            core.submitting.discard(job_id)
-            return Rejected(
-                [
-                    FieldError(
-                        "",
-                        f"the job could not be stored ({type(e).__name__}: JetStream unavailable, or this scheduler "
-                        "no longer leads); nothing was queued: submit it again",
-                    )
-                ]
-            )
-        core.submitting.discard(job_id)
-        core.take_new(
-            Job(
-                msgspec.structs.replace(stored, request=msgspec.structs.replace(request, data=[])),
-                JobStatus(updated=stored.created, message="waiting for a device"),
-            ),
-            request,
-            size,
-        )
-        return Accepted(stored.id)
 
     # --- queries ---------------------------------------------------------------------------------
     async def _job(self, q: JobQuery, tenant: str | None) -> Job:
@@ -246,7 +157,7 @@ class SchedulerApi:
         )
         reason = WaitingReasons(core).reason(job)
         if not reason.startswith("waiting: tenant"):
-            reason = summary + co_train_note(core.groups, core.fleet, core.cfg, job.stored.request, job.stored.tenant)
+            reason = summary + co_train_note(core.groups, core.cfg, job.stored.request, job.stored.tenant)
         return JobWhy(job=job.id, state="queued", summary=with_reason(job.status.message, reason), nodes=nodes)
 
     async def _job_checkpoints(self, q: JobQuery, tenant: str | None) -> CheckpointList:
@@ -295,14 +206,16 @@ class SchedulerApi:
         node ends it when it is heard again."""
         core, node, attempt = self.core, job.status.node, job.status.attempt
         try:
-            reply = await bus.request(
-                core.nc,
-                names.node(node or "").control,
+            reply = await commands.send(
+                core,
+                node or "",
+                "control",
                 Control(job.id, action, attempt=attempt),  # type: ignore[arg-type]
                 ControlReply,
-                timeout=core.cfg.assign_timeout,
             )
             return None if reply.ok else Error(reply.message)
+        except commands.NotLeading as e:
+            return Error(f"{e}; ask again: the next scheduler to lead answers")
         except bus.RequestError as e:
             log.warning("node %s did not answer %s of %s (%s); marking it cancelled", node, action, job.id, e)
         await core.set_state(

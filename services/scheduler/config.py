@@ -10,6 +10,10 @@ from schemas.jobs import PRIORITY_MAX, PRIORITY_MIN, StoredRequest
 from schemas.validate import FieldError
 
 
+QUEUED_DEFAULT = 10_000  # a tenant's waiting jobs unless its quota says otherwise: what one tenant can make the
+# scheduler hold is bounded (an admin's are not)
+
+
 @dataclass(frozen=True)
 class TenantQuota:
     """What one tenant may hold at once (None: no limit), and the highest priority its jobs may ask for.
@@ -17,13 +21,14 @@ class TenantQuota:
     A job's priority orders the tenant's own jobs; against other tenants' jobs it counts only up to the ceiling an
     operator gave the tenant (0 unless given), and against serving engines not at all (see engine_priority)."""
 
-    queued: int | None = None  # jobs waiting for a device
+    queued: int | None = QUEUED_DEFAULT  # jobs waiting for a device (each costs the scheduler memory)
     devices: int | None = None  # devices its running jobs hold
     priority: int | None = 0  # the priority ceiling; None: none (an admin's)
 
     @classmethod
     def parse(cls, text: str) -> "TenantQuota":
-        """`queued:10,devices:2,priority:5` (any may be left out; no priority: a ceiling of 0)."""
+        """`queued:10,devices:2,priority:5` (any may be left out; no queued: QUEUED_DEFAULT; no priority: a ceiling
+        of 0)."""
         limits = {}
         for part in filter(None, text.split(",")):
             key, _, value = part.partition(":")
@@ -73,7 +78,8 @@ class SchedulerConfig:
     reclaim_pause_priority: int = 0  # jobs at or below this priority pause when their device's engine wants memory
     reconcile_interval_s: float = 30.0  # how often memory is checked against the store's active jobs
     requests_per_tenant: int = 32  # a tenant's requests answered at once (beyond: they wait their turn)
-    queued_requests_per_tenant: int = 512  # a tenant's requests waiting for a turn (beyond: refused as busy)
+    queued_requests_per_tenant: int = 2048  # a tenant's requests waiting for a turn (beyond: refused as busy)
+    queued_request_bytes_per_tenant: int = 256 * 2**20  # and their bytes (submissions carry their data)
     quotas: dict[str, TenantQuota] = field(default_factory=dict)  # per tenant
     default_quota: TenantQuota = TenantQuota()  # for tenants not in quotas
     co_train: CoTrainPolicy = "same-tenant"  # which jobs may share a trainer process (schemas/co_train.py)
@@ -81,7 +87,9 @@ class SchedulerConfig:
 
     def quota(self, tenant: str | None) -> TenantQuota:
         """A tenant's own quota, else the default; an admin's (tenant None) has no limit and no ceiling."""
-        return TenantQuota(priority=None) if tenant is None else self.quotas.get(tenant, self.default_quota)
+        return (
+            TenantQuota(queued=None, priority=None) if tenant is None else self.quotas.get(tenant, self.default_quota)
+        )
 
     @property
     def window(self) -> float:

@@ -43,7 +43,12 @@ class Term(msgspec.Struct, kw_only=True):
 
 
 class Deposed(Exception):
-    """Another scheduler took a newer term (or this one's lease lapsed): this one must stop leading now."""
+    """Another scheduler took a newer term (or this one's lease lapsed): this one must stop leading now.
+    `maybe_stored`: an earlier try of the same write went unanswered, so it may have landed before the refusal."""
+
+    def __init__(self, message: str, maybe_stored: bool = False) -> None:
+        super().__init__(message)
+        self.maybe_stored = maybe_stored
 
 
 class WriteUnknown(Exception):
@@ -92,19 +97,22 @@ class Fence:
         writes the same bytes, so one that landed after all is only stored twice."""
         deadline = time.monotonic() + WRITE_DEADLINE_S
         headers = {**self.headers, **headers} if headers else self.headers
+        unanswered = False  # a try went out and was not answered: it may land yet
         while True:
             if not self.leading():
-                raise Deposed(f"the lease of term {self.term} lapsed here; nothing more is written")
+                raise Deposed(f"the lease of term {self.term} lapsed here; nothing more is written", unanswered)
             try:
                 ack = await self.writer.publish(self.prefix + key, value, headers, ATTEMPT_TIMEOUT_S)
                 return ack.seq
             except BadRequestError as e:
                 if e.err_code == WRONG_LAST_SEQUENCE:
                     raise Deposed(
-                        f"the store refused a write of term {self.term}: another scheduler leads in a newer term"
+                        f"the store refused a write of term {self.term}: another scheduler leads in a newer term",
+                        unanswered,
                     ) from None
                 raise
             except _unanswered as e:
+                unanswered = True
                 if time.monotonic() >= deadline:
                     raise WriteUnknown(
                         f"JetStream did not answer a write of {key} for {WRITE_DEADLINE_S:.0f}s ({type(e).__name__})"

@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import hashlib
 import time
+from dataclasses import dataclass
 
 import msgspec
 
@@ -18,6 +19,14 @@ _canonical = msgspec.json.Encoder(order="sorted")
 
 def request_digest(request: JobRequest) -> str:
     return hashlib.sha256(_canonical.encode(request)).hexdigest()
+
+
+@dataclass(frozen=True)
+class Claim:
+    """The job a submission with an idempotency key is: already `stored`, or to be stored under `job`."""
+
+    job: JobId
+    stored: bool
 
 
 class IdempotencyKeys:
@@ -44,22 +53,25 @@ class IdempotencyKeys:
             else:
                 self._locks[key] = (lock, users - 1)
 
-    async def claim(self, key: str, request: JobRequest, job_id: JobId, job_exists) -> JobId | None:
-        """None: the key is now this job's (store it next). A job id: the key's first job, to answer with.
-        Raises InvalidRequest when the key was used for a different request within the window.
-        Call in turn(key)."""
+    async def claim(self, key: str, request: JobRequest, job_id: JobId, job_exists) -> Claim:
+        """Which job the submission is: the key's first job, stored already (answer with it), or the id to store it
+        under (`job_id`, or the id a first try reserved whose write had an unknown outcome: stored under the same
+        id, a late landing of that write is this same job). Raises InvalidRequest when the key was used for a
+        different request within the window. Call in turn(key)."""
         record = IdempotencyRecord(job=job_id, request_sha256=request_digest(request), created=time.time())
         while True:
             found = await self.store.idempotency(key)
             if found is None:
                 if await self.store.write_idempotency(key, record, 0):
-                    return None
+                    return Claim(job_id, stored=False)
                 continue  # another scheduler wrote it first: read it
             earlier, revision = found
             fresh = record.created - earlier.created < self.window_s
-            if fresh and await job_exists(earlier.job):
-                if earlier.request_sha256 == record.request_sha256:
-                    return earlier.job
+            same = earlier.request_sha256 == record.request_sha256
+            exists = fresh and await job_exists(earlier.job)
+            if fresh and same:
+                return Claim(earlier.job, stored=exists)  # stored, or reserved by a try whose write may land yet
+            if exists:
                 raise InvalidRequest(
                     [
                         FieldError(
@@ -73,7 +85,7 @@ class IdempotencyKeys:
                 )
             # expired, or its job was never stored (a crash between the two writes): the key is free again
             if await self.store.write_idempotency(key, record, revision):
-                return None
+                return Claim(job_id, stored=False)
 
     async def release(self, key: str) -> None:
         """The job could not be stored: its key must not point at it."""

@@ -21,7 +21,8 @@ async def migrate(store: JobStore, index: JobIndex) -> None:
     started = time.monotonic()
     requests, statuses = await store.load()
     todo = sorted((s for s in requests.values() if s.index_seq == 0), key=lambda s: s.seq)
-    log.info("the jobs bucket predates the job index: indexing its %d jobs (once)", len(todo))
+    if todo:  # an empty bucket (a fresh store) has nothing to say
+        log.info("the jobs bucket predates the job index: indexing its %d jobs (once)", len(todo))
     for stored in todo:
         full = await store.request(stored.id)
         seq = await index.submitted(stored.tenant, stored.id)
@@ -41,4 +42,5 @@ async def migrate(store: JobStore, index: JobIndex) -> None:
         await store.rewrite_request(msgspec.structs.replace(full, index_seq=seq))
     await store.drop_old_idempotency()
     await store.mark_layout()
-    log.info("indexed %d jobs in %.1fs", len(todo), time.monotonic() - started)
+    if todo:
+        log.info("indexed %d jobs in %.1fs", len(todo), time.monotonic() - started)

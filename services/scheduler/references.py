@@ -5,6 +5,8 @@ which unfinished jobs name a dataset (the artifact service asks before a delete)
 
 from __future__ import annotations
 
+import contextlib
+
 import msgspec
 
 from schemas import names
@@ -18,13 +20,52 @@ from services.transfer.datasets import visible_dataset
 
 async def pinning(core: SchedulerCore, q: PinningQuery) -> Pinning:
     """The unfinished jobs whose dataset or validation_dataset is the one stored under q.dataset, from memory (the
-    leader holds every unfinished job, without its data): their count, and the first q.limit by id."""
+    leader holds every unfinished job, without its data), and the submissions that pinned it and are being stored:
+    their count, and the first q.limit jobs by id."""
     found = sorted(
         (job.id, job.status.state)
         for job in core.jobs.values()
         if job.status.state not in TERMINAL_STATES and q.dataset in _datasets_named(job.stored.request)
     )
-    return Pinning(count=len(found), jobs=[PinnedJob(job=job, state=state) for job, state in found[: q.limit]])
+    count = len(found) + core.pins_in_flight[q.dataset]
+    return Pinning(count=count, jobs=[PinnedJob(job=job, state=state) for job, state in found[: q.limit]])
+
+
+@contextlib.contextmanager
+def pinned_in_flight(core: SchedulerCore, req: JobRequest):
+    """While a submission that pinned datasets is being stored, `pinning` counts it: a delete asked meanwhile is
+    refused as for a job in memory."""
+    named = _datasets_named(req)
+    core.pins_in_flight.update(named)
+    try:
+        yield
+    finally:
+        core.pins_in_flight.subtract(named)
+        for name in named:
+            if core.pins_in_flight[name] <= 0:
+                del core.pins_in_flight[name]
+
+
+async def datasets_gone(core: SchedulerCore, req: JobRequest, tenant: str | None) -> list[FieldError]:
+    """After a job is stored: a pinned dataset that was deleted since it was pinned (a delete that had asked
+    `pinning` just before the submission pinned it). Unread is taken as there: the job fails later if not."""
+    errors = []
+    for where in ("dataset", "validation_dataset"):
+        if (ref := getattr(req, where)) is None:
+            continue
+        try:
+            found = await visible_dataset(core.js, ref.name, tenant)
+        except Exception:
+            continue
+        if found is None or (ref.sha256 and found.sha256 != ref.sha256):
+            errors.append(
+                FieldError(
+                    f"{where}.name",
+                    f"dataset {ref.name} was deleted or replaced while the job was being submitted; upload it again "
+                    "and submit again",
+                )
+            )
+    return errors
 
 
 def _datasets_named(req: JobRequest) -> set[str]:
