@@ -176,41 +176,55 @@ class Concurrently:
     """Answer an endpoint's requests each in a task of `spawn`'s (which awaits them at shutdown), at most `limit`
     at once: for handlers that wait on a store or another service, so one slow request does not hold up the
     requests behind it. With `key` (the request's subject -> whose it is, e.g. its tenant), each key has at most
-    `per_key` answered at once and `queued_per_key` waiting for a turn; beyond that a request is refused as busy
-    at once, so one asker cannot fill the service's slots for everyone."""
+    `per_key` answered at once, and waits for its own turns before it takes one of the `limit` slots everyone
+    shares: one asker's backlog holds no slot another needs. What waits is bounded per key (`queued_per_key`
+    requests, `queued_bytes_per_key` bytes); beyond that a request is refused as busy at once."""
 
     spawn: Callable[[Coroutine[Any, Any, Any]], None]
     limit: int
     per_key: int | None = None
     queued_per_key: int | None = None
     key: Callable[[str], str] = lambda subject: ""
+    queued_bytes_per_key: int | None = None
 
     def __post_init__(self) -> None:
         self.slots = asyncio.Semaphore(self.limit)
         self._turns: dict[str, asyncio.Semaphore] = {}
-        self._waiting: dict[str, int] = {}  # key -> requests admitted and not yet answered
+        self._waiting: dict[str, tuple[int, int]] = {}  # key -> requests admitted and not yet answered, their bytes
 
-    def admit(self, key: str) -> bool:
-        """Count a request of `key` in, unless that key already has its fill waiting."""
-        waiting = self._waiting.get(key, 0)
+    def admit(self, key: str, size: int = 0) -> bool:
+        """Count a request of `key` (of `size` bytes) in, unless that key already has its fill waiting."""
+        waiting, held = self._waiting.get(key, (0, 0))
         if self.per_key is not None and self.queued_per_key is not None:
             if waiting >= self.per_key + self.queued_per_key:
                 return False
-        self._waiting[key] = waiting + 1
+        if self.queued_bytes_per_key is not None and waiting and held + size > self.queued_bytes_per_key:
+            return False
+        self._waiting[key] = (waiting + 1, held + size)
         return True
 
-    async def released(self, answering: Awaitable[None], key: str = "") -> None:
-        """Answer in the key's turn, then give the slots back."""
+    async def take_slot(self) -> None:
+        """Without keys, a request waits for a slot before its task starts (what holds the subscription back)."""
+        if self.per_key is None:
+            await self.slots.acquire()
+
+    async def released(self, answering: Awaitable[None], key: str = "", size: int = 0) -> None:
+        """Answer, then give the slots back. With keys, the key's own turn comes first and only then a slot of
+        the service's: a key whose requests wait for their turns holds none of the slots everyone shares."""
         try:
             if self.per_key is None:
-                await answering
+                try:
+                    await answering
+                finally:
+                    self.slots.release()
             else:
-                async with self._turns.setdefault(key, asyncio.Semaphore(self.per_key)):
+                async with self._turns.setdefault(key, asyncio.Semaphore(self.per_key)), self.slots:
                     await answering
         finally:
-            self.slots.release()
-            self._waiting[key] -= 1
-            if not self._waiting[key]:
+            waiting, held = self._waiting[key]
+            if waiting > 1:
+                self._waiting[key] = (waiting - 1, held - size)
+            else:
                 del self._waiting[key]
                 self._turns.pop(key, None)
 
@@ -291,13 +305,13 @@ async def add_endpoint(
 
     async def in_turn(request) -> None:
         assert concurrently is not None
-        key = concurrently.key(request.subject)
-        if not concurrently.admit(key):
+        key, size = concurrently.key(request.subject), len(request.data)
+        if not concurrently.admit(key, size):
             busy = Error(f"{key or 'this asker'} has too many requests waiting here; ask again in a moment")
             await request.respond_error("503", error_text(busy) or "busy", data=_enc.encode(busy))
             return
-        await concurrently.slots.acquire()
-        concurrently.spawn(concurrently.released(counted(request), key))
+        await concurrently.take_slot()
+        concurrently.spawn(concurrently.released(counted(request), key, size))
 
     await group.add_endpoint(name=name, subject=subject or name, handler=in_turn if concurrently else counted)
     endpoint = next((e for e in reversed(getattr(group._service, "_endpoints", [])) if e._name == name), None)

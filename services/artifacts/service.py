@@ -45,11 +45,14 @@ class ArtifactSink:
     writer: ObjectWriter
     what: str
     after_commit: Callable[[ArtifactInfo], Awaitable[None]] | None = None
+    before_commit: Callable[[], Awaitable[None]] | None = None  # raises Refused when the upload is no longer wanted
 
     def check(self, data: bytes) -> None:
         pass  # an artifact is whatever the trainer made; its sha256 is what is checked
 
     async def commit(self, sha256: str, digest: bytes) -> ArtifactInfo:
+        if self.before_commit:
+            await self.before_commit()
         key, value = sha256_header(sha256)
         self.writer.headers[key] = value
         stored = info_from_object(await self.writer.commit(digest))
@@ -131,7 +134,14 @@ class ArtifactService:
             f"jetlora {chunk.kind} artifact of job {chunk.job}",
             headers,
         )
-        return ArtifactSink(writer, name, self._keep_newest_checkpoints if chunk.kind == "checkpoint" else None)
+        node = names.uploader_of_subject(subject)
+
+        async def still_current() -> None:  # an attempt superseded while it uploaded must not commit over the next
+            await self._checked_meta(msgspec.structs.replace(chunk, meta=meta), node)
+
+        return ArtifactSink(
+            writer, name, self._keep_newest_checkpoints if chunk.kind == "checkpoint" else None, still_current
+        )
 
     async def _checked_meta(self, chunk: Chunk, node: str) -> ArtifactMeta:
         """The upload's description, bound to the job's record: only the node that holds the job's current

@@ -1,6 +1,6 @@
 """The evals service follows the jobs bucket (read-only, through its stored format): as an eval run's job ends, the
 run is finished at once (its summary stored with it), not only when someone next reads it. Status updates of
-every job pass; only an ended job's request is looked up (is it an eval run's?). At each start, once the bucket's
+every job pass; only the jobs of unfinished runs (followed in the evals bucket) are looked up when they end. At each start, once the bucket's
 current values have passed, every unfinished run is brought up to date, so runs that ended while no evals service
 ran are finished too. Any number of evals services may follow: runs.refresh writes with compare-and-set."""
 
@@ -11,6 +11,7 @@ import logging
 import time
 
 from schemas import names
+from schemas.evals import DECODERS
 from schemas.job_records import decode_status, status_key
 from services.aio import sleep_unless_stopped
 from services.evals import runs
@@ -36,23 +37,69 @@ async def keep_following(js, store: EvalStore, jobs: JobRecords, stop: asyncio.E
 
 
 async def follow(js, store: EvalStore, jobs: JobRecords, stop: asyncio.Event) -> None:
+    """Finish each unfinished run as its job ends. The runs are followed too (their bucket holds only runs and
+    evals), so an ended job is looked up only when it is a run's: other jobs' statuses pass unread."""
     kv = await js.key_value(names.JOBS_KV)
-    watcher = await kv.watch(status_key("*"), ignore_deletes=True)
+    statuses = await kv.watch(status_key("*"), ignore_deletes=True)
+    runs_of = RunJobs(store, jobs)
+    following = asyncio.create_task(runs_of.follow(stop))
     caught_up = False
     try:
         while not stop.is_set():
+            if following.done():
+                following.result()  # a broken watch of the runs: raised, and keep_following starts again
             try:
-                entry = await watcher.updates(timeout=1.0)
+                entry = await statuses.updates(timeout=1.0)
             except (asyncio.TimeoutError, TimeoutError):
                 continue
             if entry is None:  # the end of the current values: what ended before now is found by the sweep
                 caught_up = True
                 await sweep(store, jobs)
                 continue
-            if caught_up and entry.value and decode_status(entry.value).state in JOB_ENDED:
-                await job_ended(store, jobs, entry.key.partition(".")[2])
+            job = entry.key.partition(".")[2]
+            if (
+                caught_up
+                and job in runs_of.unfinished
+                and entry.value
+                and decode_status(entry.value).state in JOB_ENDED
+            ):
+                await job_ended(store, jobs, runs_of.unfinished[job])
     finally:
-        await watcher.stop()
+        following.cancel()
+        await asyncio.gather(following, return_exceptions=True)
+        await statuses.stop()
+
+
+class RunJobs:
+    """The jobs of unfinished runs, from a watch of the runs: a run stored after its job already ended is brought
+    up to date as it is seen."""
+
+    def __init__(self, store: EvalStore, jobs: JobRecords) -> None:
+        self.store, self.jobs = store, jobs
+        self.unfinished: dict[str, tuple[str | None, str]] = {}  # job -> (tenant, run)
+
+    async def follow(self, stop: asyncio.Event) -> None:
+        watcher = await self.store.kv.watch("run.>", ignore_deletes=False)
+        caught_up = False
+        try:
+            while not stop.is_set():
+                try:
+                    entry = await watcher.updates(timeout=1.0)
+                except (asyncio.TimeoutError, TimeoutError):
+                    continue
+                if entry is None:
+                    caught_up = True
+                    continue
+                run = DECODERS["run"].decode(entry.value) if entry.value else None
+                if run is None or run.state in runs.ENDED or not run.job:
+                    self.unfinished = {j: r for j, r in self.unfinished.items() if r[1] != entry.key.split(".")[-1]}
+                    continue
+                new = run.job not in self.unfinished
+                self.unfinished[run.job] = (run.tenant, run.id)
+                if new and caught_up:  # its job may have ended before the run was stored
+                    await runs.refresh(self.store, self.jobs, run)
+        finally:
+            await watcher.stop()
 
 
 async def sweep(store: EvalStore, jobs: JobRecords) -> None:
@@ -61,11 +108,8 @@ async def sweep(store: EvalStore, jobs: JobRecords) -> None:
             await runs.refresh(store, jobs, run)
 
 
-async def job_ended(store: EvalStore, jobs: JobRecords, job: str) -> None:
-    found = await jobs.find(job)
-    if found is None or found.stored.request.evaluate is None:
-        return  # not an eval run's job
-    run = await store.run(found.stored.tenant, found.stored.request.evaluate.run)
+async def job_ended(store: EvalStore, jobs: JobRecords, which: tuple[str | None, str]) -> None:
+    run = await store.run(*which)
     if run is not None:
         finished = await runs.refresh(store, jobs, run)
-        log.info("evals: run %s %s (job %s)", run.id, finished.state, job)
+        log.info("evals: run %s %s (job %s)", run.id, finished.state, run.job)
