@@ -5,7 +5,9 @@ Two schedulers, three agents (4 simulated GPUs each, the stand-in trainer), the 
 arrive steadily (some cancelled); faults come at random: a process frozen (SIGSTOP), cut off (blackholed), its
 JetStream writes dropped or delayed, its connection reset, or the process killed and restarted; with --cluster, a
 server killed and restarted. At the end every accepted and stored job must have ended once, and throughout: no
-terminal state replaced, no device held by two jobs, no job assigned too long, no two trainers of a job at once.
+terminal state replaced, no device held by two jobs, no job assigned too long, no two trainers of a job at once,
+and no accepted job failed unless a fault of its own (its node, the artifact service, a server) came just before:
+a leader stalled past its lease and let run again ("stall leader") must not end what its successor decided.
 
 Run by hand:  python bench/chaos.py --minutes 30 [--cluster] [--seed 1]
 """
@@ -27,6 +29,8 @@ sys.path.insert(0, str(ROOT))
 import nats  # noqa: E402
 
 from schemas import names  # noqa: E402
+from schemas.job_records import decode_status, status_key  # noqa: E402
+from schemas.leadership import LEASE_KEY, decode_lease  # noqa: E402
 from schemas.jobs import Accepted, Error, JobQuery, JobReply  # noqa: E402
 from services import bus  # noqa: E402
 from tests.conftest import answering, submit  # noqa: E402
@@ -45,18 +49,33 @@ WRITES = {  # what each kind of process writes into JetStream
 class Chaos:
     """Injects one random fault at a time into the stack's processes, counting each kind."""
 
-    def __init__(self, stack: Stack, rng: random.Random, cluster: bool) -> None:
-        self.stack, self.rng, self.cluster = stack, rng, cluster
+    def __init__(self, stack: Stack, rng: random.Random, cluster: bool, nc) -> None:
+        self.stack, self.rng, self.cluster, self.nc = stack, rng, cluster, nc
         self.injected: collections.Counter[str] = collections.Counter()
+        self.log: list[tuple[float, str, str]] = []  # (wall time it began, kind, process)
+
+    async def leader(self) -> str | None:
+        """Which of the stack's schedulers holds the lease now (None: none, or not known)."""
+        try:
+            value = (await (await self.nc.jetstream().key_value(names.LEASE_KV)).get(LEASE_KEY)).value
+        except Exception:
+            return None
+        holder = decode_lease(value or b"").holder
+        return next((n for n in SCHEDULERS if f"{holder} holds the scheduler lease" in self.stack.log(n)), None)
 
     async def one(self) -> None:
         rng, stack = self.rng, self.stack
         name = rng.choice([*SCHEDULERS, *AGENTS, "artifacts"])
         seconds = round(rng.uniform(1.0, 8.0), 1)
         kind = rng.choice(
-            ["freeze", "blackhole", "drop writes", "delay writes", "reset", "kill"] + ["server"] * self.cluster
+            ["freeze", "blackhole", "drop writes", "delay writes", "reset", "kill", "stall leader"]
+            + ["server"] * self.cluster
         )
-        if kind == "freeze":
+        if kind == "stall leader":  # past its lease: a standby takes over; then it runs again, with stale memory
+            name = await self.leader() or SCHEDULERS[0]
+            seconds = round(rng.uniform(3.5, 8.0), 1)
+        self.log.append((time.time(), kind, name))
+        if kind in ("freeze", "stall leader"):
             await stack.stall_for(name, seconds)
         elif kind == "blackhole":
             stack.blackhole(name, seconds)
@@ -100,6 +119,33 @@ async def submitting(nc, until: float, rate: float, rng: random.Random, accepted
         await asyncio.sleep(rng.expovariate(rate))
 
 
+OWN_FAULT_S = 20.0  # a job may fail this long after a fault of its own node, the artifact service or a server
+
+
+async def failures_without_a_fault_of_their_own(nc, accepted: set[str], faults: list) -> list[str]:
+    """Accepted jobs that failed with no fault near them: their node, the artifact service and the servers ran
+    undisturbed in the OWN_FAULT_S before (a job whose retries a node's faults used up may fail; one a scheduler's
+    fault ended may not)."""
+    kv = await nc.jetstream().key_value(names.JOBS_KV)
+    out = []
+    for job in sorted(accepted):
+        try:
+            status = decode_status((await kv.get(status_key(job))).value or b"")
+        except Exception:
+            continue
+        if status.state != "failed":
+            continue
+        near = [
+            (kind, name)
+            for at, kind, name in faults
+            if status.updated - OWN_FAULT_S <= at <= status.updated
+            and (name in (status.node, "artifacts") or name.startswith("server"))
+        ]
+        if not near:
+            out.append(f"job {job} failed on {status.node} with no fault of its own: {status.message}")
+    return out
+
+
 def _cancel(nc, job: str) -> None:
     async def cancel() -> None:
         try:
@@ -123,7 +169,7 @@ async def main(args) -> int:
         nc = await nats.connect(servers=stack.client_url.split(","), max_reconnect_attempts=-1, reconnect_time_wait=0.2)
         await answering(nc, names.LIST_JOBS)
         watch = await StatusWatch(nc.jetstream(), assigned_bound_s=30.0).start()
-        chaos, accepted, counts = Chaos(stack, rng, args.cluster), set(), collections.Counter()
+        chaos, accepted, counts = Chaos(stack, rng, args.cluster, nc), set(), collections.Counter()
         until = time.monotonic() + args.minutes * 60
         load = asyncio.create_task(submitting(nc, until, args.rate, rng, accepted, counts))
         while time.monotonic() < until:
@@ -135,8 +181,9 @@ async def main(args) -> int:
         left = await unfinished(nc, accepted, timeout=300)
         await watch.stop()
         overlaps = trainer_overlaps(log, bound_s=2.0)
+        failed = await failures_without_a_fault_of_their_own(nc, accepted, chaos.log)
         await nc.close()
-    violations = left + watch.violations + overlaps
+    violations = left + watch.violations + overlaps + failed
     print(f"\n{args.minutes:g} minutes, {'3-server cluster' if args.cluster else 'one server'}, seed {args.seed}")
     print(
         f"faults injected: {sum(chaos.injected.values())} ({', '.join(f'{k} {v}' for k, v in chaos.injected.items())})"

@@ -250,3 +250,16 @@ async def test_chunks_flooded_ahead_of_a_gap_are_refused_and_their_memory_given_
 async def send_as(nc, node: str, chunk: Chunk, timeout: float = 10) -> ChunkAck:
     msg = await nc.request(names.artifact_upload(node, chunk.job), msgspec.msgpack.encode(chunk), timeout=timeout)
     return _ack.decode(msg.data)
+
+
+async def test_an_upload_whose_attempt_was_superseded_meanwhile_is_refused_at_commit(nc, artifact_service):
+    """Attempt 1's upload opens while it is the job's; the job moves to attempt 2 on another node before its last
+    chunk (a stalled node resuming within the stall timeout): the commit is refused and nothing is stored."""
+    c = chunks_of(os.urandom(10_000), 2_000)
+    acks = await in_order(nc, c[:-1])
+    assert all(a.ok for a in acks), acks
+    await running_on(nc, "j1", node="n2", attempt=2)  # the scheduler placed it again meanwhile
+    last = await send(nc, c[-1])
+    assert not last.ok and "attempt 2 on n2" in last.error, last
+    await wait_for(lambda: _purged(nc), timeout=10, what="the upload's chunks purged")
+    assert "j1/peft" not in await object_names(nc)

@@ -157,7 +157,7 @@ class SchedulerApi:
         )
         reason = WaitingReasons(core).reason(job)
         if not reason.startswith("waiting: tenant"):
-            reason = summary + co_train_note(core.groups, core.cfg, job.stored.request, job.stored.tenant)
+            reason = summary + co_train_note(core.groups, core.cfg, job.stored.request, job.stored.tenant, job.status)
         return JobWhy(job=job.id, state="queued", summary=with_reason(job.status.message, reason), nodes=nodes)
 
     async def _job_checkpoints(self, q: JobQuery, tenant: str | None) -> CheckpointList:

@@ -261,7 +261,7 @@ class SchedulerCore:
         tenant = job.stored.tenant
         if status.state == "queued":
             self.queued_by_tenant[tenant] += sign
-            if job.founder_key is not None:
+            if job.founder_key is not None and not status.train_alone:
                 self.groupable[job.founder_key] += sign
                 if self.groupable[job.founder_key] <= 0:
                     del self.groupable[job.founder_key]

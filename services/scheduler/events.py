@@ -125,13 +125,16 @@ class JobEvents:
                 and seq > s.event_seq
             )  # after a later one must not undo it
 
-        if ev.state == "queued":  # the agent handed it back (shutting down) before it could finish
-            await core.requeue(job, ev.message, when=current, event_seq=seq)
-            return
-        changes = {"artifacts": ev.artifacts or job.status.artifacts, "event_seq": seq}
+        changes: dict = {"event_seq": seq}
         if ev.checkpoint is not None:
             kept = [c for c in job.status.checkpoints if c.step != ev.checkpoint.step] + [ev.checkpoint]
             changes.update(checkpoint=ev.checkpoint.name, checkpoints=kept[-KEEP_CHECKPOINTS:])
+        if ev.state == "queued":  # the agent handed it back (shutting down, or split out of a group) before it ended
+            if ev.train_alone:  # it never joins a group again: its step ran out of memory in one
+                changes["train_alone"] = ev.train_alone
+            await core.requeue(job, ev.message, when=current, **changes)
+            return
+        changes["artifacts"] = ev.artifacts or job.status.artifacts
         if ev.state == "paused":
             changes["paused_by"] = ev.paused_by or "user"
         written = await core.set_state(job, ev.state, ev.message, when=current, **changes)

@@ -20,8 +20,8 @@ import secrets
 from collections.abc import Container
 from dataclasses import dataclass, field
 
-from schemas.co_train import GroupKey, group_key, own_mib, shared_mib, why_alone
-from schemas.jobs import JobRequest
+from schemas.co_train import GroupKey, group_key, own_mib, shared_mib, why_alone, why_alone_now
+from schemas.jobs import JobRequest, JobStatus
 from schemas.memory import Estimate, estimate
 from services.scheduler.config import SchedulerConfig
 from services.scheduler.placement import Fleet, SlotKey
@@ -215,36 +215,45 @@ def may_co_train(cfg: SchedulerConfig, request: JobRequest) -> bool:
 
 
 def find_group(
-    groups: Groups, cfg: SchedulerConfig, request: JobRequest, tenant: str | None, kept: Container[str] = ()
+    groups: Groups,
+    cfg: SchedulerConfig,
+    request: JobRequest,
+    tenant: str | None,
+    kept: Container[str] = (),
+    alone: str = "",
 ) -> tuple[CoGroup, int] | None:
     """A running group the job may join now, with the MiB it needs free there: the same base weights, precision
     and quantisation, the policy's tenants, a place left, and room on the device beyond what members placed since
-    the node's last heartbeat will take; on no node in `kept`. The fullest such group first (best fit)."""
-    if not groups.by_id or not may_co_train(cfg, request):
+    the node's last heartbeat will take; on no node in `kept`. The fullest such group first (best fit). `alone`: why
+    the job trains alone since it left a group (JobStatus.train_alone)."""
+    if alone or not groups.by_id or not may_co_train(cfg, request):
         return None
     return groups.best_fit(request, tenant, kept)
 
 
-FounderKey = tuple[str, str, str, str, str]
+FounderKey = tuple[str, str, str, int, str, str]
 
 
 def founder_key(cfg: SchedulerConfig, request: JobRequest, tenant: str | None) -> FounderKey | None:
     """What queued jobs that could start a group together share (None: the job trains alone): the base directory,
-    precision, quantisation, accelerator and, under the same-tenant policy, the tenant. A job queued with others of
+    precision, quantisation, priority (the yield rule), accelerator and, under the same-tenant policy, the tenant. A job queued with others of
     its key starts a group when placed on a free device; one with nobody to share with trains alone, as it always
     has."""
     if not may_co_train(cfg, request):
         return None
     who = (tenant or "") if cfg.co_train == "same-tenant" else ""
-    return (request.base_dir.rstrip("/"), request.train.precision, request.quantization, request.accelerator, who)
+    base = request.base_dir.rstrip("/")
+    return (base, request.train.precision, request.quantization, request.priority, request.accelerator, who)
 
 
-def co_train_note(groups: Groups, cfg: SchedulerConfig, request: JobRequest, tenant: str | None) -> str:
+def co_train_note(
+    groups: Groups, cfg: SchedulerConfig, request: JobRequest, tenant: str | None, status: JobStatus
+) -> str:
     """For `jetlora why` of a queued job: whether it may co-train, and why no running group takes it now (the first
     few groups of its kind)."""
     if cfg.co_train == "off":
         return ""
-    if (alone := why_alone(request)) is not None:
+    if (alone := why_alone_now(request, status)) is not None:
         return f"; it trains alone: {alone}"
     fleet, reasons = groups.fleet, []
     for g in groups.by_id.values():

@@ -204,7 +204,8 @@ class PlacementPass:
 
     def founds_group(self, job: Job) -> bool:
         """Whether the job starts a co-training group: others of its kind wait with it (counted as they queue)."""
-        return job.founder_key is not None and self.core.groupable[job.founder_key] > 1
+        key = job.founder_key
+        return key is not None and not job.status.train_alone and self.core.groupable[key] > 1
 
     def fits(self, node: str | None = None):
         return lambda job_id: self.try_place(job_id, node)
@@ -218,7 +219,7 @@ class PlacementPass:
         kept = self.kept_from(job_id, req.priority)
         if node is not None and node in kept:
             return False
-        joined = grouping.find_group(core.groups, core.cfg, req, tenant, kept)
+        joined = grouping.find_group(core.groups, core.cfg, req, tenant, kept, job.status.train_alone)
         if joined is not None:
             return self.join(job, *joined)
         if self.quota_full(tenant, req.devices):
