@@ -18,7 +18,7 @@ from services.graders.check import MAX_GRADERS
 from tests.conftest import wait_for
 from tests.test_gateway import client_for
 from tests.test_gateway_graders import EXACT, SANDBOX
-from tests.test_grader_deadline import MODULE_STALL, sandbox_processes, sandboxes
+from tests.test_grader_deadline import CALL_STALL, MODULE_STALL, sandbox_processes, sandbox_start_s, sandboxes
 
 FAST = dict(wall_s=2.0, cpu_s=2.0, memory_mib=256)
 
@@ -57,6 +57,19 @@ async def test_one_tenants_slow_validates_do_not_delay_anothers_and_its_extra_ca
         with pytest.raises(openai.BadRequestError) as bad:
             await task
         assert bad.value.param == "grader.source" and "wall-clock limit of 2.0 s" in bad.value.message
+
+
+@SANDBOX
+async def test_a_run_of_a_grader_that_stalls_answers_at_its_wall_limit_scored_0_and_counted(nc, gateway):
+    acme = await client_for(nc, gateway, "acme")
+    start_s = await asyncio.to_thread(sandbox_start_s)
+    began = time.monotonic()
+    ran = await acme.fine_tuning.alpha.graders.run(grader=python(CALL_STALL), model_sample="stall")  # type: ignore[arg-type]
+    took = time.monotonic() - began
+    assert ran.reward == 0.0 and ran.metadata.errors.unresponsive_reward_error, ran.metadata.errors
+    assert "wall-clock limit of 2.0 s" in (ran.metadata.errors.message or "")
+    assert took < start_s + 2.0 + 1.0 + start_s, (took, start_s)  # its check's load, then the run: limit + 1 s
+    assert await wait_for(lambda: not sandbox_processes(), timeout=2, what="no sandbox left")
 
 
 async def test_a_multi_grader_past_its_size_is_refused_before_anything_runs(nc, gateway):
