@@ -15,7 +15,7 @@ import nats
 from schemas import names
 from schemas.datasets import DatasetUpload
 from schemas.events import EventPage, EventsQuery, Samples
-from schemas.jobs import Accepted, SubmitReply
+from schemas.jobs import Accepted, Rejected, SubmitReply
 from schemas.nodes import NodeList
 from services import bus
 from services.agent.config import AgentConfig
@@ -193,7 +193,8 @@ async def run_demo(out_dir: Path, steps: int, keep: bool = False) -> int:
         await wait_for_node(nc, "demo-node", timeout=30)
         reply = await bus.request(nc, names.SUBMIT, request, SubmitReply)
         if not isinstance(reply, Accepted):
-            print(f"the demo job was rejected: {reply.errors}", file=sys.stderr)
+            why = reply.errors if isinstance(reply, Rejected) else reply.reason
+            print(f"the demo job was not accepted: {why}", file=sys.stderr)
             return 2
         print(
             f"submitted job {reply.job} ({len(data)} Q/A pairs, {steps} steps); watch it live in a browser: "

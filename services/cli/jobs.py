@@ -9,12 +9,12 @@ from pathlib import Path
 import msgspec
 
 from schemas import names
-from schemas.jobs import Accepted, JobList, JobListQuery, JobQuery, JobReply, SubmitReply
+from schemas.jobs import Accepted, JobList, JobListQuery, JobQuery, JobReply, SubmitReply, Unsure
 from schemas.nodes import NodeList
 from services.cli.printable import cell, printable
 from services import bus
 from services.cli import args as args_
-from services.cli.client import EXIT_OK, EXIT_REJECTED, CommandFailed, ask, run_client, show
+from services.cli.client import EXIT_OK, EXIT_REJECTED, EXIT_UNREACHABLE, CommandFailed, ask, run_client, show
 
 
 def api(args) -> dict[str, str]:
@@ -48,6 +48,9 @@ def cmd_submit(args) -> int:
             return EXIT_OK
         if args.json:
             print(msgspec.json.encode(reply).decode())
+        elif isinstance(reply, Unsure):
+            print(f"unknown: job {reply.job} may or may not be stored: {printable(reply.reason)}", file=sys.stderr)
+            return EXIT_UNREACHABLE
         else:
             for err in reply.errors:
                 print(f"rejected: {err.field or '(request)'}: {printable(err.reason)}", file=sys.stderr)
