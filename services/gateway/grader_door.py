@@ -10,7 +10,6 @@ not run python graders itself (`--python-graders`), their source is checked by t
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Iterator
 from typing import Any
 
@@ -25,20 +24,23 @@ from schemas.graders import (
 )
 from services.gateway.errors import bad_request
 from services.gateway.graders import Graders
-from services.graders import sandbox, templates
+from services.graders import Deadline, sandbox, templates
 
 ROWS_CHECKED = 3  # a job's file rows each `{{item.x}}` is resolved against (the trainer checks every row later)
 
 
 async def sources_load(graders: Graders, tenant: str, grader: Grader, field: str) -> None:
-    """Each python grader's source loaded in the sandbox, as /graders/validate loads it (in the tenant's grader
-    slot): a 400 naming its `source` when it does not compile or defines no grade(). Call it on a grader that
-    check() passed."""
-    if sandbox.refusal(graders.context):
-        return  # not allowed to run here: the host that runs it checks it as it loads it
-    for g, where in leaves(grader, field):
-        if isinstance(g, PythonGrader):
-            why = await graders.in_slot(tenant, functools.partial(sandbox.check_source, g.source, graders.context))
+    """Each python grader's source loaded in the sandbox, as /graders/validate loads it (on the tenant's grader
+    turns, within one request's sandbox time): a 400 naming its `source` when it does not compile or defines no
+    grade(). Call it on a grader that check() passed."""
+    sources = [(g, where) for g, where in leaves(grader, field) if isinstance(g, PythonGrader)]
+    if not sources or sandbox.refusal(graders.context):
+        return  # none, or not allowed to run here: the host that runs it checks it as it loads it
+    s = graders.context.request_sandbox_s
+    deadline = Deadline.after(s, f"this request's {s:g} s of sandbox time (its python graders' loads together)")
+    async with graders.turns.turn(tenant):
+        for g, where in sources:
+            why = await sandbox.check_source_async(g.source, graders.context, deadline)
             if why:
                 raise bad_request(
                     f"{where}.source: {why}; define grade(sample, item) returning a number",

@@ -6,10 +6,8 @@ request_sandbox_s of sandbox time."""
 
 from __future__ import annotations
 
-import asyncio
 import time
-from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Any
 
 import msgspec
 from aiohttp import web
@@ -21,8 +19,6 @@ from services.gateway.errors import TENANT, OpenAIError, bad_request, json_respo
 from services.gateway.tenant_turns import TenantTurns
 from services.graders import Deadline, GraderContext, check_async, grade_many_async
 from services.graders.decode import decode_grader
-
-T = TypeVar("T")
 
 
 class Graders:
@@ -54,12 +50,6 @@ class Graders:
         if errors or grader is None:
             raise _invalid(errors)
         return grader
-
-    async def in_slot(self, tenant: str, work: Callable[[], T]) -> T:
-        """`work` (a blocking check or grading: a sandbox process, a judge call) in a thread, on one of `tenant`'s
-        turns: the door's checks (grader_door.py) take the same turns as these endpoints."""
-        async with self.turns.turn(tenant):
-            return await asyncio.to_thread(work)
 
     async def validate(self, request: web.Request) -> web.Response:
         body = await read_json(request, dict[str, Any])

@@ -12,6 +12,7 @@ from schemas.evals import EvalRun, ItemResult
 from services.gateway import evals_map
 
 ASK_MOST = 1000  # items one ask of the evals service carries (ItemsQuery.limit's most)
+INDEX_MAX = 2**31  # no run has more items (a run takes up to 10,000)
 # ask(after, limit): the run's items whose index is above `after`, in order, at most `limit`; and whether more follow
 Ask = Callable[[int, int], Awaitable[tuple[list[ItemResult], bool]]]
 
@@ -27,6 +28,8 @@ async def page(
     """The output items of the page after the item of index `start` (None: from the first, or the last when
     desc), at most `limit`, and whether more follow."""
     want = limit + 1  # one more than the page says whether there is more
+    if start is not None:  # an id past the run's items (or past any index a query carries) starts at its end
+        start = min(start, run.summary.items if run.summary else INDEX_MAX)
     found: list[dict[str, Any]] = []
     if not desc:
         after, more = -1 if start is None else start, True
