@@ -177,6 +177,12 @@ class Scheduler:
                     await asyncio.wait_for(end, LET_GO_S)
                 except Exception as e:  # NATS unreachable: the server drops them with the connection
                     log.debug("could not let go of an endpoint or subscription: %s", e)
+        self._log_how_it_went()
+        if lost.is_set() and not stop.is_set():
+            log.error("stopped leading: %s", await lease.why_lost())
+
+    def _log_how_it_went(self) -> None:
+        """What the leading cost the loop: placement passes and lease renewals (bench/control_plane.py reads it)."""
         passes, renewals = self.placer.stats, self.renewals
         log.info(
             "leading ended: %d placement passes (longest %.1f ms, %d past their budget); %d lease renewals "
@@ -188,8 +194,6 @@ class Scheduler:
             renewals.late,
             renewals.latest_s * 1000,
         )
-        if lost.is_set() and not stop.is_set():
-            log.error("stopped leading: %s", await lease.why_lost())
 
     async def _drop_old_consumers(self) -> None:
         """Consumers of an earlier subject layout match nothing now; left alone they would only hold the stream."""
