@@ -95,7 +95,7 @@ class EvalRuns:
             raise EvalFailed(
                 f"{engine.label} loaded another version of {q.adapter} while it answered the items: run it again"
             )
-        return engine, await asyncio.to_thread(grade, q.criteria, items, outputs, r.graders)
+        return engine, await grade(q.criteria, items, outputs, r.graders)
 
     def engine_for(self, q: EngineEvalRequest) -> Engine:
         """An engine of this node that serves adapter@version now and answers (the one the registry named first)."""

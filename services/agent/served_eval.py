@@ -63,7 +63,7 @@ async def evaluate(js, engine: Engine, name: str, e: ServedEval, context: Grader
             await runnable(e.criteria, context)
             items = await read_items(js, e)
             outputs = await answers(engine, name, items, e.sampling, e.request_timeout_s, http)
-            served = await asyncio.to_thread(grade, e.criteria, items, outputs, context)
+            served = await grade(e.criteria, items, outputs, context)  # cancelled at the deadline: sandboxes killed
     except TimeoutError:
         raise EvalFailed(
             f"it did not end within its {e.deadline_s:.0f}s ({len(e.criteria)} graders, {e.items} items): a slow "
@@ -77,7 +77,7 @@ async def runnable(criteria: list[Criterion], context: GraderContext) -> None:
     eval naming the flag, rather than scoring every answer 0. The sandboxes' scratch directory is made here."""
     await asyncio.to_thread(Path(context.scratch()).mkdir, parents=True, exist_ok=True)
     for n, c in enumerate(criteria):
-        errors = await asyncio.to_thread(graders.check, c.grader, f"criteria.{n}.grader", context)
+        errors = await graders.check_async(c.grader, f"criteria.{n}.grader", context)
         if errors:
             raise EvalFailed(f"this node cannot run the eval's graders: {errors[0].field}: {errors[0].reason}")
 
@@ -167,11 +167,13 @@ async def answers(
         await cancel_and_wait(tasks)
 
 
-def grade(criteria: list[Criterion], items: list[ItemResult], outputs: list[list[str]], context: GraderContext):
-    """The served answers graded by every criterion, as the trainer's were (synchronous: run in a thread)."""
+async def grade(
+    criteria: list[Criterion], items: list[ItemResult], outputs: list[list[str]], context: GraderContext
+) -> list[ItemResult]:
+    """The served answers graded by every criterion, as the trainer's were (cancelling it kills its sandboxes)."""
     rows = [{**r.item, "messages": r.input} for r, texts in zip(items, outputs) for _ in texts]
     samples = [Sample.from_model_sample(text) for texts in outputs for text in texts]
-    results = {c.grader.name: (c, graders.grade_many(c.grader, samples, rows, context)) for c in criteria}
+    results = {c.grader.name: (c, await graders.grade_many_async(c.grader, samples, rows, context)) for c in criteria}
     served, at = [], 0
     for i, r in enumerate(items):
         span, at = slice(at, at + len(outputs[i])), at + len(outputs[i])
