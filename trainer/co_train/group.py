@@ -42,12 +42,16 @@ class StepOutOfMemory(Exception):
 class CoTrainer:
     """A group: the shared base and its jobs, by name."""
 
-    def __init__(self, model: torch.nn.Module, tokenizer, device: str = "cpu", dtype=torch.float32) -> None:
+    def __init__(
+        self, model: torch.nn.Module, tokenizer, device: str = "cpu", dtype=torch.float32, flat: bool = True
+    ) -> None:
         self.base = SharedBase(model, dtype)
         self.tokenizer, self.device = tokenizer, device
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         self.jobs: dict[str, CoJob] = {}
         self.oom_above = int(os.environ.get(OOM_FAULT_ENV) or 0)
+        self.flat = flat  # the flat layout where the model allows it (False: padded, as bench/co_train.py compares)
+        self.last_positions = 0  # token positions the last forward held (its batch's size)
 
     def add_job(self, spec: TrainerSpec) -> CoJob:
         """A job joins: it takes part from the next forward on; the others' state is left as it was."""
@@ -82,7 +86,8 @@ class CoTrainer:
         if not jobs:
             return []
         micro = {j.name: j.next_micro_batch(self.device) for j in jobs}
-        combined = combine(micro, self.pad_id, self.base.model)
+        combined = combine(micro, self.pad_id, self.base.model if self.flat else None)
+        self.last_positions = combined.batch.input_ids.numel()
         failed = ""
         try:
             self._forward_backward(jobs, micro, combined)
