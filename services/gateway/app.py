@@ -4,15 +4,14 @@ under /api/v1, `X-API-Key: tml-<key>`); the key's tenant is the only tenant the 
 from __future__ import annotations
 
 import asyncio
-import logging
 
 from aiohttp import web
 
 from schemas import names
-from services.bus import RequestError
-from services.gateway.errors import JSON_MAX, TENANT, OpenAIError, error_response, json_response, too_large
+from services.gateway.answers import openai_errors
+from services.gateway.errors import JSON_MAX, json_response
 from services.gateway.evals import Evals
-from services.gateway.faults import FAULTS, REQUEST_ID_HEADER, Faults, request_id, unforeseen
+from services.gateway.faults import FAULTS, Faults
 from services.gateway.events import JobEvents
 from services.gateway.files import Files, UploadLimits
 from services.gateway.graders import Graders
@@ -25,8 +24,6 @@ from services.gateway.results import Results
 from services.gateway.tinker.api import TinkerApi
 from services.gateway.tinker.settings import TinkerSettings
 from services.graders import GraderContext
-
-log = logging.getLogger(__name__)
 
 
 def make_app(
@@ -46,41 +43,14 @@ def make_app(
     of the Tinker API's settings in `tinker_settings`);
     `uploads`: the most one file, and one tenant's files together, may hold."""
 
-    @web.middleware
-    async def openai_errors(request: web.Request, handler):
-        ident = request_id()
-        response = await _answer(request, handler, ident)
-        if not response.prepared:
-            response.headers[REQUEST_ID_HEADER] = ident
-        return response
-
-    async def _answer(request: web.Request, handler, ident: str) -> web.StreamResponse:
-        try:
-            if request.path.startswith("/v1/"):
-                request[TENANT] = await _tenant(request, keys)
-            return await handler(request)
-        except OpenAIError as e:
-            return error_response(e)
-        except RequestError as e:  # a service did not answer: ours, not the client's
-            log.warning("%s %s: %s", request.method, request.path, e)
-            return error_response(OpenAIError(503, f"{e}", None, "service_unavailable", "server_error"))
-        except web.HTTPRequestEntityTooLarge:
-            return error_response(too_large())
-        except ConnectionResetError:  # the client went away mid-body: nobody reads this, nothing to log loudly
-            log.info("%s %s: the client went away before the body ended", request.method, request.path)
-            return error_response(OpenAIError(400, "the request ended before its body did; send it again"))
-        except web.HTTPException as e:
-            return error_response(OpenAIError(e.status, e.reason, None, None))
-        except Exception:  # a fault of ours that no handler foresaw: OpenAI's shape, logged with its request id
-            return error_response(unforeseen(request, ident, app[FAULTS]))
-
     async def healthz(request: web.Request) -> web.Response:
         return json_response({"ok": nc.is_connected, "faults": app[FAULTS].count})
 
     records, events = JobRecords(nc.jetstream(), jobs_kv), JobEvents(nc)
     tinker = TinkerApi(nc, keys, models, tinker_settings or TinkerSettings(idle_s=tinker_idle_s))
-    app = web.Application(middlewares=[openai_errors, TinkerApi.refusals], client_max_size=JSON_MAX)
-    app[FAULTS] = Faults()
+    faults = Faults()
+    app = web.Application(middlewares=[openai_errors(keys, faults), TinkerApi.refusals], client_max_size=JSON_MAX)
+    app[FAULTS] = faults
     grading = Graders(graders or GraderContext())
     app.add_routes(
         Files(nc, Results(nc, events, records), spool_dir, uploads).routes()
@@ -99,19 +69,6 @@ def make_app(
 
     app.cleanup_ctx.append(run_tinker)
     return app
-
-
-async def _tenant(request: web.Request, keys: KeyStore) -> str:
-    scheme, _, key = request.headers.get("Authorization", "").partition(" ")
-    tenant = await keys.tenant_of(key.strip()) if scheme.lower() == "bearer" else None
-    if tenant is None:
-        raise OpenAIError(
-            401,
-            "Incorrect API key provided. Keys are made with `jetlora keys create --tenant T`.",
-            None,
-            "invalid_api_key",
-        )
-    return tenant
 
 
 class Gateway:
