@@ -7,6 +7,7 @@ version."""
 
 from __future__ import annotations
 
+import asyncio
 import secrets
 import time
 from dataclasses import dataclass
@@ -17,7 +18,7 @@ from nats.aio.client import Client
 from schemas import names
 from schemas.engine_evals import TRAINER, EngineEvalRequest, engine_via
 from schemas.evals import EvalDef, EvalJob, EvalRun, RunRequest, RunState
-from schemas.jobs import Accepted, Error, JobQuery, JobReply, Rejected
+from schemas.jobs import Error, JobQuery, JobReply, Rejected, SubmitReply, Unsure
 from schemas.registry import AdapterQuery, AdapterReply
 from services import bus
 from services.evals import engine_path
@@ -151,7 +152,14 @@ async def submit_job(nc: Client, run: EvalRun, e: EvalDef, q: RunRequest) -> str
     }
     if run.adapter is not None:
         request["init_adapter"] = {"name": run.adapter, "version": run.version}
-    reply = await bus.request(nc, names.jobs_api(run.tenant).submit, request, Accepted | Rejected, ASK_TIMEOUT_S)
+    request["idempotency_key"] = f"eval-run-{run.tenant or ''}-{run.id}"  # asked again: the same job, never two
+    for pause in (0.5, 1.0, 2.0, None):
+        reply = await bus.request(nc, names.jobs_api(run.tenant).submit, request, SubmitReply, ASK_TIMEOUT_S)
+        if not isinstance(reply, Unsure) or pause is None:
+            break
+        await asyncio.sleep(pause)  # the store did not say whether it was stored: the same key tells
+    if isinstance(reply, Unsure):
+        raise RunError(f"the job store did not answer whether the run's job {reply.job} was stored; run it again", "")
     if isinstance(reply, Rejected):
         first = reply.errors[0]
         raise RunError(

@@ -3,8 +3,10 @@ tenant's own subjects (jetlora.api.<tenant>.*), so a key sees and ends only its 
 
 from __future__ import annotations
 
+import asyncio
 import secrets
 import time
+import uuid
 
 import msgspec
 from aiohttp import web
@@ -13,7 +15,7 @@ from schemas import names
 from schemas.datasets import DatasetInfo
 from schemas.events import CheckpointList
 from schemas.gateway import CreateJob, FineTuningJob, GatewayJob, Hyperparameters
-from schemas.jobs import Accepted, Error, InitAdapter, JobQuery, JobReply, JobSummary, Rejected
+from schemas.jobs import Accepted, Error, InitAdapter, JobQuery, JobReply, JobSummary, Rejected, SubmitReply
 from services import bus
 from services.gateway import file_reads, grader_door
 from services.gateway.errors import TENANT, OpenAIError, bad_request, json_response, not_found, read_json
@@ -38,6 +40,7 @@ from services.gateway.terms import openai_terms, param_of
 
 
 GRADER = f"{WHERE}.grader"
+UNSURE_RETRIES_S = (0.5, 1.0, 2.0)  # a submission whose storing was unknown is asked again after these
 
 
 def rejection(reply: Rejected) -> OpenAIError:
@@ -67,6 +70,24 @@ class Jobs:
             web.get(base + "/{id}/checkpoints", self.checkpoints),
         ]
 
+    async def _submit(self, tenant: str, jr) -> Accepted:
+        """The job submitted; a store that did not answer whether it was stored is asked again with the same
+        idempotency key (the same job, never a second), a few times, before the client hears 503."""
+        for pause in UNSURE_RETRIES_S:
+            reply = await bus.request(self.nc, names.jobs_api(tenant).submit, jr, SubmitReply)
+            if isinstance(reply, Rejected):
+                raise rejection(reply)
+            if isinstance(reply, Accepted):
+                return reply
+            await asyncio.sleep(pause)
+        raise OpenAIError(
+            503,
+            f"the job store did not answer whether job {reply.job} was stored; list your fine-tuning jobs before "
+            "creating it again",
+            code="job_store_unavailable",
+            type="server_error",
+        )
+
     async def create(self, request: web.Request) -> web.Response:
         tenant, req = request[TENANT], await read_json(request, CreateJob)
         grader = reinforcement_settings(req)[1] if req.method and req.method.type == "reinforcement" else None
@@ -86,9 +107,7 @@ class Jobs:
         seed = req.seed if req.seed is not None else secrets.randbelow(2**31)
         adapter = adapter_name(req.model, req.suffix, secrets.token_hex(4))
         jr = msgspec.structs.replace(job_request(req, model, method, hp, adapter, seed, grader), init_adapter=start)
-        reply = await bus.request(self.nc, names.jobs_api(tenant).submit, jr, Accepted | Rejected)
-        if isinstance(reply, Rejected):
-            raise rejection(reply)
+        reply = await self._submit(tenant, msgspec.structs.replace(jr, idempotency_key=f"gw-{uuid.uuid4().hex}"))
         kept = GatewayJob(
             job=reply.job,
             tenant=tenant,
