@@ -80,6 +80,8 @@ TRAINS_ON = {"dpo": "preference pairs", "grpo": "rft prompts", "sft": "answers"}
 
 def method_mismatch(name: str, fmt: str, method: str) -> str | None:
     """Why a dataset of format `fmt` does not fit the job's train.method; None when it does."""
+    if fmt == "evals":  # OpenAI's {"item", "sample"} rows: graded by the Evals API, trained on by nothing
+        return f"dataset {name} holds evals rows (items and samples for the Evals API); no job trains on them"
     wanted = METHOD_OF_FORMAT.get(fmt, "sft")
     if wanted == method or (method == "eval" and fmt == "rft"):
         return None
