@@ -14,7 +14,6 @@ from services.gateway.keys import KeyStore
 
 log = logging.getLogger(__name__)
 TINKER_PREFIX = "tml-"  # TINKER_API_KEY=tml-<a jetlora key>
-REQUEST_ID_HEADER = "x-request-id"
 _encode = msgspec.json.Encoder().encode
 
 
@@ -51,9 +50,7 @@ def fault_reply(fault: Fault) -> web.Response:
         f"the gateway failed on this request in a way it did not foresee; give the operator its request id "
         f"{fault.ident} (the gateway's log has what went wrong under it)"
     )
-    response = reply({"detail": detail, "request_id": fault.ident, "category": "server"}, 500)
-    response.headers[REQUEST_ID_HEADER] = fault.ident
-    return response
+    return reply({"detail": detail, "request_id": fault.ident, "category": "server"}, 500)
 
 
 def reply(obj, status: int = 200) -> web.Response:

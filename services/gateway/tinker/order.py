@@ -22,6 +22,7 @@ from services.gateway.tinker.store import Store
 
 log = logging.getLogger(__name__)
 LINGER_S = 60.0  # a model with no call this long is given back (any gateway takes it at its next call)
+RESCAN_S = 5.0  # meanwhile its next call is looked for in the store this often (a write not heard of)
 
 
 @dataclass
@@ -160,13 +161,27 @@ class Order:
                         continue
                     await _wait(owned.wake, left)
                     continue
-                if not await _wait(owned.wake, LINGER_S) and not owned.arrived and await self._give_back(owned):
+                if not await self._idle(owned) and await self._give_back(owned):
                     return
         except asyncio.CancelledError:
             raise
         except Exception:  # the store away: the model goes to the next gateway a client calls
             log.exception("running the calls of Tinker model %s stopped", record.id)
             self._drop(owned)
+
+    async def _idle(self, owned: Owned) -> bool:
+        """Wait for the model's next call up to LINGER_S (False: none came), looking in the store now and then
+        for one whose key's write this gateway did not hear of."""
+        deadline = time.monotonic() + LINGER_S
+        while (left := deadline - time.monotonic()) > 0:
+            if await _wait(owned.wake, min(left, RESCAN_S)):
+                return True
+            record = owned.record
+            future = await self.book.find(record.tenant, ordered_request(record.id, record.next_seq))
+            if future is not None:
+                self._arrive(owned, future)
+                return True
+        return bool(owned.arrived)
 
     async def _run(self, owned: Owned, future: FutureRecord) -> None:
         outcome, changes = await self.runner.run(future, owned.record)

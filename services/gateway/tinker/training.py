@@ -80,6 +80,8 @@ class Training:
             )
         if refusal := limit(ctx.book.pending.get(tenant, 0), ctx.settings.max_pending, "calls not done yet",
                             "max_pending", "fetch the results of earlier calls (future.result()) before sending more"):  # fmt: skip
+            if (taken := await ctx.book.find(tenant, ordered_request(model.id, seq))) is not None:
+                return reply({"request_id": taken.id, "model_id": model.id})  # sent again: no new call
             raise TinkerRefusal(400, refusal)
         try:
             kind, call, args = build(model)

@@ -1,0 +1,114 @@
+"""What a Tinker client was told lives in JetStream, not in one gateway: the official client's training loop goes
+on across a restart of its gateway (its calls in flight finish, none runs twice, the steps follow each other), and
+a client whose every request lands on the other of two gateways trains as if there were one."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import os
+import threading
+
+import aiohttp
+import pytest
+from aiohttp import web
+
+from services.gateway.app import Gateway
+from services.gateway.openai_map import BaseModel
+from tests.conftest import wait_nodes
+from tests.test_tinker_api import datums, key_for
+
+pytestmark = pytest.mark.timeout(300)
+os.environ.setdefault("TINKER_TELEMETRY", "0")
+STEPS = 10
+
+
+def models(tiny_model) -> dict:
+    return {"tiny": BaseModel("tiny", str(tiny_model), accelerator="cpu")}
+
+
+def train(port: int, key: str, halfway: threading.Event | None = None) -> list[tuple[float, float]]:
+    """The cookbook's loop through the official client: (optimizer step, loss per token) of each step."""
+    import tinker
+    from tinker import types
+
+    with tinker.ServiceClient(base_url=f"http://127.0.0.1:{port}", api_key=key) as sc:
+        tc = sc.create_lora_training_client(base_model="tiny", rank=4, seed=0, train_unembed=False).result()
+        batch, weighed = datums(tc.get_tokenizer(), types)
+        out = []
+        for n in range(STEPS):
+            fb = tc.forward_backward(batch, "cross_entropy")
+            opt = tc.optim_step(types.AdamParams(learning_rate=1e-2))
+            out.append((opt.result().metrics["step"], fb.result().metrics["loss:sum"] / weighed))
+            if halfway is not None and n == STEPS // 2 - 1:
+                halfway.set()
+        return out
+
+
+async def test_a_clients_loop_goes_on_across_a_restart_of_its_gateway(nc, stack, tiny_model, agents):
+    agents.start("box", gpus=None, offer_cpu=True, trainer=None, interval=0.25)
+    await wait_nodes(nc, 1)
+    gw = Gateway(nc, models(tiny_model), port=0)
+    await gw.start()
+    port, halfway = gw.port, threading.Event()
+    loop = asyncio.create_task(asyncio.to_thread(train, port, await key_for(nc, "acme"), halfway))
+    try:
+        await asyncio.wait_for(asyncio.to_thread(halfway.wait), 120)
+        await gw.close()  # calls in flight: the client retries, the next gateway answers them from the store
+        gw = Gateway(nc, models(tiny_model), port=port)
+        await gw.start()
+        steps = await asyncio.wait_for(loop, 180)
+    finally:
+        await gw.close()
+    print("steps and losses:", steps)
+    assert [s for s, _ in steps] == [float(n) for n in range(1, STEPS + 1)]  # none lost, none run twice
+    assert steps[-1][1] < 0.8 * steps[0][1]
+
+
+class RoundRobin:
+    """An HTTP proxy that sends each request to the next of its gateways in turn."""
+
+    def __init__(self, ports: list[int]) -> None:
+        self.ports, self.turn, self.served = ports, itertools.cycle(range(len(ports))), [0] * len(ports)
+
+    async def start(self) -> int:
+        self.http = aiohttp.ClientSession(auto_decompress=False)
+        app = web.Application(client_max_size=64 * 2**20)
+        app.router.add_route("*", "/{tail:.*}", self.forward)
+        self.runner = web.AppRunner(app)
+        await self.runner.setup()
+        site = web.TCPSite(self.runner, "127.0.0.1", 0)
+        await site.start()
+        return self.runner.addresses[0][1]
+
+    async def forward(self, request: web.Request) -> web.Response:
+        n = next(self.turn)
+        self.served[n] += 1
+        headers = {k: v for k, v in request.headers.items() if k.lower() in ("x-api-key", "content-type")}
+        url = f"http://127.0.0.1:{self.ports[n]}{request.rel_url}"
+        async with self.http.request(request.method, url, data=await request.read(), headers=headers) as r:
+            return web.Response(body=await r.read(), status=r.status, content_type=r.content_type)
+
+    async def close(self) -> None:
+        await self.runner.cleanup()
+        await self.http.close()
+
+
+async def test_a_client_whose_requests_alternate_between_two_gateways_trains_as_with_one(nc, stack, tiny_model, agents):
+    agents.start("box", gpus=None, offer_cpu=True, trainer=None, interval=0.25)
+    await wait_nodes(nc, 1)
+    gateways = [Gateway(nc, models(tiny_model), port=0), Gateway(nc, models(tiny_model), port=0)]
+    for gw in gateways:
+        await gw.start()
+    proxy = RoundRobin([gw.port for gw in gateways])
+    try:
+        port = await proxy.start()
+        steps = await asyncio.wait_for(asyncio.to_thread(train, port, await key_for(nc, "acme")), 240)
+    finally:
+        await proxy.close()
+        for gw in gateways:
+            await gw.close()
+    print("steps and losses:", steps, "requests per gateway:", proxy.served)
+    assert [s for s, _ in steps] == [float(n) for n in range(1, STEPS + 1)]
+    assert steps[-1][1] < 0.8 * steps[0][1]
+    assert min(proxy.served) > 2 * STEPS  # each gateway took calls, fetches and heartbeats
