@@ -32,6 +32,7 @@ from schemas.job_records import LAYOUT
 
 ROOT = Path(__file__).resolve().parents[1]
 HOLD_TRAINER = f"{sys.executable} {ROOT / 'tests' / 'programs' / 'hold_trainer.py'}"
+HOLD_GROUP = f"{sys.executable} {ROOT / 'tests' / 'programs' / 'hold_group.py'}"  # its co-training groups' stand-in
 
 
 @pytest.fixture(scope="session")
@@ -188,6 +189,8 @@ class Agents:
             cmd += ["--offer-cpu"]
         if trainer:
             cmd += ["--trainer-command", trainer]
+        if trainer == HOLD_TRAINER:  # its co-training groups' stand-in beside it
+            cmd += ["--group-command", HOLD_GROUP]
         proc_env = {**os.environ, "HOLD_S": str(hold_s), "PYTHONPATH": str(ROOT), **(env or {})}
         log = open(self.tmp / f"agent-{node}.log", "ab")
         proc = subprocess.Popen(cmd, cwd=ROOT, env=proc_env, stdout=log, stderr=subprocess.STDOUT)

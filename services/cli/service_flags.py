@@ -36,6 +36,8 @@ def scheduler_config(args):
         finished_in_memory_s=args.finished_in_memory_s,
         idempotency_window_s=args.idempotency_hours * 3600,
         reconcile_interval_s=args.reconcile_interval_s,
+    if args.group_command:
+        cfg.group_command = shlex.split(args.group_command)
         requests_per_tenant=args.requests_per_tenant,
         co_train=args.co_train,
         co_train_max=args.co_train_max,
@@ -98,6 +100,11 @@ def _engines(args) -> list:
     return engines
 
 
+    p.add_argument(
+        "--group-command",
+        help="the co-training groups' trainer (default: this Python's `-m trainer.co_train`); a test's stand-in goes "
+        "here",
+    )
 def _yields(args) -> list:
     from services.agent.yielding import YieldPolicy
 

@@ -28,6 +28,7 @@ from tests.harness.proxy import JETSTREAM_PREFIXES, NatsProxy
 from tests.harness.service import ROOT, Service, Stall, process_state
 
 HOLD_TRAINER = f"{sys.executable} {ROOT / 'tests' / 'programs' / 'hold_trainer.py'}"
+HOLD_GROUP = f"{sys.executable} {ROOT / 'tests' / 'programs' / 'hold_group.py'}"  # its co-training groups' stand-in
 
 
 def cluster_servers(tmp: Path, size: int = 3) -> list[EmbeddedNats]:
@@ -136,6 +137,8 @@ class Stack:
             first += ["--simulate-gpus", gpus]
         if trainer:
             first += ["--trainer-command", trainer]
+        if trainer == HOLD_TRAINER:  # its co-training groups' stand-in beside it
+            first += ["--group-command", HOLD_GROUP]
         return self._start(name, "agent", first, flags, {"HOLD_S": str(hold_s), **(env or {})}, work)
 
     def _start(
