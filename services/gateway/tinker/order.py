@@ -3,8 +3,8 @@ numbered them (seq_id: a client sends a batch's chunks at once, the first last) 
 named in the model's record (`pump`), while it is up. A gateway that takes a call for a model nobody runs takes the
 model; one that takes a call for a model another gateway runs only stores it, and that gateway sees its key written
 (mirror.py). A gateway that stops, or is not heard of for LIVE_S, leaves its models to the next gateway a client
-calls. A seq_id that does not come within the gap timeout fails, and the calls after it run. Samples need no order:
-each runs at once on the gateway that took it (another takes it over if that one goes)."""
+calls. A seq_id that does not come within the gap timeout fails, and the calls after it run. Samples need no order
+(at_once.py)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,8 @@ import logging
 import time
 from dataclasses import dataclass, field
 
-from schemas.tinker_store import FutureRecord, ModelRecord, call_key, model_key, ordered_request
+from schemas.tinker_store import FutureRecord, ModelRecord, model_key, ordered_request
+from services.gateway.tinker.at_once import AtOnce
 from services.gateway.tinker.futures import Book, failed
 from services.gateway.tinker.mirror import Mirror
 from services.gateway.tinker.outcomes import Change, Runner
@@ -23,6 +24,7 @@ from services.gateway.tinker.store import Store
 log = logging.getLogger(__name__)
 LINGER_S = 60.0  # a model with no call this long is given back (any gateway takes it at its next call)
 RESCAN_S = 5.0  # meanwhile its next call is looked for in the store this often (a write not heard of)
+WRITE_EVERY = 8  # a model's next seq_id is written at least this often while its calls run (and when they pause)
 
 
 @dataclass
@@ -35,6 +37,7 @@ class Owned:
     wake: asyncio.Event = field(default_factory=asyncio.Event)
     changes: list[Change] = field(default_factory=list)  # made since the record was last written
     written_seq: int = 0
+    finishing: dict[str, asyncio.Task] = field(default_factory=dict)  # outcomes stored while the next call runs
     task: asyncio.Task | None = None
 
 
@@ -45,8 +48,14 @@ class Order:
         self.store, self.mirror, self.book, self.runner = store, mirror, book, runner
         self.gateway, self.settings = gateway, settings
         self.owned: dict[str, Owned] = {}
-        self.running: dict[str, asyncio.Task] = {}  # samples run here, by request id
+        self.at_once = AtOnce(store, mirror, book, runner, gateway)
         self._locks: dict[str, asyncio.Lock] = {}
+        self._side: set[asyncio.Task] = set()  # short tasks beside the pumps (a fetch, a take-over)
+
+    def _aside(self, work) -> None:
+        task = asyncio.create_task(work)
+        self._side.add(task)
+        task.add_done_callback(self._side.discard)
 
     def model(self, model_id: str) -> ModelRecord | None:
         """The record of a model whose calls run here (the freshest there is), else None: read the store."""
@@ -92,7 +101,7 @@ class Order:
         model_id, _, seq = request.rpartition(":")
         owned = self.owned.get(model_id)
         if owned is not None and seq.isdigit() and int(seq) >= owned.record.next_seq and int(seq) not in owned.arrived:
-            asyncio.create_task(self._fetch(owned, tenant, request))  # short: one read; _fetch catches all
+            self._aside(self._fetch(owned, tenant, request))  # short: one read; _fetch catches all
 
     async def _fetch(self, owned: Owned, tenant: str, request: str) -> None:
         try:
@@ -151,7 +160,7 @@ class Order:
                     record.next_seq += 1
                     record.last_request = time.time()
                     continue
-                if record.next_seq != owned.written_seq or owned.changes:
+                if owned.changes or record.next_seq - owned.written_seq >= WRITE_EVERY:
                     await self._write(owned)
                 if owned.arrived:  # a later call came, this one not (yet): wait the gap timeout, then fail it
                     gap_since = gap_since or time.monotonic()
@@ -174,9 +183,12 @@ class Order:
         for one whose key's write this gateway did not hear of."""
         deadline = time.monotonic() + LINGER_S
         while (left := deadline - time.monotonic()) > 0:
-            if await _wait(owned.wake, min(left, RESCAN_S)):
+            if await _wait(owned.wake, min(left, RESCAN_S if owned.record.next_seq == owned.written_seq else 0.2)):
                 return True
             record = owned.record
+            if record.next_seq != owned.written_seq:  # a pause in its calls: where they are is written now
+                await self._write(owned)
+                continue
             future = await self.book.find(record.tenant, ordered_request(record.id, record.next_seq))
             if future is not None:
                 self._arrive(owned, future)
@@ -184,11 +196,20 @@ class Order:
         return bool(owned.arrived)
 
     async def _run(self, owned: Owned, future: FutureRecord) -> None:
+        """Run the call; its outcome is stored while the next call runs (a gateway that dies meanwhile leaves both
+        to the next, which sends them again under their call ids: a node answers a repeat, never runs it twice)."""
         outcome, changes = await self.runner.run(future, owned.record)
         if changes:  # what a save changed is seen by every gateway before the client hears of it
             owned.changes += changes
             await self._write(owned)
-        await self.book.finish(future, outcome)
+        task = owned.finishing[future.id] = asyncio.create_task(self.book.finish(future, outcome))
+        task.add_done_callback(lambda _: owned.finishing.pop(future.id, None))
+
+    @staticmethod
+    async def _settle(owned: Owned) -> None:
+        """Every outcome stored (before the record says their turns are past); one that failed stops the pump."""
+        for task in list(owned.finishing.values()):
+            await task
 
     async def _skip(self, owned: Owned, seq: int) -> None:
         """The seq_id never came: it fails (a late one is told so) and the calls after it run."""
@@ -210,6 +231,7 @@ class Order:
     async def _write(self, owned: Owned) -> None:
         """The model's record as this gateway holds it, over whatever another gateway changed meanwhile (a deleted
         checkpoint); a record that names another gateway now means the model was taken over: stop."""
+        await self._settle(owned)
         key, record = model_key(owned.record.tenant, owned.record.id), owned.record
         record.pump = self.gateway
         route = self.runner.trainers.routes.get(record.id)
@@ -243,6 +265,7 @@ class Order:
 
     async def _give_back(self, owned: Owned) -> bool:
         """Nobody called for LINGER_S: the model is no longer run here (False: a call came meanwhile)."""
+        await self._settle(owned)
         owned.record.pump = ""
         key = model_key(owned.record.tenant, owned.record.id)
         if await self.store.update(self.store.kv, key, owned.record, owned.revision) is None:
@@ -251,58 +274,37 @@ class Order:
             return False
         self.owned.pop(owned.record.id, None)
         if owned.arrived:  # came while it was given back: take it again
-            asyncio.create_task(self.ensure(owned.record.tenant, owned.record.id))
+            self._aside(self.ensure(owned.record.tenant, owned.record.id))
         return True
 
     def _drop(self, owned: Owned) -> None:
         self.owned.pop(owned.record.id, None)
+        for request, task in list(owned.finishing.items()):  # never stored: the next gateway runs them again
+            task.cancel()
+            self.book.abandon(request)
         for future in owned.arrived.values():
             self.book.abandon(future.id)
 
-    # --- calls run at once ----------------------------------------------------------------------------------------
-    def run_now(self, future: FutureRecord, model: ModelRecord) -> None:
-        self.book.expect(future)
-        self.running[future.id] = asyncio.create_task(self._run_now(future, model))
-
-    async def _run_now(self, future: FutureRecord, model: ModelRecord) -> None:
-        try:
-            outcome, _ = await self.runner.run(future, self.model(model.id) or model)
-            await self.book.finish(future, outcome)
-        except Exception:  # the store away: another gateway takes it over when its client asks
-            log.exception("Tinker call %s: its outcome was not stored", future.id)
-            self.book.abandon(future.id)
-        finally:
-            self.running.pop(future.id, None)
-
     async def revive(self, future: FutureRecord) -> None:
         """A fetch of a call not done yet: make sure a live gateway runs it (this one, if its own is gone)."""
-        if future.seq is not None:
-            await self.ensure(future.tenant, future.model)
-            owned = self.owned.get(future.model)
-            if owned is not None and future.seq >= owned.record.next_seq and future.seq not in owned.arrived:
-                self._arrive(owned, future)
+        if future.seq is None:
+            await self.at_once.revive(future, self.model(future.model))
             return
-        if future.id in self.running or (future.worker and self.mirror.alive(future.worker)):
-            return
-        key = call_key(future.tenant, future.id)
-        found = await self.store.get(self.store.futures, key, FutureRecord)
-        if found is None or found[0].outcome is not None:
-            return
-        taken, revision = found
-        taken.worker = self.gateway
-        model = await self.store.get(self.store.kv, model_key(future.tenant, future.model), ModelRecord)
-        if model is not None and await self.store.update(self.store.futures, key, taken, revision) is not None:
-            log.info("Tinker call %s: its gateway %s is gone; running it here", future.id, future.worker)
-            self.run_now(taken, model[0])
+        await self.ensure(future.tenant, future.model)
+        owned = self.owned.get(future.model)
+        if owned is not None and future.seq >= owned.record.next_seq and future.seq not in owned.arrived:
+            self._arrive(owned, future)
 
     async def close(self) -> None:
         """Stop running calls here, and give every model back at once (the next gateway goes on with them)."""
-        tasks = [o.task for o in self.owned.values() if o.task is not None] + list(self.running.values())
+        await self.at_once.close()
+        tasks = [o.task for o in self.owned.values() if o.task is not None] + list(self._side)
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         for owned in list(self.owned.values()):
             try:
+                await asyncio.gather(*owned.finishing.values(), return_exceptions=True)  # outcomes computed: stored
                 owned.record.pump = ""
                 await self.store.update(
                     self.store.kv, model_key(owned.record.tenant, owned.record.id), owned.record, owned.revision

@@ -115,7 +115,7 @@ class Sampling:
         stored = await ctx.book.record(future)
         if stored is None:
             raise TinkerRefusal(409, "that request id was just taken; send the sample again")
-        ctx.order.run_now(stored, model)
+        ctx.order.at_once.run(stored, ctx.order.model(model.id) or model)
         ids = [f"{future.id}-{i}-{int(now)}" for i in range(call.num_samples)]
         return reply({"request_id": future.id, "sample_sequence_ids": ids})
 
