@@ -119,6 +119,20 @@ async def submitting(nc, until: float, rate: float, rng: random.Random, accepted
         await asyncio.sleep(rng.expovariate(rate))
 
 
+async def jobs_that_trained_in_a_group(nc, accepted: set[str]) -> set[str]:
+    """Accepted jobs whose record shows a co-training group (that bursts did form groups under the faults)."""
+    kv = await nc.jetstream().key_value(names.JOBS_KV)
+    out = set()
+    for job in accepted:
+        try:
+            status = decode_status((await kv.get(status_key(job))).value or b"")
+        except Exception:
+            continue
+        if status.group or any("co-training group" in m for m in [status.message]):
+            out.add(job)
+    return out
+
+
 OWN_FAULT_S = 20.0  # a job may fail this long after a fault of its own node, the artifact service or a server
 
 
@@ -146,6 +160,27 @@ async def failures_without_a_fault_of_their_own(nc, accepted: set[str], faults: 
     return out
 
 
+async def bursting(nc, until: float, every: float, rng: random.Random, accepted: set[str], counts) -> None:
+    """Every `every` seconds or so, a burst of 12 jobs of one kind at once: what the scheduler groups (small jobs,
+    several to a device)."""
+    n = 0
+    while time.monotonic() < until:
+        await asyncio.sleep(rng.expovariate(1 / every))
+        n += 1
+        body = {"model": "tiny", "base_dir": "/models/tiny", "data": pairs(1), "gpu_mib": 1000, "retries": 3}
+        replies = await asyncio.gather(
+            *(asyncio.wait_for(submit(nc, {**body, "idempotency_key": f"burst-{n}-{i}"}), 5.0) for i in range(12)),
+            return_exceptions=True,
+        )
+        counts["submitted"] += len(replies)
+        counts["in bursts"] += len(replies)
+        for reply in replies:
+            if isinstance(reply, Accepted):
+                accepted.add(reply.job)
+            else:
+                counts["unanswered"] += 1
+
+
 def _cancel(nc, job: str) -> None:
     async def cancel() -> None:
         try:
@@ -161,8 +196,8 @@ async def main(args) -> int:
     tmp = Path(tempfile.mkdtemp(prefix="jetlora-chaos-"))
     log = tmp / "steps"
     async with Stack(tmp, cluster=args.cluster) as stack:
-        for name in SCHEDULERS:
-            stack.start_scheduler(name)
+        for name in SCHEDULERS:  # co-training on (the product's default): bursts form groups on the stand-in
+            stack.start_scheduler(name, "--co-train", "same-tenant")
         stack.start_artifacts("artifacts")
         for i, name in enumerate(AGENTS):
             stack.start_agent(name, gpus="4096,4096,4096,4096", hold_s=1.0 + i, env={"HOLD_LOG": str(log)})
@@ -172,23 +207,28 @@ async def main(args) -> int:
         chaos, accepted, counts = Chaos(stack, rng, args.cluster, nc), set(), collections.Counter()
         until = time.monotonic() + args.minutes * 60
         load = asyncio.create_task(submitting(nc, until, args.rate, rng, accepted, counts))
+        bursts = asyncio.create_task(bursting(nc, until, args.burst_every, rng, accepted, counts))
         while time.monotonic() < until:
             await asyncio.sleep(rng.expovariate(1 / args.fault_every))
             if time.monotonic() < until:
                 await chaos.one()
             watch.check_assigned()
-        await load
+        await asyncio.gather(load, bursts)
         left = await unfinished(nc, accepted, timeout=300)
         await watch.stop()
         overlaps = trainer_overlaps(log, bound_s=2.0)
         failed = await failures_without_a_fault_of_their_own(nc, accepted, chaos.log)
+        grouped = await jobs_that_trained_in_a_group(nc, accepted)
         await nc.close()
     violations = left + watch.violations + overlaps + failed
     print(f"\n{args.minutes:g} minutes, {'3-server cluster' if args.cluster else 'one server'}, seed {args.seed}")
     print(
         f"faults injected: {sum(chaos.injected.values())} ({', '.join(f'{k} {v}' for k, v in chaos.injected.items())})"
     )
-    print(f"jobs submitted: {counts['submitted']}, accepted: {len(accepted)}, unanswered: {counts['unanswered']}")
+    print(
+        f"jobs submitted: {counts['submitted']} ({counts['in bursts']} in bursts of groupable jobs), accepted: "
+        f"{len(accepted)}, unanswered: {counts['unanswered']}, grouped: {len(grouped)}"
+    )
     print(f"status writes seen: {watch.writes}")
     print(f"violations: {len(violations)}")
     for v in violations[:50]:
@@ -202,6 +242,7 @@ if __name__ == "__main__":
     p.add_argument("--minutes", type=float, default=30.0)
     p.add_argument("--fault-every", type=float, default=15.0, help="mean seconds between faults")
     p.add_argument("--rate", type=float, default=2.0, help="submissions a second")
+    p.add_argument("--burst-every", type=float, default=60.0, help="mean seconds between bursts of groupable jobs")
     p.add_argument("--cluster", action="store_true", help="a 3-server JetStream cluster, servers killed too")
     p.add_argument("--seed", type=int, default=1)
     sys.exit(asyncio.run(main(p.parse_args())))

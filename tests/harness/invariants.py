@@ -1,7 +1,8 @@
 """What must hold whatever faults are injected, checked from outside the services:
 
 - every accepted job reaches exactly one terminal state, and no terminal state is ever replaced;
-- no device is held by two active jobs at once (by the statuses the store holds);
+- no device is held by two active jobs at once (by the statuses the store holds), unless both train in one
+  co-training group there;
 - no job stays `assigned` longer than a bound;
 - never more than one trainer of a job computing at once, beyond a bounded overlap (the stand-in trainer's step
   log, HOLD_LOG, says which attempt computed which step when);
@@ -33,7 +34,7 @@ class StatusWatch:
         self.js, self.assigned_bound_s = js, assigned_bound_s
         self.last: dict[str, JobStatus] = {}
         self.assigned_since: dict[str, float] = {}
-        self.holders: dict[tuple[str, int], str] = {}
+        self.holders: dict[tuple[str, int], dict[str, str | None]] = defaultdict(dict)  # slot -> job -> its group
         self.violations: list[str] = []
         self.writes = 0
         self._sub = None
@@ -59,15 +60,15 @@ class StatusWatch:
         if before is not None and before.state in TERMINAL_STATES and status.state != before.state:
             self.violations.append(f"job {job}: {before.state} was replaced by {status.state} ({status.message})")
         self.last[job] = status
-        for slot, holder in list(self.holders.items()):
-            if holder == job:
-                del self.holders[slot]
+        for held in self.holders.values():
+            held.pop(job, None)
         if status.state in ACTIVE_STATES and status.node is not None and status.device is not None:
             for d in status.devices or [status.device]:
-                other = self.holders.get((status.node, d))
-                if other is not None and self.last[other].state in ACTIVE_STATES:
-                    self.violations.append(f"{status.node} device {d} held by jobs {other} and {job} at once")
-                self.holders[(status.node, d)] = job
+                held = self.holders[(status.node, d)]
+                for other, group in held.items():
+                    if self.last[other].state in ACTIVE_STATES and (group is None or group != status.group):
+                        self.violations.append(f"{status.node} device {d} held by jobs {other} and {job} at once")
+                held[job] = status.group
         if status.state == "assigned":
             self.assigned_since.setdefault(job, time.monotonic())
         else:
