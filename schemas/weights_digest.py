@@ -4,9 +4,10 @@ directories have equal digests exactly when they hold the same model. Co-trainin
 agent advertises it in heartbeats, schemas/co_train.py group_key) and a group's process refuses a joiner whose
 base has another (trainer/co_train/process.py).
 
-Hashing a base reads all of it (measured in the co-training note: about a second per GiB here), so each file's
-digest is kept by what identifies its content on disk, its path, size, mtime, inode and device: a file replaced or
-rewritten is hashed again, an unchanged one never. Pure Python (hashlib): the agent calls it in a thread."""
+Hashing a base reads all of it (measured on the 2-core machine: 0.53 s for a 1 GiB safetensors file, in the page
+cache or not; sha256 is the bound, ~1.9 GiB/s; so ~8 s for an 8B model in bf16), so each file's digest is kept by
+what identifies its content on disk, its path, size, mtime, inode and device: a file replaced or rewritten is hashed
+again, an unchanged one never (a lookup: 150 us). Pure Python (hashlib): the agent calls it in a thread."""
 
 from __future__ import annotations
 
