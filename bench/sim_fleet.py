@@ -1,26 +1,67 @@
 """A simulated fleet for the control-plane benches: agents that heartbeat on the real subjects, take assignments
-(one job per device, or several of one co-training group), run each job a short random time and report its states
-as a real agent does. Used by bench/control_plane.py."""
+(one job per device, or several of one co-training group), run each job and report its states as a real agent does,
+and obey the scheduler's controls: a pause stops the job at the end of its current step, stores a checkpoint there
+(reported as the real agent reports one) and reports it `paused`; an assignment that resumes from a checkpoint goes
+on from its step. Used by bench/control_plane.py and bench/fair_share.py.
+
+A job's label `sim:work=S` says how many seconds of work it is (steps of `step=S` each, 0.5 s by default); without
+one it runs a random 0.5-3 s. A pause costs `save` seconds of the device (writing the checkpoint) and a resume `load`
+seconds (reading it back, loading the base): device-time lost to preemption, which the fleet counts."""
 
 from __future__ import annotations
 
 import asyncio
 import random
 import time
+from dataclasses import dataclass
 
 import msgspec
 
 from schemas import names
 from schemas.events import StateChange
-from schemas.nodes import AssignAccepted, AssignRefused, Assignment, Device, Heartbeat, RunningAttempt
+from schemas.jobs import CheckpointInfo
+from schemas.nodes import (
+    AssignAccepted,
+    AssignRefused,
+    Assignment,
+    Control,
+    ControlReply,
+    Device,
+    Heartbeat,
+    RunningAttempt,
+)
 
 GPU_MIB = 81920
+SAVE_S, LOAD_S = 0.2, 0.5  # what a pause and a resume cost a job's device (a checkpoint written, then read back)
 enc = msgspec.json.Encoder()
 dec_assign = msgspec.json.Decoder(Assignment)
+dec_control = msgspec.json.Decoder(Control)
+
+
+@dataclass
+class SimJob:
+    """One attempt running on a simulated device."""
+
+    a: Assignment
+    node: str
+    work_s: float  # the whole job's work
+    step_s: float
+    step: int = 0  # steps done (including those before the checkpoint it resumed from)
+    paused_by: str = ""  # a pause was asked, by this
+    task: asyncio.Task | None = None
+
+
+def job_shape(label: str) -> tuple[float, float]:
+    """(work seconds, step seconds) from a `sim:work=S,step=S` label; else a random short job."""
+    if label.startswith("sim:"):
+        fields = dict(part.split("=", 1) for part in label[4:].split(",") if "=" in part)
+        return float(fields.get("work", 1.0)), float(fields.get("step", 0.5))
+    work = random.uniform(0.5, 3.0)
+    return work, work
 
 
 class Fleet:
-    """Simulated agents: real heartbeats and replies; each job 'runs' a random short time, then succeeds."""
+    """Simulated agents: real heartbeats and replies; each job 'runs' its work, then succeeds."""
 
     def __init__(self, nc, nodes: int, gpus: int, doomed: int, interval: float):
         self.nc, self.js = nc, nc.jetstream()
@@ -38,6 +79,11 @@ class Fleet:
         self.attempts: dict[str, int] = {}  # job -> the attempt it runs as
         self.finished: dict[str, list[str]] = {n: [] for n in self.nodes}  # recent, as real agents report them
         self.tasks: set[asyncio.Task] = set()
+        self.running: dict[str, SimJob] = {}  # job -> its attempt running now
+        self.done_at: dict[str, float] = {}  # job -> when it succeeded (monotonic)
+        self.paused: dict[str, int] = {}  # job -> times it was paused
+        self.lost_s = 0.0  # device-seconds spent saving and loading checkpoints for pauses, and redoing steps
+        self.work_s = 0.0  # device-seconds of useful work done
 
     def heartbeat(self, node: str) -> bytes:
         devices = [
@@ -80,6 +126,11 @@ class Fleet:
                     await asyncio.sleep(max(0.0, start + self.interval * (i + 1) / len(order) - time.monotonic()))
             await asyncio.sleep(max(0.0, start + self.interval - time.monotonic()))
 
+    async def subscribe(self) -> None:
+        """Take assignments and controls for every simulated node."""
+        await self.nc.subscribe(names.node("*").assign, cb=self.on_assign)
+        await self.nc.subscribe(names.node("*").control, cb=self.on_control)
+
     async def on_assign(self, msg):
         """A device takes one job, or several of one co-training group (as a real agent's group process does)."""
         now = time.monotonic()
@@ -95,20 +146,75 @@ class Fleet:
         held.append((a.job, a.need_mib if a.need_mib is not None else a.request.gpu_mib, a.group))
         self.attempts[a.job] = a.attempt
         await msg.respond(enc.encode(AssignAccepted(a.job)))
-        t = asyncio.create_task(self.run_job(node, a))
-        self.tasks.add(t)
-        t.add_done_callback(self.tasks.discard)
+        work, step = job_shape(a.request.label)
+        job = SimJob(a, node, work, step, step=_step_of(a.resume_from))
+        self.running[a.job] = job
+        job.task = asyncio.create_task(self.run_job(job))
+        self.tasks.add(job.task)
+        job.task.add_done_callback(self.tasks.discard)
 
-    async def report(self, a: Assignment, node: str, state: str):
-        ev = StateChange(job=a.job, state=state, node=node, attempt=a.attempt, message=state, ts=time.time())
+    async def on_control(self, msg):
+        """Pause: stop at the end of the step under way and checkpoint there; cancel, stop, end: gone at once."""
+        c = dec_control.decode(msg.data)
+        job = self.running.get(c.job)
+        if job is None or job.node != names.node_of_subject(msg.subject) or c.attempt not in (0, job.a.attempt):
+            await msg.respond(enc.encode(ControlReply(c.job, False, "no such attempt runs here")))
+            return
+        if c.action == "pause":
+            job.paused_by = c.by or "user"
+        elif job.task is not None:
+            job.task.cancel()
+            self._free(job)
+        await msg.respond(enc.encode(ControlReply(c.job, True, f"{c.action} sent")))
+
+    async def report(self, a: Assignment, node: str, state: str, **extra):
+        ev = StateChange(
+            job=a.job, state=state, node=node, attempt=a.attempt, message=extra.pop("message", state), ts=time.time()
+        )
+        ev = msgspec.structs.replace(ev, **extra)
         await self.js.publish(names.job(a.job, node, names.tenant_token(a.tenant)).state, enc.encode(ev))
 
-    async def run_job(self, node: str, a: Assignment):
+    async def run_job(self, job: SimJob):
+        a, node = job.a, job.node
         await self.report(a, node, "running")
         if node in self.doomed:
             self.held[a.job] = node
             return  # held until the node is killed
-        await asyncio.sleep(random.uniform(0.5, 3.0))
+        if a.resume_from:
+            await asyncio.sleep(LOAD_S)
+            self.lost_s += LOAD_S
+        steps = max(1, round(job.work_s / job.step_s))
+        while job.step < steps:  # a pause takes effect at the end of the step under way, as the real trainer's
+            started = time.monotonic()
+            await asyncio.sleep(job.work_s / steps)
+            job.step += 1
+            self.work_s += time.monotonic() - started
+            if job.paused_by and job.step < steps:
+                await self._pause(job)
+                return
         await self.report(a, node, "succeeded")
-        self.nodes[node][a.device] = [h for h in self.nodes[node][a.device] if h[0] != a.job]
+        self.done_at[a.job] = time.monotonic()
+        self._free(job)
         self.finished[node].append(a.job)
+
+    async def _pause(self, job: SimJob) -> None:
+        """Stop-and-save: a checkpoint at the step reached, reported as a real agent reports it, then `paused`."""
+        a, node = job.a, job.node
+        await asyncio.sleep(SAVE_S)
+        self.lost_s += SAVE_S
+        info = CheckpointInfo(step=job.step, name=f"sim-{a.job}-{job.step}", created=time.time())
+        await self.report(a, node, "running", message=f"checkpoint at step {job.step} stored", checkpoint=info)
+        self.paused[a.job] = self.paused.get(a.job, 0) + 1
+        self._free(job)
+        await self.report(a, node, "paused", message=f"paused at step {job.step}", paused_by=job.paused_by)
+
+    def _free(self, job: SimJob) -> None:
+        a, node = job.a, job.node
+        self.nodes[node][a.device] = [h for h in self.nodes[node][a.device] if h[0] != a.job]
+        if self.running.get(a.job) is job:
+            del self.running[a.job]
+
+
+def _step_of(checkpoint: str | None) -> int:
+    """The step a `sim-<job>-<step>` checkpoint was taken at (0: none)."""
+    return int(checkpoint.rsplit("-", 1)[1]) if checkpoint else 0

@@ -18,6 +18,7 @@ from schemas.datasets import (
 )
 from schemas.engine_evals import EngineEvalReply, EngineEvalRequest
 from schemas.sessions import SessionReply, SessionRequest
+from schemas.tenants import TenantList, TenantsQuery
 from schemas.events import (
     CheckpointList,
     EventPage,
@@ -115,6 +116,8 @@ MESSAGES = {
     "EngineEvalReply": EngineEvalReply | Error,
     "SessionRequest": SessionRequest,
     "SessionReply": SessionReply,
+    "TenantsQuery": TenantsQuery,
+    "TenantList": TenantList | Error,
 }
 
 # (address, kind, message, reply, who sends, what it is)
@@ -171,6 +174,14 @@ CHANNELS = [
         "a job's stored checkpoints: step, train and eval loss, object-store name",
     ),
     (names.LIST_NODES, "request", None, "NodeList", "operators", "nodes, their devices and what runs there"),
+    (
+        names.TENANTS,
+        "request",
+        "TenantsQuery",
+        "TenantList",
+        "operators",
+        "every tenant's weight, nominal devices, borrowing limit, fair share, devices borrowed and in use",
+    ),
     (
         names.jobs_api("{tenant}").submit,
         "request",
@@ -242,6 +253,14 @@ CHANNELS = [
         "CheckpointList",
         "a tenant's submitters",
         "the checkpoints of one of the tenant's jobs",
+    ),
+    (
+        names.jobs_api("{tenant}").tenants,
+        "request",
+        "TenantsQuery",
+        "TenantList",
+        "a tenant's submitters",
+        "the tenant's own weight, nominal devices, fair share, devices borrowed and in use",
     ),
     (
         names.node("{node}").heartbeat,

@@ -309,6 +309,8 @@ class JobStatus(Struct, kw_only=True):
     checkpoint: str | None = None  # object-store name of the latest checkpoint: a re-queued job resumes from it
     checkpoints: list[CheckpointInfo] = field(default_factory=list)  # those stored, oldest first
     paused_by: str | None = None  # "user", or the node and device whose serving engine wanted its memory back
+    preempted: str = ""  # who preempted it and why, while it waits to go on from its checkpoint (cleared when placed)
+    preempted_at: float = 0.0  # when it was last preempted (wall clock): it is not preempted again within a backoff
     step: int = 0
     steps: int = 0
     loss: float | None = None
@@ -339,6 +341,7 @@ class JobSummary(Struct, kw_only=True):
     paused_by: str | None = None
     devices: list[int] = field(default_factory=list)  # a job on several devices: all of them
     group: str | None = None  # the co-training group it trains (or trained) in
+    preempted: str = ""  # queued again after a preemption: who preempted it and why (it goes on from its checkpoint)
 
 
 def summarize(stored: StoredRequest, status: JobStatus) -> "JobSummary":
@@ -364,6 +367,7 @@ def summarize(stored: StoredRequest, status: JobStatus) -> "JobSummary":
         paused_by=status.paused_by,
         devices=status.devices,
         group=status.group,
+        preempted=status.preempted,
     )
 
 

@@ -91,6 +91,7 @@ class JobsApi(NamedTuple):
     events: str  # a job's events, a page at a time, from the JOBS stream
     checkpoints: str  # a job's checkpoints with their losses
     why: str  # why a queued job waits, node by node
+    tenants: str  # each tenant's weight, nominal, borrowed devices, fair share and devices in use
 
 
 def jobs_api(tenant: str | None = None) -> JobsApi:
@@ -100,7 +101,7 @@ def jobs_api(tenant: str | None = None) -> JobsApi:
 _ADMIN = jobs_api()
 SUBMIT, GET_JOB, LIST_JOBS, CANCEL, STOP = _ADMIN.submit, _ADMIN.job, _ADMIN.jobs, _ADMIN.cancel, _ADMIN.stop
 PAUSE, RESUME, EVENTS, CHECKPOINTS = _ADMIN.pause, _ADMIN.resume, _ADMIN.events, _ADMIN.checkpoints
-WHY = _ADMIN.why
+WHY, TENANTS = _ADMIN.why, _ADMIN.tenants
 LIST_NODES = f"{API_GROUP}.nodes"
 DATASET_PINNING = f"{API_GROUP}.pinning"  # the artifact service asks the scheduler which unfinished jobs name a dataset
 ADMIN_TENANT = "_"  # the tenant token of an admin's job in its event subjects

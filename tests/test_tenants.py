@@ -72,7 +72,8 @@ async def heartbeats_with_a_free_device(nc, node: str, count: int) -> None:
 
 
 async def test_a_tenant_at_its_device_quota_waits_while_others_run(nc, services, agents):
-    await start(services, quotas={"acme": TenantQuota(devices=1)})
+    """fifo sharing: devices:N is a hard cap (under fair it is the tenant's nominal share; tests/test_fair_share.py)."""
+    await start(services, sharing="fifo", quotas={"acme": TenantQuota(devices=1)})
     agents.start("n1", gpus="4096,4096,4096", interval=0.25, hold_s=60)
     await wait_nodes(nc, 1)
     a1 = (await submit_as(nc, "acme")).job

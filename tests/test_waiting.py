@@ -54,7 +54,10 @@ async def test_a_gpu_job_on_a_cpu_only_fleet_says_so_and_starts_when_a_gpu_joins
 async def test_a_busy_fleet_an_unknown_node_and_a_tenant_quota_each_say_theirs(nc, services, agents):
     sched, *_ = await services.start(
         lambda c: Scheduler(
-            c, SchedulerConfig(co_train="off", heartbeat_interval=0.25, quotas={"acme": TenantQuota(devices=1)})
+            c,
+            SchedulerConfig(
+                co_train="off", heartbeat_interval=0.25, sharing="fifo", quotas={"acme": TenantQuota(devices=1)}
+            ),  # fifo: devices:1 caps acme (under fair sharing it is acme's nominal share, and acme may borrow)
         )
     )
     await asyncio.wait_for(sched.leading.wait(), 10)

@@ -6,12 +6,13 @@ from __future__ import annotations
 
 import argparse
 
-from services.cli import adapters, artifacts, datasets, estimate, evals, gateway, jobs, serve, tools
+from services.cli import adapters, artifacts, datasets, estimate, evals, gateway, jobs, serve, tenants, tools
 from services.runtime import setup_logging
 
 COMMANDS = (
     serve,
     jobs,
+    tenants,
     artifacts,
     datasets,
     adapters,

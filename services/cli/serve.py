@@ -8,7 +8,8 @@ from services.cli import args as args_
 from services.cli.gateway import base_models
 from services.cli.grader_flags import grader_context, grader_flags
 from services.cli.running import run_service
-from services.cli.service_flags import agent_config, agent_flags, dashboard_flags, scheduler_config, scheduler_flags
+from services.cli.scheduler_flags import scheduler_config, scheduler_flags
+from services.cli.service_flags import agent_config, agent_flags, dashboard_flags
 from services.cli.tinker_flags import tinker_flags, tinker_settings
 from services.runtime import StartupError
 

@@ -8,40 +8,9 @@ import shlex
 import socket
 from pathlib import Path
 
-from schemas.co_train import CO_TRAIN_POLICIES
 from schemas.parity import PARITY_EPSILON, PARITY_FACTOR
 from services.cli.grader_flags import grader_flags, trainer_env
 from services.runtime import StartupError
-
-
-def scheduler_config(args):
-    from services.scheduler.core import TenantQuota
-    from services.scheduler.service import SchedulerConfig
-
-    try:
-        quotas = {tenant: TenantQuota.parse(limits) for tenant, _, limits in (q.partition("=") for q in args.quota)}
-        default = TenantQuota.parse(args.default_quota)
-    except ValueError as e:
-        raise StartupError(f"--quota/--default-quota: {e}") from None
-    if args.co_train_max < 1:
-        raise StartupError(f"--co-train-max {args.co_train_max}: a group holds at least 1 job; give 1 or more")
-    return SchedulerConfig(
-        heartbeat_interval=args.heartbeat_interval,
-        misses=args.misses,
-        quotas=quotas,
-        default_quota=default,
-        reclaim_pause_priority=args.reclaim_pause_priority,
-        retention_s=args.retention_days * 86400,
-        retention_artifacts=args.retention_artifacts,
-        finished_in_memory_s=args.finished_in_memory_s,
-        idempotency_window_s=args.idempotency_hours * 3600,
-        reconcile_interval_s=args.reconcile_interval_s,
-    if args.group_command:
-        cfg.group_command = shlex.split(args.group_command)
-        requests_per_tenant=args.requests_per_tenant,
-        co_train=args.co_train,
-        co_train_max=args.co_train_max,
-    )
 
 
 def agent_config(args):
@@ -67,6 +36,8 @@ def agent_config(args):
     )
     if args.trainer_command:
         cfg.trainer_command = shlex.split(args.trainer_command)
+    if args.group_command:
+        cfg.group_command = shlex.split(args.group_command)
     return cfg
 
 
@@ -100,11 +71,6 @@ def _engines(args) -> list:
     return engines
 
 
-    p.add_argument(
-        "--group-command",
-        help="the co-training groups' trainer (default: this Python's `-m trainer.co_train`); a test's stand-in goes "
-        "here",
-    )
 def _yields(args) -> list:
     from services.agent.yielding import YieldPolicy
 
@@ -133,6 +99,11 @@ def _node_flags(p: argparse.ArgumentParser) -> None:
         "--trainer-command",
         help="the trainer to run (default: this Python's `-m trainer`); "
         "an engine's Python goes here, e.g. '/opt/vllm/bin/python -m trainer'",
+    )
+    p.add_argument(
+        "--group-command",
+        help="the co-training groups' trainer (default: this Python's `-m trainer.co_train`); a test's stand-in goes "
+        "here",
     )
     p.add_argument(
         "--trainer-lease-s",
@@ -257,78 +228,6 @@ def _cache_flags(p: argparse.ArgumentParser) -> None:
 
 def _env_list(variable: str, separator: str) -> list[str]:
     return [item for item in os.environ.get(variable, "").split(separator) if item]
-
-
-def scheduler_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--misses", type=int, default=3, help="heartbeats missed before a node counts as gone")
-    p.add_argument(
-        "--quota",
-        action="append",
-        default=[],
-        metavar="TENANT=queued:N,devices:M,priority:P",
-        help="what one tenant may hold at once, and the highest priority its jobs may ask for (default 0; repeat "
-        "for each tenant)",
-    )
-    p.add_argument(
-        "--default-quota",
-        default="",
-        metavar="queued:N,devices:M,priority:P",
-        help="the quota of tenants without their own --quota (default: 10,000 queued jobs, no device limit, "
-        "priority ceiling 0)",
-    )
-    _co_train_flags(p)
-    p.add_argument(
-        "--reclaim-pause-priority",
-        type=int,
-        default=0,
-        help="admins' jobs at or below this priority pause when their GPU's serving engine wants memory back "
-        "(a tenant's always do)",
-    )
-    p.add_argument(
-        "--retention-days",
-        type=float,
-        default=30.0,
-        help="finished jobs' records and events are removed this long after they end (0: kept forever)",
-    )
-    p.add_argument("--retention-artifacts", action="store_true", help="and their artifacts with them")
-    p.add_argument(
-        "--finished-in-memory-s",
-        type=float,
-        default=600.0,
-        help="a finished job stays in the scheduler's memory this long; then it is read from the store",
-    )
-    p.add_argument(
-        "--reconcile-interval-s",
-        type=float,
-        default=30.0,
-        help="how often the scheduler compares what it holds in memory with the store's active jobs",
-    )
-    p.add_argument(
-        "--requests-per-tenant",
-        type=int,
-        default=32,
-        help="a tenant's requests the scheduler answers at once; more wait their turn (a few hundred more are "
-        "refused as busy)",
-    )
-    p.add_argument(
-        "--idempotency-hours",
-        type=float,
-        default=24.0,
-        help="a submission's idempotency key returns its first job for this long",
-    )
-
-
-def _co_train_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "--co-train",
-        choices=CO_TRAIN_POLICIES,
-        default="same-tenant",
-        help="which queued jobs of one base model may train in one process on a device, sharing the base: off "
-        "(none), same-tenant (a tenant's own jobs: tenants' data never share a process), any",
-    )
-    p.add_argument(
-        "--co-train-max", type=int, default=8, help="jobs in one co-training group at most (the scheduler's --co-train)"
-    )
 
 
 def dashboard_flags(p: argparse.ArgumentParser) -> None:

@@ -123,8 +123,9 @@ def shown_hyperparameters(hp: Hyperparameters | ReinforcementHyperparameters, tr
 def fine_tuning_job(
     job: JobSummary, kept: GatewayJob | None, trained_tokens: int | None = None, results: str | None = None
 ) -> FineTuningJob:
-    """OpenAI's job object; `trained_tokens` and the `results` file's id are a succeeded job's."""
-    status = STATUS[job.state]
+    """OpenAI's job object; `trained_tokens` and the `results` file's id are a succeeded job's. A job preempted (its
+    checkpoint stored, queued again to go on from it) is `paused` until it runs again, as a pause is."""
+    status = "paused" if job.state == "queued" and job.preempted else STATUS[job.state]
     finished = job.state in FINISHED
     out = FineTuningJob(
         id=job.id,

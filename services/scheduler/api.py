@@ -29,7 +29,8 @@ from schemas.events import CheckpointList, EventPage, EventsQuery
 from schemas.nodes import Control, ControlReply, NodeInfo, NodeList
 from schemas.validate import InvalidRequest
 from services import bus
-from services.scheduler import commands, listing, references
+from schemas.tenants import TenantList, TenantsQuery
+from services.scheduler import commands, listing, references, sharing
 from services.scheduler.grouping import co_train_note
 from services.scheduler.core import Job, SchedulerCore
 from services.scheduler.history import events_page
@@ -75,6 +76,7 @@ class SchedulerApi:
             "events": (EventsQuery, self._job_events),
             "checkpoints": (JobQuery, self._job_checkpoints),
             "why": (JobQuery, self._why_job),
+            "tenants": (TenantsQuery, self._tenants),
         }
         submit = bus.handler(
             self.submissions.accept, parse=Submissions.parse_with_size, invalid=Rejected, with_subject=True
@@ -155,10 +157,15 @@ class SchedulerApi:
         summary, nodes = explain(
             core.fleet, job.stored.request, {n: j for n, j in core.gang_holds.items() if j != job.id}
         )
-        reason = WaitingReasons(core).reason(job)
+        reasons = WaitingReasons(core)
+        reason = reasons.reason(job)
         if not reason.startswith("waiting: tenant"):
             reason = summary + co_train_note(core.groups, core.cfg, job.stored.request, job.stored.tenant, job.status)
+            reason += reasons.share_note(job.stored.tenant)
         return JobWhy(job=job.id, state="queued", summary=with_reason(job.status.message, reason), nodes=nodes)
+
+    async def _tenants(self, _query: TenantsQuery, tenant: str | None) -> TenantList:
+        return sharing.tenant_list(self.core, tenant)
 
     async def _job_checkpoints(self, q: JobQuery, tenant: str | None) -> CheckpointList:
         return CheckpointList(job=q.job, checkpoints=(await self._job(q, tenant)).status.checkpoints)

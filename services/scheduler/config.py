@@ -1,5 +1,5 @@
-"""How a scheduler is tuned: heartbeats, windows, quotas (and the priority a tenant may ask for), history, and the
-bounds on its requests."""
+"""How a scheduler is tuned: heartbeats, windows, quotas (and the priority a tenant may ask for), how tenants share
+the fleet, history, and the bounds on its requests."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 from schemas.co_train import CoTrainPolicy
 from schemas.jobs import PRIORITY_MAX, PRIORITY_MIN, StoredRequest
+from schemas.tenants import AdminClass, Sharing
 from schemas.validate import FieldError
 
 
@@ -14,35 +15,67 @@ QUEUED_DEFAULT = 10_000  # a tenant's waiting jobs unless its quota says otherwi
 # scheduler hold is bounded (an admin's are not)
 
 
+WEIGHT_MAX = 1000.0
+
+
 @dataclass(frozen=True)
 class TenantQuota:
-    """What one tenant may hold at once (None: no limit), and the highest priority its jobs may ask for.
+    """What one tenant may hold at once (None: no limit), its weight in the fleet's sharing, and the highest
+    priority its jobs may ask for.
 
-    A job's priority orders the tenant's own jobs; against other tenants' jobs it counts only up to the ceiling an
-    operator gave the tenant (0 unless given), and against serving engines not at all (see engine_priority)."""
+    Under --sharing fifo, `devices` caps the devices its running jobs hold. Under fair (the default) `devices` is
+    its nominal share, guaranteed while it wants them, and `borrow` what it may hold beyond it (None: as many as
+    nobody else waits for); `weight` is its weight in the weighted max-min over the fleet, and `preempt_own` lets
+    its higher-priority jobs preempt its own lower ones. A job's priority orders the tenant's own jobs; against
+    other tenants' jobs it counts only up to the ceiling an operator gave the tenant (0 unless given), and against
+    serving engines not at all (see engine_priority)."""
 
     queued: int | None = QUEUED_DEFAULT  # jobs waiting for a device (each costs the scheduler memory)
-    devices: int | None = None  # devices its running jobs hold
+    devices: int | None = None  # devices its running jobs hold: a cap (fifo), its nominal share (fair)
     priority: int | None = 0  # the priority ceiling; None: none (an admin's)
+    weight: float = 1.0  # its weight in the fair share (fair sharing)
+    borrow: int | None = None  # devices it may hold beyond `devices` (fair sharing); None: no limit
+    preempt_own: bool = False  # its jobs preempt its own lower-priority ones (fair sharing)
 
     @classmethod
     def parse(cls, text: str) -> "TenantQuota":
-        """`queued:10,devices:2,priority:5` (any may be left out; no queued: QUEUED_DEFAULT; no priority: a ceiling
-        of 0)."""
-        limits = {}
+        """`queued:10,devices:2,priority:5,weight:2,borrow:4,preempt:own` (any may be left out; no queued:
+        QUEUED_DEFAULT; no priority: a ceiling of 0; no weight: 1; no borrow: no limit)."""
+        limits: dict = {}
         for part in filter(None, text.split(",")):
             key, _, value = part.partition(":")
             if key == "priority":
                 ok = value.removeprefix("-").isdigit() and PRIORITY_MIN <= int(value) <= PRIORITY_MAX
+            elif key == "weight":
+                ok = _number(value) is not None and 0 < float(value) <= WEIGHT_MAX
+            elif key == "preempt":
+                ok = value in ("own", "none")
             else:
-                ok = key in ("queued", "devices") and value.isdigit()
+                ok = key in ("queued", "devices", "borrow") and value.isdigit()
             if not ok:
                 raise ValueError(
-                    f"quota {text!r}: write queued:N,devices:M,priority:P (N, M >= 0; P from {PRIORITY_MIN} to "
-                    f"{PRIORITY_MAX})"
+                    f"quota {text!r}: write queued:N,devices:M,priority:P,weight:W,borrow:B,preempt:own (N, M, B >= 0; "
+                    f"P from {PRIORITY_MIN} to {PRIORITY_MAX}; W a number above 0, at most {WEIGHT_MAX:g}; preempt "
+                    "own or none)"
                 )
-            limits[key] = int(value)
+            if key == "weight":
+                limits[key] = float(value)
+            elif key == "preempt":
+                limits["preempt_own"] = value == "own"
+            else:
+                limits[key] = int(value)
         return cls(**limits)
+
+    @property
+    def nominal(self) -> int:
+        """Devices guaranteed under fair sharing."""
+        return self.devices or 0
+
+    def cap(self, sharing: str) -> int | None:
+        """The most devices the tenant's jobs may hold: `devices` under fifo; nominal + borrow under fair."""
+        if sharing == "fifo":
+            return self.devices
+        return None if self.borrow is None else self.nominal + self.borrow
 
     def priority_errors(self, tenant: str | None, priority: int) -> list[FieldError]:
         """A job of `tenant` asking for more than its ceiling is refused, naming the field and the fix."""
@@ -55,6 +88,14 @@ class TenantQuota:
                 f"{self.priority} or less, or ask an admin to raise the ceiling (--quota {tenant}=priority:P)",
             )
         ]
+
+
+def _number(text: str) -> float | None:
+    try:
+        value = float(text)
+    except ValueError:
+        return None
+    return value if value == value and value not in (float("inf"), float("-inf")) else None
 
 
 def engine_priority(stored: StoredRequest) -> int | None:
@@ -84,12 +125,28 @@ class SchedulerConfig:
     default_quota: TenantQuota = TenantQuota()  # for tenants not in quotas
     co_train: CoTrainPolicy = "same-tenant"  # which jobs may share a trainer process (schemas/co_train.py)
     co_train_max: int = 8  # jobs in one co-training group at most
+    sharing: Sharing = "fair"  # fair: weighted max-min shares with borrowing and preemption; fifo: priority then age
+    admin_class: AdminClass = "above"  # admins' jobs: placed before tenants' (never preempted by them), or among them
+    admin_weight: float = 1.0  # admins' weight when they are among the tenants
+    min_run_s: float = 120.0  # a job runs at least this long before it may be preempted
+    preempt_backoff_s: float = 600.0  # a job preempted is not preempted again within this
 
     def quota(self, tenant: str | None) -> TenantQuota:
-        """A tenant's own quota, else the default; an admin's (tenant None) has no limit and no ceiling."""
-        return (
-            TenantQuota(queued=None, priority=None) if tenant is None else self.quotas.get(tenant, self.default_quota)
-        )
+        """A tenant's own quota, else the default; an admin's (tenant None) has no limit and no ceiling (and, among
+        the tenants, --admin-weight)."""
+        if tenant is None:
+            return TenantQuota(queued=None, priority=None, weight=self.admin_weight)
+        return self.quotas.get(tenant, self.default_quota)
+
+    def cap(self, tenant: str | None) -> int | None:
+        """The most devices the tenant's running jobs may hold (None: no limit)."""
+        return self.quota(tenant).cap(self.sharing)
+
+    @property
+    def admins_above(self) -> bool:
+        """Admins' jobs are placed before any tenant's and never preempted by them (fair sharing, --admin-class
+        above); under fifo they take their turn by priority and age, as everyone's."""
+        return self.sharing == "fair" and self.admin_class == "above"
 
     @property
     def window(self) -> float:

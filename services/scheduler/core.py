@@ -13,15 +13,16 @@ from dataclasses import dataclass, field
 import msgspec
 from nats.aio.client import Client
 
-from schemas.jobs import ACTIVE_STATES, TERMINAL_STATES, JobId, JobRequest, JobState, JobStatus, NodeId, StoredRequest
+from schemas.jobs import TERMINAL_STATES, JobId, JobRequest, JobState, JobStatus, NodeId, StoredRequest
 from services.scheduler.placement import Fleet, SlotKey
-from services.scheduler.queue import JobQueue
+from services.scheduler.queue import TenantQueues
 from services.scheduler.request_cache import RequestCache
 from services.scheduler.index import Finished, JobIndex
 from services.scheduler.config import SchedulerConfig, TenantQuota
 from services.scheduler.fence import Deposed
 from services.scheduler.grouping import FounderKey, Groups, founder_key, holder
 from services.scheduler.store import JobStore
+from services.scheduler.tenancy import TenantBook, held
 
 __all__ = ["SchedulerConfig", "SchedulerCore", "TenantQuota", "Job", "UNPLACED", "held", "engine_tag", "engine_slot"]
 log = logging.getLogger(__name__)
@@ -29,6 +30,7 @@ UNPLACED: dict[str, Any] = dict(
     node=None, device=None, devices=[], group=None
 )  # a job's status fields when it holds no device
 STATES_REDELIVERED_S = 5.0  # a state event taken but not applied by the last leader comes again within this
+AHEAD = 1 << 50  # a preempted job waits ahead of its tenant's others of its priority (its seq less this)
 
 
 def engine_tag(slot: SlotKey) -> str:
@@ -41,13 +43,6 @@ def engine_slot(paused_by: str | None) -> SlotKey | None:
         return None
     node, _, device = paused_by.removeprefix("engine ").rpartition("/")
     return (node, int(device)) if device.lstrip("-").isdigit() else None
-
-
-def held(status: JobStatus) -> list[SlotKey]:
-    """The devices a status holds: an active job's one, or all of a multi-device job's; nothing otherwise."""
-    if status.state not in ACTIVE_STATES or status.node is None or status.device is None:
-        return []
-    return [(status.node, d) for d in status.devices or [status.device]]
 
 
 @dataclass
@@ -98,7 +93,7 @@ class SchedulerCore:
     def reset(self) -> None:
         """Forget everything held: a scheduler that stops leading starts from the store when it leads again."""
         self.jobs: dict[JobId, Job] = {}
-        self.queue = JobQueue()
+        self.queue = TenantQueues(per_tenant=self.cfg.sharing == "fair")
         self.fleet = Fleet()
         self.by_node: dict[NodeId, set[JobId]] = {}
         self.awaited: dict[NodeId, float] = {}  # nodes with jobs at recovery, not heard since: deadline
@@ -113,11 +108,11 @@ class SchedulerCore:
         self.wake = asyncio.Event()
         self.recheck = asyncio.Event()  # the reconcile loop has jobs to read back
         self.finished: dict[JobId, float] = {}  # finished jobs still in memory -> when they ended (monotonic), in order
-        self.queued_by_tenant: Counter[str | None] = Counter()  # counted as states change, never by a scan
-        self.devices_by_tenant: Counter[str | None] = Counter()  # distinct devices its active jobs hold
-        self.tenant_slots: Counter[tuple[str | None, Any]] = Counter()  # (tenant, slot) -> its jobs there
+        self.book = TenantBook()  # each tenant's waiting jobs, devices held and running jobs, counted as they change
+        self.queued_by_tenant, self.devices_by_tenant = self.book.queued, self.book.devices
+        self.tenant_slots: Counter[tuple[str | None, Any]] = self.book.slots  # (tenant, slot) -> its jobs there
+        self.groupable: Counter[FounderKey] = self.book.groupable  # queued jobs that could start a group, by kind
         self.groups = Groups(self.fleet, self.cfg)  # co-training groups, a projection of the statuses and placements
-        self.groupable: Counter[FounderKey] = Counter()  # queued jobs that could start a group together, by kind
         self.connected_at = time.monotonic()  # the last proof that the store answers us (a lease renewal)
         self.heard_at = float("-inf")  # when any heartbeat last came in
 
@@ -183,6 +178,7 @@ class SchedulerCore:
             if old.state == "paused":
                 self._unnote_paused(job.id, old)
         self._count(job, new, 1)
+        self.book.running.update(job.id, job.stored.tenant, job.stored.request.priority, old, new)
         for slot in after:
             taken = self.fleet.reserved.get(slot)
             if taken not in (None, new_holder):
@@ -256,24 +252,9 @@ class SchedulerCore:
         return self.adopt(stored, status, revision)
 
     def _count(self, job: Job, status: JobStatus, sign: int) -> None:
-        """Count a job in (1) or out of (-1) its tenant's queued jobs and held devices, as `status` stands: a device
-        counts once for a tenant however many of its jobs co-train there."""
-        tenant = job.stored.tenant
-        if status.state == "queued":
-            self.queued_by_tenant[tenant] += sign
-            if job.founder_key is not None and not status.train_alone:
-                self.groupable[job.founder_key] += sign
-                if self.groupable[job.founder_key] <= 0:
-                    del self.groupable[job.founder_key]
-        elif status.state in ACTIVE_STATES:
-            slots: list[Any] = held(status) or [(None, job.id)]  # an active job's status names its device
-            for slot in slots:
-                key = (tenant, slot)
-                self.tenant_slots[key] += sign
-                if self.tenant_slots[key] == (1 if sign > 0 else 0):
-                    self.devices_by_tenant[tenant] += sign
-                if self.tenant_slots[key] <= 0:
-                    del self.tenant_slots[key]
+        """Count a job in (1) or out of (-1) its tenant's figures as `status` stands (tenancy.TenantBook)."""
+        req = job.stored.request
+        self.book.count(job.id, job.stored.tenant, req.devices, job.founder_key, status, sign)
 
     def forget(self, job_id: JobId) -> None:
         """A finished job leaves memory; the store still answers for it."""
@@ -281,10 +262,11 @@ class SchedulerCore:
         job = self.jobs.pop(job_id, None)
         if job is not None:
             self._count(job, job.status, -1)
+            self.book.running.update(job_id, job.stored.tenant, job.stored.request.priority, job.status, JobStatus())
 
     def enqueue(self, job: Job) -> None:
-        req = job.stored.request
-        self.queue.push(job.id, req.priority, job.stored.seq, req.node)
+        req, seq = job.stored.request, job.stored.seq
+        self.queue.push(job.id, req.priority, seq - AHEAD if job.status.preempted else seq, req.node, job.stored.tenant)
         self.wake.set()
 
     def note_paused(self, job: Job) -> None:

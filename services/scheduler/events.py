@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections import defaultdict
 
 import msgspec
@@ -16,6 +17,7 @@ from services.aio import sleep_unless_stopped
 from schemas.artifacts import KEEP_CHECKPOINTS
 from services.scheduler import registry_asks
 from services.scheduler.core import Job, SchedulerCore
+from services.scheduler.pausing import is_preemption
 
 log = logging.getLogger(__name__)
 _progress = msgspec.json.Decoder(Progress)
@@ -137,9 +139,30 @@ class JobEvents:
         changes["artifacts"] = ev.artifacts or job.status.artifacts
         if ev.state == "paused":
             changes["paused_by"] = ev.paused_by or "user"
+            if is_preemption(ev.paused_by):
+                await self._preempted(job, ev, current, changes)
+                return
         written = await core.set_state(job, ev.state, ev.message, when=current, **changes)
         if written and ev.state == "succeeded" and (spec := job.stored.request.register) is not None:
             core.spawn(self._register(job, spec))
+
+    async def _preempted(self, job: Job, ev: StateChange, current, changes: dict) -> None:
+        """A job paused by preemption goes back to the queue at once, ahead of its tenant's others of its priority,
+        to go on from the checkpoint it just stored; a Tinker session's stays paused, as after an idle pause (its
+        next call resumes it)."""
+        why, changes["preempted_at"] = ev.paused_by or "", time.time()
+        if job.stored.request.session is not None:
+            await self.core.set_state(job, "paused", f"{why}; {ev.message}", when=current, **changes)
+            return
+        del changes["paused_by"]
+        goes_on = (
+            "it goes on from its checkpoint"
+            if changes.get("checkpoint") or job.status.checkpoint
+            else "it starts again"
+        )
+        await self.core.requeue(
+            job, f"{why}; {ev.message}; queued again, {goes_on}", when=current, preempted=why, **changes
+        )
 
     async def _register(self, job: Job, spec) -> None:
         """A job that asked to be registered: the registry is asked to make its adapter the next version of its name

@@ -19,6 +19,11 @@ from services.scheduler.placement import SlotKey
 
 log = logging.getLogger(__name__)
 BY_USER = "user"
+PREEMPTED = "preempted: "  # how a pause by preemption is recorded (JobStatus.paused_by), who and why after it
+
+
+def is_preemption(paused_by: str | None) -> bool:
+    return bool(paused_by) and paused_by.startswith(PREEMPTED)  # type: ignore[union-attr]
 
 
 class Pausing:

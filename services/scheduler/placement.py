@@ -51,6 +51,7 @@ class Fleet:
         self._largest: dict[tuple[str, ...], tuple[str, Device] | None] = {}  # cache; cleared when totals change
         self.busy: dict[SlotKey, float] = {}  # devices whose serving engine was busy lately: the fraction of polls
         self._shapes: dict[str, dict[str, ModelShape]] = {}  # model directory -> node -> its shape there
+        self.device_count = 0  # devices of the nodes heard (what tenants share)
 
     # --- the index -------------------------------------------------------------------------
     def _unindex(self, key: SlotKey) -> None:
@@ -91,7 +92,7 @@ class Fleet:
         else:
             view.heartbeat, view.last_seen, view.last_seen_wall, view._running = hb, now, time.time(), None
             self.nodes.move_to_end(hb.node)
-        seen = set()
+        seen, counted = set(), len(view.devices)
         for dev in hb.devices:
             old = view.devices.get(dev.index)
             if old is None or old.total_mib != dev.total_mib or old.kind != dev.kind:
@@ -106,6 +107,7 @@ class Fleet:
             self._largest.clear()
             del view.devices[gone]
             self._unindex((hb.node, gone))
+        self.device_count += len(view.devices) - counted
         self._note_engines(hb, seen)
         self._note_models(hb.node, hb.models)
         return not self._free_items(hb.node) <= before
@@ -140,6 +142,7 @@ class Fleet:
         self._note_models(node, [])
         if view:
             self._largest.clear()
+            self.device_count -= len(view.devices)
             for i in view.devices:
                 self._unindex((node, i))
 

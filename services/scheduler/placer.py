@@ -12,9 +12,12 @@ from dataclasses import dataclass
 from schemas.nodes import Assignment, AssignRefused, AssignReply, on_devices
 from services import bus
 from services.aio import wait_first
-from services.scheduler import commands, grouping
+from services.scheduler import commands, grouping, sharing
 from services.scheduler.config import engine_priority
 from services.scheduler.core import Job, SchedulerCore
+from services.scheduler.queue import JobQueue
+from services.scheduler.sharing import ShareTable
+from services.scheduler.tenancy import Tenant
 
 log = logging.getLogger(__name__)
 PASS_BUDGET_S = 0.010  # one placement pass holds the loop at most about this long (then the next one goes on)
@@ -61,24 +64,41 @@ class Placer:
 
     def place_pass(self) -> None:
         """Place what fits, for at most PASS_BUDGET_S: a pass cut short wakes the next one, which goes on after
-        whatever else waits for the loop (a lease renewal, heartbeats, submissions)."""
+        whatever else waits for the loop (a lease renewal, heartbeats, submissions). Under fair sharing the tenants'
+        queues take turns in the order of their shares (PlacementPass.rounds)."""
         core, placing = self.core, PlacementPass(self)
         started = time.perf_counter()
         try:
+            turns = placing.rounds()
             for node in core.queue.pinned_nodes(among=core.fleet.nodes):  # unknown nodes' jobs wait, costing nothing
-                if not self._place(placing, node, started):
+                for tenant, queue, _ in turns:
+                    if not self._place(placing, queue, tenant, node, started):
+                        return
+            for tenant, queue, within_share in turns:
+                if not (core.fleet.any_free() or core.groups.by_id):
                     return
-            if core.fleet.any_free() or core.groups.by_id:
-                self._place(placing, None, started)
+                limit = placing.table.share.get(tenant, 0) if within_share and placing.table else None
+                if not self._place(placing, queue, tenant, None, started, limit):
+                    return
         finally:
             self.stats.passed(time.perf_counter() - started)
 
-    def _place(self, placing: PlacementPass, node: str | None, started: float) -> bool:
-        """Place the queue's jobs (those pinned to `node`, or the rest) while they fit; False when the pass ran out
-        of its time (the next pass goes on)."""
+    def _place(
+        self,
+        placing: PlacementPass,
+        queue: JobQueue,
+        tenant: Tenant,
+        node: str | None,
+        started: float,
+        limit: int | None = None,
+    ) -> bool:
+        """Place the queue's jobs (those pinned to `node`, or the rest) while they fit (and, with `limit`, while
+        the tenant holds fewer devices than that); False when the pass ran out of its time (the next pass goes on)."""
         core = self.core
+        placing.limit = limit
+        until = None if limit is None else (lambda: placing.holding.get(tenant, 0) >= limit)
         with contextlib.closing(
-            core.queue.take(placing.fits(node), node=node, window=core.cfg.backfill_window)
+            queue.take(placing.fits(node), node=node, window=core.cfg.backfill_window, until=until)
         ) as jobs:
             for job_id in jobs:
                 core.spawn(self._assign(core.jobs[job_id], placing.needs.get(job_id)))
@@ -126,6 +146,7 @@ class Placer:
                 devices=devices,
                 group=group,
                 held_by=[*job.status.held_by, node][-100:],
+                preempted="",
                 when=lambda s: s.state == "queued",
             )
         except Exception as e:  # JetStream away or deposed: the job stays as the store has it
@@ -184,7 +205,9 @@ class PlacementPass:
     def __init__(self, placer: Placer) -> None:
         self.placer, core = placer, placer.core
         self.core = core
-        self.holding: dict[str | None, int] = {t: n for t, n in core.devices_by_tenant.items() if t is not None and n}
+        self.holding: dict[Tenant, int] = {t: n for t, n in core.devices_by_tenant.items() if n}
+        self.table: ShareTable | None = None  # the tenants' shares as the pass began (fair sharing)
+        self.limit: int | None = None  # the devices the tenant whose queue is being placed may reach in this turn
         self.kept_nodes = core.gang_holds = {
             n: j
             for n, j in core.gang_holds.items()
@@ -197,10 +220,31 @@ class PlacementPass:
         jobs = self.core.jobs
         return {n for n, j in self.kept_nodes.items() if j != job_id and jobs[j].stored.request.priority >= priority}
 
-    def quota_full(self, tenant: str | None, devices: int) -> bool:
-        """Whether `devices` more would take the tenant past its device quota."""
-        limit = self.core.cfg.quota(tenant).devices
-        return limit is not None and self.holding.get(tenant, 0) + devices > limit
+    def rounds(self) -> list[tuple[Tenant, JobQueue, bool]]:
+        """The queues in the order they take their turns, each with whether it may only reach its fair share in that
+        turn. fifo: the one queue. fair: admins' first (when above the tenants); then each tenant below its share,
+        the furthest below first, up to its share; then every tenant in the same order, borrowing what is free."""
+        core = self.core
+        waiting = list(core.queue.waiting())
+        if not core.queue.per_tenant:
+            return [(None, queue, False) for _, queue in waiting]
+        turns: list[tuple[Tenant, JobQueue, bool]] = [
+            (None, q, False) for t, q in waiting if t is None and core.cfg.admins_above
+        ]
+        tenants = {t: q for t, q in waiting if not (t is None and core.cfg.admins_above)}
+        if not tenants:
+            return turns
+        self.table = table = sharing.shares(core)
+        order = sorted(tenants, key=lambda t: (table.ratio(t), -table.claims[t].weight, t or ""))
+        turns += [(t, tenants[t], True) for t in order if table.held.get(t, 0) < table.share.get(t, 0)]
+        return turns + [(t, tenants[t], False) for t in order]
+
+    def quota_full(self, tenant: Tenant, devices: int) -> bool:
+        """Whether `devices` more would take the tenant past its device quota (fifo), or past what it may hold
+        (fair: nominal and borrow), or past its share in a turn that places only up to it."""
+        holding = self.holding.get(tenant, 0) + devices
+        cap = self.core.cfg.cap(tenant)
+        return (cap is not None and holding > cap) or (self.limit is not None and holding > self.limit)
 
     def founds_group(self, job: Job) -> bool:
         """Whether the job starts a co-training group: others of its kind wait with it (counted as they queue)."""

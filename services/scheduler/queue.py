@@ -1,9 +1,11 @@
-"""Jobs waiting for a device, in priority-then-age order, with lazy removal."""
+"""Jobs waiting for a device, in priority-then-age order, with lazy removal: one queue for everyone (fifo sharing),
+or one per tenant (fair sharing), which placement visits in the order of their shares."""
 
 from __future__ import annotations
 
 import heapq
-from collections.abc import Callable, Collection, Generator
+from collections.abc import Callable, Collection, Generator, Iterator
+from typing import Any
 
 
 class JobQueue:
@@ -42,10 +44,29 @@ class JobQueue:
             return [n for n in among if self._pinned.get(n)]
         return [n for n, h in self._pinned.items() if h and n in among]
 
+    def peek(self) -> Generator[str, None, None]:
+        """The queued jobs not pinned to a node, best first, popped only as far as the caller reads (each keeps its
+        place: close the generator, as contextlib.closing does, to put them back)."""
+        heap, popped = self._any, []
+        try:
+            while heap:
+                entry = heapq.heappop(heap)
+                if entry[2] in self._queued:
+                    popped.append(entry)
+                    yield entry[2]
+        finally:
+            for entry in popped:
+                heapq.heappush(heap, entry)
+
     def take(
-        self, fits: Callable[[str], bool], node: str | None = None, window: int = 64
+        self,
+        fits: Callable[[str], bool],
+        node: str | None = None,
+        window: int = 64,
+        until: Callable[[], bool] | None = None,
     ) -> Generator[str, None, None]:
-        """Yield queued jobs, best first, for which `fits(job)` placed them; give up after `window` that did not fit.
+        """Yield queued jobs, best first, for which `fits(job)` placed them; give up after `window` that did not fit,
+        or once `until()` says the queue has had enough for now.
 
         Jobs that did not fit keep their place. Scanning stops at `window` misses so a queue
         full of jobs too big for today's fleet costs a bounded amount per pass (backfill window).
@@ -53,7 +74,7 @@ class JobQueue:
         heap = self._pinned.get(node, []) if node else self._any
         missed: list[tuple] = []
         try:
-            while heap and len(missed) < window:
+            while heap and len(missed) < window and not (until is not None and until()):
                 entry = heapq.heappop(heap)
                 job = entry[2]
                 if job not in self._queued:
@@ -66,3 +87,56 @@ class JobQueue:
         finally:
             for entry in missed:
                 heapq.heappush(heap, entry)
+
+
+ALL: Any = ("all tenants",)  # the one queue's key under fifo sharing
+
+
+class TenantQueues:
+    """The queued jobs, in one JobQueue per tenant (per_tenant), or in one for all (priority then age across
+    tenants, as under fifo sharing)."""
+
+    def __init__(self, per_tenant: bool) -> None:
+        self.per_tenant = per_tenant
+        self.queues: dict[Any, JobQueue] = {}
+        self._key_of: dict[str, Any] = {}  # job -> the key of the queue it waits in
+
+    def __len__(self) -> int:
+        return len(self._key_of)
+
+    def __contains__(self, job: str) -> bool:
+        return job in self._key_of
+
+    def key(self, tenant: str | None) -> Any:
+        return tenant if self.per_tenant else ALL
+
+    def of(self, tenant: str | None) -> JobQueue | None:
+        """The queue the tenant's jobs wait in."""
+        return self.queues.get(self.key(tenant))
+
+    def push(self, job: str, priority: int, seq: int, node: str | None, tenant: str | None) -> None:
+        key = self.key(tenant)
+        queue = self.queues.get(key)
+        if queue is None:
+            queue = self.queues[key] = JobQueue()
+        queue.push(job, priority, seq, node)
+        self._key_of[job] = key
+
+    def discard(self, job: str) -> None:
+        key = self._key_of.pop(job, None)
+        if key is not None:
+            self.queues[key].discard(job)
+
+    def ids(self) -> Collection[str]:
+        """The queued jobs (a live view: copy it to change the queue while iterating)."""
+        return self._key_of.keys()
+
+    def waiting(self) -> Iterator[tuple[Any, JobQueue]]:
+        """(key, queue) of the queues with jobs in them."""
+        return ((k, q) for k, q in self.queues.items() if len(q))
+
+    def pinned_nodes(self, among: Collection[str] | None = None) -> list[str]:
+        """Nodes some tenant's jobs wait for (see JobQueue.pinned_nodes)."""
+        if len(self.queues) == 1:
+            return next(iter(self.queues.values())).pinned_nodes(among)
+        return list(dict.fromkeys(n for q in self.queues.values() for n in q.pinned_nodes(among)))

@@ -27,6 +27,7 @@ from services.scheduler.migrate import migrate
 from services.scheduler.liveness import Liveness
 from services.scheduler.pausing import Pausing
 from services.scheduler.placer import Placer
+from services.scheduler.preemption import Preemption
 from services.scheduler.reconcile import Reconcile
 from services.scheduler.retention import Retention
 from services.scheduler.store import JobStore
@@ -53,6 +54,7 @@ class Scheduler:
         self.cfg = core.cfg
         self.pausing = Pausing(core)
         self.placer = Placer(core)
+        self.preemption = Preemption(core, self.pausing)
         self.events = JobEvents(core)
         self.liveness = Liveness(core, self.pausing)
         self.retention = Retention(core)
@@ -159,6 +161,7 @@ class Scheduler:
             self._keep_lease(lease, lost, stop),
             self._step_down_at_deadline(lease, lost, stop),
             self.placer.run(lost, stop),
+            self.preemption.run(lost, stop),
             self.liveness.watch(lost, stop),
             self.events.consume_states(states, lost, stop),
             self.retention.run(lost, stop),
@@ -194,6 +197,8 @@ class Scheduler:
             renewals.late,
             renewals.latest_s * 1000,
         )
+        if self.preemption.stats:
+            log.info("preemptions: %s", ", ".join(f"{k} {v}" for k, v in sorted(self.preemption.stats.items())))
 
     async def _drop_old_consumers(self) -> None:
         """Consumers of an earlier subject layout match nothing now; left alone they would only hold the stream."""

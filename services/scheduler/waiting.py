@@ -8,7 +8,9 @@ from collections import Counter
 import msgspec
 
 from schemas.jobs import JobRequest, JobSummary, NodeWhy, summarize
+from services.scheduler import sharing
 from services.scheduler.core import Job, SchedulerCore
+from services.scheduler.sharing import ShareTable
 from services.scheduler.placement import Fleet, NodeView
 
 FITS = "fits"
@@ -113,6 +115,7 @@ class WaitingReasons:
     def __init__(self, core: SchedulerCore) -> None:
         self.core = core
         self._reasons: dict[tuple, str] = {}
+        self._table: ShareTable | None = None
 
     def message(self, job: Job) -> str:
         """The job's message, with why it waits now in place of any earlier reason when it is queued."""
@@ -123,12 +126,18 @@ class WaitingReasons:
     def reason(self, job: Job) -> str:
         core = self.core
         req, tenant = job.stored.request, job.stored.tenant
-        limit = core.cfg.quota(tenant).devices
+        limit = core.cfg.cap(tenant)
         holding = core.devices_by_tenant[tenant] if tenant is not None else 0
         if limit is not None and holding + req.devices > limit:
+            if core.cfg.sharing == "fifo":
+                return (
+                    f"waiting: tenant {tenant} holds {holding} of its {limit} devices (its quota); it starts when "
+                    "one of its jobs ends"
+                )
+            quota = core.cfg.quota(tenant)
             return (
-                f"waiting: tenant {tenant} holds {holding} of its {limit} devices (its quota); it starts when one "
-                "of its jobs ends"
+                f"waiting: tenant {tenant} holds {holding} of the {limit} devices it may hold (its quota: "
+                f"{quota.nominal} nominal, borrow {quota.borrow}); it starts when one of its jobs ends"
             )
         shape = (
             req.accelerator,
@@ -141,7 +150,20 @@ class WaitingReasons:
         if shape not in self._reasons:  # a multi-device job's own kept node is not a reason for it to wait
             kept = {n: j for n, j in core.gang_holds.items() if j != job.id}
             self._reasons[shape] = explain(core.fleet, req, kept)[0]
-        return self._reasons[shape]
+        return self._reasons[shape] + self.share_note(tenant)
+
+    def share_note(self, tenant: str | None) -> str:
+        """Under fair sharing, where the tenant stands against its share (once per question)."""
+        core = self.core
+        if core.cfg.sharing != "fair" or (tenant is None and core.cfg.admins_above):
+            return ""
+        if self._table is None:
+            self._table = sharing.shares(core)
+        held, share = self._table.held.get(tenant, 0), self._table.share.get(tenant, 0)
+        who = f"tenant {tenant}" if tenant is not None else "admins"
+        if held < share:
+            return f"; {who} holds {held} of its fair share of {share} devices: it goes first, and takes devices back from tenants over theirs"
+        return f"; {who} holds {held} devices, its fair share is {share}: tenants below theirs go first"
 
     def summary(self, job: Job) -> JobSummary:
         summary = summarize(job.stored, job.status)

@@ -1,0 +1,270 @@
+"""Preemption by checkpoint (fair sharing): a waiting job of a tenant below its fair share (or its nominal devices)
+that no free device fits takes devices back from tenants over their share, the borrowers first; a tenant that lets
+its jobs preempt its own (preempt:own) has its higher-priority jobs take its lower ones' devices.
+
+A victim is paused (stop-and-save: it checkpoints at its current step and frees its device) through the same
+fenced command a user's pause sends; once its node reports it paused, it is queued again at once, ahead of its
+tenant's others of its priority, to go on from that checkpoint when its tenant's share allows (events.py). A Tinker
+session's job stays paused instead, as after an idle pause: its next call resumes it.
+
+No thrashing: a job runs --min-run-s before it may be preempted and is not preempted again within
+--preempt-backoff-s; a waiting job whose tenant would go past its share by taking the device preempts nobody; the
+victims must free what the waiting job can use (victims.py), and never more than it needs. A check runs every
+CHECK_S for at most BUDGET_S, looking at a few waiting jobs per tenant and a bounded number of running ones each:
+its cost never grows with the queue."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections import Counter
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+from schemas.jobs import ACTIVE_STATES
+from services.aio import sleep_unless_stopped
+from services.scheduler import grouping, sharing
+from services.scheduler.core import Job, SchedulerCore
+from services.scheduler.pausing import PREEMPTED, Pausing
+from services.scheduler.sharing import ShareTable
+from services.scheduler.tenancy import Tenant
+from services.scheduler.victims import Plan, VictimSearch
+
+log = logging.getLogger(__name__)
+CHECK_S = 0.25  # how often waiting jobs are compared with the shares
+AGAIN_S = 0.02  # the next check, when one ran out of its time
+BUDGET_S = 0.005  # one check holds the loop at most about this long
+MISSES = 32  # waiting jobs of one tenant in a row for which no victim was found: the check goes on to the next
+SETTLING = 64  # of each priority's jobs started or checkpointed within --min-run-s, those looked at at most
+
+
+class Cursors:
+    """Each victim tenant's running jobs in preemption's order, read on across one check's waiting jobs: one that
+    may not be preempted now (a victim already, too young, preempted lately) is passed over once per check; one that
+    may, but did not fit a waiting job, is offered to the next again."""
+
+    def __init__(self, core: SchedulerCore, settled: float, eligible: Callable[[str], bool]) -> None:
+        self.core, self.settled, self.eligible = core, settled, eligible
+        self._read: dict[Tenant, Iterator[str]] = {}
+        self._kept: dict[Tenant, list[str]] = {}
+
+    def of(self, tenant: Tenant) -> Iterator[str]:
+        if tenant not in self._read:
+            self._read[tenant] = self.core.book.running.of(tenant, settled=self.settled, scan=SETTLING)
+            self._kept[tenant] = []
+        kept = self._kept[tenant]
+        kept[:] = [j for j in kept if self.eligible(j)]
+        yield from list(kept)
+        for job in self._read[tenant]:
+            if self.eligible(job):
+                kept.append(job)
+                yield job
+
+    def own(self, tenant: Tenant, below: int) -> Iterator[str]:
+        """The tenant's own running jobs of a priority below `below` (afresh: a swap is rare)."""
+        return self.core.book.running.of(tenant, below=below, settled=self.settled, scan=SETTLING)
+
+
+@dataclass
+class InFlight:
+    """A victim being paused: for whom, from whom, how many devices, which attempt."""
+
+    waiting: str
+    to: Tenant
+    frm: Tenant
+    devices: int
+    attempt: int
+
+
+class Preemption:
+    """Chooses victims for waiting jobs and pauses them; counts what it did (stats)."""
+
+    def __init__(self, core: SchedulerCore, pausing: Pausing) -> None:
+        self.core, self.pausing = core, pausing
+        self.in_flight: dict[str, InFlight] = {}  # victim -> why it is being paused
+        self.awaited: Counter[str] = Counter()  # waiting job -> its victims being paused
+        self.stats: Counter[str] = Counter()
+
+    async def run(self, lost: asyncio.Event, stop: asyncio.Event) -> None:
+        core, more = self.core, False
+        while not (stop.is_set() or lost.is_set()):
+            if await sleep_unless_stopped(stop, AGAIN_S if more else CHECK_S):
+                return
+            more = core.cfg.sharing == "fair" and len(core.queue) > 0 and core.may_act() and self.check()
+
+    def check(self) -> bool:
+        """One look at the waiting tenants: victims chosen and their pauses sent (in tasks of their own); True when
+        it ran out of its time with more to look at."""
+        core, started = self.core, time.perf_counter()
+        self.stats["checks"] += 1
+        self._prune()
+        table = sharing.shares(core)
+        held = dict(table.held)  # as it will be once the pauses under way land
+        for f in self.in_flight.values():
+            held[f.frm] = held.get(f.frm, 0) - f.devices
+            held[f.to] = held.get(f.to, 0) + f.devices
+        now = time.monotonic()
+        cursors = Cursors(core, time.time() - core.cfg.min_run_s, lambda j: self._eligible(core.jobs.get(j), now))
+        waiting = {t for t, _ in core.queue.waiting()}
+        for tenant in sorted(waiting, key=lambda t: held.get(t, 0) / max(table.share.get(t, 0), 1e-9)):
+            if not (self._own(tenant) or self._over(tenant, table, held)):
+                continue  # nobody it could take a device from
+            misses = 0
+            with contextlib.closing(core.queue.of(tenant).peek()) as heads:  # type: ignore[union-attr]
+                for job_id in heads:
+                    if time.perf_counter() - started > BUDGET_S:
+                        return True
+                    job = core.jobs[job_id]
+                    if misses >= MISSES or not self._wants(job, table, held):
+                        break
+                    plan = self._plan(job, table, held, cursors)
+                    if plan is None:
+                        misses += 1
+                    else:
+                        self._preempt(plan, table, held)
+        return False
+
+    def _prune(self) -> None:
+        """Pauses that landed (or whose victim ended, or moved on) no longer count as under way."""
+        for victim, f in list(self.in_flight.items()):
+            job = self.core.jobs.get(victim)
+            if job is None or job.status.state not in ACTIVE_STATES or job.status.attempt != f.attempt:
+                self._landed(victim)
+
+    def _landed(self, victim: str) -> None:
+        f = self.in_flight.pop(victim, None)
+        if f is not None:
+            self.awaited[f.waiting] -= 1
+            if self.awaited[f.waiting] <= 0:
+                del self.awaited[f.waiting]
+
+    def _wants(self, job: Job, table: ShareTable, held: dict[Tenant, int]) -> bool:
+        """Whether the tenant's job may take a device by preemption at all: owed one (below its share, within what it
+        may hold), or allowed to preempt its tenant's own lower ones (a swap); False stops looking at the tenant's
+        later jobs."""
+        tenant = job.stored.tenant
+        return self._owed(tenant, job.stored.request.devices, table, held) or self._own(tenant)
+
+    def _own(self, tenant: Tenant) -> bool:
+        return tenant is not None and self.core.cfg.quota(tenant).preempt_own
+
+    def _owed(self, tenant: Tenant, need: int, table: ShareTable, held: dict[Tenant, int]) -> bool:
+        """Whether `need` more devices keep the tenant within its fair share (admins above the tenants: what they
+        want) and what it may hold."""
+        cap = self.core.cfg.cap(tenant)
+        if cap is not None and held.get(tenant, 0) + need > cap:
+            return False
+        return held.get(tenant, 0) + need <= table.share.get(tenant, 0)
+
+    def _plan(self, job: Job, table: ShareTable, held: dict[Tenant, int], cursors: Cursors) -> Plan | None:
+        core, req, tenant = self.core, job.stored.request, job.stored.tenant
+        if job.lock.locked() or job.placing or job.id in core.unsure or self._fits_now(job):
+            return None  # being written, or the next placement pass places it
+        now = time.monotonic()
+        search = VictimSearch(core, job, lambda v: self._eligible(v, now))
+        if self._owed(tenant, req.devices, table, held):  # devices in flight to it count: never more than owed
+            for victim in self._over(tenant, table, held):
+                plan = search.first(
+                    cursors.of(victim), lambda t, n: t != tenant and held.get(t, 0) - n >= table.share.get(t, 0)
+                )
+                if plan is not None:
+                    return plan
+        if self._own(tenant) and not self.awaited[job.id]:  # a swap: the job's own victims under way suffice
+            return search.first(cursors.own(tenant, req.priority), lambda t, n: t == tenant)
+        return None
+
+    def _over(self, tenant: Tenant, table: ShareTable, held: dict[Tenant, int]) -> list[Tenant]:
+        """Tenants over their share, the borrowers first, then the furthest over (by weight)."""
+        cfg = self.core.cfg
+        over = [
+            t
+            for t in table.share
+            if t != tenant and held.get(t, 0) > table.share[t] and not (t is None and cfg.admins_above)
+        ]
+
+        def order(t: Tenant):
+            nominal = table.claims[t].nominal if t in table.claims else 0
+            return (held.get(t, 0) <= nominal, -(held.get(t, 0) - table.share[t]) / cfg.quota(t).weight, t or "")
+
+        return sorted(over, key=order)
+
+    def _fits_now(self, job: Job) -> bool:
+        core, req = self.core, job.stored.request
+        if req.devices > 1:
+            return core.fleet.find_gang(req.gpu_mib, req.accelerator, req.devices, req.node) is not None
+        if core.fleet.find(req.gpu_mib, req.accelerator, req.node) is not None:
+            return True
+        return (
+            grouping.find_group(core.groups, core.cfg, req, job.stored.tenant, (), job.status.train_alone) is not None
+        )
+
+    def _eligible(self, v: Job | None, now: float) -> bool:
+        """A running job that has run its minimum, was not preempted lately, and is not being paused."""
+        if v is None:
+            return False
+        core, cfg = self.core, self.core.cfg
+        entry = core.book.running.jobs.get(v.id)
+        return (
+            entry is not None
+            and v.status.state == "running"
+            and now - entry.started >= cfg.min_run_s
+            and time.time() - v.status.preempted_at >= cfg.preempt_backoff_s
+            and v.id not in self.in_flight
+            and v.id not in core.pausing
+            and not v.lock.locked()
+        )
+
+    def _preempt(self, plan: Plan, table: ShareTable, held: dict[Tenant, int]) -> None:
+        waiting = plan.waiting
+        tenant, need = waiting.stored.tenant, waiting.stored.request.devices
+        why = self._why(waiting, table, held)
+        charged: set[Tenant] = set()
+        for victim in plan.victims:
+            frm = victim.stored.tenant
+            devices = 0 if frm in charged else plan.frees.get(frm, 0)  # each victim tenant's devices counted once
+            charged.add(frm)
+            self.in_flight[victim.id] = InFlight(waiting.id, tenant, frm, devices, victim.status.attempt)
+            self.awaited[waiting.id] += 1
+            self.core.spawn(self._pause(victim, why))
+        for t, n in plan.frees.items():
+            held[t] = held.get(t, 0) - n
+        held[tenant] = held.get(tenant, 0) + need
+        self.stats["preemptions"] += 1
+        self.stats["victims"] += len(plan.victims)
+        log.info(
+            "preempting %s for job %s of %s: %s",
+            ", ".join(v.id for v in plan.victims),
+            waiting.id,
+            f"tenant {tenant}" if tenant else "an admin",
+            why,
+        )
+
+    def _why(self, waiting: Job, table: ShareTable, held: dict[Tenant, int]) -> str:
+        """What the victims' events and `jetlora why` say."""
+        tenant = waiting.stored.tenant
+        now = table.held.get(tenant, 0)
+        if tenant is None and self.core.cfg.admins_above:
+            return f"{PREEMPTED}an admin's job {waiting.id} needs the device (admins' jobs come before tenants')"
+        if self._owed(tenant, waiting.stored.request.devices, table, held):
+            nominal = self.core.cfg.quota(tenant).nominal if tenant is not None else 0
+            who = f"tenant {tenant}" if tenant is not None else "admins"
+            if now < nominal:
+                return f"{PREEMPTED}{who} below its nominal quota ({now} of {nominal} devices)"
+            return f"{PREEMPTED}{who} below its fair share ({now} of {table.share.get(tenant, 0)} devices)"
+        return (
+            f"{PREEMPTED}job {waiting.id} of tenant {tenant} has priority {waiting.stored.request.priority} "
+            f"(the tenant's jobs preempt its own lower ones: preempt:own)"
+        )
+
+    async def _pause(self, victim: Job, why: str) -> None:
+        try:
+            error = await self.pausing.pause(victim, why)
+            failure = error.error if error is not None else ""
+        except Exception as e:  # the store or the bus away: the next check looks again
+            failure = f"{type(e).__name__}: {e}"
+        if failure:
+            self._landed(victim.id)
+            self.stats["failed"] += 1
+            log.info("could not preempt job %s (%s); the next check looks again", victim.id, failure)
