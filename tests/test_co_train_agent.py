@@ -69,3 +69,51 @@ async def test_an_agent_runs_jobs_of_one_group_in_one_process(services, nc, tiny
     grouped = [a for b in beats for a in b.attempts if a.job == "j1"]
     assert grouped and all(a.group == "g" for a in grouped)
     assert any(s.checkpoint is not None for s in states["j2"]), "the pause's checkpoint was stored"
+
+
+async def test_a_superseded_attempts_checkpoint_and_end_never_pass_for_the_next_ones(tiny_model, tmp_path, caplog):
+    """The agent's side of a group (services/agent/group_run.py) with the real group trainer: attempt 1 of a job is
+    asked to pause and, before its checkpoint and its end come, attempt 2 of the job joins (placed again at once):
+    attempt 1's checkpoint and Finished are dropped and logged, never taken for attempt 2's, which trains to its
+    own end in its own directory."""
+    import asyncio
+    import logging
+
+    from schemas.events import Cancelled, Finished, Progress, Started, TrainerSpec
+    from services.agent.group_run import DEFAULT_GROUP_TRAINER, GroupProcess
+
+    def spec(attempt: int, steps: int) -> TrainerSpec:
+        train = {"max_steps": steps, "learning_rate": 0.01, "batch_size": 1, "max_seq_length": 128}
+        request = msgspec.convert(
+            {"model": "tiny", "base_dir": str(tiny_model), "data": pairs(), "train": train}, JobRequest
+        )
+        return TrainerSpec(job="a", attempt=attempt, request=request, out_dir=str(tmp_path / f"a-{attempt}"))
+
+    caplog.set_level(logging.INFO, logger="services.agent.group_run")
+    group = GroupProcess("g", tmp_path / "g", DEFAULT_GROUP_TRAINER, {})
+    seen: dict[int, list] = {1: [], 2: []}
+
+    def collect(attempt: int):
+        async def on_event(ev) -> None:
+            seen[attempt].append(ev)
+
+        return on_event
+
+    first = group.member(spec(1, 400))
+    one = asyncio.create_task(first.run(collect(1)))
+    await wait_for(lambda: any(isinstance(e, Progress) for e in seen[1]), timeout=60, what="attempt 1 under way")
+    first.pause()  # its checkpoint and its end are on their way when attempt 2 joins
+    second = group.member(spec(2, 3))
+    async with group._starting:  # attempt 2's line held back (as a slow pipe would) until attempt 1's end has come
+        two = asyncio.create_task(second.run(collect(2)))
+        await wait_for(lambda: "Finished event of job a attempt 1" in caplog.text, timeout=60, what="attempt 1's end")
+    done = await asyncio.wait_for(two, 60)
+    first.cancel()
+    assert isinstance(await asyncio.wait_for(one, 10), Cancelled)
+    assert isinstance(done, Finished) and done.state == "trained" and done.step == 3, done
+    assert done.adapter_dir.startswith(str(tmp_path / "a-2"))
+    assert [e.steps for e in seen[2] if isinstance(e, Started)] == [3]
+    assert [e.step for e in seen[2] if isinstance(e, Progress)] == [1, 2, 3]
+    assert "dropped a Checkpoint event of job a attempt 1 (attempt 2 runs now)" in caplog.text, caplog.text
+    assert "dropped a Finished event of job a attempt 1 (attempt 2 runs now)" in caplog.text, caplog.text
+    assert not any(isinstance(e, Finished) for e in seen[1])  # nor was it its own run's: that one had left
