@@ -58,7 +58,8 @@ class Book:
             name = f"{future.tenant}/{future.id}.call"
             await self.store.put_object(name, _encode(future.call))
             future = msgspec.structs.replace(future, call=None, call_object=name)
-        if await self.store.create(self.store.futures, call_key(future.tenant, future.id), future) is None:
+            data = _encode(future)
+        if await self.store.create_raw(self.store.futures, call_key(future.tenant, future.id), data) is None:
             return None
         return future
 

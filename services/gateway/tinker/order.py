@@ -11,13 +11,14 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from dataclasses import dataclass, field
+
 
 from schemas.tinker_store import FutureRecord, ModelRecord, model_key, ordered_request
 from services.gateway.tinker.at_once import AtOnce
 from services.gateway.tinker.futures import Book, failed
 from services.gateway.tinker.mirror import Mirror
 from services.gateway.tinker.outcomes import Change, Runner
+from services.gateway.tinker.owned import Owned, RecordWriter
 from services.gateway.tinker.settings import TinkerSettings
 from services.gateway.tinker.store import Store
 
@@ -25,20 +26,6 @@ log = logging.getLogger(__name__)
 LINGER_S = 60.0  # a model with no call this long is given back (any gateway takes it at its next call)
 RESCAN_S = 5.0  # meanwhile its next call is looked for in the store this often (a write not heard of)
 WRITE_EVERY = 8  # a model's next seq_id is written at least this often while its calls run (and when they pause)
-
-
-@dataclass
-class Owned:
-    """A model whose ordered calls this gateway runs."""
-
-    record: ModelRecord
-    revision: int
-    arrived: dict[int, FutureRecord] = field(default_factory=dict)
-    wake: asyncio.Event = field(default_factory=asyncio.Event)
-    changes: list[Change] = field(default_factory=list)  # made since the record was last written
-    written_seq: int = 0
-    finishing: dict[str, asyncio.Task] = field(default_factory=dict)  # outcomes stored while the next call runs
-    task: asyncio.Task | None = None
 
 
 class Order:
@@ -49,6 +36,7 @@ class Order:
         self.gateway, self.settings = gateway, settings
         self.owned: dict[str, Owned] = {}
         self.at_once = AtOnce(store, mirror, book, runner, gateway)
+        self.writer = RecordWriter(store, gateway, runner.trainers)
         self._locks: dict[str, asyncio.Lock] = {}
         self._side: set[asyncio.Task] = set()  # short tasks beside the pumps (a fetch, a take-over)
 
@@ -89,7 +77,8 @@ class Order:
 
     def _arrive(self, owned: Owned, future: FutureRecord) -> None:
         assert future.seq is not None
-        if future.seq >= owned.record.next_seq and future.seq not in owned.arrived:
+        fresh = future.seq not in owned.arrived and future.seq != owned.running
+        if future.seq >= owned.record.next_seq and fresh:
             if future.outcome is None:
                 self.book.expect(future)
             owned.arrived[future.seq] = future
@@ -150,18 +139,26 @@ class Order:
         try:
             while True:
                 owned.wake.clear()
+                written = owned.background
+                if written is not None and written.done():
+                    owned.background = None
+                    written.result()  # a write that failed: the model goes to the next gateway
                 future = owned.arrived.pop(record.next_seq, None)
                 if future is not None:
                     gap_since = None
                     if future.outcome is None:
+                        owned.running = future.seq
                         await self._run(owned, future)
+                        owned.running = None
                     else:
                         self.book.resolve(future.id, future.outcome)
                     record.next_seq += 1
                     record.last_request = time.time()
                     continue
-                if owned.changes or record.next_seq - owned.written_seq >= WRITE_EVERY:
-                    await self._write(owned)
+                if owned.changes:
+                    await self.writer.write(owned)
+                elif record.next_seq - owned.written_seq >= WRITE_EVERY and not owned.writing.locked():
+                    self.writer.in_background(owned)
                 if owned.arrived:  # a later call came, this one not (yet): wait the gap timeout, then fail it
                     gap_since = gap_since or time.monotonic()
                     left = self.settings.gap_s - (time.monotonic() - gap_since)
@@ -187,7 +184,7 @@ class Order:
                 return True
             record = owned.record
             if record.next_seq != owned.written_seq:  # a pause in its calls: where they are is written now
-                await self._write(owned)
+                await self.writer.write(owned)
                 continue
             future = await self.book.find(record.tenant, ordered_request(record.id, record.next_seq))
             if future is not None:
@@ -201,15 +198,9 @@ class Order:
         outcome, changes = await self.runner.run(future, owned.record)
         if changes:  # what a save changed is seen by every gateway before the client hears of it
             owned.changes += changes
-            await self._write(owned)
+            await self.writer.write(owned)
         task = owned.finishing[future.id] = asyncio.create_task(self.book.finish(future, outcome))
         task.add_done_callback(lambda _: owned.finishing.pop(future.id, None))
-
-    @staticmethod
-    async def _settle(owned: Owned) -> None:
-        """Every outcome stored (before the record says their turns are past); one that failed stops the pump."""
-        for task in list(owned.finishing.values()):
-            await task
 
     async def _skip(self, owned: Owned, seq: int) -> None:
         """The seq_id never came: it fails (a late one is told so) and the calls after it run."""
@@ -228,49 +219,16 @@ class Order:
         log.info("model %s: %s", record.id, message)
         record.next_seq = max(record.next_seq, seq + 1)
 
-    async def _write(self, owned: Owned) -> None:
-        """The model's record as this gateway holds it, over whatever another gateway changed meanwhile (a deleted
-        checkpoint); a record that names another gateway now means the model was taken over: stop."""
-        await self._settle(owned)
-        key, record = model_key(owned.record.tenant, owned.record.id), owned.record
-        record.pump = self.gateway
-        route = self.runner.trainers.routes.get(record.id)
-        if route is not None:
-            record.attempt, record.lost = route.attempt, route.lost
-        revision = await self.store.update(self.store.kv, key, record, owned.revision)
-        if revision is None:
-            changes, seq, last = owned.changes, record.next_seq, record.last_request
-
-            def merge(stored: ModelRecord) -> bool:
-                if stored.pump != self.gateway:
-                    raise TakenOver(record.id)
-                stored.next_seq, stored.last_request = max(stored.next_seq, seq), max(stored.last_request, last)
-                stored.job, stored.info = stored.job or record.job, stored.info or record.info
-                stored.attempt, stored.lost = record.attempt, record.lost
-                for change in changes:
-                    change(stored)
-                return True
-
-            merged = await self.store.modify(self.store.kv, key, ModelRecord, merge)
-            found = await self.store.get(self.store.kv, key, ModelRecord)
-            if merged is None or found is None:
-                raise TakenOver(record.id)
-            stored, revision = found
-            record.paused = stored.paused
-            for name in set(record.saves) - set(stored.saves):
-                record.saves.pop(name)
-            for name in set(record.samplers) - set(stored.samplers):
-                record.samplers.pop(name)
-        owned.revision, owned.written_seq, owned.changes = revision, record.next_seq, []
-
     async def _give_back(self, owned: Owned) -> bool:
         """Nobody called for LINGER_S: the model is no longer run here (False: a call came meanwhile)."""
-        await self._settle(owned)
-        owned.record.pump = ""
-        key = model_key(owned.record.tenant, owned.record.id)
-        if await self.store.update(self.store.kv, key, owned.record, owned.revision) is None:
-            owned.record.pump = self.gateway
-            await self._write(owned)
+        async with owned.writing:
+            await self.writer.settle(owned)
+            owned.record.pump = ""
+            key = model_key(owned.record.tenant, owned.record.id)
+            given = await self.store.update(self.store.kv, key, owned.record, owned.revision) is not None
+            owned.record.pump = "" if given else self.gateway
+        if not given:  # another gateway changed it meanwhile (a deleted checkpoint): keep it, merged
+            await self.writer.write(owned)
             return False
         self.owned.pop(owned.record.id, None)
         if owned.arrived:  # came while it was given back: take it again
@@ -279,6 +237,8 @@ class Order:
 
     def _drop(self, owned: Owned) -> None:
         self.owned.pop(owned.record.id, None)
+        if owned.background is not None:
+            owned.background.cancel()
         for request, task in list(owned.finishing.items()):  # never stored: the next gateway runs them again
             task.cancel()
             self.book.abandon(request)
@@ -305,6 +265,8 @@ class Order:
         for owned in list(self.owned.values()):
             try:
                 await asyncio.gather(*owned.finishing.values(), return_exceptions=True)  # outcomes computed: stored
+                if owned.background is not None:
+                    await asyncio.gather(owned.background, return_exceptions=True)
                 owned.record.pump = ""
                 await self.store.update(
                     self.store.kv, model_key(owned.record.tenant, owned.record.id), owned.record, owned.revision
@@ -314,10 +276,6 @@ class Order:
             self._drop(owned)
         for request in list(self.book.local):
             self.book.abandon(request)
-
-
-class TakenOver(Exception):
-    """Another gateway runs the model's calls now (this one was not heard of for a while)."""
 
 
 async def _wait(event: asyncio.Event, timeout: float) -> bool:

@@ -55,8 +55,11 @@ class Store:
 
     async def create(self, kv, key: str, record) -> int | None:
         """Written if the key holds nothing yet; None if it does."""
+        return await self.create_raw(kv, key, _encode(record))
+
+    async def create_raw(self, kv, key: str, data: bytes) -> int | None:
         try:
-            return await kv.create(key, _encode(record))
+            return await kv.create(key, data)
         except KeyWrongLastSequenceError:
             return None
 

@@ -6,8 +6,8 @@ rest of the call (or a fault of the gateway's own) still takes that turn, so the
 
 from __future__ import annotations
 
+import asyncio
 import re
-import secrets
 import time
 from collections.abc import Callable
 from typing import Any
@@ -92,13 +92,17 @@ class Training:
             fault = logged_fault(request)
             await self._consume(model, seq, f"the gateway failed on this call; request {fault.ident}", "server")
             raise fault from None
-        future = FutureRecord(id=ordered_request(model.id, seq), tenant=tenant, model=model.id, seq=seq, kind=kind,
-                              call=call, args=args, call_id=secrets.token_hex(8), created=time.time())  # fmt: skip
-        stored = await ctx.book.record(future)
-        if stored is None:
-            return reply({"request_id": future.id, "model_id": model.id})
-        await ctx.order.arrived(stored)
-        return reply({"request_id": stored.id, "model_id": model.id})
+        request_id = ordered_request(model.id, seq)  # also its call id: one seq_id never runs twice on a node
+        future = FutureRecord(id=request_id, tenant=tenant, model=model.id, seq=seq, kind=kind, call=call, args=args,
+                              call_id=request_id, created=time.time())  # fmt: skip
+        if ctx.order.model(model.id) is None:
+            await ctx.book.record(future)  # stored, then taken by the gateway that runs the model's calls
+            await ctx.order.arrived(future)
+        else:  # it runs here: it starts while it is stored; the client hears of it once it is
+            storing = asyncio.ensure_future(ctx.book.record(future))
+            await ctx.order.arrived(future)
+            await storing
+        return reply({"request_id": request_id, "model_id": model.id})
 
     async def _consume(self, model: ModelRecord, seq: int, message: str, category: str = "user") -> None:
         refused = FutureRecord(id=ordered_request(model.id, seq), tenant=model.tenant, model=model.id, seq=seq,
@@ -149,7 +153,7 @@ class Training:
             return reply({"request_id": first})
         await self._add_to_session(tenant, session.id, model_id, int(model_id.rsplit(":", 1)[1]))
         create = FutureRecord(id=first, tenant=tenant, model=model_id, seq=0, kind=kind, job=job, args=args,
-                              call_id=secrets.token_hex(8), created=now)  # fmt: skip
+                              call_id=first, created=now)  # fmt: skip
         stored = await ctx.book.record(create) or create
         ctx.order.start_new(record, revision, stored)
         return reply({"request_id": first})
