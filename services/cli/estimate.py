@@ -52,7 +52,7 @@ def _group(args, shape, requests) -> int:
     for job_file, request in zip(args.job_file, requests):
         if (why := why_alone(request)) is not None or group_key(request, shape) != group_key(requests[0], shape):
             print(
-                f"{job_file} does not co-train with {args.job_file[0]}: {why or 'another base, precision or quantization'}",
+                f"{job_file} does not co-train with {args.job_file[0]}: {why or 'another base, precision, quantization or priority'}",
                 file=sys.stderr,
             )
             return EXIT_REJECTED
