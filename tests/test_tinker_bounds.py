@@ -99,6 +99,36 @@ async def test_sessions_models_pending_calls_and_the_seq_window_are_bounded_per_
         assert status == 400 and "max_pending" in out["detail"], out
 
 
+async def test_calls_waiting_on_a_queued_job_ask_the_scheduler_once_per_model_not_once_per_call(nc, stack, tiny_model):
+    from schemas import names
+
+    gw = Gateway(nc, {"tiny": BaseModel("tiny", str(tiny_model), accelerator="cpu")}, port=0)  # no node: it waits
+    await gw.start()
+    asked = []
+
+    async def heard(msg) -> None:
+        asked.append(msg.subject)
+
+    watch = await nc.subscribe(names.jobs_api("initech").job, cb=heard)
+    try:
+        async with Api(gw, await key_for(nc, "initech")) as api:
+            session = (await api.ok("create_session", {}))["session_id"]
+            sampler = await api.ok("create_sampling_session", {"session_id": session, "base_model": "tiny"})
+            sample = {"sampling_session_id": sampler["sampling_session_id"], "num_samples": 1,
+                      "prompt": {"chunks": [{"type": "encoded_text", "tokens": [1, 2]}]}}  # fmt: skip
+            for _ in range(60):
+                await api.ok("asample", sample)
+            await asyncio.sleep(0.5)  # all of them waiting
+            before = len(asked)
+            await asyncio.sleep(2.0)
+            per_s = (len(asked) - before) / 2.0
+    finally:
+        await watch.unsubscribe()
+        await gw.close()
+    print(f"60 samples waiting: {per_s:.1f} job queries a second")
+    assert 0 < per_s <= 8, per_s  # one watcher: about 1 / 0.25 s; one per sample would be 240 a second
+
+
 async def test_a_fault_nobody_foresaw_is_a_500_in_tinkers_shape_and_still_takes_its_turn(
     nc, gateway, monkeypatch, caplog
 ):

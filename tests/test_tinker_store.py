@@ -7,6 +7,10 @@ from __future__ import annotations
 import asyncio
 import itertools
 import os
+import signal
+import socket
+import subprocess
+import sys
 import threading
 
 import aiohttp
@@ -15,7 +19,7 @@ from aiohttp import web
 
 from services.gateway.app import Gateway
 from services.gateway.openai_map import BaseModel
-from tests.conftest import wait_nodes
+from tests.conftest import ROOT, wait_for, wait_nodes
 from tests.test_tinker_api import datums, key_for
 
 pytestmark = pytest.mark.timeout(300)
@@ -62,6 +66,47 @@ async def test_a_clients_loop_goes_on_across_a_restart_of_its_gateway(nc, stack,
         await gw.close()
     print("steps and losses:", steps)
     assert [s for s, _ in steps] == [float(n) for n in range(1, STEPS + 1)]  # none lost, none run twice
+    assert steps[-1][1] < 0.8 * steps[0][1]
+
+
+def gateway_process(url: str, port: int, tiny_model, log) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, "-m", "services.cli", "gateway", "--nats", url, "--port", str(port),
+         "--base-model", f"tiny={tiny_model}", "--accelerator", "cpu"],
+        cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, stdout=log, stderr=subprocess.STDOUT,
+    )  # fmt: skip
+
+
+def listening(port: int) -> bool:
+    with socket.socket() as s:
+        return s.connect_ex(("127.0.0.1", port)) == 0
+
+
+async def test_a_clients_loop_goes_on_after_its_gateway_is_killed(nc, stack, tiny_model, agents, nats_server, tmp_path):
+    agents.start("box", gpus=None, offer_cpu=True, trainer=None, interval=0.25)
+    await wait_nodes(nc, 1)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    log = open(tmp_path / "gateways.log", "ab")
+    first = gateway_process(nats_server.url, port, tiny_model, log)
+    second = None
+    try:
+        await wait_for(lambda: listening(port), timeout=60, what="the gateway listening")
+        halfway = threading.Event()
+        loop = asyncio.create_task(asyncio.to_thread(train, port, await key_for(nc, "acme"), halfway))
+        await asyncio.wait_for(asyncio.to_thread(halfway.wait), 120)
+        first.send_signal(signal.SIGKILL)  # no goodbye: its models are taken over once it is not heard of
+        first.wait()
+        second = gateway_process(nats_server.url, port, tiny_model, log)
+        steps = await asyncio.wait_for(loop, 180)
+    finally:
+        for proc in (first, second):
+            if proc is not None and proc.poll() is None:
+                proc.terminate()
+                proc.wait(30)
+    print("steps and losses:", steps)
+    assert [s for s, _ in steps] == [float(n) for n in range(1, STEPS + 1)]
     assert steps[-1][1] < 0.8 * steps[0][1]
 
 
