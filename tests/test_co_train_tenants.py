@@ -4,7 +4,8 @@ it): tenant globex's job shares a group with four of tenant acme's, one divergin
 group's step runs out of memory with it (a token budget the trainer enforces for tests, as a device would run out),
 one cancelled, one paused; and the engine serves for a while, so every member yields. globex's job finishes each
 time on the loss curve it has alone, with its own adapter, and nothing of acme's (job ids, tenant, rows) appears in
-any of its events."""
+any of its events; the job that ran the step out of memory is handed back, nobody failing for it, and trains alone
+once the group's device is free."""
 
 from __future__ import annotations
 
@@ -105,11 +106,14 @@ async def _run(nc, agents, tiny_model, tmp_path, engine: Metrics) -> None:
         e for e in await stream_events(nc, names.job(ids["huge"], tenant="acme").state, _STATE) if e.state == "queued"
     ]
     assert handed_back and "ran out of memory" in handed_back[0].train_alone, handed_back  # it left; nobody failed
+    alone = await ended(nc, "acme", ids["huge"], timeout=120)  # once the group's device is free: alone
+    assert alone.state == "succeeded" and alone.attempt > 1 and alone.group is None, alone
 
     curve = {e.step: e.loss for e in await stream_events(nc, names.job(b, "box", tenant="globex").progress, _PROGRESS)}
-    alone = alone_curve(tiny_model, b, mine, tmp_path)
     assert sorted(curve) == list(range(1, 61))
-    assert [curve[s] for s in sorted(curve)] == pytest.approx(alone, abs=1e-5, rel=0)
+    assert [curve[s] for s in sorted(curve)] == pytest.approx(
+        alone_curve(tiny_model, b, mine, tmp_path), abs=1e-5, rel=0
+    )
 
     everything = await stream_events(nc, names.job_events(b), _RAW)  # every event of globex's job, every kind
     text = b"\n".join(bytes(e) for e in everything).decode()
