@@ -13,7 +13,7 @@ import pytest
 from services.gateway.app import Gateway
 from services.gateway.openai_map import BaseModel
 from services.gateway.tinker.settings import TinkerSettings
-from tests.conftest import wait_nodes
+from tests.conftest import wait_for, wait_nodes
 from tests.test_tinker_api import key_for
 
 pytestmark = pytest.mark.timeout(180)
@@ -127,6 +127,46 @@ async def test_calls_waiting_on_a_queued_job_ask_the_scheduler_once_per_model_no
         await gw.close()
     print(f"60 samples waiting: {per_s:.1f} job queries a second")
     assert 0 < per_s <= 8, per_s  # one watcher: about 1 / 0.25 s; one per sample would be 240 a second
+
+
+async def test_a_finished_sessions_records_go_after_the_retention_and_unfetched_results_after_a_day(
+    nc, stack, tiny_model
+):
+    from nats.js.errors import KeyNotFoundError
+
+    from schemas import names
+    from schemas.tinker_store import FUTURE_TTL_S, model_key, session_key
+
+    gw = Gateway(nc, {"tiny": BaseModel("tiny", str(tiny_model), accelerator="cpu")}, port=0,
+                 tinker_settings=TinkerSettings(retention_s=0))  # fmt: skip
+    await gw.start()
+    js = nc.jetstream()
+    kv, futures = await js.key_value(names.TINKER_KV), await js.key_value(names.TINKER_FUTURES_KV)
+    try:
+        async with Api(gw, await key_for(nc, "acme")) as acme:
+            session = (await acme.ok("create_session", {}))["session_id"]
+            model = await acme.model(session)  # no node: its create waits, stored
+            await acme.ok("optim_step", {"model_id": model, "seq_id": 1, "adam_params": {}})
+            assert (await futures.get(f"call.acme.{model.replace(':', '.')}.1")).value
+            await acme.ok(f"sessions/{session}/finish", {})
+
+            async def gone() -> bool:
+                for bucket, key in ((kv, session_key("acme", session)), (kv, model_key("acme", model)),
+                                    (futures, f"call.acme.{model.replace(':', '.')}.1")):  # fmt: skip
+                    try:
+                        await bucket.get(key)
+                        return False
+                    except KeyNotFoundError:
+                        pass
+                return True
+
+            await wait_for(gone, timeout=20, what="the finished session's records deleted")
+            status, out = await acme.post("session_heartbeat", {"session_id": session})
+            assert status == 404, out
+    finally:
+        await gw.close()
+    for bucket in (names.kv(names.TINKER_FUTURES_KV).stream, names.objects(names.TINKER_RESULTS_BUCKET).stream):
+        assert (await js.stream_info(bucket)).config.max_age == FUTURE_TTL_S  # what nobody fetched goes
 
 
 async def test_a_fault_nobody_foresaw_is_a_500_in_tinkers_shape_and_still_takes_its_turn(
