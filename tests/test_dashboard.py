@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import gzip
+import importlib.util
 import shutil
 import urllib.request
 
@@ -21,8 +22,16 @@ from tests.conftest import get_job, submit, wait_for, wait_state
 from tests.qa import pairs
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
-pytestmark = pytest.mark.skipif(CHROMIUM is None, reason="needs Debian's chromium (deploy/setup.sh installs it)")
-FLAGS = [
+NO_BROWSER = (
+    "needs Debian's chromium (deploy/setup.sh installs it)"
+    if CHROMIUM is None
+    else "needs playwright (the test extras: pip install -e '.[test]')"
+    if importlib.util.find_spec("playwright") is None
+    else ""
+)
+needs_browser = pytest.mark.skipif(bool(NO_BROWSER), reason=NO_BROWSER)
+pytestmark = needs_browser
+FLAGS = [  # headless as root, and none of Chromium's own calls out (a closed network refuses them, many at a time)
     "--no-sandbox",
     "--disable-gpu",
     "--disable-quic",

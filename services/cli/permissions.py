@@ -132,9 +132,18 @@ def _people() -> dict[str, dict]:
             "publish": api + watch + datasets + operates + _object_read() + [names.SERVICE_DISCOVERY_ALL],
             "subscribe": [names.HEARTBEATS_ALL],
         },
-        "dashboard": {"publish": shown + watch + _object_read(), "subscribe": [names.HEARTBEATS_ALL]},
+        "dashboard": {
+            "publish": shown + watch + _object_read() + _dashboard_reads(),
+            "subscribe": [names.HEARTBEATS_ALL],
+        },
         "monitor": {"publish": [names.SERVICE_DISCOVERY_ALL], "subscribe": []},  # $SRV.PING, INFO, STATS only
     }
+
+
+def _dashboard_reads() -> list[str]:
+    """What the dashboard shows besides jobs, nodes and adapters: eval runs, and the Tinker sessions as stored."""
+    stores = [names.kv(names.TINKER_KV).stream, names.kv(names.TINKER_FUTURES_KV).stream]
+    return [names.evals_api().runs] + [s for store in stores for s in _read_stream(store)]
 
 
 def _tenant(tenant: str) -> dict:

@@ -1,7 +1,10 @@
-"""`jetlora dashboard`: serves the page, its config (the WebSocket URL and the subjects), and artifact downloads.
+"""`jetlora dashboard`: serves the page, its config (the WebSocket URL and the subjects), artifact downloads and
+the Tinker sessions panel's data.
 
-The page itself talks to NATS directly over WebSocket; this server (aiohttp, as the gateway's) is a NATS client
-only for artifact downloads, which it streams from the object store through a temporary file.
+The page itself talks to NATS directly over WebSocket (heartbeats, the scheduler's lists, the registry's and the
+evals service's, the jobs' events); this server (aiohttp, as the gateway's) is a NATS client for artifact downloads,
+which it streams from the object store through a temporary file, and for the Tinker API's stored sessions
+(tinker_view.py), whose calls' bodies a browser should not download.
 """
 
 from __future__ import annotations
@@ -12,13 +15,17 @@ import logging
 import tempfile
 from pathlib import Path
 
+import msgspec
 from aiohttp import web
 from nats.aio.client import Client
 from nats.js.errors import NotFoundError
 
 from schemas import names
-from services.transfer.download import DownloadError, stored_name
+from services.dashboard.tinker_view import TinkerView
+from services.aio import cancel_and_wait
 from services.runtime import StartupError
+from services.streamview import StaleView
+from services.transfer.download import DownloadError, stored_name
 
 log = logging.getLogger(__name__)
 STATIC = Path(__file__).parent / "static"
@@ -36,8 +43,11 @@ def page_config(ws_url: str) -> dict:
             "list_jobs": names.LIST_JOBS,
             "list_nodes": names.LIST_NODES,
             "job_events": names.job_events("{job}"),
+            "job_progress": names.job("{job}").progress,
+            "all_progress": names.JOB_PROGRESS_ALL,
             "artifacts_list": names.ARTIFACTS_LIST,
             "list_adapters": names.ADAPTERS.list,
+            "eval_runs": names.evals_api().runs,
         },
     }
 
@@ -47,6 +57,7 @@ class Dashboard:
         self.nc, self.ws_url, self.host, self.port = nc, ws_url, host, port
         self.ready = asyncio.Event()
         self._runner: web.AppRunner | None = None
+        self.tinker = TinkerView(nc.jetstream())
 
     def app(self) -> web.Application:
         app = web.Application()
@@ -56,6 +67,8 @@ class Dashboard:
                 web.get("/index.html", self._page),
                 web.get("/app.js", self._script),
                 web.get("/config.json", self._config),
+                web.get("/tinker.json", self._tinker),
+                web.get("/favicon.ico", self._no_icon),
                 web.get("/artifacts/{job}/{kind}", self._artifact),
             ]
         )
@@ -83,9 +96,11 @@ class Dashboard:
 
     async def run(self, stop: asyncio.Event) -> None:
         await self.start()
+        following = asyncio.create_task(self.tinker.run(stop), name="dashboard tinker view")
         try:
-            await stop.wait()
+            await wait_first_or_raise(stop, following)
         finally:
+            await cancel_and_wait([following])
             if self._runner is not None:
                 await self._runner.cleanup()
                 self._runner = None
@@ -109,8 +124,22 @@ class Dashboard:
             body=gzip.decompress(body), content_type="text/javascript", charset="utf-8", headers=NO_STORE
         )
 
+    async def _no_icon(self, request: web.Request) -> web.Response:
+        """None: a browser's ask for one is answered, not logged as a missing page."""
+        return web.Response(status=204)
+
     async def _config(self, request: web.Request) -> web.Response:
         return web.json_response(page_config(self.ws_url), headers=NO_STORE)
+
+    async def _tinker(self, request: web.Request) -> web.Response:
+        """The Tinker sessions panel: what the gateways stored (503 while the store cannot be read)."""
+        try:
+            panel = await self.tinker.panel()
+        except StaleView as e:
+            return web.json_response(
+                {"error": f"the Tinker store is not readable now: {e}"}, status=503, headers=NO_STORE
+            )
+        return web.Response(body=msgspec.json.encode(panel), content_type="application/json", headers=NO_STORE)
 
     async def _artifact(self, request: web.Request) -> web.StreamResponse:
         job, kind = request.match_info["job"], request.match_info["kind"]
@@ -141,3 +170,15 @@ class Dashboard:
             await response.write_eof()
         log.info("served %s %s (%d bytes)", job, kind, size)
         return response
+
+
+async def wait_first_or_raise(stop: asyncio.Event, task: asyncio.Task) -> None:
+    """Until `stop`; a task that ends first (it should not: it follows until stopped) ends this with its error."""
+    stopping = asyncio.create_task(stop.wait())
+    try:
+        await asyncio.wait([stopping, task], return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        await cancel_and_wait([stopping])
+    if task.done() and not stop.is_set():
+        task.result()
+        raise RuntimeError("the dashboard's view of the Tinker store stopped following it")
