@@ -9,6 +9,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Protocol
 
 import nats
 
@@ -25,6 +26,10 @@ from services.transfer.sender import upload_dataset
 from services.artifacts.service import ArtifactService
 from services.dashboard.server import Dashboard
 from services.embedded import EmbeddedNats
+from services.aio import cancel_and_wait
+from services.runtime import stop_on_signals
+from services.evals.service import EvalsService
+from services.registry.service import RegistryService
 from services.scheduler.service import Scheduler, SchedulerConfig
 from services.cli.watch import watch
 
@@ -42,6 +47,7 @@ SAMPLE_PROMPTS = [
     "Which continent is Kenya in?",
 ]
 TRAINED = 3  # the first SAMPLE_PROMPTS are training questions, the rest paraphrases held out
+NODE = "demo-node"
 
 
 def demo_request(model: Path, data: list[dict], steps: int) -> dict:
@@ -91,11 +97,11 @@ def print_table(rows: list[tuple[str, str, str]]) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    from services.cli.printable import cell
+    from services.cli.printable import base_answer, cell
 
     table = Table("", "question", "base model", "adapter", title="greedy answers before and after training")
     for i, (prompt, base, adapter) in enumerate(rows):
-        table.add_row("trained" if i < TRAINED else "held out", cell(prompt), cell(base), cell(adapter))
+        table.add_row("trained" if i < TRAINED else "held out", cell(prompt), cell(base_answer(base)), cell(adapter))
     Console(width=140).print(table)
 
 
@@ -158,13 +164,71 @@ async def show_results(nc, job: str, out_dir: Path, model: Path, port: int, keep
     )
     print(
         f"Dashboard:    http://127.0.0.1:{port}/?job={job}"
-        + ("  (serving until Ctrl-C)" if keep else "  (`jetlora demo --keep` keeps it up after the run)")
+        + (
+            "  (the whole stack stays up until Ctrl-C or SIGTERM: scheduler, agent, registry, evals, artifacts)"
+            if keep
+            else "  (`jetlora demo --keep` keeps it and the stack up after the run)"
+        )
     )
     print(
         "For a stack that stays up: `jetlora up`, then `jetlora submit job.json --nats URL` and "
         "`jetlora watch JOB --nats URL` (the URL is printed at start).",
         flush=True,
     )
+
+
+class Service(Protocol):
+    """What the demo runs: a service that serves until its stop event is set."""
+
+    async def run(self, stop: asyncio.Event) -> None: ...
+
+
+class DemoStack:
+    """What `jetlora up` runs, on this loop, each service on a connection of its own: the scheduler with the adapter
+    registry and the evals service beside it, the artifact service, one agent offering this machine's CPU, and the
+    dashboard. `--keep` keeps all of it up, so the page the demo points to goes on answering."""
+
+    def __init__(self, server: EmbeddedNats, out_dir: Path) -> None:
+        self.server, self.out_dir = server, out_dir
+        self.stop = asyncio.Event()
+        self.conns: list = []
+        self.tasks: dict[asyncio.Task, str] = {}
+
+    async def start(self) -> Dashboard:
+        """Every service started and ready; the dashboard, whose port the demo prints."""
+        self.conns = [await nats.connect(self.server.url) for _ in range(7)]
+        await bus.ensure_resources(self.conns[0])
+        c = self.conns
+        sched = Scheduler(c[1], SchedulerConfig())
+        arts = ArtifactService(c[2])
+        agent = Agent(c[3], AgentConfig(node=NODE, work_dir=self.out_dir / "agent", offer_cpu=True))
+        dash = Dashboard(c[4], self.server.ws_url or "", port=0)
+        registry, evals = RegistryService(c[5]), EvalsService(c[6])
+        named: dict[str, Service] = {"scheduler": sched, "artifact service": arts, "agent": agent}
+        named |= {"dashboard": dash, "adapter registry": registry, "evals service": evals}
+        self.tasks = {asyncio.create_task(s.run(self.stop), name=f"demo {n}"): n for n, s in named.items()}
+        ready = [sched.leading, dash.ready, arts.ready, registry.ready, evals.ready]
+        await asyncio.wait_for(asyncio.gather(*(e.wait() for e in ready)), 30)
+        return dash
+
+    async def serve_until_signal(self) -> int:
+        """Until SIGINT or SIGTERM (0), or until a service ends on its own (1, saying which and why)."""
+        quit_ = asyncio.Event()
+        stop_on_signals(quit_)
+        quitting = asyncio.create_task(quit_.wait())
+        done, _ = await asyncio.wait([quitting, *self.tasks], return_when=asyncio.FIRST_COMPLETED)
+        await cancel_and_wait([quitting])
+        ended = [t for t in done if t is not quitting]
+        for task in ended:
+            why = task.exception() if not task.cancelled() else "cancelled"
+            print(f"the demo's {self.tasks[task]} stopped ({why or 'it returned'}); stopping the rest", file=sys.stderr)
+        return 1 if ended else 0
+
+    async def close(self) -> None:
+        self.stop.set()
+        await asyncio.gather(*self.tasks, return_exceptions=True)
+        for c in self.conns:
+            await c.close()
 
 
 async def run_demo(out_dir: Path, steps: int, keep: bool = False) -> int:
@@ -174,23 +238,13 @@ async def run_demo(out_dir: Path, steps: int, keep: bool = False) -> int:
     data = [json.loads(line) for line in QA_FILE.read_text().splitlines() if line.strip()]
     server = EmbeddedNats(store_dir=tempfile.mkdtemp(prefix="jetlora-demo-")).start()
     print(f"embedded NATS at {server.url} (websocket {server.ws_url})", flush=True)
-    stop = asyncio.Event()
-    conns = [await nats.connect(server.url) for _ in range(5)]
-    tasks: list[asyncio.Task] = []
-    nc = conns[0]
+    stack = DemoStack(server, out_dir)
     try:
-        await bus.ensure_resources(nc)
-        sched = Scheduler(conns[1], SchedulerConfig())
-        arts = ArtifactService(conns[2])
-        agent = Agent(conns[3], AgentConfig(node="demo-node", work_dir=out_dir / "agent", offer_cpu=True))
-        dash = Dashboard(conns[4], server.ws_url or "", port=0)
-        tasks += [asyncio.create_task(s.run(stop)) for s in (sched, arts, agent, dash)]
-        await asyncio.wait_for(sched.leading.wait(), 15)
-        await asyncio.wait_for(dash.ready.wait(), 15)
-        await asyncio.wait_for(arts.ready.wait(), 15)
+        dash = await stack.start()
+        nc = stack.conns[0]
         await upload_dataset(nc, HELD_OUT, HELD_OUT_FILE, DatasetUpload(description="the capitals, asked otherwise"))
         request = demo_request(model, data, steps)
-        await wait_for_node(nc, "demo-node", timeout=30)
+        await wait_for_node(nc, NODE, timeout=30)
         reply = await bus.request(nc, names.SUBMIT, request, SubmitReply)
         if not isinstance(reply, Accepted):
             why = reply.errors if isinstance(reply, Rejected) else reply.reason
@@ -207,15 +261,7 @@ async def run_demo(out_dir: Path, steps: int, keep: bool = False) -> int:
         if rc:
             return rc
         await show_results(nc, reply.job, out_dir, model, dash.port, keep)
-        if keep:
-            try:
-                await asyncio.Event().wait()
-            except asyncio.CancelledError:
-                pass
-        return 0
+        return await stack.serve_until_signal() if keep else 0
     finally:
-        stop.set()
-        await asyncio.gather(*tasks, return_exceptions=True)
-        for c in conns:
-            await c.close()
+        await stack.close()
         server.stop()

@@ -24,7 +24,7 @@ from schemas.jobs import TERMINAL_STATES, Error, JobQuery, JobReply
 from services import bus
 from services.aio import cancel_and_wait
 from services.cli.client import CommandFailed
-from services.cli.printable import printable
+from services.cli.printable import NO_ANSWER, printable, readable
 
 _dec = msgspec.json.Decoder(JobEvent)
 _enc = msgspec.json.Encoder()
@@ -72,9 +72,15 @@ def reinforcement_part(r: ReinforcementMetrics) -> str:
 def samples_lines(ev: Samples) -> str:
     who = "base model" if ev.model == "base" else f"adapter at step {ev.step}"
     return "\n".join(
-        f"  [{who}] {s.prompt!r} -> {s.answer.strip()!r}" + ("" if s.score is None else f"  score {s.score:.3f}")
+        f"  [{who}] {s.prompt!r} -> {shown_answer(ev, s.answer)}"
+        + ("" if s.score is None else f"  score {s.score:.3f}")
         for s in ev.samples
     )
+
+
+def shown_answer(ev: Samples, text: str) -> str:
+    """An answer quoted as it is, but a base model's that is no text (random weights answer with bytes)."""
+    return NO_ANSWER if ev.model == "base" and not readable(text) else repr(text.strip())
 
 
 def describe(ev) -> str:
