@@ -13,6 +13,7 @@ from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError, NotFound
 
 from schemas import names
 from schemas.tinker_store import session_records
+from services.runtime import StartupError
 
 T = TypeVar("T")
 _encode = msgspec.json.Encoder().encode
@@ -29,9 +30,16 @@ class Store:
         self._decoders: dict[type, msgspec.json.Decoder] = {}
 
     async def open(self) -> Store:
-        self.kv = await self.js.key_value(names.TINKER_KV)
-        self.futures = await self.js.key_value(names.TINKER_FUTURES_KV)
-        self.results = await self.js.object_store(names.TINKER_RESULTS_BUCKET)
+        try:
+            self.kv = await self.js.key_value(names.TINKER_KV)
+            self.futures = await self.js.key_value(names.TINKER_FUTURES_KV)
+            self.results = await self.js.object_store(names.TINKER_RESULTS_BUCKET)
+        except NotFoundError:
+            raise StartupError(
+                f"the Tinker API's buckets ({names.TINKER_KV}, {names.TINKER_FUTURES_KV}, "
+                f"{names.TINKER_RESULTS_BUCKET}) do not exist on this NATS server yet: start this version's scheduler "
+                "first (it creates them), or `jetlora up`"
+            ) from None
         return self
 
     def decode(self, kind: type[T], raw: bytes) -> T:
