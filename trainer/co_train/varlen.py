@@ -2,8 +2,9 @@
 (trainer/co_train/combine.py), so that no member's rows are padded to another's width. Everything in a decoder but
 attention works token by token; attention is computed here piece by piece, each member's rows as they were in its
 own batch ([rows, heads, width, head_dim]), under the model's own kernel and the mask transformers makes for that
-batch alone (sdpa: the packed rows' block-diagonal causal mask; flash attention: varlen by the position ids), so a
-member's attention is what it is when the member trains alone.
+batch alone (sdpa: the packed rows' block-diagonal causal mask), so a member's attention is what it is when the
+member trains alone. Under flash attention nothing is switched: the flat row is a packed batch of sequences, which
+its varlen path takes as it is (transformers finds the sequences by their position ids).
 
 The model's attention implementation is switched to this one only inside `flat_attention` (the group's forward);
 evaluation, samples and the dpo reference's own forwards go through the model's kernel as usual."""
@@ -56,8 +57,11 @@ def supported(model) -> bool:
 
 
 def layout(model, pieces: list[tuple[int, torch.Tensor]]) -> Layout:
-    """The layout of (start, positions [rows, width]) pieces, each with the mask its batch alone would have."""
+    """The layout of (start, positions [rows, width]) pieces, each with the mask its batch alone would have (none
+    under flash attention, which attends the flat row as it is)."""
     config, out = model.config, []
+    if config._attn_implementation.startswith("flash_attention"):
+        return Layout(config._attn_implementation, [])
     for start, positions in pieces:
         rows, width = positions.shape
         shape = torch.empty((rows, width, 1), device=positions.device)  # only its shape, dtype and device count
@@ -70,7 +74,10 @@ def layout(model, pieces: list[tuple[int, torch.Tensor]]) -> Layout:
 
 @contextmanager
 def flat_attention(model, flat: Layout):
-    """Forwards of `model` in this block attend piece by piece as `flat` says."""
+    """Forwards of `model` in this block attend piece by piece as `flat` says (as they are, without pieces)."""
+    if not flat.pieces:
+        yield
+        return
     configs = {id(m.config): m.config for m in model.modules() if hasattr(m, "config")}
     before = {key: c._attn_implementation for key, c in configs.items()}
     token = _now.set(flat)
