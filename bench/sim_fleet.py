@@ -195,7 +195,6 @@ class Fleet:
         await self.report(a, node, "succeeded")
         self.done_at[a.job] = time.monotonic()
         self._free(job)
-        self.finished[node].append(a.job)
 
     async def _pause(self, job: SimJob) -> None:
         """Stop-and-save: a checkpoint at the step reached, reported as a real agent reports it, then `paused`."""
@@ -205,12 +204,15 @@ class Fleet:
         info = CheckpointInfo(step=job.step, name=f"sim-{a.job}-{job.step}", created=time.time())
         await self.report(a, node, "running", message=f"checkpoint at step {job.step} stored", checkpoint=info)
         self.paused[a.job] = self.paused.get(a.job, 0) + 1
-        self._free(job)
         await self.report(a, node, "paused", message=f"paused at step {job.step}", paused_by=job.paused_by)
+        self._free(job)
 
     def _free(self, job: SimJob) -> None:
+        """The job's device is free; heartbeats list it among the node's finished, as a real agent's do (so the
+        scheduler does not take a job whose last state is on its way for one its node lost)."""
         a, node = job.a, job.node
         self.nodes[node][a.device] = [h for h in self.nodes[node][a.device] if h[0] != a.job]
+        self.finished[node].append(a.job)
         if self.running.get(a.job) is job:
             del self.running[a.job]
 

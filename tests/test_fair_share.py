@@ -197,3 +197,48 @@ async def test_a_tenant_may_let_its_urgent_jobs_preempt_its_own(nc, services, ag
     assert (await get_job(nc, other)).attempt == 1  # another tenant's job is not its to take
     states = [e for e in await states_of(nc, low) if isinstance(e, StateChange) and e.state == "paused"]
     assert len(states) == 1 and sched.preemption.stats["victims"] == 1
+
+
+class NoBus:
+    """What SchedulerCore asks of its connection when it is only projected into (nothing is written here)."""
+
+    def jetstream(self):
+        return None
+
+
+def group_of_three(policy: str):
+    """A core whose fleet is one 81,920 MiB device with 10,000 MiB free, held by a co-training group of three of
+    acme's jobs (20,000 MiB each), and a queued job of globex's needing 25,000 MiB."""
+    from schemas.jobs import JobRequest, JobStatus, StoredRequest
+    from schemas.nodes import Device, Heartbeat, RunningAttempt
+    from services.scheduler.core import SchedulerCore
+
+    core = SchedulerCore(NoBus(), SchedulerConfig(co_train=policy))  # type: ignore[arg-type]
+    members = ["m0", "m1", "m2"]
+    attempts = [RunningAttempt(job=j, attempt=1, devices=[0], state="running", group="g") for j in members]
+    device = Device(index=0, total_mib=81920, free_mib=10000, jobs=members)
+    core.fleet.heard(Heartbeat(node="n1", agent_version="t", devices=[device], attempts=attempts))
+
+    def adopt(job: str, tenant: str, gpu_mib: int, status: JobStatus):
+        request = JobRequest(model="m", base_dir="/models/m", gpu_mib=gpu_mib)
+        return core.adopt(StoredRequest(id=job, request=request, created=time.time(), tenant=tenant), status, 1)
+
+    for j in members:
+        adopt(j, "acme", 20000, JobStatus(state="running", node="n1", device=0, group="g", attempt=1))
+    return core, members, adopt("w", "globex", 25000, JobStatus())
+
+
+def test_a_group_gives_up_the_fewest_members_a_joiner_needs_and_all_for_one_that_may_not_join():
+    from services.scheduler.victims import VictimSearch
+
+    # --co-train any: globex's job may join acme's group, and one member's memory makes its room there
+    core, members, waiting = group_of_three("any")
+    plan = VictimSearch(core, waiting, lambda v: True).first(core.book.running.of("acme"), lambda t, n: True)
+    assert plan is not None and len(plan.victims) == 1 and plan.frees == {"acme": 0}, plan  # the group keeps its device
+    # same-tenant: it may not join acme's group; the device frees only when all three stop
+    core, members, waiting = group_of_three("same-tenant")
+    plan = VictimSearch(core, waiting, lambda v: True).first(core.book.running.of("acme"), lambda t, n: True)
+    assert plan is not None and sorted(v.id for v in plan.victims) == members and plan.frees == {"acme": 1}, plan
+    # ... and not at all when one of them may not be preempted (too young, say)
+    search = VictimSearch(core, waiting, lambda v: v.id != "m1")
+    assert search.first(core.book.running.of("acme"), lambda t, n: True) is None

@@ -96,18 +96,27 @@ class Placer:
         the tenant holds fewer devices than that); False when the pass ran out of its time (the next pass goes on)."""
         core = self.core
         placing.limit = limit
-        until = None if limit is None else (lambda: placing.holding.get(tenant, 0) >= limit)
+        cut = False
+
+        def until() -> bool:  # the tenant has its share for this turn; or the pass placed jobs and ran out of time
+            nonlocal cut
+            cut = placing.placed > 0 and time.perf_counter() - started > PASS_BUDGET_S
+            return cut or (limit is not None and placing.holding.get(tenant, 0) >= limit)
+
         with contextlib.closing(
             queue.take(placing.fits(node), node=node, window=core.cfg.backfill_window, until=until)
         ) as jobs:
             for job_id in jobs:
+                placing.placed += 1
                 core.spawn(self._assign(core.jobs[job_id], placing.needs.get(job_id)))
                 if node is None and not core.fleet.any_free() and not core.groups.by_id:
                     break
                 if time.perf_counter() - started > PASS_BUDGET_S:
-                    core.wake.set()
-                    return False
-        return True
+                    cut = True
+                    break
+        if cut:  # the next pass goes on after whatever else waits for the loop
+            core.wake.set()
+        return not cut
 
     def _keep_for_gang(self, job_id: str, node: str | None, kept: set[str]) -> None:
         """A multi-device job that does not fit yet has a node kept for it: jobs behind it in the queue are
@@ -208,6 +217,7 @@ class PlacementPass:
         self.holding: dict[Tenant, int] = {t: n for t, n in core.devices_by_tenant.items() if n}
         self.table: ShareTable | None = None  # the tenants' shares as the pass began (fair sharing)
         self.limit: int | None = None  # the devices the tenant whose queue is being placed may reach in this turn
+        self.placed = 0  # jobs placed in this pass
         self.kept_nodes = core.gang_holds = {
             n: j
             for n, j in core.gang_holds.items()
