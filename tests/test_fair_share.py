@@ -17,6 +17,7 @@ from schemas.jobs import Accepted, JobQuery, JobReply, JobWhy
 from schemas.tenants import TenantList, TenantsQuery
 from services import bus
 from services.artifacts.service import ArtifactService
+from services.cli.watch import describe
 from services.gateway.openai_map import fine_tuning_job
 from services.scheduler.config import TenantQuota
 from services.scheduler.service import Scheduler, SchedulerConfig
@@ -145,6 +146,7 @@ async def test_a_tenant_below_its_share_takes_two_devices_back_by_checkpoint(nc,
             events = await states_of(nc, job)
             paused = [e for e in events if e.state == "paused"]
             assert [e.paused_by for e in paused] == [why], paused  # preempted once, not again within the backoff
+            assert describe(paused[0]).endswith(f"(by {why})")  # as `jetlora events` and `watch` show it
             [saved] = [e.checkpoint.step for e in events if e.checkpoint is not None and e.attempt == 1]
             assert ran[1][-1] == saved and ran[2][0] == saved + 1, (saved, ran)
         else:

@@ -91,7 +91,8 @@ def describe(ev) -> str:
         return printable(ev.message)
     if isinstance(ev, Samples):
         return "samples:\n" + printable(samples_lines(ev), one_line=False)
-    return f"{ev.state}: {printable(ev.message)}"
+    by = f" (by {printable(ev.paused_by)})" if ev.state == "paused" and ev.paused_by else ""  # a preemption says who
+    return f"{ev.state}: {printable(ev.message)}{by}"
 
 
 async def follow(nc: Client, job: str, tenant: str | None = None):
