@@ -97,24 +97,7 @@ class JobEvents:
         if job is None:
             log.warning("ignored a state of job %s: no such job in the jobs bucket", ev.job)
             return
-        if names.tenant_of_event_subject(msg.subject) != job.stored.tenant:
-            log.warning(
-                "ignored a state of job %s from node %s sent on %s: not under the job's tenant",
-                ev.job,
-                node,
-                msg.subject,
-            )
-            return
-        if (node, ev.attempt) != (job.status.node, job.status.attempt) and job.status.state not in TERMINAL_STATES:
-            log.warning(
-                "ignored %r of job %s from node %s (attempt %d): the job's attempt %d is %s",
-                ev.state,
-                ev.job,
-                node,
-                ev.attempt,
-                job.status.attempt,
-                f"on node {job.status.node}" if job.status.node else "not on any node",
-            )
+        if not _for_this_attempt(job, ev, node, msg.subject):
             return
 
         seq = msg.metadata.sequence.stream
@@ -175,3 +158,25 @@ class JobEvents:
             await core.set_state(job, job.status.state, f"{job.status.message}; {note}")
         except Exception as e:  # the registration stands; only its note in the job's message is missing
             log.warning("job %s: could not note its registration (%s)", job.id, e)
+
+
+def _for_this_attempt(job: Job, ev: StateChange, node: str, subject: str) -> bool:
+    """Whether a state event is the job's own: sent under its tenant, by the node of its current attempt (an ended
+    job's last word from any node is looked at: it is refused later if it would change anything)."""
+    if names.tenant_of_event_subject(subject) != job.stored.tenant:
+        log.warning(
+            "ignored a state of job %s from node %s sent on %s: not under the job's tenant", ev.job, node, subject
+        )
+        return False
+    if (node, ev.attempt) != (job.status.node, job.status.attempt) and job.status.state not in TERMINAL_STATES:
+        log.warning(
+            "ignored %r of job %s from node %s (attempt %d): the job's attempt %d is %s",
+            ev.state,
+            ev.job,
+            node,
+            ev.attempt,
+            job.status.attempt,
+            f"on node {job.status.node}" if job.status.node else "not on any node",
+        )
+        return False
+    return True
