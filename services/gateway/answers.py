@@ -1,6 +1,6 @@
 """The middleware every gateway request goes through: the tenant from the request's key (a /v1 request's only
 tenant), every refusal in OpenAI's error shape, and the request's id in each answer (`x-request-id`), the one a
-fault no handler foresaw is logged under (faults.py)."""
+fault no handler foresaw is logged under (faults.py) and a Tinker fault's body names (request[REQUEST_ID])."""
 
 from __future__ import annotations
 
@@ -14,12 +14,13 @@ from services.gateway.faults import REQUEST_ID_HEADER, Faults, request_id, unfor
 from services.gateway.keys import KeyStore
 
 log = logging.getLogger(__name__)
+REQUEST_ID = web.RequestKey("request_id", str)  # the request's one id: its header, and any fault's body and log
 
 
 def openai_errors(keys: KeyStore, faults: Faults):
     @web.middleware
     async def middleware(request: web.Request, handler) -> web.StreamResponse:
-        ident = request_id()
+        ident = request[REQUEST_ID] = request_id()
         response = await _answer(request, handler, ident, keys, faults)
         if not response.prepared:
             response.headers[REQUEST_ID_HEADER] = ident

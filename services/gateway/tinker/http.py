@@ -10,6 +10,8 @@ import secrets
 import msgspec
 from aiohttp import web
 
+from services.gateway.answers import REQUEST_ID
+from services.gateway.faults import FAULTS
 from services.gateway.keys import KeyStore
 
 log = logging.getLogger(__name__)
@@ -38,8 +40,12 @@ def fault_id() -> str:
 
 
 def logged_fault(request: web.Request) -> Fault:
-    """The fault being handled (call it from an `except`), logged with its traceback and a request id."""
-    ident = fault_id()
+    """The fault being handled (call it from an `except`), logged with its traceback under the request's own id
+    (the one its x-request-id header carries), and counted with the gateway's other faults (GET /healthz)."""
+    ident = request.get(REQUEST_ID) or fault_id()
+    faults = request.app.get(FAULTS)
+    if faults is not None:
+        faults.count += 1
     log.exception("Tinker API %s %s failed (request %s)", request.method, request.path, ident)
     return Fault(ident)
 

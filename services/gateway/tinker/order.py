@@ -139,6 +139,7 @@ class Order:
         try:
             while True:
                 owned.wake.clear()
+                _forget_past(owned)
                 written = owned.background
                 if written is not None and written.done():
                     owned.background = None
@@ -209,8 +210,9 @@ class Order:
             f"seq_id {seq} of model {record.id} did not arrive within {self.settings.gap_s:.0f} s of the calls after "
             "it; they ran without it (send calls with consecutive seq_ids)"
         )
+        outcome = failed(message)
         skipped = FutureRecord(id=ordered_request(record.id, seq), tenant=record.tenant, model=record.id, seq=seq,
-                               kind="skipped", created=time.time(), outcome=failed(message))  # fmt: skip
+                               kind="skipped", created=time.time(), outcome=outcome)  # fmt: skip
         if await self.book.record(skipped) is None:  # it came at the last moment
             late = await self.book.find(record.tenant, skipped.id)
             if late is not None:
@@ -218,6 +220,7 @@ class Order:
                 return
         log.info("model %s: %s", record.id, message)
         record.next_seq = max(record.next_seq, seq + 1)
+        self.book.resolve(skipped.id, outcome)  # a late try of it taken here meanwhile: told it failed
 
     async def _give_back(self, owned: Owned) -> bool:
         """Nobody called for LINGER_S: the model is no longer run here (False: a call came meanwhile)."""
@@ -276,6 +279,14 @@ class Order:
             self._drop(owned)
         for request in list(self.book.local):
             self.book.abandon(request)
+
+
+def _forget_past(owned: Owned) -> None:
+    """Calls whose turn is past leave `arrived`: a skipped seq_id read back from the store while its skip was being
+    written (its own write's echo) would otherwise stand for "a later call came" for ever, and every next seq_id
+    would be failed as never come once the gap timeout passed."""
+    for seq in [seq for seq in owned.arrived if seq < owned.record.next_seq]:
+        del owned.arrived[seq]
 
 
 async def _wait(event: asyncio.Event, timeout: float) -> bool:
