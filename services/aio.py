@@ -1,10 +1,11 @@
-"""Small asyncio helpers every service shares: a sleep that a stop cuts short, tasks ended and awaited."""
+"""Small asyncio helpers every service shares: a sleep that a stop cuts short, tasks ended and awaited, tasks run
+together."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Iterable
+from collections.abc import Awaitable, Iterable
 
 log = logging.getLogger(__name__)
 
@@ -35,3 +36,16 @@ async def wait_first(*events: asyncio.Event) -> None:
         await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
     finally:
         await cancel_and_wait(waits)
+
+
+async def together(*work: Awaitable[None]) -> None:
+    """Run them at once until each has ended; the first that fails ends the others (awaited), and its error is
+    raised as it is."""
+    tasks = [asyncio.ensure_future(w) for w in work]
+    try:
+        done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+        errors = [e for t in done if not t.cancelled() and (e := t.exception()) is not None]
+        if errors:
+            raise errors[0]
+    finally:
+        await cancel_and_wait([t for t in tasks if not t.done()])

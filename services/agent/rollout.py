@@ -38,6 +38,7 @@ from services.agent.served_eval import grader_context
 from services.agent.served_state import ServedState
 from services.agent.staging import Stager
 from services.aio import cancel_and_wait, sleep_unless_stopped
+from services.controller import keep, watch_kv
 
 log = logging.getLogger(__name__)
 _alias = msgspec.json.Decoder(Alias)
@@ -97,32 +98,31 @@ class Rollout:
         log.info("rollout: %s follow the adapter registry", ", ".join(e.label for e in self.engines))
         answering = await self.runs.subscribe()
         checking = asyncio.create_task(self._check_engines(stop))
-        staging = asyncio.create_task(_keep(stop, "staging new versions", self.stager.follow)) if self.stager else None
+        staging = (
+            asyncio.create_task(keep(stop, "rollout: staging new versions", self.stager.follow))
+            if self.stager
+            else None
+        )
         try:
-            await _keep(stop, "following the adapter registry", self._follow)
+            await keep(stop, "rollout: following the adapter registry", self._follow)
         finally:
             await cancel_and_wait([checking, staging, *self.fetching.values()])
             await self.evals.close()
             await self.runs.close(answering)
 
     async def _follow(self, stop: asyncio.Event) -> None:
+        """Converge to each alias as it changes (those there are first: then `ready`)."""
         kv = await self.js.key_value(names.ADAPTERS_KV)
         self.registry = RegistryBucket(kv)
-        watcher = await kv.watch(names.adapter_alias_key(), ignore_deletes=True)
-        try:
-            while not stop.is_set():
-                try:
-                    entry = await watcher.updates(timeout=1.0)
-                except (asyncio.TimeoutError, TimeoutError):
-                    continue
-                if entry is None:  # the end of the initial values
-                    self.ready.set()
-                    continue
-                if not entry.value:
-                    continue  # a deleted key
+
+        async def changed(entry) -> None:
+            if entry.value:  # (not a deleted key)
                 await self.converge(_alias.decode(entry.value))
-        finally:
-            await watcher.stop()
+
+        async def current() -> None:
+            self.ready.set()
+
+        await watch_kv(kv, names.adapter_alias_key(), stop, changed, current)
 
     async def _start_engines(self) -> None:
         """An engine with a restart command that does not answer yet is started with it (llama-server, with the
@@ -332,19 +332,3 @@ class Rollout:
             await self.nc.publish(names.adapter_status(self.node), _enc.encode(status))
         except Exception as e:  # NATS away: the next change reports again
             log.warning("adapter status not sent: %s", e)
-
-
-async def _keep(stop: asyncio.Event, what: str, work) -> None:
-    """Run `work(stop)` until `stop`; one that fails (a watch the server broke: a restart, a limit) starts again,
-    with a backoff that grows while it keeps failing."""
-    pause = 0.5
-    while not stop.is_set():
-        began = time.monotonic()
-        try:
-            await work(stop)
-        except Exception as e:
-            if time.monotonic() - began > 60:  # it had worked for a while: a fresh failure
-                pause = 0.5
-            log.warning("rollout: %s failed (%s: %s); trying again in %.1fs", what, type(e).__name__, e, pause)
-            await sleep_unless_stopped(stop, pause)
-            pause = min(pause * 2, 30.0)

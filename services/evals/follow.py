@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 
 from schemas import names
 from schemas.evals import DECODERS
 from schemas.job_records import decode_status, status_key
-from services.aio import sleep_unless_stopped
+from services.aio import together
+from services.controller import keep, watch_kv
 from services.evals import runs
 from services.evals.store import EvalStore
 from services.job_records import JobRecords
@@ -24,50 +24,28 @@ JOB_ENDED = {"succeeded", "failed", "stopped", "cancelled"}
 
 async def keep_following(js, store: EvalStore, jobs: JobRecords, stop: asyncio.Event) -> None:
     """follow() until stopped; a watch the server broke (a restart) starts again, with a growing backoff."""
-    pause = 0.5
-    while not stop.is_set():
-        began = time.monotonic()
-        try:
-            await follow(js, store, jobs, stop)
-        except Exception as e:
-            pause = 0.5 if time.monotonic() - began > 60 else pause
-            log.warning("evals: following the jobs failed (%s: %s); again in %.1fs", type(e).__name__, e, pause)
-            await sleep_unless_stopped(stop, pause)
-            pause = min(pause * 2, 30.0)
+    await keep(stop, "evals: following the jobs", lambda stop: follow(js, store, jobs, stop))
 
 
 async def follow(js, store: EvalStore, jobs: JobRecords, stop: asyncio.Event) -> None:
     """Finish each unfinished run as its job ends. The runs are followed too (their bucket holds only runs and
-    evals), so an ended job is looked up only when it is a run's: other jobs' statuses pass unread."""
+    evals), so an ended job is looked up only when it is a run's: other jobs' statuses pass unread. Either watch
+    broken ends both (raised, for keep_following to start again)."""
     kv = await js.key_value(names.JOBS_KV)
-    statuses = await kv.watch(status_key("*"), ignore_deletes=True)
     runs_of = RunJobs(store, jobs)
-    following = asyncio.create_task(runs_of.follow(stop))
     caught_up = False
-    try:
-        while not stop.is_set():
-            if following.done():
-                following.result()  # a broken watch of the runs: raised, and keep_following starts again
-            try:
-                entry = await statuses.updates(timeout=1.0)
-            except (asyncio.TimeoutError, TimeoutError):
-                continue
-            if entry is None:  # the end of the current values: what ended before now is found by the sweep
-                caught_up = True
-                await sweep(store, jobs)
-                continue
-            job = entry.key.partition(".")[2]
-            if (
-                caught_up
-                and job in runs_of.unfinished
-                and entry.value
-                and decode_status(entry.value).state in JOB_ENDED
-            ):
-                await job_ended(store, jobs, runs_of.unfinished[job])
-    finally:
-        following.cancel()
-        await asyncio.gather(following, return_exceptions=True)
-        await statuses.stop()
+
+    async def status(entry) -> None:
+        job = entry.key.partition(".")[2]
+        if caught_up and job in runs_of.unfinished and entry.value and decode_status(entry.value).state in JOB_ENDED:
+            await job_ended(store, jobs, runs_of.unfinished[job])
+
+    async def current() -> None:  # what ended before now is found by the sweep
+        nonlocal caught_up
+        caught_up = True
+        await sweep(store, jobs)
+
+    await together(watch_kv(kv, status_key("*"), stop, status, current), runs_of.follow(stop))
 
 
 class RunJobs:
@@ -77,29 +55,24 @@ class RunJobs:
     def __init__(self, store: EvalStore, jobs: JobRecords) -> None:
         self.store, self.jobs = store, jobs
         self.unfinished: dict[str, tuple[str | None, str]] = {}  # job -> (tenant, run)
+        self.caught_up = False
 
     async def follow(self, stop: asyncio.Event) -> None:
-        watcher = await self.store.kv.watch("run.>", ignore_deletes=False)
-        caught_up = False
-        try:
-            while not stop.is_set():
-                try:
-                    entry = await watcher.updates(timeout=1.0)
-                except (asyncio.TimeoutError, TimeoutError):
-                    continue
-                if entry is None:
-                    caught_up = True
-                    continue
-                run = DECODERS["run"].decode(entry.value) if entry.value else None
-                if run is None or run.state in runs.ENDED or not run.job:
-                    self.unfinished = {j: r for j, r in self.unfinished.items() if r[1] != entry.key.split(".")[-1]}
-                    continue
-                new = run.job not in self.unfinished
-                self.unfinished[run.job] = (run.tenant, run.id)
-                if new and caught_up:  # its job may have ended before the run was stored
-                    await runs.refresh(self.store, self.jobs, run)
-        finally:
-            await watcher.stop()
+        self.caught_up = False
+        await watch_kv(self.store.kv, "run.>", stop, self.changed, self._current, ignore_deletes=False)
+
+    async def _current(self) -> None:
+        self.caught_up = True
+
+    async def changed(self, entry) -> None:
+        run = DECODERS["run"].decode(entry.value) if entry.value else None
+        if run is None or run.state in runs.ENDED or not run.job:
+            self.unfinished = {j: r for j, r in self.unfinished.items() if r[1] != entry.key.split(".")[-1]}
+            return
+        new = run.job not in self.unfinished
+        self.unfinished[run.job] = (run.tenant, run.id)
+        if new and self.caught_up:  # its job may have ended before the run was stored
+            await runs.refresh(self.store, self.jobs, run)
 
 
 async def sweep(store: EvalStore, jobs: JobRecords) -> None:

@@ -9,17 +9,17 @@ leaves out one whose payload names another)."""
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import math
 import time
+from collections.abc import Iterator
 
 import msgspec
 
 from schemas.parity import describe as describe_parity
 from schemas.registry import AdapterReply, Alias, Canary, NodeAdapterStatus
 from schemas.served import bounds, counts, trainer_side, within
-from services.aio import sleep_unless_stopped
+from services.controller import Controller
 from services.registry.store import AdapterRegistry, RegistryError
 
 log = logging.getLogger(__name__)
@@ -133,23 +133,24 @@ def finished(alias: Alias, passed: bool, why: str) -> Alias:
     return msgspec.structs.replace(alias, current=canary.version, history=history, canary=None, last_rollout=why)
 
 
-async def guard(registry: AdapterRegistry, stop: asyncio.Event) -> None:
-    """Decide every canary under way as its nodes report; a change made meanwhile (compare-and-set) wins."""
-    while not await sleep_unless_stopped(stop, CHECK_S):
+def decided(replies: dict[str, AdapterReply]) -> Iterator[tuple[Alias, bool, str]]:
+    """Each canary under way that its nodes' reports decide now: (its alias, passed, why)."""
+    for reply in replies.values():
+        alias = reply.alias
+        if alias.canary is not None and (outcome_now := outcome(alias, reply.nodes, time.time())) is not None:
+            yield alias, *outcome_now
+
+
+def controller(registry: AdapterRegistry) -> Controller[dict[str, AdapterReply]]:
+    """Decide every canary under way as its nodes report, every CHECK_S; a change made meanwhile (compare-and-set)
+    wins."""
+
+    async def decide(work: tuple[Alias, bool, str]) -> None:
+        alias, passed, why = work
         try:
-            replies = await registry.adapters()
-        except Exception as e:
-            log.warning("canaries: the registry could not be read (%s: %s); looking again", type(e).__name__, e)
-            continue
-        for reply in replies.values():
-            alias = reply.alias
-            if alias.canary is None or (decided := outcome(alias, reply.nodes, time.time())) is None:
-                continue
-            passed, why = decided
-            try:
-                await registry.change_alias(
-                    alias.name, lambda a, p=passed, w=why: finished(a, p, w), None, alias.changes
-                )
-                (log.info if passed else log.warning)("%s", why)
-            except RegistryError as e:  # it changed meanwhile (a promote, a rollback): that change decides
-                log.info("canary of %s: %s", alias.name, e)
+            await registry.change_alias(alias.name, lambda a: finished(a, passed, why), None, alias.changes)
+            (log.info if passed else log.warning)("%s", why)
+        except RegistryError as e:  # it changed meanwhile (a promote, a rollback): that change decides
+            log.info("canary of %s: %s", alias.name, e)
+
+    return Controller("canaries", CHECK_S, decided, decide)

@@ -9,7 +9,6 @@ plain promote, rollback or retire ends a gate under way."""
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 from dataclasses import dataclass
@@ -23,9 +22,9 @@ from schemas.engine_evals import TRAINER
 from schemas.evals import EvalReply, EvalRun, RunList, RunListQuery, RunQuery, RunReply, RunRequest
 from schemas.gates import CompareReply, CompareRequest, Comparison, Gate, GateSpec, unevaluated, verdict
 from schemas.jobs import Error
-from schemas.registry import AdapterVersion, Alias
+from schemas.registry import AdapterReply, AdapterVersion, Alias
 from services import bus
-from services.aio import sleep_unless_stopped
+from services.controller import Controller
 from services.job_records import JobRecords
 from services.registry.store import AdapterRegistry, RegistryError
 
@@ -211,20 +210,20 @@ async def advance(nc: Client, registry: AdapterRegistry, alias: Alias, promoted:
     await registry.change_alias(alias.name, promote, None)
 
 
-async def keep_deciding(
-    nc: Client, registry: AdapterRegistry, promoted: Promoted, canaried: Canaried, stop: asyncio.Event
-) -> None:
-    """Advance every gate under way, a step each pass."""
-    while not await sleep_unless_stopped(stop, CHECK_S):
+def under_way(replies: dict[str, AdapterReply]) -> list[Alias]:
+    """The aliases with a gate under way."""
+    return [reply.alias for reply in replies.values() if reply.alias.gate is not None]
+
+
+def controller(
+    nc: Client, registry: AdapterRegistry, promoted: Promoted, canaried: Canaried
+) -> Controller[dict[str, AdapterReply]]:
+    """Advance every gate under way, a step each CHECK_S."""
+
+    async def step_one(alias: Alias) -> None:
         try:
-            replies = await registry.adapters()
-        except Exception as e:
-            log.warning("gates: the registry could not be read (%s: %s); looking again", type(e).__name__, e)
-            continue
-        for reply in replies.values():
-            if reply.alias.gate is None:
-                continue
-            try:
-                await advance(nc, registry, reply.alias, promoted, canaried)
-            except RegistryError as e:
-                log.info("gate of %s: %s", reply.alias.name, e)
+            await advance(nc, registry, alias, promoted, canaried)
+        except RegistryError as e:
+            log.info("gate of %s: %s", alias.name, e)
+
+    return Controller("gates", CHECK_S, under_way, step_one)

@@ -30,6 +30,7 @@ from schemas.registry import (
 )
 from services import __version__, bus
 from services.aio import cancel_and_wait
+from services.controller import SharedRead
 from services.job_records import JobRecords
 from services.registry import canary, gate, gated_canary
 from services.registry.nodes import DEPARTED_S, SWEEP_S, NodeLiveness
@@ -139,15 +140,18 @@ class RegistryService:
         self.jobs = await JobRecords.open(self.js)
         self.nodes = NodeLiveness(self.nc, self.registry, self.departed_s, self.sweep_s)
         following = asyncio.create_task(view.run(stop), name="registry-view")
-        guarding = asyncio.create_task(canary.guard(self.registry, stop), name="canaries")
         hearing = asyncio.create_task(self.nodes.run(stop), name="registry-nodes")
-        gating = asyncio.create_task(
-            gate.keep_deciding(self.nc, self.registry, _promoted, self._canaried, stop), name="gates"
+        self.deciding = SharedRead(  # canaries and gates decided from one read of the registry a pass
+            "the adapter registry",
+            self.registry.adapters,
+            canary.controller(self.registry),
+            gate.controller(self.nc, self.registry, _promoted, self._canaried),
         )
+        deciding = asyncio.create_task(self.deciding.run(stop), name="canaries-and-gates")
         try:
             await self._serve(stop)
         finally:
-            await cancel_and_wait([following, guarding, hearing, gating])
+            await cancel_and_wait([following, hearing, deciding])
 
     async def _serve(self, stop: asyncio.Event) -> None:
         service = await nats.micro.add_service(
