@@ -9,9 +9,9 @@ or created again, its sequences went backwards, or the consumer stopped deliveri
 messages. A (re)build fills a new state aside and swaps it in once it holds everything the stream held when the
 build began, so a reader sees a whole view, older or newer, or waits for one; never half of one.
 
-An optional `group(key)` keeps an index from a group (say, an adapter's name) to its keys as messages are applied,
+An optional grouping (`Grouping.of(key)`) keeps an index from a group (say, an adapter's name) to its keys as messages are applied,
 so that reading one group (`snapshot_group`) costs what the group holds, not what the view holds; with
-`group_subjects(group)` (the subject filters that hold a group's keys) such a read also asks the stream only for the
+`Grouping.subjects(group)` (the subject filters that hold a group's keys) such a read also asks the stream only for the
 newest message of those, which nats-server answers at a cost that does not grow with the slice (its newest
 message of a whole slice of 130,000 subjects took 7 ms, of one group's filters 0.25 ms)."""
 
@@ -24,6 +24,7 @@ import json
 import logging
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any
 
@@ -64,29 +65,48 @@ class _State:
         self.seen = 0
 
 
+@dataclass(frozen=True)
+class Slice:
+    """The part of a stream a view follows: its `subjects` filter; a key is a subject less `prefix`."""
+
+    stream: str
+    subjects: str
+    prefix: str = ""
+
+
+@dataclass(frozen=True)
+class Grouping:
+    """An index of the view's keys by group: of(key) -> the group a key is in (None: none), for snapshot_group;
+    subjects(group) -> the subject filters that hold a group's keys, to check a group read's freshness by."""
+
+    of: Callable[[str], str | None]
+    subjects: Callable[[str], Sequence[str]] | None = None
+
+
+@dataclass(frozen=True)
+class Pace:
+    """catch_up_s: a read's deadline; heartbeat_s: the consumer's idle heartbeat, and how often the view checks it
+    still follows the stream."""
+
+    catch_up_s: float = 5.0
+    heartbeat_s: float = 2.0
+
+
 class LatestView:
     """The newest value of each key of a slice of a stream (removed keys are absent), as of each read's request."""
 
     def __init__(
         self,
         js,
-        stream: str,
-        subjects: str,
+        where: Slice,
         decode: Callable[[str, Any], Any | None],
-        key: Callable[[str], str] = lambda subject: subject,
-        group: Callable[[str], str | None] | None = None,
-        group_subjects: Callable[[str], Sequence[str]] | None = None,
-        catch_up_s: float = 5.0,
-        heartbeat_s: float = 2.0,
+        grouping: Grouping | None = None,
+        pace: Pace = Pace(),
     ) -> None:
-        """decode(key, msg) -> the value to keep, or None when the message removes the key; group(key) -> the
-        group a key is indexed under (None: none), for snapshot_group; group_subjects(group) -> the subject
-        filters of the stream that hold the group's keys, to check a group read's freshness by; catch_up_s: a read's
-        deadline;
-        heartbeat_s: the consumer's idle heartbeat, and how often the view checks it still follows the stream."""
-        self.js, self.stream, self.subjects = js, stream, subjects
-        self.decode, self.key, self.group, self.group_subjects = decode, key, group, group_subjects
-        self.catch_up_s, self.heartbeat_s = catch_up_s, heartbeat_s
+        """decode(key, msg) -> the value to keep, or None when the message removes the key."""
+        self.js, self.stream, self.subjects, self.prefix = js, where.stream, where.subjects, where.prefix
+        self.decode, self.grouping = decode, grouping
+        self.catch_up_s, self.heartbeat_s = pace.catch_up_s, pace.heartbeat_s
         self.rebuilds = 0  # consumers started after the first one: each replaced a broken one
         self._live: _State | None = None  # what readers see: None until a build caught up (or after a drop)
         self._building: _State | None = None  # filled aside by the current consumer until it caught up
@@ -166,9 +186,9 @@ class LatestView:
 
     def _apply(self, state: _State, msg) -> None:
         """Put the message's value (or its removal) into the state's entries and its group's index."""
-        key, group = self.key(msg.subject), None
+        key, group = msg.subject.removeprefix(self.prefix), None
         try:
-            group = self.group(key) if self.group else None
+            group = self.grouping.of(key) if self.grouping else None
             value = self.decode(key, msg)
         except Exception as e:  # one foreign message must not stop the view
             log.warning("the view of %s skipped %s: it did not decode (%s)", self.stream, msg.subject, e)
@@ -254,9 +274,9 @@ class LatestView:
 
     async def snapshot_group(self, group: str) -> dict[str, Any]:
         """The keys of one group (see `group`) with their values as of this request: as cheap as the group is."""
-        if self.group is None:
-            raise TypeError(f"the view of {self.stream} keeps no groups: give LatestView a group function")
-        subjects = self.group_subjects(group) if self.group_subjects else None
+        if self.grouping is None:
+            raise TypeError(f"the view of {self.stream} keeps no groups: give LatestView a Grouping")
+        subjects = self.grouping.subjects(group) if self.grouping.subjects else None
         return dict((await self._caught_up(subjects)).groups.get(group, {}))
 
     async def _caught_up(self, subjects: Sequence[str] | None = None) -> _State:
@@ -300,20 +320,31 @@ class LatestView:
             return 0
 
 
-def kv_view(js, bucket: str, decode: Callable[[str, bytes], Any], **options: Any) -> LatestView:
-    """A KV bucket's current keys, decode(key, value) each; deleted and purged keys are absent. `options` go to
-    LatestView (group, group_subjects, catch_up_s, heartbeat_s)."""
-    store = names.kv(bucket)
+def kv_view(
+    js,
+    bucket: str,
+    decode: Callable[[str, bytes], Any],
+    grouping: Grouping | None = None,
+    catch_up_s: float = Pace.catch_up_s,
+    heartbeat_s: float = Pace.heartbeat_s,
+) -> LatestView:
+    """A KV bucket's current keys, decode(key, value) each; deleted and purged keys are absent."""
 
     def value(key: str, msg) -> Any | None:
         if (msg.headers or {}).get(KV_OPERATION) in ("DEL", "PURGE") or not msg.data:
             return None
         return decode(key, msg.data)
 
-    return LatestView(js, store.stream, store.subjects, value, key=lambda s: s.removeprefix(store.prefix), **options)
+    return LatestView(js, kv_slice(bucket), value, grouping, Pace(catch_up_s, heartbeat_s))
 
 
-def object_view(js, bucket: str, **options: Any) -> LatestView:
+def kv_slice(bucket: str) -> Slice:
+    """Every key of a KV bucket, as its stream holds them."""
+    store = names.kv(bucket)
+    return Slice(store.stream, store.subjects, store.prefix)
+
+
+def object_view(js, bucket: str, pace: Pace = Pace()) -> LatestView:
     """An object store's current objects as nats-py ObjectInfo, by name; deleted ones are absent."""
 
     def info(_key: str, msg) -> ObjectInfo | None:
@@ -321,4 +352,4 @@ def object_view(js, bucket: str, **options: Any) -> LatestView:
         return None if found.deleted else found
 
     store = names.objects(bucket)
-    return LatestView(js, store.stream, store.metas, info, **options)
+    return LatestView(js, Slice(store.stream, store.metas), info, pace=pace)

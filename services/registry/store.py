@@ -22,7 +22,7 @@ from schemas.registry import (
     adapter_of,
     adapter_subjects,
 )
-from services.streamview import KV_OPERATION, LatestView
+from services.streamview import KV_OPERATION, Grouping, LatestView, kv_slice
 
 log = logging.getLogger(__name__)
 
@@ -44,7 +44,6 @@ def registry_view(js) -> LatestView:
     adapter name, so that one adapter is read without walking (or asking the stream about) the others. A node
     status carries the bucket sequence it was stored at (`seq`), and one whose payload names another adapter or
     node than its key is left out: the key is what a node's permissions let it write (`node.*.<node>`)."""
-    store = names.kv(names.ADAPTERS_KV)
 
     def value(key: str, msg) -> object | None:
         if (msg.headers or {}).get(KV_OPERATION) in ("DEL", "PURGE") or not msg.data:
@@ -53,15 +52,7 @@ def registry_view(js) -> LatestView:
         decoded = DECODERS[kind].decode(msg.data)
         return _as_stored(key, decoded, msg.metadata.sequence.stream) if kind == "node" else decoded
 
-    return LatestView(
-        js,
-        store.stream,
-        store.subjects,
-        value,
-        key=lambda subject: subject.removeprefix(store.prefix),
-        group=adapter_of,
-        group_subjects=adapter_subjects,
-    )
+    return LatestView(js, kv_slice(names.ADAPTERS_KV), value, Grouping(adapter_of, adapter_subjects))
 
 
 def _as_stored(key: str, status: NodeAdapterStatus, seq: int) -> NodeAdapterStatus | None:

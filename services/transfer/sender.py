@@ -8,6 +8,9 @@ import logging
 import os
 import uuid
 from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, TypeVar
 
 import aiofiles
 import msgspec
@@ -23,6 +26,8 @@ log = logging.getLogger(__name__)
 _ack = msgspec.json.Decoder(ChunkAck)
 _dataset_ack = msgspec.json.Decoder(DatasetChunkAck)
 _error = msgspec.json.Decoder(Error)
+T = TypeVar("T")
+MakeChunk = Callable[[str, int, bytes, bool, str, int], T]  # (upload, seq, data, last, sha256, size) -> a chunk
 
 
 class UploadError(Exception):
@@ -33,6 +38,17 @@ class Refusal(UploadError):
     """The service answered and refused the upload (a bad row, a name taken): sending it again will not help."""
 
 
+@dataclass(frozen=True)
+class Sending:
+    """How a file is sent, tuned together: `window` chunks awaiting their acks, `timeout` s for an ack (four times
+    that for the last, which comes once the object is stored), `attempts` from the start, `chunk_bytes` a chunk."""
+
+    window: int = 8
+    timeout: float = 15.0
+    attempts: int = 3
+    chunk_bytes: int = CHUNK_BYTES
+
+
 async def upload_file(
     nc: Client,
     node: str,
@@ -40,43 +56,13 @@ async def upload_file(
     kind: ArtifactKind,
     path: str | os.PathLike,
     meta: ArtifactMeta | None = None,
-    window: int = 8,
-    timeout: float = 15.0,
-    attempts: int = 3,
-    chunk_bytes: int = CHUNK_BYTES,
+    **sending: Any,
 ) -> ArtifactInfo:
     """Upload an artifact of a job this node runs; retried from the start (as a new upload) when the service
-    restarts or stalls, never when it refuses."""
-
-    def chunk(upload: str, seq: int, data: bytes, last: bool, sha256: str, size: int) -> Chunk:
-        return Chunk(
-            upload=upload,
-            job=job,
-            kind=kind,
-            seq=seq,
-            data=data,
-            last=last,
-            sha256=sha256,
-            size=size,
-            meta=meta if seq == 0 else None,
-        )
-
-    last_error = None
-    for attempt in range(1, attempts + 1):
-        try:
-            return await send_file(
-                nc, names.artifact_upload(node, job), path, chunk, _ack, window, timeout, chunk_bytes
-            )
-        except Refusal:  # the service answered no (not this job's attempt, a bad meta): the same again would be too
-            raise
-        except UploadError as e:
-            last_error = e
-            log.warning("upload of %s %s failed (attempt %d of %d): %s", job, kind, attempt, attempts, e)
-            await asyncio.sleep(min(2.0 * attempt, 5.0))
-    raise UploadError(
-        f"could not upload the {kind} artifact of job {job} after {attempts} attempts: {last_error}; "
-        "is the artifact service running (jetlora artifacts)?"
-    )
+    restarts or stalls, never when it refuses. `sending`: Sending's fields (window, timeout, attempts, chunk_bytes)."""
+    chunk = _chunks(Chunk, meta, job=job, kind=kind)
+    what = f"the {kind} artifact of job {job}"
+    return await _upload(nc, names.artifact_upload(node, job), path, chunk, _ack, what, Sending(**sending))
 
 
 async def upload_dataset(
@@ -85,43 +71,51 @@ async def upload_dataset(
     path: str | os.PathLike,
     upload: DatasetUpload | None = None,
     tenant: str | None = None,
-    window: int = 8,
-    timeout: float = 15.0,
-    attempts: int = 3,
-    chunk_bytes: int = CHUNK_BYTES,
+    **sending: Any,
 ) -> DatasetInfo:
     """Upload a dataset file; the service checks every row before storing it. A refusal (Refusal) is final; a
-    service that went quiet is tried again from the start."""
+    service that went quiet is tried again from the start. `sending`: Sending's fields."""
     check_new_name(name)  # ValueError: refused here, before a byte is sent
+    chunk = _chunks(DatasetChunk, upload or DatasetUpload(), name=name)
+    subject = names.dataset_upload(name, tenant)
+    return await _upload(nc, subject, path, chunk, _dataset_ack, f"dataset {name}", Sending(**sending))
 
-    def chunk(upload_id: str, seq: int, data: bytes, last: bool, sha256: str, size: int) -> DatasetChunk:
-        return DatasetChunk(
-            upload=upload_id,
-            name=name,
+
+def _chunks(struct: Callable[..., T], meta: object, **fields: object) -> MakeChunk[T]:
+    """A function that makes the chunks of one upload: `struct` with `fields`, and `meta` on the first chunk only."""
+
+    def chunk(upload: str, seq: int, data: bytes, last: bool, sha256: str, size: int) -> T:
+        return struct(
+            upload=upload,
             seq=seq,
             data=data,
             last=last,
             sha256=sha256,
             size=size,
-            meta=(upload or DatasetUpload()) if seq == 0 else None,
+            meta=meta if seq == 0 else None,
+            **fields,
         )
 
-    for attempt in range(1, attempts + 1):
+    return chunk
+
+
+async def _upload(nc: Client, subject: str, path, make_chunk, ack_decoder, what: str, sending: Sending):
+    """send_file until it stores the upload, from the start each attempt; a refusal is raised at once (the same
+    again would be refused too), a service that went quiet is tried again after a pause."""
+    for attempt in range(1, sending.attempts + 1):
         try:
-            return await send_file(
-                nc, names.dataset_upload(name, tenant), path, chunk, _dataset_ack, window, timeout, chunk_bytes
-            )
+            return await send_file(nc, subject, path, make_chunk, ack_decoder, sending)
         except Refusal:
             raise
         except UploadError as e:
-            if attempt == attempts:
+            if attempt == sending.attempts:
                 raise UploadError(
-                    f"could not upload dataset {name} after {attempts} attempts: {e}; is the artifact "
-                    "service running (jetlora artifacts)?"
+                    f"could not upload {what} after {sending.attempts} attempts: {e}; is the artifact service "
+                    "running (jetlora artifacts)?"
                 ) from None
-            log.warning("upload of dataset %s failed (attempt %d of %d): %s", name, attempt, attempts, e)
+            log.warning("upload of %s failed (attempt %d of %d): %s", what, attempt, sending.attempts, e)
             await asyncio.sleep(min(2.0 * attempt, 5.0))
-    raise AssertionError("unreachable")
+    raise UploadError(f"could not upload {what}: attempts is {sending.attempts}; give at least 1")
 
 
 def _decoded(data: bytes, ack_decoder):
@@ -137,11 +131,10 @@ def _decoded(data: bytes, ack_decoder):
         raise Refusal(f"{error.field}: {error.error}" if error.field else error.error) from None
 
 
-async def send_file(
-    nc: Client, subject: str, path, make_chunk, ack_decoder, window: int, timeout: float, chunk_bytes: int
-):
-    """One attempt: stream `path` as chunks on `subject`, `window` awaiting their acks; returns what the last ack
-    says was stored."""
+async def send_file(nc: Client, subject: str, path, make_chunk, ack_decoder, sending: Sending):
+    """One attempt: stream `path` as chunks on `subject`, sending.window awaiting their acks; returns what the last
+    ack says was stored."""
+    window, timeout, chunk_bytes = sending.window, sending.timeout, sending.chunk_bytes
     upload = uuid.uuid4().hex
     digest = hashlib.sha256()
     size = 0
