@@ -69,6 +69,11 @@ def load(base_dir: str, device: str, dtype: torch.dtype, quantization: str = "no
     return tokenizer, model.to(device)
 
 
+def pad_id(tokenizer) -> int:
+    """The id a batch is padded with: the tokenizer's pad token, else its eos (id 0 is a real id, not a missing one)."""
+    return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+
+
 def load_nf4(path: Path, device: str, dtype: torch.dtype):
     """QLoRA's base: 4-bit NormalFloat weights with double quantization, computing in `dtype`; the LoRA weights
     stay in full precision."""

@@ -11,7 +11,6 @@ declares, such as an end-of-turn token).
 
 from __future__ import annotations
 
-import math
 import os
 import time
 from contextlib import contextmanager
@@ -24,6 +23,7 @@ from transformers import GenerationConfig
 from schemas.graders import GradeResult, Sample
 from services.graders import GraderContext, check, grade_many
 from trainer.errors import JobError
+from trainer.model import pad_id
 from trainer.rft import Prompts
 from trainer.sampling import sample
 
@@ -135,10 +135,6 @@ def eos_ids(model, tokenizer) -> list[int]:
     return declared if tokenizer.eos_token_id in declared else [tokenizer.eos_token_id, *declared]
 
 
-def pad_id(tokenizer) -> int:
-    return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-
-
 def texts_of(tokenizer, input_ids: torch.Tensor, completion_mask: torch.Tensor) -> list[str]:
     """The completions as the grader reads them: decoded without special tokens."""
     width = completion_mask.shape[1]
@@ -149,9 +145,9 @@ def texts_of(tokenizer, input_ids: torch.Tensor, completion_mask: torch.Tensor) 
 
 
 def grade(grader, texts: list[str], items: list[dict], context: GraderContext) -> list[GradeResult]:
-    """Each completion's score (its JSON too where it parses); a score that is not a number counts as a failure."""
-    results = grade_many(grader, [Sample.from_model_sample(t) for t in texts], items, context)
-    return [r if math.isfinite(r.score) else GradeResult(score=0.0, error=f"score {r.score}") for r in results]
+    """Each completion's score (its JSON too where it parses); a score that is not a finite number counts as a
+    failure, scored 0 (grade_many's rule)."""
+    return grade_many(grader, [Sample.from_model_sample(t) for t in texts], items, context)
 
 
 def group_advantages(rewards: torch.Tensor, group_size: int) -> torch.Tensor:

@@ -8,6 +8,7 @@ from schemas.events import Sample, Samples
 from schemas.jobs import PROBE_HEAD_TOKENS, PROBE_PROMPT, PROBE_TOKENS, Probe
 from trainer.data import Examples
 from trainer.formats import IGNORE, prompt_text
+from trainer.model import pad_id
 from trainer.parity import parity_set
 from trainer.rft import Prompts
 
@@ -45,7 +46,7 @@ def answers(model, tokenizer, prompts: list[tuple[str, list[int]]], device: str,
             attention_mask=torch.ones_like(inputs),
             max_new_tokens=max_tokens,
             do_sample=False,
-            pad_token_id=tokenizer.pad_token_id or tokenizer.eos_token_id,
+            pad_token_id=pad_id(tokenizer),
             eos_token_id=tokenizer.eos_token_id,
         )
         out.append(Sample(prompt=shown, answer=tokenizer.decode(generated[0, len(ids) :], skip_special_tokens=True)))
@@ -75,7 +76,7 @@ def probe(model, tokenizer, device: str, base: bool = True) -> Probe:
         attention_mask=torch.ones_like(inputs),
         max_new_tokens=PROBE_TOKENS,
         do_sample=False,
-        pad_token_id=tokenizer.pad_token_id or tokenizer.eos_token_id,
+        pad_token_id=pad_id(tokenizer),
         eos_token_id=tokenizer.eos_token_id,
     )[0].tolist()
     if was_training:

@@ -115,7 +115,7 @@ def prepare(spec: TrainerSpec) -> Run:
     set_seed(t.seed)
     dtype = base.pick_dtype(t.precision, device)
     tokenizer, model = base.load(spec.request.base_dir, device, dtype, spec.request.quantization)
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    pad_id = base.pad_id(tokenizer)
     train_set, eval_set = _tokenized(spec, tokenizer, world)
     eval_batches = data.make_batches(eval_set, t, pad_id, 0, world.rank, world.size)
     batches = data.make_batches(train_set, t, pad_id, 0, world.rank, world.size)
