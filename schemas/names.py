@@ -55,6 +55,7 @@ OLD_SCHEDULER_CONSUMERS = ("jetlora_scheduler_states_v2",)  # filters that match
 
 SCHEDULER_SERVICE = "jetlora-scheduler"  # nats.micro names ($SRV.PING etc.)
 ARTIFACT_SERVICE = "jetlora-artifacts"
+AGENT_SERVICE = "jetlora-agent"  # one instance per node, its endpoints under node_group(node)
 
 _TOKEN = re.compile(r"^[A-Za-z0-9_-]{1,128}$")
 
@@ -291,7 +292,12 @@ class NodeSubjects(NamedTuple):
 
 
 def node(node_id: str = "*") -> NodeSubjects:
-    return _subjects(NodeSubjects, f"{PREFIX}.node.{node_id}")
+    return _subjects(NodeSubjects, node_group(node_id))
+
+
+def node_group(node_id: str) -> str:
+    """What a node's subjects start with: its agent's nats.micro group (AGENT_SERVICE)."""
+    return f"{PREFIX}.node.{node_id}"
 
 
 class JobSubjects(NamedTuple):
@@ -376,6 +382,12 @@ def inbox_all(user: str) -> str:
 
 
 SERVICE_DISCOVERY_ALL = "$SRV.>"
+
+
+def service_discovery(service: str) -> list[str]:
+    """What a nats.micro service of that name listens on to be discovered ($SRV.PING, INFO and STATS: asked of every
+    service, of its name, of one instance), and nothing of another service's: what its user may subscribe to."""
+    return [f"$SRV.{verb}{of}" for verb in ("PING", "INFO", "STATS") for of in ("", f".{service}", f".{service}.*")]
 
 
 def service_stats(service: str) -> str:

@@ -15,6 +15,7 @@ import time
 
 import msgspec
 from nats.js.errors import NotFoundError
+from nats.micro.service import Group
 
 from schemas import names
 from schemas.dataset_check import UTF8_BOM
@@ -42,23 +43,31 @@ class EvalRuns:
         self.turns = asyncio.Semaphore(RUNS_AT_ONCE)
         self.tasks: set[asyncio.Task] = set()
         self.reply = bus.handler(self.answer, EngineEvalRequest)
+        self.closed = False
 
-    async def subscribe(self):
-        """Start answering; the subscription is handed to close()."""
-        return await self.rollout.nc.subscribe(names.node(self.rollout.node).evaluate, cb=self._on_message)
+    async def serve(self, group: Group) -> None:
+        """Answer this node's eval runs (names.node(node).evaluate) as an endpoint of the agent's service, until
+        close()."""
+        await bus.add_endpoint(group, "agent-evaluate", self._on_message, "evaluate")
 
     async def _on_message(self, msg) -> None:
+        if self.closed:  # the engines are followed no more (the agent is shutting down): refused at once
+            await self.reply(msg)
+            return
         task = asyncio.ensure_future(self.reply(msg))  # a run takes minutes: the next request is not held up
         self.tasks.add(task)
         task.add_done_callback(self.tasks.discard)
 
-    async def close(self, subscription) -> None:
-        await subscription.unsubscribe()
+    async def close(self) -> None:
+        """Refuse the runs asked from now on; end those under way."""
+        self.closed = True
         await cancel_and_wait(list(self.tasks))
 
     async def answer(self, q: EngineEvalRequest) -> EngineEvalReply | Error:
         """The run's items answered and graded through an engine here, or an Error saying why not."""
         node, started = self.rollout.node, time.monotonic()
+        if self.closed:
+            return Error(f"node {node} is shutting down: its engines answer no eval run now", "via")
         try:
             async with asyncio.timeout(q.deadline_s):
                 async with self.turns:

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import msgspec
 from nats.aio.client import Client
+from nats.micro.service import Group
 
 from schemas import names
 from schemas.registry import Alias, AdapterVersion, NodeAdapterStatus, NodeState, Smoke, StoredFile
@@ -82,21 +83,23 @@ class Rollout:
         self.evals = CanaryEvals(self)  # gated canaries' evals through the engines (canary_evals.py)
         self.runs = EvalRuns(self)  # eval runs through the engines, asked by the evals service (eval_runs.py)
 
-    async def run(self, stop: asyncio.Event) -> None:
+    async def run(self, stop: asyncio.Event, serving: Group | None = None) -> None:
         """Follow the aliases until `stop`, and check what each engine really serves; a watch the server breaks (a
-        restart, a limit) is opened again."""
+        restart, a limit) is opened again. serving: the agent's nats.micro group, where this node's eval runs are
+        asked (eval_runs.py; without it, none are answered)."""
         if not self.engines:
             return
         try:
             await self.served.read()
             await self._start_engines()
-            await self._run(stop)
+            await self._run(stop, serving)
         finally:
             await self.http.close()
 
-    async def _run(self, stop: asyncio.Event) -> None:
+    async def _run(self, stop: asyncio.Event, serving: Group | None) -> None:
         log.info("rollout: %s follow the adapter registry", ", ".join(e.label for e in self.engines))
-        answering = await self.runs.subscribe()
+        if serving is not None:
+            await self.runs.serve(serving)
         checking = asyncio.create_task(self._check_engines(stop))
         staging = (
             asyncio.create_task(keep(stop, "rollout: staging new versions", self.stager.follow))
@@ -108,7 +111,7 @@ class Rollout:
         finally:
             await cancel_and_wait([checking, staging, *self.fetching.values()])
             await self.evals.close()
-            await self.runs.close(answering)
+            await self.runs.close()
 
     async def _follow(self, stop: asyncio.Event) -> None:
         """Converge to each alias as it changes (those there are first: then `ready`)."""

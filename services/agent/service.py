@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import asyncio
 
-import msgspec
 import logging
 
+import msgspec
+import nats.micro
 from nats.aio.client import Client
+from nats.micro.service import Service
 
 from schemas import names
 from schemas.nodes import (
@@ -22,7 +24,7 @@ from schemas.nodes import (
     Reclaim,
     ReclaimReply,
 )
-from services import bus
+from services import __version__, bus
 from services.aio import cancel_and_wait
 from services.agent import heartbeats
 from services.agent.admission import refusal
@@ -84,13 +86,21 @@ class Agent(JobLifecycle):
             invalid=lambda errors: ControlReply(None, False, f"did not decode: {errors[0].reason}"),
         )
         on_reclaim = bus.handler(self._on_reclaim, Reclaim)
-        subjects = names.node(self.cfg.node)
-        subs = [
-            await self.nc.subscribe(subjects.assign, cb=on_assign),
-            await self.nc.subscribe(subjects.control, cb=on_control),
-            await self.nc.subscribe(subjects.reclaim, cb=on_reclaim),
-            await self.nc.subscribe(subjects.session, cb=self.sessions.on_message),
-        ]
+        service = await nats.micro.add_service(
+            self.nc,
+            name=names.AGENT_SERVICE,
+            version=__version__,
+            description=f"jetlora node agent of {self.cfg.node}",
+            metadata={"node": self.cfg.node},
+        )
+        group = service.add_group(name=names.node_group(self.cfg.node))
+        for verb, answer in (
+            ("assign", on_assign),
+            ("control", on_control),
+            ("reclaim", on_reclaim),
+            ("session", self.sessions.on_message),  # each call in a task of its own (SessionDesk)
+        ):
+            await bus.add_endpoint(group, f"agent-{verb}", answer, verb)
         await self.nc.flush()
         log.info("agent %s up with %d device(s)", self.cfg.node, len(self.devices))
         beat = asyncio.create_task(heartbeats.every_interval(self, stop))
@@ -104,18 +114,20 @@ class Agent(JobLifecycle):
                 self.cfg.stage_adapters,
                 self.cfg.adapter_cache_mib * 2**20,
                 self.cfg.grader_env,
-            ).run(stop)
+            ).run(stop, serving=group)
         )
         yielding = asyncio.create_task(self.yielder.run(stop))
         await stop.wait()
         await cancel_and_wait([rollout, yielding])
-        await self._shutdown(subs, beat)
+        await self._shutdown(service, beat)
 
-    async def _shutdown(self, subs, beat: asyncio.Task) -> None:
+    async def _shutdown(self, service: Service, beat: asyncio.Task) -> None:
         """SIGTERM: stop taking work, hand running jobs back to the scheduler, stop heartbeating."""
         self.draining = True
-        for sub in subs:
-            await sub.unsubscribe()
+        try:
+            await service.stop()  # no new requests; the jobs are handed back below even if NATS is away
+        except Exception as e:
+            log.warning("shutting down: the agent's endpoints could not be closed (%s: %s)", type(e).__name__, e)
         await self.sessions.close()
         runs = [run for run in self.runs.values() if not run.superseded]
         for run in runs:

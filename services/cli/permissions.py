@@ -155,7 +155,8 @@ def _tenant(tenant: str) -> dict:
 
 
 def _agent(node: str) -> dict:
-    """What a node's agent sends is under its own node id; it reads checkpoints, datasets and the registry."""
+    """What a node's agent sends is under its own node id; it reads checkpoints, datasets and the registry; it
+    answers its own node's requests, and discovery ($SRV) for its service alone."""
     names.check_token(node, "node id")
     job = names.job("*", node)
     publishes = [names.node(node).heartbeat, job.state, job.progress, job.preparing, job.samples]
@@ -171,6 +172,7 @@ def _agent(node: str) -> dict:
             names.node(node).reclaim,
             names.node(node).session,
             names.node(node).evaluate,
+            *names.service_discovery(names.AGENT_SERVICE),  # its endpoints are a nats.micro service's
         ],
     }
 
