@@ -12,13 +12,14 @@ import nats
 import pytest
 
 from schemas import names
-from schemas.jobs import Accepted
+from schemas.jobs import Accepted, JobQuery, JobReply
 from services.cli.permissions import authorization_block, env_var, roles
 from services import bus
 from services.artifacts.service import ArtifactService
-from services.embedded import EmbeddedNats
+from services.embedded import EmbeddedNats, free_port
 from services.scheduler.service import Scheduler, SchedulerConfig
 from tests.conftest import HOLD_TRAINER, ROOT, retrying, submit, wait_for, wait_state
+from tests.test_dashboard import CHROMIUM, FLAGS, needs_browser
 from tests.qa import pairs
 
 NODES = ["n1", "n2"]
@@ -36,6 +37,23 @@ async def secured(tmp_path):
         store_dir=tmp_path / "nats", extra_config=authorization_block(NODES, TENANTS), env=env
     ).start()
     yield server
+    server.stop()
+
+
+@pytest.fixture
+async def secured_page(tmp_path):
+    """The deploy permissions, and a websocket listener whose connections are the dashboard user's
+    (`no_auth_user`): the dashboard's page connects so, sending no password. Yields the server and its ws URL."""
+    env = {env_var(u): password(u) for u in roles(NODES, TENANTS)}
+    ws_port = free_port()
+    listener = f"websocket {{ host: 127.0.0.1, port: {ws_port}, no_tls: true, no_auth_user: dashboard }}\n"
+    server = EmbeddedNats(
+        store_dir=tmp_path / "nats",
+        websocket=False,
+        extra_config=authorization_block(NODES, TENANTS) + listener,
+        env=env,
+    ).start()
+    yield server, f"ws://127.0.0.1:{ws_port}"
     server.stop()
 
 
@@ -309,3 +327,124 @@ async def test_an_engine_eval_run_asks_its_node_and_stores_its_results_under_the
     assert not sched.violations, sched.violations
     for c in (sched, agent):
         await c.nc.close()
+
+
+def agent_process(url: str, node: str, tmp_path, hold_s: float, steps: int) -> subprocess.Popen:
+    """`jetlora agent` as the node's user, with one simulated device and the stand-in trainer."""
+    secret = tmp_path / f"pw-{node}"
+    secret.write_text(password(f"agent-{node}"))
+    bus_flags = ["--nats", url, "--user", f"agent-{node}", "--password-file", str(secret)]
+    agent = [
+        "--node",
+        node,
+        "--simulate-gpus",
+        "4096",
+        "--heartbeat-interval",
+        "0.25",
+        "--work-dir",
+        str(tmp_path / node),
+    ]
+    return subprocess.Popen(
+        [sys.executable, "-m", "services.cli", "agent", *bus_flags, *agent, "--trainer-command", HOLD_TRAINER],
+        cwd=ROOT,
+        env={**os.environ, "HOLD_S": str(hold_s), "HOLD_STEPS": str(steps), "PYTHONPATH": str(ROOT)},
+        stdout=subprocess.DEVNULL,
+        stderr=open(tmp_path / f"agent-{node}.log", "w"),
+    )
+
+
+@needs_browser
+async def test_the_dashboard_page_reads_what_it_shows_under_the_deploy_permissions(secured_page, tmp_path):
+    """The page in Chromium, over websocket as the dashboard user, and the dashboard server as it too, beside the
+    services under their own users: the job list, the tenants' shares, a job's events replayed and followed (nats.js
+    pulls them: `$JS.API.CONSUMER.MSG.NEXT.JETLORA_JOBS.<its consumer>`), the rewards' consumer, the registry and
+    eval runs, the Tinker sessions: the server refuses it nothing and the page says nothing is wrong. It may still not
+    pull from the scheduler's own consumer, nor another stream's."""
+    from playwright.async_api import async_playwright
+
+    from services.dashboard.server import Dashboard
+    from services.evals.service import EvalsService
+    from services.registry.service import RegistryService
+
+    server, ws_url = secured_page
+    users = ("scheduler", "artifacts", "dashboard", "tenant-acme")
+    sched_c, arts_c, dash_c, acme = [await as_user(server.url, u) for u in users]
+    await bus.ensure_resources(sched_c.nc)
+    stop = asyncio.Event()
+    sched = Scheduler(sched_c.nc, SchedulerConfig(co_train="off", heartbeat_interval=0.25))
+    evals, dash = EvalsService(sched_c.nc), Dashboard(dash_c.nc, ws_url, port=0)
+    parts = (sched.run(stop), RegistryService(sched_c.nc).run(stop), evals.run(stop), dash.run(stop))
+    tasks = [asyncio.create_task(p) for p in (*parts, ArtifactService(arts_c.nc).run(stop))]
+    agent = None
+    try:
+        for ready in (sched.leading, evals.ready, dash.ready):
+            await asyncio.wait_for(ready.wait(), 15)
+        agent = agent_process(server.url, "n1", tmp_path, hold_s=60, steps=60)  # a step a second
+        reply = await bus.request(acme.nc, names.jobs_api("acme").submit, {**HELD, "label": "watched"}, Accepted)
+        job = reply.job
+        await wait_for(lambda: stepped(acme.nc, "acme", job), timeout=30, what=f"job {job} under way")
+        async with async_playwright() as pw:
+            browser = await pw.chromium.launch(executable_path=CHROMIUM, headless=True, args=FLAGS)
+            page = await browser.new_page()
+            await page.goto(f"http://127.0.0.1:{dash.port}/?job={job}")
+            # replayed from its first step and followed: the page's pull consumer of the JOBS stream
+            await until(page, "window.jetlora.points.length >= 2", "the job's events replayed")
+            first = await page.evaluate("window.jetlora.points.length")
+            await until(page, f"window.jetlora.points.length > {first}", "the job's events followed")
+            checks = [
+                f"{page_text('#jobs')}.includes({job!r})",
+                f"{page_text('#tenants')}.includes('acme') && {page_text('#tenants')}.includes('1 of 1')",
+                f"{page_text('#nodes')}.includes('n1')",
+                f"{page_text('#adapters')}.includes('none registered')",
+                f"{page_text('#runs')}.includes('no eval runs')",
+                f"{page_text('#sessions')}.includes('no Tinker sessions')",
+                f"{page_text('#status')}.startsWith('connected') && !{page_text('#status')}.includes('·')",
+            ]
+            await until(page, " && ".join(checks), "every panel, and nothing wrong")
+            await browser.close()
+        refused = [line for line in server_log(server) if "Violation" in line]
+        assert refused == [] and dash_c.violations == [], (refused, dash_c.violations)
+        # still refused: the scheduler's own consumer, and any other stream's consumers
+        scheduler_consumer = names.js_api("CONSUMER", "MSG", "NEXT", names.JOBS_STREAM, names.SCHEDULER_CONSUMER)
+        others = names.js_api("CONSUMER", "MSG", "NEXT", names.kv(names.JOBS_KV).stream, "x")
+        for subject in (scheduler_consumer, others):
+            await dash_c.nc.publish(subject, b"{}", reply=dash_c.nc.new_inbox())
+        await dash_c.nc.flush()
+        await wait_for(lambda: len(dash_c.violations) >= 2, what="the server to refuse both pulls")
+        told = " ".join(dash_c.violations).lower()  # nats-py lowercases the server's -ERR
+        assert scheduler_consumer.lower() in told and others.lower() in told, dash_c.violations
+    finally:
+        if agent is not None:
+            agent.kill()
+            agent.wait()
+        stop.set()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        for c in (sched_c, arts_c, dash_c, acme):
+            await c.nc.close()
+
+
+HELD = {"model": "tiny", "base_dir": "/models/tiny", "data": pairs(2)}  # for the stand-in trainer
+
+
+async def stepped(nc, tenant: str, job: str) -> bool:
+    """Whether the tenant's job made its first steps (asked as the tenant)."""
+    reply = await bus.request(nc, names.jobs_api(tenant).job, JobQuery(job), JobReply)
+    assert reply.job.state in ("queued", "preparing", "running"), reply.job
+    return reply.job.step >= 2
+
+
+async def until(page, condition: str, what: str, timeout: float = 30) -> None:
+    """Until the page's `condition` holds; else the test fails with what the page's status line says."""
+    try:
+        await page.wait_for_function(condition, timeout=timeout * 1000)
+    except Exception:
+        status = await page.text_content("#status")
+        raise AssertionError(f"the page never showed {what}; its status line: {status!r}") from None
+
+
+def page_text(selector: str) -> str:
+    return f"(document.querySelector({selector!r}) || {{textContent: ''}}).textContent"
+
+
+def server_log(server: EmbeddedNats) -> list[str]:
+    return (server.store_dir / "nats-server.log").read_text(errors="replace").splitlines()

@@ -35,6 +35,13 @@ def _read_stream(stream: str) -> list[str]:
     ]
 
 
+def _pulled(stream: str) -> list[str]:
+    """What a pull consumer of the stream asks for beyond _read_stream: its next messages. The dashboard's page reads
+    the JOBS stream so (nats.js's ordered consumer pulls `$JS.API.CONSUMER.MSG.NEXT.<stream>.<its name>`, where
+    nats-py's is pushed); the scheduler's durable consumer stays denied to it (_scheduler_consumer)."""
+    return [names.js_api("CONSUMER", "MSG", "NEXT", stream, "*")]
+
+
 def _object_read() -> list[str]:
     return _read_stream(OBJ)
 
@@ -122,7 +129,7 @@ def _people() -> dict[str, dict]:
         names.objects(names.ARTIFACTS_BUCKET).subjects,
     ]
     operates += [names.kv(names.KEYS_KV).subjects] + _read_stream(names.kv(names.KEYS_KV).stream)  # the gateway's keys
-    shown = [names.LIST_JOBS, names.LIST_NODES, names.ARTIFACTS_LIST, names.ADAPTERS.list]
+    shown = [names.LIST_JOBS, names.LIST_NODES, names.ARTIFACTS_LIST, names.ADAPTERS.list, names.TENANTS]
     return {
         "submitter": {
             "publish": api + watch + datasets + list(names.evals_api()) + [names.ADAPTERS.list, names.ADAPTERS.show],
@@ -133,7 +140,7 @@ def _people() -> dict[str, dict]:
             "subscribe": [names.HEARTBEATS_ALL],
         },
         "dashboard": {
-            "publish": shown + watch + _object_read() + _dashboard_reads(),
+            "publish": shown + watch + _pulled(JOBS) + _object_read() + _dashboard_reads(),
             "subscribe": [names.HEARTBEATS_ALL],
         },
         "monitor": {"publish": [names.SERVICE_DISCOVERY_ALL], "subscribe": []},  # $SRV.PING, INFO, STATS only
@@ -141,7 +148,8 @@ def _people() -> dict[str, dict]:
 
 
 def _dashboard_reads() -> list[str]:
-    """What the dashboard shows besides jobs, nodes and adapters: eval runs, and the Tinker sessions as stored."""
+    """What the dashboard shows besides jobs, nodes, adapters and tenants: eval runs, and the Tinker sessions as
+    stored."""
     stores = [names.kv(names.TINKER_KV).stream, names.kv(names.TINKER_FUTURES_KV).stream]
     return [names.evals_api().runs] + [s for store in stores for s in _read_stream(store)]
 
@@ -189,12 +197,18 @@ def _scheduler_consumer() -> list[str]:
     ]
 
 
+DASHBOARD_PAGE_NOTE = (  # the page sends no password (a browser would show it to anyone who opens the page)
+    "# The dashboard's page connects over the websocket listener and sends no password: give that listener\n"
+    "# `no_auth_user: dashboard`, so its connections are the dashboard user below and may do nothing more."
+)
+
+
 def env_var(user: str) -> str:
     return "JETLORA_" + user.upper().replace("-", "_") + "_PASSWORD"
 
 
 def authorization_block(nodes: list[str], tenants: Sequence[str] = ()) -> str:
-    lines = ["authorization {", "  users = ["]
+    lines = [DASHBOARD_PAGE_NOTE, "authorization {", "  users = ["]
     for user, perms in roles(nodes, tenants).items():
         lines.append(f"    {{ user: {json.dumps(user)}, password: ${env_var(user)}, permissions: {{")
         deny = f", deny: {json.dumps(perms['deny_publish'])}" if perms.get("deny_publish") else ""

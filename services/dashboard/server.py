@@ -48,6 +48,7 @@ def page_config(ws_url: str) -> dict:
             "artifacts_list": names.ARTIFACTS_LIST,
             "list_adapters": names.ADAPTERS.list,
             "eval_runs": names.evals_api().runs,
+            "tenants": names.TENANTS,
         },
     }
 

@@ -60,6 +60,12 @@ export function rewardFigures(ev) {
     (r.grading_failures ? ` · ${r.grading_failures} grading failures` : "");
 }
 
+// a state event as `jetlora watch` says it: a pause says who asked (a preemption: which tenant, and why)
+function stateLine(ev) {
+  const by = ev.state === "paused" && ev.paused_by ? ` (by ${printable(ev.paused_by)})` : "";
+  return `${ev.state}: ${printable(ev.message)}${by}`;
+}
+
 function showSamples() {
   const { base, adapter } = state.samples;
   const prompts = (adapter || base).samples.map((s) => s.prompt);
@@ -114,7 +120,7 @@ export async function select(ctx, jobId) {
     for await (const m of messages) {
       const ev = JSON.parse(dec.decode(m.data));
       if (ev.type === "progress") onProgress(ev, series);
-      else if (ev.type === "state") $("job-state").textContent = `${ev.state}: ${printable(ev.message)}`;
+      else if (ev.type === "state") $("job-state").textContent = stateLine(ev);
       else if (ev.type === "preparing") $("figures").textContent = printable(ev.message); // before the first step
       else if (ev.type === "samples") {
         state.samples[ev.model] = ev; // the base model's (once) and the adapter's latest

@@ -9,5 +9,6 @@ export const state = {
   rlChosen: null, rlFollow: null, rlChart: null, rlPoints: [], // the reward curve's job and its points
   tinker: null, // the Tinker panel's data (/tinker.json)
   adapters: [], runs: [], // the registry's adapters and the evals service's runs
+  tenants: null, // the scheduler's TenantList: the sharing mode and each tenant's share (tenants panel)
 };
 window.jetlora = state;

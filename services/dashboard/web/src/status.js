@@ -47,3 +47,18 @@ export async function ask(nc, source, subject, body, what, timeout = 5000) {
     return null;
   }
 }
+
+// what the NATS server refuses this page (its user's permissions lack a subject it sends to or reads) stays on the
+// status line: a missing grant otherwise shows only as a panel that never fills. A consumer's name is left out (an
+// ordered consumer is made again, with a new name, after each refusal), so one refusal is said once.
+const CONSUMER_NAME = /^(\$JS\.API\.CONSUMER\.(?:MSG\.NEXT|INFO|DELETE)\.[^.]+)\.[^.]+$/;
+
+export async function watchRefusals(nc) {
+  for await (const s of nc.status()) {
+    const e = s.type === "error" ? s.error : null;
+    if (!e || e.name !== "PermissionViolationError") continue;
+    const subject = String(e.subject).replace(CONSUMER_NAME, "$1.<consumer>");
+    problem(`refused ${e.operation} ${subject}`, `the NATS server refused this page's ${e.operation} on ${subject}: ` +
+      "the dashboard user's permissions lack it (`jetlora permissions` writes them)");
+  }
+}
