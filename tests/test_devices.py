@@ -6,7 +6,7 @@ import pynvml
 
 from schemas.nodes import Device, Heartbeat
 from services.agent.devices import DeviceProbe, _gpu
-from services.scheduler.placement import Fleet
+from services.scheduler.fleet import Fleet
 
 
 def test_an_unreadable_gpu_is_reported_failed_with_why_not_raised():

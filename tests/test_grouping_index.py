@@ -9,7 +9,7 @@ from schemas.jobs import JobRequest
 from schemas.nodes import Device, Heartbeat, RunningAttempt
 from services.scheduler.config import SchedulerConfig
 from services.scheduler.grouping import Groups, find_group, founder_key
-from services.scheduler.placement import Fleet
+from services.scheduler.fleet import Fleet
 
 GPU = 81920
 

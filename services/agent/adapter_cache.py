@@ -51,13 +51,13 @@ class AdapterCache:
             await asyncio.sleep(0.05)
 
     def used(self, sha256: str) -> None:
-        """Mark it the most recently used (blocking: a disk write; the rollout runs it in a thread)."""
+        """Mark it the most recently used (blocking: a disk write; the deployment runs it in a thread)."""
         with contextlib.suppress(FileNotFoundError):
             os.utime(self.root / sha256)
 
     def present(self, sha256: str, path: Path) -> bool:
         """Whether `path` (inside the adapter's directory) is on disk, marked most recently used if so (blocking:
-        the rollout runs it in a thread)."""
+        the deployment runs it in a thread)."""
         if not path.exists():
             return False
         self.used(sha256)

@@ -1,6 +1,6 @@
 """The served evals of gated canaries on this node (schemas/served.py): when one of its engines has loaded and
 verified a version that a gated canary of this node asks for, the canary's eval runs through that engine
-(served_eval.py) in a task of its own, beside the rollout, and its outcome is reported with the node's status: still
+(served_eval.py) in a task of its own, beside the deployment, and its outcome is reported with the node's status: still
 `loaded`, now with the served score, or `failed` saying why it could not be evaluated (either way the registry
 decides the canary). One eval per engine and name, for the canary that asked it: a change of the alias (the canary
 ends, rolls back, or another begins) cancels it before the change is rolled out, and so does a load of that name
@@ -35,8 +35,8 @@ def asked(alias: Alias, node: str, version: int) -> tuple[float, str] | None:
 class CanaryEvals:
     """The evals under way, by (engine label, adapter name), each with the version and canary it is for."""
 
-    def __init__(self, rollout) -> None:
-        self.rollout = rollout  # its node, js, http, graders context and report()
+    def __init__(self, deployment) -> None:
+        self.deployment = deployment  # its node, js, http, graders context and report()
         self.tasks: dict[tuple[str, str], tuple[int, tuple[float, str], asyncio.Task]] = {}
 
     def start(
@@ -49,7 +49,7 @@ class CanaryEvals:
         parity: ParityFigures | None,
     ) -> None:
         """After a verified load: evaluate it through `engine` if a gated canary of this node asks for it."""
-        canary = asked(alias, self.rollout.node, version.version)
+        canary = asked(alias, self.deployment.node, version.version)
         if canary is None:
             return
         key = (engine.label, alias.name)
@@ -65,7 +65,7 @@ class CanaryEvals:
 
     async def settle(self, alias: Alias) -> None:
         """Cancel, and wait for, the evals of this alias that its new state no longer asks for."""
-        node = self.rollout.node
+        node = self.deployment.node
         await cancel_and_wait(
             [
                 task
@@ -93,7 +93,7 @@ class CanaryEvals:
     ) -> None:
         e = alias.canary.eval if alias.canary else None
         assert e is not None
-        r = self.rollout
+        r = self.deployment
         log.info("canary of %s@%d: running eval %s through %s", version.name, version.version, e.eval, engine.label)
         try:
             served = await evaluate(r.js, engine, version.name, e, r.graders, r.http)

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from services.agent.engines import Engine
-from services.agent.rollout import CHECK_INTERVAL_S
+from services.agent.deployment import CHECK_INTERVAL_S
 from services.agent.group_run import DEFAULT_GROUP_TRAINER
 from services.agent.runner import DEFAULT_TRAINER
 from services.agent.yielding import YieldPolicy

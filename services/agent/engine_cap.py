@@ -31,8 +31,8 @@ from services.agent.served_state import ServedState
 log = logging.getLogger(__name__)
 
 
-class Rollout(Protocol):
-    """What the cap needs of the rollout that holds it (services/agent/rollout.py)."""
+class Deployment(Protocol):
+    """What the cap needs of the deployment that holds it (services/agent/deployment.py)."""
 
     engines: list[Engine]
     http: EngineHttp
@@ -48,14 +48,14 @@ class Rollout(Protocol):
 
 
 class EngineCap:
-    def __init__(self, rollout: Rollout) -> None:
-        self.rollout = rollout
+    def __init__(self, deployment: Deployment) -> None:
+        self.deployment = deployment
         self.used_at: dict[tuple[str, str], float] = {}  # (engine label, name) -> monotonic time last used
         self.started = time.monotonic()
         self._one = asyncio.Lock()  # one enforcement at a time: two would unload or reload the same name twice
 
     def capped(self) -> list[Engine]:
-        return [e for e in self.rollout.engines if e.max_adapters > 0 and e.url and e.kind in ("vllm", "vllm-dir")]
+        return [e for e in self.deployment.engines if e.max_adapters > 0 and e.url and e.kind in ("vllm", "vllm-dir")]
 
     def used(self, engine: Engine, name: str) -> None:
         self.used_at[(engine.label, name)] = time.monotonic()
@@ -69,9 +69,9 @@ class EngineCap:
             for engine in self.capped():
                 try:
                     await self._enforce(engine)
-                except Exception as e:  # the engine away: the next check or rollout tries again
+                except Exception as e:  # the engine away: the next check or deploy tries again
                     log.warning(
-                        "rollout: keeping %s within %d adapters failed (%s: %s); the next check tries again",
+                        "deploy: keeping %s within %d adapters failed (%s: %s); the next check tries again",
                         engine.label,
                         engine.max_adapters,
                         type(e).__name__,
@@ -79,7 +79,7 @@ class EngineCap:
                     )
 
     async def _enforce(self, engine: Engine) -> None:
-        r = self.rollout
+        r = self.deployment
         listed = await vllm.served(engine, http=r.http)
         if listed is None:
             return  # it does not answer: the next check
@@ -94,7 +94,7 @@ class EngineCap:
             idle = sorted(held - busy - converging, key=self._recency(engine))  # (one being loaded is in use)
             if len(idle) < over:
                 log.warning(
-                    "rollout: %s holds %d adapters, over its cap of %d, and requests (or loads) use all but %d of "
+                    "deploy: %s holds %d adapters, over its cap of %d, and requests (or loads) use all but %d of "
                     "them now; the others go once idle",
                     engine.label,
                     len(held),
@@ -109,7 +109,7 @@ class EngineCap:
 
     async def _park(self, engine: Engine, name: str) -> None:
         """Unload `name` from the engine, still promoted; reported the first time it goes."""
-        r = self.rollout
+        r = self.deployment
         async with r.locks.setdefault(name, asyncio.Lock()):
             served, parked = r.served.of(engine.label).get(name), r.served.parked(engine.label).get(name)
             if served is None and parked is None:
@@ -126,9 +126,9 @@ class EngineCap:
 
     async def _reload(self, engine: Engine, name: str) -> None:
         """A parked name into the room a name that went left."""
-        r = self.rollout
+        r = self.deployment
         alias = r.aliases.get(name)
         if alias is None:
             return
-        log.info("rollout: %s has room under its cap of %d again: loading %s", engine.label, engine.max_adapters, name)
+        log.info("deploy: %s has room under its cap of %d again: loading %s", engine.label, engine.max_adapters, name)
         await r.converge(alias, engine=engine, again=True)

@@ -1,6 +1,6 @@
 """HTTP to the node's serving engines, on the agent's own event loop (aiohttp): no engine call waits in a thread,
 so an engine that hangs holds up only the call that asked it, never the heartbeats. Each owner that lives as long
-as the agent (the rollout, each engine's load watch) keeps one session, made on its first call inside the running
+as the agent (the deployment, each engine's load watch) keeps one session, made on its first call inside the running
 loop and closed when the owner stops; every call has its own timeout."""
 
 from __future__ import annotations

@@ -35,11 +35,11 @@ _rows, _fields = msgspec.json.Decoder(RftRow), msgspec.json.Decoder(dict)
 
 
 class EvalRuns:
-    """Answers this node's eval runs through the rollout's engines (its node, js, engines, served state, http and
+    """Answers this node's eval runs through the deployment's engines (its node, js, engines, served state, http and
     graders context)."""
 
-    def __init__(self, rollout) -> None:
-        self.rollout = rollout
+    def __init__(self, deployment) -> None:
+        self.deployment = deployment
         self.turns = asyncio.Semaphore(RUNS_AT_ONCE)
         self.tasks: set[asyncio.Task] = set()
         self.reply = bus.handler(self.answer, EngineEvalRequest)
@@ -65,7 +65,7 @@ class EvalRuns:
 
     async def answer(self, q: EngineEvalRequest) -> EngineEvalReply | Error:
         """The run's items answered and graded through an engine here, or an Error saying why not."""
-        node, started = self.rollout.node, time.monotonic()
+        node, started = self.deployment.node, time.monotonic()
         if self.closed:
             return Error(f"node {node} is shutting down: its engines answer no eval run now", "via")
         try:
@@ -82,7 +82,7 @@ class EvalRuns:
             log.warning("eval run %s of %s@%d could not be answered here: %s", q.run, q.adapter, q.version, e)
             return Error(f"node {node}: {e}", "via")
         reply = EngineEvalReply(node=node, engine=engine.label, items=results, seconds=time.monotonic() - started)
-        size, limit = len(msgspec.json.encode(reply)), self.rollout.nc.max_payload
+        size, limit = len(msgspec.json.encode(reply)), self.deployment.nc.max_payload
         if size > limit:
             return Error(
                 f"node {node}: the results of eval run {q.run} ({len(results)} items) take {size / 2**20:.1f} MiB, "
@@ -94,7 +94,7 @@ class EvalRuns:
         return reply
 
     async def _evaluate(self, q: EngineEvalRequest) -> tuple[Engine, list[ItemResult]]:
-        r = self.rollout
+        r = self.deployment
         engine = self.engine_for(q)
         loaded = r.served.of(engine.label).get(q.adapter)
         await runnable(q.criteria, r.graders)
@@ -108,7 +108,7 @@ class EvalRuns:
 
     def engine_for(self, q: EngineEvalRequest) -> Engine:
         """An engine of this node that serves adapter@version now and answers (the one the registry named first)."""
-        r = self.rollout
+        r = self.deployment
         serving = [
             e
             for e in r.engines

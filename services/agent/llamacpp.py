@@ -15,7 +15,7 @@ from pathlib import Path
 from schemas.registry import NodeState
 from services.agent.engine_http import EngineHttp
 from services.agent.engines import Engine, EngineError, get_json
-from services.agent.placing import place, placed, remove
+from services.agent.engine_files import place, placed, remove
 
 RESTART_TIMEOUT_S = 120.0  # an engine restart command (llama-server loading a model) is waited for this long
 

@@ -27,7 +27,7 @@ from schemas.nodes import (
 from services import __version__, bus
 from services.aio import cancel_and_wait
 from services.agent import heartbeats
-from services.agent.admission import refusal
+from services.agent.assignment_checks import refusal
 from services.agent.config import AgentConfig
 from services.agent.datasets import DatasetCache
 from services.agent.devices import DeviceProbe
@@ -35,7 +35,7 @@ from services.agent.models import read_shapes
 from services.agent.group_run import GroupProcess
 from services.agent.session_run import SessionDesk
 from services.agent.job_run import JobLifecycle, RunningJob
-from services.agent.rollout import Rollout
+from services.agent.deployment import Deployment
 from services.agent.term_fence import TermFence
 from services.agent.yielding import Yielder, engine_yields
 from services.procs import end_leftovers
@@ -104,8 +104,8 @@ class Agent(JobLifecycle):
         await self.nc.flush()
         log.info("agent %s up with %d device(s)", self.cfg.node, len(self.devices))
         beat = asyncio.create_task(heartbeats.every_interval(self, stop))
-        rollout = asyncio.create_task(
-            Rollout(
+        deployment = asyncio.create_task(
+            Deployment(
                 self.nc,
                 self.cfg.node,
                 self.cfg.engines,
@@ -118,7 +118,7 @@ class Agent(JobLifecycle):
         )
         yielding = asyncio.create_task(self.yielder.run(stop))
         await stop.wait()
-        await cancel_and_wait([rollout, yielding])
+        await cancel_and_wait([deployment, yielding])
         await self._shutdown(service, beat)
 
     async def _shutdown(self, service: Service, beat: asyncio.Task) -> None:

@@ -21,8 +21,8 @@ class Stager:
     """Follows the versions registered from now on and fetches, one at a time, the newest of each adapter name that
     this node's engines serve (a name it does not serve yet is fetched when it is first promoted)."""
 
-    def __init__(self, rollout) -> None:
-        self.rollout = rollout
+    def __init__(self, deployment) -> None:
+        self.deployment = deployment
         self.waiting: dict[str, AdapterVersion] = {}  # name -> the newest version registered and not yet staged
         self.wake = asyncio.Event()
         self.staged = 0  # versions fetched ahead of their promotion, for the log and the tests
@@ -30,7 +30,7 @@ class Stager:
     async def follow(self, stop: asyncio.Event) -> None:
         """Until `stop`: take each version registered from now on (an error ends it, for the caller to retry)."""
         subject = names.kv(names.ADAPTERS_KV).prefix + names.adapter_version_key("*", "*")
-        sub = await self.rollout.js.subscribe(subject, ordered_consumer=True, deliver_policy=DeliverPolicy.NEW)
+        sub = await self.deployment.js.subscribe(subject, ordered_consumer=True, deliver_policy=DeliverPolicy.NEW)
         fetching = asyncio.create_task(self._fetch_each(stop))
         try:
             while not stop.is_set() and not fetching.done():
@@ -47,15 +47,15 @@ class Stager:
             await cancel_and_wait([fetching])
 
     def offer(self, version: AdapterVersion) -> None:
-        alias = self.rollout.aliases.get(version.name)
-        if alias is None or alias.serving(self.rollout.node) is None or not self._engines(version):
+        alias = self.deployment.aliases.get(version.name)
+        if alias is None or alias.serving(self.deployment.node) is None or not self._engines(version):
             return
         if version.version > getattr(self.waiting.get(version.name), "version", 0):
             self.waiting[version.name] = version  # an older one not fetched yet is passed over
             self.wake.set()
 
     def _engines(self, version: AdapterVersion) -> list:
-        return [e for e in self.rollout.engines if e.model == version.base_model and not e.refusal(version)]
+        return [e for e in self.deployment.engines if e.model == version.base_model and not e.refusal(version)]
 
     async def _fetch_each(self, stop: asyncio.Event) -> None:
         while not stop.is_set():
@@ -70,7 +70,7 @@ class Stager:
         for engine in self._engines(version):
             file = engine.needs(version)
             try:
-                await self.rollout.fetch(file, gguf=engine.kind == "llamacpp")
+                await self.deployment.fetch(file, gguf=engine.kind == "llamacpp")
             except Exception as e:
                 log.warning(
                     "staging %s@%d for %s failed (%s); a promotion fetches it again",

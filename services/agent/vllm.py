@@ -21,7 +21,7 @@ from schemas.registry import NodeState
 from services.agent.engine_http import EngineHttp
 from services.agent.engine_load import fetch_text
 from services.agent.engines import Engine, EngineError, get_json, post_json
-from services.agent.placing import place, placed, remove
+from services.agent.engine_files import place, placed, remove
 
 NEEDS = "it needs VLLM_ALLOW_RUNTIME_LORA_UPDATING=True and --enable-lora"
 LORA_INFO = "vllm:lora_requests_info"

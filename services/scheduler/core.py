@@ -14,7 +14,7 @@ import msgspec
 from nats.aio.client import Client
 
 from schemas.jobs import TERMINAL_STATES, JobId, JobRequest, JobState, JobStatus, NodeId, StoredRequest
-from services.scheduler.placement import Fleet, SlotKey
+from services.scheduler.fleet import Fleet, SlotKey
 from services.scheduler.queue import TenantQueues
 from services.scheduler.request_cache import RequestCache
 from services.scheduler.index import Finished, JobIndex

@@ -20,11 +20,11 @@ import secrets
 from collections.abc import Container
 from dataclasses import dataclass, field
 
-from schemas.co_train import GroupKey, group_key, own_mib, shared_mib, why_alone, why_alone_now
+from schemas.co_train import GroupKey, group_key, group_process, own_mib, shared_mib, why_alone, why_alone_now
 from schemas.jobs import JobRequest, JobStatus
 from schemas.memory import Estimate, estimate
 from services.scheduler.config import SchedulerConfig
-from services.scheduler.placement import Fleet, SlotKey
+from services.scheduler.fleet import Fleet, SlotKey
 
 log = logging.getLogger(__name__)
 Bucket = tuple[GroupKey, str, str]  # (what its jobs share, whose jobs it takes: "" for anyone's, device kind)
@@ -231,19 +231,21 @@ def find_group(
     return groups.best_fit(request, tenant, kept)
 
 
-FounderKey = tuple[str, str, str, int, str, str]
+FounderKey = tuple[str, str, str, int, str, str, str]
 
 
 def founder_key(cfg: SchedulerConfig, request: JobRequest, tenant: str | None) -> FounderKey | None:
     """What queued jobs that could start a group together share (None: the job trains alone): the base directory,
-    precision, quantisation, priority (the yield rule), accelerator and, under the same-tenant policy, the tenant. A job queued with others of
-    its key starts a group when placed on a free device; one with nobody to share with trains alone, as it always
-    has."""
+    precision, quantisation, priority (the yield rule), accelerator, the group's process (sessions or training jobs)
+    and, under the same-tenant policy, the tenant. A job queued with others of its key starts a group when placed on
+    a free device; one with nobody to share with trains alone, as it always has (a session starts one even alone:
+    schemas/co_train.py founds_alone)."""
     if not may_co_train(cfg, request):
         return None
     who = (tenant or "") if cfg.co_train == "same-tenant" else ""
     base = request.base_dir.rstrip("/")
-    return (base, request.train.precision, request.quantization, request.priority, request.accelerator, who)
+    kind = group_process(request)
+    return (base, request.train.precision, request.quantization, request.priority, request.accelerator, who, kind)
 
 
 def co_train_note(

@@ -15,7 +15,7 @@ from services import bus
 from services.scheduler.config import engine_priority
 from services.scheduler import commands
 from services.scheduler.core import Job, SchedulerCore, engine_tag
-from services.scheduler.placement import SlotKey
+from services.scheduler.fleet import SlotKey
 
 log = logging.getLogger(__name__)
 BY_USER = "user"

@@ -9,6 +9,7 @@ import time
 from dataclasses import dataclass
 
 
+from schemas.co_train import founds_alone
 from schemas.nodes import Assignment, AssignRefused, AssignReply, on_devices
 from services import bus
 from services.aio import wait_first
@@ -257,9 +258,14 @@ class PlacementPass:
         return (cap is not None and holding > cap) or (self.limit is not None and holding > self.limit)
 
     def founds_group(self, job: Job) -> bool:
-        """Whether the job starts a co-training group: others of its kind wait with it (counted as they queue)."""
+        """Whether the job starts a co-training group: others of its kind wait with it (counted as they queue), or it
+        is a session (the next session of its kind joins it on its device: founds_alone)."""
         key = job.founder_key
-        return key is not None and not job.status.train_alone and self.core.groupable[key] > 1
+        return (
+            key is not None
+            and not job.status.train_alone
+            and (self.core.groupable[key] > 1 or founds_alone(job.stored.request))
+        )
 
     def fits(self, node: str | None = None):
         return lambda job_id: self.try_place(job_id, node)

@@ -10,7 +10,7 @@ import msgspec
 
 from schemas.jobs import FieldError, JobRequest
 from schemas.memory import estimate, what_would_fit
-from services.scheduler.placement import Fleet, SlotKey
+from services.scheduler.fleet import Fleet, SlotKey
 
 log = logging.getLogger(__name__)
 

@@ -17,7 +17,7 @@ from schemas.job_checks import parse_job_request
 from schemas.jobs import Accepted, FieldError, JobRequest, JobStatus, Rejected, StoredRequest, Unsure
 from services import bus, graders
 from services.scheduler import references, sizing
-from services.scheduler.admission_checks import capacity_errors, held_mib, quota_errors
+from services.scheduler.submission_checks import capacity_errors, held_mib, quota_errors
 from services.scheduler.core import Job, SchedulerCore
 from services.scheduler.fence import Deposed
 from services.scheduler.idempotency import IdempotencyKeys

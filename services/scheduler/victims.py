@@ -18,10 +18,10 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from schemas.co_train import group_key
-from services.scheduler.admission_checks import held_mib
+from services.scheduler.submission_checks import held_mib
 from services.scheduler.core import Job, SchedulerCore
 from services.scheduler.grouping import may_co_train, own_need
-from services.scheduler.placement import SlotKey
+from services.scheduler.fleet import SlotKey
 from services.scheduler.tenancy import Tenant
 
 SCAN = 256  # running jobs looked at for one waiting job at most

@@ -11,7 +11,7 @@ from schemas.jobs import JobRequest, JobSummary, NodeWhy, summarize
 from services.scheduler import sharing
 from services.scheduler.core import Job, SchedulerCore
 from services.scheduler.sharing import ShareTable
-from services.scheduler.placement import Fleet, NodeView
+from services.scheduler.fleet import Fleet, NodeView
 
 FITS = "fits"
 KIND_NAMES = {"gpu": "GPU", "cpu": "offered CPU", "any": "device"}

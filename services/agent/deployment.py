@@ -52,7 +52,9 @@ def driver(engine: Engine):
     return llamacpp if engine.kind == "llamacpp" else vllm
 
 
-class Rollout:
+class Deployment:
+    """The node's side of deploying adapters: its engines kept on what the registry's names point at."""
+
     def __init__(
         self,
         nc: Client,
@@ -76,7 +78,7 @@ class Rollout:
         self.fetching: dict[tuple[str, bool], asyncio.Task] = {}  # (sha256, gguf) -> its fetch under way
         self.stager = Stager(self) if stage else None
         self.cache = AdapterCache(self.root, cache_bytes)
-        self.http = EngineHttp()  # every engine call of the rollout; closed when run() ends
+        self.http = EngineHttp()  # every engine call of the deployment; closed when run() ends
         self.cap = EngineCap(self)  # --engine-max-adapters: the least recently used names unloaded past it
         self.parity = ParityCheck(self.http)  # the engines' log-probabilities against the trainers' (parity.py)
         self.graders = grader_context(grader_env or {}, work_dir)  # where gated canaries' evals are graded
@@ -97,17 +99,15 @@ class Rollout:
             await self.http.close()
 
     async def _run(self, stop: asyncio.Event, serving: Group | None) -> None:
-        log.info("rollout: %s follow the adapter registry", ", ".join(e.label for e in self.engines))
+        log.info("deploy: %s follow the adapter registry", ", ".join(e.label for e in self.engines))
         if serving is not None:
             await self.runs.serve(serving)
         checking = asyncio.create_task(self._check_engines(stop))
         staging = (
-            asyncio.create_task(keep(stop, "rollout: staging new versions", self.stager.follow))
-            if self.stager
-            else None
+            asyncio.create_task(keep(stop, "deploy: staging new versions", self.stager.follow)) if self.stager else None
         )
         try:
-            await keep(stop, "rollout: following the adapter registry", self._follow)
+            await keep(stop, "deploy: following the adapter registry", self._follow)
         finally:
             await cancel_and_wait([checking, staging, *self.fetching.values()])
             await self.evals.close()
@@ -156,7 +156,7 @@ class Rollout:
                 try:
                     await self._converge_engine(each, alias, version, again)
                 except Exception as e:
-                    log.warning("rollout of %s on %s failed: %s", alias.name, each.label, e)
+                    log.warning("deploying %s on %s failed: %s", alias.name, each.label, e)
                     if version is not None:
                         await self.report(each, version.name, version.version, "failed", str(e))
         if engine is None:  # (a reload into a cap's room is the cap's own)
@@ -233,7 +233,7 @@ class Rollout:
                         await self.check_engine(engine)
                     except Exception as e:
                         log.warning(
-                            "rollout: checking %s failed (%s: %s); the next check goes on",
+                            "deploy: checking %s failed (%s: %s); the next check goes on",
                             engine.label,
                             type(e).__name__,
                             e,
@@ -300,7 +300,7 @@ class Rollout:
         and fetches write stay (a load or fetch that starts meanwhile holds its adapter: AdapterCache)."""
         try:
             await self.cache.evict_async(self.served.shas() | {sha for sha, _ in self.fetching}, fetched)
-        except OSError as e:  # the rollout goes on; the next fetch or rollout trims again
+        except OSError as e:  # the deployment goes on; the next fetch or deploy trims again
             log.warning("adapter cache: could not trim %s to its budget: %s", self.root, e)
 
     def _local(self, file: StoredFile, gguf: bool) -> Path:

@@ -1,4 +1,4 @@
-"""One promote reaching a fleet: 200 simulated serving nodes, each the real agent's rollout logic (watch the
+"""One promote reaching a fleet: 200 simulated serving nodes, each the real agent's deployment logic (watch the
 registry, fetch the artifact once, check its sha256, unpack and place it, report), with a vLLM filesystem-resolver
 engine without an address (placing the directory is all it does: the node reports `placed`) in a temporary
 directory. Measured against one node alone in the same run, sides alternating. Each round registers a new version
@@ -9,7 +9,7 @@ All 200 nodes share this machine's one nats-server, one Python process and one d
 fetching rounds move 200 x the artifact through the server and write 200 x its unpacked bytes to one disk, so they
 measure this machine's bytes per second more than the agent; the rounds with the artifact cached measure the agent.
 
-    .venv/bin/python bench/rollout.py [--nodes 200] [--rounds 4] [--artifact-mib 4] [--no-staging]
+    .venv/bin/python bench/deployment.py [--nodes 200] [--rounds 4] [--artifact-mib 4] [--no-staging]
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ from schemas import names  # noqa: E402
 from schemas.registry import AdapterVersion, NodeAdapterStatus, PromoteRequest, StoredFile  # noqa: E402
 from services import bus  # noqa: E402
 from services.agent.engines import Engine  # noqa: E402
-from services.agent.rollout import Rollout  # noqa: E402
+from services.agent.deployment import Deployment  # noqa: E402
 from services.transfer.sender import upload_file  # noqa: E402
 from tests.conftest import running_on  # noqa: E402
 from services.artifacts.service import ArtifactService  # noqa: E402
@@ -64,7 +64,7 @@ def adapter_tar(path: Path, mib: int) -> Path:
 
 
 class Nodes:
-    """n simulated serving nodes: a connection and a Rollout each."""
+    """n simulated serving nodes: a connection and a Deployment each."""
 
     def __init__(self, url: str, prefix: str, n: int, tmp: Path, stage: bool) -> None:
         self.url, self.names, self.tmp, self.stage = url, [f"{prefix}{i:03d}" for i in range(n)], tmp, stage
@@ -72,20 +72,20 @@ class Nodes:
         self.loaded: dict[str, float] = {}
 
     async def start(self, stop: asyncio.Event) -> None:
-        self.conns, self.rollouts = [], []
+        self.conns, self.deployments = [], []
         for node in self.names:
             nc = await nats.connect(self.url)
             engine = Engine("vllm-dir", self.model, directory=self.tmp / node / "engine")
             self.conns.append(nc)
-            self.rollouts.append(Rollout(nc, node, [engine], self.tmp / node, stage=self.stage))
-        self.tasks = [asyncio.create_task(r.run(stop)) for r in self.rollouts]
-        await asyncio.gather(*(r.ready.wait() for r in self.rollouts))
+            self.deployments.append(Deployment(nc, node, [engine], self.tmp / node, stage=self.stage))
+        self.tasks = [asyncio.create_task(r.run(stop)) for r in self.deployments]
+        await asyncio.gather(*(r.ready.wait() for r in self.deployments))
 
     async def staged(self, before: list[int], since: float) -> list[float]:
         """Until every node has staged one more version than `before` counts: each node's time to it."""
         done: dict[int, float] = {}
-        while len(done) < len(self.rollouts):
-            for i, r in enumerate(self.rollouts):
+        while len(done) < len(self.deployments):
+            for i, r in enumerate(self.deployments):
                 if i not in done and r.stager.staged > before[i]:
                     done[i] = time.monotonic() - since
             await asyncio.sleep(0.005)
@@ -130,7 +130,7 @@ class Listener:
 
 
 async def main(args) -> None:
-    tmp = Path(tempfile.mkdtemp(prefix="jetlora-bench-rollout-"))
+    tmp = Path(tempfile.mkdtemp(prefix="jetlora-bench-deployment-"))
     server = EmbeddedNats(store_dir=tmp / "nats", websocket=False).start()
     stop = asyncio.Event()
     tasks: list[asyncio.Task] = []
@@ -185,7 +185,7 @@ async def main(args) -> None:
         for r in range(args.rounds):
             version = 2 + r
             for side in (fleet, alone) if r % 2 == 0 else (alone, fleet):
-                before, t0 = [n.stager.staged if n.stager else 0 for n in side.rollouts], time.monotonic()
+                before, t0 = [n.stager.staged if n.stager else 0 for n in side.deployments], time.monotonic()
                 await register(side, version)
                 staged = await side.staged(before, t0) if stage else []
                 times = await promote_and_wait(nc, side, version, listen)
