@@ -18,7 +18,7 @@ from services.artifacts.service import ArtifactService
 from services.evals import samples
 from services.evals.runs import RunError
 from services.evals.service import EvalsService
-from services.gateway import evals_map
+from services.gateway.evals import mapping as evals_map
 from services.gateway.app import Gateway
 from services.graders import GraderContext
 from tests.conftest import wait_for

@@ -20,7 +20,7 @@ from aiohttp import web
 from schemas import names
 from schemas.evals import ItemsQuery
 from services.evals.service import EvalsService
-from services.gateway import eval_items
+from services.gateway.evals import items as eval_items
 from services.gateway.app import Gateway, make_app
 from services.gateway.files import UploadLimits
 from services.gateway.keys import KeyStore, new_key

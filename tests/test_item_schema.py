@@ -8,7 +8,7 @@ import time
 import pytest
 
 from services.gateway.errors import OpenAIError
-from services.gateway.item_schema import PATTERN_S, validate_items
+from services.gateway.evals.item_schema import PATTERN_S, validate_items
 
 
 def where(n, path, why):

@@ -4,8 +4,8 @@ that went; unload what is retired. And keep checking: an engine that restarted, 
 
 A version registered for a name the node serves is fetched ahead of its promotion (staging.py); an engine with a
 cap on the names it keeps loaded unloads the least recently used past it (engine_cap.py); a gated canary's version,
-once loaded and verified, is evaluated through the engine (canary_evals.py), and so is an eval run of a name it
-serves that the evals service sends this node (eval_runs.py).
+once loaded and verified, is evaluated through the engine (evals/canary.py), and so is an eval run of a name it
+serves that the evals service sends this node (evals/runs.py).
 What was loaded is remembered on disk (served_state.py), so an agent that restarts converges without loading
 anything twice (and the checks find what an engine lost meanwhile). Nothing here waits on an engine or the disk on
 the event loop (it also sends the node's heartbeats): engines are asked through aiohttp (engine_http.py), files are
@@ -28,14 +28,14 @@ from schemas.registry import Alias, AdapterVersion, NodeAdapterStatus, NodeState
 from services.agent import llamacpp, vllm
 from services.agent.adapter_cache import AdapterCache
 from services.agent.adapter_files import download
-from services.agent.canary_evals import CanaryEvals
+from services.agent.evals.canary import CanaryEvals
 from services.agent.engine_cap import EngineCap
 from services.agent.engine_http import EngineHttp
 from services.agent.engines import Engine, answering, verify
-from services.agent.eval_runs import EvalRuns
+from services.agent.evals.runs import EvalRuns
 from services.agent.parity import ParityCheck
 from services.agent.registry_bucket import RegistryBucket
-from services.agent.served_eval import grader_context
+from services.agent.evals.served import grader_context
 from services.agent.served_state import ServedState
 from services.agent.staging import Stager
 from services.aio import cancel_and_wait, sleep_unless_stopped
@@ -82,13 +82,13 @@ class Deployment:
         self.cap = EngineCap(self)  # --engine-max-adapters: the least recently used names unloaded past it
         self.parity = ParityCheck(self.http)  # the engines' log-probabilities against the trainers' (parity.py)
         self.graders = grader_context(grader_env or {}, work_dir)  # where gated canaries' evals are graded
-        self.evals = CanaryEvals(self)  # gated canaries' evals through the engines (canary_evals.py)
-        self.runs = EvalRuns(self)  # eval runs through the engines, asked by the evals service (eval_runs.py)
+        self.evals = CanaryEvals(self)  # gated canaries' evals through the engines (evals/canary.py)
+        self.runs = EvalRuns(self)  # eval runs through the engines, asked by the evals service (evals/runs.py)
 
     async def run(self, stop: asyncio.Event, serving: Group | None = None) -> None:
         """Follow the aliases until `stop`, and check what each engine really serves; a watch the server breaks (a
         restart, a limit) is opened again. serving: the agent's nats.micro group, where this node's eval runs are
-        asked (eval_runs.py; without it, none are answered)."""
+        asked (evals/runs.py; without it, none are answered)."""
         if not self.engines:
             return
         try:

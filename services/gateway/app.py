@@ -10,7 +10,7 @@ from aiohttp import web
 from schemas import names
 from services.gateway.answers import openai_errors
 from services.gateway.errors import JSON_MAX, json_response
-from services.gateway.evals import Evals
+from services.gateway.evals.routes import Evals
 from services.gateway.faults import FAULTS, Faults
 from services.gateway.events import JobEvents
 from services.gateway.files import Files, UploadLimits

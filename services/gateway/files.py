@@ -21,7 +21,7 @@ from schemas.datasets import DatasetUpload
 from schemas.gateway import FileObject
 from schemas.jobs import Error
 from services import bus
-from services.gateway.eval_items import ITEMS_PREFIX  # the items of eval runs: kept with the runs, not files
+from services.gateway.evals.items import ITEMS_PREFIX  # the items of eval runs: kept with the runs, not files
 from services.gateway.errors import TENANT, OpenAIError, bad_request, json_response
 from services.gateway.lookups import dataset_info
 from services.gateway.paging import limit_of, page

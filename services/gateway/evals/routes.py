@@ -1,8 +1,8 @@
 """/v1/evals, /v1/evals/{id}/runs and their output_items, as OpenAI's client calls them, on the evals service's
 tenant subjects (jetlora.evals.<tenant>.<verb>): a key sees only its tenant's evals and runs (another's are a 404,
-lists hold none of them). An eval's testing_criteria are graders (evals_map.py); a run's items are rendered and
-stored as its own dataset (eval_items.py), then placed by the evals service as a job against a base model of the
-gateway's or a fine-tuned model of the tenant's; a `jsonl` run's rows carry their samples (eval_samples.py), which the
+lists hold none of them). An eval's testing_criteria are graders (evals/mapping.py); a run's items are rendered and
+stored as its own dataset (evals/items.py), then placed by the evals service as a job against a base model of the
+gateway's or a fine-tuned model of the tenant's; a `jsonl` run's rows carry their samples (evals/samples.py), which the
 evals service grades as sent."""
 
 from __future__ import annotations
@@ -19,7 +19,11 @@ from schemas.evals import EvalCreate, EvalDef, EvalList, EvalReply, EvalRun, Ite
 from schemas.evals import EvalQuery, RunListQuery, RunQuery, RunRequest
 from schemas.jobs import Error
 from services import bus
-from services.gateway import eval_items, eval_samples, evals_map, grader_door, item_schema, output_items
+from services.gateway import grader_door
+from services.gateway.evals import item_schema, output_items
+from services.gateway.evals import items as eval_items
+from services.gateway.evals import mapping as evals_map
+from services.gateway.evals import samples as eval_samples
 from services.gateway.errors import TENANT, bad_request, is_token, json_response, not_found, read_json
 from services.gateway.graders import Graders
 from services.gateway.lookups import fine_tuned_model, unanswered
@@ -288,7 +292,7 @@ class Evals:
 
     # --- output items ------------------------------------------------------------------------------------------
     async def list_items(self, request: web.Request) -> web.Response:
-        """A page of the run's output items, reading only that page of them (output_items.py)."""
+        """A page of the run's output items, reading only that page of them (evals/output_items.py)."""
         tenant, limit, desc = request[TENANT], limit_of(request, 20), order_of(request)
         status, after = request.query.get("status"), request.query.get("after")
         if status not in (None, "pass", "fail"):

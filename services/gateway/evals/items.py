@@ -13,7 +13,8 @@ import msgspec
 
 from schemas.datasets import DatasetUpload
 from schemas.evals import Sampling
-from services.gateway import file_reads, item_schema
+from services.gateway import file_reads
+from services.gateway.evals import item_schema
 from services.gateway.errors import OpenAIError, bad_request
 from services.gateway.lookups import dataset_info
 from services.graders.templates import TemplateError, render
@@ -27,7 +28,7 @@ DS = "data_source"
 
 
 def check_kind(ds: Any) -> dict[str, Any]:
-    """A `completions` data source (a `jsonl` one is eval_samples.py's)."""
+    """A `completions` data source (a `jsonl` one is evals/samples.py's)."""
     if not isinstance(ds, dict):
         raise bad_request(f"{DS}: give an object with type 'completions' or 'jsonl'", DS)
     kind = ds.get("type")

@@ -1,7 +1,7 @@
 """Eval runs through this node's engines (schemas/engine_evals.py): the evals service asks on
 jetlora.node.<node>.evaluate for a run's items to be answered through an engine of this node that serves
 adapter@version under that name (what the name's users get), graded here as a gated canary's served eval is graded
-(served_eval.py: the same chat completions and sampling, the same graders, python graders in the sandbox), and the
+(evals/served.py: the same chat completions and sampling, the same graders, python graders in the sandbox), and the
 per-item results sent back. Each request is answered in a task of its own, RUNS_AT_ONCE at most at once, all within
 the request's deadline on this node's clock. What this node cannot do (no engine of its serves that version, the
 dataset cannot be read, a grader it may not run, an engine that fails, results too large for one message) is an
@@ -25,7 +25,7 @@ from schemas.evals import ItemResult
 from schemas.jobs import Error
 from services import bus
 from services.agent.engines import Engine
-from services.agent.served_eval import EvalFailed, answers, fetched, grade, runnable
+from services.agent.evals.served import EvalFailed, answers, fetched, grade, runnable
 from services.aio import cancel_and_wait
 from services.transfer.download import DownloadError
 

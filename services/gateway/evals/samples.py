@@ -11,7 +11,7 @@ from typing import Any
 from schemas.evals import SAMPLES_MAX, SampledItem
 from schemas.graders import Sample
 from services.gateway.errors import OpenAIError, bad_request
-from services.gateway.eval_items import check_schema, file_rows
+from services.gateway.evals.items import check_schema, file_rows
 
 DS = "data_source"
 SOURCE = f"{DS}.source"

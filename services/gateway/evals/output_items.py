@@ -9,7 +9,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from schemas.evals import EvalRun, ItemResult
-from services.gateway import evals_map
+from services.gateway.evals import mapping as evals_map
 
 ASK_MOST = 1000  # items one ask of the evals service carries (ItemsQuery.limit's most)
 INDEX_MAX = 2**31  # no run has more items (a run takes up to 10,000)

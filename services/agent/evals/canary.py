@@ -1,6 +1,6 @@
 """The served evals of gated canaries on this node (schemas/served.py): when one of its engines has loaded and
 verified a version that a gated canary of this node asks for, the canary's eval runs through that engine
-(served_eval.py) in a task of its own, beside the deployment, and its outcome is reported with the node's status: still
+(evals/served.py) in a task of its own, beside the deployment, and its outcome is reported with the node's status: still
 `loaded`, now with the served score, or `failed` saying why it could not be evaluated (either way the registry
 decides the canary). One eval per engine and name, for the canary that asked it: a change of the alias (the canary
 ends, rolls back, or another begins) cancels it before the change is rolled out, and so does a load of that name
@@ -18,7 +18,7 @@ from schemas.parity import ParityFigures
 from schemas.registry import AdapterVersion, Alias, Smoke
 from schemas.served import describe
 from services.agent.engines import Engine
-from services.agent.served_eval import EvalFailed, evaluate
+from services.agent.evals.served import EvalFailed, evaluate
 from services.aio import cancel_and_wait
 
 log = logging.getLogger(__name__)
