@@ -7,7 +7,13 @@ digest, else the same directory on the node; the group's process compares the di
 precision and quantisation, and one yield rule (request.priority, which with the tenant decides whether a job gives
 way to a serving engine), on one device; sft and dpo jobs only, each starting from a fresh adapter; no job asks to
 train alone, and none was split out of a group for memory (JobStatus.train_alone). Which tenants' jobs may share a
-process is the operator's policy (`--co-train`)."""
+process is the operator's policy (`--co-train`).
+
+Tinker training sessions (train.method session) share a process the same way, with sessions only (a session group,
+trainer/session_group.py: each session a member with its own adapter, optimizer, random state and saves, a base
+model's sampler a member with its adapter off): the group key says which process a group runs. A session starts a
+group even alone, so that the next session of its kind (its tenant's base sampler, another training client) joins
+it on its device instead of waiting for the device the first holds as long as its client uses it."""
 
 from __future__ import annotations
 
@@ -21,7 +27,8 @@ from schemas.memory import ALLOCATOR_MARGIN, Estimate, ModelShape, estimate
 CoTrainPolicy = Literal["off", "same-tenant", "any"]
 CO_TRAIN_POLICIES: tuple[CoTrainPolicy, ...] = ("off", "same-tenant", "any")
 METHODS = ("sft", "dpo")  # what a group trains
-GroupKey = tuple[str, str, str, int]  # (weights, precision, quantization, priority: the yield rule)
+SESSION = "session"  # train.method of a Tinker session: grouped with sessions only
+GroupKey = tuple[str, str, str, int, str]  # (weights, precision, quantization, priority: the yield rule, process)
 
 
 def why_alone(request) -> str | None:
@@ -31,9 +38,9 @@ def why_alone(request) -> str | None:
         return "it asked to train alone (co_train: false)"
     if request.devices > 1:
         return "it trains on several devices"
-    if t.method not in METHODS:
-        return f"train.method {t.method} is not co-trained (a group trains {' and '.join(METHODS)})"
-    if request.init_adapter is not None:
+    if t.method not in METHODS and t.method != SESSION:
+        return f"train.method {t.method} is not co-trained (a group trains {' and '.join(METHODS)}, or sessions)"
+    if request.init_adapter is not None and t.method != SESSION:  # a session loads its start as a member
         return "it starts from init_adapter"
     if request.served_by == "llamacpp":
         return "it is exported to GGUF for llama.cpp, which a group does not do"
@@ -53,9 +60,20 @@ def group_key(request, shape: ModelShape | None) -> GroupKey:
     digests whichever it was), precision and quantisation; and the rule by which they yield to a serving engine,
     which the scheduler derives from the priority (an admin's job above --engine-yield exempt=P does not yield, a
     tenant's always does: the agent holds each member by its own rule, and jobs of unequal priority are never
-    grouped)."""
+    grouped); and the process the group runs (sessions, or training jobs)."""
     weights = shape.digest if shape is not None and shape.digest else "dir:" + request.base_dir.rstrip("/")
-    return (weights, request.train.precision, request.quantization, request.priority)
+    return (weights, request.train.precision, request.quantization, request.priority, group_process(request))
+
+
+def group_process(request) -> str:
+    """Which process a group of this job runs: sessions (trainer/session_group.py) or training jobs (trainer/
+    co_train); the two never share one."""
+    return SESSION if request.train.method == SESSION else "train"
+
+
+def founds_alone(request) -> bool:
+    """Whether the job starts a group even with nobody queued to share it (a session: see the module's doc)."""
+    return request.train.method == SESSION and why_alone(request) is None
 
 
 class GroupEstimate(Struct, kw_only=True):
@@ -89,6 +107,9 @@ __all__ = [
     "GroupEstimate",
     "GroupKey",
     "METHODS",
+    "SESSION",
+    "founds_alone",
+    "group_process",
     "group_estimate",
     "group_key",
     "own_mib",

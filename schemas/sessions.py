@@ -5,7 +5,11 @@ with what the trainer printed back (a SessionAnswer line beside its events).
 
 Calls act on one LoRA adapter of a frozen base: forward (and backward: gradients add up until the next optim_step),
 an optimizer step, saving and loading its weights, sampling. Tensors travel as plain lists; a call's error names
-the field at fault."""
+the field at fault.
+
+Sessions of one base (and tenant, by default) live as members of one process, a session group (trainer/
+session_group.py): the agent writes a MemberCall line on its stdin, beside the co-training group's GroupControl
+lines, and reads a MemberAnswer line beside its GroupEvent lines."""
 
 from __future__ import annotations
 
@@ -205,3 +209,27 @@ class SessionLine(Struct, kw_only=True):
 
     id: int
     call: SessionCall
+
+
+class MemberCall(Struct, tag="call", tag_field="type", kw_only=True):
+    """Call number `id` for the session `job`'s attempt `attempt`, written on a session group's stdin."""
+
+    job: str
+    attempt: int
+    id: int
+    call: SessionCall
+
+
+class MemberAnswer(Struct, tag="member_answer", tag_field="type", kw_only=True):
+    """A session group's answer to MemberCall `id` of the session `job`'s attempt `attempt`, on its stdout."""
+
+    job: str
+    attempt: int
+    id: int
+    reply: SessionReply
+
+
+# How those lines start (msgspec writes a tagged Struct's tag first): told apart from GroupControl and GroupEvent
+# lines, which are not tagged, without decoding them twice.
+CALL_LINE = b'{"type":"call"'
+ANSWER_LINE = b'{"type":"member_answer"'

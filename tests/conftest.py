@@ -137,11 +137,16 @@ STACK_CONFIG = SchedulerConfig(co_train="off", heartbeat_interval=0.25, misses=3
 async def stack(services):
     """A scheduler (STACK_CONFIG: heartbeats every 0.25 s, 3 missed mean gone), an artifact service and the adapter
     registry, in-process."""
+    return await start_stack(services, STACK_CONFIG)
+
+
+async def start_stack(services, cfg: SchedulerConfig):
+    """The stack fixture's services, the scheduler configured as `cfg`; the scheduler once it leads."""
     from services.artifacts.service import ArtifactService
     from services.registry.service import RegistryService
     from services.scheduler.service import Scheduler
 
-    sched, *_ = await services.start(lambda c: Scheduler(c, STACK_CONFIG))
+    sched, *_ = await services.start(lambda c: Scheduler(c, cfg))
     await services.start(lambda c: ArtifactService(c))
     await services.start(lambda c: RegistryService(c))
     await asyncio.wait_for(sched.leading.wait(), 10)

@@ -5,6 +5,7 @@ node is killed goes on on another node from its last save, and the client is tol
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 
 import pytest
@@ -14,7 +15,7 @@ from schemas.jobs import JobList, JobListQuery
 from services import bus
 from services.gateway.app import Gateway
 from services.gateway.openai_map import BaseModel
-from tests.conftest import get_job, list_nodes, wait_for, wait_nodes
+from tests.conftest import STACK_CONFIG, get_job, list_nodes, start_stack, wait_for, wait_nodes
 from tests.test_tinker_api import client, datums, key_for
 
 pytestmark = pytest.mark.timeout(300)
@@ -22,8 +23,12 @@ os.environ.setdefault("TINKER_TELEMETRY", "0")
 IDLE_S = 10.0
 
 
-@pytest.fixture
-async def gateway(stack, nc, tiny_model):
+@pytest.fixture(params=["alone", "in a session group"])
+async def gateway(request, services, nc, tiny_model):
+    """Each test twice: the session in a trainer of its own (co-training off), and as a member of a session group
+    (the default policy: a session founds a group that its tenant's next sessions join)."""
+    co_train = "off" if request.param == "alone" else "same-tenant"
+    await start_stack(services, dataclasses.replace(STACK_CONFIG, co_train=co_train))
     gw = Gateway(nc, {"tiny": BaseModel("tiny", str(tiny_model), accelerator="cpu")}, port=0, tinker_idle_s=IDLE_S)
     await gw.start()
     yield gw

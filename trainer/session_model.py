@@ -143,12 +143,12 @@ def save_state(model, optimizer, step: int, path: Path) -> Path:
     return path
 
 
-def load_state(model, optimizer, path: Path, with_optimizer: bool) -> int:
-    """Load a state save_state wrote (tensors only: never arbitrary pickles); the step it was taken at."""
-    from peft import set_peft_model_state_dict
+def load_state(load_weights, optimizer, path: Path, with_optimizer: bool) -> int:
+    """Load a state save_state wrote (tensors only: never arbitrary pickles) through `load_weights` (the adapter's
+    weights under peft's saved names into the session's adapter); the step it was taken at."""
     from safetensors.torch import load_file
 
-    set_peft_model_state_dict(model, load_file(str(path / "adapter" / "adapter_model.safetensors")))
+    load_weights(load_file(str(path / "adapter" / "adapter_model.safetensors")))
     state = torch.load(path / "trainer_state.pt", weights_only=True)
     if with_optimizer:
         optimizer.load_state_dict(state["optimizer"])

@@ -8,7 +8,10 @@ carries each job's events, tagged with the job and the attempt (a superseded att
 Yielding is per member: a member held for a serving engine sits out the group's steps (a line to the process); the
 process is stopped (SIGSTOP) only while every member is held, and goes on (SIGCONT) as soon as one is not, so one
 member's pause or an exempt member never lets another compute that must yield. The process dying fails every job
-still in it, as a trainer's death fails its job; the last job leaving closes its stdin and the process ends."""
+still in it, as a trainer's death fails its job; the last job leaving closes its stdin and the process ends.
+
+A group of Tinker sessions (trainer/session_group.py) runs the same way; each session's calls go to the process as
+MemberCall lines and come back as MemberAnswer lines (SessionMember)."""
 
 from __future__ import annotations
 
@@ -25,8 +28,11 @@ from pathlib import Path
 import msgspec
 
 from schemas import trainer_lease
+from schemas.co_train import SESSION
 from schemas.events import Cancelled, Failed, Finished, GroupControl, GroupEvent, Requeue, TrainerSpec
+from schemas.sessions import ANSWER_LINE, MemberAnswer, MemberCall, SessionCall
 from services.agent.models import DIGESTS
+from services.agent.session_run import TakesCalls
 from services.aio import cancel_and_wait
 from services.procs import PID_FILE, die_with_parent, niced, write_pid_file
 
@@ -35,6 +41,7 @@ DEFAULT_GROUP_TRAINER = [sys.executable, "-m", "trainer.co_train"]
 STDERR_LINES = 3
 END_S = 30.0  # how long a group left by its last job may take to end its step and exit before it is killed
 _decode = msgspec.json.Decoder(GroupEvent)
+_answer = msgspec.json.Decoder(MemberAnswer)
 _encode = msgspec.json.Encoder()
 
 
@@ -64,7 +71,8 @@ class GroupProcess:
         self.stopped = False  # SIGSTOPped: every member it holds must yield
 
     def member(self, spec: TrainerSpec) -> "GroupMember":
-        return GroupMember(self, spec)
+        """The job's part in the group: a Tinker session's takes calls (SessionMember)."""
+        return SessionMember(self, spec) if spec.request.train.method == SESSION else GroupMember(self, spec)
 
     async def join(self, member: "GroupMember") -> None:
         """The job joins (its line sent, with its base's digest); the process is started for the first."""
@@ -112,6 +120,9 @@ class GroupProcess:
         """Each job's events to its member, as they come; once the process is gone, every job left in it fails."""
         assert proc.stdout is not None
         async for line in proc.stdout:
+            if line.startswith(ANSWER_LINE):  # a session group's answer to one member's call
+                self._answered(line)
+                continue
             if not line.startswith(b"{"):
                 continue
             try:
@@ -141,6 +152,18 @@ class GroupProcess:
                     + (f": {tail}" if tail else "")
                 )
             )
+
+    def _answered(self, line: bytes) -> None:
+        try:
+            answer = _answer.decode(line)
+        except msgspec.DecodeError:
+            log.warning("group %s printed an answer that does not decode: %r", self.name, line[:200])
+            return
+        member = self.members.get(answer.job)
+        if isinstance(member, SessionMember) and member.spec.attempt == answer.attempt:
+            member.answered(answer.id, answer.reply)
+        else:
+            log.info("group %s: dropped an answer for job %s attempt %d", self.name, answer.job, answer.attempt)
 
     async def _read_stderr(self, proc: asyncio.subprocess.Process) -> None:
         assert proc.stderr is not None
@@ -273,6 +296,35 @@ class GroupMember:
         self.held = held
         self._ask("hold" if held else "go")
         self.group.settle()
+
+
+class SessionMember(GroupMember, TakesCalls):
+    """A Tinker session in a session group: driven as any member, and its calls (session_run.SessionDesk) go to the
+    group's process as MemberCall lines, answered by number."""
+
+    def __init__(self, group: GroupProcess, spec: TrainerSpec) -> None:
+        super().__init__(group, spec)
+        self._init_calls()
+
+    async def run(self, on_event: Callable[[object], Awaitable[None]]) -> Finished | Failed | Cancelled | Requeue:
+        try:
+            return await super().run(on_event)
+        finally:  # it left the group: the calls it never answered are tried again where the session goes on
+            self.calls_end()
+
+    def _stdin(self) -> asyncio.StreamWriter | None:
+        proc = self.proc
+        if proc is None or proc.stdin is None or proc.returncode is not None or proc.stdin.is_closing():
+            return None
+        return proc.stdin
+
+    def _line(self, number: int, call: SessionCall) -> bytes:
+        line = MemberCall(job=self.spec.job, attempt=self.spec.attempt, id=number, call=call)
+        return _encode.encode(line) + b"\n"
+
+    @property
+    def label(self) -> str:
+        return f"{self.spec.job} (in co-training group {self.group.name})"
 
 
 async def base_digest(base_dir: str) -> str:

@@ -37,7 +37,7 @@ from services.agent.config import AgentConfig
 from services.agent.datasets import DatasetCache, DatasetUnavailable, LocalDataset
 from services.agent.engines import rollout_engine
 from services.agent.group_run import GroupMember, GroupProcess
-from services.agent.session_run import SessionLost, SessionRun
+from services.agent.session_run import SessionLost, SessionRun, TakesCalls
 from services.agent.runner import TrainerRun, trainer_env
 from services.agent.shipping import fetch_adapter, fetch_checkpoint, fetch_session_start, ship_checkpoint, ship_results
 from services.agent.yielding import Yielded, Yielder
@@ -273,7 +273,7 @@ class JobLifecycle:
         a = run.assignment
         if isinstance(ev, Started):
             await self._report(run, "running", ev.message or f"training {ev.steps} steps on {ev.device}")
-            if isinstance(run.trainer, SessionRun):
+            if isinstance(run.trainer, TakesCalls):  # a session, alone or in a session group
                 run.trainer.ready.set()  # it takes calls from now on
         elif isinstance(ev, Progress):
             await self._progress(run, ev)
@@ -288,7 +288,7 @@ class JobLifecycle:
                 self.js, self._subjects(a).samples, _enc.encode(samples), f"{a.job}.{a.attempt}.x{ev.step}{ev.model}"
             )
         elif isinstance(ev, Checkpoint):
-            if (run.paused_by or isinstance(run.trainer, SessionRun)) and run.checkpoint_upload:
+            if (run.paused_by or isinstance(run.trainer, TakesCalls)) and run.checkpoint_upload:
                 await run.checkpoint_upload  # what a resume needs; a session's client was told each save is kept
             if run.checkpoint_upload and not run.checkpoint_upload.done():
                 log.info("job %s: checkpoint at step %d skipped, the previous one is still uploading", a.job, ev.step)

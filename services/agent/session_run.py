@@ -1,6 +1,7 @@
 """A training session's trainer (train.method session): a trainer run whose stdin takes calls and whose stdout
-answers them beside its events. The agent passes each call that reaches it on names.node(node).session to the
-job's trainer, one at a time, and replies with the trainer's answer."""
+answers them beside its events, or a member of a session group (group_run.SessionMember: the group's process
+takes its calls and answers them tagged with its job). The agent passes each call that reaches it on
+names.node(node).session to the job's trainer, one at a time, and replies with the trainer's answer."""
 
 from __future__ import annotations
 
@@ -28,37 +29,44 @@ class SessionLost(Exception):
     """A training session could not be given back what it saved: it fails rather than start again from nothing."""
 
 
-class SessionRun(TrainerRun):
-    decoder = _decode
-    stdin = asyncio.subprocess.PIPE
+class TakesCalls:
+    """A session's trainer as the agent hands it calls: one at a time in the order they came, each answered by its
+    number; a call id seen lately gets that call's answer (a try sent again by the gateway), never a second run.
+    A session alone (SessionRun) and a member of a session group (group_run.SessionMember) write their lines each
+    their own way (`_line`, `_stdin`)."""
 
-    def __init__(self, *args, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
+    def _init_calls(self) -> None:
         self.ids = itertools.count(1)
         self.pending: dict[int, asyncio.Future] = {}
         self.turn = asyncio.Lock()  # one call at a time, in the order they came
         self.ready = asyncio.Event()  # the trainer said Started: it takes calls
         self.calls: collections.OrderedDict[str, asyncio.Future] = collections.OrderedDict()  # by call_id, the last
 
-    async def run(self, on_event):
-        try:
-            return await super().run(on_event)
-        finally:  # the trainer ended: the calls it never answered are tried again where the session goes on
-            for waiter in self.pending.values():
-                if not waiter.done():
-                    waiter.set_result(CallError(message="the session's trainer ended; ask again", retry=True))
+    def _stdin(self) -> asyncio.StreamWriter | None:
+        """Where the call's line goes; None while the trainer cannot take it (starting, or gone)."""
+        raise NotImplementedError
 
-    def took(self, line: object) -> bool:
-        if isinstance(line, SessionAnswer):
-            waiter = self.pending.pop(line.id, None)
-            if waiter is not None and not waiter.done():
-                waiter.set_result(line.reply)
-            return True
-        return False
+    def _line(self, number: int, call: SessionCall) -> bytes:
+        raise NotImplementedError
+
+    @property
+    def label(self) -> str:
+        raise NotImplementedError
+
+    def answered(self, number: int, reply: SessionReply) -> None:
+        waiter = self.pending.pop(number, None)
+        if waiter is not None and not waiter.done():
+            waiter.set_result(reply)
+
+    def calls_end(self) -> None:
+        """The trainer ended (or the session left its group): the calls it never answered are tried again where
+        the session goes on."""
+        for waiter in self.pending.values():
+            if not waiter.done():
+                waiter.set_result(CallError(message="the session's trainer ended; ask again", retry=True))
 
     async def call(self, call: SessionCall, call_id: str = "", timeout: float = CALL_TIMEOUT_S) -> SessionReply:
-        """The trainer's answer to `call`, or why there is none; a call_id seen lately gets that call's answer (a
-        try sent again by the gateway), never a second run."""
+        """The trainer's answer to `call`, or why there is none."""
         if not call_id:
             return await self._call(call, timeout)
         if call_id not in self.calls:
@@ -72,22 +80,58 @@ class SessionRun(TrainerRun):
 
     async def _call(self, call: SessionCall, timeout: float) -> SessionReply:
         async with self.turn:
-            proc = self.proc
-            if proc is None or proc.stdin is None or proc.returncode is not None or not self.ready.is_set():
+            stdin = self._stdin() if self.ready.is_set() else None
+            if stdin is None:
                 return CallError(message="the session is starting; ask again", retry=True)
             number = next(self.ids)
             waiter = self.pending[number] = asyncio.get_running_loop().create_future()
             try:
-                proc.stdin.write(_encode.encode(SessionLine(id=number, call=call)) + b"\n")
-                await proc.stdin.drain()
+                stdin.write(self._line(number, call))
+                await stdin.drain()
                 return await asyncio.wait_for(waiter, timeout)
             except (ConnectionError, BrokenPipeError):
                 return CallError(message="the session's trainer has ended; ask again", retry=True)
             except asyncio.TimeoutError:
-                log.warning("session %s did not answer call %d within %.0f s", self.spec.job, number, timeout)
+                log.warning("session %s did not answer call %d within %.0f s", self.label, number, timeout)
                 return CallError(message=f"the session did not answer within {timeout:.0f} s", retry=True)
             finally:
                 self.pending.pop(number, None)
+
+
+class SessionRun(TrainerRun, TakesCalls):
+    """A session alone: its own trainer process, its calls on the process's stdin."""
+
+    decoder = _decode
+    stdin = asyncio.subprocess.PIPE
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._init_calls()
+
+    async def run(self, on_event):
+        try:
+            return await super().run(on_event)
+        finally:
+            self.calls_end()
+
+    def took(self, line: object) -> bool:
+        if isinstance(line, SessionAnswer):
+            self.answered(line.id, line.reply)
+            return True
+        return False
+
+    def _stdin(self) -> asyncio.StreamWriter | None:
+        proc = self.proc
+        if proc is None or proc.stdin is None or proc.returncode is not None:
+            return None
+        return proc.stdin
+
+    def _line(self, number: int, call: SessionCall) -> bytes:
+        return _encode.encode(SessionLine(id=number, call=call)) + b"\n"
+
+    @property
+    def label(self) -> str:
+        return self.spec.job
 
 
 class SessionDesk:
@@ -116,7 +160,7 @@ class SessionDesk:
         run = self.jobs().get(request.job)
         if run is None or run.assignment.tenant != request.tenant:  # another tenant's session is none of its own
             return CallError(message=f"session {request.job} does not run on this node", retry=True)
-        if not isinstance(run.trainer, SessionRun):
+        if not isinstance(run.trainer, TakesCalls):
             return CallError(message="the session is starting; ask again", retry=True)
         return await run.trainer.call(request.call, request.call_id)
 

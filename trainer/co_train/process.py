@@ -3,70 +3,26 @@ GroupControl) are taken between steps; a job joins (the base is loaded with the 
 same content, schemas/weights_digest.py), steps with the others, reports as a trainer alone does (each of its events
 on stdout as a GroupEvent, with its attempt), and leaves when it ends, fails, is cancelled, stopped or paused. A
 job's failure is its own: its neighbours go on; a step that runs out of memory splits the group (split.py). The
-process ends once its stdin is closed and no job is left."""
+process ends once its stdin is closed and no job is left. A group whose first job is a Tinker session is a session
+group instead (trainer/session_group.py)."""
 
 from __future__ import annotations
 
-import queue
-import sys
-import threading
 import traceback
 
 import msgspec
 import torch
 
+from schemas.co_train import SESSION
 from schemas.events import Failed, GroupControl, GroupEvent, Requeue, TrainerSpec
-from schemas.weights_digest import FileDigests
 from trainer import lease
-from trainer import model as base_model
+from trainer.co_train.controls import Controls, note
 from trainer.co_train.group import CoTrainer, StepOutOfMemory
+from trainer.co_train.held_base import HeldBase, OtherWeights
 from trainer.co_train.member import Member, member_for
 from trainer.co_train.split import leave_for_memory
 from trainer.errors import JobError
 from trainer.events import emit
-
-_decode = msgspec.json.Decoder(GroupControl)
-
-
-def note(text: str) -> None:
-    """A line for the agent's log (stderr): what the group did that no job's events say."""
-    print(text, file=sys.stderr, flush=True)
-
-
-class OtherWeights(JobError):
-    """A joiner whose base is not the group's content."""
-
-
-class Controls:
-    """The agent's lines, read by a thread of their own so that a step never waits on stdin."""
-
-    def __init__(self, stream) -> None:
-        self.lines: queue.Queue[GroupControl | None] = queue.Queue()
-        self.closed = False  # stdin ended: no job will join any more
-        threading.Thread(target=self._read, args=(stream,), daemon=True).start()
-
-    def _read(self, stream) -> None:
-        for line in stream:
-            if not line.strip():
-                continue
-            try:
-                self.lines.put(_decode.decode(line))
-            except msgspec.DecodeError as e:
-                note(f"a control line that is not a GroupControl was left: {e}")
-        self.lines.put(None)
-
-    def take(self, wait: bool) -> list[GroupControl]:
-        """The lines come since the last call; with `wait`, at least one (or stdin's end)."""
-        out: list[GroupControl | None] = []
-        if wait and not self.closed:
-            out.append(self.lines.get())
-        while True:
-            try:
-                out.append(self.lines.get_nowait())
-            except queue.Empty:
-                break
-        self.closed = self.closed or None in out
-        return [c for c in out if c is not None]
 
 
 class Group:
@@ -74,11 +30,12 @@ class Group:
 
     def __init__(self) -> None:
         self.trainer: CoTrainer | None = None
-        self.key: tuple | None = None  # what every job of the group shares: content digest, precision, quant, device
-        self.base_dir = ""  # where the base was loaded from
-        self.device = "cpu"
+        self.held = HeldBase()
         self.members: dict[str, Member] = {}
-        self.digests = FileDigests()  # a joiner's base hashed here only when the agent sent no digest
+
+    @property
+    def device(self) -> str:
+        return self.held.device
 
     @property
     def all_held(self) -> bool:
@@ -125,34 +82,12 @@ class Group:
             emit(GroupEvent(job=spec.job, attempt=spec.attempt, event=Failed(message=f"the trainer failed: {e!r}")))
 
     def _trainer_for(self, spec: TrainerSpec) -> CoTrainer:
-        r = spec.request
-        if r.devices > 1:
-            raise JobError(f"devices {r.devices}: a job on several devices trains alone, not in a co-training group")
-        digest = spec.base_digest or self._digest(r.base_dir)
-        key = (digest, r.train.precision, r.quantization, spec.device)
-        if self.trainer is None:
-            self.device = spec.device if spec.device == "cpu" or torch.cuda.is_available() else "cpu"
-            dtype = base_model.pick_dtype(r.train.precision, self.device)
-            tokenizer, model = base_model.load(r.base_dir, self.device, dtype, r.quantization)
-            autocast = dtype if self.device == "cuda" else torch.float32
-            self.trainer, self.key, self.base_dir = CoTrainer(model, tokenizer, self.device, autocast), key, r.base_dir
-        elif key[0] != self.key[0]:  # type: ignore[index]
-            raise OtherWeights(
-                f"its base_dir {r.base_dir} ({digest}) is not the content of the co-training group's base "
-                f"{self.base_dir} ({self.key[0]}): it was not let in, and is handed back to train alone"  # type: ignore[index]
-            )
-        elif key != self.key:
-            raise JobError(
-                f"job {spec.job} (precision, quantization, device = {key[1:]}) cannot join a group training "
-                f"{self.key[1:]}; submit it with co_train: false to train alone"  # type: ignore[index]
-            )
+        if self.held.admit(spec):  # the first job: the base is loaded now
+            held = self.held
+            autocast = held.dtype if held.device == "cuda" else torch.float32
+            self.trainer = CoTrainer(held.model, held.tokenizer, held.device, autocast)
+        assert self.trainer is not None
         return self.trainer
-
-    def _digest(self, base_dir: str) -> str:
-        try:
-            return self.digests.directory(base_dir)
-        except ValueError as e:
-            raise JobError(f"base_dir {base_dir}: {e}") from None
 
     def drop(self, job: str) -> None:
         """The job leaves now (cancelled, ended, superseded or split out): its LoRA comes off the base, its logs are
@@ -203,29 +138,45 @@ class Group:
 
 
 def serve(stream) -> int:
-    """Run the group until stdin is closed and no job is left in it."""
-    controls, group = Controls(stream), Group()
+    """Run the group until stdin is closed and no job is left in it: a group of training jobs, or of sessions
+    (trainer/session_group.py) when its first job is one."""
+    controls = Controls(stream)
+    first = controls.take(wait=True)
+    if any(isinstance(c, GroupControl) and c.spec is not None and _session(c.spec) for c in first):
+        from trainer.session_group import serve_sessions  # torch and peft's session pieces, for sessions alone
+
+        return serve_sessions(controls, first)
+    return serve_jobs(controls, first)
+
+
+def _session(spec: TrainerSpec) -> bool:
+    return spec.request.train.method == SESSION
+
+
+def serve_jobs(controls: Controls, lines: list) -> int:
+    group = Group()
     while True:
-        for c in controls.take(wait=not group.members or group.all_held):
+        for c in lines:
+            if not isinstance(c, GroupControl):
+                note(f"a session's call for job {c.job} left: this group trains jobs, not sessions")
+                continue
             try:
                 group.handle(c)
             except Exception as e:  # one job's line: the others go on
                 traceback.print_exc()
                 event = Failed(message=f"the trainer failed: {e!r}")
                 emit(GroupEvent(job=c.job, attempt=c.spec.attempt if c.spec else c.attempt, event=event))
-        if not group.members:
-            if controls.closed:
-                return 0
-            continue
-        if group.all_held:
-            if not controls.closed:
-                continue  # until one is let go on
+        if not group.members and controls.closed:
+            return 0
+        if group.members and group.all_held and controls.closed:
             for member in group.members.values():  # nobody is left to let them go on
                 member.job.held = False
-        try:
-            group.step()
-        except Exception as e:  # the shared forward or backward: every job here goes with it
-            traceback.print_exc()
-            for member in list(group.members.values()):
-                member.emit(Failed(message=f"the co-training group's step failed: {e!r}"))
-            return 1
+        if group.members and not group.all_held:
+            try:
+                group.step()
+            except Exception as e:  # the shared forward or backward: every job here goes with it
+                traceback.print_exc()
+                for member in list(group.members.values()):
+                    member.emit(Failed(message=f"the co-training group's step failed: {e!r}"))
+                return 1
+        lines = controls.take(wait=not group.members or group.all_held)
