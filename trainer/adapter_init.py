@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
+from typing import Literal
 
 import torch
 from peft import LoftQConfig, LoraConfig, get_peft_model_state_dict
@@ -14,15 +15,20 @@ from schemas.training import MUTATING_INITS
 from trainer.checkpoints import save_adapter
 from trainer.errors import bitsandbytes_on_gpu
 
-PEFT_INIT = {"default": True, "gaussian": "gaussian", "pissa": "pissa", "loftq": "loftq"}
+PEFT_INIT: dict[str, bool | Literal["gaussian", "pissa", "loftq"]] = {
+    "default": True,
+    "gaussian": "gaussian",
+    "pissa": "pissa",
+    "loftq": "loftq",
+}
 
 
 def lora_config(lo, device: str) -> LoraConfig:
     """peft's LoraConfig for the job's `lora`."""
-    extra = {}
+    loftq: LoftQConfig | dict = {}  # peft's default: none
     if lo.init == "loftq":
         bitsandbytes_on_gpu("lora.init loftq", device, "pissa or default")  # it quantises the base's weights
-        extra["loftq_config"] = LoftQConfig(loftq_bits=lo.loftq.bits, loftq_iter=lo.loftq.iterations)
+        loftq = LoftQConfig(loftq_bits=lo.loftq.bits, loftq_iter=lo.loftq.iterations)
     return LoraConfig(
         r=lo.r,
         lora_alpha=lo.alpha,
@@ -32,7 +38,7 @@ def lora_config(lo, device: str) -> LoraConfig:
         bias="none",
         task_type="CAUSAL_LM",
         init_lora_weights=PEFT_INIT[lo.init],
-        **extra,
+        loftq_config=loftq,
     )
 
 

@@ -12,13 +12,15 @@ from functools import lru_cache
 
 try:
     from transformers.utils.chat_template_utils import _compile_jinja_template
+
+    COMPILES = True
 except ImportError:  # a transformers that moved it: every render goes through apply_chat_template
-    _compile_jinja_template = None
+    COMPILES = False
 
 
 def render_messages(tokenizer, messages: list[dict[str, str]], fast: bool = True) -> str:
     """The conversation's text, as apply_chat_template(messages, tokenize=False) gives it."""
-    compiled = _compiled(tokenizer.chat_template) if fast and _compile_jinja_template else None
+    compiled = _compiled(tokenizer.chat_template) if fast and COMPILES else None
     if compiled is None:
         return tokenizer.apply_chat_template(messages, tokenize=False)
     return compiled.render(

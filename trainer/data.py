@@ -7,13 +7,14 @@ import bisect
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TypeAlias
 
 import numpy as np
 import torch
 
 from trainer.errors import JobError
 from trainer.formats import IGNORE, Example, examples_of, prompt_text, prompt_tokens, render  # noqa: F401
-from trainer.rft import prompt_batches
+from trainer.rft import Prompts, prompt_batches
 
 __all__ = ["IGNORE", "Example", "Examples", "Batch", "encode", "split", "split_pairs", "make_batches", "prompt_text"]
 
@@ -119,11 +120,15 @@ class Batch:
     def to(self, device) -> "Batch":
         move = lambda t: t.to(device) if t is not None else None  # noqa: E731
         return Batch(
-            move(self.input_ids), move(self.targets), move(self.position_ids), move(self.attention_mask), self.tokens
+            self.input_ids.to(device),
+            self.targets.to(device),
+            move(self.position_ids),
+            move(self.attention_mask),
+            self.tokens,
         )
 
 
-class Batches(Sequence):
+class Batches(Sequence[Batch | None]):
     """An epoch's batches as lists of example positions; each Batch's tensors are made when it is taken."""
 
     def __init__(self, examples: Examples, groups: list, packed: bool, pad_id: int) -> None:
@@ -242,7 +247,10 @@ def _pad(rows: list[tuple[np.ndarray, np.ndarray]], pad_id: int) -> Batch:
     return Batch(ids, targets, None, mask, sum(len(r[0]) for r in rows))
 
 
-def make_batches(examples, train_cfg, pad_id: int, epoch: int, rank: int = 0, ranks: int = 1) -> Batches:
+EpochBatches: TypeAlias = Batches | list[Prompts]  # an epoch's batches: sft's and dpo's tokens, or grpo's prompts
+
+
+def make_batches(examples, train_cfg, pad_id: int, epoch: int, rank: int = 0, ranks: int = 1) -> EpochBatches:
     """An epoch's batches; with several ranks each takes its share of batches `ranks` times batch_size, so a
     step sees the same examples as one process with that batch would."""
     seed = train_cfg.seed + epoch

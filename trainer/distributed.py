@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import datetime
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -59,19 +60,21 @@ class World:
         """True on every rank when it is True on one (a stop asked of one rank stops all at the same step)."""
         return flag if self.size == 1 else self.sum(float(flag))[0] > 0
 
-    def sum_grads(self, params: list[torch.Tensor]) -> None:
+    def sum_grads(self, params: Sequence[torch.Tensor]) -> None:
         """Add up the ranks' gradients in one flat buffer (a rank with no batch this step adds zeros)."""
         if self.size == 1:
             return
+        grads = []
         for p in params:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
-        flat = torch.cat([p.grad.reshape(-1) for p in params])
+            grads.append(p.grad)
+        flat = torch.cat([g.reshape(-1) for g in grads])
         torch.distributed.all_reduce(flat)
         offset = 0
-        for p in params:
-            n = p.grad.numel()
-            p.grad.copy_(flat[offset : offset + n].view_as(p.grad))
+        for g in grads:
+            n = g.numel()
+            g.copy_(flat[offset : offset + n].view_as(g))
             offset += n
 
     def same_start(self, params: list[torch.Tensor]) -> None:

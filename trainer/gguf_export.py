@@ -140,8 +140,8 @@ def export_adapter(
     for module, ab in sorted(lora_pairs(adapter_dir).items()):
         if set(ab) != {"A", "B"}:
             raise JobError(f"adapter module {module} lacks its lora_{'A' if 'A' not in ab else 'B'} matrix")
-        name = tmap.get_name(module + ".weight", try_suffixes=(".weight",))
-        if name is None:
+        tensor_name = tmap.get_name(module + ".weight", try_suffixes=(".weight",))
+        if tensor_name is None:
             raise JobError(
                 f"tensor {module}.weight has no GGUF name in gguf's map for architecture {arch_name}; "
                 "leave that module out of lora.target_modules or serve with vllm"
@@ -152,7 +152,7 @@ def export_adapter(
         elif arch_name in PERMUTED_ARCHS and module.endswith("k_proj"):
             b = permute(b, n_kv)
         for suffix, tensor in ((".lora_a", a), (".lora_b", b)):
-            _add(writer, name + suffix, tensor, out_type)
+            _add(writer, tensor_name + suffix, tensor, out_type)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -162,7 +162,7 @@ def export_adapter(
 
 def _add(writer: gguf.GGUFWriter, name: str, tensor: np.ndarray, out_type: str) -> None:
     np_type, qtype = GGUF_TYPES[out_type]
-    if np_type is not None:
+    if qtype is None:  # a plain float type
         writer.add_tensor(name, np.ascontiguousarray(tensor.astype(np_type)))
         return
     try:

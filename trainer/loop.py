@@ -7,6 +7,7 @@ import math
 import resource
 import time
 from pathlib import Path
+from typing import cast
 
 import msgspec
 import torch
@@ -31,6 +32,7 @@ from trainer.distributed import World
 from trainer.errors import JobError
 from trainer.events import emit
 from trainer.objectives import Dpo, Grpo, Sft
+from trainer.rft import Prompts
 from trainer.samples import probe, samples_event
 from trainer.setup import Run, prepare
 from trainer import lease
@@ -66,8 +68,8 @@ def evaluate(
         b = b.to(device)
         total, count = total + float(objective.loss(model, b)), count + objective.count(b)
     model.train()
-    total, count = world.sum(total, count)
-    return total / max(count, 1)
+    summed, counted = world.sum(total, count)
+    return summed / max(counted, 1)
 
 
 def agree(signals: Signals, world: World) -> bool:
@@ -144,7 +146,7 @@ def train(spec: TrainerSpec, signals: Signals | None = None) -> Finished:
     return finished
 
 
-def epoch_batches(run: Run, epoch: int) -> list:
+def epoch_batches(run: Run, epoch: int) -> data.EpochBatches:
     """This rank's batches of an epoch (the first epoch's were made when the run was prepared)."""
     if epoch == 0:
         return run.batches
@@ -228,11 +230,14 @@ def evaluation(run: Run, board) -> tuple[float, str, Samples | None]:
     is the best so far; and why to stop early ("": go on)."""
     t, step, graded = run.spec.request.train, run.at.step, None
     if isinstance(run.objective, Grpo):
-        value, graded = run.objective.evaluate(run.model, run.eval_batches, step)
+        prompts = cast("list[Prompts]", run.eval_batches)  # grpo's batches are its prompts
+        value, graded = run.objective.evaluate(run.model, prompts, step)
     else:
-        value = evaluate(
+        loss = evaluate(
             run.model, run.eval_batches, run.device, run.autocast_dtype, t.loss_chunk_tokens, run.world, run.objective
         )
+        assert loss is not None, "evaluation is asked only where the run has held-out batches"
+        value = loss
     run.best.observe(step, value, run.model)
     board.evaluation(step, value, "reward" if run.best.higher else "loss")
     return value, run.best.why_stopped(t.early_stopping_min_delta) if run.best.should_stop else "", graded
@@ -267,8 +272,8 @@ def optimizer_step(run: Run, micro_batches: list) -> tuple[float, float, float]:
         (run.scaler.scale(loss) if run.scaler else loss).backward()
         step_loss += float(loss.detach())
         step_tokens += b.tokens
-    step_loss, step_tokens = world.sum(step_loss, step_tokens)
-    run.at.tokens += int(step_tokens)
+    step_loss, all_tokens = world.sum(step_loss, step_tokens)
+    run.at.tokens += int(all_tokens)
     world.sum_grads(run.params)
     if not math.isfinite(step_loss):
         raise JobError(

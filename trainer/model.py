@@ -66,7 +66,7 @@ def load(base_dir: str, device: str, dtype: torch.dtype, quantization: str = "no
         dtype=dtype,
         attn_implementation=attention_for(device, dtype),
     )
-    return tokenizer, model.to(device)
+    return tokenizer, model.to(device)  # type: ignore[arg-type]  # transformers' @wraps(Module.to) hides self
 
 
 def pad_id(tokenizer) -> int:

@@ -7,12 +7,14 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import msgspec
 import torch
+from transformers import PreTrainedTokenizerBase
 
 from schemas.events import PreferenceMetrics, ReinforcementMetrics, Sample, Samples
+from schemas.training import TrainConfig
+from services.graders import GraderContext
 from trainer import data
 from trainer.adapter_init import save_plain_lora
 from trainer.engine_rollouts import EngineRollouts
@@ -21,6 +23,7 @@ from trainer.dpo import PairStats, dpo_loss
 from trainer.grpo import grpo_loss
 from trainer.losses import batch_loss
 from trainer.reward_stats import RewardWindow
+from trainer.rft import Prompts
 from trainer.rollouts import Rollout, complete, grade, grader_context, rollout, runnable, texts_of
 from trainer.samples import AUTO_PROMPTS
 
@@ -86,10 +89,10 @@ class Dpo:
 class Grpo:
     autocast_dtype: torch.dtype
     chunk_tokens: int
-    train: Any  # the job's TrainConfig: the grader, group_size, temperature, beta, epsilon...
-    tokenizer: Any
+    train: TrainConfig  # the job's: the grader, group_size, temperature, beta, epsilon...
+    tokenizer: PreTrainedTokenizerBase
     device: str
-    context: Any  # services.graders' GraderContext: where graders run
+    context: GraderContext  # where graders run
     engine: EngineRollouts | None = None  # train.rollouts engine (or auto, with an engine): the node's vLLM samples
     window: RewardWindow = field(init=False)  # since the last metrics()
     versions: set[int] = field(default_factory=set)  # the adapter versions sampled from since the last metrics()
@@ -134,7 +137,7 @@ class Grpo:
         return msgspec.structs.replace(metrics, sampled_from=versions, **engine)
 
     @torch.no_grad()
-    def evaluate(self, model, batches: list, step: int) -> tuple[float, Samples]:
+    def evaluate(self, model, batches: list[Prompts], step: int) -> tuple[float, Samples]:
         """The mean score of the held-out prompts' greedy answers, and the first few of them, scored."""
         t, shown = self.train, []
         for prompts in batches:
@@ -152,13 +155,18 @@ def objective_for(spec, tokenizer, device: str, autocast_dtype: torch.dtype, ini
     """The job's method; grpo's completions sampled by the node's vLLM where train.rollouts asks for it (`initial`:
     the adapter's start where it moved part of the base, so that the engine gets a plain LoRA)."""
     train = spec.request.train
-    if train.method == "dpo":
-        return Dpo(autocast_dtype, train.loss_chunk_tokens, train.dpo_beta)
     if train.method == "grpo":
         context = grader_context(spec.out_dir)
         runnable(train.grader, context)
         engine = rollout_engine(spec, tokenizer, device, context, initial)
         return Grpo(autocast_dtype, train.loss_chunk_tokens, train, tokenizer, device, context, engine)
+    return token_objective(train, autocast_dtype)
+
+
+def token_objective(train: TrainConfig, autocast_dtype: torch.dtype) -> Sft | Dpo:
+    """sft's or dpo's objective: what a step learns from is the data's own tokens (a co-training group's too)."""
+    if train.method == "dpo":
+        return Dpo(autocast_dtype, train.loss_chunk_tokens, train.dpo_beta)
     return Sft(autocast_dtype, train.loss_chunk_tokens)
 
 

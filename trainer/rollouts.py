@@ -16,12 +16,14 @@ import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import cast
 
 import torch
 from transformers import GenerationConfig
 
 from schemas.graders import GradeResult, Sample
 from services.graders import GraderContext, check, grade_many
+from services.graders.context import PythonGraders
 from trainer.errors import JobError
 from trainer.model import pad_id
 from trainer.rft import Prompts
@@ -77,7 +79,7 @@ def grader_context(out_dir: str) -> GraderContext:
         judge_url=env.get("JETLORA_JUDGE_URL") or None,
         judge_api_key=env.get("JETLORA_JUDGE_API_KEY") or None,
         judge_image_hosts=tuple(h for h in env.get("JETLORA_JUDGE_IMAGE_HOSTS", "").split(",") if h),
-        python_graders=python,
+        python_graders=cast(PythonGraders, python),  # one of them: checked above
         scratch_dir=str(scratch),
         command="jetlora agent",
     )

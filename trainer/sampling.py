@@ -32,7 +32,8 @@ from transformers.generation.utils import GenerationMixin
 
 LEAN = True  # False: always generate (bench/rl.py's --sampler generate, to measure the loop against it)
 ANY = None  # a setting the loop need not look at: beam search's, assisted decoding's, bookkeeping
-NEUTRAL = {  # every setting generate's merged config may differ from GenerationConfig() in, and the values it may take
+# every setting generate's merged config may differ from GenerationConfig() in, and the values it may take
+NEUTRAL: dict[str, tuple[object, ...] | None] = {
     **dict.fromkeys(("max_length", "early_stopping", "length_penalty", "num_assistant_tokens"), ANY),
     **dict.fromkeys(("num_assistant_tokens_schedule", "assistant_confidence_threshold", "assistant_lookbehind"), ANY),
     **dict.fromkeys(("target_lookbehind", "_from_model_config", "transformers_version", "bos_token_id"), ANY),
@@ -48,7 +49,12 @@ NEUTRAL = {  # every setting generate's merged config may differ from Generation
     "use_cache": (True, None),
     "cache_implementation": (None, "dynamic"),
 }
-WARPERS = {"top_k": (0, None), "top_p": (1.0, None), "min_p": (0.0, None), "typical_p": (1.0, None)}  # sampling's
+WARPERS: dict[str, tuple[object, ...] | None] = {  # sampling's
+    "top_k": (0, None),
+    "top_p": (1.0, None),
+    "min_p": (0.0, None),
+    "typical_p": (1.0, None),
+}
 WARPERS |= {"epsilon_cutoff": (0.0, None), "eta_cutoff": (0.0, None)}
 
 
@@ -129,7 +135,7 @@ def settings_ok(model, config: GenerationConfig) -> bool:
     if merged.do_sample and not (merged.temperature == config.temperature and (config.temperature or 0) > 0):
         return False
     allowed = {**NEUTRAL, **(WARPERS if merged.do_sample else dict.fromkeys(WARPERS, ANY))}  # greedy: no warpers
-    return all(k in allowed and (allowed[k] is ANY or changed[k] in allowed[k]) for k in changed)
+    return all(k in allowed and ((values := allowed[k]) is ANY or changed[k] in values) for k in changed)
 
 
 def cache_keyword(base) -> str | None:
@@ -151,6 +157,7 @@ def lean(model, ids: torch.Tensor, mask: torch.Tensor, config: GenerationConfig)
     cache turns out not to be a plain DynamicCache (nothing drawn yet)."""
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     keyword, device = cache_keyword(base), ids.device
+    assert keyword is not None, "lean_ok checked that the forward takes a cache"
     pad = torch.tensor(config.pad_token_id, device=device)
     eos = torch.tensor(config.eos_token_id, device=device).view(-1)
     positions = (mask.long().cumsum(-1) - 1).masked_fill(mask == 0, 0)
@@ -160,7 +167,8 @@ def lean(model, ids: torch.Tensor, mask: torch.Tensor, config: GenerationConfig)
         return None
     rows = ids.shape[0]
     unfinished = torch.ones(rows, dtype=torch.long, device=device)
-    tokens, position = [], positions[:, -1:]
+    tokens: list[torch.Tensor] = []
+    position = positions[:, -1:]
     for n in range(config.max_new_tokens):
         if n:
             position = position + 1

@@ -5,6 +5,7 @@ gives (the same code computes both, so a sampler's log-probs and the trainer's a
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Literal
 
 import torch
 
@@ -129,7 +130,8 @@ def optim_step(optimizer: torch.optim.Optimizer, params: list[torch.nn.Parameter
     for group in optimizer.param_groups:
         group.update(lr=step.learning_rate, betas=(step.beta1, step.beta2), eps=step.eps)
         group["weight_decay"] = step.weight_decay
-    norm = torch.nn.utils.clip_grad_norm_(params, step.grad_clip_norm if step.grad_clip_norm > 0 else float("inf"))
+    clip = step.grad_clip_norm if step.grad_clip_norm > 0 else float("inf")
+    norm = torch.nn.utils.clip_grad_norm_(params, clip, foreach=True)  # one call over the tensors, on CPU too
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     return float(norm)
@@ -183,7 +185,9 @@ def sample(model, tokenizer, s: Sample, device: str) -> list[SampledSequence]:
     return sequences
 
 
-def cut(row: list[int], stops: set[int], strings: list[str], tokenizer, max_tokens: int) -> tuple[list[int], str]:
+def cut(
+    row: list[int], stops: set[int], strings: list[str], tokenizer, max_tokens: int
+) -> tuple[list[int], Literal["stop", "length"]]:
     """The completion up to and including its first stop token or stop string."""
     for n, token in enumerate(row):
         if token in stops:
@@ -193,7 +197,7 @@ def cut(row: list[int], stops: set[int], strings: list[str], tokenizer, max_toke
     return row, "length" if len(row) >= max_tokens else "stop"
 
 
-def scored(model, prompt: list[int], tokens: list[int], device: str) -> list[float]:
+def scored(model, prompt: list[int], tokens: list[int], device: str) -> list[float | None]:
     """log p of each completion token given what precedes it."""
     if not tokens:
         return []

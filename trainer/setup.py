@@ -70,8 +70,8 @@ class Run:
     pad_id: int
     train_set: Any
     eval_set: Any
-    batches: list[data.Batch]
-    eval_batches: list[data.Batch]
+    batches: data.EpochBatches
+    eval_batches: data.EpochBatches
     plan: Plan
     best: BestEval
     prompts: list
@@ -168,8 +168,8 @@ def prepare(spec: TrainerSpec) -> Run:
 def _tokenized(spec: TrainerSpec, tokenizer, world: World):
     """The job's examples: rank 0 tokenizes into the node's cache, the others read them from there."""
     if spec.request.train.method == "grpo":  # prompts to answer, read whole: nothing to tokenize ahead (one rank)
-        train_set, eval_set = job_prompts(spec, tokenizer)
-        return _some(train_set), eval_set
+        prompts, held_out = job_prompts(spec, tokenizer)
+        return _some(prompts), held_out
     if not world.main:
         world.barrier()
     train_set, eval_set = job_data(spec, tokenizer)

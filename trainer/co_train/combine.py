@@ -53,6 +53,7 @@ def positions_of(batch: Batch) -> torch.Tensor:
     padding a sequence of its own (as trainer.data packs a short row's tail)."""
     if batch.position_ids is not None:
         return batch.position_ids
+    assert batch.attention_mask is not None, "a padded batch (no position ids) has its attention mask"
     mask = batch.attention_mask.bool()
     real = mask.long().cumsum(-1) - 1
     tail = (~mask).long().cumsum(-1) - 1
@@ -104,7 +105,7 @@ def combine_padded(micro: dict[str, Batch], pad_id: int) -> Combined:
         ids.append(widen(b.input_ids, width, pad_id))
         targets.append(widen(b.targets, width, IGNORE))
         positions.append(widened_positions(positions_of(b), width))
-        spans[job], shapes[job] = slice(at, at + b.input_ids.shape[0]), tuple(b.input_ids.shape)
+        spans[job], shapes[job] = slice(at, at + b.input_ids.shape[0]), (b.input_ids.shape[0], b.input_ids.shape[1])
         at += b.input_ids.shape[0]
     tokens = sum(b.tokens for b in micro.values())
     return Combined(Batch(torch.cat(ids), torch.cat(targets), torch.cat(positions), None, tokens), spans, shapes)

@@ -18,7 +18,7 @@ from trainer import data
 from trainer.co_train.layer import LoraWeights
 from trainer.co_train.shared_base import JobView, SharedBase
 from trainer.errors import JobError
-from trainer.objectives import Dpo, Sft, objective_for
+from trainer.objectives import Dpo, Sft, token_objective
 from trainer.optimizers import make_optimizer
 from trainer.setup import Plan, Position, plan
 from trainer.tokenize import job_data
@@ -189,6 +189,6 @@ def job_from_spec(spec: TrainerSpec, base: SharedBase, tokenizer, device: str) -
             t.lr_scheduler, optimizer, num_warmup_steps=steps.warmup, num_training_steps=steps.steps
         ),
         plan=steps,
-        objective=objective_for(spec, tokenizer, device, base.autocast_dtype),
+        objective=token_objective(t, base.autocast_dtype),
         view=JobView(base, spec.job),
     )

@@ -30,6 +30,7 @@ def job_loss(
     """The job's summed loss (divided later by what its step's loss is averaged over) over its part of `out`."""
     own, targets = combined.out_of(out, job), combined.targets_of(job)
     if isinstance(objective, Dpo):
+        assert referenced is not None, "a dpo job's reference output is computed before its loss (reference_outputs)"
         policy = logps_of(own, base.head, targets, objective.chunk_tokens)
         reference = logps_of(referenced, base.head, targets[:, : referenced.shape[1]], objective.chunk_tokens)
         loss, stats = preference_loss(policy, reference, objective.beta)

@@ -84,10 +84,11 @@ def spread(deltas: list[tuple[slice | torch.Tensor, torch.Tensor]], out: torch.T
     """The groups' deltas as one tensor shaped like `out` (zero for rows of no group), to add in one go: spans
     are concatenated in order (no copy of the whole output per group, forward or backward); index groups are
     added at their rows."""
-    if all(isinstance(rows, slice) for rows, _ in deltas):
+    spans = [(rows, delta) for rows, delta in deltas if isinstance(rows, slice)]
+    if len(spans) == len(deltas):
         pieces, at, n = [], 0, out.shape[0]
-        for rows, delta in sorted(deltas, key=lambda d: d[0].indices(n)[0]):
-            start, stop, _ = rows.indices(n)
+        for span, delta in sorted(spans, key=lambda d: d[0].indices(n)[0]):
+            start, stop, _ = span.indices(n)
             if start > at:
                 pieces.append(out.new_zeros((start - at, *out.shape[1:])))
             pieces.append(delta)

@@ -14,7 +14,7 @@ import msgspec
 import torch
 
 from schemas.co_train import SESSION
-from schemas.events import Failed, GroupControl, GroupEvent, Requeue, TrainerSpec
+from schemas.events import Failed, Finished, GroupControl, GroupEvent, Requeue, TrainerSpec
 from trainer import lease
 from trainer.co_train.controls import Controls, note
 from trainer.co_train.group import CoTrainer, StepOutOfMemory
@@ -117,6 +117,7 @@ class Group:
         for name, result in results.items():
             if name not in self.members:
                 continue
+            finished: Finished | Failed | None
             try:
                 finished = self.members[name].after_step(result)
             except JobError as e:
