@@ -6,6 +6,15 @@ own Session object (trainer/session.py: the same code the session trainer runs).
 p99. Target on this machine: overhead p50 < 20 ms. Run by hand:
 
     .venv/bin/python bench/tinker_api.py [--rounds 6 --steps 20 --threads 1]
+
+With --sessions 1,2,4: K sessions on one device as members of one session group's process against K session
+processes of their own (bench/session_procs.py drives both as the agent does), and K tinker clients through the
+whole stack (`jetlora up --co-train same-tenant`: the clients' sessions join one group on the agent's one device).
+Each client sends a forward_backward and an optim_step and waits for both; sides alternate in rounds. Per K:
+each side's time per step p50/p99 (the API's overhead: the API's p50 less the group process's), the aggregate
+steps/s of the group against the separate processes (members' forward_backwards batched in one pass, and in turn
+one call at a time: JETLORA_SESSION_BATCH=off), and peak resident memory: the group's process against the K
+processes', and against the bound alone + (K-1) x one more member's own (measured from K = 1 to 2) + 10%.
 """
 
 from __future__ import annotations
@@ -43,11 +52,13 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_stack(tmp: Path, model_dir: Path, threads: int) -> tuple[list[subprocess.Popen], str, int]:
+def start_stack(
+    tmp: Path, model_dir: Path, threads: int, co_train: str = "off"
+) -> tuple[list[subprocess.Popen], str, int]:
     """`jetlora up` (scheduler, artifacts, an agent offering its CPU) and `jetlora gateway`; their NATS URL and the
     gateway's port."""
     env = {**os.environ, "XDG_STATE_HOME": str(tmp / "state"), "OMP_NUM_THREADS": str(threads), "PYTHONPATH": str(ROOT)}
-    up = jetlora("up", "--port", "0", "--offer-cpu", "--node", "bench", "--co-train", "off", env=env,
+    up = jetlora("up", "--port", "0", "--offer-cpu", "--node", "bench", "--co-train", co_train, env=env,
                  stdout=subprocess.PIPE, stderr=open(tmp / "up.log", "w"))  # fmt: skip
     url, deadline = "", time.monotonic() + 120
     while not url and time.monotonic() < deadline:
@@ -79,14 +90,16 @@ def batch_of(tokenizer, types) -> list:
     return out
 
 
-def api_client(port: int, key: str):
+def api_client(port: int, key: str, seed: int = 0):
     import tinker
 
     deadline = time.monotonic() + 120
     while True:
         try:
             sc = tinker.ServiceClient(base_url=f"http://127.0.0.1:{port}", api_key=key)
-            return sc, sc.create_lora_training_client(base_model="tiny", rank=8, seed=0, train_unembed=False).result()
+            return sc, sc.create_lora_training_client(
+                base_model="tiny", rank=8, seed=seed, train_unembed=False
+            ).result()
         except Exception:
             if time.monotonic() > deadline:
                 raise
@@ -138,7 +151,13 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=6)
     ap.add_argument("--steps", type=int, default=20, help="steps per side per round")
     ap.add_argument("--threads", type=int, default=1, help="torch threads on each side")
+    ap.add_argument("--sessions", default="", help="K,K,...: sessions sharing a device (one process) against K apart")
     args = ap.parse_args()
+    if args.sessions:
+        from tinker_sharing import sharing
+
+        sharing([int(k) for k in args.sessions.split(",")], args.rounds, args.steps, args.threads)
+        return
     os.environ.setdefault("TINKER_TELEMETRY", "0")
     import torch
     from tinker import types

@@ -61,7 +61,9 @@ class SessionCalls:
         session of the tenant saved that it starts from."""
         s = spec.request.session
         assert s is not None, "a session job carries its session"
-        self.optimizer = torch.optim.AdamW(self.params, lr=1e-4, betas=(0.9, 0.95), eps=1e-12, weight_decay=0.0)
+        self.optimizer = torch.optim.AdamW(
+            self.params, lr=1e-4, betas=(0.9, 0.95), eps=1e-12, weight_decay=0.0, foreach=True
+        )  # foreach: one call over the adapter's tensors, not a Python loop over them (on CPU too)
         self.step, self.last_loss, self.tokens = 0, None, 0
         self.out = Path(spec.out_dir)
         self.store = SessionStore(self.out / "session")
