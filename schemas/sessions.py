@@ -9,7 +9,13 @@ the field at fault.
 
 Sessions of one base (and tenant, by default) live as members of one process, a session group (trainer/
 session_group.py): the agent writes a MemberCall line on its stdin, beside the co-training group's GroupControl
-lines, and reads a MemberAnswer line beside its GroupEvent lines."""
+lines, and reads a MemberAnswer line beside its GroupEvent lines.
+
+The words, used so everywhere: a *client session* is Tinker's (create_session; the gateway's SessionRecord,
+schemas/tinker_store.py), which holds models; each training model, and each base model's sampler, is a *training
+session*: a job of train.method session, what this module is about. Its trainer is trainer.session.Session when
+alone, trainer.session_member.SessionMember in a *session group*; the agent runs it as session_run.SessionRun or
+group_run.GroupedSession, and its SessionDesk hands each call to whichever it is."""
 
 from __future__ import annotations
 

@@ -81,7 +81,8 @@ class GatewayRecord(Struct, kw_only=True):
 
 
 class SessionRecord(Struct, kw_only=True):
-    """A client's session (create_session): its models in the order they were made, and when it was last heard."""
+    """A client session (Tinker's create_session): its models (each a training session, schemas/sessions.py) in the
+    order they were made, and when it was last heard."""
 
     id: str
     tenant: str

@@ -11,7 +11,7 @@ member's pause or an exempt member never lets another compute that must yield. T
 still in it, as a trainer's death fails its job; the last job leaving closes its stdin and the process ends.
 
 A group of Tinker sessions (trainer/session_group.py) runs the same way; each session's calls go to the process as
-MemberCall lines and come back as MemberAnswer lines (SessionMember)."""
+MemberCall lines and come back as MemberAnswer lines (GroupedSession)."""
 
 from __future__ import annotations
 
@@ -71,8 +71,8 @@ class GroupProcess:
         self.stopped = False  # SIGSTOPped: every member it holds must yield
 
     def member(self, spec: TrainerSpec) -> "GroupMember":
-        """The job's part in the group: a Tinker session's takes calls (SessionMember)."""
-        return SessionMember(self, spec) if spec.request.train.method == SESSION else GroupMember(self, spec)
+        """The job's part in the group: a Tinker session's takes calls (GroupedSession)."""
+        return GroupedSession(self, spec) if spec.request.train.method == SESSION else GroupMember(self, spec)
 
     async def join(self, member: "GroupMember") -> None:
         """The job joins (its line sent, with its base's digest); the process is started for the first."""
@@ -160,7 +160,7 @@ class GroupProcess:
             log.warning("group %s printed an answer that does not decode: %r", self.name, line[:200])
             return
         member = self.members.get(answer.job)
-        if isinstance(member, SessionMember) and member.spec.attempt == answer.attempt:
+        if isinstance(member, GroupedSession) and member.spec.attempt == answer.attempt:
             member.answered(answer.id, answer.reply)
         else:
             log.info("group %s: dropped an answer for job %s attempt %d", self.name, answer.job, answer.attempt)
@@ -298,8 +298,8 @@ class GroupMember:
         self.group.settle()
 
 
-class SessionMember(GroupMember, TakesCalls):
-    """A Tinker session in a session group: driven as any member, and its calls (session_run.SessionDesk) go to the
+class GroupedSession(GroupMember, TakesCalls):
+    """A training session in a session group (schemas/sessions.py says the words): driven as any member, and its calls (session_run.SessionDesk) go to the
     group's process as MemberCall lines, answered by number."""
 
     def __init__(self, group: GroupProcess, spec: TrainerSpec) -> None:

@@ -1,5 +1,5 @@
 """A training session's trainer (train.method session): a trainer run whose stdin takes calls and whose stdout
-answers them beside its events, or a member of a session group (group_run.SessionMember: the group's process
+answers them beside its events, or a member of a session group (group_run.GroupedSession: the group's process
 takes its calls and answers them tagged with its job). The agent passes each call that reaches it on
 names.node(node).session to the job's trainer, one at a time, and replies with the trainer's answer."""
 
@@ -32,7 +32,7 @@ class SessionLost(Exception):
 class TakesCalls:
     """A session's trainer as the agent hands it calls: one at a time in the order they came, each answered by its
     number; a call id seen lately gets that call's answer (a try sent again by the gateway), never a second run.
-    A session alone (SessionRun) and a member of a session group (group_run.SessionMember) write their lines each
+    A session alone (SessionRun) and a member of a session group (group_run.GroupedSession) write their lines each
     their own way (`_line`, `_stdin`)."""
 
     def _init_calls(self) -> None:
