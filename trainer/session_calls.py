@@ -64,7 +64,8 @@ class SessionCalls:
         self.optimizer = torch.optim.AdamW(
             self.params, lr=1e-4, betas=(0.9, 0.95), eps=1e-12, weight_decay=0.0, foreach=True
         )  # foreach: one call over the adapter's tensors, not a Python loop over them (on CPU too)
-        self.step, self.last_loss, self.tokens = 0, None, 0
+        self.last_loss: float | None = None  # the latest training forward's mean loss
+        self.step, self.tokens = 0, 0
         self.out = Path(spec.out_dir)
         self.store = SessionStore(self.out / "session")
         self.snapshots: dict[str, Weights] = {}  # sampler saves, to sample with
