@@ -72,6 +72,7 @@ class SessionCalls:
         if spec.resume_from:  # its own checkpoint (moved, or resumed after idling): its saves come back too
             self.store.restore(Path(spec.resume_from))
             self.step = ops.load_state(self.load_weights, self.optimizer, self.store.current, with_optimizer=True)
+            ops.load_pending_grads(self.model, self.store.current)  # a pause between forward_backward and its step
             self.snapshots = self.store.samplers()
         elif spec.init_adapter and s.start_from is not None:  # a state another session of the tenant saved
             path = Path(spec.init_adapter) / "states" / s.start_from.name
@@ -171,8 +172,9 @@ class SessionCalls:
 
     def end(self, pause: bool, why: str = "") -> Finished:
         """Stopped: the adapter as it is now; paused (asked, or idle): a checkpoint to go on from."""
-        if pause:
+        if pause:  # the gradients of forward_backwards not yet stepped go with it: the next optim_step takes them
             ops.save_state(self.model, self.optimizer, self.step, self.store.current)
+            ops.save_pending_grads(self.model, self.store.current)
             self.emit(Checkpoint(step=self.step, path=str(self.store.root)))
             return Finished(state="paused", step=self.step, adapter_dir=str(self.store.root), message=why)
         from trainer.samples import probe

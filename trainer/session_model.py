@@ -157,6 +157,38 @@ def load_state(load_weights, optimizer, path: Path, with_optimizer: bool) -> int
     return int(state["step"])
 
 
+PENDING_GRADS = "pending_grads.safetensors"
+
+
+def save_pending_grads(model, path: Path) -> None:
+    """The adapter's gradients that no optim_step has taken yet (forward_backwards since the last step), by their
+    parameters' names, beside a paused session's state; none: no file. A pause (idle, silent client, preemption)
+    may come between a forward_backward and its optim_step: without them that step would take nothing."""
+    from safetensors.torch import save_file
+
+    grads = {name: p.grad.detach().cpu().contiguous() for name, p in model.named_parameters() if p.grad is not None}
+    target = path / PENDING_GRADS
+    if grads:
+        save_file(grads, str(target))
+    else:
+        target.unlink(missing_ok=True)
+
+
+def load_pending_grads(model, path: Path) -> int:
+    """The gradients save_pending_grads kept, back on the adapter's parameters; how many."""
+    from safetensors.torch import load_file
+
+    source = path / PENDING_GRADS
+    if not source.is_file():
+        return 0
+    grads = load_file(str(source))
+    params = dict(model.named_parameters())
+    for name, grad in grads.items():
+        if name in params:
+            params[name].grad = grad.to(params[name].device, params[name].dtype)
+    return len(grads)
+
+
 def sample(model, tokenizer, s: Sample, device: str) -> list[SampledSequence]:
     """num_samples completions of the prompt, each with its tokens' log-probabilities as the forward computes them
     (temperature 1, the adapter's own), and why it stopped."""
