@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from trainer.errors import JobError
+from trainer.position import Position
 
 
 def save_adapter(model, out: Path) -> Path:
@@ -15,34 +18,33 @@ def save_adapter(model, out: Path) -> Path:
     return out
 
 
-def save_checkpoint(
-    model,
-    optimizer,
-    scheduler,
-    out_dir: Path,
-    step: int,
-    epoch: int,
-    batch_in_epoch: int,
-    tokens: int,
-    best: dict | None = None,
-) -> Path:
+@dataclass(frozen=True)
+class TrainingState:
+    """What a checkpoint is of: the model (its adapter is what is saved), its optimizer and its lr schedule."""
+
+    model: Any
+    optimizer: torch.optim.Optimizer
+    scheduler: Any
+
+
+def save_checkpoint(of: TrainingState, at: Position, out_dir: Path, best: dict | None = None) -> Path:
     """Adapter, optimizer, schedule, data position and the best evaluation so far: enough to go on from here on
     another node."""
     from safetensors.torch import save_file
 
-    path = out_dir / "checkpoints" / f"step-{step}"
-    save_adapter(model, path / "adapter")
+    path = out_dir / "checkpoints" / f"step-{at.step}"
+    save_adapter(of.model, path / "adapter")
     best = dict(best or {})
     if best.get("weights") is not None:
         save_file(best.pop("weights"), str(path / "best_adapter.safetensors"))
     torch.save(
         {
-            "optimizer": optimizer.state_dict(),
-            "scheduler": scheduler.state_dict(),
-            "step": step,
-            "epoch": epoch,
-            "batch_in_epoch": batch_in_epoch,
-            "tokens": tokens,
+            "optimizer": of.optimizer.state_dict(),
+            "scheduler": of.scheduler.state_dict(),
+            "step": at.step,
+            "epoch": at.epoch,
+            "batch_in_epoch": at.batch_in_epoch,
+            "tokens": at.tokens,
             "best": best,
         },
         path / "trainer_state.pt",
@@ -50,7 +52,7 @@ def save_checkpoint(
     return path
 
 
-def resume(model, optimizer, scheduler, checkpoint: Path, load=None) -> dict:
+def resume(into: TrainingState, checkpoint: Path, load=None) -> dict:
     """Load a checkpoint written by save_checkpoint (tensors only: weights_only, never arbitrary pickles); `load`
     puts the adapter's weights (peft's names) into the model (default: peft's own, for a peft model)."""
     from peft import set_peft_model_state_dict
@@ -60,10 +62,10 @@ def resume(model, optimizer, scheduler, checkpoint: Path, load=None) -> dict:
     if not state_file.is_file():
         raise JobError(f"checkpoint {checkpoint} has no trainer_state.pt; resubmit the job without resume")
     weights = load_file(str(checkpoint / "adapter" / "adapter_model.safetensors"))
-    load(weights) if load else set_peft_model_state_dict(model, weights)
+    load(weights) if load else set_peft_model_state_dict(into.model, weights)
     state = torch.load(state_file, weights_only=True)
-    optimizer.load_state_dict(state["optimizer"])
-    scheduler.load_state_dict(state["scheduler"])
+    into.optimizer.load_state_dict(state["optimizer"])
+    into.scheduler.load_state_dict(state["scheduler"])
     best = state.get("best") or {}
     if (checkpoint / "best_adapter.safetensors").is_file():
         best["weights"] = load_file(str(checkpoint / "best_adapter.safetensors"))

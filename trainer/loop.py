@@ -25,13 +25,14 @@ from schemas.events import (
 from schemas.training import MUTATING_INITS
 from trainer import data
 from trainer.adapter_init import save_plain_lora
-from trainer.best import BestEval
-from trainer.checkpoints import save_adapter, save_checkpoint
+from trainer.checkpoints import TrainingState, save_checkpoint
 from trainer.chunked_loss import DEFAULT_CHUNK_TOKENS
 from trainer.distributed import World
+from trainer.ending import AdapterOut, Ending, finish
 from trainer.errors import JobError
 from trainer.events import emit
 from trainer.objectives import Dpo, Grpo, Sft
+from trainer.position import Position
 from trainer.rft import Prompts
 from trainer.samples import probe, samples_event
 from trainer.setup import Run, prepare
@@ -198,9 +199,8 @@ def progress(
 def checkpoint(run: Run, board, position: tuple[int, int]) -> None:
     """Save a checkpoint to resume from at `position` (epoch, next batch), and tell the agent to ship it."""
     at = run.at
-    path = save_checkpoint(
-        run.model, run.optimizer, run.scheduler, run.out_dir, at.step, *position, at.tokens, run.best.state()
-    )
+    where = Position(step=at.step, tokens=at.tokens, epoch=position[0], batch_in_epoch=position[1])
+    path = save_checkpoint(TrainingState(run.model, run.optimizer, run.scheduler), where, run.out_dir, run.best.state())
     board.copy_into(path)
     emit(Checkpoint(step=at.step, path=str(path)))
 
@@ -210,14 +210,13 @@ def save_the_end(run: Run, paused: bool, early: str) -> Finished:
     serving this adapter must answer."""
     finished = finish(
         run.model,
-        run.out_dir,
-        run.at.step,
-        run.plan.steps,
-        paused,
         run.best,
-        early,
-        save=run.world.main,
-        as_lora=lambda m, out: save_plain_lora(m, out, run.initial, run.spec.request.lora),
+        Ending(run.at.step, run.plan.steps, paused, early),
+        AdapterOut(
+            run.out_dir,
+            write=lambda m, out: save_plain_lora(m, out, run.initial, run.spec.request.lora),
+            save=run.world.main,
+        ),
     )
     if run.world.main and finished.state != "paused":
         plain = run.spec.request.lora.init not in MUTATING_INITS  # pissa, loftq: the trainer's base is not the engine's
@@ -292,40 +291,3 @@ def optimizer_step(run: Run, micro_batches: list) -> tuple[float, float, float]:
     run.scheduler.step()
     run.optimizer.zero_grad(set_to_none=True)
     return step_loss, grad_norm, lr
-
-
-def finish(
-    model,
-    out_dir: Path,
-    step: int,
-    steps: int,
-    paused: bool,
-    best: BestEval,
-    early: str,
-    save: bool = True,
-    as_lora=save_adapter,
-) -> Finished:
-    """The run's end: paused (its checkpoint is the adapter), stopped, or trained, with the best adapter kept."""
-    if paused:
-        checkpoint = out_dir / "checkpoints" / f"step-{step}"
-        return Finished(
-            state="paused",
-            step=step,
-            adapter_dir=str(checkpoint / "adapter"),
-            message=f"paused at step {step} of {steps}; resume goes on from there",
-        )
-    kept = best.restore(model)
-    adapter = as_lora(model, out_dir / "adapter") if save else out_dir / "adapter"
-    stopped = step < steps and not early
-    message = f"stopped at step {step} of {steps} and saved" if stopped else early or f"trained {step} steps"
-    if kept:
-        message += f"; the adapter is step {best.step}'s, the best {best.metric} ({best.loss:.4f})"
-    return Finished(
-        state="stopped" if stopped else "trained",
-        step=step,
-        adapter_dir=str(adapter),
-        message=message,
-        best_step=best.step if kept else None,
-        best_eval_loss=best.loss if kept and not best.higher else None,
-        best_eval_reward=best.loss if kept and best.higher else None,
-    )

@@ -17,13 +17,14 @@ from schemas.events import TrainerSpec
 from trainer import data, model as base
 from trainer.adapter_init import initial_weights, lora_config
 from trainer.best import BestEval
-from trainer.checkpoints import resume
+from trainer.checkpoints import TrainingState, resume
 from trainer.distributed import World
 from trainer.dpo import REFERENCE
 from trainer.errors import JobError
 from trainer.events import mute
 from trainer.objectives import Dpo, Grpo, Sft, objective_for
 from trainer.optimizers import make_optimizer
+from trainer.position import Position
 from trainer.rft import job_prompts
 from trainer.samples import sample_prompts
 from trainer.tokenize import job_data
@@ -41,16 +42,6 @@ def plan(n_batches: int, t) -> Plan:
     steps = t.max_steps or max(1, math.ceil(t.epochs * per_epoch))
     warmup = t.warmup_steps or math.ceil(t.warmup_ratio * steps)
     return Plan(steps, per_epoch, min(warmup, steps))
-
-
-@dataclass
-class Position:
-    """Where the run stands: steps taken, tokens seen, and the batch of the epoch the next step starts at."""
-
-    step: int = 0
-    tokens: int = 0
-    epoch: int = 0
-    batch_in_epoch: int = 0
 
 
 @dataclass
@@ -158,7 +149,7 @@ def prepare(spec: TrainerSpec) -> Run:
         objective=objective_for(spec, tokenizer, device, dtype if device == "cuda" else torch.float32, initial),
     )
     if spec.resume_from:
-        state = resume(model, optimizer, run.scheduler, Path(spec.resume_from))
+        state = resume(TrainingState(model, optimizer, run.scheduler), Path(spec.resume_from))
         run.at = Position(state["step"], state.get("tokens", 0), state["epoch"], state["batch_in_epoch"])
         run.best.load(state["best"])
         run.resumed_from = run.at.step

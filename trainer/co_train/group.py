@@ -19,6 +19,7 @@ from trainer.co_train.job import CoJob, StepResult, job_from_spec
 from trainer.co_train.job_losses import job_loss, reference_outputs
 from trainer.co_train.shared_base import SharedBase
 from trainer.errors import JobError
+from trainer.model import pad_id
 from trainer.objectives import Dpo
 
 OOM_FAULT_ENV = "JETLORA_CO_TRAIN_OOM_ABOVE"  # tests only: a step of several jobs over this many token positions
@@ -47,7 +48,7 @@ class CoTrainer:
     ) -> None:
         self.base = SharedBase(model, dtype)
         self.tokenizer, self.device = tokenizer, device
-        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        self.pad_id = pad_id(tokenizer)
         self.jobs: dict[str, CoJob] = {}
         self.oom_above = int(os.environ.get(OOM_FAULT_ENV) or 0)
         self.flat = flat  # the flat layout where the model allows it (False: padded, as bench/co_train.py compares)

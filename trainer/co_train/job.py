@@ -18,9 +18,11 @@ from trainer import data
 from trainer.co_train.layer import LoraWeights
 from trainer.co_train.shared_base import JobView, SharedBase
 from trainer.errors import JobError
+from trainer.model import pad_id
 from trainer.objectives import Dpo, Sft, token_objective
 from trainer.optimizers import make_optimizer
-from trainer.setup import Plan, Position, plan
+from trainer.position import Position
+from trainer.setup import Plan, plan
 from trainer.tokenize import job_data
 
 
@@ -172,9 +174,9 @@ def job_from_spec(spec: TrainerSpec, base: SharedBase, tokenizer, device: str) -
         raise JobError(f"train.method {t.method} is not co-trained; a group trains {METHODS} jobs")
     if spec.init_adapter:
         raise JobError("a job that starts from init_adapter trains alone, not in a co-training group")
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    pad = pad_id(tokenizer)
     train_set, eval_set = job_data(spec, tokenizer)
-    steps = plan(len(data.make_batches(train_set, t, pad_id, 0)), t)
+    steps = plan(len(data.make_batches(train_set, t, pad, 0)), t)
     weights = base.attach(spec.job, spec.request.lora, t.seed)
     params = [p for w in weights.values() for p in (w.A, w.B)]
     optimizer = make_optimizer(params, t, device)
@@ -182,7 +184,7 @@ def job_from_spec(spec: TrainerSpec, base: SharedBase, tokenizer, device: str) -
         spec=spec,
         train_set=train_set,
         eval_set=eval_set,
-        pad_id=pad_id,
+        pad_id=pad,
         weights=weights,
         optimizer=optimizer,
         scheduler=get_scheduler(

@@ -15,13 +15,14 @@ import torch
 
 from schemas.events import Checkpoint, Finished, GroupEvent, PreferenceMetrics, Progress, Started
 from trainer.best import BestEval
-from trainer.checkpoints import resume, save_checkpoint
+from trainer.checkpoints import TrainingState, resume, save_checkpoint
 from trainer.co_train.job import CoJob, StepResult
 from trainer.co_train.peft_export import PREFIX, save_peft_adapter
 from trainer.co_train.shared_base import JobView
 from trainer.distributed import World
 from trainer.events import emit
-from trainer.loop import finish, peak_mib
+from trainer.ending import AdapterOut, Ending, finish
+from trainer.loop import peak_mib
 from trainer.samples import probe, sample_prompts, samples_event
 from trainer.tensorboard_log import TensorBoardLog
 from trainer.trackers import RunLogs
@@ -161,10 +162,7 @@ class Member:
     def save(self) -> Path:
         """A checkpoint of where the job stands (between its steps), in trainer/checkpoints.py's layout."""
         j, at = self.job, self.job.at
-        path = save_checkpoint(
-            self.model, j.optimizer, j.scheduler, self.out_dir, at.step, at.epoch, at.batch_in_epoch, at.tokens,
-            self.best.state(),
-        )  # fmt: skip
+        path = save_checkpoint(TrainingState(self.model, j.optimizer, j.scheduler), at, self.out_dir, self.best.state())
         self.board.copy_into(path)
         return path
 
@@ -172,7 +170,7 @@ class Member:
         """Save the adapter (paused: the checkpoint just taken is it) and say how the job ended."""
         self.board.close()
         j = self.job
-        done = finish(self.model, self.out_dir, j.at.step, j.plan.steps, paused, self.best, early)
+        done = finish(self.model, self.best, Ending(j.at.step, j.plan.steps, paused, early), AdapterOut(self.out_dir))
         if done.state != "paused":
             done = msgspec.structs.replace(done, probe=probe(self.model, self.tokenizer, self.device))
         return done
@@ -197,7 +195,7 @@ def member_for(job: CoJob, device: str, tokenizer) -> Member:
         board=RunLogs(TensorBoardLog(Path(spec.out_dir) / "tensorboard", carried_from=carried), spec, spec.out_dir),
     )
     if carried:
-        state = resume(model, job.optimizer, job.scheduler, carried, load=model.load_adapter_weights)
+        state = resume(TrainingState(model, job.optimizer, job.scheduler), carried, load=model.load_adapter_weights)
         at = job.at
         at.step, at.tokens, at.epoch, at.batch_in_epoch = (
             state["step"], state.get("tokens", 0), state["epoch"], state["batch_in_epoch"]
