@@ -84,7 +84,7 @@ def agent_flags(p: argparse.ArgumentParser) -> None:
     """`jetlora agent`'s flags (and `up`'s, which runs one)."""
     _node_flags(p)
     _engine_flags(p)
-    _rollout_flags(p)
+    _deployment_flags(p)
     _cache_flags(p)
     grader_flags(p, "in this node's grpo jobs (the trainer's environment)")
 
@@ -165,7 +165,7 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
     )
 
 
-def _rollout_flags(p: argparse.ArgumentParser) -> None:
+def _deployment_flags(p: argparse.ArgumentParser) -> None:
     """The agent's flags for how it keeps the engines on the registry, and how training yields to them."""
     p.add_argument(
         "--engine-check-interval",

@@ -1,4 +1,4 @@
-"""Canary rollouts: a promote moves the name on a few of the live nodes serving it first, and the registry finishes
+"""Canaries: a promote moves the name on a few of the live nodes serving it first, and the registry finishes
 it (every node) or rolls it back by itself, from what those nodes report. A gated canary (schemas/served.py) also
 waits for each node's served score of its eval, and rolls back one outside the trainer-side interval.
 
