@@ -117,3 +117,21 @@ async def test_a_superseded_attempts_checkpoint_and_end_never_pass_for_the_next_
     assert "dropped a Checkpoint event of job a attempt 1 (attempt 2 runs now)" in caplog.text, caplog.text
     assert "dropped a Finished event of job a attempt 1 (attempt 2 runs now)" in caplog.text, caplog.text
     assert not any(isinstance(e, Finished) for e in seen[1])  # nor was it its own run's: that one had left
+
+
+async def test_a_member_cancelled_before_it_ran_leaves_no_empty_group_behind(tmp_path, tiny_model):
+    """The agent made the group for a job that was cancelled before its run began: the group is forgotten (no
+    process was ever started), as when its last member leaves."""
+    import asyncio
+
+    from schemas.events import Cancelled, TrainerSpec
+    from services.agent.group_run import DEFAULT_GROUP_TRAINER, GroupProcess
+
+    request = msgspec.convert({"model": "tiny", "base_dir": str(tiny_model), "data": pairs()}, JobRequest)
+    spec = TrainerSpec(job="a", attempt=1, request=request, out_dir=str(tmp_path / "a"))
+    forgotten: list[GroupProcess] = []
+    group = GroupProcess("g", tmp_path / "g", DEFAULT_GROUP_TRAINER, {}, on_empty=forgotten.append)
+    member = group.member(spec)
+    member.cancel()
+    assert isinstance(await member.run(lambda ev: asyncio.sleep(0)), Cancelled)
+    assert forgotten == [group] and group.closing and group.proc is None and not group.members

@@ -236,9 +236,9 @@ class GroupMember:
         return self.group.proc if self.joined else None
 
     async def run(self, on_event: Callable[[object], Awaitable[None]]) -> Finished | Failed | Cancelled | Requeue:
-        if self.cancelled:
-            return Cancelled()
         try:
+            if self.cancelled:  # before it ran: it still leaves, so a group nobody joined is not left behind
+                return Cancelled()
             await self.group.join(self)
             self.joined = True
             if self.cancelled:  # while it joined
