@@ -27,10 +27,9 @@ async def test_nf4_is_refused_at_submit_without_a_gpu(stack, nc, agents):
     assert isinstance(no_gpu, Rejected) and no_gpu.errors[0].field == "quantization"
     assert "no known node has a GPU" in no_gpu.errors[0].reason
 
-    request = msgspec.convert(NF4, JobRequest)  # as if a scheduler had placed it on the node's CPU
-    reply = await bus.request(
-        nc, names.node("cpu-only").assign, Assignment(job="j1", device=-1, attempt=1, request=request), AssignReply
-    )
+    request = msgspec.convert(NF4, JobRequest)  # as if the scheduler had placed it on the node's CPU (its term)
+    placed = Assignment(job="j1", device=-1, attempt=1, request=request, term=stack.core.term)
+    reply = await bus.request(nc, names.node("cpu-only").assign, placed, AssignReply)
     assert isinstance(reply, AssignRefused) and "nf4 (4-bit) training needs a GPU" in reply.reason
 
 

@@ -94,10 +94,10 @@ def session_of(tiny_model, tmp_path, **spec):
     from trainer import events
     from trainer.session import Session
 
-    events.mute()
     request = msgspec.convert({"model": "tiny", "base_dir": str(tiny_model), "train": {"method": "session"},
                                "session": {"rank": 4, **spec}, "accelerator": "cpu"}, JobRequest)  # fmt: skip
-    return Session(TrainerSpec(job="t", attempt=1, request=request, out_dir=str(tmp_path)))
+    with events.muted():  # not for the rest of the tests' process: others read the trainer's events from stdout
+        return Session(TrainerSpec(job="t", attempt=1, request=request, out_dir=str(tmp_path)))
 
 
 def adapted(session) -> dict[str, torch.Tensor]:
