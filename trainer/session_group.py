@@ -28,7 +28,7 @@ import msgspec
 from schemas.events import Failed, Finished, GroupControl, GroupEvent, Requeue, Started, TrainerSpec
 from schemas.sessions import CallError, MemberAnswer, MemberCall, SessionReply
 from trainer import session_model as ops
-from trainer.co_train.controls import Controls, note
+from trainer.co_train.controls import Controls, addressed, note
 from trainer.co_train.held_base import HeldBase, OtherWeights
 from trainer.co_train.shared_base import SharedBase
 from trainer.errors import JobError
@@ -60,11 +60,9 @@ class SessionGroup:
         if line.action == "add" and line.spec is not None:
             self.add(line.spec)
             return
-        member = self.members.get(line.job)
-        if member is None or (line.attempt and line.attempt != member.attempt):
-            held = f"attempt {member.attempt}" if member else "no attempt"
-            note(f"{line.action} for job {line.job} attempt {line.attempt} left: the group holds {held} of it")
-        elif line.action == "cancel":
+        if addressed(self.members, line) is None:
+            return
+        if line.action == "cancel":
             self.drop(line.job)
         elif line.action in ("stop", "pause"):
             self.end(line.job, pause=line.action == "pause")

@@ -23,6 +23,17 @@ def note(text: str) -> None:
     print(text, file=sys.stderr, flush=True)
 
 
+def addressed(members: dict, line: GroupControl):
+    """The member a control line is for, or None (noted for the agent's log) when the group holds no such attempt:
+    a line for an attempt that left, or was superseded, is left."""
+    member = members.get(line.job)
+    if member is None or (line.attempt and line.attempt != member.attempt):
+        held = f"attempt {member.attempt}" if member else "no attempt"
+        note(f"{line.action} for job {line.job} attempt {line.attempt} left: the group holds {held} of it")
+        return None
+    return member
+
+
 class Controls:
     def __init__(self, stream) -> None:
         self.lines: queue.Queue[Line | None] = queue.Queue()

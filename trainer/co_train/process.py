@@ -16,7 +16,7 @@ import torch
 from schemas.co_train import SESSION
 from schemas.events import Failed, Finished, GroupControl, GroupEvent, Requeue, TrainerSpec
 from trainer import lease
-from trainer.co_train.controls import Controls, note
+from trainer.co_train.controls import Controls, addressed, note
 from trainer.co_train.group import CoTrainer, StepOutOfMemory
 from trainer.co_train.held_base import HeldBase, OtherWeights
 from trainer.co_train.member import Member, member_for
@@ -45,11 +45,10 @@ class Group:
         if c.action == "add" and c.spec is not None:
             self.add(c.spec)
             return
-        member = self.members.get(c.job)
-        if member is None or (c.attempt and c.attempt != member.attempt):
-            held = f"attempt {member.attempt}" if member else "no attempt"
-            note(f"{c.action} for job {c.job} attempt {c.attempt} left: the group holds {held} of it")
-        elif c.action == "cancel":
+        member = addressed(self.members, c)
+        if member is None:
+            return
+        if c.action == "cancel":
             self.drop(c.job)
         elif c.action in ("hold", "go"):
             member.job.held = c.action == "hold"
