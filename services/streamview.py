@@ -20,7 +20,6 @@ from __future__ import annotations
 import asyncio
 import heapq
 import itertools
-import json
 import logging
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
@@ -29,14 +28,12 @@ from types import MappingProxyType
 from typing import Any
 
 import nats.errors
-from nats.js.api import DeliverPolicy, ObjectInfo
+from nats.js.api import DeliverPolicy
 from nats.js.errors import NotFoundError
 
-from schemas import names
 from services.aio import sleep_unless_stopped, wait_first
 
 log = logging.getLogger(__name__)
-KV_OPERATION = "KV-Operation"
 YIELD_EVERY = 512  # messages applied between two yields to the event loop
 STALL_HEARTBEATS = 4  # behind the stream without a message this many heartbeats: the consumer is broken
 MAX_WAITERS = 1024  # waiting readers kept before those that gave up are swept out
@@ -318,38 +315,3 @@ class LatestView:
             return (await self.js.get_msg(self.stream, subject=subjects)).seq or 0
         except NotFoundError:
             return 0
-
-
-def kv_view(
-    js,
-    bucket: str,
-    decode: Callable[[str, bytes], Any],
-    grouping: Grouping | None = None,
-    catch_up_s: float = Pace.catch_up_s,
-    heartbeat_s: float = Pace.heartbeat_s,
-) -> LatestView:
-    """A KV bucket's current keys, decode(key, value) each; deleted and purged keys are absent."""
-
-    def value(key: str, msg) -> Any | None:
-        if (msg.headers or {}).get(KV_OPERATION) in ("DEL", "PURGE") or not msg.data:
-            return None
-        return decode(key, msg.data)
-
-    return LatestView(js, kv_slice(bucket), value, grouping, Pace(catch_up_s, heartbeat_s))
-
-
-def kv_slice(bucket: str) -> Slice:
-    """Every key of a KV bucket, as its stream holds them."""
-    store = names.kv(bucket)
-    return Slice(store.stream, store.subjects, store.prefix)
-
-
-def object_view(js, bucket: str, pace: Pace = Pace()) -> LatestView:
-    """An object store's current objects as nats-py ObjectInfo, by name; deleted ones are absent."""
-
-    def info(_key: str, msg) -> ObjectInfo | None:
-        found = ObjectInfo.from_response(json.loads(msg.data))
-        return None if found.deleted else found
-
-    store = names.objects(bucket)
-    return LatestView(js, Slice(store.stream, store.metas), info, pace=pace)

@@ -16,7 +16,8 @@ from schemas import names
 from schemas.registry import AdapterVersion, Alias, NodeAdapterStatus, StoredFile, adapter_subjects
 from services.aio import sleep_unless_stopped
 from services.registry.store import AdapterRegistry, registry_view
-from services.streamview import StaleView, kv_view
+from services.store_views import kv_view
+from services.streamview import StaleView
 from tests.conftest import retrying, wait_for
 
 BUCKET = "streamview_test"

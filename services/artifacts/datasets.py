@@ -32,7 +32,7 @@ from services import bus
 from services.jetstream_writer import JetStreamWriter
 from services.artifacts.objwriter import ObjectChanged, ObjectWriter
 from services.artifacts.receiver import ChunkReceiver, Refused
-from services.streamview import object_view
+from services.store_views import object_view
 from services.transfer.datasets import find_dataset, visible_dataset
 
 log = logging.getLogger(__name__)

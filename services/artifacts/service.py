@@ -33,7 +33,7 @@ from services.jetstream_writer import JetStreamWriter
 from services.job_records import JobRecords
 from services.artifacts.objwriter import ObjectWriter
 from services.artifacts.receiver import ChunkReceiver, Refused
-from services.streamview import object_view
+from services.store_views import object_view
 
 log = logging.getLogger(__name__)
 

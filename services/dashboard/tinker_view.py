@@ -17,7 +17,8 @@ from msgspec import Struct, field
 from schemas import names
 from schemas.sessions import ForwardBackward, LoadWeights, OptimStep, Sample, SaveWeights, SessionCall
 from schemas.tinker_store import FutureRecord, GatewayRecord, ModelRecord, SamplerRecord, SessionRecord
-from services.streamview import LatestView, kv_view
+from services.store_views import kv_view
+from services.streamview import LatestView
 
 SESSIONS_SHOWN = 50  # the newest; the panel says how many there are in all
 CALLS_SHOWN = 8  # a model's latest calls, besides its counts

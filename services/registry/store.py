@@ -22,7 +22,8 @@ from schemas.registry import (
     adapter_of,
     adapter_subjects,
 )
-from services.streamview import KV_OPERATION, Grouping, LatestView, kv_slice
+from services.store_views import KV_OPERATION, kv_slice
+from services.streamview import Grouping, LatestView
 
 log = logging.getLogger(__name__)
 

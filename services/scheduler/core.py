@@ -19,30 +19,19 @@ from services.scheduler.queue import TenantQueues
 from services.scheduler.request_cache import RequestCache
 from services.scheduler.index import Finished, JobIndex
 from services.scheduler.config import SchedulerConfig, TenantQuota
+from services.scheduler.engine_pauses import engine_slot
 from services.scheduler.fence import Deposed
 from services.scheduler.grouping import FounderKey, Groups, founder_key, holder
 from services.scheduler.store import JobStore
 from services.scheduler.tenancy import TenantBook, held
 
-__all__ = ["SchedulerConfig", "SchedulerCore", "TenantQuota", "Job", "UNPLACED", "held", "engine_tag", "engine_slot"]
+__all__ = ["SchedulerConfig", "SchedulerCore", "TenantQuota", "Job", "UNPLACED", "held"]
 log = logging.getLogger(__name__)
 UNPLACED: dict[str, Any] = dict(
     node=None, device=None, devices=[], group=None
 )  # a job's status fields when it holds no device
 STATES_REDELIVERED_S = 5.0  # a state event taken but not applied by the last leader comes again within this
 AHEAD = 1 << 50  # a preempted job waits ahead of its tenant's others of its priority (its seq less this)
-
-
-def engine_tag(slot: SlotKey) -> str:
-    """How a pause for a device's serving engine is recorded (JobStatus.paused_by)."""
-    return f"engine {slot[0]}/{slot[1]}"
-
-
-def engine_slot(paused_by: str | None) -> SlotKey | None:
-    if not paused_by or not paused_by.startswith("engine "):
-        return None
-    node, _, device = paused_by.removeprefix("engine ").rpartition("/")
-    return (node, int(device)) if device.lstrip("-").isdigit() else None
 
 
 @dataclass
@@ -270,7 +259,7 @@ class SchedulerCore:
         self.wake.set()
 
     def note_paused(self, job: Job) -> None:
-        """A job paused for a device's serving engine waits for that engine (see pausing.engine_slot)."""
+        """A job paused for a device's serving engine waits for that engine (engine_pauses.engine_slot)."""
         if (slot := engine_slot(job.status.paused_by)) is not None:
             self.engine_paused.setdefault(slot, set()).add(job.id)
 

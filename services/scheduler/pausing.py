@@ -14,7 +14,8 @@ from schemas.nodes import Control, ControlReply, Heartbeat
 from services import bus
 from services.scheduler.config import engine_priority
 from services.scheduler import commands
-from services.scheduler.core import Job, SchedulerCore, engine_tag
+from services.scheduler.core import Job, SchedulerCore
+from services.scheduler.engine_pauses import engine_tag
 from services.scheduler.fleet import SlotKey
 
 log = logging.getLogger(__name__)
