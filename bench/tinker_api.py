@@ -73,6 +73,14 @@ def start_stack(
     return [up, gateway], url, port
 
 
+def stop_stack(procs: list[subprocess.Popen]) -> None:
+    """SIGTERM to every process start_stack started, then wait for each."""
+    for p in procs:
+        p.terminate()
+    for p in procs:
+        p.wait(timeout=30)
+
+
 def api_key(url: str) -> str:
     out = subprocess.run([sys.executable, "-m", "services.cli", "keys", "create", "--tenant", "bench", "--nats", url,
                           "--json"], cwd=ROOT, capture_output=True, text=True, check=True)  # fmt: skip
@@ -191,10 +199,7 @@ def main() -> None:
                       f"{pct(got['local'], 0.5):.1f} ms", flush=True)  # fmt: skip
             sc.close("success")
         finally:
-            for p in procs:
-                p.terminate()
-            for p in procs:
-                p.wait(timeout=30)
+            stop_stack(procs)
     over = sorted(o * 1000 for o in overheads)
     print(
         f"forward_backward + optim_step, {len(PAIRS)} datums, {args.threads} thread(s), load "

@@ -14,7 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from session_procs import Sessions
-from tinker_api import PAIRS, api_client, api_key, batch_of, pct, start_stack, timed_api
+from tinker_api import PAIRS, api_client, api_key, batch_of, pct, start_stack, stop_stack, timed_api
 
 SIDES = ("api", "group", "group-in-turn", "separate")
 
@@ -44,10 +44,7 @@ def sharing(ks: list[int], rounds: int, steps: int, threads: int) -> None:
             for sc, _ in clients:
                 sc.close("success")
         finally:
-            for p in procs:
-                p.terminate()
-            for p in procs:
-                p.wait(timeout=30)
+            stop_stack(procs)
 
 
 def one_k(k, rounds, steps, threads, tcs, types, batch, calls, model_dir, out, peaks) -> float:
