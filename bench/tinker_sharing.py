@@ -14,7 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from session_procs import Sessions
-from tinker_api import PAIRS, api_client, api_key, batch_of, pct, start_stack, stop_stack, timed_api
+from tinker_stack import PAIRS, api_client, api_key, batch_of, pct, start_stack, stop_stack, timed_api
 
 SIDES = ("api", "group", "group-in-turn", "separate")
 
