@@ -17,6 +17,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench.guarantees import Guarantees  # noqa: E402
+
 # hidden, layers, intermediate, heads, kv_heads, vocab, tokens, gradient checkpointing, loss chunk, LoRA targets
 SHAPES = [
     (256, 4, 688, 4, 4, 32000, 1024, False, 1024, "qv"),
@@ -120,6 +122,9 @@ def two_steps(shape, cuda: bool) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--cuda", action="store_true")
+    ap.add_argument(
+        "--under", type=float, default=0.10, help="how far under a real peak an estimate may be (0.10: 10%%)"
+    )
     ap.add_argument("--one", type=int, default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.one is not None:
@@ -160,6 +165,9 @@ def main() -> None:
         f"error: mean {sum(errors) / len(errors):+.0%}, worst under {min(errors):+.0%}, worst over "
         f"{max(errors):+.0%} (positive: the estimate is above the real peak)"
     )
+    promises = Guarantees()  # the scheduler places by the estimate: one far under a real peak is an OOM on a node
+    promises.check(min(errors) >= -args.under, f"no estimate under its real peak by more than {args.under:.0%}")
+    sys.exit(promises.verdict())
 
 
 if __name__ == "__main__":

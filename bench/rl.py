@@ -41,6 +41,7 @@ import msgspec  # noqa: E402
 import torch  # noqa: E402
 from transformers import TrainerCallback  # noqa: E402
 
+from bench.guarantees import Guarantees  # noqa: E402
 from schemas.events import DataFile, TrainerSpec  # noqa: E402
 from schemas.jobs import JobRequest  # noqa: E402
 from tests.qa import QA_PAIRS, pairs  # noqa: E402
@@ -244,12 +245,16 @@ def ratios(a: list[float], b: list[float], args) -> str:
     return f"{med(a) / med(b):.2f}x (per round {rounds})"
 
 
-def report(sides: dict[str, Jetlora], trl_times: list[float], trl_rewards: list[float], args) -> None:
+def report(
+    sides: dict[str, Jetlora], trl_times: list[float], trl_rewards: list[float], args, promises: Guarantees
+) -> None:
     for name, side in sides.items():
         print(f"{name} step: {spread(side.times)}; its rollouts {spread(side.sampling)}")
     print(f"TRL step: {spread(trl_times)}")
     for name, side in sides.items():
-        print(f"{name} / TRL time per step: {ratios(side.times, trl_times, args)}; target <= 0.67x")
+        print(f"{name} / TRL time per step: {ratios(side.times, trl_times, args)}; target <= {args.target:.2f}x")
+        ratio = statistics.median(side.times) / statistics.median(trl_times)
+        promises.check(ratio <= args.target, f"{name} / TRL time per step {ratio:.2f}x at most {args.target:.2f}x")
     if len(sides) == 2:
         (a, lean), (b, gen) = sides.items()
         print(
@@ -272,6 +277,7 @@ def main() -> None:
         "--vllm", action="store_true", help="also rollouts through vLLM (JETLORA_VLLM_PYTHON, engine_rollouts)"
     )
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default, one per core)")
+    ap.add_argument("--target", type=float, default=0.67, help="the promised jetlora / TRL time per step")
     how = "jetlora's rollouts through the lean decode loop, generate(), or a side of each (A/B in one run)"
     ap.add_argument("--sampler", choices=("lean", "generate", "both"), default="lean", help=how)
     args = ap.parse_args()
@@ -302,9 +308,11 @@ def main() -> None:
 
         context = grader_context(str(tmp / "trl"))
         trl_times, trl_rewards = trl_side(model_dir, jet.lora_state(), args, tmp, context, between)
-        report(sides, trl_times, trl_rewards, args)
+        promises = Guarantees()
+        report(sides, trl_times, trl_rewards, args, promises)
         if args.vllm:
             engines(args, tmp)
+    sys.exit(promises.verdict())
 
 
 def jetlora_sides(model_dir: Path, rft: Path, args, tmp: Path) -> dict[str, Jetlora]:

@@ -32,6 +32,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "deploy" / "demo"))
 sys.path.insert(0, str(ROOT / "bench"))
 
+from guarantees import Guarantees  # noqa: E402
 from tinker_stack import PAIRS, api_client, api_key, batch_of, pct, start_stack, stop_stack, timed_api  # noqa: E402
 
 
@@ -65,12 +66,15 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=20, help="steps per side per round")
     ap.add_argument("--threads", type=int, default=1, help="torch threads on each side")
     ap.add_argument("--sessions", default="", help="K,K,...: sessions sharing a device (one process) against K apart")
+    ap.add_argument("--target-ms", type=float, default=5.0, help="the promised API overhead p50, one session alone")
+    ap.add_argument("--shared-target-ms", type=float, nargs=2, default=(15.0, 40.0), metavar=("P50", "P99"),
+                    help="the promised API overhead over the group process with --sessions, at every K")  # fmt: skip
     args = ap.parse_args()
     if args.sessions:
         from tinker_sharing import sharing
 
-        sharing([int(k) for k in args.sessions.split(",")], args.rounds, args.steps, args.threads)
-        return
+        ks = [int(k) for k in args.sessions.split(",")]
+        sys.exit(sharing(ks, args.rounds, args.steps, args.threads, tuple(args.shared_target_ms)))
     os.environ.setdefault("TINKER_TELEMETRY", "0")
     import torch
     from tinker import types
@@ -112,6 +116,10 @@ def main() -> None:
         f"{pct(inproc, 0.5):.1f} ms p99 {pct(inproc, 0.99):.1f} ms; overhead p50 {pct(api, 0.5) - pct(inproc, 0.5):.1f} "
         f"ms, p99 {pct(api, 0.99) - pct(inproc, 0.99):.1f} ms (per-round medians' difference {over[0]:.1f}-{over[-1]:.1f} ms)"
     )
+    promises = Guarantees()
+    overhead = pct(api, 0.5) - pct(inproc, 0.5)
+    promises.check(overhead < args.target_ms, f"API overhead p50 {overhead:.1f} ms under {args.target_ms:g} ms")
+    sys.exit(promises.verdict())
 
 
 if __name__ == "__main__":

@@ -14,12 +14,15 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from session_procs import Sessions
+from guarantees import Guarantees
 from tinker_stack import PAIRS, api_client, api_key, batch_of, pct, start_stack, stop_stack, timed_api
 
 SIDES = ("api", "group", "group-in-turn", "separate")
 
 
-def sharing(ks: list[int], rounds: int, steps: int, threads: int) -> None:
+def sharing(ks: list[int], rounds: int, steps: int, threads: int, targets: tuple[float, float]) -> int:
+    """Every K's figures; the exit status (non-zero when a promise broke: the memory bound or an overhead target)."""
+    promises = Guarantees()
     from tinker import types
 
     from schemas.sessions import Datum, ForwardBackward, OptimStep
@@ -40,14 +43,15 @@ def sharing(ks: list[int], rounds: int, steps: int, threads: int) -> None:
             peaks: dict[int, float] = {}
             for k in ks:
                 peaks[k] = one_k(k, rounds, steps, threads, [tc for _, tc in clients[:k]], types, batch, calls,
-                                 model_dir, tmp / f"k{k}", peaks)  # fmt: skip
+                                 model_dir, tmp / f"k{k}", peaks, promises, targets)  # fmt: skip
             for sc, _ in clients:
                 sc.close("success")
         finally:
             stop_stack(procs)
+    return promises.verdict()
 
 
-def one_k(k, rounds, steps, threads, tcs, types, batch, calls, model_dir, out, peaks) -> float:
+def one_k(k, rounds, steps, threads, tcs, types, batch, calls, model_dir, out, peaks, promises, targets) -> float:
     """Figures for K sessions; the group process's peak resident MiB."""
     out.mkdir()
     shared = threads  # as many torch threads as each of the K processes (more only slowed this tiny model's group)
@@ -80,11 +84,11 @@ def one_k(k, rounds, steps, threads, tcs, types, batch, calls, model_dir, out, p
     for s in direct.values():
         s.close()
     pool.shutdown()
-    report(k, times, rates, peak, peaks)
+    report(k, times, rates, peak, peaks, promises, targets)
     return peak["group"]
 
 
-def report(k, times, rates, peak, peaks) -> None:
+def report(k, times, rates, peak, peaks, promises: Guarantees, targets: tuple[float, float]) -> None:
     def ratio(a: str, b: str) -> str:
         rs = sorted(x / y for x, y in zip(rates[a], rates[b]))
         return f"{statistics.median(rs):.2f}x ({rs[0]:.2f}-{rs[-1]:.2f})"
@@ -93,12 +97,16 @@ def report(k, times, rates, peak, peaks) -> None:
     for name in SIDES:
         print(f"  {name:14} per step p50 {pct(times[name], 0.5):6.1f} ms  p99 {pct(times[name], 0.99):6.1f} ms  "
               f"{statistics.median(rates[name]):6.1f} steps/s")  # fmt: skip
-    print(f"  API overhead over the group process: p50 {pct(times['api'], 0.5) - pct(times['group'], 0.5):.1f} ms, "
-          f"p99 {pct(times['api'], 0.99) - pct(times['group'], 0.99):.1f} ms")  # fmt: skip
+    over50 = pct(times["api"], 0.5) - pct(times["group"], 0.5)
+    over99 = pct(times["api"], 0.99) - pct(times["group"], 0.99)
+    print(f"  API overhead over the group process: p50 {over50:.1f} ms, p99 {over99:.1f} ms")
+    promises.check(over50 < targets[0], f"K = {k}: API overhead p50 {over50:.1f} ms under {targets[0]:g} ms")
+    promises.check(over99 < targets[1], f"K = {k}: API overhead p99 {over99:.1f} ms under {targets[1]:g} ms")
     print(f"  throughput, group / separate processes: batched {ratio('group', 'separate')}, in turn "
           f"{ratio('group-in-turn', 'separate')}; batched / in turn {ratio('group', 'group-in-turn')}")  # fmt: skip
     line = f"  peak resident: group process {peak['group']:.0f} MiB, {k} processes {peak['separate']:.0f} MiB"
     if 1 in peaks and 2 in peaks and k > 2:
         bound = (peaks[1] + (k - 1) * (peaks[2] - peaks[1])) * 1.1
         line += f"; bound (alone + {k - 1} x one member's own + 10%) {bound:.0f} MiB"
+        promises.check(peak["group"] <= bound, f"K = {k}: group peak {peak['group']:.0f} MiB within {bound:.0f} MiB")
     print(line, flush=True)
