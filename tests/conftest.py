@@ -31,6 +31,10 @@ from services.scheduler.fence import TERM_KEY
 from schemas.job_records import LAYOUT
 
 ROOT = Path(__file__).resolve().parents[1]
+# One torch thread for every trainer the tests start (agents' subprocesses inherit it) and for torch in this
+# process: two trainers' threads fighting over 2 cores made each ten times slower. A test that measures threads sets
+# its own (torch.set_num_threads).
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 HOLD_TRAINER = f"{sys.executable} {ROOT / 'tests' / 'programs' / 'hold_trainer.py'}"
 HOLD_GROUP = f"{sys.executable} {ROOT / 'tests' / 'programs' / 'hold_group.py'}"  # its co-training groups' stand-in
 
@@ -281,9 +285,12 @@ async def wait_for(predicate, timeout: float = 20.0, interval: float = 0.05, wha
 
 
 async def wait_state(nc, job: str, states, timeout: float = 30.0):
-    """Until the job is in one of `states`; a timeout says where it was last seen."""
+    """Until the job is in one of `states`. The deadline follows progress: `timeout` is how long the job may go
+    without moving (its state, step or attempt unchanged), so a job training on a loaded machine gets the time its
+    steps take and a stuck one fails as soon as on a quiet one; a timeout says where it was last seen."""
     states = {states} if isinstance(states, str) else set(states)
-    seen = []
+    seen: list[str] = []
+    moved: list = [None, time.monotonic()]  # the last (state, step, attempt) seen, and when it last changed
 
     async def check():
         try:
@@ -291,12 +298,16 @@ async def wait_state(nc, job: str, states, timeout: float = 30.0):
         except bus.RequestError:  # a scheduler between lives: ask again
             return None
         seen[:] = [f"{j.state} at step {j.step}/{j.steps} on {j.node} (attempt {j.attempt}): {j.message}"]
+        if (j.state, j.step, j.attempt) != moved[0]:
+            moved[:] = [(j.state, j.step, j.attempt), time.monotonic()]
         return j if j.state in states else None
 
-    try:
-        return await wait_for(check, timeout, what=f"job {job} in {states}")
-    except AssertionError as e:
-        raise AssertionError(f"{e}; it was last {seen[0] if seen else 'never seen'}") from None
+    while not (found := await check()):
+        if time.monotonic() - moved[1] > timeout:
+            where = seen[0] if seen else "never seen"
+            raise AssertionError(f"job {job} not in {states}: nothing moved for {timeout}s; it was last {where}")
+        await asyncio.sleep(0.05)
+    return found
 
 
 async def wait_nodes(nc, count: int, timeout: float = 20.0):
