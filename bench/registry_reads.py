@@ -20,6 +20,7 @@ import msgspec  # noqa: E402
 import nats  # noqa: E402
 from nats.js.errors import NoKeysError  # noqa: E402
 
+from bench.guarantees import Guarantees  # noqa: E402
 from schemas import names  # noqa: E402
 from schemas.registry import (  # noqa: E402
     AdapterList,
@@ -77,7 +78,7 @@ async def timed(make, repeat: int) -> float:
     return (time.perf_counter() - t0) / repeat * 1000
 
 
-async def measure(count: int, rounds: int) -> None:
+async def measure(count: int, rounds: int) -> int:
     with EmbeddedNats() as server:
         nc = await nats.connect(server.url)
         await bus.ensure_resources(nc)
@@ -123,6 +124,7 @@ async def measure(count: int, rounds: int) -> None:
         await task
         await service_nc.close()
         await nc.close()
+        return info.state.consumer_count
 
 
 async def main() -> None:
@@ -130,9 +132,14 @@ async def main() -> None:
     parser.add_argument("--adapters", type=int, nargs="+", default=[10, 1000])
     parser.add_argument("--rounds", type=int, default=7)
     args = parser.parse_args()
+    promises = Guarantees()
     for count in args.adapters:
-        await measure(count, args.rounds)
+        consumers = await measure(count, args.rounds)
+        promises.check(
+            consumers <= 1, f"{count} adapters: one consumer left on the bucket (the registry's view), not {consumers}"
+        )
+    return promises.verdict()
 
 
 if __name__ == "__main__":
-    asyncio.run(main())
+    sys.exit(asyncio.run(main()))
