@@ -6,8 +6,10 @@ base has another (trainer/co_train/process.py).
 
 Hashing a base reads all of it (measured on the 2-core machine: 0.53 s for a 1 GiB safetensors file, in the page
 cache or not; sha256 is the bound, ~1.9 GiB/s; so ~8 s for an 8B model in bf16), so each file's digest is kept by
-what identifies its content on disk, its path, size, mtime, inode and device: a file replaced or rewritten is hashed
-again, an unchanged one never (a lookup: 150 us). Pure Python (hashlib): the agent calls it in a thread."""
+what identifies its content on disk, its path, size, mtime, ctime, inode and device: a file replaced or rewritten is
+hashed again, an unchanged one never (a lookup: 150 us). The ctime is what makes a rewrite in place show: any write
+sets it and nothing can set it back, while the mtime can be (`cp -p`, `rsync -t --inplace`, a restore put the old
+one back on new bytes of the same size). Pure Python (hashlib): the agent calls it in a thread."""
 
 from __future__ import annotations
 
@@ -21,7 +23,7 @@ READ_SUFFIXES = (".json", ".safetensors", ".model", ".txt", ".jinja", ".tiktoken
 CHUNK = 8 * 2**20
 PREFIX = "sha256:"
 
-FileKey = tuple[str, int, int, int, int]  # (path, size, mtime_ns, inode, device)
+FileKey = tuple[str, int, int, int, int, int]  # (path, size, mtime_ns, ctime_ns, inode, device)
 
 
 def read_files(directory: str | Path) -> list[Path]:
@@ -32,7 +34,7 @@ def read_files(directory: str | Path) -> list[Path]:
 
 def file_key(path: Path) -> FileKey:
     st = os.stat(path)
-    return (str(path.resolve()), st.st_size, st.st_mtime_ns, st.st_ino, st.st_dev)
+    return (str(path.resolve()), st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino, st.st_dev)
 
 
 def sha256_of(path: Path) -> str:

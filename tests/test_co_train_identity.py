@@ -8,6 +8,7 @@ another content (or the same directory rewritten since the group loaded it) is h
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import time
 from pathlib import Path
@@ -67,6 +68,33 @@ def test_the_digest_is_the_content_and_each_file_is_hashed_once_while_unchanged(
     assert group_key(request(tiny_model), shape_a)[0] == "dir:" + str(tiny_model)  # until then: this node's directory
     shape_a.digest, shape_b.digest = mine, digests.directory(other)
     assert group_key(request(tiny_model), shape_a) != group_key(request(other), shape_b)  # never one group
+
+
+def test_a_file_rewritten_in_place_with_its_mtime_set_back_is_hashed_again(tiny_model, tmp_path):
+    """`cp -p`, `rsync -t --inplace` or a restore put other bytes of the same size into the same inode and set the
+    old mtime back: only the ctime says the file changed, and the cached digest must not outlive it."""
+    model = copy_of(tiny_model, tmp_path / "model")
+    digests = FileDigests()
+    before = digests.directory(model)
+    weights = next(model.glob("*.safetensors"))
+    was = os.stat(weights)
+    data = bytearray(weights.read_bytes())
+    data[-1] ^= 0x01  # the last byte of the last tensor: one value of the weights
+    probe = tmp_path / "clock"
+    deadline = time.monotonic() + 5  # the kernel stamps files from a coarse clock: wait until it has moved
+    while (probe.write_bytes(b"."), probe.stat().st_ctime_ns)[1] <= was.st_ctime_ns:
+        assert time.monotonic() < deadline, "the file clock did not move in 5 s"
+    with open(weights, "r+b") as f:  # in place: the same inode
+        f.write(data)
+    os.utime(weights, ns=(was.st_atime_ns, was.st_mtime_ns))  # the old mtime back
+    now = os.stat(weights)
+    assert (now.st_size, now.st_mtime_ns, now.st_ino, now.st_dev) == (
+        was.st_size,
+        was.st_mtime_ns,
+        was.st_ino,
+        was.st_dev,
+    )
+    assert digests.directory(model) == content_digest(model) != before
 
 
 def test_the_agent_advertises_a_digest_once_its_thread_has_hashed_the_base(tiny_model):
