@@ -39,6 +39,34 @@ HOLD_TRAINER = f"{sys.executable} {ROOT / 'tests' / 'programs' / 'hold_trainer.p
 HOLD_GROUP = f"{sys.executable} {ROOT / 'tests' / 'programs' / 'hold_group.py'}"  # its co-training groups' stand-in
 
 
+_SESSION: dict[str, int] = {}
+
+
+def pytest_sessionfinish(session, exitstatus) -> None:
+    _SESSION["status"] = int(exitstatus)
+
+
+def pytest_unconfigure(config) -> None:
+    """A thread a test left running (a client retrying a dead gateway for minutes, a wait with no timeout) would keep
+    the interpreter from exiting after the summary, and CI from ever ending. A watchdog, a daemon thread that dies
+    with a normal exit, names each thread still running 30 s later with its stack and exits with the session's
+    status."""
+    import threading
+    import traceback
+
+    def watchdog() -> None:
+        time.sleep(30)  # a normal exit ends this thread long before
+        frames, me = sys._current_frames(), threading.current_thread()
+        for t in threading.enumerate():
+            if t is not me and not t.daemon and t.ident in frames:
+                stack = "".join(traceback.format_stack(frames[t.ident]))
+                print(f"\nthread {t.name!r} kept the tests' process from exiting:\n{stack}", file=sys.stderr)
+        sys.stderr.flush()
+        os._exit(_SESSION.get("status", 1))
+
+    threading.Thread(target=watchdog, name="exit-watchdog", daemon=True).start()
+
+
 @pytest.fixture(scope="session")
 def nats_server(tmp_path_factory):
     server = EmbeddedNats(store_dir=tmp_path_factory.mktemp("nats")).start()
@@ -63,6 +91,7 @@ async def reset_resources(nc) -> None:
         names.kv(names.TINKER_KV).stream,  # one test's Tinker sessions are none of the next's
         names.kv(names.TINKER_FUTURES_KV).stream,
         names.objects(names.TINKER_RESULTS_BUCKET).stream,
+        names.kv(names.TENANTS_KV).stream,  # one test's tenants' quotas are none of the next's
     ):
         try:
             await js.delete_stream(stream)
@@ -270,18 +299,26 @@ async def list_nodes(nc):
     return (await bus.request(nc, names.LIST_NODES, b"{}", NodeList)).nodes
 
 
-async def wait_for(predicate, timeout: float = 20.0, interval: float = 0.05, what: str = "condition"):
-    """Poll a predicate (plain or async) until it returns something truthy."""
-    deadline = time.monotonic() + timeout
+async def wait_for(predicate, timeout: float = 20.0, interval: float = 0.05, what: str = "condition", progress=None):
+    """Poll a predicate (plain or async) until it returns something truthy. With `progress` (plain or async, a value
+    that changes as the work moves on), the deadline follows progress: `timeout` is how long nothing may move."""
+    moved, mark = time.monotonic(), None
     last = None
-    while time.monotonic() < deadline:
+    while True:
         last = predicate()
         if inspect.isawaitable(last):
             last = await last
         if last:
             return last
+        if progress is not None:
+            now = progress()
+            now = await now if inspect.isawaitable(now) else now
+            if now != mark:
+                moved, mark = time.monotonic(), now
+        if time.monotonic() - moved > timeout:
+            still = f" (nothing moved: {mark!r})" if progress is not None else ""
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}{still}; last: {last!r}")
         await asyncio.sleep(interval)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what}; last: {last!r}")
 
 
 async def wait_state(nc, job: str, states, timeout: float = 30.0):

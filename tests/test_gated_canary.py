@@ -186,6 +186,15 @@ async def ended(nc):
     return a if a.gate is None and a.canary is None and a.last_rollout else None
 
 
+async def stage(nc) -> tuple:
+    """Where the gate and the canary stand: it changes as they move on (the wait for their end follows it, so a
+    loaded machine's slower evals get their time and a stuck canary fails as soon)."""
+    shown = await show(nc, "capitals")
+    a, gate = shown.alias, shown.alias.gate
+    where = (gate.note, gate.candidate_run, gate.incumbent_run) if gate else None
+    return where, a.canary, tuple((n.node, n.version, n.state, n.served is not None) for n in shown.nodes)
+
+
 async def test_a_gated_canary_whose_engine_scores_as_the_trainer_is_promoted_everywhere(nc, fleet, nats_server):
     await versions(nc, probe(ADAPTER_LOGPROB), probe(ADAPTER_LOGPROB))
     for engine in fleet.values():
@@ -225,7 +234,7 @@ async def test_a_gated_canary_whose_engine_serves_regressed_answers_is_rolled_ba
     fleet["n1"].answers["capitals"] = half_wrong  # n1's engine regressed: half the capitals wrong
     started = time.monotonic()
     await gated_canary(nc)
-    a = await wait_for(lambda: ended(nc), timeout=30, what="the gated canary to end")
+    a = await wait_for(lambda: ended(nc), timeout=30, what="the gated canary to end", progress=lambda: stage(nc))
     print(f"\nrolled back in {time.monotonic() - started:.1f}s: {a.last_rollout}")
     assert a.current == 1 and a.last_gate.startswith("gate passed"), a
     why = a.last_rollout
@@ -241,7 +250,7 @@ async def test_a_gated_canary_whose_parity_is_beyond_bounds_is_rolled_back_with_
     await versions(nc, probe(ADAPTER_LOGPROB), probe(-0.25))  # @2's trainer scored other log-probabilities
     fleet["n1"].answers["capitals"] = right  # its answers would pass: parity alone rolls it back
     await gated_canary(nc)
-    a = await wait_for(lambda: ended(nc), timeout=30, what="the gated canary to end")
+    a = await wait_for(lambda: ended(nc), timeout=30, what="the gated canary to end", progress=lambda: stage(nc))
     print(f"\nrolled back: {a.last_rollout}")
     why = a.last_rollout
     assert a.current == 1 and why.startswith("canary of capitals@2 rolled back: node n1 reported mismatch"), why
@@ -253,7 +262,7 @@ async def test_a_gated_canary_that_cannot_be_evaluated_is_rolled_back_saying_why
     await versions(nc, probe(ADAPTER_LOGPROB), probe(ADAPTER_LOGPROB))
     fleet["n1"].answers["capitals"] = lambda messages: 1 / 0  # its chat completions fail (HTTP 500)
     await gated_canary(nc)
-    a = await wait_for(lambda: ended(nc), timeout=30, what="the gated canary to end")
+    a = await wait_for(lambda: ended(nc), timeout=30, what="the gated canary to end", progress=lambda: stage(nc))
     why = a.last_rollout
     assert a.current == 1 and why.startswith("canary of capitals@2 rolled back: node n1 reported failed"), why
     assert "its served eval capq could not be run: item" in why and "failed (500)" in why, why

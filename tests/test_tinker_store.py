@@ -19,6 +19,7 @@ from aiohttp import web
 
 from services.gateway.app import Gateway
 from services.gateway.openai_map import BaseModel
+from services.gateway.tinker.outcomes import STEP_METRIC
 from tests.conftest import ROOT, wait_for, wait_nodes
 from tests.test_tinker_api import datums, key_for
 
@@ -43,7 +44,7 @@ def train(port: int, key: str, halfway: threading.Event | None = None) -> list[t
         for n in range(STEPS):
             fb = tc.forward_backward(batch, "cross_entropy")
             opt = tc.optim_step(types.AdamParams(learning_rate=1e-2))
-            out.append((opt.result().metrics["step"], fb.result().metrics["loss:sum"] / weighed))
+            out.append((opt.result().metrics[STEP_METRIC], fb.result().metrics["loss:sum"] / weighed))
             if halfway is not None and n == STEPS // 2 - 1:
                 halfway.set()
         return out
@@ -57,7 +58,7 @@ async def test_a_clients_loop_goes_on_across_a_restart_of_its_gateway(nc, stack,
     port, halfway = gw.port, threading.Event()
     loop = asyncio.create_task(asyncio.to_thread(train, port, await key_for(nc, "acme"), halfway))
     try:
-        await asyncio.wait_for(asyncio.to_thread(halfway.wait), 120)
+        assert await asyncio.to_thread(halfway.wait, 120), "the loop never got halfway"  # a thread left waiting keeps pytest from exiting
         await gw.close()  # calls in flight: the client retries, the next gateway answers them from the store
         gw = Gateway(nc, models(tiny_model), port=port)
         await gw.start()
@@ -95,7 +96,7 @@ async def test_a_clients_loop_goes_on_after_its_gateway_is_killed(nc, stack, tin
         await wait_for(lambda: listening(port), timeout=60, what="the gateway listening")
         halfway = threading.Event()
         loop = asyncio.create_task(asyncio.to_thread(train, port, await key_for(nc, "acme"), halfway))
-        await asyncio.wait_for(asyncio.to_thread(halfway.wait), 120)
+        assert await asyncio.to_thread(halfway.wait, 120), "the loop never got halfway"  # a thread left waiting keeps pytest from exiting
         first.send_signal(signal.SIGKILL)  # no goodbye: its models are taken over once it is not heard of
         first.wait()
         second = gateway_process(nats_server.url, port, tiny_model, log)
