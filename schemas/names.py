@@ -50,6 +50,7 @@ EVALS_KV = "jetlora_evals"  # evals and their runs (schemas/evals.py): eval.<ten
 TINKER_KV = "jetlora_tinker"  # the Tinker API's sessions, models and samplers (schemas/tinker_store.py)
 TINKER_FUTURES_KV = "jetlora_tinker_futures"  # its calls and their outcomes, each kept a day at most
 TINKER_RESULTS_BUCKET = "jetlora_tinker_results"  # object store: outcomes (and calls) too large for a KV value
+TENANTS_KV = "jetlora_tenants"  # each tenant's quota, weight and borrowing limit (schemas/tenants.py): tenant.<name>
 SCHEDULER_CONSUMER = "jetlora_scheduler_states_v3"  # durable consumer of job states (v3: the tenant in the subject)
 OLD_SCHEDULER_CONSUMERS = ("jetlora_scheduler_states_v2",)  # filters that match no subject now: deleted at start
 

@@ -71,6 +71,7 @@ async def ensure_resources(nc: Client, replicas: int = 1) -> None:
         (names.EVALS_KV, dict(history=1)),
         (names.TINKER_KV, dict(history=1)),
         (names.TINKER_FUTURES_KV, dict(history=1, ttl=FUTURE_TTL_S)),  # a future nobody fetched goes
+        (names.TENANTS_KV, dict(history=8)),  # the tenants' quotas, edited live (`jetlora tenants set`)
     ):
         try:
             await js.key_value(bucket)
