@@ -29,6 +29,7 @@ class TenantShare(Struct, kw_only=True):
     borrowed: int  # devices it holds beyond its nominal
     queued: int  # its jobs waiting for a device
     wanted: int  # devices its waiting jobs ask for
+    smallest_wanted: int | None = None  # the fewest devices one of its waiting jobs asks for (None: none waits)
 
 
 class TenantList(Struct, tag="tenants", tag_field="type", kw_only=True):

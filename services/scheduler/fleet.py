@@ -48,6 +48,7 @@ class Fleet:
         self.reserved: dict[SlotKey, str] = {}  # slot -> job the scheduler placed there
         self._free: dict[str, list[tuple[int, str, int]]] = {"cuda": [], "cpu": []}  # sorted (free_mib, node, index)
         self._indexed: dict[SlotKey, tuple[str, tuple[int, str, int]]] = {}
+        self._free_on: dict[str, int] = {}  # node -> its free devices (nodes with none are absent): gangs look here
         self._largest: dict[tuple[str, ...], tuple[str, Device] | None] = {}  # cache; cleared when totals change
         self.busy: dict[SlotKey, float] = {}  # devices whose serving engine was busy lately: the fraction of polls
         self._shapes: dict[str, dict[str, ModelShape]] = {}  # model directory -> node -> its shape there
@@ -57,6 +58,7 @@ class Fleet:
     def _unindex(self, key: SlotKey) -> None:
         entry = self._indexed.pop(key, None)
         if entry:
+            self._count_free(key[0], -1)
             kind, item = entry
             lst = self._free[kind]
             i = bisect.bisect_left(lst, item)
@@ -79,6 +81,14 @@ class Fleet:
         if want and not old:
             bisect.insort(self._free[dev.kind], item)
             self._indexed[key] = (dev.kind, item)
+            self._count_free(node, 1)
+
+    def _count_free(self, node: str, change: int) -> None:
+        count = self._free_on.get(node, 0) + change
+        if count > 0:
+            self._free_on[node] = count
+        else:
+            self._free_on.pop(node, None)
 
     # --- what heartbeats and assignments change ---------------------------------------------------
     def heard(self, hb: Heartbeat, now: float | None = None) -> bool:
@@ -208,7 +218,8 @@ class Fleet:
         """`count` free devices of one node, each with need_mib free (the best-fitting node), or None: a job on
         several devices is placed whole or not at all."""
         kinds, best = self.kinds(accelerator), None
-        for name, _ in self.views(node):
+        names = [node] if node is not None else [n for n, free in self._free_on.items() if free >= count]
+        for name in names:  # only nodes with `count` free devices: a full fleet costs what is free in it
             if name in held and node is None:
                 continue
             fits = self._fitting(name, need_mib, kinds)[:count]
@@ -256,12 +267,17 @@ class Fleet:
         """The node a waiting multi-device job should have kept for it: one with enough devices big enough, and
         the most of them free already; None when no node has them."""
         kinds, best = self.kinds(accelerator), None
-        for name, view in self.nodes.items():
-            if name in held or view.heartbeat.draining:
+        freest = sorted(self._free_on.items(), key=lambda nf: -nf[1])  # the nodes with free devices, most first
+        for name in itertools.chain((n for n, _ in freest), self.nodes):  # then any: the first able one, none free
+            free = self._free_on.get(name, 0)
+            if best is not None and free <= best[0]:
+                break  # no node left can have more of them free
+            view = self.nodes.get(name)
+            if view is None or name in held or view.heartbeat.draining:
                 continue
             able = [d for d in view.devices.values() if d.kind in kinds and d.total_mib >= need_mib]
             if len(able) >= count:
-                ready = len(self._fitting(name, need_mib, kinds))
+                ready = len(self._fitting(name, need_mib, kinds)) if free else 0
                 if best is None or ready > best[0]:
                     best = (ready, name)
         return best[1] if best else None

@@ -70,17 +70,15 @@ class Placer:
         core, placing = self.core, PlacementPass(self)
         started = time.perf_counter()
         try:
-            turns = placing.rounds()
-            for node in core.queue.pinned_nodes(among=core.fleet.nodes):  # unknown nodes' jobs wait, costing nothing
-                for tenant, queue, _ in turns:
-                    if not self._place(placing, queue, tenant, node, started):
-                        return
-            for tenant, queue, within_share in turns:
+            for tenant, queue, within_share in placing.rounds():
                 if not (core.fleet.any_free() or core.groups.by_id):
                     return
                 limit = placing.table.share.get(tenant, 0) if within_share and placing.table else None
-                if not self._place(placing, queue, tenant, None, started, limit):
-                    return
+                # a tenant's jobs pinned to a node take its turn (and its share) as its others do, before them;
+                # unknown nodes' jobs wait, costing nothing
+                for node in [*queue.pinned_nodes(among=core.fleet.nodes), None]:
+                    if not self._place(placing, queue, tenant, node, started, limit):
+                        return
         finally:
             self.stats.passed(time.perf_counter() - started)
 
@@ -119,7 +117,7 @@ class Placer:
             core.wake.set()
         return not cut
 
-    def _keep_for_gang(self, job_id: str, node: str | None, kept: set[str]) -> None:
+    def _keep_for_gang(self, placing: PlacementPass, job_id: str, node: str | None, kept: frozenset[str]) -> None:
         """A multi-device job that does not fit yet has a node kept for it: jobs behind it in the queue are
         placed elsewhere, so devices freeing there one by one add up to its gang instead of going to small jobs
         forever."""
@@ -134,6 +132,7 @@ class Placer:
         )
         if home is not None and home not in core.gang_holds:
             core.gang_holds[home] = job_id
+            placing.kept.changed()
             log.info("node %s is kept for job %s, which needs %d devices there", home, job_id, req.devices)
 
     async def _assign(self, job: Job, need_mib: int | None) -> None:
@@ -224,12 +223,15 @@ class PlacementPass:
             for n, j in core.gang_holds.items()
             if j in core.queue and n in core.fleet.nodes and not core.fleet.nodes[n].heartbeat.draining
         }
+        self.kept = sharing.KeptNodes(core, self.kept_nodes)
         self.needs: dict[str, int | None] = {}  # job -> what its device must have free when it joins a running group
 
-    def kept_from(self, job_id: str, priority: int) -> set[str]:
-        """Nodes kept for a waiting multi-device job this one may not pass (it has no higher priority)."""
-        jobs = self.core.jobs
-        return {n for n, j in self.kept_nodes.items() if j != job_id and jobs[j].stored.request.priority >= priority}
+    def kept_from(self, job: Job) -> frozenset[str]:
+        """Nodes kept for a waiting multi-device job this one may not pass (sharing.KeptNodes: it has no higher
+        priority, and its tenant is not owed the devices)."""
+        tenant = job.stored.tenant
+        share = self.table.share.get(tenant, 0) if self.table is not None else None
+        return self.kept.from_job(job, self.holding.get(tenant, 0), share)
 
     def rounds(self) -> list[tuple[Tenant, JobQueue, bool]]:
         """The queues in the order they take their turns, each with whether it may only reach its fair share in that
@@ -276,7 +278,7 @@ class PlacementPass:
         if job.lock.locked() or job_id in core.unsure or job.placing:  # being written, or read back
             return False
         req, tenant = job.stored.request, job.stored.tenant
-        kept = self.kept_from(job_id, req.priority)
+        kept = self.kept_from(job)
         if node is not None and node in kept:
             return False
         joined = grouping.find_group(core.groups, core.cfg, req, tenant, kept, job.status.train_alone)
@@ -290,14 +292,15 @@ class PlacementPass:
         else:
             slots = core.fleet.find_gang(req.gpu_mib, req.accelerator, req.devices, node, kept)
             if slots is None:
-                self.placer._keep_for_gang(job_id, node, kept)
+                self.placer._keep_for_gang(self, job_id, node, kept)
         if not slots:
             return False
         # held while the assignment is written, so no other pass takes them; a job others of its kind wait with
         # starts a co-training group there, which they join
         core.hold_for(job, slots, grouping.new_group_id() if self.founds_group(job) else None)
         self.needs[job_id] = None
-        self.kept_nodes.pop(next((n for n, j in self.kept_nodes.items() if j == job_id), ""), None)
+        if self.kept_nodes.pop(next((n for n, j in self.kept_nodes.items() if j == job_id), ""), None):
+            self.kept.changed()
         self.holding[tenant] = self.holding.get(tenant, 0) + len(slots)
         return True
 

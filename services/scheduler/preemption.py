@@ -28,6 +28,7 @@ from services.aio import sleep_unless_stopped
 from services.scheduler import grouping, sharing
 from services.scheduler.core import Job, SchedulerCore
 from services.scheduler.pausing import PREEMPTED, Pausing
+from services.scheduler.share_watch import ShareWatch
 from services.scheduler.sharing import ShareTable
 from services.scheduler.tenancy import Tenant
 from services.scheduler.victims import Plan, VictimSearch
@@ -62,9 +63,24 @@ class Cursors:
                 kept.append(job)
                 yield job
 
-    def own(self, tenant: Tenant, below: int) -> Iterator[str]:
-        """The tenant's own running jobs of a priority below `below` (afresh: a swap is rare)."""
+    def own(self, tenant: Tenant, below: int, node: str | None = None) -> Iterator[str]:
+        """The tenant's own running jobs of a priority below `below` (on `node` alone, when given), afresh: a swap
+        is rare."""
+        if node is not None:
+            return self.on_node(tenant, node, below)
         return self.core.book.running.of(tenant, below=below, settled=self.settled, scan=SETTLING)
+
+    def on_node(self, tenant: Tenant, node: str, below: int | None = None) -> Iterator[str]:
+        """The tenant's running jobs on one node (of a priority below `below`, when given), in preemption's order:
+        for a job pinned there, as many as the node's devices hold, never the tenant's whole list."""
+        running = self.core.book.running.jobs
+        here = [
+            j
+            for j in self.core.by_node.get(node, ())
+            if (e := running.get(j)) is not None and e.tenant == tenant and (below is None or e.priority < below)
+        ]
+        here.sort(key=lambda j: (running[j].priority, -running[j].anchor))
+        return iter(here)
 
 
 @dataclass
@@ -86,6 +102,7 @@ class Preemption:
         self.in_flight: dict[str, InFlight] = {}  # victim -> why it is being paused
         self.awaited: Counter[str] = Counter()  # waiting job -> its victims being paused
         self.stats: Counter[str] = Counter()
+        self.watch = ShareWatch(core)  # whether the shares hold: how long a tenant below its share waits
 
     async def run(self, lost: asyncio.Event, stop: asyncio.Event) -> None:
         core, more = self.core, False
@@ -93,6 +110,8 @@ class Preemption:
             if await sleep_unless_stopped(stop, AGAIN_S if more else CHECK_S):
                 return
             more = core.cfg.sharing == "fair" and len(core.queue) > 0 and core.may_act() and self.check()
+            if not core.queue and self.watch.waiting:  # nothing waits: no tenant waits below its share
+                self.watch.settled()
 
     def check(self) -> bool:
         """One look at the waiting tenants: victims chosen and their pauses sent (in tasks of their own); True when
@@ -101,6 +120,7 @@ class Preemption:
         self.stats["checks"] += 1
         self._prune()
         table = sharing.shares(core)
+        self.watch.observe(table)
         held = dict(table.held)  # as it will be once the pauses under way land
         for f in self.in_flight.values():
             held[f.frm] = held.get(f.frm, 0) - f.devices
@@ -111,19 +131,36 @@ class Preemption:
         for tenant in sorted(waiting, key=lambda t: held.get(t, 0) / max(table.share.get(t, 0), 1e-9)):
             if not (self._own(tenant) or self._over(tenant, table, held)):
                 continue  # nobody it could take a device from
+            if self._look(tenant, table, held, cursors, started):
+                return True
+        return False
+
+    def _look(self, tenant: Tenant, table: ShareTable, held: dict[Tenant, int], cursors: Cursors, started) -> bool:
+        """Victims for the tenant's waiting jobs, best first: those any node may take, then those pinned to a known
+        node. A job it could not be given (one that wants more than the tenant is owed, one no victim frees room
+        for) is passed over: the jobs behind it are looked at too, up to MISSES of each kind in a row. True when
+        the check ran out of its time."""
+        core = self.core
+        queue = core.queue.of(tenant)
+        if queue is None:
+            return False
+        for nodes in ([None], queue.pinned_nodes(among=core.fleet.nodes)):
             misses = 0
-            with contextlib.closing(core.queue.of(tenant).peek()) as heads:  # type: ignore[union-attr]
-                for job_id in heads:
-                    if time.perf_counter() - started > BUDGET_S:
-                        return True
-                    job = core.jobs[job_id]
-                    if misses >= MISSES or not self._wants(job, table, held):
-                        break
-                    plan = self._plan(job, table, held, cursors)
-                    if plan is None:
-                        misses += 1
-                    else:
-                        self._preempt(plan, table, held)
+            for node in nodes:
+                with contextlib.closing(queue.peek(node)) as heads:
+                    for job_id in heads:
+                        if time.perf_counter() - started > BUDGET_S:
+                            return True
+                        if misses >= MISSES or not (self._own(tenant) or self._owed(tenant, 1, table, held)):
+                            break  # enough misses; or the tenant is owed nothing more (and swaps nothing)
+                        job = core.jobs[job_id]
+                        plan = self._plan(job, table, held, cursors) if self._wants(job, table, held) else None
+                        if plan is None:
+                            misses += 1
+                        else:
+                            self._preempt(plan, table, held)
+                if misses >= MISSES:
+                    break
         return False
 
     def _prune(self) -> None:
@@ -141,9 +178,8 @@ class Preemption:
                 del self.awaited[f.waiting]
 
     def _wants(self, job: Job, table: ShareTable, held: dict[Tenant, int]) -> bool:
-        """Whether the tenant's job may take a device by preemption at all: owed one (below its share, within what it
-        may hold), or allowed to preempt its tenant's own lower ones (a swap); False stops looking at the tenant's
-        later jobs."""
+        """Whether the tenant's job may take a device by preemption at all: owed what it asks for (below its share,
+        within what it may hold), or allowed to preempt its tenant's own lower ones (a swap)."""
         tenant = job.stored.tenant
         return self._owed(tenant, job.stored.request.devices, table, held) or self._own(tenant)
 
@@ -160,19 +196,24 @@ class Preemption:
 
     def _plan(self, job: Job, table: ShareTable, held: dict[Tenant, int], cursors: Cursors) -> Plan | None:
         core, req, tenant = self.core, job.stored.request, job.stored.tenant
-        if job.lock.locked() or job.placing or job.id in core.unsure or self._fits_now(job):
+        kept = sharing.KeptNodes(core, core.gang_holds).from_job(job, held.get(tenant, 0), table.share.get(tenant, 0))
+        if job.lock.locked() or job.placing or job.id in core.unsure or self._fits_now(job, kept):
             return None  # being written, or the next placement pass places it
         now = time.monotonic()
-        search = VictimSearch(core, job, lambda v: self._eligible(v, now))
+        search = VictimSearch(core, job, lambda v: self._eligible(v, now), kept)
         if self._owed(tenant, req.devices, table, held):  # devices in flight to it count: never more than owed
+
+            def over_share(t: Tenant, n: int) -> bool:  # t is over its share, and giving up n leaves it at it at least
+                share = table.share.get(t, 0)
+                return t != tenant and held.get(t, 0) > share and held.get(t, 0) - n >= share
+
             for victim in self._over(tenant, table, held):
-                plan = search.first(
-                    cursors.of(victim), lambda t, n: t != tenant and held.get(t, 0) - n >= table.share.get(t, 0)
-                )
+                candidates = cursors.on_node(victim, req.node) if req.node is not None else cursors.of(victim)
+                plan = search.first(candidates, over_share)
                 if plan is not None:
                     return plan
         if self._own(tenant) and not self.awaited[job.id]:  # a swap: the job's own victims under way suffice
-            return search.first(cursors.own(tenant, req.priority), lambda t, n: t == tenant)
+            return search.first(cursors.own(tenant, req.priority, req.node), lambda t, n: t == tenant)
         return None
 
     def _over(self, tenant: Tenant, table: ShareTable, held: dict[Tenant, int]) -> list[Tenant]:
@@ -190,14 +231,17 @@ class Preemption:
 
         return sorted(over, key=order)
 
-    def _fits_now(self, job: Job) -> bool:
+    def _fits_now(self, job: Job, kept: frozenset[str]) -> bool:
+        """Whether the next placement pass could place the job as things stand (nodes kept from it left out)."""
         core, req = self.core, job.stored.request
+        if req.node is not None and req.node in kept:
+            return False
         if req.devices > 1:
-            return core.fleet.find_gang(req.gpu_mib, req.accelerator, req.devices, req.node) is not None
-        if core.fleet.find(req.gpu_mib, req.accelerator, req.node) is not None:
+            return core.fleet.find_gang(req.gpu_mib, req.accelerator, req.devices, req.node, kept) is not None
+        if core.fleet.find(req.gpu_mib, req.accelerator, req.node, kept) is not None:
             return True
         return (
-            grouping.find_group(core.groups, core.cfg, req, job.stored.tenant, (), job.status.train_alone) is not None
+            grouping.find_group(core.groups, core.cfg, req, job.stored.tenant, kept, job.status.train_alone) is not None
         )
 
     def _eligible(self, v: Job | None, now: float) -> bool:

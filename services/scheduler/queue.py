@@ -44,10 +44,11 @@ class JobQueue:
             return [n for n in among if self._pinned.get(n)]
         return [n for n, h in self._pinned.items() if h and n in among]
 
-    def peek(self) -> Generator[str, None, None]:
-        """The queued jobs not pinned to a node, best first, popped only as far as the caller reads (each keeps its
-        place: close the generator, as contextlib.closing does, to put them back)."""
-        heap, popped = self._any, []
+    def peek(self, node: str | None = None) -> Generator[str, None, None]:
+        """The queued jobs not pinned to a node (those pinned to `node`, when given), best first, popped only as far
+        as the caller reads (each keeps its place: close the generator, as contextlib.closing does, to put them
+        back)."""
+        heap, popped = (self._pinned.get(node, []) if node else self._any), []
         try:
             while heap:
                 entry = heapq.heappop(heap)

@@ -8,10 +8,11 @@ the rest."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from schemas.tenants import TenantList, TenantShare
-from services.scheduler.core import SchedulerCore
+from services.scheduler.core import Job, SchedulerCore
 from services.scheduler.shares import Claim, fair_shares
 from services.scheduler.tenancy import Tenant
 
@@ -70,6 +71,47 @@ def shares(core: SchedulerCore, extra: tuple[Tenant, ...] = ()) -> ShareTable:
     return ShareTable(core.fleet.device_count, share, held, claims)
 
 
+class KeptNodes:
+    """The nodes kept for waiting multi-device jobs (node -> that job: the core's gang_holds), and those of them a
+    job may not take a device on: each kept for another job of no lower priority, unless the job's tenant is owed
+    the devices it asks for (holding them too stays within its fair share) and the gang is another tenant's. A node
+    kept for a gang so never keeps a tenant below its share from a device; a gang's own tenant's smaller jobs still
+    pass it by (fifo sharing, share None: kept from every job of no higher priority). Worked out once per kind of job
+    (owed or not, its tenant when owed, its priority) until the kept nodes change (`changed`)."""
+
+    def __init__(self, core: SchedulerCore, kept: Mapping[str, str]) -> None:
+        self.core, self.kept = core, kept
+        self._of: dict[tuple[bool, Tenant, int], frozenset[str]] = {}
+
+    def changed(self) -> None:
+        """A node was kept, or let go: what each kind of job may not take is worked out afresh."""
+        self._of.clear()
+
+    def from_job(self, job: Job, holding: int, share: int | None) -> frozenset[str]:
+        """The kept nodes `job` may not take a device on (its own, when it is a gang with one, excepted)."""
+        if not self.kept:
+            return frozenset()
+        tenant, req = job.stored.tenant, job.stored.request
+        owed = share is not None and holding + req.devices <= share
+        key = (owed, tenant if owed else None, req.priority)
+        nodes = self._of.get(key)
+        if nodes is None:
+            nodes = self._of[key] = frozenset(self._kept_from(owed, tenant, req.priority))
+        if req.devices > 1 and job.id in self.kept.values():
+            nodes = frozenset(n for n in nodes if self.kept[n] != job.id)
+        return nodes
+
+    def _kept_from(self, owed: bool, tenant: Tenant, priority: int):
+        jobs = self.core.jobs
+        for node, gang_id in self.kept.items():
+            gang = jobs.get(gang_id)
+            if gang is None or gang.stored.request.priority < priority:
+                continue
+            if owed and gang.stored.tenant != tenant:
+                continue
+            yield node
+
+
 def tenant_list(core: SchedulerCore, tenant: str | None) -> TenantList:
     """`jetlora tenants`: every tenant with jobs or a quota (an admin), or the asking tenant's own row."""
     cfg = core.cfg
@@ -92,6 +134,7 @@ def tenant_list(core: SchedulerCore, tenant: str | None) -> TenantList:
                 borrowed=max(0, table.held.get(t, 0) - nominal),
                 queued=core.book.queued[t],
                 wanted=core.book.wanted[t],
+                smallest_wanted=core.book.smallest(t),
             )
         )
     return TenantList(sharing=cfg.sharing, admin_class=cfg.admin_class, devices=table.capacity, tenants=rows)

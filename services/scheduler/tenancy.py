@@ -27,6 +27,7 @@ class TenantBook:
     def __init__(self) -> None:
         self.queued: Counter[Tenant] = Counter()  # jobs waiting for a device
         self.wanted: Counter[Tenant] = Counter()  # devices the waiting jobs ask for
+        self.sizes: dict[Tenant, Counter[int]] = {}  # its waiting jobs by the devices each asks for
         self.devices: Counter[Tenant] = Counter()  # distinct devices its active jobs hold
         self.slots: Counter[tuple[Tenant, Any]] = Counter()  # (tenant, slot) -> its jobs there
         self.groupable: Counter[FounderKey] = Counter()  # queued jobs that could start a group together, by kind
@@ -40,6 +41,10 @@ class TenantBook:
         if status.state == "queued":
             self.queued[tenant] += sign
             self.wanted[tenant] += sign * devices
+            sizes = self.sizes.setdefault(tenant, Counter())
+            sizes[devices] += sign
+            if sizes[devices] <= 0:
+                del sizes[devices]
             if founder is not None and not status.train_alone:
                 self.groupable[founder] += sign
                 if self.groupable[founder] <= 0:
@@ -53,6 +58,11 @@ class TenantBook:
                     self.devices[tenant] += sign
                 if self.slots[key] <= 0:
                     del self.slots[key]
+
+    def smallest(self, tenant: Tenant) -> int | None:
+        """The fewest devices one of the tenant's waiting jobs asks for (None: none waits)."""
+        sizes = self.sizes.get(tenant)
+        return min(sizes) if sizes else None
 
     def tenants(self) -> set[Tenant]:
         """Tenants with jobs waiting or devices held."""

@@ -146,20 +146,34 @@ class WaitingReasons:
             req.node,
             req.quantization,
             job.id if req.devices > 1 else None,
+            tenant,  # a node kept for a gang is not kept from a tenant below its share (sharing.KeptNodes)
+            req.priority,
         )
         if shape not in self._reasons:  # a multi-device job's own kept node is not a reason for it to wait
-            kept = {n: j for n, j in core.gang_holds.items() if j != job.id}
-            self._reasons[shape] = explain(core.fleet, req, kept)[0]
+            self._reasons[shape] = explain(core.fleet, req, self._kept_from(job))[0]
         return self._reasons[shape] + self.share_note(tenant)
+
+    def _kept_from(self, job: Job) -> dict[str, str]:
+        """The nodes kept for a multi-device job that this job may not take (node -> that job)."""
+        core, tenant = self.core, job.stored.tenant
+        if not core.gang_holds:
+            return {}
+        share = self.table().share.get(tenant, 0) if core.cfg.sharing == "fair" else None
+        nodes = sharing.KeptNodes(core, core.gang_holds).from_job(job, core.devices_by_tenant[tenant], share)
+        return {n: core.gang_holds[n] for n in nodes}
+
+    def table(self) -> ShareTable:
+        """The shares, worked out once per question."""
+        if self._table is None:
+            self._table = sharing.shares(self.core)
+        return self._table
 
     def share_note(self, tenant: str | None) -> str:
         """Under fair sharing, where the tenant stands against its share (once per question)."""
         core = self.core
         if core.cfg.sharing != "fair" or (tenant is None and core.cfg.admins_above):
             return ""
-        if self._table is None:
-            self._table = sharing.shares(core)
-        held, share = self._table.held.get(tenant, 0), self._table.share.get(tenant, 0)
+        held, share = self.table().held.get(tenant, 0), self.table().share.get(tenant, 0)
         who = f"tenant {tenant}" if tenant is not None else "admins"
         if held < share:
             return f"; {who} holds {held} of its fair share of {share} devices: it goes first, and takes devices back from tenants over theirs"
