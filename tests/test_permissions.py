@@ -14,6 +14,7 @@ import pytest
 
 from schemas import names
 from schemas.jobs import Accepted, ActiveState, JobQuery, JobReply
+from schemas.tenants import TenantRecord, tenant_key
 from services.cli.permissions import authorization_block, env_var, roles
 from services import bus
 from services.artifacts.service import ArtifactService
@@ -177,8 +178,9 @@ async def test_what_each_role_must_not_do(secured):
         await acme.nc.request(names.jobs_api("acme").submit, b"{}", timeout=1)
     for foreign in (names.jobs_api("globex").jobs, names.LIST_JOBS, names.SUBMIT):  # another's, the admin's
         await acme.nc.publish(foreign, b"{}")
+    await acme.nc.publish(f"{names.kv(names.TENANTS_KV).prefix}tenant.acme", b"{}")  # its own quota: an admin's
     await acme.nc.flush()
-    await wait_for(lambda: len(acme.violations) >= 3, what="the server to refuse all three")
+    await wait_for(lambda: len(acme.violations) >= 4, what="the server to refuse all four")
     for c in (sched, agent, submitter, dashboard, acme):
         await c.nc.close()
 
@@ -199,6 +201,8 @@ async def test_the_gateway_works_as_its_keys_tenants_under_the_deploy_permission
     tasks.append(asyncio.create_task(RegistryService(sched_c.nc).run(stop)))  # beside the scheduler, as it runs
     key, record = new_key("acme")
     await (await KeyStore.open(op.nc.jetstream())).put(record)  # `jetlora keys create`, as the operator
+    quotas = await op.nc.jetstream().key_value(names.TENANTS_KV)  # `jetlora tenants set acme --weight 2`, as it
+    await quotas.put(tenant_key("acme"), msgspec.json.encode(TenantRecord(weight=2)))
     gateway = Gateway(gw.nc, {"tiny": BaseModel("tiny", "/models/tiny")}, port=0)
     try:
         await asyncio.wait_for(sched.leading.wait(), 10)
@@ -216,6 +220,8 @@ async def test_the_gateway_works_as_its_keys_tenants_under_the_deploy_permission
             await client.models.delete("ft-tiny-none")
         await gw.nc.request(names.ADAPTERS.retire, b"{}", timeout=5)  # what DELETE /v1/models/{id} asks
         assert gw.violations == []
+        await wait_for(lambda: "acme" in sched.cfg.quotas, what="the scheduler to follow the operator's quota")
+        assert sched.cfg.quotas["acme"].weight == 2 and op.violations == [] and sched_c.violations == []
         await gw.nc.publish(names.SUBMIT, b"{}")  # the gateway itself may not act as an admin
         await gw.nc.flush()
         await wait_for(lambda: bool(gw.violations), what="the server to refuse the admin's submit")

@@ -64,7 +64,9 @@ def roles(nodes: list[str], tenants: Sequence[str] = ()) -> dict[str, dict]:
 
 def _service_users() -> dict[str, dict]:
     scheduler_publishes = [names.node("*").assign, names.node("*").control, names.JS_API_ALL]
-    scheduler_publishes += [names.kv(kv).subjects for kv in (names.JOBS_KV, names.LEASE_KV, names.IDEMPOTENCY_KV)]
+    scheduler_publishes += [
+        names.kv(kv).subjects for kv in (names.JOBS_KV, names.LEASE_KV, names.IDEMPOTENCY_KV, names.TENANTS_KV)
+    ]  # the tenants bucket: seeded from its --quota flags at its first start
     scheduler_publishes += [ADAPTERS.subjects, names.js_acks(JOBS), *names.JOB_INDEX_SUBJECTS]
     scheduler_publishes += [names.ARTIFACTS_DELETE, names.SERVICE_DISCOVERY_ALL]
     scheduler_publishes += [names.ADAPTERS.references]  # retention asks the registry what its versions reference
@@ -129,6 +131,8 @@ def _people() -> dict[str, dict]:
         names.objects(names.ARTIFACTS_BUCKET).subjects,
     ]
     operates += [names.kv(names.KEYS_KV).subjects] + _read_stream(names.kv(names.KEYS_KV).stream)  # the gateway's keys
+    tenants = names.kv(names.TENANTS_KV)  # the tenants' quotas: `jetlora tenants set|rm` writes them
+    operates += [tenants.subjects] + _read_stream(tenants.stream)
     shown = [names.LIST_JOBS, names.LIST_NODES, names.ARTIFACTS_LIST, names.ADAPTERS.list, names.TENANTS]
     return {
         "submitter": {

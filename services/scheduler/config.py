@@ -7,21 +7,18 @@ from dataclasses import dataclass, field
 
 from schemas.co_train import CoTrainPolicy
 from schemas.jobs import PRIORITY_MAX, PRIORITY_MIN, StoredRequest
-from schemas.tenants import AdminClass, Sharing
+from schemas.tenants import QUEUED_DEFAULT, WEIGHT_MAX, AdminClass, Sharing, TenantRecord, record_errors
 from schemas.validate import FieldError
 
-
-QUEUED_DEFAULT = 10_000  # a tenant's waiting jobs unless its quota says otherwise: what one tenant can make the
-# scheduler hold is bounded (an admin's are not)
-
-
-WEIGHT_MAX = 1000.0
+__all__ = ["QUEUED_DEFAULT", "WEIGHT_MAX", "SchedulerConfig", "TenantQuota"]
+QUOTA_FORM = "queued:N,devices:M,priority:P,weight:W,borrow:B,preempt:own"
 
 
 @dataclass(frozen=True)
 class TenantQuota:
     """What one tenant may hold at once (None: no limit), its weight in the fleet's sharing, and the highest
-    priority its jobs may ask for.
+    priority its jobs may ask for: a tenant's record in the tenants bucket (schemas/tenants.TenantRecord), as the
+    scheduler applies it.
 
     Under --sharing fifo, `devices` caps the devices its running jobs hold. Under fair (the default) `devices` is
     its nominal share, guaranteed while it wants them, and `borrow` what it may hold beyond it (None: as many as
@@ -44,27 +41,47 @@ class TenantQuota:
         limits: dict = {}
         for part in filter(None, text.split(",")):
             key, _, value = part.partition(":")
-            if key == "priority":
-                ok = value.removeprefix("-").isdigit() and PRIORITY_MIN <= int(value) <= PRIORITY_MAX
-            elif key == "weight":
-                ok = _number(value) is not None and 0 < float(value) <= WEIGHT_MAX
-            elif key == "preempt":
-                ok = value in ("own", "none")
-            else:
-                ok = key in ("queued", "devices", "borrow") and value.isdigit()
-            if not ok:
-                raise ValueError(
-                    f"quota {text!r}: write queued:N,devices:M,priority:P,weight:W,borrow:B,preempt:own (N, M, B >= 0; "
-                    f"P from {PRIORITY_MIN} to {PRIORITY_MAX}; W a number above 0, at most {WEIGHT_MAX:g}; preempt "
-                    "own or none)"
-                )
+            ok = key in ("queued", "devices", "borrow", "priority", "weight", "preempt")
             if key == "weight":
-                limits[key] = float(value)
+                ok = _number(value) is not None
+                limits[key] = _number(value)
             elif key == "preempt":
-                limits["preempt_own"] = value == "own"
-            else:
-                limits[key] = int(value)
-        return cls(**limits)
+                limits[key] = value
+            elif ok:
+                ok = value.removeprefix("-").isdigit()
+                limits[key] = int(value) if ok else value
+            if not ok:
+                raise ValueError(_form_error(text))
+        try:
+            record = TenantRecord(**limits)
+        except TypeError:
+            raise ValueError(_form_error(text)) from None
+        if record_errors(record):
+            raise ValueError(_form_error(text))
+        return cls.of(record)
+
+    @classmethod
+    def of(cls, record: TenantRecord) -> "TenantQuota":
+        """The quota a stored record gives (checked with schemas.tenants.record_errors first)."""
+        return cls(
+            queued=record.queued,
+            devices=record.devices,
+            priority=record.priority,
+            weight=float(record.weight),
+            borrow=record.borrow,
+            preempt_own=record.preempt == "own",
+        )
+
+    def record(self) -> TenantRecord:
+        """The quota as the tenants bucket stores it."""
+        return TenantRecord(
+            weight=self.weight,
+            devices=self.devices,
+            borrow=self.borrow,
+            preempt="own" if self.preempt_own else "none",
+            queued=self.queued,
+            priority=self.priority,
+        )
 
     @property
     def nominal(self) -> int:
@@ -85,9 +102,16 @@ class TenantQuota:
             FieldError(
                 "priority",
                 f"tenant {tenant} may give its jobs a priority of at most {self.priority} (its ceiling); ask for "
-                f"{self.priority} or less, or ask an admin to raise the ceiling (--quota {tenant}=priority:P)",
+                f"{self.priority} or less, or ask an admin to raise the ceiling (`jetlora tenants set {tenant} --priority P`)",
             )
         ]
+
+
+def _form_error(text: str) -> str:
+    return (
+        f"quota {text!r}: write {QUOTA_FORM} (N, M, B >= 0; P from {PRIORITY_MIN} to {PRIORITY_MAX}; W a number above "
+        f"0, at most {WEIGHT_MAX:g}; preempt own or none)"
+    )
 
 
 def _number(text: str) -> float | None:

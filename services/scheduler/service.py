@@ -31,6 +31,7 @@ from services.scheduler.preemption import Preemption
 from services.scheduler.reconcile import Reconcile
 from services.scheduler.retention import Retention
 from services.scheduler.store import JobStore
+from services.scheduler.tenant_store import TenantStore
 
 log = logging.getLogger(__name__)
 RETRY_LEAD_S = 1.0  # after a failed start as leader (NATS away, the bucket unreadable)
@@ -59,6 +60,7 @@ class Scheduler:
         self.liveness = Liveness(core, self.pausing)
         self.retention = Retention(core)
         self.reconcile = Reconcile(core)
+        self.tenants = TenantStore(self.js, self.cfg, changed=lambda: core.wake.set())  # the quotas, edited live
         self.holder = holder or f"scheduler-{uuid.uuid4().hex[:8]}"
         self.leading = asyncio.Event()
         self.renewals = RenewalStats()
@@ -69,11 +71,14 @@ class Scheduler:
         core.store = JobStore(self.js, await self.js.key_value(names.JOBS_KV), await self._idempotency_bucket(), writer)
         core.index = JobIndex(self.nc, writer)
         await core.store.prepare_bucket()
+        await self.tenants.seed()
         self.api = SchedulerApi(core, self.pausing, IdempotencyKeys(core.store, self.cfg.idempotency_window_s))
         lease = Lease(await self.js.key_value(names.LEASE_KV), self.holder)
+        tenants = asyncio.create_task(self.tenants.run(stop))
         try:
             await self._stand_by_and_lead(lease, stop)
         finally:
+            await cancel_and_wait([tenants])
             await writer.close()
 
     async def _stand_by_and_lead(self, lease: Lease, stop: asyncio.Event) -> None:
@@ -131,6 +136,7 @@ class Scheduler:
                 await core.record_end(job)
 
     async def _lead(self, lease: Lease, stop: asyncio.Event) -> None:
+        await self.tenants.ready()  # the tenants' quotas as the bucket holds them, before any placement
         await self._recover()
         lost = self.core.lost
         subs = [
