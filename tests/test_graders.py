@@ -401,10 +401,14 @@ def test_where_the_sandbox_cannot_isolate_python_graders_need_the_operator_to_tu
     from services.graders.blocking import run
     from services.graders.sandbox import SandboxStatus, _call_deadline, _session, refusal
 
-    elsewhere = SandboxStatus(False, "no namespaces on this machine")
+    elsewhere = SandboxStatus(False, "no namespaces on this machine", unisolated="a cgroup of its own")
     refused = refusal(CTX, elsewhere)
     assert "no namespaces on this machine" in refused and "--python-graders on" in refused
-    assert refusal(GraderContext(python_graders="on"), elsewhere) == ""
+    shared = refusal(GraderContext(python_graders="on"), elsewhere)  # a node shared by tenants: never unisolated
+    assert "no namespaces on this machine" in shared and "--single-tenant" in shared
+    assert refusal(GraderContext(python_graders="on", single_tenant=True), elsewhere) == ""
+    nowhere = SandboxStatus(False, "no namespaces on this machine")  # nothing could end what a grader leaves
+    assert "cannot run on this machine" in refusal(GraderContext(python_graders="on", single_tenant=True), nowhere)
     source = "import os\ndef grade(sample, item):\n    return float(len(os.environ))\n"
     case = [(0, {"output_text": "x"}, {})]
     unisolated = run(_session(source, case, CTX, False, _call_deadline(CTX, 1, None)))  # what "on" runs there

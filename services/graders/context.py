@@ -13,8 +13,9 @@ PythonGraders = Literal["auto", "on", "off"]
 class GraderContext:
     """What the operator allows here. `python_graders`: "auto" runs them only where the sandbox isolates fully
     (services/graders/sandbox.py), "on" also where it cannot (the operator accepts what is missing), "off" never.
-    The limits hold per sample (cpu_s, wall_s), per sandbox process (memory_mib, max_processes) or, where a caller
-    asks for it (the gateway's graders endpoints), per request (request_sandbox_s)."""
+    The limits hold per sample (cpu_s, wall_s), per sandbox (memory_mib, max_processes and cpus for all of its
+    processes together; memory_mib also for each one) or, where a caller asks for it (the gateway's graders
+    endpoints), per request (request_sandbox_s)."""
 
     judge_url: str | None = None  # an OpenAI-compatible engine (…/v1/chat/completions); None: model graders refused
     judge_api_key: str | None = None
@@ -26,10 +27,12 @@ class GraderContext:
     wall_s: float = 20.0
     memory_mib: int = 512
     max_processes: int = 8
+    cpus: float = 1.0  # the CPU time a sandbox's processes together get per wall-clock second (its cgroup's quota)
     request_sandbox_s: float = 60.0  # the most sandbox time one request's python graders may take, load and run
     tenant_calls: int = 4  # grader calls (validate, run) one tenant has running at a time on one gateway
     tenant_waiting: int = 16  # and waiting their turn; more are refused (429)
     scratch_dir: str | None = None  # where each sandbox gets a fresh directory; None: the system's temp dir
+    single_tenant: bool = False  # the operator says this node serves one tenant: only then may "on" run unisolated
     command: str = "jetlora gateway"  # whose flags set this context: refusals name them
 
     def scratch(self) -> str:

@@ -1,16 +1,25 @@
-"""How a sandbox process is started: the command line that isolates it, and what this machine allows.
+"""How a sandbox process is started: the command lines that isolate it or, less, contain it, and what this machine
+allows.
 
-Isolated (Linux, the service running as root, util-linux's unshare/setpriv/prlimit present): new network, mount,
-pid, IPC and UTS namespaces; inside, a read-only tmpfs root holding only /usr, the library directories, the
-Python installation, /etc/ld.so.cache, /dev/{null,zero,random,urandom}, a /proc of its own pid namespace and a
-SCRATCH_MIB tmpfs as /sandbox (its working directory, the runner copied in); chroot into it (exec'd: the runner
-becomes the pid namespace's first process, which nothing inside can signal and whose exit ends every process
-there), then an empty environment, then a uid and gid of its own (no groups, no_new_privs, so no capabilities and
-no setuid), then rlimits, then `python -I -S`. Anywhere else only the unisolated fallback is
-possible, which an operator must turn on (python_graders="on")."""
+Isolated (Linux with util-linux's unshare/setpriv/prlimit): new network, mount, pid, IPC and UTS namespaces; inside,
+a read-only tmpfs root holding only /usr, the library directories, the Python installation, /etc/ld.so.cache,
+/dev/{null,zero,random,urandom}, a /proc of its own pid namespace and a SCRATCH_MIB tmpfs as /sandbox (its working
+directory, the runner copied in); chroot into it (exec'd: the runner becomes the pid namespace's first process,
+which nothing inside can signal and whose exit ends every process there), then an empty environment, then no
+privilege: as root, a uid and gid of its own (no groups); as any other user, in a user namespace of its own (its
+root mapped to the service's uid), every capability dropped from every set; no_new_privs either way, so no setuid;
+then rlimits, then `python -I -S`. Every sandbox command first joins its cgroup (cgroups.py): the shell that starts
+it writes its own pid there before it execs anything else.
+
+Unisolated, which an operator must turn on (python_graders="on") where isolation fails: the service's own user, its
+files and network, but in a pid namespace with a /proc of its own where one can be made (so it sees no process of
+the service's and none of its processes outlives the sandbox's first), else held by its cgroup alone, the service
+then made non-dumpable so that its /proc files are closed to a process of its uid."""
 
 from __future__ import annotations
 
+import ctypes
+import functools
 import os
 import random
 import shutil
@@ -44,12 +53,17 @@ done
 if [ -f /etc/ld.so.cache ]; then touch "$R/etc/ld.so.cache"; mount --bind -o ro /etc/ld.so.cache "$R/etc/ld.so.cache"; fi
 for n in null zero random urandom; do touch "$R/dev/$n"; mount --bind "/dev/$n" "$R/dev/$n"; done
 mount -t tmpfs -o "size=${SCRATCH_MIB}m,mode=700,uid=$U,gid=$U,nosuid,nodev" jetlora-scratch "$R/sandbox"
-cp "$H/runner.py" "$R/sandbox/runner.py"
+cp "$H/runner.py" "$H/worker.py" "$H/syscalls.py" "$R/sandbox/"
 mount -t proc -o nosuid,nodev,noexec proc "$R/proc"
 mount -o remount,ro,bind "$R"
 exec chroot "$R" "$@"
 """
     % SCRATCH_MIB
+)
+
+JOIN_SH = (  # the shell's own PWD is not passed on: the sandbox's environment stays empty
+    'n="$1"; shift; while [ "$n" -gt 0 ]; do echo $$ > "$1" || exit 125; shift; n=$((n - 1)); done; '
+    'unset PWD OLDPWD; exec "$@"'
 )
 
 _taken: set[int] = set()
@@ -70,14 +84,22 @@ def tools() -> dict[str, str] | None:
 
 
 def why_not_isolated() -> str:
-    """Why this machine cannot isolate a sandbox as described above; "" where it can (the probe then decides)."""
+    """Why this machine cannot isolate a sandbox as described above; "" where it may (the probe then decides)."""
     if not sys.platform.startswith("linux"):
         return f"namespaces are Linux's; this is {sys.platform}"
     if tools() is None:
         return "util-linux's unshare, setpriv and prlimit are not all installed"
-    if os.geteuid() != 0:
-        return "the service does not run as root, so a grader cannot be given a uid of its own or a root of its own"
     return ""
+
+
+def as_root() -> bool:
+    """Whether sandboxes are made by root (a uid of their own) rather than in a user namespace."""
+    return os.geteuid() == 0
+
+
+def joined(procs_files: list[str], command: list[str]) -> list[str]:
+    """`command`, started by a shell that first joins the cgroup (writes its pid into each of `procs_files`)."""
+    return ["/bin/sh", "-c", JOIN_SH, "join", str(len(procs_files)), *procs_files, *command]
 
 
 def take_uid() -> int:
@@ -120,46 +142,63 @@ def limits_prefix(prlimit: str, ctx: GraderContext, cases: int, nproc: bool) -> 
     return [*args, "--"]
 
 
-def isolated_command(root: str, home: str, uid: int, ctx: GraderContext, cases: int) -> list[str]:
-    """The full command: namespaces, the chroot built by SETUP_SH, the uid, the limits, the runner."""
+def _unprivileged(setpriv: str) -> list[str]:
+    """setpriv's arguments for a process that is root in a user namespace of its own: no capability left in any
+    set (so none comes back at exec), no_new_privs."""
+    return [setpriv, "--inh-caps=-all", "--ambient-caps=-all", "--bounding-set=-all", "--no-new-privs", "--"]
+
+
+def isolated_command(root: str, home: str, uid: int | None, ctx: GraderContext, cases: int) -> list[str]:
+    """The full command: namespaces, the chroot built by SETUP_SH, the uid (`uid`, as root) or a user namespace
+    with no capability (None), the limits, the runner."""
     t = tools() or {}
     binds = _binds()
+    if uid is not None:
+        who = [t["setpriv"], f"--reuid={uid}", f"--regid={uid}", "--clear-groups", "--no-new-privs", "--"]
+        user = []
+    else:
+        who, user = _unprivileged(t["setpriv"]), ["--user", "--map-root-user"]
     inner = [
         t["env"],
         "-i",  # nothing of the shell's (PWD) either
-        t["setpriv"],
-        f"--reuid={uid}",
-        f"--regid={uid}",
-        "--clear-groups",
-        "--no-new-privs",
-        "--",
-        *limits_prefix(t["prlimit"], ctx, cases, nproc=True),
+        *who,
+        *limits_prefix(t["prlimit"], ctx, cases, nproc=uid is not None),
         python_binary(),
         "-I",
         "-S",
         "/sandbox/runner.py",
     ]
-    namespaces = ["--net", "--mount", "--pid", "--ipc", "--uts", "--fork", "--kill-child"]
-    return [
-        t["unshare"],
-        *namespaces,
-        "--",
-        "/bin/sh",
-        "-c",
-        SETUP_SH,
-        "sandbox",
-        root,
-        home,
-        str(uid),
-        str(len(binds)),
-        *binds,
-        *inner,
-    ]
+    namespaces = [*user, "--net", "--mount", "--pid", "--ipc", "--uts", "--fork", "--kill-child"]
+    setup = [root, home, str(uid or 0), str(len(binds)), *binds]
+    return [t["unshare"], *namespaces, "--", "/bin/sh", "-c", SETUP_SH, "sandbox", *setup, *inner]
 
 
-def fallback_command(home: str, ctx: GraderContext, cases: int) -> list[str]:
+def pid_namespace_command() -> list[str]:
+    """unshare's arguments for a pid namespace with a /proc of its own (a user namespace first where not root)."""
+    t = tools() or {}
+    user = [] if as_root() else ["--user", "--map-root-user"]
+    return [t.get("unshare", "unshare"), *user, "--pid", "--fork", "--kill-child", "--mount-proc", "--"]
+
+
+@functools.lru_cache(maxsize=1)
+def hide_service() -> bool:
+    """Make this service non-dumpable (prctl PR_SET_DUMPABLE 0), so that a process of its uid cannot open its
+    /proc/<pid>/environ, mem or fds: for an unisolated grader with no /proc of its own. False where it could not be."""
+    try:
+        return ctypes.CDLL(None, use_errno=True).prctl(4, 0, 0, 0, 0) == 0
+    except (OSError, AttributeError):
+        return False
+
+
+def unisolated_command(home: str, ctx: GraderContext, cases: int, pid_namespace: bool) -> list[str]:
     """Unisolated, for an operator who turned python graders on where isolation fails: the service's own uid,
-    its own files readable, the network reachable; only the limits, an empty environment and the scratch dir."""
-    prlimit = shutil.which("prlimit")
+    its own files readable, the network reachable; an empty environment, the scratch dir, the limits, and where
+    `pid_namespace`, a pid namespace and /proc of its own (no capability left in it where it is a user namespace's)."""
+    t = tools() or {}
+    prlimit = t.get("prlimit") or shutil.which("prlimit")
     prefix = limits_prefix(prlimit, ctx, cases, nproc=False) if prlimit else []
-    return [*prefix, python_binary(), "-I", "-S", os.path.join(home, "runner.py")]
+    runner = [*prefix, python_binary(), "-I", "-S", os.path.join(home, "runner.py")]
+    if not pid_namespace:
+        return runner
+    drop = [] if as_root() else _unprivileged(t["setpriv"])
+    return [*pid_namespace_command(), *drop, *runner]

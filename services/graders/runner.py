@@ -1,4 +1,5 @@
-"""Runs inside the sandbox (`python -I -S runner.py`, standard library only; never imported by a service).
+"""Runs inside the sandbox (`python -I -S runner.py`, standard library only; never imported by a service), with
+worker.py (the grader's side) and syscalls.py (the filter) beside it.
 
 Two processes. The supervisor (this file's main; in the isolated sandbox the first process of its own pid namespace,
 so nothing inside can signal it, and its exit ends every process there) reads {"source", "cases": [[i, sample,
@@ -7,144 +8,46 @@ item], ...], "limits"} as JSON on stdin, makes itself non-dumpable (so no proces
 stderr before it compiles the grader's source, so the grader's code never holds the channel the service reads: it
 can write only to the worker's own pipe to the supervisor.
 
-The supervisor alone writes the service's lines, each checked and rebuilt by it: {"started", "sealed"} first, then
-{"ready", "error", "kind"} when the source has loaded (or failed to), then {"i", "score", "error", "kind"} for each
-case in order. Its clock is the one that counts: the load and each case have `wall_s` (and the grace
-`kill_grace_s`) from the moment the one before them ended, whatever the grader writes meanwhile; a case over it, or
-a worker that dies, is reported for that case, the worker killed, and the supervisor exits (the service starts a
-new sandbox for the cases left). What the worker sends is the grader's own word about its own samples, taken only
-when it is the line expected next; the worker's interval timers only let a well-behaved overrun be reported
-without a new process."""
+The supervisor alone writes the service's lines, each checked and rebuilt by it: {"started", "sealed", "filtered"}
+first, then {"ready", "error", "kind"} when the source has loaded (or failed to), then {"i", "score", "error",
+"kind"} for each case in order. Its clock is the one that counts: the load and each case have `wall_s` (and the
+grace `kill_grace_s`) from the moment the one before them ended, whatever the grader writes meanwhile; a case over
+it, or a worker that dies, is reported for that case, the worker killed, and the supervisor exits (the service
+starts a new sandbox for the cases left). What the worker sends is the grader's own word about its own samples,
+taken only when it is the line expected next; the worker's interval timers only let a well-behaved overrun be
+reported without a new process. Every line is read inside one guard and its numbers checked by comparison (never by
+a function that raises): a line that is not JSON is ignored, one that cannot be read (nested too deep, a number too
+long, not UTF-8) or that holds no finite score is the grader's own error for the sample it is on.
+
+Before the worker exists the supervisor loads the system call filter (syscalls.py, beside it): it and every process
+of the grader's run under it."""
 
 import json
-import math
 import os
 import select
 import signal
 import sys
 import time
-import traceback
 
-RUNTIME, UNRESPONSIVE = "python_grader_runtime_error", "unresponsive_reward_error"
-KINDS = ("", RUNTIME, UNRESPONSIVE)
+
+def _siblings() -> tuple:
+    """worker.py and syscalls.py, copied beside this file. Their directory is on the import path only for these
+    imports: the grader may write into it later."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    sys.path.insert(0, here)
+    try:
+        import syscalls  # type: ignore[import-not-found]
+        import worker  # type: ignore[import-not-found]
+
+        return worker, syscalls
+    finally:
+        sys.path.remove(here)
+
+
+worker, syscalls = _siblings()
+RUNTIME, UNRESPONSIVE, KINDS = worker.RUNTIME, worker.UNRESPONSIVE, ("", worker.RUNTIME, worker.UNRESPONSIVE)
 LINE_MAX = 64 * 1024  # the longest line the worker may send the supervisor
 ERROR_MAX = 1000
-_MAIN = os.getpid()  # the worker's pid, once forked: its children must not report
-
-
-class Overrun(BaseException):
-    """Raised into the grader when its case's wall-clock or CPU budget is spent."""
-
-
-# --- the worker: loads the grader and calls it -------------------------------------------------------------------
-
-
-def _on_timer(signum, frame):
-    raise Overrun("wall-clock" if signum == signal.SIGALRM else "CPU")
-
-
-def _where(tb) -> str:
-    lines = [f.lineno for f in traceback.extract_tb(tb) if f.filename == "<grader>"]
-    return f" (line {lines[-1]})" if lines else ""
-
-
-def _explain(e: BaseException, limits: dict) -> tuple[str, str]:
-    """An exception from the grader as (error, kind), naming the limit it ran into."""
-    if isinstance(e, Overrun):
-        budget = limits["wall_s"] if str(e) == "wall-clock" else limits["cpu_s"]
-        return f"the grader ran past its {e} limit of {budget} s for one sample", UNRESPONSIVE
-    text = f"{type(e).__name__}: {e}"[:800] + _where(e.__traceback__)
-    if isinstance(e, MemoryError):
-        text += f"; the sandbox allows {limits['memory_mib']} MiB"
-    elif isinstance(e, BlockingIOError) or (isinstance(e, OSError) and e.errno == 11):
-        text += f"; the sandbox allows {limits['max_processes']} processes"
-    elif isinstance(e, OSError) and e.errno in (101, 99, 111, 97):
-        text += "; the sandbox has no network"
-    return text, RUNTIME
-
-
-def _score(value) -> tuple[float, str]:
-    """A returned value as a score, or why it is none."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        if isinstance(value, bool):
-            return float(value), ""
-        return 0.0, f"grade() returned {type(value).__name__} {str(value)[:80]!r}; it must return a number"
-    value = float(value)
-    if not math.isfinite(value):
-        return 0.0, f"grade() returned {value}; it must return a finite number"
-    return value, ""
-
-
-def _timed(fn, args, limits):
-    signal.setitimer(signal.ITIMER_REAL, limits["wall_s"])
-    signal.setitimer(signal.ITIMER_PROF, limits["cpu_s"])
-    try:
-        return fn(*args)
-    finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.setitimer(signal.ITIMER_PROF, 0)
-
-
-def _reap() -> None:
-    """Collect children the grader left, so zombies do not count against its process limit."""
-    try:
-        while os.waitpid(-1, os.WNOHANG)[0] > 0:
-            pass
-    except ChildProcessError:
-        pass
-
-
-def _load(source: str, limits: dict):
-    """The grader's grade function, or (None, why)."""
-    scope = {"__name__": "grader"}
-    try:
-        _timed(exec, (compile(source, "<grader>", "exec"), scope), limits)
-    except BaseException as e:  # noqa: BLE001 - anything the source does is the grader's error
-        return None, "the source does not load: " + _explain(e, limits)[0]
-    grade = scope.get("grade")
-    if not callable(grade):
-        return None, "the source defines no function grade(sample, item) -> float"
-    return grade, ""
-
-
-def _work(request: dict, channel: int) -> None:
-    """The worker's life: nothing of the supervisor's but `channel` (and stderr) left open, then the grader."""
-    global _MAIN
-    _MAIN = os.getpid()
-    null = os.open("/dev/null", os.O_RDONLY)
-    os.dup2(null, 0)
-    os.dup2(2, 1)  # the results pipe goes here, before any of the grader's code runs; its prints go to stderr
-    os.closerange(3, channel)
-    os.closerange(channel + 1, 1 << 16)
-    limits = request["limits"]
-    signal.signal(signal.SIGALRM, _on_timer)
-    signal.signal(signal.SIGPROF, _on_timer)
-
-    def write(obj) -> None:
-        if os.getpid() != _MAIN:  # a child the grader forked: it must not report, nor go on
-            os._exit(0)
-        data = (json.dumps(obj) + "\n").encode()
-        while data:
-            data = data[os.write(channel, data) :]
-
-    grade, why = _load(request["source"], limits)
-    write({"ready": grade is not None, "error": why})
-    if grade is None:
-        os._exit(0)
-    for i, sample, item in request["cases"]:
-        try:
-            score, error = _score(_timed(grade, (sample, item), limits))
-            kind = RUNTIME if error else ""
-        except BaseException as e:  # noqa: BLE001
-            if os.getpid() != _MAIN:
-                os._exit(0)
-            score, (error, kind) = 0.0, _explain(e, limits)
-        _reap()
-        write({"i": i, "score": score, "error": error, "kind": kind})
-    os._exit(0)
-
-
-# --- the supervisor: times the worker and alone writes the results -------------------------------------------------
 
 
 def _send(obj) -> None:
@@ -164,6 +67,14 @@ def _seal() -> bool:
         return False
 
 
+def _filter() -> bool:
+    """Load the system call filter; False where it could not be."""
+    try:
+        return syscalls.apply()
+    except (OSError, AttributeError):
+        return False
+
+
 def _exit_reason(status: int, limits: dict) -> str:
     if os.WIFSIGNALED(status):
         sig = os.WTERMSIG(status)
@@ -172,6 +83,24 @@ def _exit_reason(status: int, limits: dict) -> str:
         name = signal.Signals(sig).name if sig in signal.valid_signals() else f"signal {sig}"
         return f"the grader's process was ended by {name}"
     return f"the grader ended its process (exit status {os.waitstatus_to_exitcode(status)})"
+
+
+class _Hostile(str):
+    """Why a line from the worker could not be read: the grader's own error for the sample it is on."""
+
+
+def _parse(line: bytes):
+    """A line as JSON's object, None where it is not JSON (noise, ignored), or _Hostile where it is JSON this
+    process will not hold."""
+    try:
+        obj = json.loads(line)
+    except json.JSONDecodeError:
+        return None
+    except RecursionError:
+        return _Hostile("the grader wrote a line nested too deep to read into its result pipe")
+    except Exception as e:  # noqa: BLE001 - a number too long, bytes that are not UTF-8, no memory: the grader's
+        return _Hostile(f"the grader wrote a line that cannot be read into its result pipe ({type(e).__name__})")
+    return obj if isinstance(obj, dict) else None
 
 
 class _Worker:
@@ -183,7 +112,7 @@ class _Worker:
         if pid == 0:
             os.close(r)
             try:
-                _work(request, w)
+                worker.work(request, w)
             finally:
                 os._exit(1)
         os.close(w)
@@ -204,8 +133,9 @@ class _Worker:
                 self.status = status
 
     def next(self, deadline: float):
-        """The worker's next line as an object, "timeout" past `deadline`, or "ended" once it has exited (or closed
-        its pipe) with no whole line left; a line over LINE_MAX is "too long"."""
+        """The worker's next line as an object (None: not JSON; a _Hostile: JSON it cannot read), "timeout" past
+        `deadline`, or "ended" once it has exited (or closed its pipe) with no whole line left; a line over LINE_MAX
+        is "too long"."""
         while b"\n" not in self.buf:
             self._reap()
             left = deadline - time.monotonic()
@@ -222,10 +152,7 @@ class _Worker:
             elif self.status is not None:
                 return "ended"  # exited; a child of its may still hold the pipe open
         line, self.buf = self.buf.split(b"\n", 1)
-        try:
-            return json.loads(line)
-        except ValueError:
-            return None
+        return _parse(line)
 
     def kill(self) -> None:
         try:
@@ -250,6 +177,8 @@ def _await(worker: _Worker, wanted, limits: dict) -> tuple[dict | None, str]:
         got = worker.next(deadline)
         if isinstance(got, dict) and wanted(got):
             return got, ""
+        if isinstance(got, _Hostile):
+            return None, got
         if got == "timeout":
             return None, "timeout"
         if got == "too long":
@@ -261,7 +190,18 @@ def _await(worker: _Worker, wanted, limits: dict) -> tuple[dict | None, str]:
 
 
 def _text(value) -> str:
-    return str(value or "")[:ERROR_MAX]
+    """An error the worker sent, where it is text."""
+    return value[:ERROR_MAX] if isinstance(value, str) else ""
+
+
+def _result(got: dict) -> tuple[float, str, str]:
+    """A result line's (score, error, kind), checked by comparison; anything else about it the grader's error."""
+    score, error, said = got.get("score"), _text(got.get("error")), got.get("kind")
+    if not worker.finite(score):
+        error = error or f"grade() returned {worker.shown(score)}; it must return a finite number"
+    if not error and score is not None:  # finite: an int or a float a float holds
+        return float(score), "", ""
+    return 0.0, error, said if isinstance(said, str) and said in KINDS and said else RUNTIME
 
 
 def _supervise(request: dict) -> None:
@@ -282,11 +222,21 @@ def _supervise(request: dict) -> None:
         else:
             _send({"ready": False, "error": f"the source does not load: {why}", "kind": RUNTIME})
         return
-    _send({"ready": bool(ready["ready"]), "error": _text(ready.get("error")), "kind": RUNTIME})
-    if not ready["ready"]:
+    loaded = ready.get("ready") is True
+    _send(
+        {
+            "ready": loaded,
+            "error": _text(ready.get("error")) or ("" if loaded else "the source does not load"),
+            "kind": RUNTIME,
+        }
+    )
+    if not loaded:
         return
     for i, _, _ in cases:
         got, why = _await(worker, lambda m, i=i: m.get("i") == i, limits)
+        if isinstance(why, _Hostile):  # the grader's own error for this sample; its worker goes on to the next
+            _send({"i": i, "score": 0.0, "error": str(why), "kind": RUNTIME})
+            continue
         if got is None:
             worker.kill()
             if why == "timeout":
@@ -295,20 +245,16 @@ def _supervise(request: dict) -> None:
                 kind = RUNTIME
             _send({"i": i, "score": 0.0, "error": why, "kind": kind})
             return  # the service starts a new sandbox for the cases after this one
-        score, error = got.get("score"), _text(got.get("error"))
-        if isinstance(score, bool) or not isinstance(score, (int, float)) or not math.isfinite(score):
-            score, error = 0.0, error or f"grade() returned {score!r}; it must return a finite number"
-        said = got.get("kind")
-        kind = said if isinstance(said, str) and said in KINDS else RUNTIME
-        _send({"i": i, "score": 0.0 if error else float(score), "error": error, "kind": kind if error else ""})
+        score, error, kind = _result(got)
+        _send({"i": i, "score": score, "error": error, "kind": kind})
 
 
 def main() -> None:
     signal.signal(signal.SIGINT, signal.SIG_DFL)  # as a pid namespace's first process: no signal from inside ends it
     os.chdir(os.path.dirname(os.path.abspath(__file__)))
     request = json.load(sys.stdin)
-    sealed = _seal()
-    _send({"started": True, "sealed": sealed})
+    sealed, filtered = _seal(), _filter()
+    _send({"started": True, "sealed": sealed, "filtered": filtered})
     _supervise(request)
 
 

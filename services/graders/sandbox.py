@@ -1,62 +1,39 @@
-"""Python graders, run in a sandbox process of their own, one process for a batch of samples, never in a service.
+"""Python graders, run in a sandbox process of their own, one process for a batch of samples, never in a service:
+what this machine allows (probed once), the refusals that follow from it and the operator's flags, and the calls.
 
-The process starts with an empty environment in a fresh scratch directory, isolated as services/graders/isolation.py
-says where the machine allows it; samples and items go in as JSON on stdin. Its runner (runner.py) forks the grader
-into a worker that never holds the results pipe, times the load and each sample from outside the grader's process,
-and alone writes the lines read here: a start line, a ready line, then one line per sample, in order.
+A sandbox (session.py) is isolated as isolation.py says where the machine allows it, bounded as a whole by a
+cgroup of its own (cgroups.py: memory, processes, CPU) and filtered (syscalls.py); where it cannot be isolated, the
+operator may still turn python graders on for trusted graders on a node that serves one tenant, run unisolated but
+contained (a pid namespace or a cgroup of its own); where not even that holds, never.
 
 Time is fixed at the start of each call: call_limit_s (start-up, the load and every sample at the wall limit, each
-with grace), earlier still where the caller's own deadline (a request's sandbox time) is; each line must come within
-the wall limit (and grace) of the one before, and only the line expected next counts. Past either, the whole process
-group is killed from here. A sample that overruns or kills its worker is reported for that sample and the samples
-after it get a new process. A call that is cancelled kills its sandbox before it returns. Every failure is reported
-for its sample (score 0), never raised."""
+with grace), earlier still where the caller's own deadline (a request's sandbox time) is. A sample that overruns or
+kills its worker is reported for that sample and the samples after it get a new process. A call that is cancelled
+kills its sandbox before it returns. Every failure is reported for its sample (score 0), never raised."""
 
 from __future__ import annotations
 
 import asyncio
 import functools
-import os
-import shutil
-import signal
 import subprocess
-import tempfile
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
-import msgspec
-
 from schemas.graders import GradeResult
-from services.graders import blocking, isolation
+from services.graders import blocking, cgroups, isolation, session
 from services.graders.context import GraderContext
 from services.graders.deadline import Deadline, earliest
+from services.graders.session import GRACE_S, KILL_GRACE_S, RUNTIME, SERVER, START_S, UNRESPONSIVE, Outcome, Plan
 
-RUNNER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "runner.py")
-KILL_GRACE_S = 0.5  # past a sample's wall limit before the runner kills its worker
-START_S = 10.0  # to start the sandbox and its interpreter, up to the runner's first line
-GRACE_S = 2.0  # past the runner's own kill of an overrunning worker, before the whole sandbox is killed from here
-LINE_MAX = 64 * 1024
-ERR_KEPT = 4096  # the tail of the sandbox's stderr kept, for a sandbox that fails before its runner speaks
-SERVER, RUNTIME, UNRESPONSIVE = "python_grader_server_error", "python_grader_runtime_error", "unresponsive_reward_error"
+__all__ = ["RUNTIME", "SERVER", "UNRESPONSIVE", "SandboxStatus", "call_limit_s", "refusal", "status"]
 
 
 @dataclass(frozen=True)
 class SandboxStatus:
     isolated: bool
     why_not: str = ""  # why it is not, where it is not
-
-
-@dataclass
-class _Outcome:
-    order: list[int] = field(default_factory=list)  # the cases' indices, in the order their lines must come
-    started: bool = False
-    sealed: bool = False  # the runner made itself non-dumpable: the grader cannot reach the results pipe
-    ready: bool | None = None  # None: the runner never said
-    load_error: str = ""
-    load_kind: str = RUNTIME
-    results: dict[int, GradeResult] = field(default_factory=dict)
-    ended: str = ""  # why the process ended early, where it did
-    kind: str = SERVER
+    bound: str = ""  # what bounds a sandbox's processes together (its cgroups), "" where nothing does
+    unisolated: str = ""  # how the unisolated mode is contained here, "" where nothing could contain it
 
 
 def call_limit_s(ctx: GraderContext, cases: int) -> float:
@@ -75,21 +52,76 @@ def _call_deadline(ctx: GraderContext, cases: int, caller: Deadline | None) -> D
 
 
 @functools.lru_cache(maxsize=1)
-def status() -> SandboxStatus:
-    """Whether this machine isolates python graders: checked once, by running a trivial grader isolated (an async
-    caller asks from a thread: the first call takes a sandbox's start-up)."""
+def _found() -> tuple[cgroups.Pool | None, str, bool]:
+    """What is cheap to know (no sandbox run): where sandboxes' cgroups are made (or None), why they cannot be
+    isolated where that is known already, whether a pid namespace can be made."""
+    pool = cgroups.find()
+    bound = pool if isinstance(pool, cgroups.Pool) else None
     why = isolation.why_not_isolated()
-    if why:
-        return SandboxStatus(False, why)
-    probe = blocking.run(
-        _session(isolation.PROBE_SOURCE, [(0, {}, {})], GraderContext(), True, _call_deadline(GraderContext(), 1, None))
-    )
+    pid_ns = not why and _pid_namespace_works()
+    return bound, why or ("" if bound else str(pool)), pid_ns
+
+
+@functools.lru_cache(maxsize=1)
+def _machine() -> tuple[SandboxStatus, Plan, Plan]:
+    """This machine's status and how its sandboxes are made, isolated and not: checked once, the isolated way by
+    running a trivial grader so (an async caller asks from a thread: it takes a sandbox's start-up)."""
+    bound, why, pid_ns = _found()
+    why = why or _probe(Plan(True, bound))
+    contained = "a pid namespace of its own" if pid_ns else "a cgroup of its own" if bound else ""
+    described = bound.describe() if bound else ""
+    return SandboxStatus(not why, why, described, contained), Plan(True, bound), Plan(False, bound, pid_ns)
+
+
+def _pid_namespace_works() -> bool:
+    try:
+        done = subprocess.run([*isolation.pid_namespace_command(), "true"], capture_output=True, timeout=10, env={})
+    except (OSError, subprocess.SubprocessError):
+        return False
+    return done.returncode == 0
+
+
+def _probe(plan: Plan) -> str:
+    """Why a trivial grader does not run isolated here, or "" where it does."""
+    ctx = GraderContext()
+    probe = blocking.run(session.run(isolation.PROBE_SOURCE, [(0, {}, {})], ctx, plan, _call_deadline(ctx, 1, None)))
     result = probe.results.get(0)
     if result is None or result.score != 1.0:
-        return SandboxStatus(False, f"a trial sandbox failed ({probe.load_error or probe.ended or result})")
+        return f"a trial sandbox failed ({probe.load_error or probe.ended or result})"
     if not probe.sealed:
-        return SandboxStatus(False, "the sandbox's runner could not make itself non-dumpable (prctl through ctypes)")
-    return SandboxStatus(True)
+        return "the sandbox's runner could not make itself non-dumpable (prctl through ctypes)"
+    if not probe.filtered:
+        return "the sandbox's runner could not load its system call filter (seccomp through prctl)"
+    return ""
+
+
+def status() -> SandboxStatus:
+    """Whether this machine isolates python graders, and how they are bounded and contained."""
+    return _machine()[0]
+
+
+def start_refusal(ctx: GraderContext) -> str:
+    """Why a service with this context must not start (python graders turned on where they would run with less
+    than the operator's flags allow), or "". Probes the machine where they are on: call it at start, before the
+    service starts other processes (under cgroup v2 it moves itself into a leaf of its cgroup)."""
+    return refusal(ctx) if ctx.python_graders == "on" else ""
+
+
+def describe(ctx: GraderContext) -> str:
+    """What python graders get here, for the service's log at start. Cheap under "auto" (no trial sandbox: the first
+    grader's call runs it)."""
+    if ctx.python_graders == "off":
+        return "python graders: off"
+    bound, why, _ = _found()
+    if ctx.python_graders == "auto" and why:
+        return f"python graders: refused ({refusal(ctx, SandboxStatus(False, why))})"
+    if ctx.python_graders == "on" and (why := refusal(ctx)):
+        return f"python graders: refused ({why})"
+    if ctx.python_graders == "on" and not status().isolated:
+        return f"python graders: unisolated (the operator turned them on), contained by {status().unisolated}"
+    way = "a uid of their own" if isolation.as_root() else "a user namespace of their own"
+    trial = "" if ctx.python_graders == "on" else "; a trial sandbox at the first grader confirms it"
+    return f"python graders: isolated ({way}), bounded by {bound and bound.describe()}, system calls filtered{trial}"
 
 
 def refusal(ctx: GraderContext, found: SandboxStatus | None = None) -> str:
@@ -101,10 +133,24 @@ def refusal(ctx: GraderContext, found: SandboxStatus | None = None) -> str:
             "with --python-graders auto (isolated) or on"
         )
     found = found or status()
-    if ctx.python_graders == "auto" and not found.isolated:
+    if found.isolated:
+        return ""
+    if ctx.python_graders == "auto":
         return (
-            f"python graders cannot be isolated on this machine ({found.why_not}); the operator may accept "
-            f"that by turning them on explicitly ({ctx.command} --python-graders on)"
+            f"python graders cannot be isolated on this machine ({found.why_not}); on a node that serves one "
+            f"tenant the operator may accept that by turning them on explicitly ({ctx.command} --python-graders on "
+            "--single-tenant)"
+        )
+    if not found.unisolated:
+        return (
+            f"python graders cannot run on this machine: they cannot be isolated ({found.why_not}) and nothing "
+            "could end what a grader leaves running (neither a pid namespace nor a cgroup of its own can be made)"
+        )
+    if not ctx.single_tenant:
+        return (
+            f"python graders cannot be isolated on this machine ({found.why_not}); unisolated (--python-graders on) "
+            "they run as the service's user, beside every tenant's work: the operator may allow that only on a "
+            f"node that serves one tenant ({ctx.command} --python-graders on --single-tenant)"
         )
     return ""
 
@@ -161,137 +207,7 @@ def run_python(source: str, samples: list[dict[str, Any]], items: list[Any], ctx
 
 async def _session(
     source: str, cases: list[tuple[int, Any, Any]], ctx: GraderContext, isolated: bool, deadline: Deadline
-) -> _Outcome:
-    """One sandbox process over `cases`, in a scratch directory removed afterwards."""
-    work = tempfile.mkdtemp(prefix="jetlora-grader-", dir=ctx.scratch())
-    uid = isolation.take_uid() if isolated else None
-    try:
-        home = os.path.join(work, "home")
-        os.mkdir(home, 0o700)
-        shutil.copyfile(RUNNER, os.path.join(home, "runner.py"))
-        os.chmod(os.path.join(home, "runner.py"), 0o644)
-        if uid is not None:
-            root = os.path.join(work, "root")
-            os.mkdir(root, 0o755)
-            command = isolation.isolated_command(root, home, uid, ctx, len(cases))
-        else:
-            command = isolation.fallback_command(home, ctx, len(cases))
-        limits = {"wall_s": ctx.wall_s, "cpu_s": ctx.cpu_s, "memory_mib": ctx.memory_mib, "kill_grace_s": KILL_GRACE_S}
-        request = {"source": source, "cases": cases, "limits": limits | {"max_processes": ctx.max_processes}}
-        with tempfile.TemporaryFile(dir=work) as stdin:
-            stdin.write(msgspec.json.encode(request))
-            stdin.seek(0)
-            return await _run(command, stdin, work, _Outcome(order=[c[0] for c in cases]), ctx, deadline)
-    except (OSError, subprocess.SubprocessError) as e:
-        return _Outcome(ended=f"the sandbox could not be started ({e})")
-    finally:
-        if uid is not None:
-            isolation.give_uid(uid)
-        shutil.rmtree(work, ignore_errors=True)
-
-
-async def _run(command: list[str], stdin, cwd: str, out: _Outcome, ctx: GraderContext, deadline: Deadline) -> _Outcome:
-    proc = await asyncio.create_subprocess_exec(
-        *command,
-        stdin=stdin,
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.PIPE,
-        env={},
-        cwd=cwd,
-        start_new_session=True,
-        limit=LINE_MAX,
-    )
-    assert proc.stdout is not None and proc.stderr is not None
-    err = asyncio.create_task(_tail(proc.stderr))
-    try:
-        await _read(proc, out, ctx, deadline)
-    finally:  # also when the caller is cancelled: nothing of the sandbox outlives the call
-        await _end(proc, err)
-    if out.ready is None and not out.ended:
-        text = err.result().decode(errors="replace").strip() if err.done() and not err.cancelled() else ""
-        out.ended = (
-            text.splitlines()[-1][:500] if text else f"it ended (status {proc.returncode}) before its runner spoke"
-        )
-    return out
-
-
-async def _read(proc: asyncio.subprocess.Process, out: _Outcome, ctx: GraderContext, deadline: Deadline) -> None:
-    """The runner's lines into `out` until it closes its output; the sandbox is killed (by the caller) when a line
-    does not come in time."""
-    assert proc.stdout is not None
-    step = Deadline.after(START_S, f"the sandbox's start-up limit of {START_S:g} s")
-    while True:
-        until = earliest(step, deadline)
-        try:
-            line = await asyncio.wait_for(proc.stdout.readline(), max(0.0, until.left()))
-        except TimeoutError:
-            out.ended, out.kind = f"the grader ran past {until.what}", UNRESPONSIVE
-            return
-        except ValueError:  # a line over the stream's limit
-            out.ended = f"the sandbox wrote a line over {LINE_MAX} bytes"
-            return
-        if not line:
-            break
-        if not _take(line, out):
-            out.ended = f"the sandbox's runner broke its protocol (it wrote {line[:100]!r})"
-            return
-        step = Deadline.after(
-            ctx.wall_s + KILL_GRACE_S + GRACE_S,
-            f"its wall-clock limit of {ctx.wall_s:g} s (the sandbox stopped answering)",
-        )
-    until = earliest(step, deadline)
-    try:  # the runner closed its output: its process ends now, within the same limits
-        await asyncio.wait_for(proc.wait(), max(0.0, until.left()))
-    except TimeoutError:
-        out.ended, out.kind = f"the grader ran past {until.what}", UNRESPONSIVE
-
-
-def _take(line: bytes, out: _Outcome) -> bool:
-    """Whether the line is the one expected next (start, ready, then the next sample's result), taken into `out`."""
-    try:
-        obj = msgspec.json.decode(line)
-    except msgspec.DecodeError:
-        return False
-    if not isinstance(obj, dict):
-        return False
-    if not out.started:
-        out.started, out.sealed = obj.get("started") is True, obj.get("sealed") is True
-        return out.started
-    if out.ready is None:
-        if not isinstance(obj.get("ready"), bool):
-            return False
-        out.ready, out.load_error = obj["ready"], str(obj.get("error") or "")
-        out.load_kind = UNRESPONSIVE if obj.get("kind") == UNRESPONSIVE else RUNTIME
-        return True
-    if len(out.results) >= len(out.order):
-        return False
-    expected, score = out.order[len(out.results)], obj.get("score")
-    if obj.get("i") != expected or isinstance(score, bool) or not isinstance(score, (int, float)):
-        return False
-    error, kind = str(obj.get("error") or ""), str(obj.get("kind") or "")
-    out.results[expected] = GradeResult(score=0.0 if error else float(score), error=error, error_kind=kind)
-    return True
-
-
-async def _tail(stream: asyncio.StreamReader) -> bytes:
-    kept = b""
-    while chunk := await stream.read(65536):
-        kept = (kept + chunk)[-ERR_KEPT:]
-    return kept
-
-
-async def _end(proc: asyncio.subprocess.Process, err: asyncio.Task) -> None:
-    """The whole process group killed (in the isolated case the runner's death ends its pid namespace too), the
-    process reaped, the stderr reader done."""
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
-    try:
-        await proc.wait()
-        await asyncio.wait_for(asyncio.shield(err), 1.0)
-    except TimeoutError:  # something of the grader's still holds its stderr open: stop reading it
-        err.cancel()
-    finally:
-        if not err.done():
-            err.cancel()
+) -> Outcome:
+    """One sandbox process over `cases`, made as this machine makes them, isolated or not."""
+    _, isolated_plan, unisolated_plan = await asyncio.to_thread(_machine)
+    return await session.run(source, cases, ctx, isolated_plan if isolated else unisolated_plan, deadline)
