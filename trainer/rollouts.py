@@ -80,6 +80,7 @@ def grader_context(out_dir: str) -> GraderContext:
         judge_api_key=env.get("JETLORA_JUDGE_API_KEY") or None,
         judge_image_hosts=tuple(h for h in env.get("JETLORA_JUDGE_IMAGE_HOSTS", "").split(",") if h),
         python_graders=cast(PythonGraders, python),  # one of them: checked above
+        single_tenant=env.get("JETLORA_SINGLE_TENANT") == "1",
         scratch_dir=str(scratch),
         command="jetlora agent",
     )

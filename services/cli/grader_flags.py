@@ -5,15 +5,19 @@ builds from them."""
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 
 from services.runtime import StartupError
+
+log = logging.getLogger("jetlora")
 
 TRAINER_ENV = {  # what a trainer reads (trainer/rollouts.py grader_context), from the agent's flags
     "judge_url": "JETLORA_JUDGE_URL",
     "judge_api_key": "JETLORA_JUDGE_API_KEY",
     "python_graders": "JETLORA_PYTHON_GRADERS",
     "judge_image_hosts": "JETLORA_JUDGE_IMAGE_HOSTS",
+    "single_tenant": "JETLORA_SINGLE_TENANT",
 }
 
 
@@ -44,9 +48,18 @@ def grader_flags(p: argparse.ArgumentParser, where: str) -> None:
         "--python-graders",
         choices=["auto", "on", "off"],
         default=os.environ.get(TRAINER_ENV["python_graders"], "auto"),
-        help=f"python graders {where}: auto runs them only where the sandbox isolates them fully (root on Linux); "
-        "on also where it cannot (no network or filesystem isolation: trusted graders only); off refuses them "
-        "(env JETLORA_PYTHON_GRADERS)",
+        help=f"python graders {where}: auto runs them only where the sandbox isolates them fully (namespaces, a "
+        "cgroup of their own, a system call filter; as root, or as a user with user namespaces and a delegated "
+        "cgroup); "
+        "on also where it cannot, on a node that serves one tenant (--single-tenant; no network or filesystem "
+        "isolation: trusted graders only); off refuses them (env JETLORA_PYTHON_GRADERS)",
+    )
+    p.add_argument(
+        "--single-tenant",
+        action="store_true",
+        default=os.environ.get(TRAINER_ENV["single_tenant"]) == "1",
+        help="this node serves one tenant: only then may --python-graders on run graders unisolated where the "
+        "sandbox cannot isolate them (env JETLORA_SINGLE_TENANT=1)",
     )
 
 
@@ -60,27 +73,49 @@ def judge_api_key(args) -> str | None:
         raise StartupError(f"--judge-api-key-file {args.judge_api_key_file}: {e.strerror}") from None
 
 
+def checked(context):
+    """The context, where python graders may run as the flags ask (this machine probed once, before the service
+    starts any process), and what they get here said in the log; else StartupError saying why."""
+    from services.graders import sandbox
+
+    why = sandbox.start_refusal(context)
+    if why:
+        raise StartupError(why)
+    log.info("%s: %s", context.command, sandbox.describe(context))
+    return context
+
+
 def grader_context(args, command: str = "jetlora gateway"):
     """The gateway's graders endpoints' context, or (`command` "jetlora scheduler") the evals service's, which grades
     runs of samples made elsewhere."""
     from services.graders import GraderContext
 
-    return GraderContext(
-        judge_url=args.judge_url,
-        judge_api_key=judge_api_key(args),
-        judge_image_hosts=image_hosts(args.judge_image_hosts),
-        python_graders=args.python_graders,
-        command=command,
+    return checked(
+        GraderContext(
+            judge_url=args.judge_url,
+            judge_api_key=judge_api_key(args),
+            judge_image_hosts=image_hosts(args.judge_image_hosts),
+            python_graders=args.python_graders,
+            single_tenant=args.single_tenant,
+            command=command,
+        )
     )
 
 
 def trainer_env(args) -> dict[str, str]:
     """The agent's trainers' environment for graders (the key's only where one is given, so that an operator's
-    JETLORA_JUDGE_API_KEY in the agent's own environment still reaches them)."""
+    JETLORA_JUDGE_API_KEY in the agent's own environment still reaches them). Refused at start as the trainers would
+    refuse their graders."""
+    from services.graders import GraderContext
+
+    checked(
+        GraderContext(python_graders=args.python_graders, single_tenant=args.single_tenant, command="jetlora agent")
+    )
     values = {
         "judge_url": args.judge_url,
         "judge_api_key": judge_api_key(args),
         "python_graders": args.python_graders,
         "judge_image_hosts": ",".join(image_hosts(args.judge_image_hosts)),
+        "single_tenant": "1" if args.single_tenant else None,
     }
     return {TRAINER_ENV[k]: v for k, v in values.items() if v}

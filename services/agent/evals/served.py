@@ -50,6 +50,7 @@ def grader_context(env: dict[str, str], work_dir: Path) -> GraderContext:
         judge_api_key=env.get("JETLORA_JUDGE_API_KEY") or os.environ.get("JETLORA_JUDGE_API_KEY") or None,
         judge_image_hosts=tuple(h for h in env.get("JETLORA_JUDGE_IMAGE_HOSTS", "").split(",") if h),
         python_graders=python,
+        single_tenant=env.get("JETLORA_SINGLE_TENANT") == "1",
         scratch_dir=str(work_dir / "graders"),
         command="jetlora agent",
     )
