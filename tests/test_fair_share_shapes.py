@@ -169,3 +169,25 @@ async def test_a_groups_members_given_up_come_from_tenants_over_their_share():
         for task in list(core.tasks):
             task.cancel()
         await asyncio.gather(*core.tasks, return_exceptions=True)
+
+
+def test_the_share_watch_times_each_wait_for_a_device_while_another_holds_more():
+    """globex (owed 2, one job of one device waiting) gains a device after 5 s, reaches its share 1.5 s later: the
+    longest wait for a device is 5 s (the one past the allowance of --min-run-s 1 s + a 1 s heartbeat window), the
+    longest below its share 6.5 s; a tenant below its share with nobody over theirs waits for nothing."""
+    from schemas.jobs import JobStatus
+    from services.scheduler.core import SchedulerConfig, SchedulerCore
+    from services.scheduler.share_watch import ShareWatch
+    from services.scheduler.sharing import ShareTable
+
+    core = SchedulerCore(NoBus(), SchedulerConfig(min_run_s=1.0, heartbeat_interval=0.25, misses=4))  # type: ignore[arg-type]
+    core.book.count("w", "globex", 1, None, JobStatus(), 1)
+    watch = ShareWatch(core)
+
+    def shares(globex: int, acme: int) -> ShareTable:
+        return ShareTable(4, {"acme": 2, "globex": 2}, {"acme": acme, "globex": globex}, {})
+
+    for now, globex, acme in ((0.0, 0, 4), (5.0, 1, 3), (6.0, 1, 3), (6.5, 2, 2), (9.0, 1, 2)):
+        watch.observe(shares(globex, acme), now=now)
+    assert (watch.longest, watch.longest_below, watch.logged) == ((5.0, "globex"), (6.5, "globex"), 1)
+    assert watch.waiting == {}  # below its share at 9 s, but nobody holds more than theirs

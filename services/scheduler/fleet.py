@@ -6,7 +6,7 @@ import bisect
 import itertools
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Container
+from collections.abc import Callable, Container, KeysView
 from dataclasses import dataclass, field
 
 from schemas.memory import ModelShape
@@ -281,6 +281,10 @@ class Fleet:
                 if best is None or ready > best[0]:
                     best = (ready, name)
         return best[1] if best else None
+
+    def free_nodes(self) -> KeysView[str]:
+        """The nodes with a free device (a live view)."""
+        return self._free_on.keys()
 
     def any_free(self) -> bool:
         return bool(self._free["cuda"] or self._free["cpu"])

@@ -13,7 +13,7 @@ from schemas.co_train import founds_alone
 from schemas.nodes import Assignment, AssignRefused, AssignReply, on_devices
 from services import bus
 from services.aio import wait_first
-from services.scheduler import commands, grouping, sharing
+from services.scheduler import commands, gc_pauses, grouping, sharing
 from services.scheduler.config import engine_priority
 from services.scheduler.core import Job, SchedulerCore
 from services.scheduler.queue import JobQueue
@@ -26,16 +26,23 @@ PASS_BUDGET_S = 0.010  # one placement pass holds the loop at most about this lo
 
 @dataclass
 class PassStats:
-    """How long placement passes held the loop: the count, the longest, and how many ran out of their time."""
+    """How long placement passes held the loop: the count, the longest, and how many ran out of their time; and the
+    same without the garbage collector's pauses that landed in them (gc_pauses.spent_s)."""
 
     passes: int = 0
     longest_s: float = 0.0
     cut_short: int = 0
+    longest_own_s: float = 0.0  # the longest, less the collections inside it
+    own_cut_short: int = 0
+    collected_in: int = 0  # passes a collection landed in
 
-    def passed(self, seconds: float) -> None:
+    def passed(self, seconds: float, collecting_s: float = 0.0) -> None:
         self.passes += 1
         self.longest_s = max(self.longest_s, seconds)
         self.cut_short += seconds > PASS_BUDGET_S
+        self.longest_own_s = max(self.longest_own_s, seconds - collecting_s)
+        self.own_cut_short += seconds - collecting_s > PASS_BUDGET_S
+        self.collected_in += collecting_s > 0
 
 
 class Placer:
@@ -68,19 +75,21 @@ class Placer:
         whatever else waits for the loop (a lease renewal, heartbeats, submissions). Under fair sharing the tenants'
         queues take turns in the order of their shares (PlacementPass.rounds)."""
         core, placing = self.core, PlacementPass(self)
-        started = time.perf_counter()
+        started, collected = time.perf_counter(), gc_pauses.spent_s()
         try:
+            # jobs pinned to a node that has no free device and no co-training group wait, costing nothing (as
+            # do those pinned to a node nobody has heard of)
+            open_nodes = core.fleet.free_nodes() | core.groups.on_node.keys()
             for tenant, queue, within_share in placing.rounds():
                 if not (core.fleet.any_free() or core.groups.by_id):
                     return
                 limit = placing.table.share.get(tenant, 0) if within_share and placing.table else None
-                # a tenant's jobs pinned to a node take its turn (and its share) as its others do, before them;
-                # unknown nodes' jobs wait, costing nothing
-                for node in [*queue.pinned_nodes(among=core.fleet.nodes), None]:
+                # a tenant's jobs pinned to a node take its turn (and its share) as its others do, before them
+                for node in [*queue.pinned_nodes(among=open_nodes), None]:
                     if not self._place(placing, queue, tenant, node, started, limit):
                         return
         finally:
-            self.stats.passed(time.perf_counter() - started)
+            self.stats.passed(time.perf_counter() - started, gc_pauses.spent_s() - collected)
 
     def _place(
         self,

@@ -38,6 +38,7 @@ CHECK_S = 0.25  # how often waiting jobs are compared with the shares
 AGAIN_S = 0.02  # the next check, when one ran out of its time
 BUDGET_S = 0.005  # one check holds the loop at most about this long
 MISSES = 32  # waiting jobs of one tenant in a row for which no victim was found: the check goes on to the next
+REFUSED_S = 5.0  # a victim whose pause failed (its node does not run it, say) is not chosen again within this
 SETTLING = 64  # of each priority's jobs started or checkpointed within --min-run-s, those looked at at most
 
 
@@ -103,6 +104,8 @@ class Preemption:
         self.awaited: Counter[str] = Counter()  # waiting job -> its victims being paused
         self.stats: Counter[str] = Counter()
         self.watch = ShareWatch(core)  # whether the shares hold: how long a tenant below its share waits
+        self._kept = sharing.KeptNodes(core, {})  # the nodes kept for gangs, for the check under way
+        self.refused: dict[str, float] = {}  # victims whose pause failed -> when (monotonic)
 
     async def run(self, lost: asyncio.Event, stop: asyncio.Event) -> None:
         core, more = self.core, False
@@ -127,6 +130,7 @@ class Preemption:
             held[f.to] = held.get(f.to, 0) + f.devices
         now = time.monotonic()
         cursors = Cursors(core, time.time() - core.cfg.min_run_s, lambda j: self._eligible(core.jobs.get(j), now))
+        self._kept = sharing.KeptNodes(core, core.gang_holds)  # as they stand for this check
         waiting = {t for t, _ in core.queue.waiting()}
         for tenant in sorted(waiting, key=lambda t: held.get(t, 0) / max(table.share.get(t, 0), 1e-9)):
             if not (self._own(tenant) or self._over(tenant, table, held)):
@@ -158,13 +162,18 @@ class Preemption:
                         if plan is None:
                             misses += 1
                         else:
+                            misses = 0  # in a row: a job served counts the next ones afresh
                             self._preempt(plan, table, held)
                 if misses >= MISSES:
                     break
         return False
 
     def _prune(self) -> None:
-        """Pauses that landed (or whose victim ended, or moved on) no longer count as under way."""
+        """Pauses that landed (or whose victim ended, or moved on) no longer count as under way; refusals older
+        than REFUSED_S are forgotten."""
+        if self.refused:
+            now = time.monotonic()
+            self.refused = {j: at for j, at in self.refused.items() if now - at < REFUSED_S}
         for victim, f in list(self.in_flight.items()):
             job = self.core.jobs.get(victim)
             if job is None or job.status.state not in ACTIVE_STATES or job.status.attempt != f.attempt:
@@ -196,7 +205,7 @@ class Preemption:
 
     def _plan(self, job: Job, table: ShareTable, held: dict[Tenant, int], cursors: Cursors) -> Plan | None:
         core, req, tenant = self.core, job.stored.request, job.stored.tenant
-        kept = sharing.KeptNodes(core, core.gang_holds).from_job(job, held.get(tenant, 0), table.share.get(tenant, 0))
+        kept = self._kept.from_job(job, held.get(tenant, 0), table.share.get(tenant, 0))
         if job.lock.locked() or job.placing or job.id in core.unsure or self._fits_now(job, kept):
             return None  # being written, or the next placement pass places it
         now = time.monotonic()
@@ -245,11 +254,14 @@ class Preemption:
         )
 
     def _eligible(self, v: Job | None, now: float) -> bool:
-        """A running job that has run its minimum, was not preempted lately, and is not being paused."""
+        """A running job that has run its minimum, was not preempted lately, is not being paused, and that its node's
+        last heartbeat lists running (one that ended there, its end not read yet, frees nothing: its node refuses
+        the pause, and is not asked again for REFUSED_S)."""
         if v is None:
             return False
         core, cfg = self.core, self.core.cfg
         entry = core.book.running.jobs.get(v.id)
+        view = core.fleet.nodes.get(v.status.node or "")
         return (
             entry is not None
             and v.status.state == "running"
@@ -258,6 +270,9 @@ class Preemption:
             and v.id not in self.in_flight
             and v.id not in core.pausing
             and not v.lock.locked()
+            and view is not None
+            and v.id in view.running
+            and now - self.refused.get(v.id, -REFUSED_S) >= REFUSED_S
         )
 
     def _preempt(self, plan: Plan, table: ShareTable, held: dict[Tenant, int]) -> None:
@@ -310,5 +325,6 @@ class Preemption:
             failure = f"{type(e).__name__}: {e}"
         if failure:
             self._landed(victim.id)
+            self.refused[victim.id] = time.monotonic()
             self.stats["failed"] += 1
             log.info("could not preempt job %s (%s); the next check looks again", victim.id, failure)

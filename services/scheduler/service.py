@@ -20,6 +20,7 @@ from services.aio import cancel_and_wait, sleep_unless_stopped, wait_first
 from services.scheduler.api import SchedulerApi
 from services.scheduler.core import STATES_REDELIVERED_S, SchedulerConfig, SchedulerCore
 from services.scheduler.events import JobEvents
+from services.scheduler.gc_pauses import GcPauses, release_when_quiet, settle_after_start
 from services.scheduler.idempotency import IdempotencyKeys
 from services.scheduler.index import JobIndex
 from services.scheduler.lease import Lease, RenewalStats
@@ -64,6 +65,7 @@ class Scheduler:
         self.holder = holder or f"scheduler-{uuid.uuid4().hex[:8]}"
         self.leading = asyncio.Event()
         self.renewals = RenewalStats()
+        self.gc = GcPauses()  # the collector's pauses while leading
 
     async def run(self, stop: asyncio.Event) -> None:
         core = self.core
@@ -138,6 +140,7 @@ class Scheduler:
     async def _lead(self, lease: Lease, stop: asyncio.Event) -> None:
         await self.tenants.ready()  # the tenants' quotas as the bucket holds them, before any placement
         await self._recover()
+        settle_after_start()  # what the store's jobs made in memory stays out of later collections' walk
         lost = self.core.lost
         subs = [
             await self.nc.subscribe(names.HEARTBEATS_ALL, cb=self.liveness.on_heartbeat),
@@ -172,10 +175,12 @@ class Scheduler:
             self.events.consume_states(states, lost, stop),
             self.retention.run(lost, stop),
             self.reconcile.run(lost, stop),
+            release_when_quiet(lambda: len(self.core.queue) == 0, stop),
         ]
         tasks = [asyncio.create_task(self._part(part, lost)) for part in parts]
         try:
-            await wait_first(lost, stop)
+            with self.gc:
+                await wait_first(lost, stop)
         finally:
             self.leading.clear()  # at once: what follows may wait on a server that is gone
             if not lost.is_set():  # stopping: each part finishes what it applies (a state event, its ack)
@@ -203,8 +208,28 @@ class Scheduler:
             renewals.late,
             renewals.latest_s * 1000,
         )
+        log.info(
+            "garbage collection while leading: %s; placement passes without it: the longest %.1f ms, %d past their "
+            "budget (%d passes a collection landed in)",
+            self.gc.line(),
+            passes.longest_own_s * 1000,
+            passes.own_cut_short,
+            passes.collected_in,
+        )
         if self.preemption.stats:
             log.info("preemptions: %s", ", ".join(f"{k} {v}" for k, v in sorted(self.preemption.stats.items())))
+            watch = self.preemption.watch
+            (waited, starved), (below, lagged) = watch.longest_now()
+            log.info(
+                "fair share: the longest wait of a tenant below its share for a device while another held more: "
+                "%.1f s (tenant %s); %d past the allowance of %.1f s; the longest below its share: %.1f s (tenant %s)",
+                waited,
+                starved,
+                watch.logged,
+                watch.allowance(),
+                below,
+                lagged,
+            )
 
     async def _drop_old_consumers(self) -> None:
         """Consumers of an earlier subject layout match nothing now; left alone they would only hold the stream."""

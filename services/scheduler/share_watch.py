@@ -1,9 +1,11 @@
 """Whether the fair share holds, watched at every preemption check: how long a tenant below its share, with a waiting
-job it is owed (one asking for no more devices than its share less what it holds), goes without it while another
-tenant holds more than its share. Preemption should end such a wait within --min-run-s (the least a borrower runs
-before its device may be taken back) and the time a pause takes to land; a stretch longer than that and the
-scheduler's heartbeat window is logged, and the longest is in the leader's closing line (bench/fair_share.py and
-bench/chaos.py check it against their bound). O(tenants) a check: it looks at no job."""
+job it is owed (one asking for no more devices than its share less what it holds), goes without gaining a device
+while another tenant holds more than its share. Preemption should end such a wait within --min-run-s (the least a
+borrower runs before its device may be taken back) and the time a pause takes to land; a wait longer than that and
+the scheduler's heartbeat window is logged, and the longest is in the leader's closing line (bench/fair_share.py
+and bench/chaos.py check it against their bound). Beside it, how long a tenant stayed below its share at all,
+gaining or not: a large burst takes as long as its devices take to be freed one by one. O(tenants) a check: it
+looks at no job."""
 
 from __future__ import annotations
 
@@ -20,27 +22,29 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class Stretch:
-    """A tenant's wait below its share while another held more than its own: since when, and the worst seen."""
+    """A tenant below its share while another held more than its own: since when it gained no device (and how many
+    it held then), since when it is below its share, and a tenant over its share when the wait began."""
 
     since: float  # monotonic
     held: int
     share: int
-    over: Tenant  # a tenant over its share when it began
+    over: Tenant
+    below_since: float
 
 
 class ShareWatch:
-    """The stretches under way, and the longest one that ended (or the longest under way, when asked)."""
+    """The stretches under way, and the longest ones seen."""
 
     def __init__(self, core: SchedulerCore) -> None:
         self.core = core
         self.waiting: dict[Tenant, Stretch] = {}
-        self.longest_s = 0.0
-        self.longest_of: Tenant = None
-        self.logged = 0  # stretches past the allowance
+        self.longest: tuple[float, Tenant] = (0.0, None)  # a wait without a device gained, ended
+        self.longest_below: tuple[float, Tenant] = (0.0, None)  # below its share at all, ended
+        self.logged = 0  # waits past the allowance
 
     def allowance(self) -> float:
-        """How long a tenant may wait below its share while another holds more: --min-run-s and a heartbeat window
-        (the pause sent, the checkpoint stored, the device seen free)."""
+        """How long a tenant may wait for a device below its share while another holds more: --min-run-s and a
+        heartbeat window (the pause sent, the checkpoint stored, the device seen free)."""
         return self.core.cfg.min_run_s + self.core.cfg.window
 
     def observe(self, table: ShareTable, now: float | None = None) -> None:
@@ -51,9 +55,13 @@ class ShareWatch:
         for t, share in table.share.items():
             held, smallest = table.held.get(t, 0), book.smallest(t)
             starved = smallest is not None and held + smallest <= share and any(o != t for o in over)
-            if starved and t not in self.waiting:
-                self.waiting[t] = Stretch(now, held, share, next(o for o in over if o != t))
-            elif not starved and t in self.waiting:
+            stretch = self.waiting.get(t)
+            if starved and stretch is None:
+                self.waiting[t] = Stretch(now, held, share, next(o for o in over if o != t), now)
+            elif starved and stretch is not None and held > stretch.held:  # it gained: a new wait begins
+                self._waited(t, stretch, now)
+                stretch.since, stretch.held, stretch.share = now, held, share
+            elif not starved and stretch is not None:
                 self._ended(t, self.waiting.pop(t), now)
         for t in [t for t in self.waiting if t not in table.share]:  # no job of it left
             self._ended(t, self.waiting.pop(t), now)
@@ -65,14 +73,17 @@ class ShareWatch:
             self._ended(t, self.waiting.pop(t), now)
 
     def _ended(self, tenant: Tenant, stretch: Stretch, now: float) -> None:
+        self._waited(tenant, stretch, now)
+        self.longest_below = max(self.longest_below, (now - stretch.below_since, tenant), key=lambda lt: lt[0])
+
+    def _waited(self, tenant: Tenant, stretch: Stretch, now: float) -> None:
         took = now - stretch.since
-        if took > self.longest_s:
-            self.longest_s, self.longest_of = took, tenant
+        self.longest = max(self.longest, (took, tenant), key=lambda lt: lt[0])
         if took > self.allowance():
             self.logged += 1
             log.info(
-                "fair share: tenant %s waited %.1fs below its share (%d of %d devices when it began) while %s held "
-                "more than its own (allowed: %.1fs, --min-run-s and a heartbeat window)",
+                "fair share: tenant %s waited %.1fs below its share without a device gained (%d of %d devices) while "
+                "%s held more than its own (allowed: %.1fs, --min-run-s and a heartbeat window)",
                 tenant,
                 took,
                 stretch.held,
@@ -81,11 +92,11 @@ class ShareWatch:
                 self.allowance(),
             )
 
-    def longest(self, now: float | None = None) -> tuple[float, Tenant]:
-        """The longest stretch, ended or under way: (seconds, tenant)."""
+    def longest_now(self, now: float | None = None) -> tuple[tuple[float, Tenant], tuple[float, Tenant]]:
+        """(the longest wait without a device gained, the longest below its share), ended or under way."""
         now = time.monotonic() if now is None else now
-        best = (self.longest_s, self.longest_of)
+        waited, below = self.longest, self.longest_below
         for t, stretch in self.waiting.items():
-            if now - stretch.since > best[0]:
-                best = (now - stretch.since, t)
-        return best
+            waited = max(waited, (now - stretch.since, t), key=lambda lt: lt[0])
+            below = max(below, (now - stretch.below_since, t), key=lambda lt: lt[0])
+        return waited, below
