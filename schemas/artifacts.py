@@ -9,7 +9,8 @@ from msgspec import Meta, Struct
 from schemas.jobs import JobId
 from schemas.validate import pattern
 
-ArtifactKind = Literal["peft", "gguf", "checkpoint", "tensorboard", "eval"]  # eval: an eval run's results (JSONL)
+ArtifactKind = Literal["peft", "gguf", "checkpoint", "tensorboard", "eval", "sampler"]  # eval: an eval run's results
+# (JSONL); sampler: a Tinker session's named sampler save (PEFT's files, tar.gz), <job>/sampler-<save>
 KEEP_CHECKPOINTS = 3  # a job's newest checkpoints kept in the store; older ones are deleted as new ones arrive
 FILE_NAME = pattern(
     r"^(?!\.\.?\Z)[^/\\\x00-\x1f\x7f]*\Z",
@@ -30,6 +31,7 @@ class ArtifactMeta(Struct, kw_only=True):
         None  # a checkpoint's step: each is its own object, <job>/checkpoint-<step>
     )
     attempt: Annotated[int, Meta(ge=0)] = 0  # the attempt of the job that made it: only the current one is stored
+    save: Annotated[str, Meta(max_length=128, pattern=r"^[A-Za-z0-9._-]*$")] = ""  # a sampler save's name
 
 
 class Chunk(Struct, kw_only=True):
@@ -76,6 +78,7 @@ class ArtifactInfo(Struct, kw_only=True):
 class ArtifactQuery(Struct, forbid_unknown_fields=True, kw_only=True):
     job: JobId | None = None
     kind: ArtifactKind | None = None
+    name: str | None = None  # one artifact by its name (a sampler save the client deleted)
 
 
 class ArtifactList(Struct, tag="artifacts", tag_field="type"):

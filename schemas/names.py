@@ -40,6 +40,7 @@ PREFIX = "jetlora"
 JOBS_STREAM = "JETLORA_JOBS"  # state and progress events of every job, replayable
 JOBS_KV = "jetlora_jobs"  # one record per job: the scheduler's durable queue
 LEASE_KV = "jetlora_lease"  # the active scheduler's lease
+TRAINER_LEASES_KV = "jetlora_trainer_leases"  # which attempt of each job may compute (schemas/trainer_lease.py)
 IDEMPOTENCY_KV = "jetlora_idempotency"  # submission keys, each kept for the idempotency window (the bucket's max age)
 JOB_INDEX_STREAM = "JETLORA_JOB_INDEX"  # jobs in submission and in finishing order, for listing and retention
 ARTIFACTS_BUCKET = "jetlora_artifacts"  # object store of adapters and GGUF files
@@ -367,6 +368,11 @@ def tenant_of_event_subject(subject: str) -> str | None:
 def artifact_name(job: str, kind: str, step: int | None = None) -> str:
     """The object-store name of one artifact of a job (checkpoints: one per step)."""
     return f"{job}/{kind}" if step is None else f"{job}/{kind}-{step}"
+
+
+def sampler_save_object(job: str, save: str) -> str:
+    """The object-store name of a Tinker session's named sampler save (one object per name, kept until deleted)."""
+    return f"{job}/sampler-{save}"
 
 
 # JetStream's own API and storage subjects, for the writers and readers that go below nats-py and for permissions

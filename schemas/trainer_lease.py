@@ -1,13 +1,58 @@
-"""The file through which a node agent lets a trainer go on: its path in the trainer's environment (ENV), and in
-it a deadline on CLOCK_MONOTONIC (which every process of the machine shares) as fixed-width text. The agent
-writes it (services/agent/runner.py), the trainer reads it before each step (trainer/lease.py)."""
+"""Which attempt of a job may compute, and until when: one trainer of a job at a time, whatever state its node is in.
+
+Two parts. In the bucket TRAINER_LEASES_KV (schemas/names.py), one entry per job names the attempt that holds the
+job's trainer lease (Holder): the agent running that attempt writes it before its trainer starts and renews it at
+each heartbeat by compare-and-set on the entry's revision, so a renewal after another attempt took the entry over
+fails, and that attempt is ended there. An attempt on another node takes the entry over only once it has seen it
+unchanged for the holder's lease_s (its holder stopped renewing: it is frozen, cut off or dead) or deleted (its
+holder ended); a newer attempt's entry is never taken by an older one.
+
+The other part is local: the file through which the agent lets its trainer go on. Its path is in the trainer's
+environment (ENV), and in it a deadline on CLOCK_MONOTONIC (which every process of the machine shares) as
+fixed-width text. The agent moves the deadline to lease_s after the moment it sent a renewal the bucket took
+(services/agent/trainer_leases.py, heartbeats.py); the trainer reads it before each step and waits once it has
+passed (trainer/lease.py). A renewal is stored after it was sent and seen by another node after it was stored, so
+this trainer stops (before its next step) before another node may take the entry over."""
 
 from __future__ import annotations
 
 import os
+from typing import Annotated
+
+import msgspec
+from msgspec import Meta, Struct
+
+from schemas.jobs import JobId
 
 ENV = "JETLORA_LEASE"
 RECORD = 32  # bytes
+KEPT_S = 7 * 24 * 3600  # an entry nobody renewed or deleted (its node died) goes from the bucket after this
+
+
+class Holder(Struct, frozen=True, kw_only=True):
+    """The entry of a job: the attempt whose trainer may compute, the node running it, and how long its trainer
+    goes on after a renewal (the time another node waits, from when it saw the entry last change)."""
+
+    job: JobId
+    attempt: Annotated[int, Meta(ge=1)]
+    node: str
+    lease_s: Annotated[float, Meta(ge=0)]
+
+
+_encode = msgspec.json.Encoder()
+_decode = msgspec.json.Decoder(Holder)
+
+
+def key(job: str) -> str:
+    return f"job.{job}"
+
+
+def encode(holder: Holder) -> bytes:
+    return _encode.encode(holder)
+
+
+def decode(data: bytes) -> Holder:
+    return _decode.decode(data)
 
 
 def write(path: str, deadline: float) -> None:

@@ -17,7 +17,7 @@ from nats.js.api import KeyValueConfig, ObjectStoreConfig, RetentionPolicy, Stor
 from nats.js.errors import BadRequestError, NotFoundError
 from nats.micro.service import Group
 
-from schemas import names
+from schemas import names, trainer_lease
 from schemas.jobs import Error, Rejected
 from schemas.tinker_store import FUTURE_TTL_S
 from schemas.validate import FieldError, InvalidRequest, decoder_for
@@ -64,6 +64,7 @@ async def ensure_resources(nc: Client, replicas: int = 1) -> None:
     for bucket, kw in (
         (names.JOBS_KV, dict(history=1)),
         (names.LEASE_KV, dict(history=1, ttl=LEASE_TTL_S)),
+        (names.TRAINER_LEASES_KV, dict(history=1, ttl=trainer_lease.KEPT_S)),  # each job's computing attempt
         (names.ADAPTERS_KV, dict(history=16)),
         (names.IDEMPOTENCY_KV, dict(history=1, ttl=IDEMPOTENCY_S)),
         (names.KEYS_KV, dict(history=1)),

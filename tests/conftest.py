@@ -81,6 +81,7 @@ async def reset_resources(nc) -> None:
         names.JOBS_STREAM,
         names.kv(names.JOBS_KV).stream,
         names.kv(names.LEASE_KV).stream,
+        names.kv(names.TRAINER_LEASES_KV).stream,  # one test's trainer leases are none of the next's
         names.kv(names.ADAPTERS_KV).stream,
         names.JOB_INDEX_STREAM,
         names.kv(names.IDEMPOTENCY_KV).stream,

@@ -124,7 +124,10 @@ class ArtifactService:
 
     async def _open_sink(self, chunk: Chunk, subject: str) -> ArtifactSink:
         meta = await self._checked_meta(chunk, names.uploader_of_subject(subject))
-        name = names.artifact_name(chunk.job, chunk.kind, meta.step if chunk.kind == "checkpoint" else None)
+        if chunk.kind == "sampler":
+            name = names.sampler_save_object(chunk.job, meta.save)
+        else:
+            name = names.artifact_name(chunk.job, chunk.kind, meta.step if chunk.kind == "checkpoint" else None)
         headers = artifact_headers(chunk.job, chunk.kind, meta)
         writer = ObjectWriter(
             self.js,
@@ -167,6 +170,8 @@ class ArtifactService:
             )
         if chunk.kind == "checkpoint" and meta.step is None:
             raise Refused("a checkpoint's first chunk must say its step (meta.step)")
+        if chunk.kind == "sampler" and not meta.save:
+            raise Refused("a sampler save's first chunk must say its name (meta.save)")
         return msgspec.structs.replace(meta, tenant=stored.tenant or "", attempt=status.attempt)
 
     async def _keep_newest_checkpoints(self, stored: ArtifactInfo) -> None:
@@ -186,6 +191,7 @@ class ArtifactService:
             for a in out
             if (q.job is None or a.job == q.job)
             and (q.kind is None or a.kind == q.kind)
+            and (q.name is None or a.name == q.name)
             and (tenant is None or a.tenant == tenant)
         ]
 

@@ -17,6 +17,7 @@ JOBS, OBJ = names.JOBS_STREAM, names.objects(names.ARTIFACTS_BUCKET).stream
 DATA = names.objects(names.DATASETS_BUCKET).stream
 RESPONSES_PER_REQUEST = 8  # replies one user may send to one request (micro services in one process each answer)
 ADAPTERS = names.kv(names.ADAPTERS_KV)
+TRAINER_LEASES = names.kv(names.TRAINER_LEASES_KV)  # any node's agent may take a job's over from another's
 
 
 def _read_stream(stream: str) -> list[str]:
@@ -90,6 +91,9 @@ def _service_users() -> dict[str, dict]:
     gateway_publishes += _read_stream(DATA)  # an eval run's items from a file of the tenant's (it checks whose first)
     gateway_publishes += [names.node("*").session]  # the Tinker API's calls, for sessions of the key's tenant
     gateway_publishes += _tinker_store()  # what the Tinker API's clients were told, shared by every gateway
+    gateway_publishes += [names.artifacts_api(any_tenant).delete]  # a Tinker sampler save deleted, as its tenant's
+    gateway_publishes += _read_stream(names.objects(names.ARTIFACTS_BUCKET).stream)  # a Tinker export's files, read
+    # for the URL its tenant's key signed (services/gateway/tinker/exports.py)
     scheduler_hears = [names.API_GROUP + ".>", names.ADAPTERS_GROUP + ".>", names.EVALS_GROUP + ".>"]
     scheduler_hears += [names.HEARTBEATS_ALL]
     stores = [names.objects(names.ARTIFACTS_BUCKET).subjects, names.objects(names.DATASETS_BUCKET).subjects]
@@ -176,6 +180,7 @@ def _agent(node: str) -> dict:
     publishes += [f"{ADAPTERS.prefix}node.*.{node}", names.adapter_status(node)]  # what its engines loaded
     publishes += _object_read() + _read_stream(DATA) + _read_stream(ADAPTERS.stream)
     publishes += [names.js_api("STREAM", "MSG", "GET", LEASE_STREAM)]  # the leading term: older ones are refused
+    publishes += [TRAINER_LEASES.subjects, *_read_stream(TRAINER_LEASES.stream)]  # which attempt of a job computes
     return {
         "publish": publishes,
         "subscribe": [
