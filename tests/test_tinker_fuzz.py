@@ -17,6 +17,7 @@ import pytest
 from services.gateway.app import Gateway
 from services.gateway.openai_map import BaseModel
 from services.gateway.tinker import proto
+from services.gateway.tinker.outcomes import STEP_METRIC
 from services.gateway.tinker.settings import TinkerSettings
 from tests.conftest import wait_nodes
 from tests.test_tinker_api import key_for
@@ -246,7 +247,8 @@ async def test_every_route_answers_malformed_requests_with_a_4xx_and_the_session
                   "their turn")  # fmt: skip
             assert grew < 24, grew
             turn = await api.ok("optim_step", {"model_id": model, "seq_id": cases.next, "adam_params": {}})
-            assert (await api.result(turn["request_id"]))["metrics"]["step"] == 1.0  # the turns before it were taken
+            stepped = await api.result(turn["request_id"])
+            assert stepped["metrics"][STEP_METRIC] == 1.0  # the turns before it were taken
             sample = {"sampling_session_id": sampler["sampling_session_id"], "num_samples": 2,
                       "prompt": {"chunks": [{"type": "encoded_text", "tokens": [1, 2, 3]}]}}  # fmt: skip
             sampled = await api.ok("asample", sample)

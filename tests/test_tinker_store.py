@@ -58,7 +58,8 @@ async def test_a_clients_loop_goes_on_across_a_restart_of_its_gateway(nc, stack,
     port, halfway = gw.port, threading.Event()
     loop = asyncio.create_task(asyncio.to_thread(train, port, await key_for(nc, "acme"), halfway))
     try:
-        assert await asyncio.to_thread(halfway.wait, 120), "the loop never got halfway"  # a thread left waiting keeps pytest from exiting
+        # a thread left waiting keeps pytest from exiting: the wait takes its timeout in the thread
+        assert await asyncio.to_thread(halfway.wait, 120), "the loop never got halfway"
         await gw.close()  # calls in flight: the client retries, the next gateway answers them from the store
         gw = Gateway(nc, models(tiny_model), port=port)
         await gw.start()
@@ -96,7 +97,8 @@ async def test_a_clients_loop_goes_on_after_its_gateway_is_killed(nc, stack, tin
         await wait_for(lambda: listening(port), timeout=60, what="the gateway listening")
         halfway = threading.Event()
         loop = asyncio.create_task(asyncio.to_thread(train, port, await key_for(nc, "acme"), halfway))
-        assert await asyncio.to_thread(halfway.wait, 120), "the loop never got halfway"  # a thread left waiting keeps pytest from exiting
+        # a thread left waiting keeps pytest from exiting: the wait takes its timeout in the thread
+        assert await asyncio.to_thread(halfway.wait, 120), "the loop never got halfway"
         first.send_signal(signal.SIGKILL)  # no goodbye: its models are taken over once it is not heard of
         first.wait()
         second = gateway_process(nats_server.url, port, tiny_model, log)

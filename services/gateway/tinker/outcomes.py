@@ -27,6 +27,9 @@ from services.gateway.tinker.store import Store
 from services.gateway.tinker.trainers import Trainers
 
 log = logging.getLogger(__name__)
+# optim_step's metrics, named as Tinker names metrics (name:how chunks combine), never a bare `step`: a loop merges
+# them into its own metrics row, whose `step` column the cookbook's resume reads.
+STEP_METRIC, NORM_METRIC = "optimizer_step:unique", "grad_norm:mean"
 Change = Callable[[ModelRecord], object]  # what a call changed in its model's record, replayed on the stored one
 
 
@@ -75,7 +78,7 @@ class Runner:
 
     async def _optim(self, future, model, reply, changes) -> Outcome:
         step = answered(reply, StepResult)
-        metrics = {"step": float(step.step)} | ({} if step.grad_norm is None else {"grad_norm": step.grad_norm})
+        metrics = {STEP_METRIC: float(step.step)} | ({} if step.grad_norm is None else {NORM_METRIC: step.grad_norm})
         return Outcome(json={"metrics": metrics})
 
     async def _save_state(self, future, model, reply, changes) -> Outcome:
