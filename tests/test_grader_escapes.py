@@ -87,7 +87,8 @@ def grade(sample, item):
     raise RuntimeError(f'not refused with EPERM: errnos {found}')
 """
 
-# A child that starts a session of its own and forks again: the grandchild names itself and waits to be found.
+# A child that starts a session of its own and forks again: the grandchild names itself, closes every descriptor it
+# inherited (so that nothing waits for it) and lives on, to be found.
 DOUBLE_FORK = r"""
 import ctypes, os, time
 def grade(sample, item):
@@ -97,6 +98,7 @@ def grade(sample, item):
         if os.fork() == 0:
             ctypes.CDLL(None).prctl(15, ctypes.c_char_p(b'%s'), 0, 0, 0)
             os.write(w, b'x')
+            os.closerange(0, 256)  # as a daemon does: nothing of the sandbox's held open, the call free to return
             time.sleep(5)
         os._exit(0)
     os.read(r, 1)

@@ -7,6 +7,7 @@ Skipped, saying why, where this machine cannot make such a user's process (not r
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import shutil
@@ -58,6 +59,7 @@ print(json.dumps(out))
 """
 
 
+@functools.cache
 def interpreter() -> str | None:
     """A Python of this one's version that `nobody` may run and reach (this one, or the system's: the sandbox binds
     its installation), to run with this one's packages."""
@@ -73,6 +75,7 @@ def as_nobody(command: list[str]) -> list[str]:
     return ["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups", *command]
 
 
+@functools.cache
 def why_skip() -> str:
     if not sys.platform.startswith("linux") or os.geteuid() != 0:
         return "making another user's process and delegating it a cgroup needs root on Linux"

@@ -12,7 +12,8 @@ PythonGraders = Literal["auto", "on", "off"]
 @dataclass(frozen=True)
 class GraderContext:
     """What the operator allows here. `python_graders`: "auto" runs them only where the sandbox isolates fully
-    (services/graders/sandbox.py), "on" also where it cannot (the operator accepts what is missing), "off" never.
+    (services/graders/sandbox.py), "on" also where it cannot, on a node that serves one tenant (`single_tenant`: the
+    operator accepts what is missing), "off" never.
     The limits hold per sample (cpu_s, wall_s), per sandbox (memory_mib, max_processes and cpus for all of its
     processes together; memory_mib also for each one) or, where a caller asks for it (the gateway's graders
     endpoints), per request (request_sandbox_s)."""
