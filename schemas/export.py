@@ -9,7 +9,8 @@ from pathlib import Path
 import msgspec
 
 from schemas import names
-from schemas.catalogue import CHANNELS, MESSAGES
+from schemas.catalogue import MESSAGES
+from schemas.channels import CHANNELS
 
 HERE = Path(__file__).parent
 
