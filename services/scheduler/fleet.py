@@ -6,7 +6,7 @@ import bisect
 import itertools
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Container, KeysView
+from collections.abc import Callable, Container, Iterator, KeysView
 from dataclasses import dataclass, field
 
 from schemas.memory import ModelShape
@@ -16,6 +16,7 @@ SlotKey = tuple[str, int]  # (node, device index)
 
 
 BUSY_SCAN = 256  # fitting devices compared for their engines' load (beyond that, best fit alone)
+GANG_SCAN = 64  # nodes with as many free devices as a multi-device job needs compared for their fit, at most
 
 
 @dataclass
@@ -49,6 +50,7 @@ class Fleet:
         self._free: dict[str, list[tuple[int, str, int]]] = {"cuda": [], "cpu": []}  # sorted (free_mib, node, index)
         self._indexed: dict[SlotKey, tuple[str, tuple[int, str, int]]] = {}
         self._free_on: dict[str, int] = {}  # node -> its free devices (nodes with none are absent): gangs look here
+        self._with_free: dict[int, set[str]] = {}  # how many free devices -> the nodes with that many
         self._largest: dict[tuple[str, ...], tuple[str, Device] | None] = {}  # cache; cleared when totals change
         self.busy: dict[SlotKey, float] = {}  # devices whose serving engine was busy lately: the fraction of polls
         self._shapes: dict[str, dict[str, ModelShape]] = {}  # model directory -> node -> its shape there
@@ -84,11 +86,22 @@ class Fleet:
             self._count_free(node, 1)
 
     def _count_free(self, node: str, change: int) -> None:
-        count = self._free_on.get(node, 0) + change
+        before = self._free_on.get(node, 0)
+        count = before + change
+        if before > 0:
+            self._with_free[before].discard(node)
         if count > 0:
             self._free_on[node] = count
+            self._with_free.setdefault(count, set()).add(node)
         else:
             self._free_on.pop(node, None)
+
+    def _freest(self, at_least: int = 1) -> Iterator[tuple[str, int]]:
+        """(node, its free devices) of the nodes with `at_least` free devices, the most first: what a gang looks at,
+        which costs what the fleet has free that many together, not its size."""
+        for count in sorted((c for c in self._with_free if c >= at_least), reverse=True):
+            for node in self._with_free[count]:
+                yield node, count
 
     # --- what heartbeats and assignments change ---------------------------------------------------
     def heard(self, hb: Heartbeat, now: float | None = None) -> bool:
@@ -215,17 +228,22 @@ class Fleet:
     def find_gang(
         self, need_mib: int, accelerator: str, count: int, node: str | None = None, held: Container[str] = ()
     ) -> list[SlotKey] | None:
-        """`count` free devices of one node, each with need_mib free (the best-fitting node), or None: a job on
-        several devices is placed whole or not at all."""
+        """`count` free devices of one node, each with need_mib free, or None: a job on several devices is placed
+        whole or not at all. The node is the best-fitting one among those with the fewest free devices that hold it
+        (so that nodes freer still stay whole for larger jobs), of GANG_SCAN of them at most: a gang costs what the
+        fleet has free that many together, never the fleet's size."""
         kinds, best = self.kinds(accelerator), None
-        names = [node] if node is not None else [n for n, free in self._free_on.items() if free >= count]
-        for name in names:  # only nodes with `count` free devices: a full fleet costs what is free in it
-            if name in held and node is None:
-                continue
-            fits = self._fitting(name, need_mib, kinds)[:count]
-            if len(fits) == count and (best is None or sum(f for f, _ in fits) < best[0]):
-                best = (sum(f for f, _ in fits), [(name, i) for _, i in fits])
-        return best[1] if best else None
+        if node is not None:
+            fits = self._fitting(node, need_mib, kinds)[:count]
+            return [(node, i) for _, i in fits] if len(fits) == count else None
+        for free in sorted(c for c in self._with_free if c >= count):  # the tightest nodes first
+            for name in itertools.islice((n for n in self._with_free[free] if n not in held), GANG_SCAN):
+                fits = self._fitting(name, need_mib, kinds)[:count]
+                if len(fits) == count and (best is None or sum(f for f, _ in fits) < best[0]):
+                    best = (sum(f for f, _ in fits), [(name, i) for _, i in fits])
+            if best is not None:
+                return best[1]
+        return None
 
     def most_devices(self, need_mib: int, accelerator: str, node: str | None = None) -> tuple[int, str | None]:
         """The most devices with need_mib total memory one node has (whether free or not), and that node."""
@@ -267,8 +285,8 @@ class Fleet:
         """The node a waiting multi-device job should have kept for it: one with enough devices big enough, and
         the most of them free already; None when no node has them."""
         kinds, best = self.kinds(accelerator), None
-        freest = sorted(self._free_on.items(), key=lambda nf: -nf[1])  # the nodes with free devices, most first
-        for name in itertools.chain((n for n, _ in freest), self.nodes):  # then any: the first able one, none free
+        freest = (n for n, _ in self._freest())  # the nodes with free devices, most first
+        for name in itertools.chain(freest, self.nodes):  # then any: the first able one, none free
             free = self._free_on.get(name, 0)
             if best is not None and free <= best[0]:
                 break  # no node left can have more of them free
