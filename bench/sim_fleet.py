@@ -32,6 +32,7 @@ from schemas.nodes import (
 )
 
 GPU_MIB = 81920
+FINISHED_KEPT_S = 60.0  # how long a node lists a job that ended (services/agent/heartbeats.py's)
 SAVE_S, LOAD_S = 0.2, 0.5  # what a pause and a resume cost a job's device (a checkpoint written, then read back)
 enc = msgspec.json.Encoder()
 dec_assign = msgspec.json.Decoder(Assignment)
@@ -49,6 +50,11 @@ class SimJob:
     step: int = 0  # steps done (including those before the checkpoint it resumed from)
     paused_by: str = ""  # a pause was asked, by this
     task: asyncio.Task | None = None
+
+    @property
+    def devices(self) -> int:
+        """The devices it holds (device-time counts each)."""
+        return len(self.a.devices) or 1
 
 
 def job_shape(label: str) -> tuple[float, float]:
@@ -77,13 +83,22 @@ class Fleet:
         self.assigned_at: dict[str, float] = {}
         self.held: dict[str, str] = {}  # job -> doomed node holding it
         self.attempts: dict[str, int] = {}  # job -> the attempt it runs as
-        self.finished: dict[str, list[str]] = {n: [] for n in self.nodes}  # recent, as real agents report them
+        self.finished: dict[str, dict[str, float]] = {n: {} for n in self.nodes}  # job -> when it ended, a minute
         self.tasks: set[asyncio.Task] = set()
         self.running: dict[str, SimJob] = {}  # job -> its attempt running now
         self.done_at: dict[str, float] = {}  # job -> when it succeeded (monotonic)
         self.paused: dict[str, int] = {}  # job -> times it was paused
         self.lost_s = 0.0  # device-seconds spent saving and loading checkpoints for pauses, and redoing steps
         self.work_s = 0.0  # device-seconds of useful work done
+
+    def _recently_finished(self, node: str) -> list[str]:
+        """The node's jobs that ended in the last FINISHED_KEPT_S, as a real agent lists them (services/agent/
+        heartbeats.py), however many: a device of a co-training group ends dozens within seconds, and a list cut
+        to the last few had the scheduler take a job whose end it had not read yet for one its node lost."""
+        kept, horizon = self.finished[node], time.monotonic() - FINISHED_KEPT_S
+        while kept and next(iter(kept.values())) < horizon:  # in the order they ended: the oldest first
+            del kept[next(iter(kept))]
+        return list(kept)
 
     def heartbeat(self, node: str) -> bytes:
         devices = [
@@ -96,10 +111,13 @@ class Fleet:
             )
             for i, held in enumerate(self.nodes[node])
         ]
+        on: dict[str, tuple[list[int], str | None]] = {}  # job -> its devices (several: a multi-device job), group
+        for i, held in enumerate(self.nodes[node]):
+            for job, _, group in held:
+                on.setdefault(job, ([], group))[0].append(i)
         attempts = [
-            RunningAttempt(job=job, attempt=self.attempts.get(job, 1), devices=[i], state="running", group=group)
-            for i, held in enumerate(self.nodes[node])
-            for job, _, group in held
+            RunningAttempt(job=job, attempt=self.attempts.get(job, 1), devices=devices, state="running", group=group)
+            for job, (devices, group) in on.items()
         ]
         return enc.encode(
             Heartbeat(
@@ -108,7 +126,7 @@ class Fleet:
                 devices=devices,
                 running=[a.job for a in attempts],
                 attempts=attempts,
-                finished=self.finished[node][-16:],
+                finished=self._recently_finished(node),
                 interval_s=self.interval,
                 sent_at=time.time(),
             )
@@ -138,12 +156,13 @@ class Fleet:
         node = names.node_of_subject(msg.subject)
         self.assigned_at.setdefault(a.job, now)
         self.assigns[a.job] = self.assigns.get(a.job, 0) + 1
-        held = self.nodes[node][a.device]
-        if any(group != a.group or group is None for _, _, group in held):
+        devices = [self.nodes[node][d] for d in (a.devices or [a.device])]  # all of a multi-device job's
+        if any(group != a.group or group is None for held in devices for _, _, group in held):
             self.refused += 1
             await msg.respond(enc.encode(AssignRefused(a.job, "the device runs another job")))
             return
-        held.append((a.job, a.need_mib if a.need_mib is not None else a.request.gpu_mib, a.group))
+        for held in devices:
+            held.append((a.job, a.need_mib if a.need_mib is not None else a.request.gpu_mib, a.group))
         self.attempts[a.job] = a.attempt
         await msg.respond(enc.encode(AssignAccepted(a.job)))
         work, step = job_shape(a.request.label)
@@ -182,13 +201,13 @@ class Fleet:
             return  # held until the node is killed
         if a.resume_from:
             await asyncio.sleep(LOAD_S)
-            self.lost_s += LOAD_S
+            self.lost_s += LOAD_S * job.devices
         steps = max(1, round(job.work_s / job.step_s))
         while job.step < steps:  # a pause takes effect at the end of the step under way, as the real trainer's
             started = time.monotonic()
             await asyncio.sleep(job.work_s / steps)
             job.step += 1
-            self.work_s += time.monotonic() - started
+            self.work_s += (time.monotonic() - started) * job.devices
             if job.paused_by and job.step < steps:
                 await self._pause(job)
                 return
@@ -200,7 +219,7 @@ class Fleet:
         """Stop-and-save: a checkpoint at the step reached, reported as a real agent reports it, then `paused`."""
         a, node = job.a, job.node
         await asyncio.sleep(SAVE_S)
-        self.lost_s += SAVE_S
+        self.lost_s += SAVE_S * job.devices
         info = CheckpointInfo(step=job.step, name=f"sim-{a.job}-{job.step}", created=time.time())
         await self.report(a, node, "running", message=f"checkpoint at step {job.step} stored", checkpoint=info)
         self.paused[a.job] = self.paused.get(a.job, 0) + 1
@@ -211,8 +230,10 @@ class Fleet:
         """The job's device is free; heartbeats list it among the node's finished, as a real agent's do (so the
         scheduler does not take a job whose last state is on its way for one its node lost)."""
         a, node = job.a, job.node
-        self.nodes[node][a.device] = [h for h in self.nodes[node][a.device] if h[0] != a.job]
-        self.finished[node].append(a.job)
+        for d in a.devices or [a.device]:
+            self.nodes[node][d] = [h for h in self.nodes[node][d] if h[0] != a.job]
+        self.finished[node].pop(a.job, None)  # a job paused here and ended later: listed from its end
+        self.finished[node][a.job] = time.monotonic()
         if self.running.get(a.job) is job:
             del self.running[a.job]
 
