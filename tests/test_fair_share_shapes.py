@@ -174,7 +174,8 @@ async def test_a_groups_members_given_up_come_from_tenants_over_their_share():
 def test_the_share_watch_times_each_wait_for_a_device_while_another_holds_more():
     """globex (owed 2, one job of one device waiting) gains a device after 5 s, reaches its share 1.5 s later: the
     longest wait for a device is 5 s (the one past the allowance of --min-run-s 1 s + a 1 s heartbeat window), the
-    longest below its share 6.5 s; a tenant below its share with nobody over theirs waits for nothing."""
+    longest below its share 6.5 s; a tenant below its share with nobody over theirs waits for nothing; a wait under
+    way when the scheduler stops leading is not carried into its next term."""
     from schemas.jobs import JobStatus
     from services.scheduler.core import SchedulerConfig, SchedulerCore
     from services.scheduler.share_watch import ShareWatch
@@ -191,3 +192,8 @@ def test_the_share_watch_times_each_wait_for_a_device_while_another_holds_more()
         watch.observe(shares(globex, acme), now=now)
     assert (watch.longest, watch.longest_below, watch.logged) == ((5.0, "globex"), (6.5, "globex"), 1)
     assert watch.waiting == {}  # below its share at 9 s, but nobody holds more than theirs
+    watch.observe(shares(0, 4), now=10.0)  # a wait begins; the scheduler stops leading, and leads again 100 s later
+    watch.restart()
+    watch.observe(shares(0, 4), now=110.0)
+    watch.observe(shares(1, 3), now=111.0)
+    assert (watch.longest, watch.logged) == ((5.0, "globex"), 1)  # 1 s of this term, not 101 s

@@ -109,6 +109,7 @@ class Preemption:
 
     async def run(self, lost: asyncio.Event, stop: asyncio.Event) -> None:
         core, more = self.core, False
+        self.watch.restart()  # this term's waits only
         while not (stop.is_set() or lost.is_set()):
             if await sleep_unless_stopped(stop, AGAIN_S if more else CHECK_S):
                 return
