@@ -233,3 +233,29 @@ def test_a_hostile_result_line_is_the_graders_own_error(line, says):
 def test_the_cpu_quota_holds_for_all_of_a_sandboxs_processes():
     [result] = graded(SPIN)
     assert result.error == "" and result.score <= 1.2, f"two children got {result.score:.2f} CPUs: {result}"
+
+
+# Ends its own process by a real-time signal (one with no name in Python's Signals), loading or grading.
+RT_SIGNAL_GRADE = "import os, signal\ndef grade(sample, item):\n    os.kill(os.getpid(), signal.SIGRTMIN + 6)\n"
+RT_SIGNAL_LOAD = (
+    "import os, signal\nos.kill(os.getpid(), signal.SIGRTMIN + 6)\ndef grade(sample, item):\n    return 1.0\n"
+)
+# An error whose text holds a lone surrogate: JSON can escape it, UTF-8 cannot hold it.
+SURROGATE_GRADE = "def grade(sample, item):\n    raise ValueError('\\ud800')\n"
+SURROGATE_LOAD = "raise ValueError('\\udfff')\ndef grade(sample, item):\n    return 1.0\n"
+
+
+@pytest.mark.parametrize(
+    "source,says",
+    [
+        (RT_SIGNAL_GRADE, "signal"),
+        (RT_SIGNAL_LOAD, "signal"),
+        (SURROGATE_GRADE, "ValueError"),
+        (SURROGATE_LOAD, "ValueError"),
+    ],
+    ids=["rt-signal", "rt-signal-at-load", "surrogate", "surrogate-at-load"],
+)
+def test_an_odd_end_or_error_is_the_graders_own(source, says):
+    [result] = graded(source)
+    assert result.score == 0.0 and result.error_kind == RUNTIME and says in result.error, result
+    result.error.encode()  # text any JSON reader and writer downstream takes

@@ -75,13 +75,20 @@ def _filter() -> bool:
         return False
 
 
+def _signal_name(sig: int) -> str:
+    """SIGKILL, or "signal 40" for one Python has no name for (the real-time ones: Signals(40) raises)."""
+    try:
+        return signal.Signals(sig).name
+    except ValueError:
+        return f"signal {sig}"
+
+
 def _exit_reason(status: int, limits: dict) -> str:
     if os.WIFSIGNALED(status):
         sig = os.WTERMSIG(status)
         if sig == signal.SIGXCPU:
             return f"the grader used up the sandbox's CPU time ({limits['cpu_s']} s a sample)"
-        name = signal.Signals(sig).name if sig in signal.valid_signals() else f"signal {sig}"
-        return f"the grader's process was ended by {name}"
+        return f"the grader's process was ended by {_signal_name(sig)}"
     return f"the grader ended its process (exit status {os.waitstatus_to_exitcode(status)})"
 
 
@@ -190,8 +197,9 @@ def _await(worker: _Worker, wanted, limits: dict) -> tuple[dict | None, str]:
 
 
 def _text(value) -> str:
-    """An error the worker sent, where it is text."""
-    return value[:ERROR_MAX] if isinstance(value, str) else ""
+    """An error the worker sent, where it is text, as text every JSON reader takes: a lone surrogate (which JSON
+    escapes but UTF-8 cannot hold, so the service's reader refuses the line) replaced."""
+    return value[:ERROR_MAX].encode("utf-8", "replace").decode() if isinstance(value, str) else ""
 
 
 def _result(got: dict) -> tuple[float, str, str]:
