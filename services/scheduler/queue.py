@@ -4,17 +4,26 @@ or one per tenant (fair sharing), which placement visits in the order of their s
 from __future__ import annotations
 
 import heapq
+from collections import Counter
 from collections.abc import Callable, Collection, Generator, Iterator
 from typing import Any
 
+REBUILD_SLACK = 64  # a heap is rebuilt once its entries of jobs gone outnumber its jobs by this and more
+
 
 class JobQueue:
-    """A heap of (-priority, seq, job); jobs pinned to a node wait in that node's own heap."""
+    """A heap of (-priority, seq, job); jobs pinned to a node wait in that node's own heap.
+
+    Removal is lazy (an entry whose job left the queue is dropped when it surfaces), but what the heaps hold stays
+    bounded by the jobs waiting: a node's heap goes with its last job (jobs pinned to nodes nobody has seen, then
+    cancelled, would otherwise leave a heap each for good), and a heap grown past twice its jobs is rebuilt."""
 
     def __init__(self) -> None:
         self._any: list[tuple[int, int, str]] = []
         self._pinned: dict[str, list[tuple[int, int, str]]] = {}
-        self._queued: set[str] = set()
+        self._queued: dict[str, str] = {}  # job -> the node it waits for ("": any node)
+        self._waiting: Counter[str] = Counter()  # node ("": any node) -> its jobs queued
+        self.heaps_dropped = 0  # nodes' heaps given up as their last job left
 
     def __len__(self) -> int:
         return len(self._queued)
@@ -23,17 +32,48 @@ class JobQueue:
         return job in self._queued
 
     def push(self, job: str, priority: int, seq: int, node: str | None = None) -> None:
-        heap = self._pinned.setdefault(node, []) if node else self._any
-        heapq.heappush(heap, (-priority, seq, job))
-        self._queued.add(job)
+        heapq.heappush(self._heap(node or "", create=True), (-priority, seq, job))
+        if job not in self._queued:
+            self._queued[job] = node or ""
+            self._waiting[node or ""] += 1
 
-    def ids(self) -> set[str]:
+    def ids(self) -> Collection[str]:
         """The queued jobs (a live view: copy it to change the queue while iterating)."""
-        return self._queued
+        return self._queued.keys()
 
     def discard(self, job: str) -> None:
-        """Forget a job (cancelled, placed); its heap entry is dropped when it surfaces."""
-        self._queued.discard(job)
+        """Forget a job (cancelled, placed); its heap entry is dropped when it surfaces, or with its heap."""
+        node = self._queued.pop(job, None)
+        if node is None:
+            return
+        self._waiting[node] -= 1
+        if self._waiting[node] > 0:
+            heap = self._heap(node)
+            if len(heap) > 2 * self._waiting[node] + REBUILD_SLACK:
+                heap[:] = [e for e in heap if self._queued.get(e[2]) == node]  # in place: a pass may be reading it
+                heapq.heapify(heap)
+            return
+        del self._waiting[node]
+        if node:
+            del self._pinned[node]
+            self.heaps_dropped += 1
+        else:
+            self._any.clear()
+
+    def pinned_heaps(self) -> int:
+        """Nodes' heaps held: one per node jobs wait for, none left by jobs gone."""
+        return len(self._pinned)
+
+    def _heap(self, node: str, create: bool = False) -> list[tuple[int, int, str]]:
+        if not node:
+            return self._any
+        return self._pinned.setdefault(node, []) if create else self._pinned.get(node, [])
+
+    def _put_back(self, node: str, entries: list[tuple[int, int, str]]) -> None:
+        """Entries a walk popped go back to their node's heap (as it is now), those of jobs still queued."""
+        for entry in entries:
+            if entry[2] in self._queued:
+                heapq.heappush(self._heap(node, create=True), entry)
 
     def pinned_nodes(self, among: Collection[str] | None = None) -> list[str]:
         """Nodes jobs wait for (of those `among`, when given: a pass over the fleet's nodes then costs what the
@@ -48,7 +88,7 @@ class JobQueue:
         """The queued jobs not pinned to a node (those pinned to `node`, when given), best first, popped only as far
         as the caller reads (each keeps its place: close the generator, as contextlib.closing does, to put them
         back)."""
-        heap, popped = (self._pinned.get(node, []) if node else self._any), []
+        heap, popped = self._heap(node or ""), []
         try:
             while heap:
                 entry = heapq.heappop(heap)
@@ -56,8 +96,7 @@ class JobQueue:
                     popped.append(entry)
                     yield entry[2]
         finally:
-            for entry in popped:
-                heapq.heappush(heap, entry)
+            self._put_back(node or "", popped)
 
     def take(
         self,
@@ -72,8 +111,8 @@ class JobQueue:
         Jobs that did not fit keep their place. Scanning stops at `window` misses so a queue
         full of jobs too big for today's fleet costs a bounded amount per pass (backfill window).
         """
-        heap = self._pinned.get(node, []) if node else self._any
-        missed: list[tuple] = []
+        heap = self._heap(node or "")
+        missed: list[tuple[int, int, str]] = []
         try:
             while heap and len(missed) < window and not (until is not None and until()):
                 entry = heapq.heappop(heap)
@@ -81,16 +120,16 @@ class JobQueue:
                 if job not in self._queued:
                     continue
                 if fits(job):
-                    self._queued.discard(job)
+                    self.discard(job)
                     yield job
                 else:
                     missed.append(entry)
         finally:
-            for entry in missed:
-                heapq.heappush(heap, entry)
+            self._put_back(node or "", missed)
 
 
 ALL: Any = ("all tenants",)  # the one queue's key under fifo sharing
+_NONE: Any = object()  # no queue's key
 
 
 class TenantQueues:
@@ -124,8 +163,8 @@ class TenantQueues:
         self._key_of[job] = key
 
     def discard(self, job: str) -> None:
-        key = self._key_of.pop(job, None)
-        if key is not None:
+        key = self._key_of.pop(job, _NONE)
+        if key is not _NONE:  # None is a key too: the queue of jobs with no tenant, under fair sharing
             self.queues[key].discard(job)
 
     def ids(self) -> Collection[str]:
@@ -135,6 +174,10 @@ class TenantQueues:
     def waiting(self) -> Iterator[tuple[Any, JobQueue]]:
         """(key, queue) of the queues with jobs in them."""
         return ((k, q) for k, q in self.queues.items() if len(q))
+
+    def pinned_heaps(self) -> int:
+        """The nodes' heaps the queues hold (see JobQueue.pinned_heaps)."""
+        return sum(q.pinned_heaps() for q in self.queues.values())
 
     def pinned_nodes(self, among: Collection[str] | None = None) -> list[str]:
         """Nodes some tenant's jobs wait for (see JobQueue.pinned_nodes)."""
