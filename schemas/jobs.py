@@ -423,3 +423,4 @@ class IdempotencyRecord(Struct, kw_only=True):
     job: JobId
     request_sha256: str  # of the request as decoded, so the same job sent again matches whatever its formatting
     created: float
+    index_seq: int = 0  # the job's "submitted" index entry, once a try wrote it (a retry writes no second one)

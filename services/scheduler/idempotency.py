@@ -21,12 +21,14 @@ def request_digest(request: JobRequest) -> str:
     return hashlib.sha256(_canonical.encode(request)).hexdigest()
 
 
-@dataclass(frozen=True)
+@dataclass
 class Claim:
-    """The job a submission with an idempotency key is: already `stored`, or to be stored under `job`."""
+    """The job a submission with an idempotency key is: already `stored`, or to be stored under `job`; with the
+    sequence of its index entry once a try wrote it (`index_seq`: a job is entered in the index once)."""
 
     job: JobId
     stored: bool
+    index_seq: int = 0
 
 
 class IdempotencyKeys:
@@ -69,8 +71,8 @@ class IdempotencyKeys:
             fresh = record.created - earlier.created < self.window_s
             same = earlier.request_sha256 == record.request_sha256
             exists = fresh and await job_exists(earlier.job)
-            if fresh and same:
-                return Claim(earlier.job, stored=exists)  # stored, or reserved by a try whose write may land yet
+            if fresh and same:  # stored, or reserved by a try whose write may land yet (and its index entry)
+                return Claim(earlier.job, stored=exists, index_seq=earlier.index_seq)
             if exists:
                 raise InvalidRequest(
                     [
@@ -86,6 +88,15 @@ class IdempotencyKeys:
             # expired, or its job was never stored (a crash between the two writes): the key is free again
             if await self.store.write_idempotency(key, record, revision):
                 return Claim(job_id, stored=False)
+
+    async def note_index(self, key: str, claim: Claim) -> None:
+        """A try whose write had an unknown outcome wrote the job's index entry: the key's record keeps its
+        sequence, so that a retry, however late within the window, enters the job in the index no second time."""
+        found = await self.store.idempotency(key)
+        if found is None or found[0].job != claim.job or found[0].index_seq == claim.index_seq:
+            return
+        record = msgspec.structs.replace(found[0], index_seq=claim.index_seq)
+        await self.store.write_idempotency(key, record, found[1])  # lost to a newer write: that one holds
 
     async def release(self, key: str) -> None:
         """The job could not be stored: its key must not point at it."""

@@ -46,9 +46,14 @@ class JobIndex:
         self.nc, self.js = nc, nc.jetstream()
         self.writer: JetStreamWriter | ViaJsPublish = writer or ViaJsPublish(self.js)
 
-    async def submitted(self, tenant: str | None, job: str) -> int:
-        """Enter a new job; its entry's sequence is its place in listings."""
-        ack = await self.writer.publish(names.job_index_submitted(names.tenant_token(tenant)), job.encode(), None, 5.0)
+    async def submitted(self, tenant: str | None, job: str, once: bool = False) -> int:
+        """Enter a new job; its entry's sequence is its place in listings. `once`: the job's id may be entered again
+        (a retry of a submission under the id its first try reserved): within the stream's duplicate window the
+        server keeps the first entry and answers its sequence."""
+        headers = {"Nats-Msg-Id": f"submitted-{job}"} if once else None
+        ack = await self.writer.publish(
+            names.job_index_submitted(names.tenant_token(tenant)), job.encode(), headers, 5.0
+        )
         return ack.seq
 
     async def finished(self, entry: Finished) -> int:

@@ -7,9 +7,10 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import secrets
 import time
-import uuid
 from collections import Counter
+from collections.abc import Awaitable
 
 import msgspec
 
@@ -20,7 +21,7 @@ from services.scheduler import references, sizing
 from services.scheduler.submission_checks import capacity_errors, held_mib, quota_errors
 from services.scheduler.core import Job, SchedulerCore
 from services.scheduler.fence import Deposed
-from services.scheduler.idempotency import IdempotencyKeys
+from services.scheduler.idempotency import Claim, IdempotencyKeys
 
 log = logging.getLogger(__name__)
 READ_BACK_S = 2.0  # a submission whose write went unanswered reads it back this long at most before answering
@@ -44,16 +45,25 @@ class Submissions:
             return await self._admit(request, size, tenant)
         key = f"{tenant or ''}/{request.idempotency_key}"  # one tenant's keys are not another's
         async with self.idempotency.turn(key):  # a retry waits for the first try's answer
-            claim = await self.idempotency.claim(key, request, uuid.uuid4().hex[:16], self._job_exists)
+            claim = await self.idempotency.claim(key, request, new_job_id(), self._job_exists)
             if claim.stored:
                 return Accepted(claim.job)  # the same submission again: nothing new is stored
-            reply = await self._admit(request, size, tenant, claim.job)  # a retry is answered before any quota
+            entered = claim.index_seq
+            reply = await self._admit(request, size, tenant, claim)  # a retry is answered before any quota
             if isinstance(reply, Rejected):
                 await self.idempotency.release(key)
+            elif isinstance(reply, Unsure) and claim.index_seq != entered:
+                await self._note_index(key, claim)
             return reply  # Unsure keeps the key: a retry is this job, whether its write landed or not
 
+    async def _note_index(self, key: str, claim: Claim) -> None:
+        try:
+            await self.idempotency.note_index(key, claim)
+        except Exception as e:  # the store away: the index stream's duplicate window still keeps a retry's out
+            log.warning("job %s: could not note its index entry under its idempotency key (%s)", claim.job, _why(e))
+
     async def _admit(
-        self, request: JobRequest, size: int, tenant: str | None, job_id: str | None = None
+        self, request: JobRequest, size: int, tenant: str | None, claim: Claim | None = None
     ) -> Accepted | Rejected | Unsure:
         """Check, then store. A submission counts against its tenant's queued quota from the moment it passes the
         count (checked and counted with nothing awaited between), so concurrent ones cannot all pass it before any
@@ -77,7 +87,7 @@ class Submissions:
             if errors:
                 return Rejected(errors)
             with references.pinned_in_flight(self.core, request):
-                reply = await self._store_new(request, size, tenant, job_id)
+                reply = await self._store_new(request, size, tenant, claim)
                 if isinstance(reply, Accepted) and (gone := await references.datasets_gone(self.core, request, tenant)):
                     return await self._fail_new(reply.job, gone)
             return reply
@@ -90,17 +100,15 @@ class Submissions:
         return await self.core.lookup(job_id) is not None
 
     async def _store_new(
-        self, request: JobRequest, size: int, tenant: str | None, job_id: str | None = None
+        self, request: JobRequest, size: int, tenant: str | None, claim: Claim | None = None
     ) -> Accepted | Rejected | Unsure:
         core = self.core
         core.seq += 1
-        job_id = job_id or uuid.uuid4().hex[:16]
+        job_id = claim.job if claim else new_job_id()
         core.submitting.add(job_id)
         try:
             try:  # the index entry and the active mark first: a crash before the request leaves only what readers skip
-                index_seq, _ = await asyncio.gather(
-                    core.index.submitted(tenant, job_id), core.store.mark_active(job_id)
-                )
+                index_seq = await _both(self._index_entry(tenant, job_id, claim), core.store.mark_active(job_id))
             except Exception as e:  # the request was never written
                 return Rejected(
                     [FieldError("", f"the job could not be stored ({_why(e)}); nothing was queued: submit it again")]
@@ -138,6 +146,16 @@ class Submissions:
         )
         return Accepted(stored.id)
 
+    async def _index_entry(self, tenant: str | None, job_id: str, claim: Claim | None) -> int:
+        """The job's "submitted" entry in the index, written once per job id: a retry under the id an earlier try
+        reserved (its outcome unknown) takes that try's entry, as the key's record or the stream's duplicate window
+        knows it, instead of listing the job twice."""
+        if claim is None:
+            return await self.core.index.submitted(tenant, job_id)
+        if not claim.index_seq:
+            claim.index_seq = await self.core.index.submitted(tenant, job_id, once=True)
+        return claim.index_seq
+
     async def _fail_new(self, job_id: str, errors: list[FieldError]) -> Rejected:
         """A job stored a moment ago whose dataset went meanwhile: it ends at once, failed, and is refused."""
         job = self.core.jobs.get(job_id)
@@ -157,6 +175,26 @@ class Submissions:
         except Exception as e:
             log.warning("job %s: could not read back its request (%s)", job_id, _why(e))
             return None
+
+
+async def _both(first: Awaitable[int], second: Awaitable[None]) -> int:
+    """Await both at once, the second in a task of its own (what asyncio.gather does with two, at one task and no
+    gathering future less a submission); the first's result, or what either raised once both are done."""
+    other = asyncio.ensure_future(second)
+    try:
+        result = await first
+    except BaseException:
+        await asyncio.wait([other])
+        if not other.cancelled():
+            other.exception()  # retrieved: the first's error is the one raised
+        raise
+    await other
+    return result
+
+
+def new_job_id() -> str:
+    """16 hex digits from the system's random source (uuid4's text cost more than the rest of an id's making)."""
+    return secrets.token_hex(8)
 
 
 def _why(e: Exception) -> str:
