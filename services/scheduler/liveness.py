@@ -10,7 +10,10 @@ import asyncio
 import logging
 import time
 
+import msgspec
+
 from schemas import names
+from schemas.events import StateChange
 from schemas.jobs import ACTIVE_STATES
 from schemas.nodes import Heartbeat
 from schemas.validate import InvalidRequest, decoder_for
@@ -21,6 +24,9 @@ from services.scheduler.pausing import Pausing
 
 log = logging.getLogger(__name__)
 _heartbeat = decoder_for(Heartbeat)
+_state = msgspec.json.Decoder(StateChange)
+LAST_WORD_READ_S = 2.0  # reading a node's last state of a job from the stream
+ON_ITS_WAY_S = 60.0  # a node's last word on a job, stored and not applied yet, is waited for while this recent
 
 
 class Liveness:
@@ -127,6 +133,8 @@ class Liveness:
             s = job.status
             if s.state not in ACTIVE_STATES or s.node != node or (attempt is not None and s.attempt != attempt):
                 return
+            if await self._last_word_on_its_way(job, node):
+                return
             never_ran = s.state == "assigned"
             used = s.retries_used
             if never_ran or used < job.stored.request.retries:
@@ -136,3 +144,24 @@ class Liveness:
                 await core.set_state_locked(job, "queued", f"{why}; re-queued{retry}", **UNPLACED, retries_used=used)
             else:
                 await core.set_state_locked(job, "failed", why)
+
+    async def _last_word_on_its_way(self, job: Job, node: str) -> bool:
+        """Whether the node already said how the job's attempt ended (or that it paused, or handed it back) in a
+        state stored in the stream that this scheduler has not applied yet: a heartbeat that no longer lists a job
+        can come before its last state is read (a backlog of states in a burst, an agent that restarted and forgot
+        what it finished). That job is not lost: its state ends it as the node said, and taking it for lost would
+        place it a second time."""
+        core, s = self.core, job.status
+        subject = names.job(job.id, node, names.tenant_token(job.stored.tenant)).state
+        try:
+            msg = await asyncio.wait_for(core.js.get_last_msg(names.JOBS_STREAM, subject), LAST_WORD_READ_S)
+            ev = _state.decode(msg.data or b"")
+        except Exception:  # none stored, or the stream does not answer: the job is taken as lost, as before
+            return False
+        ended = ev.state not in ACTIVE_STATES
+        if not ended or ev.attempt != s.attempt or (msg.seq or 0) <= s.event_seq or time.time() - ev.ts > ON_ITS_WAY_S:
+            return False
+        log.info(
+            "job %s: node %s no longer lists it, but its %r is on its way; not taken for lost", job.id, node, ev.state
+        )
+        return True
