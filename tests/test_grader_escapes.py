@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import platform
+import resource
 import signal
 import time
 
@@ -259,3 +260,25 @@ def test_an_odd_end_or_error_is_the_graders_own(source, says):
     [result] = graded(source)
     assert result.score == 0.0 and result.error_kind == RUNTIME and says in result.error, result
     result.error.encode()  # text any JSON reader and writer downstream takes
+
+
+# Writes to its stderr and stdout as fast as it can for 2 s: the GiB it wrote.
+FLOOD = r"""
+import os, sys, time
+def grade(sample, item):
+    block, written, started = b'x' * 65536, 0, time.monotonic()
+    while time.monotonic() - started < 2.0:
+        written += os.write(2, block) + os.write(1, block)
+    return written / 2**30
+"""
+
+
+def test_what_a_grader_prints_costs_the_service_nothing():
+    """The sandbox's CPU quota bounds its processes; what they print must not make the service's own process spend
+    a core reading it (it did: ~1 CPU-second a second, 4 GiB read and dropped but for the last 4 KiB)."""
+    started, before = time.monotonic(), resource.getrusage(resource.RUSAGE_SELF)
+    [result] = graded(FLOOD)
+    after, took = resource.getrusage(resource.RUSAGE_SELF), time.monotonic() - started
+    spent = after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime
+    assert result.error == "" and result.score > 0, result
+    assert spent < 0.2 * took, f"the service spent {spent:.2f} CPU-s over a {took:.2f} s call the grader flooded"

@@ -4,9 +4,9 @@ worker.py (the grader's side) and syscalls.py (the filter) beside it.
 Two processes. The supervisor (this file's main; in the isolated sandbox the first process of its own pid namespace,
 so nothing inside can signal it, and its exit ends every process there) reads {"source", "cases": [[i, sample,
 item], ...], "limits"} as JSON on stdin, makes itself non-dumpable (so no process of the grader's uid can open its
-/proc files or trace it), then forks the worker. The worker replaces its copy of the results pipe (stdout) with
-stderr before it compiles the grader's source, so the grader's code never holds the channel the service reads: it
-can write only to the worker's own pipe to the supervisor.
+/proc files or trace it), then forks the worker. The worker replaces its copies of the results pipe (stdout) and of
+stderr with /dev/null before it compiles the grader's source, so the grader's code never holds a channel the service
+reads: it can write only to the worker's own pipe to the supervisor.
 
 The supervisor alone writes the service's lines, each checked and rebuilt by it: {"started", "sealed", "filtered"}
 first, then {"ready", "error", "kind"} when the source has loaded (or failed to), then {"i", "score", "error",

@@ -32,7 +32,7 @@ KILL_GRACE_S = 0.5  # past a sample's wall limit before the runner kills its wor
 START_S = 10.0  # to start the sandbox and its interpreter, up to the runner's first line
 GRACE_S = 2.0  # past the runner's own kill of an overrunning worker, before the whole sandbox is killed from here
 LINE_MAX = 64 * 1024
-ERR_KEPT = 4096  # the tail of the sandbox's stderr kept, for a sandbox that fails before its runner speaks
+ERR_KEPT = 4096  # the tail of the sandbox's stderr (its set-up and runner; the grader has none) kept
 KILL_ROUNDS = 200  # cgroup kills, 5 ms apart, before its processes are left to the kernel
 SERVER, RUNTIME, UNRESPONSIVE = "python_grader_server_error", "python_grader_runtime_error", "unresponsive_reward_error"
 

@@ -1,6 +1,6 @@
 """Runs inside the sandbox, forked by runner.py: the worker, the grader's side (standard library only; never
-imported by a service). It keeps nothing of the supervisor's but its own pipe to it (and stderr), loads the
-grader's source, calls grade(sample, item) for each case under interval timers, and writes one line per case.
+imported by a service). It keeps nothing of the supervisor's but its own pipe to it, loads the grader's source,
+calls grade(sample, item) for each case under interval timers, and writes one line per case.
 Everything the grader's code can reach is here: what it writes is the grader's own word, which the supervisor
 checks. The number checks (finite, shown) are shared with the supervisor: by comparison, never by a function that
 raises."""
@@ -107,12 +107,14 @@ def _load(source: str, limits: dict):
 
 
 def work(request: dict, channel: int) -> None:
-    """The worker's life: nothing of the supervisor's but `channel` (and stderr) left open, then the grader."""
+    """The worker's life: nothing of the supervisor's but `channel` left open, then the grader. Its stdin, stdout
+    and stderr are /dev/null: what the grader prints reaches no one (on the sandbox's stderr it made the service's
+    process read as fast as the grader could write, a core outside the sandbox's CPU quota)."""
     global _MAIN
     _MAIN = os.getpid()
-    null = os.open("/dev/null", os.O_RDONLY)
-    os.dup2(null, 0)
-    os.dup2(2, 1)  # the results pipe goes here, before any of the grader's code runs; its prints go to stderr
+    null = os.open("/dev/null", os.O_RDWR)
+    for fd in (0, 1, 2):  # the results pipe (1) and the sandbox's stderr go, before any of the grader's code runs
+        os.dup2(null, fd)
     os.closerange(3, channel)
     os.closerange(channel + 1, 1 << 16)
     limits = request["limits"]
