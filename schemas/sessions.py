@@ -27,10 +27,26 @@ from msgspec import Meta, Struct, field
 ATTENTION = ["q_proj", "k_proj", "v_proj", "o_proj"]
 MLP = ["gate_proj", "up_proj", "down_proj"]
 UNEMBED = ["lm_head"]
-LOSSES = ("cross_entropy", "importance_sampling", "ppo", "cispo", "dro")
-SNAPSHOTS_KEPT = 4  # unnamed sampler saves (save_weights_and_get_sampling_client) a session keeps; named ones all
+LOSSES = ("cross_entropy", "importance_sampling", "ppo", "cispo", "dro", "gspo", "stable_reinforce")
+CLIPS = {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2}
+# Each loss's loss_fn_config keys and their defaults (trainer/session_losses.py says what each loss computes).
+LOSS_CONFIG: dict[str, dict[str, float]] = {
+    "cross_entropy": {},
+    "importance_sampling": {},
+    "ppo": CLIPS,
+    "cispo": CLIPS,
+    "dro": {"beta": 0.05},
+    "gspo": {"clip_low_threshold": 1 - 3e-4, "clip_high_threshold": 1 + 4e-4},  # the GSPO paper's ranges
+    "stable_reinforce": {"clip_high_threshold": 2.0, "kl_coeff": 0.0},
+}
+# Inputs of stable_reinforce the gateway fills from the provenance a datum names (a client never sends them): the
+# log-probabilities the sampler recorded for each sampled token, and which tokens were sampled.
+RECORDED_LOGPROBS, SAMPLED_MASK = "recorded_logprobs", "sampled_mask"
+SNAPSHOTS_KEPT = 4  # unnamed sampler saves (save_weights_and_get_sampling_client) a session keeps in memory
+STORED_SAMPLERS = "sampler_saves"  # named sampler saves, under the trainer's out_dir (stored_sampler)
 SEED = Annotated[int, Meta(ge=0, le=2**63 - 1)]
 SAVED_NAME = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"  # a name the client gives a save (one segment of a tinker:// path)
+STORED_NAME = r"^(_export-)?[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"  # a save's name on the node: a client's, or an export's
 BASE_WEIGHTS = "__base__"  # Sample.weights: the base model alone (the adapter off); no saved name looks like it
 
 
@@ -92,10 +108,13 @@ class OptimStep(Struct, tag="optim_step", tag_field="type", kw_only=True):
 
 class SaveWeights(Struct, tag="save", tag_field="type", kw_only=True):
     """state: the adapter and the optimizer (to go on from); sampler: the adapter alone (to sample from, or to
-    register)."""
+    register). A sampler save that is `stored` (a named one) goes to the object store, not the session's memory or
+    checkpoint: the trainer writes it under stored_sampler(out_dir, name) and the agent uploads it (SavedResult
+    names the object)."""
 
-    name: Annotated[str, Meta(pattern=SAVED_NAME)]
+    name: Annotated[str, Meta(pattern=STORED_NAME)]
     kind: Literal["state", "sampler"]
+    stored: bool = False
 
 
 class LoadWeights(Struct, tag="load", tag_field="type", kw_only=True):
@@ -103,6 +122,11 @@ class LoadWeights(Struct, tag="load", tag_field="type", kw_only=True):
 
     name: Annotated[str, Meta(pattern=SAVED_NAME)]
     optimizer: bool = False
+
+
+class ChatTurn(Struct, forbid_unknown_fields=True):
+    role: Literal["system", "user", "assistant", "developer"]
+    content: str
 
 
 class Sample(Struct, tag="sample", tag_field="type", kw_only=True):
@@ -116,7 +140,11 @@ class Sample(Struct, tag="sample", tag_field="type", kw_only=True):
     stop_tokens: list[int] = field(default_factory=list)  # besides the end of sequence
     stop_strings: list[str] = field(default_factory=list)
     weights: str | None = None  # a sampler save of this session to sample with; None: the adapter as it is now
+    stored: bool = False  # `weights` is a stored sampler save: loaded on demand (the agent fetches it if not here)
+    object: str = ""  # a stored save of another job (a serving sampler's): the object to fetch; "": this job's own
     prompt_logprobs: bool = False  # also the log-probabilities of the prompt's tokens (Tinker's compute_logprobs)
+    text: str | None = None  # the prompt as text (OpenAI's completions): the session's tokenizer encodes it
+    messages: list[ChatTurn] | None = None  # the prompt as a chat (OpenAI's): the base's chat template renders it
 
 
 class Ping(Struct, tag="ping", tag_field="type", kw_only=True):
@@ -126,11 +154,17 @@ class Ping(Struct, tag="ping", tag_field="type", kw_only=True):
 class Forget(Struct, tag="forget", tag_field="type", kw_only=True):
     """A save the client deleted: its files go (a later checkpoint no longer carries it)."""
 
-    name: Annotated[str, Meta(pattern=SAVED_NAME)]
+    name: Annotated[str, Meta(pattern=STORED_NAME)]
     kind: Literal["state", "sampler"]
 
 
 SessionCall = ForwardBackward | OptimStep | SaveWeights | LoadWeights | Sample | Ping | Forget
+
+
+def stored_sampler(out_dir: str, name: str) -> str:
+    """Where a session's trainer writes its stored sampler save `name` (PEFT's layout), outside the checkpoint it
+    carries, and where the agent puts one it fetched back."""
+    return f"{out_dir}/{STORED_SAMPLERS}/{name}"
 
 
 class SessionRequest(Struct, kw_only=True):
@@ -159,6 +193,9 @@ class SavedResult(Struct, tag="save", tag_field="type", kw_only=True):
     name: str
     kind: str
     step: int
+    object: str = ""  # a stored sampler save: its artifact (names.sampler_save_object), set by the agent
+    sha256: str = ""
+    size: int = 0
 
 
 class LoadedResult(Struct, tag="load", tag_field="type", kw_only=True):
@@ -170,11 +207,13 @@ class SampledSequence(Struct, kw_only=True):
     tokens: list[int]
     logprobs: list[float | None]
     stop: Literal["stop", "length"]
+    text: str | None = None  # a sample asked in text: the sequence decoded (a stop string left out)
 
 
 class SampleResult(Struct, tag="sample", tag_field="type", kw_only=True):
     sequences: list[SampledSequence]
     prompt_logprobs: list[float | None] | None = None  # of the prompt's tokens after the first, when asked
+    prompt_tokens: int = 0  # a sample asked in text: how many tokens its prompt became
 
 
 class PingResult(Struct, tag="ping", tag_field="type", kw_only=True):
@@ -211,10 +250,11 @@ class SessionAnswer(Struct, tag="answer", tag_field="type", kw_only=True):
 
 
 class SessionLine(Struct, kw_only=True):
-    """What the agent writes on the trainer's stdin: call number `id`."""
+    """What the agent writes on the trainer's stdin: call number `id`, under the gateway's `call_id`."""
 
     id: int
     call: SessionCall
+    call_id: str = ""
 
 
 class MemberCall(Struct, tag="call", tag_field="type", kw_only=True):
@@ -224,6 +264,7 @@ class MemberCall(Struct, tag="call", tag_field="type", kw_only=True):
     attempt: int
     id: int
     call: SessionCall
+    call_id: str = ""
 
 
 class MemberAnswer(Struct, tag="member_answer", tag_field="type", kw_only=True):
@@ -233,6 +274,15 @@ class MemberAnswer(Struct, tag="member_answer", tag_field="type", kw_only=True):
     attempt: int
     id: int
     reply: SessionReply
+
+
+class AppliedCall(Struct, kw_only=True):
+    """A call that changed a session (trainer/applied_calls.py), kept with its checkpoint: a try of it sent again
+    under its call id, after a pause or on another attempt, is answered `reply` and never runs twice (None: it ran,
+    but its answer was too large to keep)."""
+
+    id: str
+    reply: SessionReply | None = None
 
 
 # How those lines start (msgspec writes a tagged Struct's tag first): told apart from GroupControl and GroupEvent

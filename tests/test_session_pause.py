@@ -44,8 +44,8 @@ class Alone:
 
         self.session = Session(s)
 
-    def call(self, call):
-        return self.session.call(call)
+    def call(self, call, call_id: str = ""):
+        return self.session.take(call, call_id)
 
     def pause(self) -> None:
         self.session.end(pause=True)
@@ -65,9 +65,9 @@ class Member:
         self.answers: list = []
         self.group.answer = lambda line, reply: self.answers.append(reply)  # type: ignore[method-assign]
 
-    def call(self, call):
+    def call(self, call, call_id: str = ""):
         self.n += 1
-        self.group.take(MemberCall(job="s1", attempt=self.attempt, id=self.n, call=call))
+        self.group.take(MemberCall(job="s1", attempt=self.attempt, id=self.n, call=call, call_id=call_id))
         while self.group.round():
             pass
         return self.answers[-1]

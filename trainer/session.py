@@ -19,7 +19,7 @@ from schemas.events import Finished, Started, TrainerSpec
 from schemas.sessions import SessionAnswer, SessionLine
 from trainer import model as base_model
 from trainer.events import emit
-from trainer.session_calls import SessionCalls, Weights, reply_to
+from trainer.session_calls import SessionCalls, Weights
 from trainer.signals import Signals
 
 LINE = msgspec.json.Decoder(SessionLine)
@@ -73,7 +73,7 @@ def answer(session: Session, raw: bytes) -> None:
     except msgspec.ValidationError as e:
         print(f"a call that does not decode: {e}", file=sys.stderr, flush=True)
         return
-    emit(SessionAnswer(id=line.id, reply=reply_to(session, line.call)))
+    emit(SessionAnswer(id=line.id, reply=session.take(line.call, line.call_id)))
 
 
 def serve(spec: TrainerSpec, signals: Signals) -> Finished:

@@ -34,7 +34,6 @@ from trainer.co_train.shared_base import SharedBase
 from trainer.errors import JobError
 from trainer.events import emit
 from trainer.session_batch import batchable, forward_backward_together
-from trainer.session_calls import reply_to
 from trainer.session_member import SessionMember
 
 POLL_S = 0.2
@@ -136,6 +135,9 @@ class SessionGroup:
         if member is None or member.attempt != line.attempt:
             self.answer(line, CallError(message=f"session {line.job} does not run in this group; ask again", retry=True))  # fmt: skip
             return
+        if (known := member.applied.answer(line.call_id)) is not None:  # it ran already: answered as it was
+            self.answer(line, known)
+            return
         self.waiting[line.job].append(line)
 
     def answer(self, line: MemberCall, reply: SessionReply) -> None:
@@ -156,7 +158,7 @@ class SessionGroup:
         for line in heads:
             member = self.members[line.job]
             with member.own_random_state():
-                reply = reply_to(member, line.call)
+                reply = member.take(line.call, line.call_id)
             self.answer(line, reply)
         return True
 
@@ -180,6 +182,7 @@ class SessionGroup:
             note(f"a shared forward_backward of {len(shared)} sessions failed ({e!r}); each runs on its own")
             return heads
         for line, result in zip(shared, results):
+            self.members[line.job].applied.remember(line.call_id, line.call, result)
             self.answer(line, result)
         return [line for line in heads if line not in shared]
 

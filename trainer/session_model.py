@@ -9,10 +9,25 @@ from typing import Literal
 
 import torch
 
-from schemas.sessions import LOSSES, Datum, ForwardBackward, OptimStep, Sample, SampledSequence
+from schemas.sessions import (
+    LOSSES,
+    RECORDED_LOGPROBS,
+    SAMPLED_MASK,
+    Datum,
+    ForwardBackward,
+    OptimStep,
+    Sample,
+    SampledSequence,
+)
 from trainer.errors import JobError
+from trainer.session_losses import column, loss_of
 
-DRO_BETA = 0.05  # Tinker's default beta for dro
+POLICY = ("target_tokens", "logprobs", "advantages")
+NEEDS = {  # the inputs each loss reads from every datum (stable_reinforce's sampler log-probs come recorded)
+    "cross_entropy": ("target_tokens",),
+    **dict.fromkeys(LOSSES[1:], POLICY),
+    "stable_reinforce": ("target_tokens", "advantages", RECORDED_LOGPROBS, SAMPLED_MASK),
+}
 
 
 class CallRefused(JobError):
@@ -27,8 +42,6 @@ def check_batch(fb: ForwardBackward, vocab: int) -> None:
     """Refuse a batch whose loss or inputs do not fit, naming the datum and the input."""
     if fb.loss_fn not in LOSSES:
         raise CallRefused(f"loss_fn {fb.loss_fn!r} is not served here; use one of {', '.join(LOSSES)}", "loss_fn")
-    policy = ("target_tokens", "logprobs", "advantages")
-    need = {"cross_entropy": ("target_tokens",), **dict.fromkeys(LOSSES[1:], policy)}
     if not fb.data:
         raise CallRefused("forward_backward needs at least one datum", "data")
     for i, d in enumerate(fb.data):
@@ -38,7 +51,7 @@ def check_batch(fb: ForwardBackward, vocab: int) -> None:
             raise CallRefused(
                 f"data[{i}].model_input has a token outside the vocabulary (0..{vocab - 1})", f"data[{i}]"
             )
-        for name in need[fb.loss_fn]:
+        for name in NEEDS[fb.loss_fn]:
             if name not in d.inputs:
                 raise CallRefused(f"{fb.loss_fn} needs loss_fn_inputs[{name!r}] in data[{i}]", f"data[{i}].{name}")
         for name, values in d.inputs.items():
@@ -65,51 +78,10 @@ def padded(data: list[Datum], device: str) -> tuple[torch.Tensor, torch.Tensor]:
     return ids.to(device), mask.to(device)
 
 
-def column(data: list[Datum], name: str, width: int, device: str, dtype=torch.float32) -> torch.Tensor:
-    out = torch.zeros(len(data), width, dtype=dtype)
-    for row, d in enumerate(data):
-        values = d.inputs.get(name)
-        if values is not None:
-            out[row, : len(values)] = torch.tensor(values, dtype=dtype)
-    return out.to(device)
-
-
 def target_logprobs(model, ids: torch.Tensor, mask: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """log p(target_i | tokens <= i) at every position, in fp32 ([rows, width])."""
     logits = model(input_ids=ids, attention_mask=mask).logits.float()
     return torch.log_softmax(logits, dim=-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
-
-
-def loss_of(fb: ForwardBackward, lp: torch.Tensor, data: list[Datum], mask: torch.Tensor) -> tuple[torch.Tensor, int]:
-    """The batch's loss, summed over tokens as Tinker's losses are, and how many tokens carry weight."""
-    width, device = lp.shape[1], lp.device
-    live = mask.float()
-    if fb.loss_fn == "cross_entropy":
-        weights = _weights(data, width, str(device)) if _weighted(data) else live
-        weights = weights * live
-        return -(lp * weights).sum(), int((weights != 0).sum())
-    advantages = column(data, "advantages", width, str(device)) * live
-    sampled = column(data, "logprobs", width, str(device))
-    ratio, weighed = torch.exp(lp - sampled), int((advantages != 0).sum())
-    if fb.loss_fn == "importance_sampling":
-        return -(ratio * advantages).sum(), weighed
-    if fb.loss_fn == "dro":  # Tinker's: a quadratic penalty on the log-ratio keeps the update near the sampler,
-        beta = fb.config.get("beta", DRO_BETA)  # on the sampled tokens (those with weights, else an advantage)
-        sampled_mask = _weights(data, width, str(device)) if _weighted(data) else (advantages != 0).float()
-        return -(lp * advantages - 0.5 * beta * (lp - sampled).square() * sampled_mask * live).sum(), weighed
-    low, high = fb.config.get("clip_low_threshold", 0.8), fb.config.get("clip_high_threshold", 1.2)
-    clipped = torch.clamp(ratio, low, high)
-    if fb.loss_fn == "cispo":  # the clipped ratio weighs the log-probability's gradient, itself without one
-        return -(clipped.detach() * lp * advantages).sum(), weighed
-    return -torch.minimum(ratio * advantages, clipped * advantages).sum(), weighed
-
-
-def _weighted(data: list[Datum]) -> bool:
-    return all("weights" in d.inputs for d in data)
-
-
-def _weights(data: list[Datum], width: int, device: str) -> torch.Tensor:
-    return column(data, "weights", width, device)
 
 
 def forward_backward(model, fb: ForwardBackward, device: str) -> tuple[list[list[float]], float, int]:

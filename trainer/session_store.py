@@ -1,7 +1,10 @@
 """Where a training session keeps what it saved, laid out so one checkpoint carries all of it: `current/` (the
-adapter and optimizer to go on from), `states/<name>/` (each save_state) and `sampler/<name>/` (each sampler save,
-PEFT's layout). The agent stores the whole directory as the job's checkpoint at every save_state and pause, so a
-session resumed after idling, or moved after its node died, still loads and samples what it saved before."""
+adapter and optimizer to go on from, the gradients not yet stepped and the calls applied: trainer/applied_calls.py),
+`states/<name>/` (each save_state) and `sampler/<name>/` (the latest unnamed sampler saves, PEFT's layout). The
+agent stores the whole directory as the job's checkpoint at every save_state and pause, so a session resumed after
+idling, or moved after its node died, still loads and samples what it saved before. Named sampler saves are not
+in it: each goes to the object store on its own (schemas/sessions.py stored_sampler), so a session's checkpoint,
+memory and resume stay the same size however many it makes."""
 
 from __future__ import annotations
 
@@ -47,6 +50,13 @@ class SessionStore:
     def forget(self, name: str, kind: str) -> bool:
         """A save the client deleted: its files go (the next checkpoint no longer carries it)."""
         path = self.state(name) if kind == "state" else self.sampler(name)
+        found = path.is_dir()
+        shutil.rmtree(path, ignore_errors=True)
+        return found
+
+    @staticmethod
+    def forget_stored(path: Path) -> bool:
+        """A stored sampler save's local copy (the object store's goes by the gateway's hand)."""
         found = path.is_dir()
         shutil.rmtree(path, ignore_errors=True)
         return found

@@ -318,8 +318,8 @@ class GroupedSession(GroupMember, TakesCalls):
             return None
         return proc.stdin
 
-    def _line(self, number: int, call: SessionCall) -> bytes:
-        line = MemberCall(job=self.spec.job, attempt=self.spec.attempt, id=number, call=call)
+    def _line(self, number: int, call: SessionCall, call_id: str) -> bytes:
+        line = MemberCall(job=self.spec.job, attempt=self.spec.attempt, id=number, call=call, call_id=call_id)
         return _encode.encode(line) + b"\n"
 
     @property

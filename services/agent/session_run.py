@@ -1,7 +1,10 @@
 """A training session's trainer (train.method session): a trainer run whose stdin takes calls and whose stdout
 answers them beside its events, or a member of a session group (group_run.GroupedSession: the group's process
 takes its calls and answers them tagged with its job). The agent passes each call that reaches it on
-names.node(node).session to the job's trainer, one at a time, and replies with the trainer's answer."""
+names.node(node).session to the job's trainer, one at a time, under the gateway's call id (the trainer answers a
+call it ran before as it did, even one a previous attempt ran: trainer/applied_calls.py), and replies with the
+trainer's answer; a named sampler save goes to the object store first, and one sampled is fetched back if it is
+not on this node (sampler_saves.py)."""
 
 from __future__ import annotations
 
@@ -10,19 +13,23 @@ import collections
 import itertools
 import logging
 
+from collections.abc import Awaitable, Callable
+
 import msgspec
 
 from schemas.events import TrainerEvent
 from schemas.sessions import CallError, SessionAnswer, SessionCall, SessionLine, SessionReply, SessionRequest
 from services import bus
 from services.agent.runner import TrainerRun
+from services.agent.sampler_saves import SamplerSaves, stored
 from services.aio import cancel_and_wait
 
 log = logging.getLogger(__name__)
 _decode = msgspec.json.Decoder(TrainerEvent | SessionAnswer)
 _encode = msgspec.json.Encoder()
 CALL_TIMEOUT_S = 600.0  # one call at most (a forward_backward of a large batch on a slow device)
-REMEMBERED = 64  # call ids whose answers are kept for a try sent again
+REMEMBERED = 64  # call ids whose answers are kept for a try sent again while the attempt runs
+Then = Callable[[SessionReply], Awaitable[SessionReply]]  # what becomes of the trainer's answer before it is sent
 
 
 class SessionLost(Exception):
@@ -46,7 +53,7 @@ class TakesCalls:
         """Where the call's line goes; None while the trainer cannot take it (starting, or gone)."""
         raise NotImplementedError
 
-    def _line(self, number: int, call: SessionCall) -> bytes:
+    def _line(self, number: int, call: SessionCall, call_id: str) -> bytes:
         raise NotImplementedError
 
     @property
@@ -65,12 +72,14 @@ class TakesCalls:
             if not waiter.done():
                 waiter.set_result(CallError(message="the session's trainer ended; ask again", retry=True))
 
-    async def call(self, call: SessionCall, call_id: str = "", timeout: float = CALL_TIMEOUT_S) -> SessionReply:
-        """The trainer's answer to `call`, or why there is none."""
+    async def call(
+        self, call: SessionCall, call_id: str = "", timeout: float = CALL_TIMEOUT_S, then: Then | None = None
+    ) -> SessionReply:
+        """The trainer's answer to `call` (and what `then` made of it, once for every try), or why there is none."""
         if not call_id:
-            return await self._call(call, timeout)
+            return await self._call(call, call_id, timeout, then)
         if call_id not in self.calls:
-            self.calls[call_id] = asyncio.ensure_future(self._call(call, timeout))
+            self.calls[call_id] = asyncio.ensure_future(self._call(call, call_id, timeout, then))
             while len(self.calls) > REMEMBERED:
                 self.calls.popitem(last=False)
         reply = await asyncio.shield(self.calls[call_id])
@@ -78,7 +87,11 @@ class TakesCalls:
             self.calls.pop(call_id, None)  # it never ran: a later try runs it
         return reply
 
-    async def _call(self, call: SessionCall, timeout: float) -> SessionReply:
+    async def _call(self, call: SessionCall, call_id: str, timeout: float, then: Then | None) -> SessionReply:
+        reply = await self._turn(call, call_id, timeout)
+        return reply if then is None or isinstance(reply, CallError) else await then(reply)
+
+    async def _turn(self, call: SessionCall, call_id: str, timeout: float) -> SessionReply:
         async with self.turn:
             stdin = self._stdin() if self.ready.is_set() else None
             if stdin is None:
@@ -86,7 +99,7 @@ class TakesCalls:
             number = next(self.ids)
             waiter = self.pending[number] = asyncio.get_running_loop().create_future()
             try:
-                stdin.write(self._line(number, call))
+                stdin.write(self._line(number, call, call_id))
                 await stdin.drain()
                 return await asyncio.wait_for(waiter, timeout)
             except (ConnectionError, BrokenPipeError):
@@ -126,8 +139,8 @@ class SessionRun(TrainerRun, TakesCalls):
             return None
         return proc.stdin
 
-    def _line(self, number: int, call: SessionCall) -> bytes:
-        return _encode.encode(SessionLine(id=number, call=call)) + b"\n"
+    def _line(self, number: int, call: SessionCall, call_id: str) -> bytes:
+        return _encode.encode(SessionLine(id=number, call=call, call_id=call_id)) + b"\n"
 
     @property
     def label(self) -> str:
@@ -138,8 +151,9 @@ class SessionDesk:
     """Where calls for this node's sessions arrive (names.node(node).session): each answered in a task of its own,
     so a long call of one session never holds up another's; one session's calls still run in the order they came."""
 
-    def __init__(self, jobs) -> None:
+    def __init__(self, jobs, saves: SamplerSaves | None = None) -> None:
         self.jobs = jobs  # job -> the agent's RunningJob, as the agent holds them
+        self.saves = saves  # None: an agent that stores no named sampler saves (they are refused, saying so)
         self.tasks: set[asyncio.Task] = set()
         self.answer = bus.handler(self.call, SessionRequest)
 
@@ -162,7 +176,19 @@ class SessionDesk:
             return CallError(message=f"session {request.job} does not run on this node", retry=True)
         if not isinstance(run.trainer, TakesCalls):
             return CallError(message="the session is starting; ask again", retry=True)
-        return await run.trainer.call(request.call, request.call_id)
+        saves = self.saves
+        if saves is None:
+            if stored(request.call):
+                return CallError(message="this node's agent stores no named sampler saves (its SessionDesk was made "
+                                 "without SamplerSaves); save unnamed, or run the call on an agent of this version")  # fmt: skip
+            return await run.trainer.call(request.call, request.call_id)
+        if (missing := await saves.before(run, request.call)) is not None:
+            return missing
+
+        async def then(reply: SessionReply) -> SessionReply:
+            return await saves.after(run, request.call, reply)
+
+        return await run.trainer.call(request.call, request.call_id, then=then)
 
     async def close(self) -> None:
         await cancel_and_wait(list(self.tasks))
