@@ -7,6 +7,11 @@ and the order a model's calls run in.
         session.<tenant>.<session>          SessionRecord
         model.<tenant>.<model>              ModelRecord (a model id "<session>:train:<n>" or "<session>:base:<n>")
         sampler.<tenant>.<sampler>          SamplerRecord ("<model>:sample:<name>", or "<model>:sample")
+        save.<tenant>.<model>.<name>        SamplerSave: a named sampler save, its adapter in names.ARTIFACTS_BUCKET;
+                                            kept until deleted or its TTL passes, whether or not its session lives
+        holds.<tenant>.<kind>               Holds: what the tenant holds of one bound (sessions, models, samplers),
+                                            each taken by a revision-checked write, so a bound holds across requests
+                                            and gateways
     names.TINKER_FUTURES_KV (max age FUTURE_TTL_S: a future nobody fetched goes)
         call.<tenant>.<request>             FutureRecord ("<model>:<seq_id>" in the model's order, "<model>:s:<hex>"
                                             run at once: samples)
@@ -55,6 +60,28 @@ def model_key(tenant: str, model: str) -> str:
 
 def sampler_key(tenant: str, sampler: str) -> str:
     return f"sampler.{tenant}.{token(sampler)}"
+
+
+def save_key(tenant: str, model: str, name: str) -> str:
+    return f"save.{tenant}.{token(model)}.{token(name)}"
+
+
+EXPORTED = "_export-"  # a save_weights_external export's name on the node and in save_key: no client's save name
+# starts with '_' (schemas.sessions.SAVED_NAME), so an export never meets a sampler save of the same name
+
+
+def stored_name(kind: str, name: str) -> str:
+    """The name a stored save of a tinker:// path's kind (sampler_weights, external_weights) goes by."""
+    return EXPORTED + name if kind == "external_weights" else name
+
+
+def saves_of(tenant: str, model: str | None = None) -> str:
+    """The key filter of a tenant's sampler saves, or of one model's."""
+    return f"save.{tenant}.>" if model is None else f"save.{tenant}.{token(model)}.>"
+
+
+def holds_key(tenant: str, kind: str) -> str:
+    return f"holds.{tenant}.{kind}"
 
 
 def call_key(tenant: str, request: str) -> str:
@@ -121,10 +148,52 @@ class ModelRecord(Struct, kw_only=True):
     paused: list[int] = field(default_factory=list)  # its job's attempts that ended in a pause (the latest few)
     lost: str = ""  # it moved after its node went away: what its next training call is told
     saves: dict[str, SaveRecord] = field(default_factory=dict)  # save_state names
-    samplers: dict[str, SaveRecord] = field(default_factory=dict)  # sampler save names
+    samplers: dict[str, SaveRecord] = field(default_factory=dict)  # unnamed sampler saves (named: SamplerSave)
     created: float = 0.0
     last_request: float = 0.0
     user_metadata: dict[str, str] | None = None
+
+
+class SamplerSave(Struct, kw_only=True):
+    """A named save_weights_for_sampler: the adapter (PEFT's adapter_config.json and adapter_model.safetensors, as
+    tar.gz) in names.ARTIFACTS_BUCKET under `object` (names.sampler_save_object(job, name)), uploaded by the node
+    that ran the session through the artifact service. Sampling it loads it on demand (an agent fetches the object
+    with services.transfer.download.download_named and unpacks it); it is counted in the tenant's `samplers` hold
+    until it is deleted or `expires` passes."""
+
+    path: str  # tinker://<model>/sampler_weights/<name>: its id, and the hold's
+    tenant: str
+    model: str
+    session: str
+    name: str
+    job: str  # the session job that saved it
+    base_model: str
+    rank: int
+    object: str
+    sha256: str
+    size: int
+    step: int
+    time: float
+    expires: float | None = None
+    train_attn: bool = True  # its LoRA layout (with rank): a sampler that loads it has the same
+    train_mlp: bool = True
+    train_unembed: bool = False
+
+
+class Held(Struct, kw_only=True):
+    """One place of a tenant's bound, taken by `id` (a session, a model, a sampler save's path)."""
+
+    id: str
+    session: str  # whose end gives it back (sessions and models)
+    since: float
+    request: str = ""  # a sampler save: the call that makes it (a hold whose call failed is given back)
+    expires: float | None = None  # a sampler save's TTL
+
+
+class Holds(Struct, kw_only=True):
+    """Every place a tenant holds of one bound, written only with the revision it was read at."""
+
+    held: list[Held] = field(default_factory=list)
 
 
 class SamplerRecord(Struct, kw_only=True):
@@ -137,6 +206,7 @@ class SamplerRecord(Struct, kw_only=True):
     base_model: str
     model_path: str | None
     created: float = 0.0
+    stored: bool = False  # weights names a SamplerSave (in the object store), not one the session holds
 
 
 class Outcome(Struct, kw_only=True):

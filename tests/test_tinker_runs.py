@@ -1,7 +1,7 @@
 """The routes Tinker users reach for next, through the official client's RestClient: a tenant's training runs and
 sessions, a run's checkpoints (training states and sampler weights) listed, given a TTL and deleted; LoraConfig's
-train_attn / train_mlp / train_unembed / seed shape the adapter the session trains; the cispo and dro losses are
-Tinker's formulas."""
+train_attn / train_mlp / train_unembed / seed shape the adapter the session trains (every loss against its formula:
+tests/test_tinker_losses.py)."""
 
 from __future__ import annotations
 
@@ -14,9 +14,9 @@ import torch
 
 from schemas.events import TrainerSpec
 from schemas.jobs import JobRequest
-from schemas.sessions import Datum, ForwardBackward
 from services.gateway.app import Gateway
 from services.gateway.openai_map import BaseModel
+from services.gateway.tinker.outcomes import STEP_METRIC
 from tests.conftest import wait_nodes
 from tests.test_tinker_api import datums, key_for
 
@@ -30,13 +30,16 @@ def runs_and_checkpoints(port: int, key: str, other: str) -> dict:
 
     url = f"http://127.0.0.1:{port}"
     with tinker.ServiceClient(base_url=url, api_key=key) as sc:
-        tc = sc.create_lora_training_client(base_model="tiny", rank=4, seed=3, train_unembed=False).result()
+        tc = sc.create_lora_training_client(
+            base_model="tiny", rank=4, seed=3, train_unembed=False, user_metadata={"renderer_name": "role_colon"}
+        ).result()
         batch, _ = datums(tc.get_tokenizer(), types)
         rl = [types.Datum(model_input=d.model_input, loss_fn_inputs={
             "target_tokens": d.loss_fn_inputs["target_tokens"],
             "logprobs": [-1.0] * d.model_input.length, "advantages": [0.5] * d.model_input.length}) for d in batch]  # fmt: skip
         losses = {name: tc.forward_backward(rl, name, {"beta": 0.1} if name == "dro" else None).result()
                   for name in ("cispo", "dro")}  # fmt: skip
+        stepped = tc.optim_step(types.AdamParams(learning_rate=1e-4)).result().metrics  # beside a loop's own columns
         state = tc.save_state("kept").result().path
         sampler = tc.save_weights_for_sampler("shown", ttl_seconds=7200).result().path
         sc.create_sampling_client(model_path=sampler).result()
@@ -50,6 +53,7 @@ def runs_and_checkpoints(port: int, key: str, other: str) -> dict:
             "session": rest.get_session(tc.model_id.split(":")[0]).result(),
             "state": state,
             "sampler": sampler,
+            "optim metrics": stepped,
         }
         rest.set_checkpoint_ttl_from_tinker_path(state, 3600).result()
         out["with_ttl"] = rest.list_checkpoints(tc.model_id).result().checkpoints
@@ -78,6 +82,8 @@ async def test_runs_sessions_and_checkpoints_through_the_rest_client(nc, stack, 
     assert all(loss == loss and loss != 0 for loss in out["losses"].values()), out["losses"]  # served, finite
     assert [r.training_run_id for r in out["runs"].training_runs] == [model_id] and out["runs"].cursor.total_count == 1
     assert (run.base_model, run.model_owner, run.lora_rank) == ("tiny", "acme", 4)
+    assert run.user_metadata == {"renderer_name": "role_colon"}  # given at create: the cookbook reads its renderer
+    assert "step" not in out["optim metrics"] and out["optim metrics"][STEP_METRIC] == 1.0, out["optim metrics"]
     assert run.last_checkpoint.tinker_path == out["state"]
     assert run.last_sampler_checkpoint.tinker_path == out["sampler"]
     assert run.last_sampler_checkpoint.expires_at is not None  # the TTL the save was given
@@ -120,26 +126,3 @@ def test_lora_config_chooses_the_adapters_layers_and_its_seed_its_first_weights(
         "v_proj",
         "o_proj",
     }
-
-
-def test_cispo_and_dro_are_tinkers_formulas():
-    from trainer import session_model as ops
-
-    q = torch.tensor([[-0.5, -0.5, -0.5, -0.5]])
-    adv = torch.tensor([[1.0, -1.0, 0.5, 2.0]])
-    data = [Datum(tokens=[1, 2, 3, 4], inputs={"target_tokens": [2, 3, 4, 5], "logprobs": q[0].tolist(),
-                                                "advantages": adv[0].tolist()})]  # fmt: skip
-    mask = torch.ones(1, 4, dtype=torch.long)
-    for name, config in (("cispo", {"clip_low_threshold": 0.9, "clip_high_threshold": 1.1}), ("dro", {"beta": 0.1})):
-        lp = torch.tensor([[-0.2, -1.0, -0.45, -0.6]], requires_grad=True)
-        loss, weighed = ops.loss_of(ForwardBackward(data=data, loss_fn=name, config=config), lp, data, mask)
-        loss.backward()
-        ratio = torch.exp(lp.detach() - q)
-        if name == "cispo":  # the clipped ratio weighs the gradient of the log-probability, and has none itself
-            expected = -(torch.clamp(ratio, 0.9, 1.1) * lp.detach() * adv).sum()
-            grad = -(torch.clamp(ratio, 0.9, 1.1) * adv)
-        else:
-            expected = -(lp.detach() * adv - 0.5 * 0.1 * (lp.detach() - q) ** 2).sum()
-            grad = -(adv - 0.1 * (lp.detach() - q))
-        assert weighed == 4
-        assert torch.allclose(loss.detach(), expected) and torch.allclose(lp.grad, grad), (name, loss, lp.grad)

@@ -37,13 +37,20 @@ def tinker_flags(p: argparse.ArgumentParser) -> None:
         "--tinker-max-sessions",
         type=int,
         default=DEFAULTS.max_sessions,
-        help=f"open Tinker sessions per tenant (default {DEFAULTS.max_sessions})",
+        help=f"Tinker sessions per tenant, from create_session until finished (default {DEFAULTS.max_sessions})",
     )
     p.add_argument(
         "--tinker-max-models",
         type=int,
         default=DEFAULTS.max_models,
         help=f"Tinker training models and base samplers per tenant (default {DEFAULTS.max_models})",
+    )
+    p.add_argument(
+        "--tinker-max-sampler-saves",
+        type=int,
+        default=DEFAULTS.max_sampler_saves,
+        help=f"named Tinker sampler saves per tenant, kept in the object store until deleted or their TTL passes "
+        f"(default {DEFAULTS.max_sampler_saves})",
     )
 
 
@@ -54,10 +61,15 @@ def tinker_settings(args: argparse.Namespace) -> TinkerSettings:
         retention_s=args.tinker_retention_s,
         max_sessions=args.tinker_max_sessions,
         max_models=args.tinker_max_models,
+        max_sampler_saves=args.tinker_max_sampler_saves,
     )
     problems = settings.problems() + [
         f"--tinker-max-{what} {n}: give 1 or more"
-        for what, n in (("sessions", settings.max_sessions), ("models", settings.max_models))
+        for what, n in (
+            ("sessions", settings.max_sessions),
+            ("models", settings.max_models),
+            ("sampler-saves", settings.max_sampler_saves),
+        )
         if n < 1
     ]
     if problems:

@@ -52,7 +52,8 @@ async def _answer(request: web.Request, handler, ident: str, keys: KeyStore, fau
 
 async def _tenant(request: web.Request, keys: KeyStore) -> str:
     scheme, _, key = request.headers.get("Authorization", "").partition(" ")
-    tenant = await keys.tenant_of(key.strip()) if scheme.lower() == "bearer" else None
+    key = key.strip().removeprefix("tml-")  # a Tinker key opens /v1 too (the tinker:// completions take it)
+    tenant = await keys.tenant_of(key) if scheme.lower() == "bearer" else None
     if tenant is None:
         raise OpenAIError(
             401,

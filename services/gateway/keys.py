@@ -63,6 +63,10 @@ class KeyStore:
             return None
         return self._decode(entry.value) if entry.value else None
 
+    async def record(self, ident: str) -> KeyRecord | None:
+        """A key's record by its id (what a URL signed for that key names)."""
+        return await self._get(ident) if len(ident) == 16 and all(c in "0123456789abcdef" for c in ident) else None
+
     async def tenant_of(self, key: str) -> str | None:
         """The tenant of a presented key; None for anything that is not a stored key."""
         prefix, _, rest = key.partition("-")

@@ -18,7 +18,10 @@ from schemas.tinker_store import SessionRecord, session_key, valid_id
 from services.gateway.keys import KeyStore
 from services.gateway.openai_map import BaseModel
 from services.gateway.tinker import proto
+from services.gateway.tinker.bounds import Bounds
 from services.gateway.tinker.common import PREFIX, Ctx
+from services.gateway.tinker.completions import Completions
+from services.gateway.tinker.exports import Exports
 from services.gateway.tinker.futures import Book
 from services.gateway.tinker.http import Fault, TinkerRefusal, body, fault_reply, field, logged_fault, refused, reply
 from services.gateway.tinker.mirror import Liveness, Mirror
@@ -27,7 +30,8 @@ from services.gateway.tinker.outcomes import Runner
 from services.gateway.tinker.reaper import Reaper
 from services.gateway.tinker.runs import Runs
 from services.gateway.tinker.sampling import Sampling
-from services.gateway.tinker.settings import TinkerSettings, limit
+from services.gateway.tinker.saves import Saves
+from services.gateway.tinker.settings import TinkerSettings
 from services.gateway.tinker.store import Store
 from services.gateway.tinker.trainers import Trainers
 from services.gateway.tinker.training import Training
@@ -44,10 +48,13 @@ class TinkerApi:
         self.settings = settings or TinkerSettings()
         store = Store(nc)
         book, trainers, mirror = Book(store), Trainers(nc, store), Mirror(store)
-        self.order = Order(store, mirror, book, Runner(store, book, trainers), self.gateway, self.settings)
+        bounds = Bounds(store, self.settings)
+        saves = Saves(store, bounds)
+        self.order = Order(store, mirror, book, Runner(store, book, trainers, saves), self.gateway, self.settings)
         mirror.on_call = self.order.written
-        self.ctx = Ctx(self.gateway, keys, models, self.settings, store, mirror, book, self.order, trainers)
-        self.reaper = Reaper(store, mirror, book, trainers, self.settings)
+        self.ctx = Ctx(self.gateway, keys, models, self.settings, store, mirror, book, self.order, trainers, bounds,
+                       saves)  # fmt: skip
+        self.reaper = Reaper(store, mirror, book, trainers, self.settings, bounds, saves)
         self.liveness = Liveness(store, self.gateway)
         self._tasks: list[asyncio.Task] = []
 
@@ -85,6 +92,8 @@ class TinkerApi:
             + Training(self.ctx).routes()
             + Sampling(self.ctx).routes()
             + Runs(self.ctx).routes()
+            + Completions(self.ctx).routes()  # OpenAI's, under /v1, of tinker:// sampler paths
+            + Exports(self.ctx).routes()
         )
 
     @staticmethod
@@ -133,9 +142,6 @@ class TinkerApi:
     async def create_session(self, request: web.Request) -> web.Response:
         ctx = self.ctx
         tenant, data = await ctx.tenant(request), await body(request)
-        if refusal := limit(len(ctx.mirror.open_sessions(tenant)), self.settings.max_sessions, "sessions open",
-                            "max_sessions", "end sessions you no longer use (ServiceClient.close(), or end the script)"):  # fmt: skip
-            raise TinkerRefusal(400, refusal)
         metadata = data.get("user_metadata")
         kept = (
             {str(k)[:100]: v[:1000] for k, v in metadata.items() if isinstance(v, str)}
@@ -145,6 +151,7 @@ class TinkerApi:
         now = time.time()
         session = SessionRecord(id="sess-" + secrets.token_hex(8), tenant=tenant, created=now, heard=now,
                                 user_metadata=dict(list(kept.items())[:32]) if kept else None)  # fmt: skip
+        await ctx.bounds.session(tenant, session.id)  # its place first: a bound that holds on every gateway
         revision = await ctx.store.create(ctx.store.kv, session_key(tenant, session.id), session)
         if revision is None:
             raise TinkerRefusal(409, "that session id was just taken; create the session again")

@@ -23,10 +23,12 @@ from schemas.tinker_store import (
 )
 from services.gateway.keys import KeyStore
 from services.gateway.openai_map import BaseModel
+from services.gateway.tinker.bounds import Bounds
 from services.gateway.tinker.futures import Book
 from services.gateway.tinker.http import TinkerRefusal, field, tenant_of
 from services.gateway.tinker.mirror import Mirror
 from services.gateway.tinker.order import Order
+from services.gateway.tinker.saves import Saves
 from services.gateway.tinker.settings import TinkerSettings
 from services.gateway.tinker.store import Store
 from services.gateway.tinker.trainers import Trainers
@@ -46,6 +48,8 @@ class Ctx:
     book: Book
     order: Order
     trainers: Trainers
+    bounds: Bounds
+    saves: Saves
 
     async def tenant(self, request) -> str:
         return await tenant_of(request, self.keys)

@@ -20,6 +20,7 @@ from services.gateway.tinker.store import Store
 log = logging.getLogger(__name__)
 HOLD_S = 25.0  # under the client's 45 s timeout on retrieve_future
 KEPT_S = 60.0  # an outcome stays in memory this long after it is done (then the store answers)
+REVIVE_S = 5.0  # a fetch waiting on another gateway's call makes sure again this often that a live gateway runs it
 _encode = msgspec.json.Encoder().encode
 
 
@@ -131,8 +132,8 @@ class Book:
             raise
 
     async def from_store(self, future: FutureRecord, revive) -> Outcome | None:
-        """The stored outcome, waiting up to HOLD_S for another gateway to write it; `revive` first makes sure a
-        live gateway runs it."""
+        """The stored outcome, waiting up to HOLD_S for another gateway to write it; `revive` makes sure a live
+        gateway runs it, first and every REVIVE_S (the one that ran it may be found gone meanwhile)."""
         event = asyncio.Event()
         self.waiting.setdefault(future.id, []).append(event)
         try:
@@ -148,9 +149,11 @@ class Book:
                     return None
                 event.clear()
                 try:
-                    await asyncio.wait_for(event.wait(), left)
+                    await asyncio.wait_for(event.wait(), min(left, REVIVE_S))
                 except asyncio.TimeoutError:
-                    return None
+                    if left <= REVIVE_S:
+                        return None
+                    await revive(future)
                 again = await self.find(future.tenant, future.id)
                 if again is None:
                     raise KeyError(future.id)

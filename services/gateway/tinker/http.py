@@ -97,3 +97,20 @@ def field(data: dict, name: str, kind: type | tuple = str, default=...):
     if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
         raise TinkerRefusal(400, f"{name} has the wrong type ({type(value).__name__})")
     return value
+
+
+METADATA_KEYS, METADATA_KEY_CHARS, METADATA_VALUE_CHARS = 32, 100, 1000
+
+
+def user_metadata(data: dict) -> dict[str, str] | None:
+    """A body's user_metadata (strings, a few), kept as given, or a 400 naming what to change."""
+    metadata = data.get("user_metadata")
+    if metadata is None or metadata == {}:
+        return None
+    if not isinstance(metadata, dict) or len(metadata) > METADATA_KEYS:
+        raise TinkerRefusal(400, f"user_metadata: give an object of up to {METADATA_KEYS} string values")
+    for key, value in metadata.items():
+        if not isinstance(value, str) or len(key) > METADATA_KEY_CHARS or len(value) > METADATA_VALUE_CHARS:
+            raise TinkerRefusal(400, f"user_metadata[{str(key)[:40]!r}]: a string of up to {METADATA_VALUE_CHARS} "
+                                     f"characters, under a key of up to {METADATA_KEY_CHARS}")  # fmt: skip
+    return dict(metadata)

@@ -1,5 +1,5 @@
 """What every gateway follows of the Tinker buckets as they change: the gateways that are up (a model's calls run
-on one of them while it stays up), every session (a tenant's count, and the silent ones to pause), and the keys of
+on one of them while it stays up), every session (the silent ones to pause, a tenant's listed), and the keys of
 the calls written (a call another gateway took for a model whose calls run here, or an outcome a client waits for
 here). Each is one ordered consumer for the gateway's whole life, never one per request."""
 
@@ -98,13 +98,6 @@ class Mirror:
     def session(self, tenant: str, session: str) -> tuple[SessionRecord, int] | None:
         found = self.sessions.get(session)
         return found if found is not None and found[0].tenant == tenant else None
-
-    def open_sessions(self, tenant: str) -> list[SessionRecord]:
-        """The tenant's sessions that are neither finished nor paused for silence."""
-        return [s for s, _ in self.sessions.values() if s.tenant == tenant and s.finished is None and not s.paused]
-
-    def models_held(self, tenant: str) -> int:
-        return sum(len(s.models) for s, _ in self.sessions.values() if s.tenant == tenant and s.finished is None)
 
     def learn(self, record: SessionRecord, revision: int) -> None:
         """A session this gateway just wrote (its own write comes back on the consumer a moment later)."""

@@ -9,6 +9,8 @@ import logging
 import time
 from collections.abc import Callable
 
+import msgspec
+
 from schemas.sessions import (
     SNAPSHOTS_KEPT,
     ForwardResult,
@@ -23,6 +25,7 @@ from schemas.tinker_store import FutureRecord, ModelRecord, Outcome, SamplerReco
 from services.gateway.tinker import proto
 from services.gateway.tinker.futures import Book, CallFailed, failed
 from services.gateway.tinker.paths import answered, tinker_path
+from services.gateway.tinker.saves import Saves
 from services.gateway.tinker.store import Store
 from services.gateway.tinker.trainers import Trainers
 
@@ -34,8 +37,8 @@ Change = Callable[[ModelRecord], object]  # what a call changed in its model's r
 
 
 class Runner:
-    def __init__(self, store: Store, book: Book, trainers: Trainers) -> None:
-        self.store, self.book, self.trainers = store, book, trainers
+    def __init__(self, store: Store, book: Book, trainers: Trainers, saves: Saves) -> None:
+        self.store, self.book, self.trainers, self.saves = store, book, trainers, saves
 
     async def run(self, future: FutureRecord, model: ModelRecord) -> tuple[Outcome, list[Change]]:
         """The call's outcome, and the changes it made to `model` (already made to this copy of it)."""
@@ -89,8 +92,11 @@ class Runner:
 
     async def _save_sampler(self, future, model, reply, changes) -> Outcome:
         saved = answered(reply, SavedResult)
-        record = SaveRecord(step=saved.step, time=time.time(), expires=future.args.get("expires"))
         path = tinker_path(model.id, "sampler_weights", saved.name)
+        if future.args.get("named"):  # in the object store (the node put it there): a record of its own
+            await self.saves.record(model, saved, future.args.get("expires"))
+            return Outcome(json={"path": path})
+        record = SaveRecord(step=saved.step, time=time.time(), expires=future.args.get("expires"))
         sampler_id = f"{model.id}:sample:{saved.name}"
         sampler = SamplerRecord(id=sampler_id, tenant=model.tenant, model=model.id, weights=saved.name,
                                 base_model=model.base_model, model_path=path, created=time.time())  # fmt: skip
@@ -106,9 +112,14 @@ class Runner:
         _change(model, changes, keep)
         for name in dropped:
             await self.store.delete(self.store.kv, sampler_key(model.tenant, f"{model.id}:sample:{name}"))
-        if future.args.get("named"):
-            return Outcome(json={"path": path})
         return Outcome(json={"path": path, "sampling_session_id": sampler_id})
+
+    async def _save_external(self, future, model, reply, changes) -> Outcome:
+        """An export (save_weights_external): stored by the node as a sampler save is, listed as external weights."""
+        saved = answered(reply, SavedResult)
+        path = future.args["path"]
+        save = await self.saves.record(model, saved, future.args.get("expires"), path)
+        return Outcome(json={"path": path, "size_bytes": save.size, "type": "save_weights_external"})
 
     async def _load(self, future, model, reply, changes) -> Outcome:
         loaded = answered(reply, LoadedResult)
@@ -116,6 +127,10 @@ class Runner:
 
     async def _sample(self, future, model, reply, changes) -> Outcome:
         return Outcome(body=proto.sample_output(answered(reply, SampleResult)))
+
+    async def _sample_text(self, future, model, reply, changes) -> Outcome:
+        """A sample the OpenAI-compatible routes asked in text: the session's result as JSON (texts included)."""
+        return Outcome(json=msgspec.to_builtins(answered(reply, SampleResult)))
 
 
 def _change(model: ModelRecord, changes: list[Change], change: Change) -> None:
@@ -128,7 +143,9 @@ CONVERT = {
     "optim": Runner._optim,
     "save_state": Runner._save_state,
     "save_sampler": Runner._save_sampler,
+    "save_external": Runner._save_external,
     "load": Runner._load,
     "sample": Runner._sample,
+    "sample_text": Runner._sample_text,
 }
 KINDS = ("create", "create_from_state", *CONVERT)

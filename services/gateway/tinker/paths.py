@@ -10,7 +10,7 @@ from services.gateway.tinker.futures import CallFailed
 from services.gateway.tinker.http import TinkerRefusal
 
 SCHEME = "tinker://"
-KINDS = {"weights": "training", "sampler_weights": "sampler"}  # a path's kind, and its checkpoint_type
+KINDS = {"weights": "training", "sampler_weights": "sampler", "external_weights": "external"}  # and checkpoint_type
 
 
 def tinker_path(model_id: str, kind: str, name: str) -> str:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import math
 import sys
 from array import array
+from dataclasses import dataclass
 
 from google.protobuf import descriptor_pool, message_factory
 
@@ -123,6 +124,46 @@ def call_of(req) -> ForwardBackward:
             where = f"data[{i}].loss_fn_inputs.target_tokens"
             raise ProtoRefused(f"{where} holds what is not a token id (a whole number from 0)", where)
     return ForwardBackward(data=data, loss_fn=req.loss_fn, config=config, forward_only=req.forward_only)
+
+
+@dataclass(frozen=True)
+class Span:
+    """A run of a datum's positions that came from a sampled sequence: its prompt's tokens, or the tokens it
+    sampled, [offset, offset + length) of that sequence's (Tinker's ProvenanceSpan)."""
+
+    sampled: bool
+    sequence_id: str
+    offset: int
+    length: int
+
+
+def provenance(req) -> list[list[Span] | None]:
+    """Each datum's loss_fn_input_spans (its targets' provenance), None where it names none."""
+    out: list[list[Span] | None] = []
+    for i, d in enumerate(req.data):
+        if not d.loss_fn_input_spans:
+            out.append(None)
+            continue
+        spans = []
+        for span in d.loss_fn_input_spans:
+            kind = span.WhichOneof("span")
+            if kind is None:
+                raise ProtoRefused(f"data[{i}].loss_fn_input_spans holds an empty span", f"data[{i}]")
+            run = getattr(span, kind)
+            if run.offset < 0 or run.length < 0 or not run.sequence_id:
+                where = f"data[{i}].loss_fn_input_spans"
+                raise ProtoRefused(f"{where}: a span needs a sequence_id, an offset and a length from 0", where)
+            spans.append(Span(kind == "sampled_tokens", run.sequence_id[:400], run.offset, run.length))
+        out.append(spans)
+    return out
+
+
+def sampled(body: bytes) -> list[tuple[list[int], list[float]]]:
+    """The (tokens, log-probabilities) of each sequence of a SampleResponse sample_output wrote."""
+    out = SampleResponse()
+    out.ParseFromString(body)
+    return [(_little("i", s.tokens, "tokens").tolist(), _little("f", s.logprobs, "logprobs").tolist())
+            for s in out.sequences]  # fmt: skip
 
 
 def forward_output(result: ForwardResult) -> bytes:

@@ -1,7 +1,8 @@
 """What becomes of sessions whose clients went quiet, every REAP_S on every gateway (a claim written with the
 record's revision makes one gateway act, never two): a session with no heartbeat for the silence window is paused
 (its jobs checkpoint and free their devices; the next call resumes them, as after an idle pause), one silent for
-`end_s` is finished, and a finished one's records are deleted `retention_s` after it finished."""
+`end_s` is finished (its places in the tenant's bounds given back), and a finished one's records are deleted
+`retention_s` after it finished. Named sampler saves whose TTL passed are deleted too (saves.py)."""
 
 from __future__ import annotations
 
@@ -12,8 +13,10 @@ import time
 import msgspec
 
 from schemas.tinker_store import ModelRecord, SessionRecord, model_key, session_key
+from services.gateway.tinker.bounds import Bounds
 from services.gateway.tinker.futures import Book
 from services.gateway.tinker.mirror import Mirror
+from services.gateway.tinker.saves import Saves
 from services.gateway.tinker.settings import TinkerSettings
 from services.gateway.tinker.store import Store
 from services.gateway.tinker.trainers import Trainers
@@ -23,8 +26,18 @@ REAP_S = 5.0
 
 
 class Reaper:
-    def __init__(self, store: Store, mirror: Mirror, book: Book, trainers: Trainers, settings: TinkerSettings) -> None:
+    def __init__(
+        self,
+        store: Store,
+        mirror: Mirror,
+        book: Book,
+        trainers: Trainers,
+        settings: TinkerSettings,
+        bounds: Bounds,
+        saves: Saves,
+    ) -> None:
         self.store, self.mirror, self.book, self.trainers, self.settings = store, mirror, book, trainers, settings
+        self.bounds, self.saves = bounds, saves
 
     async def run(self) -> None:
         while True:
@@ -40,6 +53,7 @@ class Reaper:
             silent = now - session.heard
             if session.finished is not None:
                 if now - session.finished > settings.retention_s:
+                    await self.bounds.end_session(session.tenant, session.id)  # given back at its end already
                     await self.store.forget_session(session.tenant, session.id)
             elif silent > settings.end_s:
                 why = f"no heartbeat for {silent:.0f} s"
@@ -51,6 +65,7 @@ class Reaper:
                              "resumes them)", session.id, session.tenant, silent)  # fmt: skip
                     await self._each_model(session, self.trainers.pause)
         self.book.sweep()
+        await self.saves.sweep()
 
     async def _claim(self, session: SessionRecord, revision: int, **changes) -> bool:
         """Whether this gateway's write of the change won (another gateway, or a heartbeat, may have come first)."""
@@ -63,6 +78,7 @@ class Reaper:
     async def end(self, session: SessionRecord, why: str) -> None:
         """Its running jobs stop and store their adapters (a paused one stays paused, its checkpoint stored)."""
         log.info("session %s of %s finished: %s", session.id, session.tenant, why)
+        await self.bounds.end_session(session.tenant, session.id)
         await self._each_model(session, self.trainers.stop)
 
     async def _each_model(self, session: SessionRecord, act) -> None:

@@ -1,5 +1,6 @@
 """The Tinker API's RestClient routes: a tenant's training runs (list_training_runs, get_training_run), its sessions
-(list_sessions, get_session), and a run's checkpoints: listed, deleted, or given a time to live."""
+(list_sessions, get_session), and a run's checkpoints (its saves in its record, its named sampler saves in their own:
+saves.py): listed, deleted, or given a time to live."""
 
 from __future__ import annotations
 
@@ -9,10 +10,19 @@ from collections.abc import Callable
 from aiohttp import web
 
 from schemas.sessions import Forget
-from schemas.tinker_store import ModelRecord, SamplerRecord, SaveRecord, model_key, sampler_key, token
+from schemas.tinker_store import (
+    ModelRecord,
+    SamplerRecord,
+    SamplerSave,
+    SaveRecord,
+    model_key,
+    sampler_key,
+    stored_name,
+    token,
+)
 from services.gateway.tinker.common import PREFIX, Ctx
 from services.gateway.tinker.http import TinkerRefusal, body, reply
-from services.gateway.tinker.paths import KINDS, tinker_path
+from services.gateway.tinker.paths import KINDS, parse_path, tinker_path
 from services.gateway.tinker.training import TTL_RANGE
 
 PAGE_MAX = 1000
@@ -22,10 +32,16 @@ def iso(when: float) -> str:
     return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(when))
 
 
-def checkpoints(model: ModelRecord) -> list[dict]:
-    """Its saves (training) and sampler saves, oldest first; those past their TTL are gone."""
+def checkpoints(model: ModelRecord, named: list[SamplerSave]) -> list[dict]:
+    """Its saves (training) and sampler saves (unnamed ones in its record, `named` in their own), oldest first;
+    those past their TTL are gone."""
     now, out = time.time(), []
-    for kind, saves in (("weights", model.saves), ("sampler_weights", model.samplers)):
+    stored: dict[str, dict[str, SaveRecord]] = {"sampler_weights": {}, "external_weights": {}}
+    for s in named:  # named sampler saves, and exports (save_weights_external)
+        _, kind, name = parse_path(s.path)
+        stored[kind][name] = SaveRecord(step=s.step, time=s.time, expires=s.expires)
+    for kind, saves in (("weights", model.saves), ("sampler_weights", {**model.samplers, **stored["sampler_weights"]}),
+                        ("external_weights", stored["external_weights"])):  # fmt: skip
         for name, save in saves.items():
             if save.expires is None or save.expires > now:
                 out.append(
@@ -40,8 +56,8 @@ def checkpoints(model: ModelRecord) -> list[dict]:
     return sorted(out, key=lambda c: c["time"])
 
 
-def training_run(model: ModelRecord) -> dict:
-    listed = checkpoints(model)
+def training_run(model: ModelRecord, named: list[SamplerSave]) -> dict:
+    listed = checkpoints(model, named)
     return {
         "training_run_id": model.id,
         "base_model": model.base_model,
@@ -88,18 +104,32 @@ class Runs:
         limit, offset = page(request)
         models = [m for m in await ctx.store.scan(ctx.store.kv, f"model.{tenant}.>", ModelRecord) if m.kind == "train"]
         models.sort(key=lambda m: (m.created, m.id))
-        runs = [training_run(ctx.order.model(m.id) or m) for m in models[offset : offset + limit]]
+        named: dict[str, list[SamplerSave]] = {}
+        for save in await ctx.saves.of(tenant):
+            named.setdefault(save.model, []).append(save)
+        runs = [training_run(ctx.order.model(m.id) or m, named.get(m.id, [])) for m in models[offset : offset + limit]]
         return reply({"training_runs": runs, "cursor": {"offset": offset, "limit": limit, "total_count": len(models)}})
 
     async def get_run(self, request: web.Request) -> web.Response:
         tenant = await self.ctx.tenant(request)
         model = await self.ctx.model(tenant, request.match_info["id"], "training run")
-        return reply(training_run(model))
+        return reply(training_run(model, await self.ctx.saves.of(tenant, model.id)))
 
     async def list_checkpoints(self, request: web.Request) -> web.Response:
         tenant = await self.ctx.tenant(request)
         model = await self.ctx.model(tenant, request.match_info["id"], "training run")
-        return reply({"checkpoints": checkpoints(model), "cursor": None})
+        return reply({"checkpoints": checkpoints(model, await self.ctx.saves.of(tenant, model.id)), "cursor": None})
+
+    async def _named(self, request: web.Request) -> tuple[ModelRecord, SamplerSave | None]:
+        """The caller's run, and the named sampler save the path names (None: a save in the run's record)."""
+        ctx = self.ctx
+        tenant, kind, name = await ctx.tenant(request), request.match_info["kind"], request.match_info["name"]
+        model = await ctx.model(tenant, request.match_info["id"], "training run")
+        if kind not in KINDS:
+            raise TinkerRefusal(400, f"checkpoint {kind}/{name[:100]}: its kind is weights or sampler_weights")
+        if kind == "weights":
+            return model, None
+        return model, await ctx.saves.find(tenant, tinker_path(model.id, kind, name))
 
     async def _change_save(
         self, request: web.Request, change: Callable[[dict[str, SaveRecord], str], bool]
@@ -109,9 +139,6 @@ class Runs:
         ctx = self.ctx
         tenant, kind, name = await ctx.tenant(request), request.match_info["kind"], request.match_info["name"]
         model = await ctx.model(tenant, request.match_info["id"], "training run")
-        if kind not in KINDS:
-            raise TinkerRefusal(400, f"checkpoint {kind}/{name[:100]}: its kind is weights or sampler_weights")
-
         if name not in (model.saves if kind == "weights" else model.samplers):
             raise TinkerRefusal(404, f"no checkpoint {kind}/{name[:100]} in training run {model.id}")
 
@@ -125,11 +152,15 @@ class Runs:
 
     async def delete_checkpoint(self, request: web.Request) -> web.Response:
         kind, name = request.match_info["kind"], request.match_info["name"]
-        model = await self._change_save(request, lambda saves, n: saves.pop(n, None) is not None)
+        model, named = await self._named(request)
+        if named is not None:  # its record, its object and its place in the tenant's bound
+            await self.ctx.saves.delete(named)
+        else:
+            model = await self._change_save(request, lambda saves, n: saves.pop(n, None) is not None)
         if kind == "sampler_weights":
             await self.ctx.store.delete(self.ctx.store.kv, sampler_key(model.tenant, f"{model.id}:sample:{name}"))
         if await self.ctx.trainers.running_on(model):  # its files go too (a paused one keeps them until it ends)
-            call = Forget(name=name, kind="state" if kind == "weights" else "sampler")
+            call = Forget(name=stored_name(kind, name), kind="state" if kind == "weights" else "sampler")
             await self.ctx.trainers.send(model, call, "")
         return web.Response(status=204)
 
@@ -148,7 +179,11 @@ class Runs:
             saves[name].expires = expires
             return True
 
-        await self._change_save(request, set_expiry)
+        _, named = await self._named(request)
+        if named is not None:
+            await self.ctx.saves.expire(named, expires)
+        else:
+            await self._change_save(request, set_expiry)
         return web.Response(status=204)
 
     async def list_sessions(self, request: web.Request) -> web.Response:

@@ -8,6 +8,7 @@ import math
 import secrets
 import time
 
+import msgspec
 from aiohttp import web
 
 from schemas.sessions import BASE_WEIGHTS, Sample, SessionSpec
@@ -24,6 +25,8 @@ from services.gateway.tinker.common import PREFIX, Ctx, checked, session_job
 from services.gateway.tinker.futures import CallFailed
 from services.gateway.tinker.http import TinkerRefusal, body, field, reply
 from services.gateway.tinker.paths import parse_path
+from services.gateway.tinker.provenance import sequence_id
+from services.gateway.tinker.sampler_paths import resolve_sampler, target
 from services.gateway.tinker.settings import limit
 
 TOKEN_MAX = 2**31 - 1
@@ -47,14 +50,12 @@ class Sampling:
         path = data.get("model_path")
         if path is None:
             return await self._base_sampler(tenant, data)
-        owner, kind, name = parse_path(path, "model_path")
-        model = await ctx.model(tenant, owner, "model_path")
-        save = model.samplers.get(name)
-        if kind != "sampler_weights" or save is None or (save.expires is not None and save.expires < time.time()):
-            raise TinkerRefusal(404, f"model_path {path[:200]!r}: no sampler weights of yours by that name")
+        found = await resolve_sampler(ctx, tenant, path, "model_path")  # a stored save, or one its session holds
+        owner, _, name = parse_path(path, "model_path")
         sampler_id = f"{owner}:sample:{name}"
-        sampler = SamplerRecord(id=sampler_id, tenant=tenant, model=owner, weights=name, base_model=model.base_model,
-                                model_path=path, created=time.time())  # fmt: skip
+        sampler = SamplerRecord(id=sampler_id, tenant=tenant, model=owner, weights=name,
+                                base_model=found.model.base_model, model_path=path, created=time.time(),
+                                stored=found.stored)  # fmt: skip
         await ctx.store.put(ctx.store.kv, sampler_key(tenant, sampler_id), sampler)
         return reply({"sampling_session_id": sampler_id})
 
@@ -71,9 +72,7 @@ class Sampling:
         sampler_id = f"{model_id}:sample"
         if await ctx.store.get(ctx.store.kv, sampler_key(tenant, sampler_id), SamplerRecord) is not None:
             return reply({"sampling_session_id": sampler_id})  # sent again
-        if refusal := limit(ctx.mirror.models_held(tenant), ctx.settings.max_models, "training models and samplers",
-                            "max_models", "finish sessions you no longer use (ServiceClient.close(), or end the script)"):  # fmt: skip
-            raise TinkerRefusal(400, refusal)
+        await ctx.bounds.model(tenant, session.id, model_id)
         spec = SessionSpec(rank=1, train_mlp=False, idle_s=ctx.settings.idle_s)  # an adapter it never uses
         try:
             job = await ctx.trainers.submit(tenant, session_job(base, spec, model_id))
@@ -85,6 +84,8 @@ class Sampling:
         await ctx.store.create(ctx.store.kv, model_key(tenant, model_id), record)
 
         def add(s: SessionRecord) -> bool:
+            if model_id in s.models:
+                return False
             s.models.append(model_id)
             s.sampler_seq = max(s.sampler_seq, seq + 1)
             return True
@@ -104,20 +105,29 @@ class Sampling:
         ctx = self.ctx
         tenant, data = await ctx.tenant(request), await body(request)
         sampler = await ctx.sampler(tenant, field(data, "sampling_session_id"))
-        model = await ctx.model(tenant, sampler.model, "sampling_session_id")
-        call = sample_call(data, sampler.weights)
-        if refusal := limit(ctx.book.pending.get(tenant, 0), ctx.settings.max_pending, "calls not done yet",
-                            "max_pending", "fetch the results of earlier samples before sending more"):  # fmt: skip
-            raise TinkerRefusal(400, refusal)
-        now = time.time()
-        future = FutureRecord(id=f"{model.id}:s:{secrets.token_hex(8)}", tenant=tenant, model=model.id, seq=None,
-                              kind="sample", call=call, call_id=secrets.token_hex(8), created=now, worker=ctx.gateway)  # fmt: skip
-        stored = await ctx.book.record(future)
-        if stored is None:
-            raise TinkerRefusal(409, "that request id was just taken; send the sample again")
-        ctx.order.at_once.run(stored, ctx.order.model(model.id) or model)
-        ids = [f"{future.id}-{i}-{int(now)}" for i in range(call.num_samples)]
+        found = await target(ctx, tenant, sampler.model, sampler.weights, sampler.stored, "sampling_session_id")
+        call = msgspec.structs.replace(sample_call(data, found.weights, found.stored), object=found.object)
+        recorded = {"stability": True} if data.get("record_stability_info") is True else {}  # for stable_reinforce
+        future = await submit(ctx, found.model, call, recorded)
+        ids = [sequence_id(future.id, i, int(future.created)) for i in range(call.num_samples)]
         return reply({"request_id": future.id, "sample_sequence_ids": ids})
+
+
+async def submit(ctx: Ctx, model: ModelRecord, call: Sample, args: dict, kind: str = "sample") -> FutureRecord:
+    """A sample of `model`'s, stored and run at once (within the tenant's max_pending); `kind` says what its outcome
+    is (outcomes.py: Tinker's protobuf, or sample_text's JSON)."""
+    tenant = model.tenant
+    if refusal := limit(ctx.book.pending.get(tenant, 0), ctx.settings.max_pending, "calls not done yet",
+                        "max_pending", "fetch the results of earlier samples before sending more"):  # fmt: skip
+        raise TinkerRefusal(400, refusal)
+    future = FutureRecord(id=f"{model.id}:s:{secrets.token_hex(8)}", tenant=tenant, model=model.id, seq=None,
+                          kind=kind, call=call, args=args, call_id=secrets.token_hex(8), created=time.time(),
+                          worker=ctx.gateway)  # fmt: skip
+    stored = await ctx.book.record(future)
+    if stored is None:
+        raise TinkerRefusal(409, "that request id was just taken; send the sample again")
+    ctx.order.at_once.run(stored, ctx.order.model(model.id) or model)
+    return stored
 
 
 def _number(value: object, where: str, whole: bool = False) -> float | int:
@@ -150,7 +160,7 @@ def _stops(stop: object) -> tuple[list[int], list[str]]:
     raise TinkerRefusal(400, f"sampling_params.stop is {str(stop)[:40]!r}: give a string, strings, or token ids")
 
 
-def sample_call(data: dict, weights: str | None) -> Sample:
+def sample_call(data: dict, weights: str | None, stored: bool = False) -> Sample:
     """A Sample call of an asample body, refusing what is not served or malformed, naming it."""
     for name in ("topk_prompt_logprobs", "topk_sample_logprobs", "prompt_alt_tokens_k", "target_prompt_logprobs"):
         if data.get(name):
@@ -172,7 +182,7 @@ def sample_call(data: dict, weights: str | None) -> Sample:
     num = _number(data.get("num_samples", 1), "num_samples", whole=True)
     return checked(
         {**settings, "prompt": tokens, "num_samples": num, "stop_tokens": stop_tokens, "stop_strings": stop_strings,
-         "weights": weights, "prompt_logprobs": data.get("prompt_logprobs") is True},
+         "weights": weights, "stored": stored, "prompt_logprobs": data.get("prompt_logprobs") is True},
         Sample,
         "sampling_params",
     )  # fmt: skip

@@ -14,8 +14,9 @@ class TinkerSettings:
     silence_s: float = 3 * HEARTBEAT_S  # a session whose client sent no heartbeat this long is paused the same way
     end_s: float = 600.0  # a session silent this long is finished (its running jobs stop and store their adapters)
     retention_s: float = 86400.0  # a finished session's records are deleted this long after it finished
-    max_sessions: int = 16  # open sessions per tenant (not finished, not paused for silence)
+    max_sessions: int = 16  # sessions per tenant, from create_session until finished (tinker/bounds.py)
     max_models: int = 32  # training models and base samplers per tenant, in its sessions not finished
+    max_sampler_saves: int = 64  # named sampler saves per tenant (in the object store), until deleted or expired
     max_pending: int = 256  # calls per tenant that a gateway runs and that are not done yet
     seq_window: int = 32  # a seq_id at most this far ahead of the model's next
     gap_s: float = 30.0  # a missing seq_id waited for this long; then it fails and the calls after it run

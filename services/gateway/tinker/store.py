@@ -4,7 +4,10 @@ a KV entry kept as an object, and one session's records deleted at once."""
 
 from __future__ import annotations
 
+import asyncio
 import io
+import random
+import time
 from collections.abc import Callable
 from typing import TypeVar
 
@@ -18,7 +21,7 @@ from services.runtime import StartupError
 T = TypeVar("T")
 _encode = msgspec.json.Encoder().encode
 HEADROOM = 16 * 1024  # what a KV entry's subject and headers may take of a message
-TRIES = 8  # a record written by several gateways at once is read and changed again at most this often
+CONTENDED_S = 20.0  # a record written by many requests at once is read and changed again for this long at most
 
 
 class Store:
@@ -79,16 +82,22 @@ class Store:
             return None
 
     async def modify(self, kv, key: str, kind: type[T], change: Callable[[T], bool]) -> T | None:
-        """Read, change (False: leave it as it is) and write back, again while another gateway wrote in between;
-        the record as written (None: there is none)."""
-        for _ in range(TRIES):
+        """Read, change (False: leave it as it is) and write back, again (after a short random wait, longer each
+        time) while another request or gateway wrote in between: contention is this gateway's to wait out, never
+        the client's; the record as written (None: there is none)."""
+        deadline, tries = time.monotonic() + CONTENDED_S, 0
+        while True:
             found = await self.get(kv, key, kind)
             if found is None:
                 return None
             record, revision = found
             if not change(record) or await self.update(kv, key, record, revision) is not None:
                 return record
-        raise RuntimeError(f"{key} changed {TRIES} times while this gateway tried to write it")
+            tries += 1
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{key} changed {tries} times in {CONTENDED_S:.0f} s while this gateway tried to "
+                                   "write it: the store is overloaded")  # fmt: skip
+            await asyncio.sleep(random.uniform(0, min(0.05, 0.001 * 2 ** min(tries, 6))))
 
     async def scan(self, kv, keys: str, kind: type[T]) -> list[T]:
         """Every record under a key filter (a listing: one consumer for the whole of it)."""

@@ -217,6 +217,12 @@ class Trainers:
             await self._job_verb(model, "pause")
             self.watch.forget(model.job)
 
+    async def cancel(self, tenant: str, job: str) -> None:
+        """A job made for nothing (another gateway's stood): it goes."""
+        reply = await bus.request(self.nc, names.jobs_api(tenant).cancel, JobQuery(job), JobReply | Error)
+        if isinstance(reply, Error):
+            log.info("job %s of %s was not cancelled: %s", job, tenant, reply.error)
+
     async def _job_verb(self, model: ModelRecord, verb: str) -> None:
         subject = getattr(names.jobs_api(model.tenant), verb)
         reply = await bus.request(self.nc, subject, JobQuery(model.job), JobReply | Error)

@@ -9,15 +9,15 @@ from __future__ import annotations
 import asyncio
 import re
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import msgspec
 from aiohttp import web
 
 from schemas.sessions import (
-    LOSSES,
     SAVED_NAME,
+    ForwardBackward,
     LoadWeights,
     OptimStep,
     SaveWeights,
@@ -25,17 +25,27 @@ from schemas.sessions import (
     SessionSpec,
     SessionStart,
 )
-from schemas.tinker_store import FutureRecord, ModelRecord, SessionRecord, model_key, ordered_request, session_key
-from services.gateway.tinker import proto
+from schemas.tinker_store import (
+    FutureRecord,
+    ModelRecord,
+    SessionRecord,
+    model_key,
+    ordered_request,
+    session_key,
+    stored_name,
+)
+from services.gateway.tinker import loss_calls, proto
 from services.gateway.tinker.common import PREFIX, Ctx, checked, session_job
+from services.gateway.tinker.exports import NO_AGE
 from services.gateway.tinker.futures import failed
-from services.gateway.tinker.http import TinkerRefusal, body, field, logged_fault, reply
-from services.gateway.tinker.paths import parse_path
+from services.gateway.tinker.http import TinkerRefusal, body, field, logged_fault, reply, user_metadata
+from services.gateway.tinker.paths import parse_path, tinker_path
 from services.gateway.tinker.settings import limit
 
 ADAM = ("learning_rate", "beta1", "beta2", "eps", "weight_decay", "grad_clip_norm")
 TTL_RANGE = (3600, 10 * 365 * 86400)  # Tinker's: an hour to ten years
 Built = tuple[str, SessionCall | None, dict[str, Any]]  # kind, call, args (outcomes.py)
+Admit = Callable[[ModelRecord, str, Built], Awaitable[None]]  # a bound the call takes a place of (its request id)
 
 
 class Training:
@@ -49,12 +59,19 @@ class Training:
             web.post(PREFIX + "/optim_step", self.optim_step),
             web.post(PREFIX + "/save_weights", self.save_weights),
             web.post(PREFIX + "/save_weights_for_sampler", self.save_for_sampler),
+            web.post(PREFIX + "/save_weights_external", self.save_external),
             web.post(PREFIX + "/load_weights", self.load_weights),
         ]
 
     # --- a call in its model's order ------------------------------------------------------------------------------
     async def _ordered(
-        self, request: web.Request, tenant: str, model_id: object, seq: object, build: Callable[[ModelRecord], Built]
+        self,
+        request: web.Request,
+        tenant: str,
+        model_id: object,
+        seq: object,
+        build: Callable[[ModelRecord], Built],
+        admit: Admit | None = None,
     ) -> web.Response:
         ctx = self.ctx
         if not isinstance(model_id, str):
@@ -84,7 +101,9 @@ class Training:
                 return reply({"request_id": taken.id, "model_id": model.id})  # sent again: no new call
             raise TinkerRefusal(400, refusal)
         try:
-            kind, call, args = build(model)
+            kind, call, args = built = build(model)
+            if admit is not None:
+                await admit(model, ordered_request(model.id, seq), built)
         except TinkerRefusal as e:  # refused as sent: its turn is taken as nothing, so the calls after it run
             await self._consume(model, seq, e.detail)
             raise
@@ -125,9 +144,8 @@ class Training:
             raise TinkerRefusal(400, "lora_config: train_attn, train_mlp and train_unembed are all false; set one")
         seq = self._model_seq(data, session)
         model_id = f"{session.id}:train:{seq}"
-        return await self._new_model(
-            tenant, session, model_id, base.name, spec, "create", session_job(base, spec, model_id), {}
-        )
+        job, metadata = session_job(base, spec, model_id), user_metadata(data)
+        return await self._new_model(tenant, session, model_id, base.name, spec, "create", job, {}, metadata)
 
     def _model_seq(self, data: dict, session: SessionRecord) -> int:
         seq = field(data, "model_seq_id", int, session.model_seq)
@@ -136,30 +154,32 @@ class Training:
         return seq
 
     async def _new_model(self, tenant: str, session: SessionRecord, model_id: str, base_model: str, spec: SessionSpec,
-                         kind: str, job, args: dict) -> web.Response:  # fmt: skip
-        """A model's record (its calls run here) and its create, the model's first call (seq 0)."""
+                         kind: str, job, args: dict, metadata: dict[str, str] | None) -> web.Response:  # fmt: skip
+        """A model's place in the tenant's bound, its create (the model's first call, seq 0), its record (its calls
+        run here) and its place in the session, each written only if it is not there yet and in that order: a
+        create sent again (the client retries what failed or timed out) finds the same request id and finishes what
+        the first try left undone; none is a model nobody can fetch the create of, or one outside the bound."""
         ctx = self.ctx
         first = ordered_request(model_id, 0)
         if await ctx.store.get(ctx.store.kv, model_key(tenant, model_id), ModelRecord) is not None:
-            return reply({"request_id": first})  # a create sent again: the same model
-        if refusal := limit(ctx.mirror.models_held(tenant), ctx.settings.max_models, "training models and samplers",
-                            "max_models", "finish sessions you no longer use (ServiceClient.close(), or end the script)"):  # fmt: skip
-            raise TinkerRefusal(400, refusal)
+            return reply({"request_id": first})  # a create sent again, all of it written: the same model
+        await ctx.bounds.model(tenant, session.id, model_id)
         now = time.time()
-        record = ModelRecord(id=model_id, tenant=tenant, session=session.id, base_model=base_model, spec=spec,
-                             pump=ctx.gateway, created=now, last_request=now)  # fmt: skip
-        revision = await ctx.store.create(ctx.store.kv, model_key(tenant, model_id), record)
-        if revision is None:
-            return reply({"request_id": first})
-        await self._add_to_session(tenant, session.id, model_id, int(model_id.rsplit(":", 1)[1]))
         create = FutureRecord(id=first, tenant=tenant, model=model_id, seq=0, kind=kind, job=job, args=args,
                               call_id=first, created=now)  # fmt: skip
-        stored = await ctx.book.record(create) or create
-        ctx.order.start_new(record, revision, stored)
+        stored = await ctx.book.record(create) or await ctx.book.find(tenant, first) or create
+        record = ModelRecord(id=model_id, tenant=tenant, session=session.id, base_model=base_model, spec=spec,
+                             pump=ctx.gateway, created=now, last_request=now, user_metadata=metadata)  # fmt: skip
+        revision = await ctx.store.create(ctx.store.kv, model_key(tenant, model_id), record)
+        await self._add_to_session(tenant, session.id, model_id, int(model_id.rsplit(":", 1)[1]))
+        if revision is not None:
+            ctx.order.start_new(record, revision, stored)
         return reply({"request_id": first})
 
     async def _add_to_session(self, tenant: str, session_id: str, model_id: str, seq: int) -> None:
         def add(s: SessionRecord) -> bool:
+            if model_id in s.models:
+                return False
             s.models.append(model_id)
             s.model_seq = max(s.model_seq, seq + 1)
             return True
@@ -185,8 +205,9 @@ class Training:
         seq = self._model_seq(data, session)
         model_id = f"{session.id}:train:{seq}"
         job = session_job(ctx.models[source.base_model], spec, model_id)
-        args = {"source_job": source.job, "step": save.step, "path": path}
-        return await self._new_model(tenant, session, model_id, source.base_model, spec, "create_from_state", job, args)
+        args, metadata = {"source_job": source.job, "step": save.step, "path": path}, user_metadata(data)
+        return await self._new_model(tenant, session, model_id, source.base_model, spec, "create_from_state", job, args,
+                                     metadata)  # fmt: skip
 
     # --- the calls ------------------------------------------------------------------------------------------------
     async def forward_backward(self, request: web.Request) -> web.Response:
@@ -197,16 +218,13 @@ class Training:
             raise TinkerRefusal(400, f"{e} ({e.field})") from None
 
         def build(model: ModelRecord) -> Built:
-            if message.loss_fn not in LOSSES:
-                raise TinkerRefusal(
-                    400, f"loss_fn {message.loss_fn[:40]!r} is not served; use one of {', '.join(LOSSES)}"
-                )
-            try:
-                return "forward", proto.call_of(message), {}
-            except proto.ProtoRefused as e:
-                raise TinkerRefusal(400, f"{e} ({e.field})") from None
+            return "forward", loss_calls.call(message), {}
 
-        return await self._ordered(request, tenant, message.model_id, message.seq_id, build)
+        async def admit(model: ModelRecord, request_id: str, built: Built) -> None:
+            assert isinstance(built[1], ForwardBackward)
+            await loss_calls.complete(self.ctx.book, tenant, built[1], message)  # stable_reinforce's recorded inputs
+
+        return await self._ordered(request, tenant, message.model_id, message.seq_id, build, admit)
 
     async def optim_step(self, request: web.Request) -> web.Response:
         tenant, data = await self.ctx.tenant(request), await body(request)
@@ -234,9 +252,36 @@ class Training:
         def build(model: ModelRecord) -> Built:
             named = data.get("path")
             name = named if named is not None else f"snapshot-{field(data, 'sampling_session_seq_id', int)}"
-            return "save_sampler", _save(name, "sampler"), {"named": named is not None, "expires": _expires(data)}
+            call = msgspec.structs.replace(_save(name, "sampler"), stored=named is not None)
+            return "save_sampler", call, {"named": named is not None, "expires": _expires(data)}
 
-        return await self._ordered(request, tenant, data.get("model_id"), data.get("seq_id"), build)
+        async def admit(model: ModelRecord, request_id: str, built: Built) -> None:
+            _, call, args = built
+            if args["named"]:  # kept in the object store until deleted: a place in the tenant's bound first
+                assert isinstance(call, SaveWeights)
+                path = tinker_path(model.id, "sampler_weights", call.name)
+                await self.ctx.bounds.sampler_save(tenant, model.session, path, request_id, args["expires"])
+
+        return await self._ordered(request, tenant, data.get("model_id"), data.get("seq_id"), build, admit)
+
+    async def save_external(self, request: web.Request) -> web.Response:
+        """save_weights_external: the adapter's PEFT files, stored as a named sampler save is (exports.py serves
+        them), counted with the tenant's named sampler saves."""
+        tenant, data = await self.ctx.tenant(request), await body(request)
+
+        def build(model: ModelRecord) -> Built:
+            if data.get("age_encryption_recipients"):
+                raise TinkerRefusal(400, NO_AGE)
+            name = _save(field(data, "path"), "sampler").name
+            call = SaveWeights(name=stored_name("external_weights", name), kind="sampler", stored=True)
+            path = tinker_path(model.id, "external_weights", name)
+            return "save_external", call, {"path": path, "expires": _expires(data)}
+
+        async def admit(model: ModelRecord, request_id: str, built: Built) -> None:
+            args = built[2]
+            await self.ctx.bounds.sampler_save(tenant, model.session, args["path"], request_id, args["expires"])
+
+        return await self._ordered(request, tenant, data.get("model_id"), data.get("seq_id"), build, admit)
 
     async def load_weights(self, request: web.Request) -> web.Response:
         tenant, data = await self.ctx.tenant(request), await body(request)
