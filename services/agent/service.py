@@ -33,6 +33,7 @@ from services.agent.datasets import DatasetCache
 from services.agent.devices import DeviceProbe
 from services.agent.models import read_shapes
 from services.agent.group_run import GroupProcess
+from services.agent.sampler_saves import SamplerSaves
 from services.agent.session_run import SessionDesk
 from services.agent.job_run import JobLifecycle, RunningJob
 from services.agent.deployment import Deployment
@@ -55,7 +56,7 @@ class Agent(JobLifecycle):
         self.probe = DeviceProbe(config.offer_cpu, config.simulate_gpus)
         self.runs: dict[tuple[str, int], RunningJob] = {}  # (job, attempt): one ending while the next is assigned
         self.groups: dict[str, GroupProcess] = {}  # co-training groups' processes here, by group
-        self.sessions = SessionDesk(lambda: self.jobs)  # calls for the training sessions that run here
+        self.sessions = SessionDesk(lambda: self.jobs, SamplerSaves(nc, config.node))  # calls for its sessions
         self.confirming: asyncio.Task | None = None  # the check that the last heartbeat reached the server
         self.last_confirmed = float("-inf")  # monotonic: when the last heartbeat the server confirmed was sent
         self.finished: dict[str, float] = {}
