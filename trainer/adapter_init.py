@@ -6,14 +6,18 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import torch
-from peft import LoftQConfig, LoraConfig, get_peft_model_state_dict
+from peft import LoftQConfig, LoraConfig, PeftModel, get_peft_model_state_dict
 
 from schemas.training import MUTATING_INITS
 from trainer.checkpoints import save_adapter
 from trainer.errors import bitsandbytes_on_gpu
+
+if TYPE_CHECKING:
+    from schemas.training import LoraConfig as LoraSettings
+    from trainer.model import TrainedAdapter
 
 PEFT_INIT: dict[str, bool | Literal["gaussian", "pissa", "loftq"]] = {
     "default": True,
@@ -23,7 +27,7 @@ PEFT_INIT: dict[str, bool | Literal["gaussian", "pissa", "loftq"]] = {
 }
 
 
-def lora_config(lo, device: str) -> LoraConfig:
+def lora_config(lo: LoraSettings, device: str) -> LoraConfig:
     """peft's LoraConfig for the job's `lora`."""
     loftq: LoftQConfig | dict = {}  # peft's default: none
     if lo.init == "loftq":
@@ -31,7 +35,7 @@ def lora_config(lo, device: str) -> LoraConfig:
         loftq = LoftQConfig(loftq_bits=lo.loftq.bits, loftq_iter=lo.loftq.iterations)
     return LoraConfig(
         r=lo.r,
-        lora_alpha=lo.alpha,
+        lora_alpha=lo.alpha,  # type: ignore[arg-type]  # peft annotates an int; it divides by r: a float scales as asked
         lora_dropout=lo.dropout,
         target_modules=list(lo.target_modules),
         use_rslora=lo.rslora,
@@ -42,14 +46,16 @@ def lora_config(lo, device: str) -> LoraConfig:
     )
 
 
-def initial_weights(model, lo) -> dict[str, torch.Tensor] | None:
+def initial_weights(model: PeftModel, lo: LoraSettings) -> dict[str, torch.Tensor] | None:
     """The adapter as it starts, for an initialiser that moved part of the base into it (None for the others)."""
     if lo.init not in MUTATING_INITS:
         return None
     return {k: v.detach().to("cpu", copy=True) for k, v in get_peft_model_state_dict(model).items()}
 
 
-def save_plain_lora(model, out: Path, initial: dict[str, torch.Tensor] | None, lo) -> Path:
+def save_plain_lora(
+    model: TrainedAdapter, out: Path, initial: dict[str, torch.Tensor] | None, lo: LoraSettings
+) -> Path:
     """Save the adapter; one started by pissa or loftq is rewritten as the change from the original base W.
     PiSSA trains s*B*A on W - s*B0*A0, which is W + s*(B*A - B0*A0); LoftQ trains it on its quantised Q, about
     W - B0*A0 (peft does not scale its start), which is W + s*(B*A - B0*A0/s). Either is a LoRA of rank 2r,

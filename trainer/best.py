@@ -4,11 +4,15 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
+if TYPE_CHECKING:
+    from trainer.model import TrainedAdapter
 
-def adapter_weights(model) -> dict[str, torch.Tensor]:
+
+def adapter_weights(model: TrainedAdapter) -> dict[str, torch.Tensor]:
     """The trainable (LoRA) weights, copied to CPU."""
     return {name: p.detach().to("cpu", copy=True) for name, p in model.named_parameters() if p.requires_grad}
 
@@ -24,7 +28,7 @@ class BestEval:
     since: int = 0  # evaluations since the best
     weights: dict[str, torch.Tensor] | None = field(default=None, repr=False)
 
-    def observe(self, step: int, value: float, model) -> None:
+    def observe(self, step: int, value: float, model: TrainedAdapter) -> None:
         if self.loss is None or self._better(value, self.loss):
             self.loss, self.step, self.since = value, step, 0
             if self.keep:
@@ -49,7 +53,7 @@ class BestEval:
             f"evaluations (best {self.loss:.4f} at step {self.step})"
         )
 
-    def restore(self, model) -> bool:
+    def restore(self, model: TrainedAdapter) -> bool:
         """Put the best adapter's weights back into the model; False when there are none to put back."""
         if not self.keep or self.weights is None:
             return False

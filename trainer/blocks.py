@@ -16,11 +16,15 @@ from collections import deque
 from collections.abc import Iterable, Iterator
 from concurrent.futures import Future, ProcessPoolExecutor
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import msgspec
 import numpy as np
 
 from trainer.formats import ROW_OF, Rendered, render, render_pair, token_rows
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 MIN_BLOCKS_FOR_WORKERS = 8  # below this, starting workers costs more than it saves
 MAX_WORKERS = 16
@@ -40,7 +44,7 @@ class Blocks:
     """How this dataset's rows become tokens: its format, tokenizer, max length and loss mask."""
 
     fmt: str
-    tokenizer: object
+    tokenizer: PreTrainedTokenizerBase
     max_len: int
     completions_only: bool
     fast: bool = True

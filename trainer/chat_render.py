@@ -9,6 +9,7 @@ compares the two on a dataset's first rows and uses this only where they agree.
 from __future__ import annotations
 
 from functools import lru_cache
+from typing import TYPE_CHECKING, Any, cast
 
 try:
     from transformers.utils.chat_template_utils import _compile_jinja_template
@@ -17,15 +18,24 @@ try:
 except ImportError:  # a transformers that moved it: every render goes through apply_chat_template
     COMPILES = False
 
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
-def render_messages(tokenizer, messages: list[dict[str, str]], fast: bool = True) -> str:
+
+def render_messages(tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, str]], fast: bool = True) -> str:
     """The conversation's text, as apply_chat_template(messages, tokenize=False) gives it."""
     compiled = _compiled(tokenizer.chat_template) if fast and COMPILES else None
     if compiled is None:
-        return tokenizer.apply_chat_template(messages, tokenize=False)
+        return template_text(tokenizer, messages)
     return compiled.render(
         messages=messages, tools=None, documents=None, add_generation_prompt=False, **_special_tokens(tokenizer)
     )
+
+
+def template_text(tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, str]], **options: Any) -> str:
+    """apply_chat_template(messages, tokenize=False, **options): the text (transformers types the result as any of
+    what the call can return: ids, a batch, text)."""
+    return cast(str, tokenizer.apply_chat_template(messages, tokenize=False, **options))
 
 
 @lru_cache(maxsize=8)
@@ -36,5 +46,5 @@ def _compiled(template: str):
         return None
 
 
-def _special_tokens(tokenizer) -> dict:
+def _special_tokens(tokenizer: PreTrainedTokenizerBase) -> dict:
     return {k: v if isinstance(v, str) else list(v) for k, v in tokenizer.special_tokens_map.items()}

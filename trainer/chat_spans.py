@@ -11,6 +11,12 @@ that does not hold is left to the exact way, which says what is wrong with the t
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from trainer.chat_render import template_text
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 _USER, _ASSISTANT = "\ue000", "\ue001"  # private-use characters: nothing a template writes contains them
 
@@ -25,10 +31,10 @@ class TurnMarks:
     gap: str
 
 
-def turn_marks(tokenizer) -> TurnMarks | None:
+def turn_marks(tokenizer: PreTrainedTokenizerBase) -> TurnMarks | None:
     """This template's marks, or None when its turns do not render so (the exact way is then used throughout)."""
     user = {"role": "user", "content": _USER}
-    render = lambda messages, **kw: tokenizer.apply_chat_template(messages, tokenize=False, **kw)  # noqa: E731
+    render = lambda messages, **kw: template_text(tokenizer, messages, **kw)  # noqa: E731
     try:
         asked, prompted = render([user]), render([user], add_generation_prompt=True)
         answered = render([user, {"role": "assistant", "content": _ASSISTANT}])

@@ -2,19 +2,23 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from trainer.errors import JobError
 from trainer.position import Position
 
+if TYPE_CHECKING:
+    from trainer.model import TrainedAdapter
 
-def save_adapter(model, out: Path) -> Path:
+
+def save_adapter(model: TrainedAdapter, out: Path) -> Path:
     out.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(out, safe_serialization=True, selected_adapters=["default"])  # not a dpo job's reference
+    model.save_pretrained(str(out), safe_serialization=True, selected_adapters=["default"])  # not a dpo job's reference
     return out
 
 
@@ -22,7 +26,7 @@ def save_adapter(model, out: Path) -> Path:
 class TrainingState:
     """What a checkpoint is of: the model (its adapter is what is saved), its optimizer and its lr schedule."""
 
-    model: Any
+    model: TrainedAdapter
     optimizer: torch.optim.Optimizer
     scheduler: Any
 
@@ -52,7 +56,9 @@ def save_checkpoint(of: TrainingState, at: Position, out_dir: Path, best: dict |
     return path
 
 
-def resume(into: TrainingState, checkpoint: Path, load=None) -> dict:
+def resume(
+    into: TrainingState, checkpoint: Path, load: Callable[[dict[str, torch.Tensor]], None] | None = None
+) -> dict:
     """Load a checkpoint written by save_checkpoint (tensors only: weights_only, never arbitrary pickles); `load`
     puts the adapter's weights (peft's names) into the model (default: peft's own, for a peft model)."""
     from peft import set_peft_model_state_dict

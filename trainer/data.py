@@ -7,7 +7,7 @@ import bisect
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TypeAlias
+from typing import TYPE_CHECKING, TypeAlias
 
 import numpy as np
 import torch
@@ -15,6 +15,9 @@ import torch
 from trainer.errors import JobError
 from trainer.formats import IGNORE, Example, examples_of, prompt_text, prompt_tokens, render  # noqa: F401
 from trainer.rft import Prompts, prompt_batches
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 __all__ = ["IGNORE", "Example", "Examples", "Batch", "encode", "split", "split_pairs", "make_batches", "prompt_text"]
 
@@ -57,7 +60,9 @@ class Examples:
         return Examples(self.ids, self.targets, self.offsets, rows)
 
 
-def encode(tokenizer, pairs, max_seq_length: int, completions_only: bool = True) -> list[Example]:
+def encode(
+    tokenizer: PreTrainedTokenizerBase, pairs, max_seq_length: int, completions_only: bool = True
+) -> list[Example]:
     """Inline Q/A pairs (a job's `data`) to examples; a question too long for max_seq_length is an error."""
     if tokenizer.eos_token_id is None:
         raise JobError("the tokenizer has no eos token; add one to tokenizer_config.json so answers can end")

@@ -77,7 +77,7 @@ class World:
             g.copy_(flat[offset : offset + n].view_as(g))
             offset += n
 
-    def same_start(self, params: list[torch.Tensor]) -> None:
+    def same_start(self, params: Sequence[torch.Tensor]) -> None:
         """Every rank starts from rank 0's LoRA weights."""
         if self.size > 1:
             for p in params:

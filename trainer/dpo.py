@@ -11,24 +11,30 @@ started, frozen, as the reference (a second LoRA, not a second model). For each 
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
+from peft import PeftModel
 
 from trainer.chunked_loss import chunked_cross_entropy
 from trainer.data import IGNORE, Batch
-from trainer.losses import output_head
+from trainer.losses import OutputHead, output_head
+
+if TYPE_CHECKING:
+    from trainer.model import AdaptedLM
 
 
 REFERENCE = "ref"  # the frozen starting adapter's name in the peft model, where the job started from one
 
 
 @contextmanager
-def reference(model):
+def reference(model: AdaptedLM) -> Iterator[None]:
     """The model as the reference: the frozen starting adapter active, or the adapter switched off."""
-    if REFERENCE not in getattr(model, "peft_config", {}):
+    if not isinstance(model, PeftModel) or REFERENCE not in model.peft_config:
         model.base_model.disable_adapter_layers()  # peft's disable_adapter() less its survey of every layer's state
         try:
             yield
@@ -42,7 +48,7 @@ def reference(model):
         model.set_adapter("default")
 
 
-def sequence_logps(model, batch: Batch, autocast_dtype, chunk_tokens: int) -> torch.Tensor:
+def sequence_logps(model: AdaptedLM, batch: Batch, autocast_dtype, chunk_tokens: int) -> torch.Tensor:
     """Each row's log-probability of its learnt tokens, summed: [rows]."""
     head = output_head(model) if chunk_tokens else None
     inputs = dict(input_ids=batch.input_ids, attention_mask=batch.attention_mask, use_cache=False)
@@ -53,7 +59,7 @@ def sequence_logps(model, batch: Batch, autocast_dtype, chunk_tokens: int) -> to
     return logps_of(out, head, batch.targets, chunk_tokens)
 
 
-def logps_of(out: torch.Tensor, head, targets: torch.Tensor, chunk_tokens: int) -> torch.Tensor:
+def logps_of(out: torch.Tensor, head: OutputHead | None, targets: torch.Tensor, chunk_tokens: int) -> torch.Tensor:
     """Each row's summed log-probability of its learnt tokens from the model's output (the last hidden state
     through `head`, or the logits where head is None): [rows]."""
     if head:  # a row at a time through the chunked projection: no [rows x length x vocab] logits
@@ -83,7 +89,9 @@ class PairStats:
         self.correct += other.correct
 
 
-def dpo_loss(model, batch: Batch, beta: float, autocast_dtype, chunk_tokens: int) -> tuple[torch.Tensor, PairStats]:
+def dpo_loss(
+    model: AdaptedLM, batch: Batch, beta: float, autocast_dtype, chunk_tokens: int
+) -> tuple[torch.Tensor, PairStats]:
     """The batch's summed pair losses (divide by the pairs of the step), and its rewards."""
     policy = sequence_logps(model, batch, autocast_dtype, chunk_tokens)
     with torch.no_grad(), reference(model):

@@ -6,11 +6,14 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 from schemas.events import Finished
 from trainer.best import BestEval
 from trainer.checkpoints import save_adapter
+
+if TYPE_CHECKING:
+    from trainer.model import TrainedAdapter
 
 
 @dataclass(frozen=True)
@@ -30,11 +33,11 @@ class AdapterOut:
     `save` False nothing is written (a rank other than the first: rank 0 writes it) and the path is only named."""
 
     out_dir: Path
-    write: Callable[[Any, Path], Path] = save_adapter
+    write: Callable[[TrainedAdapter, Path], Path] = save_adapter
     save: bool = True
 
 
-def finish(model, best: BestEval, ending: Ending, out: AdapterOut) -> Finished:
+def finish(model: TrainedAdapter, best: BestEval, ending: Ending, out: AdapterOut) -> Finished:
     """The run's end: paused (its checkpoint is the adapter), stopped, or trained, with the best adapter kept."""
     step, steps, early = ending.step, ending.steps, ending.early
     if ending.paused:

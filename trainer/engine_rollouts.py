@@ -31,6 +31,7 @@ import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -40,6 +41,10 @@ from trainer.errors import JobError
 from trainer.grpo import token_logps
 from trainer.rft import Prompts
 from trainer.rollouts import Rollout, complete, eos_ids, evaluating, grade, group_advantages, pad_id, rollout, texts_of
+
+if TYPE_CHECKING:
+    from peft import PeftModel
+    from transformers import PreTrainedTokenizerBase
 
 NAME_PREFIX = "jetlora-rl"
 REQUEST_TIMEOUT_S = 600.0  # a group's request: long enough to wait behind live traffic at a lower priority
@@ -134,7 +139,9 @@ class EngineStats:
 class EngineRollouts:
     """One job's rollouts through one engine: `rollouts()` per step, `report()` per progress event."""
 
-    def __init__(self, engine: RolloutEngine, spec, tokenizer, device: str, save, context, strict: bool) -> None:
+    def __init__(
+        self, engine: RolloutEngine, spec, tokenizer: PreTrainedTokenizerBase, device: str, save, context, strict: bool
+    ) -> None:
         self.url, self.priority = engine.url.rstrip("/"), engine.priority
         self.name = f"{NAME_PREFIX}-{spec.job}-{spec.attempt}"
         self.root = Path(spec.out_dir) / "engine-adapter"
@@ -149,12 +156,12 @@ class EngineRollouts:
         self.eos: list[int] = []  # the ids that end a completion, as the trainer's generate takes them
         self.stats = EngineStats()
 
-    def rollouts(self, model, batches: list[Prompts], step: int) -> list[Rollout]:
+    def rollouts(self, model: PeftModel, batches: list[Prompts], step: int) -> list[Rollout]:
         """Each micro-batch's groups, sampled by the engine at version `step` (or by the trainer, counted)."""
         self.eos = self.eos or eos_ids(model, self.tokenizer)
         return [self._one(model, prompts, step) for prompts in batches]
 
-    def _one(self, model, prompts: Prompts, step: int) -> Rollout:
+    def _one(self, model: PeftModel, prompts: Prompts, step: int) -> Rollout:
         for _ in range(0 if self.off else 2):
             try:
                 self.sync(model, step)
@@ -186,7 +193,7 @@ class EngineRollouts:
         print(f"engine rollouts: {e}{said}", file=sys.stderr, flush=True)
         self.version = None
 
-    def sync(self, model, step: int) -> None:
+    def sync(self, model: PeftModel, step: int) -> None:
         """Make the engine serve version `step` under the job's name, confirmed by the probe."""
         if self.version == step:
             return
@@ -214,7 +221,7 @@ class EngineRollouts:
         self.stats.sync_seconds.append(time.monotonic() - start)
 
     @torch.no_grad()
-    def trainer_fingerprint(self, model) -> Fingerprint:
+    def trainer_fingerprint(self, model: PeftModel) -> Fingerprint:
         """The trainer's greedy answer to the probe, and its tokens' log-probabilities."""
         with evaluating(model):
             ids, attention, completion_mask = complete(

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import msgspec
 import torch
@@ -19,6 +20,13 @@ from trainer.errors import JobError
 from trainer.events import emit
 from trainer.rft import Prompts, read_prompts
 from trainer.rollouts import complete, grade, grader_context, runnable, texts_of
+
+if TYPE_CHECKING:
+    from peft import PeftModel
+    from transformers import PreTrainedTokenizerBase
+
+    from services.graders import GraderContext
+    from trainer.model import CausalLM
 
 BATCH = 8  # prompts sampled at once
 
@@ -37,11 +45,12 @@ def evaluate(spec: TrainerSpec) -> Finished:
         runnable(c.grader, context)
     device = spec.device if spec.device == "cpu" or torch.cuda.is_available() else "cpu"
     t = spec.request.train
-    tokenizer, model = base.load(spec.request.base_dir, device, base.pick_dtype(t.precision, device))
+    tokenizer, loaded = base.load(spec.request.base_dir, device, base.pick_dtype(t.precision, device))
+    model: CausalLM | PeftModel = loaded
     if spec.init_adapter:
         from peft import PeftModel
 
-        model = PeftModel.from_pretrained(model, spec.init_adapter, is_trainable=False)
+        model = PeftModel.from_pretrained(loaded, spec.init_adapter, is_trainable=False)
     model.eval()
     results = evaluate_items(model, tokenizer, job, spec.dataset.path, t.max_seq_length, context, device)
     summary = summarize(results, job.criteria)
@@ -62,7 +71,13 @@ def evaluate(spec: TrainerSpec) -> Finished:
 
 
 def evaluate_items(
-    model, tokenizer, job: EvalJob, dataset: str, max_seq_length: int, context, device
+    model: CausalLM | PeftModel,
+    tokenizer: PreTrainedTokenizerBase,
+    job: EvalJob,
+    dataset: str,
+    max_seq_length: int,
+    context: GraderContext,
+    device: str,
 ) -> list[ItemResult]:
     """Every item of the rft dataset at `dataset` answered by `model` and graded: what an eval run stores (the gates'
     fault-injection test calls it in-process, on many adapters)."""
@@ -85,7 +100,15 @@ def evaluate_items(
     ]
 
 
-def _batch(model, tokenizer, prompts: Prompts, first: int, job: EvalJob, context, device) -> list[ItemResult]:
+def _batch(
+    model: CausalLM | PeftModel,
+    tokenizer: PreTrainedTokenizerBase,
+    prompts: Prompts,
+    first: int,
+    job: EvalJob,
+    context: GraderContext,
+    device: str,
+) -> list[ItemResult]:
     """Each prompt's n completions, graded by every criterion."""
     n, s = job.sampling.n, job.sampling
     repeated = [ids for ids in prompts.ids for _ in range(n)]

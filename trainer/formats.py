@@ -10,13 +10,17 @@ content and end marker, the spans are found in the one render instead (chat_span
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from schemas.datasets import AlpacaRow, ChatMessage, ChatRow, PreferenceRow, QARow, TextRow
-from trainer.chat_render import render_messages
+from trainer.chat_render import render_messages, template_text
 from trainer.chat_spans import TurnMarks, assistant_spans, turn_marks
 from trainer.errors import JobError
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 IGNORE = -100
 PLAIN_TEMPLATE = "### Question:\n{q}\n\n### Answer:\n"
@@ -35,16 +39,14 @@ class Rendered:
     windows: bool = False  # text: cut into max-length windows rather than truncated
 
 
-def prompt_text(tokenizer, question: str) -> str:
+def prompt_text(tokenizer: PreTrainedTokenizerBase, question: str) -> str:
     """The model's chat template when it has one, else a plain question/answer template."""
     if getattr(tokenizer, "chat_template", None):
-        return tokenizer.apply_chat_template(
-            [{"role": "user", "content": question}], tokenize=False, add_generation_prompt=True
-        )
+        return template_text(tokenizer, [{"role": "user", "content": question}], add_generation_prompt=True)
     return (tokenizer.bos_token or "") + PLAIN_TEMPLATE.format(q=question)
 
 
-def _completion(tokenizer, prompt: str, answer: str, completions_only: bool) -> Rendered:
+def _completion(tokenizer: PreTrainedTokenizerBase, prompt: str, answer: str, completions_only: bool) -> Rendered:
     text = prompt_text(tokenizer, prompt) + answer + tokenizer.eos_token
     return Rendered(text, [(len(text) - len(answer) - len(tokenizer.eos_token) if completions_only else 0, len(text))])
 
@@ -53,7 +55,9 @@ def alpaca_prompt(row: AlpacaRow) -> str:
     return f"{row.instruction}\n\n{row.input}" if row.input.strip() else row.instruction
 
 
-def render_chat(tokenizer, row: ChatRow, completions_only: bool, fast: bool = True) -> Rendered:
+def render_chat(
+    tokenizer: PreTrainedTokenizerBase, row: ChatRow, completions_only: bool, fast: bool = True
+) -> Rendered:
     """The conversation as the model sees it; with completions_only, the assistant turns are the spans, found in
     the one render where the template allows (chat_spans), else by rendering up to each turn (fast=False)."""
     if not getattr(tokenizer, "chat_template", None):
@@ -73,20 +77,22 @@ def render_chat(tokenizer, row: ChatRow, completions_only: bool, fast: bool = Tr
 _MARKS: dict[int, tuple[object, TurnMarks | None]] = {}
 
 
-def _marks_of(tokenizer) -> TurnMarks | None:
+def _marks_of(tokenizer: PreTrainedTokenizerBase) -> TurnMarks | None:
     known = _MARKS.get(id(tokenizer))
     if known is None or known[0] is not tokenizer:
         known = _MARKS[id(tokenizer)] = (tokenizer, turn_marks(tokenizer))
     return known[1]
 
 
-def _exact_spans(tokenizer, row: ChatRow, messages: list[dict], text: str) -> list[tuple[int, int]]:
+def _exact_spans(
+    tokenizer: PreTrainedTokenizerBase, row: ChatRow, messages: list[dict], text: str
+) -> list[tuple[int, int]]:
     spans = []
     for i, m in enumerate(row.messages):
         if m.role != "assistant" or m.weight == 0:
             continue
-        before = tokenizer.apply_chat_template(messages[:i], tokenize=False, add_generation_prompt=True) if i else ""
-        through = tokenizer.apply_chat_template(messages[: i + 1], tokenize=False).rstrip()
+        before = template_text(tokenizer, messages[:i], add_generation_prompt=True) if i else ""
+        through = template_text(tokenizer, messages[: i + 1]).rstrip()
         if not (text.startswith(before) and text.startswith(through) and len(through) > len(before)):
             raise JobError(
                 "this model's chat template renders a conversation's earlier turns differently once later "
@@ -98,7 +104,7 @@ def _exact_spans(tokenizer, row: ChatRow, messages: list[dict], text: str) -> li
     return spans
 
 
-def render_pair(tokenizer, row: PreferenceRow, fast: bool = True) -> tuple[Rendered, Rendered]:
+def render_pair(tokenizer: PreTrainedTokenizerBase, row: PreferenceRow, fast: bool = True) -> tuple[Rendered, Rendered]:
     """A preference row as two conversations, the chosen answer's and the rejected one's; each learns only its
     answer (the input's own assistant turns are context)."""
     context = [
@@ -112,7 +118,7 @@ def render_pair(tokenizer, row: PreferenceRow, fast: bool = True) -> tuple[Rende
     return render_chat(tokenizer, chosen, True, fast), render_chat(tokenizer, rejected, True, fast)
 
 
-def render(fmt: str, row, tokenizer, completions_only: bool, fast: bool = True) -> Rendered:
+def render(fmt: str, row, tokenizer: PreTrainedTokenizerBase, completions_only: bool, fast: bool = True) -> Rendered:
     if fmt == "qa":
         return _completion(tokenizer, row.q, row.a, completions_only)
     if fmt == "alpaca":
@@ -127,7 +133,9 @@ def render(fmt: str, row, tokenizer, completions_only: bool, fast: bool = True) 
 ROW_OF = {"qa": QARow, "alpaca": AlpacaRow, "chat": ChatRow, "text": TextRow, "preference": PreferenceRow}
 
 
-def token_rows(rendered: list[Rendered], tokenizer, max_len: int) -> list[list[tuple[np.ndarray, np.ndarray]]]:
+def token_rows(
+    rendered: list[Rendered], tokenizer: PreTrainedTokenizerBase, max_len: int
+) -> list[list[tuple[np.ndarray, np.ndarray]]]:
     """Tokenize a block of rendered rows at once; each row gives its examples as (ids, learnt) arrays, learnt[t]
     saying whether the token after ids[t] is learnt (none when nothing learnt fits)."""
     enc = tokenizer([r.text for r in rendered], add_special_tokens=False, return_offsets_mapping=True)
@@ -152,7 +160,7 @@ def token_rows(rendered: list[Rendered], tokenizer, max_len: int) -> list[list[t
     return out
 
 
-def examples_of(rendered: list[Rendered], tokenizer, max_len: int) -> list[list[Example]]:
+def examples_of(rendered: list[Rendered], tokenizer: PreTrainedTokenizerBase, max_len: int) -> list[list[Example]]:
     """token_rows as lists: targets[t] is ids[t + 1] where learnt, else IGNORE."""
 
     def example(ids: np.ndarray, learnt: np.ndarray) -> Example:
@@ -162,6 +170,6 @@ def examples_of(rendered: list[Rendered], tokenizer, max_len: int) -> list[list[
     return [[example(ids, learnt) for ids, learnt in row] for row in token_rows(rendered, tokenizer, max_len)]
 
 
-def prompt_tokens(tokenizer, rendered: Rendered) -> int:
+def prompt_tokens(tokenizer: PreTrainedTokenizerBase, rendered: Rendered) -> int:
     """Tokens before the first learnt one: what an over-long prompt error reports."""
     return len(tokenizer(rendered.text[: rendered.spans[0][0]], add_special_tokens=False)["input_ids"])

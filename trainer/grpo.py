@@ -17,6 +17,8 @@ number (TRL's default loss_type "dapo"): each token weighs the same, however lon
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.nn.functional as F
 
@@ -25,8 +27,13 @@ from trainer.dpo import reference
 from trainer.losses import output_head
 from trainer.rollouts import Rollout
 
+if TYPE_CHECKING:
+    from trainer.model import AdaptedLM
 
-def token_logps(model, batch: Rollout, temperature: float, autocast_dtype, chunk_tokens: int) -> torch.Tensor:
+
+def token_logps(
+    model: AdaptedLM, batch: Rollout, temperature: float, autocast_dtype, chunk_tokens: int
+) -> torch.Tensor:
     """log p of each completion token at the sampling temperature: [rows, completion width] (positions counted
     from each row's first real token, as generate counts them)."""
     width = batch.completion_mask.shape[1]
@@ -51,7 +58,7 @@ def token_logps(model, batch: Rollout, temperature: float, autocast_dtype, chunk
 
 
 def grpo_loss(
-    model, batch: Rollout, beta: float, epsilon: float, temperature: float, autocast_dtype, chunk_tokens: int
+    model: AdaptedLM, batch: Rollout, beta: float, epsilon: float, temperature: float, autocast_dtype, chunk_tokens: int
 ) -> tuple[torch.Tensor, float]:
     """The batch's loss summed over its completion tokens (divide by the step's), and its KL summed over them."""
     logps = token_logps(model, batch, temperature, autocast_dtype, chunk_tokens)

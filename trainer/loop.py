@@ -7,7 +7,7 @@ import math
 import resource
 import time
 from pathlib import Path
-from typing import cast
+from typing import TYPE_CHECKING, cast
 
 import msgspec
 import torch
@@ -41,6 +41,9 @@ from trainer.signals import Signals
 from trainer.tensorboard_log import NoLog, TensorBoardLog
 from trainer.trackers import RunLogs
 
+if TYPE_CHECKING:
+    from trainer.model import AdaptedLM
+
 
 def peak_mib(device: str) -> float:
     if device == "cuda":
@@ -50,7 +53,7 @@ def peak_mib(device: str) -> float:
 
 @torch.no_grad()
 def evaluate(
-    model,
+    model: AdaptedLM,
     batches,
     device,
     autocast_dtype,

@@ -4,15 +4,20 @@ tokens at a time where the model's head allows."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from trainer import data
 from trainer.chunked_loss import DEFAULT_CHUNK_TOKENS, chunked_cross_entropy
+from trainer.model import base_of
+
+if TYPE_CHECKING:
+    from trainer.model import AdaptedLM
 
 
 def batch_loss(
-    model, batch: data.Batch, autocast_dtype, chunk_tokens: int = DEFAULT_CHUNK_TOKENS
+    model: AdaptedLM, batch: data.Batch, autocast_dtype, chunk_tokens: int = DEFAULT_CHUNK_TOKENS
 ) -> tuple[torch.Tensor, int]:
     """Summed cross-entropy over the batch's target tokens, and how many there were. With chunk_tokens, through
     the output projection a chunk at a time (same loss, same gradients, a fraction of the peak memory)."""
@@ -47,10 +52,10 @@ class OutputHead:
     scale: float  # logits are divided by it (Granite's logits_scaling)
 
 
-def output_head(model) -> OutputHead | None:
+def output_head(model: AdaptedLM | torch.nn.Module) -> OutputHead | None:
     """The decoder and the plain linear output projection of a causal LM (peft-wrapped or not); None when the
     logits are more than a linear projection (a bias, soft-capping, a multiplier), and the plain loss is used."""
-    lm = model.get_base_model() if hasattr(model, "get_base_model") else model
+    lm = base_of(model)
     head, config = lm.get_output_embeddings(), lm.config
     if not isinstance(head, torch.nn.Linear) or head.bias is not None:
         return None

@@ -4,12 +4,70 @@ from __future__ import annotations
 
 import importlib.util
 import json
+from contextlib import AbstractContextManager
 from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol, cast
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from trainer.errors import JobError
+
+if TYPE_CHECKING:
+    from collections.abc import Iterator
+
+    from transformers import GenerationMixin, PreTrainedModel, PreTrainedTokenizerBase
+
+    class CausalLM(PreTrainedModel, GenerationMixin):
+        """What AutoModelForCausalLM loads: a transformers model that generates (each architecture's own class,
+        e.g. LlamaForCausalLM, is both; transformers has no one class for them)."""
+
+
+class AdaptedLM(Protocol):
+    """A causal LM with the adapter being trained, as the trainer's shared pieces (losses, evaluation, parity) take
+    it: a peft model, or a co-training job's view of the shared base (co_train/shared_base.JobView)."""
+
+    @property
+    def training(self) -> bool: ...
+
+    @property
+    def base_model(self) -> Any: ...  # peft's tuner (a JobView: itself), where adapter layers are switched off
+
+    def train(self) -> object: ...
+
+    def eval(self) -> object: ...
+
+    def get_base_model(self) -> torch.nn.Module: ...
+
+    def disable_adapter(self) -> AbstractContextManager[object]: ...
+
+    def __call__(self, **inputs: Any) -> Any: ...
+
+
+class GeneratingLM(AdaptedLM, Protocol):
+    """An AdaptedLM that also generates (samples, the probe): a peft model, or a co-training member's JobModel."""
+
+    def generate(self, **inputs: Any) -> Any: ...
+
+    def parameters(self) -> Iterator[torch.Tensor]: ...
+
+
+class TrainedAdapter(Protocol):
+    """The adapter's weights as keep-best, checkpoints and a run's end read and save them (peft's names and
+    layout): a peft model, or a co-training member's JobModel."""
+
+    def named_parameters(self) -> Iterator[tuple[str, torch.Tensor]]: ...
+
+    def save_pretrained(
+        self, save_directory: str, /, *, safe_serialization: bool, selected_adapters: list[str]
+    ) -> object: ...
+
+
+def base_of(model: object) -> CausalLM:
+    """The transformers model itself: under a peft model's adapter (or a co-training job's view), else the model as
+    it is. peft types get_base_model() as an nn.Module; under a causal LM's adapter it is the PreTrainedModel."""
+    get_base = getattr(model, "get_base_model", None)
+    return cast("CausalLM", get_base() if get_base is not None else model)
 
 
 def check_model_dir(base_dir: str) -> Path:
@@ -53,7 +111,9 @@ def pick_dtype(precision: str, device: str) -> torch.dtype:
     return torch.float16
 
 
-def load(base_dir: str, device: str, dtype: torch.dtype, quantization: str = "none"):
+def load(
+    base_dir: str, device: str, dtype: torch.dtype, quantization: str = "none"
+) -> tuple[PreTrainedTokenizerBase, CausalLM]:
     path = check_model_dir(base_dir)
     tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True, trust_remote_code=False)
     if quantization == "nf4":
@@ -69,12 +129,21 @@ def load(base_dir: str, device: str, dtype: torch.dtype, quantization: str = "no
     return tokenizer, model.to(device)  # type: ignore[arg-type]  # transformers' @wraps(Module.to) hides self
 
 
-def pad_id(tokenizer) -> int:
+def pad_id(tokenizer: PreTrainedTokenizerBase) -> int:
     """The id a batch is padded with: the tokenizer's pad token, else its eos (id 0 is a real id, not a missing one)."""
-    return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    if tokenizer.pad_token_id is not None:
+        return tokenizer.pad_token_id
+    if tokenizer.eos_token_id is None:
+        raise JobError("the tokenizer has neither a pad token nor an eos token; add eos_token to tokenizer_config.json")
+    return tokenizer.eos_token_id
 
 
-def load_nf4(path: Path, device: str, dtype: torch.dtype):
+def decoded(tokenizer: PreTrainedTokenizerBase, ids: list[int] | torch.Tensor) -> str:
+    """One sequence's text, special tokens skipped (transformers types decode's result as a batch's texts too)."""
+    return cast(str, tokenizer.decode(ids, skip_special_tokens=True))
+
+
+def load_nf4(path: Path, device: str, dtype: torch.dtype) -> CausalLM:
     """QLoRA's base: 4-bit NormalFloat weights with double quantization, computing in `dtype`; the LoRA weights
     stay in full precision."""
     if device != "cuda":

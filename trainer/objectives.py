@@ -7,12 +7,13 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import msgspec
 import torch
 from transformers import PreTrainedTokenizerBase
 
-from schemas.events import PreferenceMetrics, ReinforcementMetrics, Sample, Samples
+from schemas.events import PreferenceMetrics, ReinforcementMetrics, Sample, Samples, TrainerSpec
 from schemas.training import TrainConfig
 from services.graders import GraderContext
 from trainer import data
@@ -27,13 +28,19 @@ from trainer.rft import Prompts
 from trainer.rollouts import Rollout, complete, grade, grader_context, rollout, runnable, texts_of
 from trainer.samples import AUTO_PROMPTS
 
+if TYPE_CHECKING:
+    from peft import PeftModel
+
+    from schemas.training import LoraConfig
+    from trainer.model import AdaptedLM, TrainedAdapter
+
 
 @dataclass
 class Sft:
     autocast_dtype: torch.dtype
     chunk_tokens: int
 
-    def rollout(self, model, batches: list, step: int = 0) -> list:
+    def rollout(self, model: AdaptedLM, batches: list, step: int = 0) -> list:
         """What the step learns from: the batches as they are (the data holds the answers)."""
         return batches
 
@@ -41,7 +48,7 @@ class Sft:
         """Target tokens: the step's loss is the mean over them."""
         return int((batch.targets != data.IGNORE).sum())
 
-    def loss(self, model, batch: data.Batch) -> torch.Tensor:
+    def loss(self, model: AdaptedLM, batch: data.Batch) -> torch.Tensor:
         return batch_loss(model, batch, self.autocast_dtype, self.chunk_tokens)[0]
 
     def metrics(self, world) -> None:
@@ -55,7 +62,7 @@ class Dpo:
     beta: float
     window: PairStats = field(default_factory=PairStats)  # since the last metrics()
 
-    def rollout(self, model, batches: list, step: int = 0) -> list:
+    def rollout(self, model: AdaptedLM, batches: list, step: int = 0) -> list:
         """What the step learns from: the pairs as they are."""
         return batches
 
@@ -63,7 +70,7 @@ class Dpo:
         """Pairs: the step's loss is the mean over them."""
         return batch.input_ids.shape[0] // 2
 
-    def loss(self, model, batch: data.Batch) -> torch.Tensor:
+    def loss(self, model: AdaptedLM, batch: data.Batch) -> torch.Tensor:
         loss, stats = dpo_loss(model, batch, self.beta, self.autocast_dtype, self.chunk_tokens)
         if model.training:
             self.window.add(stats)
@@ -100,7 +107,7 @@ class Grpo:
     def __post_init__(self) -> None:
         self.window = RewardWindow(self.train.grader)
 
-    def rollout(self, model, batches: list, step: int = 0) -> list[Rollout]:
+    def rollout(self, model: PeftModel, batches: list, step: int = 0) -> list[Rollout]:
         """What the step learns from: each micro-batch's prompts answered now by the adapter as it is after `step`
         optimizer steps (the trainer's, or the engine's copy of it), and graded."""
         batches = [p for p in batches if p]
@@ -118,7 +125,7 @@ class Grpo:
         """Completion tokens: the step's loss is the mean over them (TRL's loss_type dapo)."""
         return int(batch.completion_mask.sum())
 
-    def loss(self, model, batch: Rollout) -> torch.Tensor:
+    def loss(self, model: AdaptedLM, batch: Rollout) -> torch.Tensor:
         t = self.train
         loss, kl = grpo_loss(
             model, batch, t.grpo_beta, t.grpo_epsilon, t.temperature, self.autocast_dtype, self.chunk_tokens
@@ -137,7 +144,7 @@ class Grpo:
         return msgspec.structs.replace(metrics, sampled_from=versions, **engine)
 
     @torch.no_grad()
-    def evaluate(self, model, batches: list[Prompts], step: int) -> tuple[float, Samples]:
+    def evaluate(self, model: PeftModel, batches: list[Prompts], step: int) -> tuple[float, Samples]:
         """The mean score of the held-out prompts' greedy answers, and the first few of them, scored."""
         t, shown = self.train, []
         for prompts in batches:
@@ -151,7 +158,13 @@ class Grpo:
         return mean, Samples(step=step, model="adapter", samples=shown[:AUTO_PROMPTS])
 
 
-def objective_for(spec, tokenizer, device: str, autocast_dtype: torch.dtype, initial=None) -> Sft | Dpo | Grpo:
+def objective_for(
+    spec: TrainerSpec,
+    tokenizer: PreTrainedTokenizerBase,
+    device: str,
+    autocast_dtype: torch.dtype,
+    initial: dict[str, torch.Tensor] | None = None,
+) -> Sft | Dpo | Grpo:
     """The job's method; grpo's completions sampled by the node's vLLM where train.rollouts asks for it (`initial`:
     the adapter's start where it moved part of the base, so that the engine gets a plain LoRA)."""
     train = spec.request.train
@@ -170,7 +183,13 @@ def token_objective(train: TrainConfig, autocast_dtype: torch.dtype) -> Sft | Dp
     return Sft(autocast_dtype, train.loss_chunk_tokens)
 
 
-def rollout_engine(spec, tokenizer, device: str, context, initial) -> EngineRollouts | None:
+def rollout_engine(
+    spec: TrainerSpec,
+    tokenizer: PreTrainedTokenizerBase,
+    device: str,
+    context: GraderContext,
+    initial: dict[str, torch.Tensor] | None,
+) -> EngineRollouts | None:
     """Who samples grpo's completions: the node's vLLM (train.rollouts engine, or auto where the agent found one),
     else the trainer; engine where the node has none is a JobError saying why."""
     train, engine = spec.request.train, spec.rollout_engine
@@ -185,5 +204,5 @@ def rollout_engine(spec, tokenizer, device: str, context, initial) -> EngineRoll
     return EngineRollouts(engine, spec, tokenizer, device, save, context, strict=train.rollouts == "engine")
 
 
-def _save_plain(model, out: Path, initial, lora) -> Path:
+def _save_plain(model: TrainedAdapter, out: Path, initial: dict[str, torch.Tensor] | None, lora: LoraConfig) -> Path:
     return save_plain_lora(model, out, initial, lora)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import random
 import re
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import msgspec
 import numpy as np
@@ -16,6 +17,11 @@ import numpy as np
 from schemas.dataset_check import UTF8_BOM
 from schemas.datasets import RftRow
 from trainer.errors import JobError
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+    from schemas.events import TrainerSpec
 
 _rows = msgspec.json.Decoder(RftRow)
 _items = msgspec.json.Decoder(dict)
@@ -41,7 +47,7 @@ class Prompts:
         )
 
 
-def read_prompts(path: str, tokenizer, max_prompt_tokens: int, grader) -> Prompts:
+def read_prompts(path: str, tokenizer: PreTrainedTokenizerBase, max_prompt_tokens: int, grader) -> Prompts:
     """The file's rows rendered for answering; a row the grader would miss a field of, or too long to leave room for
     the completion, is a JobError naming its line."""
     if not getattr(tokenizer, "chat_template", None):
@@ -90,7 +96,7 @@ def prompt_batches(prompts: Prompts, batch_size: int, seed: int) -> list[Prompts
     return [prompts.subset(order[s : s + batch_size]) for s in range(0, len(order), batch_size)]
 
 
-def job_prompts(spec, tokenizer) -> tuple[Prompts, Prompts]:
+def job_prompts(spec: TrainerSpec, tokenizer: PreTrainedTokenizerBase) -> tuple[Prompts, Prompts]:
     """A grpo job's prompts: those it trains on, and at most train.eval_samples held out (its validation_dataset,
     or its eval_fraction of the dataset)."""
     t = spec.request.train

@@ -13,10 +13,11 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import cast
+from typing import TYPE_CHECKING, cast
 
 import torch
 from transformers import GenerationConfig
@@ -25,9 +26,16 @@ from schemas.graders import GradeResult, Sample
 from services.graders import GraderContext, check, grade_many
 from services.graders.context import PythonGraders
 from trainer.errors import JobError
-from trainer.model import pad_id
+from trainer.model import decoded, pad_id
 from trainer.rft import Prompts
 from trainer.sampling import sample
+
+if TYPE_CHECKING:
+    from peft import PeftModel
+    from transformers import PreTrainedTokenizerBase
+
+    from schemas.training import TrainConfig
+    from trainer.model import CausalLM
 
 ADVANTAGE_EPS = 1e-4  # TRL's: (reward - group mean) / (group std + 1e-4)
 PLAIN_SAMPLING = dict(  # every warper off: samples from the policy at its temperature, what the loss assumes
@@ -95,7 +103,14 @@ def runnable(grader, context: GraderContext) -> None:
 
 
 @torch.no_grad()
-def complete(model, tokenizer, prompts: list[list[int]], max_tokens: int, temperature: float | None, device):
+def complete(
+    model: CausalLM | PeftModel,
+    tokenizer: PreTrainedTokenizerBase,
+    prompts: list[list[int]],
+    max_tokens: int,
+    temperature: float | None,
+    device: str,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Each prompt's completion (sampled at `temperature`, or greedy with None): (input_ids, attention_mask,
     completion_mask) in TRL's layout."""
     pad, eos = pad_id(tokenizer), eos_ids(model, tokenizer)
@@ -116,7 +131,7 @@ def complete(model, tokenizer, prompts: list[list[int]], max_tokens: int, temper
 
 
 @contextmanager
-def evaluating(model):
+def evaluating(model: torch.nn.Module) -> Iterator[None]:
     """The model in eval mode (dropout off) while it samples, each module's flag set directly: transformers'
     train()/eval() also kernelizes the model again at every switch (its hub kernels: the same results), which costs
     more than a small model's whole forward pass."""
@@ -130,7 +145,7 @@ def evaluating(model):
             m.training = was
 
 
-def eos_ids(model, tokenizer) -> list[int]:
+def eos_ids(model: CausalLM | PeftModel, tokenizer: PreTrainedTokenizerBase) -> list[int]:
     """Every id that ends a completion: the tokenizer's eos and those the model's generation_config declares (an
     end-of-turn token), as TRL takes them."""
     declared = getattr(model.generation_config, "eos_token_id", None)
@@ -138,13 +153,10 @@ def eos_ids(model, tokenizer) -> list[int]:
     return declared if tokenizer.eos_token_id in declared else [tokenizer.eos_token_id, *declared]
 
 
-def texts_of(tokenizer, input_ids: torch.Tensor, completion_mask: torch.Tensor) -> list[str]:
+def texts_of(tokenizer: PreTrainedTokenizerBase, input_ids: torch.Tensor, completion_mask: torch.Tensor) -> list[str]:
     """The completions as the grader reads them: decoded without special tokens."""
     width = completion_mask.shape[1]
-    return [
-        tokenizer.decode(row[-width:][m.bool()].tolist(), skip_special_tokens=True)
-        for row, m in zip(input_ids, completion_mask)
-    ]
+    return [decoded(tokenizer, row[-width:][m.bool()].tolist()) for row, m in zip(input_ids, completion_mask)]
 
 
 def grade(grader, texts: list[str], items: list[dict], context: GraderContext) -> list[GradeResult]:
@@ -161,7 +173,14 @@ def group_advantages(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
     return advantages.view(-1)
 
 
-def rollout(model, tokenizer, prompts: Prompts, train, context: GraderContext, device) -> Rollout:
+def rollout(
+    model: CausalLM | PeftModel,
+    tokenizer: PreTrainedTokenizerBase,
+    prompts: Prompts,
+    train: TrainConfig,
+    context: GraderContext,
+    device: str,
+) -> Rollout:
     """group_size completions of each prompt (consecutive rows), sampled now, graded, with their advantages."""
     start = time.monotonic()
     g = train.group_size

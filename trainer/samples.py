@@ -2,20 +2,29 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from schemas.events import Sample, Samples
 from schemas.jobs import PROBE_HEAD_TOKENS, PROBE_PROMPT, PROBE_TOKENS, Probe
 from trainer.data import Examples
 from trainer.formats import IGNORE, prompt_text
-from trainer.model import pad_id
+from trainer.model import decoded, pad_id
 from trainer.parity import parity_set
 from trainer.rft import Prompts
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+    from trainer.model import GeneratingLM
 
 AUTO_PROMPTS = 3
 
 
-def sample_prompts(setting, tokenizer, held_out: Examples, train_set: Examples) -> list[tuple[str, list[int]]]:
+def sample_prompts(
+    setting: list[str] | str, tokenizer: PreTrainedTokenizerBase, held_out: Examples, train_set: Examples
+) -> list[tuple[str, list[int]]]:
     """(prompt as shown, its token ids with the model's template): the job's own prompts, or with `auto` the
     first held-out examples' prompts (the training ones when nothing is held out; grpo's prompts as they are)."""
     if not setting:
@@ -30,12 +39,18 @@ def sample_prompts(setting, tokenizer, held_out: Examples, train_set: Examples) 
         ids, targets = source[i]
         learnt = [n for n, t in enumerate(targets) if t != IGNORE]
         prompt_ids = [int(t) for t in ids[: learnt[0] + 1]] if learnt else [int(t) for t in ids]
-        out.append((tokenizer.decode(prompt_ids, skip_special_tokens=True).strip(), prompt_ids))
+        out.append((decoded(tokenizer, prompt_ids).strip(), prompt_ids))
     return out
 
 
 @torch.no_grad()
-def answers(model, tokenizer, prompts: list[tuple[str, list[int]]], device: str, max_tokens: int) -> list[Sample]:
+def answers(
+    model: GeneratingLM,
+    tokenizer: PreTrainedTokenizerBase,
+    prompts: list[tuple[str, list[int]]],
+    device: str,
+    max_tokens: int,
+) -> list[Sample]:
     was_training = model.training
     model.eval()
     out = []
@@ -49,13 +64,21 @@ def answers(model, tokenizer, prompts: list[tuple[str, list[int]]], device: str,
             pad_token_id=pad_id(tokenizer),
             eos_token_id=tokenizer.eos_token_id,
         )
-        out.append(Sample(prompt=shown, answer=tokenizer.decode(generated[0, len(ids) :], skip_special_tokens=True)))
+        out.append(Sample(prompt=shown, answer=decoded(tokenizer, generated[0, len(ids) :])))
     if was_training:
         model.train()
     return out
 
 
-def samples_event(model, tokenizer, prompts, device: str, max_tokens: int, step: int, base: bool = False) -> Samples:
+def samples_event(
+    model: GeneratingLM,
+    tokenizer: PreTrainedTokenizerBase,
+    prompts: list[tuple[str, list[int]]],
+    device: str,
+    max_tokens: int,
+    step: int,
+    base: bool = False,
+) -> Samples:
     if base:
         with model.disable_adapter():
             return Samples(step=step, model="base", samples=answers(model, tokenizer, prompts, device, max_tokens))
@@ -63,7 +86,7 @@ def samples_event(model, tokenizer, prompts, device: str, max_tokens: int, step:
 
 
 @torch.no_grad()
-def probe(model, tokenizer, device: str, base: bool = True) -> Probe:
+def probe(model: GeneratingLM, tokenizer: PreTrainedTokenizerBase, device: str, base: bool = True) -> Probe:
     """The adapter's greedy answer to PROBE_PROMPT, tokenized as an engine's completions API does (special tokens
     added) and decoded in the prompt's context, as an engine streams it (a first token's leading space kept); with
     the probe set's log-probabilities for parity (trainer/parity.py; `base`: with the adapter off too)."""
@@ -83,8 +106,8 @@ def probe(model, tokenizer, device: str, base: bool = True) -> Probe:
         model.train()
 
     def continuation(n: int) -> str:
-        shown = tokenizer.decode(ids, skip_special_tokens=True)
-        return tokenizer.decode(out[: len(ids) + n], skip_special_tokens=True)[len(shown) :]
+        shown = decoded(tokenizer, ids)
+        return decoded(tokenizer, out[: len(ids) + n])[len(shown) :]
 
     dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
     return Probe(

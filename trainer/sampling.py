@@ -22,13 +22,23 @@ own signature says which.
 from __future__ import annotations
 
 import inspect
+from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 from transformers import DynamicCache, GenerationConfig
 from transformers.generation.utils import GenerationMixin
+
+from trainer.model import base_of
+
+if TYPE_CHECKING:
+    from peft import PeftModel
+    from transformers import PretrainedConfig
+
+    from trainer.model import CausalLM
 
 LEAN = True  # False: always generate (bench/rl.py's --sampler generate, to measure the loop against it)
 ANY = None  # a setting the loop need not look at: beam search's, assisted decoding's, bookkeeping
@@ -58,7 +68,9 @@ WARPERS: dict[str, tuple[object, ...] | None] = {  # sampling's
 WARPERS |= {"epsilon_cutoff": (0.0, None), "eta_cutoff": (0.0, None)}
 
 
-def sample(model, ids: torch.Tensor, mask: torch.Tensor, config: GenerationConfig) -> torch.Tensor:
+def sample(
+    model: CausalLM | PeftModel, ids: torch.Tensor, mask: torch.Tensor, config: GenerationConfig
+) -> torch.Tensor:
     """generate(input_ids=ids, attention_mask=mask, generation_config=config)'s output: the prompts and their
     completions, [rows, prompt width + completion width]."""
     if LEAN and lean_ok(model, config):
@@ -69,10 +81,10 @@ def sample(model, ids: torch.Tensor, mask: torch.Tensor, config: GenerationConfi
     return model.generate(input_ids=ids, attention_mask=mask, generation_config=config)
 
 
-def lean_ok(model, config: GenerationConfig) -> bool:
+def lean_ok(model: CausalLM | PeftModel, config: GenerationConfig) -> bool:
     """Whether the lean loop would do just what generate does with this model and config (see the module's
     docstring); anything unrecognised says no."""
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    base = base_of(model)
     cfg = getattr(base, "config", None)
     if cfg is None or getattr(cfg, "is_encoder_decoder", True) or not type(base).__module__.startswith("transformers."):
         return False
@@ -88,7 +100,7 @@ def lean_ok(model, config: GenerationConfig) -> bool:
     return plain_lora(model) and settings_ok(model, config)
 
 
-def plain_lora(model) -> bool:
+def plain_lora(model: CausalLM | PeftModel) -> bool:
     """No adapter, or LoRA adapters that are only layers of the forward: not prompt learning (virtual tokens) nor
     activated LoRA (offsets peft's generate computes), which peft's own generate handles."""
     configs = getattr(model, "peft_config", None)
@@ -102,7 +114,7 @@ def plain_lora(model) -> bool:
     )
 
 
-def quantised(base) -> bool:
+def quantised(base: CausalLM) -> bool:
     return bool(
         getattr(base, "hf_quantizer", None)
         or getattr(base, "is_quantized", False)
@@ -111,7 +123,7 @@ def quantised(base) -> bool:
     )
 
 
-def full_attention(cfg) -> bool:
+def full_attention(cfg: PretrainedConfig) -> bool:
     """Every layer plain causal attention: no sliding window, no linear or recurrent layers."""
     layer_types = getattr(cfg, "layer_types", None)
     if layer_types is not None:
@@ -120,11 +132,13 @@ def full_attention(cfg) -> bool:
     return window is None or getattr(cfg, "use_sliding_window", True) is False
 
 
-def settings_ok(model, config: GenerationConfig) -> bool:
+def settings_ok(model: CausalLM | PeftModel, config: GenerationConfig) -> bool:
     """The settings generate would use (ours over the model's generation_config over the defaults) differ from the
     defaults only where the loop does the same: plain sampling or greedy, the eos ids, pad, the length."""
     try:
-        merged = model._prepare_generation_config(config)[0]
+        # its self is typed for the ty checker (transformers' GenerativePreTrainedModel), which mypy's view of a
+        # transformers model does not meet
+        merged = model._prepare_generation_config(config)[0]  # type: ignore[misc]
         changed = merged.to_diff_dict()
     except Exception:  # noqa: BLE001 - a transformers whose internals differ: generate knows its own
         return False
@@ -138,7 +152,7 @@ def settings_ok(model, config: GenerationConfig) -> bool:
     return all(k in allowed and ((values := allowed[k]) is ANY or changed[k] in values) for k in changed)
 
 
-def cache_keyword(base) -> str | None:
+def cache_keyword(base: CausalLM) -> str | None:
     """The forward's name for its key/value cache: `cache` in newer transformers, `past_key_values` before."""
     params = inspect.signature(base.forward).parameters
     return next((k for k in ("cache", "past_key_values") if k in params), None)
@@ -152,10 +166,12 @@ def cache_of(out):
     return None
 
 
-def lean(model, ids: torch.Tensor, mask: torch.Tensor, config: GenerationConfig) -> torch.Tensor | None:
+def lean(
+    model: CausalLM | PeftModel, ids: torch.Tensor, mask: torch.Tensor, config: GenerationConfig
+) -> torch.Tensor | None:
     """The decode loop (under inference_mode: no autograd bookkeeping, the same kernels); None where the model's
     cache turns out not to be a plain DynamicCache (nothing drawn yet)."""
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    base = base_of(model)
     keyword, device = cache_keyword(base), ids.device
     assert keyword is not None, "lean_ok checked that the forward takes a cache"
     pad = torch.tensor(config.pad_token_id, device=device)
@@ -196,7 +212,7 @@ def pick(logits: torch.Tensor, config: GenerationConfig) -> torch.Tensor:
 
 
 @contextmanager
-def lean_lora(model):
+def lean_lora(model: torch.nn.Module) -> Iterator[None]:
     """Each plain LoRA linear layer (peft's lora.Linear over an nn.Linear, its adapters vanilla, not merged, not
     disabled) computes just what peft's forward computes for it, base(x) + B(A(x)) * scaling per active adapter,
     dropout off, without peft's per-call checks (a tenth of a small model's decode step); restored after."""
@@ -205,10 +221,10 @@ def lean_lora(model):
     except ImportError:  # no peft: nothing to do
         yield
         return
-    swapped = [m for m in model.modules() if type(m) is LoraLinear and "forward" not in m.__dict__]
-    swapped = [(m, f) for m in swapped if (f := direct_forward(m)) is not None]
+    plain = [m for m in model.modules() if type(m) is LoraLinear and "forward" not in m.__dict__]
+    swapped = [(m, f) for m in plain if (f := direct_forward(m)) is not None]
     for m, f in swapped:
-        m.forward = f
+        m.forward = f  # type: ignore[method-assign]  # the instance's own, over its class's: deleted after
     try:
         yield
     finally:

@@ -6,12 +6,12 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from accelerate.utils import set_seed
-from peft import get_peft_model
-from transformers import get_scheduler
+from peft import PeftModel, get_peft_model
+from transformers import PreTrainedTokenizerBase, get_scheduler
 
 from schemas.events import TrainerSpec
 from trainer import data, model as base
@@ -28,6 +28,9 @@ from trainer.position import Position
 from trainer.rft import job_prompts
 from trainer.samples import sample_prompts
 from trainer.tokenize import job_data
+
+if TYPE_CHECKING:
+    from trainer.model import CausalLM
 
 
 @dataclass
@@ -51,8 +54,8 @@ class Run:
     spec: TrainerSpec
     device: str
     world: World
-    tokenizer: Any
-    model: Any  # the PEFT model, in train mode
+    tokenizer: PreTrainedTokenizerBase
+    model: PeftModel  # in train mode
     params: list[torch.nn.Parameter]  # the trainable (LoRA) weights
     optimizer: torch.optim.Optimizer
     scheduler: Any
@@ -76,18 +79,16 @@ class Run:
         return Path(self.spec.out_dir)
 
 
-def lora_model(model, spec: TrainerSpec, device: str = "cpu"):
+def lora_model(model: CausalLM, spec: TrainerSpec, device: str = "cpu") -> PeftModel:
     """The model with its trainable LoRA: a new one, or the registered adapter the job starts from (loaded a second
     time, frozen, as the reference `ref` of a dpo job or a grpo job with a KL term)."""
     if spec.init_adapter:
-        from peft import PeftModel
-
-        model = PeftModel.from_pretrained(model, spec.init_adapter, is_trainable=True)
+        adapted = PeftModel.from_pretrained(model, spec.init_adapter, is_trainable=True)
         t = spec.request.train
         if t.method == "dpo" or (t.method == "grpo" and t.grpo_beta > 0):
-            model.load_adapter(spec.init_adapter, adapter_name=REFERENCE, is_trainable=False)
-            model.set_adapter("default")
-        return model
+            adapted.load_adapter(spec.init_adapter, adapter_name=REFERENCE, is_trainable=False)
+            adapted.set_adapter("default")
+        return adapted
     lo = spec.request.lora
     present = {name.rsplit(".", 1)[-1] for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
     missing = [t for t in lo.target_modules if t not in present]
@@ -105,7 +106,7 @@ def prepare(spec: TrainerSpec) -> Run:
         mute()
     set_seed(t.seed)
     dtype = base.pick_dtype(t.precision, device)
-    tokenizer, model = base.load(spec.request.base_dir, device, dtype, spec.request.quantization)
+    tokenizer, loaded = base.load(spec.request.base_dir, device, dtype, spec.request.quantization)
     pad_id = base.pad_id(tokenizer)
     train_set, eval_set = _tokenized(spec, tokenizer, world)
     eval_batches = data.make_batches(eval_set, t, pad_id, 0, world.rank, world.size)
@@ -113,9 +114,9 @@ def prepare(spec: TrainerSpec) -> Run:
     p = plan(len(batches), t)
 
     if t.gradient_checkpointing:
-        model.gradient_checkpointing_enable()
-        model.enable_input_require_grads()
-    model = lora_model(model, spec, device)
+        loaded.gradient_checkpointing_enable()
+        loaded.enable_input_require_grads()
+    model = lora_model(loaded, spec, device)
     initial = initial_weights(model, spec.request.lora)
     model.train()
     params = [q for q in model.parameters() if q.requires_grad]
@@ -156,7 +157,7 @@ def prepare(spec: TrainerSpec) -> Run:
     return run
 
 
-def _tokenized(spec: TrainerSpec, tokenizer, world: World):
+def _tokenized(spec: TrainerSpec, tokenizer: PreTrainedTokenizerBase, world: World):
     """The job's examples: rank 0 tokenizes into the node's cache, the others read them from there."""
     if spec.request.train.method == "grpo":  # prompts to answer, read whole: nothing to tokenize ahead (one rank)
         prompts, held_out = job_prompts(spec, tokenizer)

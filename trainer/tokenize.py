@@ -16,6 +16,7 @@ import time
 from array import array
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -26,12 +27,19 @@ from trainer.data import Examples, ShiftedTargets, encode, split, split_pairs
 from trainer.errors import JobError
 from trainer.events import emit
 
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+    from schemas.events import TrainerSpec
+
 CACHE_VERSION = 2  # raise when what is written changes (2: ids in the narrowest type, targets as a mask)
 BLOCK_ROWS = 512
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
 
 
-def cache_key(data: DataFile, tokenizer, base_dir: str, max_len: int, completions_only: bool) -> str:
+def cache_key(
+    data: DataFile, tokenizer: PreTrainedTokenizerBase, base_dir: str, max_len: int, completions_only: bool
+) -> str:
     h = hashlib.sha256()
     for name in TOKENIZER_FILES:
         p = Path(base_dir) / name
@@ -53,14 +61,14 @@ def load(directory: Path) -> Examples:
     return Examples(ids, ShiftedTargets(ids, mapped("learnt.bin", np.uint8)), mapped("offsets.bin", np.int64))
 
 
-def ids_dtype(tokenizer) -> np.dtype:
+def ids_dtype(tokenizer: PreTrainedTokenizerBase) -> np.dtype:
     """The narrowest integer type every token id of the tokenizer fits in."""
     return np.dtype(np.uint16) if len(tokenizer) <= 2**16 else np.dtype(np.int32)
 
 
 def tokenized(
     data: DataFile,
-    tokenizer,
+    tokenizer: PreTrainedTokenizerBase,
     base_dir: str,
     max_len: int,
     completions_only: bool,
@@ -91,7 +99,12 @@ def tokenized(
 
 
 def _tokenize(
-    data: DataFile, tokenizer, max_len: int, completions_only: bool, out: Path, report: Callable[[int, int, str], None]
+    data: DataFile,
+    tokenizer: PreTrainedTokenizerBase,
+    max_len: int,
+    completions_only: bool,
+    out: Path,
+    report: Callable[[int, int, str], None],
 ) -> dict:
     if tokenizer.eos_token is None:
         raise JobError("the tokenizer has no eos token; add one to tokenizer_config.json so answers can end")
@@ -143,7 +156,7 @@ def _count(n: int) -> str:
     return f"{n / 1e6:.1f}M" if n >= 1_000_000 else f"{n:,}"
 
 
-def job_data(spec, tokenizer) -> tuple[Examples, Examples]:
+def job_data(spec: TrainerSpec, tokenizer: PreTrainedTokenizerBase) -> tuple[Examples, Examples]:
     """A job's training and held-out examples: its inline data, or its datasets, tokenized or from the cache."""
     t = spec.request.train
 
