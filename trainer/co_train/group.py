@@ -10,6 +10,7 @@ job (each begins its step again) and raised as StepOutOfMemory, for the process 
 from __future__ import annotations
 
 import os
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -21,6 +22,11 @@ from trainer.co_train.shared_base import SharedBase
 from trainer.errors import JobError
 from trainer.model import pad_id
 from trainer.objectives import Dpo
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+    from trainer.model import CausalLM
 
 OOM_FAULT_ENV = "JETLORA_CO_TRAIN_OOM_ABOVE"  # tests only: a step of several jobs over this many token positions
 # fails as out of memory after its forward (a CPU has no device memory to run out of), through the real split path
@@ -44,7 +50,12 @@ class CoTrainer:
     """A group: the shared base and its jobs, by name."""
 
     def __init__(
-        self, model: torch.nn.Module, tokenizer, device: str = "cpu", dtype=torch.float32, flat: bool = True
+        self,
+        model: CausalLM,
+        tokenizer: PreTrainedTokenizerBase,
+        device: str = "cpu",
+        dtype: torch.dtype = torch.float32,
+        flat: bool = True,
     ) -> None:
         self.base = SharedBase(model, dtype)
         self.tokenizer, self.device = tokenizer, device

@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -11,6 +11,9 @@ from schemas.events import TrainerSpec
 from schemas.weights_digest import FileDigests
 from trainer import model as base_model
 from trainer.errors import JobError
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 
 class OtherWeights(JobError):
@@ -23,7 +26,7 @@ class HeldBase:
         self.base_dir = ""  # where the base was loaded from
         self.device = "cpu"
         self.dtype = torch.float32
-        self.tokenizer = None
+        self.tokenizer: PreTrainedTokenizerBase | None = None
         self.model: Any = None
         self.digests = FileDigests()  # a joiner's base hashed here only when the agent sent no digest
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import msgspec
 import torch
@@ -26,6 +27,9 @@ from trainer.loop import peak_mib
 from trainer.samples import probe, sample_prompts, samples_event
 from trainer.tensorboard_log import TensorBoardLog
 from trainer.trackers import RunLogs
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 
 class JobModel(JobView):
@@ -69,7 +73,7 @@ class Member:
     best: BestEval
     prompts: list
     board: RunLogs
-    tokenizer: object
+    tokenizer: PreTrainedTokenizerBase
     started: float = field(default_factory=time.monotonic)
     window: list[float] = field(default_factory=list)  # the losses since the last progress event
     evaluated: float | None = None
@@ -176,7 +180,7 @@ class Member:
         return done
 
 
-def member_for(job: CoJob, device: str, tokenizer) -> Member:
+def member_for(job: CoJob, device: str, tokenizer: PreTrainedTokenizerBase) -> Member:
     """The job's part around its steps; resumed from its checkpoint when its spec names one; announced."""
     spec, t = job.spec, job.train
     model = JobModel(job)

@@ -83,6 +83,7 @@ class Group:
     def _trainer_for(self, spec: TrainerSpec) -> CoTrainer:
         if self.held.admit(spec):  # the first job: the base is loaded now
             held = self.held
+            assert held.tokenizer is not None  # admit loaded it
             autocast = held.dtype if held.device == "cuda" else torch.float32
             self.trainer = CoTrainer(held.model, held.tokenizer, held.device, autocast)
         assert self.trainer is not None

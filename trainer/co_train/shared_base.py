@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 from contextlib import contextmanager, nullcontext
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -13,6 +14,9 @@ from trainer.co_train.layer import LoraWeights, MultiLoraLinear, Routing, Routin
 from trainer.co_train.varlen import Layout, flat_attention
 from trainer.errors import JobError
 from trainer.losses import output_head
+
+if TYPE_CHECKING:
+    from trainer.model import CausalLM
 
 INITS = ("default", "gaussian")  # pissa and loftq change the base's weights: no base shared with other jobs
 
@@ -25,8 +29,9 @@ def targets(name: str, target_modules) -> bool:
 class SharedBase:
     """The base model, frozen, with the LoRA of each job attached under the job's name."""
 
-    def __init__(self, model: torch.nn.Module, autocast_dtype: torch.dtype = torch.float32) -> None:
-        self.model = model.requires_grad_(False)
+    def __init__(self, model: CausalLM, autocast_dtype: torch.dtype = torch.float32) -> None:
+        model.requires_grad_(False)
+        self.model = model
         self.model.train()
         self.autocast_dtype = autocast_dtype
         self.routing = RoutingHolder()
