@@ -29,6 +29,27 @@ KEYRING = (
     "    got = libc.syscall(248, b'user', b'jetlora', b'x', 1, -2)\n"
     "    return float(ctypes.get_errno()) if got < 0 else 0.0\n"
 )
+# In its user namespace the grader is root (with no capability) and the supervisor's /proc files, non-dumpable, are
+# that root's: it offers the supervisor to the kernel's OOM killer, then passes the sandbox's memory limit.
+OFFER_SUPERVISOR = r"""
+import os, time
+def grade(sample, item):
+    with open('/proc/1/oom_score_adj', 'w') as f:
+        f.write('1000')
+    pids = []
+    for _ in range(3):
+        pid = os.fork()
+        if pid == 0:
+            block = bytearray(120 * 2**20)
+            for k in range(0, len(block), 4096):
+                block[k] = 1
+            time.sleep(5)
+            os._exit(0)
+        pids.append(pid)
+    if any(os.WIFSIGNALED(os.waitpid(pid, 0)[1]) for pid in pids):
+        raise MemoryError('the kernel ended a child of the grader')
+    return 1.0
+"""
 SERVICE = r"""
 import json, sys
 spec = json.load(sys.stdin)
@@ -52,6 +73,7 @@ out["on, single tenant"] = refusal(GraderContext(python_graders="on", single_ten
 for name, source in spec["isolated"].items() if found.isolated else ():
     [r] = grade_many(PythonGrader(name="p", source=source), [Sample.from_model_sample("x")], [{}], ctx)
     out[name] = [r.score, r.error]
+    out[name + ":kind"] = r.error_kind
 for name, source in spec["unisolated"].items() if found.unisolated else ():
     got = run(_session(source, [(0, {"output_text": "x"}, {})], ctx, False, _call_deadline(ctx, 1, None)))
     out[name] = [got.results[0].score, got.results[0].error] if 0 in got.results else [None, got.ended]
@@ -157,3 +179,15 @@ def test_without_a_delegated_cgroup_it_refuses_to_isolate_saying_why():
     assert "--single-tenant" in found["on"] and found["on, single tenant"] == "", found
     assert "jetlora agent --python-graders on --single-tenant" in found["start"], found  # it refuses to start
     assert found["environment"] == [0.0, ""], found
+
+
+def test_a_grader_that_has_the_kernel_end_its_supervisor_gets_its_own_error():
+    """Whichever process the OOM killer picks in a sandbox, the sandbox's own memory made it: the sample is the
+    grader's error (it was python_grader_server_error, 'the sandbox ended early')."""
+    group = delegated()
+    try:
+        found = service({"offer": OFFER_SUPERVISOR}, {}, group)
+    finally:
+        leave(group)
+    assert found["offer"][0] == 0.0 and found["offer:kind"] == "python_grader_runtime_error", found
+    assert "MiB" in found["offer"][1], found

@@ -105,15 +105,18 @@ async def run(
 
 
 def _with_memory(out: Outcome, ctx: GraderContext) -> Outcome:
-    """A sample whose process the kernel ended for the sandbox's memory limit says so."""
+    """A sample whose process the kernel ended for the sandbox's memory limit says so. Whichever process the kernel
+    picked, the runner's included (a grader in a user namespace may raise the runner's oom_score_adj: its /proc files
+    are that namespace's root's), the sandbox's own memory made it: a sandbox that ended so is the grader's error."""
     if not out.oom_kills:
         return out
-    said = f"; the kernel ended it: the sandbox's processes together passed their {ctx.memory_mib} MiB"
+    said = f"the kernel ended it: the sandbox's processes together passed their {ctx.memory_mib} MiB"
     for i, r in out.results.items():
         if "SIGKILL" in r.error:
-            out.results[i] = GradeResult(score=r.score, error=r.error + said, error_kind=r.error_kind)
-    if out.ended:
-        out.ended += said
+            out.results[i] = GradeResult(score=r.score, error=f"{r.error}; {said}", error_kind=r.error_kind)
+    if out.ended or (out.ready is not False and len(out.results) < len(out.order)):
+        out.ended = f"{out.ended}; {said}" if out.ended else f"the sandbox's runner ended early: {said}"
+        out.kind = RUNTIME if out.kind == SERVER else out.kind
     return out
 
 
