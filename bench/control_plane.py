@@ -1,11 +1,15 @@
 """The control plane at fleet scale: the real scheduler (its own process) on an embedded nats-server, 1,000
-simulated agents with 8 GPUs each heartbeating every second on the real subjects (bench/sim_fleet.py), and 10,000
-jobs of one tenant and one base model: a burst a co-training scheduler groups. Each round runs the whole bench once
-with co-training at the default (`same-tenant`) and once with `off`, sides alternating (ABBA), a fresh store each.
+simulated agents with 8 GPUs each heartbeating every second on the real subjects (bench/sim_fleet.py; the start-up
+and teardown of both in bench/fleet_bench.py), and 10,000 jobs of one tenant and one base model: a burst a
+co-training scheduler groups. Each round runs the whole bench once with co-training at the default (`same-tenant`)
+and once with `off`, sides alternating (ABBA), a fresh store each.
 
-Printed per side (median of the rounds, then their range): sustained durable submits/s, placement p50/p99 with free
-GPUs, the longest placement pass, lease renewals the loop made late, and the faults that must never happen: a
-Deposed leader, a submission refused, a job placed twice (attempt 2).
+Printed per side (median of the rounds, then their range): sustained durable submits/s, scheduler CPU per
+submission, placement p50/p99 with free GPUs, the longest placement pass, lease renewals the loop made late, how soon
+the jobs of killed agents were given back, and the faults that must never happen: a Deposed leader, a submission
+refused, a job placed twice (attempt 2) with no fault of its own. It exits non-zero naming each guarantee that broke
+(those faults; a killed agent's job not given back within the window and a heartbeat; a lease renewal a whole
+renewal interval late). BENCH_PROFILE=DIR: py-spy samples the scheduler through each burst into DIR/<side>.txt.
 Run by hand:  python bench/control_plane.py [--nodes 1000 --jobs 10000 --rounds 2]
 """
 
@@ -13,14 +17,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
 import random
-import re
-import signal
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -28,37 +27,19 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import msgspec  # noqa: E402
-import nats  # noqa: E402
 
+from bench.fleet_bench import ENDED, figure, pct, proc_stats, profiled, sim_stack, until_all_alive  # noqa: E402, F401
+from bench.guarantees import Guarantees  # noqa: E402
 from bench.sim_fleet import Fleet  # noqa: E402
 from schemas import names  # noqa: E402
 from schemas.jobs import Accepted, JobStatus, SubmitReply  # noqa: E402
-from schemas.nodes import NodeList  # noqa: E402
-from services import bus  # noqa: E402
-from services.embedded import EmbeddedNats  # noqa: E402
+from services.bus import LEASE_TTL_S  # noqa: E402
+from services.scheduler.lease import RENEWALS_PER_TTL  # noqa: E402
 
 SCHED_LOG = "/tmp/jetlora-bench-scheduler-{side}.log"
+RENEWAL_S = LEASE_TTL_S / RENEWALS_PER_TTL  # how often the scheduler renews its lease
 enc = msgspec.json.Encoder()
 dec_reply = msgspec.json.Decoder(SubmitReply)
-ENDED = re.compile(
-    r"leading ended: (\d+) placement passes \(longest ([\d.]+) ms, (\d+) past their budget\); (\d+) lease "
-    r"renewals \((\d+) late, the latest (\d+) ms"
-)
-
-
-def pct(values, p):
-    values = sorted(values)
-    return values[min(len(values) - 1, int(len(values) * p / 100))] if values else float("nan")
-
-
-def proc_stats(pid: int) -> tuple[float, float]:
-    """CPU seconds (user+system) and peak RSS MiB of a process."""
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    cpu = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-    with open(f"/proc/{pid}/status") as f:
-        hwm = next(int(line.split()[1]) for line in f if line.startswith("VmHWM")) / 1024
-    return cpu, hwm
 
 
 def job_request(rng: random.Random) -> bytes:
@@ -73,37 +54,6 @@ def job_request(rng: random.Random) -> bytes:
     )
 
 
-def start_scheduler(url: str, args, side: str) -> subprocess.Popen:
-    flags = ["--heartbeat-interval", str(args.interval), "--misses", str(args.misses), "--co-train", side]
-    return subprocess.Popen(
-        [sys.executable, "-m", "services.cli", "scheduler", "--nats", url, *flags],
-        cwd=ROOT,
-        stdout=subprocess.DEVNULL,
-        stderr=open(SCHED_LOG.format(side=side), "w"),
-    )
-
-
-def profile(pid: int, side: str) -> subprocess.Popen | None:
-    """With BENCH_PROFILE=DIR, py-spy records the scheduler of each side for a minute (DIR/<side>.txt)."""
-    out = os.environ.get("BENCH_PROFILE")
-    if not out:
-        return None
-    Path(out).mkdir(parents=True, exist_ok=True)
-    command = ["py-spy", "record", "-p", str(pid), "-o", f"{out}/{side}.txt", "-f", "raw", "-r", "200", "-d", "60"]
-    return subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-
-
-async def until_all_alive(client, n_nodes: int) -> None:
-    while True:
-        try:
-            nodes = await bus.request(client, names.LIST_NODES, b"{}", NodeList, timeout=5)
-            if sum(n.alive for n in nodes.nodes) >= n_nodes:
-                return
-        except bus.RequestError:
-            pass
-        await asyncio.sleep(0.5)
-
-
 async def echo(msg) -> None:
     await msg.respond(msg.data)
 
@@ -111,36 +61,20 @@ async def echo(msg) -> None:
 async def run_once(args, side: str) -> dict:
     """One whole run against a fresh store: the figures of one side."""
     rng = random.Random(0)
-    with tempfile.TemporaryDirectory() as tmp, EmbeddedNats(store_dir=Path(tmp) / "nats") as server:
-        nc = await nats.connect(server.url)
-        client = await nats.connect(server.url)
-        await bus.ensure_resources(nc)
-        sched = start_scheduler(server.url, args, side)
-        fleet = Fleet(nc, args.nodes, 8, args.doomed, args.interval)
-        await nc.subscribe(names.node("*").assign, cb=fleet.on_assign)
-        await nc.subscribe("bench.echo", cb=echo)
-        beats = asyncio.create_task(fleet.beat_forever())
-        await until_all_alive(client, args.nodes)
-        spy = profile(sched.pid, side)
-        out = await _measure(args, rng, client, fleet, sched)
-        if spy:
-            spy.send_signal(signal.SIGINT)
-            spy.wait(30)
-        beats.cancel()
-        sched.terminate()
-        sched.wait(10)
-        await nc.close()
-        await client.close()
-    log = Path(SCHED_LOG.format(side=side)).read_text()
-    if m := ENDED.search(log):
-        out.update(passes=int(m[1]), longest_pass_ms=float(m[2]), cut_short=int(m[3]))
-        out.update(renewals=int(m[4]), renewals_late=int(m[5]), latest_renewal_ms=float(m[6]))
-    out["deposed"] = log.count("Deposed") + log.count("stepping down") + log.count("stopped leading")
-    out["refused_by_sim"] = fleet.refused
+    flags = ["--heartbeat-interval", str(args.interval), "--misses", str(args.misses), "--co-train", side]
+    log = SCHED_LOG.format(side=side)
+    async with sim_stack(flags, log, args.nodes, 8, args.doomed, args.interval) as run:
+        await run.nc.subscribe("bench.echo", cb=echo)
+        await run.nc.flush()  # the server knows the echo's subscription before the first round trip asks for it
+        out = await _measure(args, rng, run.client, run.fleet, run.sched, side)
+    out.update(run.figures())
+    out["refused_by_sim"] = run.fleet.refused
+    log_lines = Path(log).read_text().splitlines()
+    out["again_log"] = [line for job in out.pop("again_examples") for line in log_lines if job in line][:8]
     return out
 
 
-async def _measure(args, rng, client, fleet: Fleet, sched) -> dict:
+async def _measure(args, rng, client, fleet: Fleet, sched, side: str) -> dict:
     floor: list[float] = []
     submitted_at: dict[str, float] = {}
     latency: list[float] = []
@@ -178,11 +112,12 @@ async def _measure(args, rng, client, fleet: Fleet, sched) -> dict:
         async with sem:
             return await submit_one()
 
-    t0 = time.monotonic()
-    cpu0 = proc_stats(sched.pid)[0]
-    burst_ids = [j for j in await asyncio.gather(*(bounded() for _ in range(args.jobs - warm))) if j]
-    burst_s = time.monotonic() - t0
-    burst_cpu = proc_stats(sched.pid)[0] - cpu0
+    with profiled(sched.pid, side):  # BENCH_PROFILE=DIR: where the scheduler's time goes in the burst
+        t0 = time.monotonic()
+        cpu0 = proc_stats(sched.pid)[0]
+        burst_ids = [j for j in await asyncio.gather(*(bounded() for _ in range(args.jobs - warm))) if j]
+        burst_s = time.monotonic() - t0
+        burst_cpu = proc_stats(sched.pid)[0] - cpu0
     burst_latency = list(latency)
     await asyncio.sleep(8)
     place_burst = [fleet.assigned_at[j] - submitted_at[j] for j in burst_ids if j in fleet.assigned_at]
@@ -204,6 +139,7 @@ async def _measure(args, rng, client, fleet: Fleet, sched) -> dict:
         burst_accepted=len(burst_ids),
         rejected=len(rejected),
         placed_again=len(again),
+        again_examples=sorted(again)[:2],
         first_rejection=rejected[0] if rejected else "",
         detect_max=max(detect) if detect else float("nan"),
         detected=len(detect),
@@ -239,18 +175,16 @@ async def _kill_doomed(args, client, fleet: Fleet) -> list[float]:
     return [failed_at[j] - fleet.last_beat[n] for j, n in held.items() if j in failed_at]
 
 
-def report(args, results: dict[str, list[dict]]) -> bool:
-    """Print each side's figures; False when a run broke a guarantee."""
+def report(args, results: dict[str, list[dict]]) -> Guarantees:
+    """Print each side's figures, and check its guarantees (each broken one named at the end)."""
     ms = lambda s: f"{s * 1000:.2f} ms"  # noqa: E731
+    promises = Guarantees()
 
     def fig(side: str, key: str, fmt=lambda v: f"{v:.0f}") -> str:
-        values = [r[key] for r in results[side] if key in r]
-        if not values:
-            return "-"
-        return f"{fmt(statistics.median(values))} ({fmt(min(values))}-{fmt(max(values))})"
+        return figure([r[key] for r in results[side] if key in r], fmt)
 
+    window = args.interval * args.misses
     print(f"{args.nodes} agents x 8 GPUs heartbeating every {args.interval}s; {args.jobs} jobs of one tenant and base")
-    ok = True
     for side, runs in results.items():
         print(f"\n--co-train {side} ({len(runs)} runs; median (range))")
         print(f"  raw request/reply round trip p50: {fig(side, 'floor_p50', ms)}")
@@ -275,7 +209,7 @@ def report(args, results: dict[str, list[dict]]) -> bool:
         )
         print(
             f"  killed agents' jobs detected: {fig(side, 'detected')} of {fig(side, 'held')}, the last in "
-            f"{fig(side, 'detect_max', lambda v: f'{v:.2f}')} s (window {args.interval * args.misses:.1f} s)"
+            f"{fig(side, 'detect_max', lambda v: f'{v:.2f}')} s (window {window:.1f} s)"
         )
         print(f"  scheduler: {fig(side, 'cpu_s')} CPU s, peak RSS {fig(side, 'rss_mib')} MiB")
         faults = {k: sum(r.get(k, 0) for r in runs) for k in ("deposed", "rejected", "placed_again")}
@@ -286,11 +220,37 @@ def report(args, results: dict[str, list[dict]]) -> bool:
         for r in runs:
             if r.get("first_rejection"):
                 print(f"  first refusal: {r['first_rejection'][:300]}")
-        ok = ok and not any(faults.values())
+            for line in r.get("again_log", []):
+                print(f"  placed again: {line[:300]}")
+        _check(promises, side, runs, faults, args)
     if len(results) == 2:
         on, off = ([r["submits_per_s"] for r in results[s]] for s in results)
         print(f"\nsubmits/s, co-training on / off: {statistics.median(on) / statistics.median(off):.2f}x")
-    return ok
+    return promises
+
+
+def _check(promises: Guarantees, side: str, runs: list[dict], faults: dict, args) -> None:
+    """The guarantees of one side, over all its runs."""
+    window = args.interval * args.misses
+    late = max((r.get("latest_renewal_ms", 0.0) for r in runs), default=0.0)
+    undetected = sum(r["held"] - r["detected"] for r in runs)
+    slowest = max((r["detect_max"] for r in runs if r["detected"]), default=0.0)
+    promises.check(faults["deposed"] == 0, f"--co-train {side}: the leader never stopped leading ({faults['deposed']})")
+    promises.check(faults["rejected"] == 0, f"--co-train {side}: no submission refused ({faults['rejected']})")
+    promises.check(
+        faults["placed_again"] == 0,
+        f"--co-train {side}: no job placed a second time without a fault ({faults['placed_again']} were)",
+    )
+    promises.check(
+        undetected == 0 and slowest <= window + args.interval,
+        f"--co-train {side}: every job of a killed agent failed or re-queued within the window and a heartbeat "
+        f"({window + args.interval:.1f} s; {undetected} not, the last in {slowest:.2f} s)",
+    )
+    promises.check(
+        late < RENEWAL_S * 1000,
+        f"--co-train {side}: no lease renewal a whole renewal interval late ({RENEWAL_S * 1000:.0f} ms; the latest "
+        f"{late:.0f} ms)",
+    )
 
 
 async def main(args) -> int:
@@ -300,7 +260,7 @@ async def main(args) -> int:
         for side in sides if r % 2 == 0 else sides[::-1]:
             print(f"round {r + 1}: --co-train {side} ...", flush=True)
             results[side].append(await run_once(args, side))
-    return 0 if report(args, results) else 1
+    return report(args, results).verdict()
 
 
 if __name__ == "__main__":
