@@ -20,7 +20,7 @@ import secrets
 from collections.abc import Container
 from dataclasses import dataclass, field
 
-from schemas.co_train import GroupKey, group_key, group_process, own_mib, shared_mib, why_alone, why_alone_now
+from schemas.co_train import DIR_KEY, GroupKey, group_key, group_process, own_mib, shared_mib, why_alone, why_alone_now
 from schemas.jobs import JobRequest, JobStatus
 from schemas.memory import Estimate, estimate
 from services.scheduler.config import SchedulerConfig
@@ -55,6 +55,7 @@ class CoGroup:
     tenant: str | None  # the tenant of the job that started it (the same-tenant policy admits only its jobs)
     base_mib: int = 0  # what the group holds once (the base, the CUDA context), when the model's shape is known
     members: dict[str, int] = field(default_factory=dict)  # job -> MiB it adds to the group (its own state)
+    base_dir: str = ""  # its first job's base, on the group's node: its content digest is looked up by it
 
 
 class Groups:
@@ -74,6 +75,7 @@ class Groups:
         if g is None:
             shape = self.fleet.model_shape(request.base_dir, slot[0])
             g = CoGroup(group, slot, group_key(request, shape), tenant, base_need(request, self.fleet, slot))
+            g.base_dir = request.base_dir.rstrip("/")
             self.by_id[group] = g
             self.by_slot[slot] = group
             self.on_node.setdefault(slot[0], set()).add(group)
@@ -117,7 +119,18 @@ class Groups:
         if groups:
             seen = _running(self.fleet, node)
             for group in groups:
-                self._file(self.by_id[group], seen)
+                g = self.by_id[group]
+                self._by_content(g)
+                self._file(g, seen)
+
+    def _by_content(self, g: CoGroup) -> None:
+        """A group founded before its node had hashed its base (the agent's first heartbeats carry no digest) was
+        keyed by the base's directory: keyed by its content once the node says it, or a job on a copy of the base
+        elsewhere (and one on the same directory, keyed by the digest by then) would never find it."""
+        if g.key[0].startswith(DIR_KEY):
+            shape = self.fleet.model_shape(g.base_dir, g.slot[0])
+            if shape is not None and shape.digest:
+                g.key = (shape.digest, *g.key[1:])
 
     # --- the index --------------------------------------------------------------------------------
     def _who(self, tenant: str | None) -> str:
@@ -137,20 +150,25 @@ class Groups:
 
     def _file(self, g: CoGroup, seen: frozenset[str] | None = None) -> None:
         """File the group by the room its device has now, or take it out while it cannot take anyone (`seen`: the
-        jobs its node's last heartbeat lists running, when the caller has them)."""
-        self._unfile(g.id)
+        jobs its node's last heartbeat lists running, when the caller has them). A group whose room is what it was
+        filed by stays where it is: a node's heartbeat re-files each of its groups, mostly to the same place."""
         node, index = g.slot
         view = self.fleet.nodes.get(node)
         dev = view.devices.get(index) if view else None
         if len(g.members) >= self.cfg.co_train_max or view is None or dev is None:
+            self._unfile(g.id)
             return
         if view.heartbeat.draining or dev.failed or dev.reclaim_mib:
+            self._unfile(g.id)
             return
         seen = _running(self.fleet, node) if seen is None else seen  # their memory is in free_mib
         pending = sum(mib for job, mib in g.members.items() if job not in seen)
         if not seen & g.members.keys():
             pending += g.base_mib  # the group's process has not loaded the base yet
         bucket, item = (g.key, self._who(g.tenant), dev.kind), (dev.free_mib - pending, g.id)
+        if self._filed.get(g.id) == (bucket, item):
+            return
+        self._unfile(g.id)
         bisect.insort(self._open.setdefault(bucket, []), item)
         self._filed[g.id] = (bucket, item)
 
