@@ -17,10 +17,12 @@ from schemas import names
 from schemas.tinker_store import FutureRecord, ModelRecord, Outcome, call_key, model_key, ordered_request
 from services.gateway.app import Gateway
 from services.gateway.openai_map import BaseModel
+from services.gateway.tinker.bounds import Bounds
 from services.gateway.tinker.futures import Book
 from services.gateway.tinker.mirror import Mirror
 from services.gateway.tinker.order import Order
 from services.gateway.tinker.outcomes import Runner
+from services.gateway.tinker.saves import Saves
 from services.gateway.tinker.settings import TinkerSettings
 from services.gateway.tinker.store import Store
 from services.gateway.tinker.trainers import Trainers
@@ -63,7 +65,7 @@ async def test_a_skips_own_write_heard_back_before_its_ack_does_not_fail_the_tur
     already past and fails every next seq_id one after another once the gap timeout passes (issue 57)."""
     store = await Store(nc).open()
     mirror, book = Mirror(store), Book(store)
-    runner = Runner(store, book, Trainers(nc, store))
+    runner = Runner(store, book, Trainers(nc, store), Saves(store, Bounds(store, TinkerSettings())))
     order = Order(store, mirror, book, runner, "gw-test", TinkerSettings(gap_s=GAP_S))
     mirror.on_call = order.written
     await mirror.start()

@@ -6,6 +6,7 @@ tenant's bound) when the client deletes one or its TTL passes (swept every SWEEP
 from __future__ import annotations
 
 import logging
+import re
 import time
 
 from nats.js.errors import KeyWrongLastSequenceError
@@ -13,8 +14,8 @@ from nats.js.errors import KeyWrongLastSequenceError
 from schemas import names
 from schemas.artifacts import ArtifactQuery, Deleted
 from schemas.jobs import Error
-from schemas.sessions import SavedResult
-from schemas.tinker_store import ModelRecord, SamplerSave, save_key, saves_of, stored_name
+from schemas.sessions import SAVED_NAME, SavedResult
+from schemas.tinker_store import ModelRecord, SamplerSave, save_key, saves_of, stored_name, valid_id
 from services import bus
 from services.gateway.tinker.bounds import Bounds
 from services.gateway.tinker.paths import parse_path, tinker_path
@@ -52,6 +53,8 @@ class Saves:
         """The tenant's live save at a tinker://<model>/sampler_weights/<name> path (None: none, or expired)."""
         model, kind, name = parse_path(path)
         if kind not in ("sampler_weights", "external_weights"):  # an export is a stored save too (exports.py)
+            return None
+        if not valid_id(model) or not re.fullmatch(SAVED_NAME, name):  # no save's: never a key to look up
             return None
         found = await self.store.get(self.store.kv, save_key(tenant, model, stored_name(kind, name)), SamplerSave)
         return found[0] if found is not None and live(found[0]) else None
