@@ -54,6 +54,9 @@ def why_alone_now(request, status) -> str | None:
     return why_alone(request) or (status.train_alone or None)
 
 
+DIR_KEY = "dir:"  # a base keyed by its directory: its node has not said its content digest yet
+
+
 def group_key(request, shape: ModelShape | None) -> GroupKey:
     """What jobs of one group share: the base weights (the content digest where the node advertised it: until its
     agent has hashed the base, the directory, which on one node is the same files; the group's process checks the
@@ -61,7 +64,7 @@ def group_key(request, shape: ModelShape | None) -> GroupKey:
     which the scheduler derives from the priority (an admin's job above --engine-yield exempt=P does not yield, a
     tenant's always does: the agent holds each member by its own rule, and jobs of unequal priority are never
     grouped); and the process the group runs (sessions, or training jobs)."""
-    weights = shape.digest if shape is not None and shape.digest else "dir:" + request.base_dir.rstrip("/")
+    weights = shape.digest if shape is not None and shape.digest else DIR_KEY + request.base_dir.rstrip("/")
     return (weights, request.train.precision, request.quantization, request.priority, group_process(request))
 
 
