@@ -17,7 +17,8 @@ POLL_S = 0.05
 
 
 def hold_while_lapsed(path: str | None = None) -> float:
-    """Wait while the agent's lease has lapsed; the seconds waited. Without a lease (run by hand), at once."""
+    """Wait while the agent's lease has lapsed; the seconds waited (0.0 when it had not lapsed). Without a lease (run
+    by hand), at once."""
     path = path if path is not None else os.environ.get(ENV)
     if not path:
         return 0.0
@@ -28,4 +29,4 @@ def hold_while_lapsed(path: str | None = None) -> float:
             print("the agent's lease lapsed: waiting for it before the next step", file=sys.stderr, flush=True)
             said = True
         time.sleep(POLL_S)
-    return time.monotonic() - started
+    return time.monotonic() - started if said else 0.0

@@ -34,8 +34,9 @@ class AgentConfig:
     grader_env: dict[str, str] = field(default_factory=dict)  # the trainers' graders settings (JETLORA_JUDGE_URL...)
     stage_adapters: bool = True  # fetch a new version of a served adapter when it is registered, before its promotion
     trainer_lease_s: float | None = None  # a trainer computes this long after the node's last heartbeat reached
-    # the bus; None: two heartbeat intervals (below the scheduler's window of misses x interval, so a cut-off
-    # node's trainer waits before the scheduler gives its job to another node); 0: never waits
+    # the bus, and another node's attempt of its job waits this long for it (services/agent/trainer_leases.py);
+    # None: two heartbeat intervals (below the scheduler's window, so a job moved off a silent node seldom waits);
+    # 0: never waits (and the job's attempt on another node does not wait for it either)
 
     @property
     def lease_s(self) -> float:

@@ -62,6 +62,7 @@ class GroupProcess:
         self.command = niced(command, niceness)
         self.on_empty = on_empty  # the agent forgets the group: a job placed in it from now on starts a new one
         self.lease = workdir.resolve() / "lease"
+        self.lease_from: float | None = None  # when its first member's trainer lease was taken (monotonic)
         self.members: dict[str, GroupMember] = {}
         self.proc: asyncio.subprocess.Process | None = None
         self.closing = False  # its last job left: no job joins it any more
@@ -80,6 +81,7 @@ class GroupProcess:
         spec = msgspec.structs.replace(member.spec, base_digest=await base_digest(member.spec.request.base_dir))
         async with self._starting:
             if self.proc is None:
+                self.lease_from = member.lease_from
                 await self._start()
         self.send(GroupControl(action="add", job=spec.job, spec=spec, attempt=spec.attempt))
 
@@ -93,7 +95,7 @@ class GroupProcess:
             "PYTHONUNBUFFERED": "1",
         }
         if self.lease_s:
-            self.renew()
+            self.renew(self.lease_from)
             env[trainer_lease.ENV] = str(self.lease)
         self.proc = await asyncio.create_subprocess_exec(
             *die_with_parent(self.command, signal.SIGKILL),
@@ -230,6 +232,7 @@ class GroupMember:
         self.joined = False
         self.held = False  # yielding to a serving engine: it sits out the group's steps
         self.asked: list[str] = []  # stop, pause or hold asked before it joined
+        self.lease_from: float | None = None  # when the job's trainer lease was taken (monotonic)
 
     @property
     def proc(self) -> asyncio.subprocess.Process | None:

@@ -1,6 +1,7 @@
 """What a node says of itself every interval: its devices and who runs on them, its engines' load, its jobs and
 which attempt of each. A heartbeat that reached the server (a flush's round trip says so) renews each trainer's
-lease: a node cut off from the bus, or frozen, lets its trainers go on no longer than trainer_lease_s."""
+lease (services/agent/trainer_leases.py): a node cut off from the bus, or frozen, lets its trainers go on no longer
+than trainer_lease_s, and an attempt whose lease another attempt took over is ended here at once."""
 
 from __future__ import annotations
 
@@ -19,7 +20,10 @@ from schemas.nodes import Device, Heartbeat, RunningAttempt
 from services import __version__
 from services.agent.config import AgentConfig
 from services.agent.devices import DeviceProbe
+from services.agent.group_run import GroupMember, GroupProcess
 from services.agent.job_run import RunningJob
+from services.agent.runner import TrainerRun
+from services.agent.trainer_leases import TrainerLeases
 from services.agent.yielding import Yielder
 from services.aio import sleep_unless_stopped
 
@@ -45,9 +49,12 @@ class Agent(Protocol):
     models: list[ModelShape]
     confirming: asyncio.Task | None
     last_confirmed: float
+    leases: TrainerLeases
 
     @property
     def jobs(self) -> dict[str, RunningJob]: ...
+
+    async def end_attempt(self, run: RunningJob, why: str, wait_s: float = 0.0) -> bool: ...
 
 
 def compose(agent: Agent, read: tuple[list[Device], str]) -> Heartbeat:
@@ -113,17 +120,33 @@ async def _renew_when_confirmed(agent: Agent, sent: float) -> None:
         return
     silent = sent - agent.last_confirmed
     agent.last_confirmed = sent
+    runs = [run for run in agent.runs.values() if run.trainer and not run.superseded and agent.leases.holds(*run.key)]
+    held = await asyncio.gather(*(agent.leases.renew(*run.key, agent.cfg.lease_s) for run in runs))
+    for run, kept in zip(runs, held):
+        if kept is False:  # before any trainer is let go on (its group's file is not renewed this time)
+            await agent.end_attempt(run, "another attempt of the job took over its trainer lease")
     if silent > agent.cfg.lease_s:
-        if any(run.trainer for run in agent.runs.values()):
+        if runs:
             log.warning(
                 "this node was not heard for %.1fs: its trainers wait for one more heartbeat, so that the scheduler "
                 "can end what it gave to another node meanwhile",
                 silent,
             )
         return
-    for run in agent.runs.values():
-        if run.trainer and not run.superseded:
-            run.trainer.renew(sent)
+    for lease in _leases_kept(runs, held):
+        lease.renew(sent)
+
+
+def _leases_kept(runs: list[RunningJob], held: list[bool | None]) -> list[TrainerRun | GroupProcess]:
+    """The lease files that may be renewed: a trainer's when its job's entry was, a co-training group's when every
+    member's was (one member's entry not renewed or taken over holds the whole process: it steps for all of them,
+    and reads the member's end from its controls once it goes on: trainer/co_train/process.py)."""
+    files: dict[int, tuple[TrainerRun | GroupProcess, bool]] = {}
+    for run, kept in zip(runs, held):
+        lease = run.trainer.group if isinstance(run.trainer, GroupMember) else run.trainer
+        assert lease is not None  # the runs listed have one
+        files[id(lease)] = (lease, files.get(id(lease), (lease, True))[1] and kept is True)
+    return [lease for lease, kept in files.values() if kept]
 
 
 async def every_interval(agent: Agent, stop: asyncio.Event) -> None:

@@ -32,6 +32,7 @@ from schemas.events import (
 )
 from schemas.jobs import ArtifactRef, CheckpointInfo, DatasetRef, JobState
 from schemas.nodes import CPU_DEVICE, Assignment, on_devices
+from schemas.trainer_lease import Holder
 from services import bus
 from services.agent.config import AgentConfig
 from services.agent.datasets import DatasetCache, DatasetUnavailable, LocalDataset
@@ -39,6 +40,7 @@ from services.agent.engines import rollout_engine
 from services.agent.group_run import GroupMember, GroupProcess
 from services.agent.session_run import SessionLost, SessionRun, TakesCalls
 from services.agent.runner import TrainerRun, trainer_env
+from services.agent.trainer_leases import Superseded, TrainerLeases
 from services.agent.shipping import fetch_adapter, fetch_checkpoint, fetch_session_start, ship_checkpoint, ship_results
 from services.agent.yielding import Yielded, Yielder
 from services.transfer.sender import UploadError
@@ -89,6 +91,7 @@ class JobLifecycle:
     groups: dict[str, GroupProcess]
     finished: dict[str, float]
     draining: bool
+    leases: TrainerLeases
 
     async def report_yield(self, run: RunningJob, message: str) -> None:
         await self._report(run, "running", message)
@@ -191,6 +194,7 @@ class JobLifecycle:
             log.exception("job %s failed in the agent", a.job)
             await self._report(run, "failed", f"the agent failed running the job: {e!r}")
         finally:
+            await self.leases.release(*run.key)  # its trainer is gone: the job's next attempt need not wait
             for local in run.datasets:
                 self.datasets.release(local)
             if not run.superseded:
@@ -222,7 +226,23 @@ class JobLifecycle:
             run.trainer.stop()
         if run.paused_by:
             run.trainer.pause()
+        try:
+            run.trainer.lease_from = await self.leases.acquire(
+                run.assignment.job, run.attempt, self.cfg.lease_s, functools.partial(self._waiting_for, run)
+            )
+        except Superseded as e:  # the scheduler ends this attempt too: nothing to report
+            run.superseded = str(e)
+            return Cancelled(message=str(e))
         return await run.trainer.run(functools.partial(self._on_trainer_event, run))
+
+    async def _waiting_for(self, run: RunningJob, other: Holder) -> None:
+        """The job's trainer lease is another attempt's: its trainer may still compute, so this one waits."""
+        why = (
+            f"waiting for attempt {other.attempt} of the job on {other.node} to stop before this one trains: its "
+            f"trainer lease ends within {other.lease_s:.1f}s once not renewed, or when that attempt ends"
+        )
+        log.warning("job %s attempt %d: %s", run.assignment.job, run.attempt, why)
+        await self._report(run, "preparing", why)
 
     def _group_of(self, run: RunningJob) -> GroupProcess:
         """The co-training group the job joins: the one running here, or a new one it starts."""

@@ -53,6 +53,7 @@ class TrainerRun:
     ) -> None:
         self.spec, self.workdir, self.env, self.ranks = spec, workdir, env, ranks
         self.lease_s = lease_s  # 0: no lease (the trainer never waits for the agent)
+        self.lease_from: float | None = None  # when the job's trainer lease was taken (monotonic): it counts from there
         self.lease = workdir.resolve() / "lease"  # the ranks start in the job directory: an absolute path
         self.command = niced(command, niceness)  # beside a serving engine: its threads win the CPU at once
         self.proc: asyncio.subprocess.Process | None = None  # rank 0: it speaks for the job
@@ -75,7 +76,7 @@ class TrainerRun:
         if self.ranks > 1:
             env.update(rank_env(self.ranks, self.workdir))
         if self.lease_s:
-            self.renew()
+            self.renew(self.lease_from)
             env[trainer_lease.ENV] = str(self.lease)
         if self.cancelled:  # before it started: nothing to start
             return Cancelled()

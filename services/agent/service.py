@@ -38,6 +38,7 @@ from services.agent.session_run import SessionDesk
 from services.agent.job_run import JobLifecycle, RunningJob
 from services.agent.deployment import Deployment
 from services.agent.term_fence import TermFence
+from services.agent.trainer_leases import TrainerLeases
 from services.agent.yielding import Yielder, engine_yields
 from services.procs import end_leftovers
 
@@ -68,12 +69,14 @@ class Agent(JobLifecycle):
         self.models = read_shapes(config.models)
         self.yielder = Yielder(self, engine_yields(config))
         self.terms = TermFence(self.js)  # the newest scheduler term seen: an older one's commands are refused
+        self.leases = TrainerLeases(self.js, config.node)  # which of its jobs' attempts may compute
 
     async def run(self, stop: asyncio.Event) -> None:
         ended = await asyncio.to_thread(end_leftovers, self.cfg.work_dir / "jobs")
         if ended:  # before any device is offered: a trainer of a killed agent may still hold one
             log.warning("ended %d trainer(s) a previous agent left running here: pids %s", len(ended), ended)
         self.devices, self.no_gpu_reason = await self.probe.read_async()
+        await self.leases.open()
         if not self.devices:
             log.warning("node %s has no device to offer: %s", self.cfg.node, self.no_gpu_reason)
         on_assign = bus.handler(

@@ -110,8 +110,8 @@ def _node_flags(p: argparse.ArgumentParser) -> None:
         type=float,
         default=None,
         help="a trainer stops before its next step once this long has passed since the node's last heartbeat "
-        "reached NATS (so a frozen or cut-off node does not train beside the job's next attempt); default two "
-        "heartbeat intervals, which must stay below the scheduler's --misses x interval; 0: never",
+        "reached NATS, and a job moved off a silent node waits this long (at most) before its next attempt trains "
+        "(so a frozen or cut-off node never trains beside it); default two heartbeat intervals; 0: never",
     )
     p.add_argument(
         "--model",

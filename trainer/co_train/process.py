@@ -173,6 +173,9 @@ def serve_jobs(controls: Controls, lines: list) -> int:
             for member in group.members.values():  # nobody is left to let them go on
                 member.job.held = False
         if group.members and not group.all_held:
+            if lease.hold_while_lapsed():  # what the agent said while it could not vouch for us (an end) comes first
+                lines = controls.take(wait=False)
+                continue
             try:
                 group.step()
             except Exception as e:  # the shared forward or backward: every job here goes with it

@@ -1,0 +1,158 @@
+"""This node's holds on its jobs' trainer leases (the bucket's entries: schemas/trainer_lease.py): taken before a
+trainer starts (waiting out another attempt's lease until it lapses or is let go), renewed at each heartbeat by
+compare-and-set, let go when the attempt ends. The fence that keeps one trainer of a job computing at a time does
+not depend on when the scheduler hears this node, on the scheduler's settings, or on this agent running at all."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable
+
+from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError, NotFoundError
+from nats.js.kv import KeyValue
+
+from schemas import names, trainer_lease
+from schemas.trainer_lease import Holder
+
+log = logging.getLogger(__name__)
+POLL_S = 0.1  # how often a waiting attempt reads the entry it waits on
+REQUEST_S = 2.0  # a read or write of the bucket not answered in this long counts as not done
+MARGIN_S = 0.1  # beyond the holder's lease_s: its clock and ours may differ in rate, its step may be under way
+
+Key = tuple[str, int]  # (job, attempt), as the agent holds its runs
+
+
+class Superseded(Exception):
+    """A newer attempt of the job holds its trainer lease: this one must not start."""
+
+
+class TrainerLeases:
+    """The entries this agent holds, by (job, attempt), with the revision each was last written at."""
+
+    def __init__(self, js, node: str) -> None:
+        self.js, self.node = js, node
+        self.kv: KeyValue | None = None  # the bucket, once open; None: the fence is off (see open)
+        self.held: dict[Key, int] = {}
+
+    async def open(self) -> None:
+        """The bucket, made by the scheduler (ensure_resources). Without it (a scheduler of a release before it),
+        trainers are held by the heartbeat alone, as they were then: said loudly."""
+        try:
+            self.kv = await asyncio.wait_for(self.js.key_value(names.TRAINER_LEASES_KV), REQUEST_S)
+        except (NotFoundError, asyncio.TimeoutError) as e:
+            log.warning(
+                "the trainer lease bucket %s cannot be opened (%s): a job moved off this node while it was silent may "
+                "be trained here and on its next node at once; upgrade the scheduler, which makes the bucket",
+                names.TRAINER_LEASES_KV,
+                type(e).__name__,
+            )
+
+    def holder(self, job: str, attempt: int, lease_s: float) -> Holder:
+        return Holder(job=job, attempt=attempt, node=self.node, lease_s=lease_s)
+
+    async def acquire(
+        self, job: str, attempt: int, lease_s: float, waiting: Callable[[Holder], Awaitable[None]]
+    ) -> float | None:
+        """Hold the job's lease for this attempt: at once when nobody holds it, else once its holder's lease has
+        lapsed (the entry unchanged for the holder's lease_s since we first saw it so) or it let go. `waiting` is
+        told once who it waits for. The monotonic time the taking write was sent (the trainer may compute lease_s
+        from it); None when the fence is off. Superseded when a newer attempt holds it."""
+        if self.kv is None:
+            return None
+        mine, told = self.holder(job, attempt, lease_s), False
+        seen: tuple[int, float] | None = None  # the holder's revision, and when we first saw it
+        while True:
+            sent = time.monotonic()
+            try:
+                entry = await self._entry(job)
+                if entry is None:
+                    self.held[(job, attempt)] = await self._write(job, mine, create=True)
+                    return sent
+                other = trainer_lease.decode(entry.value)
+                if other.attempt > attempt:
+                    raise Superseded(f"attempt {other.attempt} of job {job} holds its trainer lease on {other.node}")
+                if (other.node, other.attempt) == (self.node, attempt):  # ours already (a write whose ack was lost)
+                    self.held[(job, attempt)] = await self._write(job, mine, last=entry.revision)
+                    return sent
+                if seen is None or seen[0] != entry.revision:
+                    seen = (entry.revision, time.monotonic())
+                if time.monotonic() - seen[1] >= other.lease_s + MARGIN_S:
+                    self.held[(job, attempt)] = await self._write(job, mine, last=entry.revision)
+                    log.warning(
+                        "job %s: attempt %d on %s stopped renewing its trainer lease; attempt %d takes it here",
+                        job,
+                        other.attempt,
+                        other.node,
+                        attempt,
+                    )
+                    return sent
+                if not told:
+                    told = True
+                    await waiting(other)
+            except Superseded:
+                raise
+            except KeyWrongLastSequenceError:  # written by another at the same moment: read it again
+                continue
+            except Exception as e:  # the bus away: keep waiting, nothing is held meanwhile
+                log.info("job %s: the trainer lease could not be read or written (%r); trying again", job, e)
+            await asyncio.sleep(POLL_S)
+
+    def holds(self, job: str, attempt: int) -> bool:
+        """Whether this attempt's trainer may compute as far as the bucket goes: the entry is ours (or the fence is
+        off); False while it waits for another attempt's lease, and once it lost it."""
+        return self.kv is None or (job, attempt) in self.held
+
+    async def renew(self, job: str, attempt: int, lease_s: float) -> bool | None:
+        """Write our entry again over the revision we hold: True when it was (the trainer may go on lease_s from
+        the moment the caller sent its heartbeat), False when another attempt took it over (ours must end now),
+        None when it is not known now (the bus away, or not held yet)."""
+        if self.kv is None:
+            return True  # no fence: the heartbeat alone decides
+        last = self.held.get((job, attempt))
+        if last is None:
+            return None
+        mine = self.holder(job, attempt, lease_s)
+        try:
+            self.held[(job, attempt)] = await self._write(job, mine, last=last)
+            return True
+        except KeyWrongLastSequenceError:
+            pass
+        except Exception as e:
+            log.info("job %s: its trainer lease was not renewed (%r); its trainer waits until it is", job, e)
+            return None
+        try:  # our last write may have been stored without its answer reaching us: then the entry is still ours
+            entry = await self._entry(job)
+            if entry is not None and trainer_lease.decode(entry.value) == mine:
+                self.held[(job, attempt)] = await self._write(job, mine, last=entry.revision)
+                return True
+        except Exception as e:
+            log.info("job %s: its trainer lease could not be read (%r); its trainer waits until it is", job, e)
+            return None
+        self.held.pop((job, attempt), None)
+        return False
+
+    async def release(self, job: str, attempt: int) -> None:
+        """Let go of the entry (the attempt's trainer is gone): the job's next attempt starts without waiting. One
+        that cannot be let go now lapses by itself."""
+        last = self.held.pop((job, attempt), None)
+        if self.kv is None or last is None:
+            return
+        try:
+            await asyncio.wait_for(self.kv.delete(trainer_lease.key(job), last=last), REQUEST_S)
+        except Exception as e:  # taken over, or the bus away: the next attempt waits out our lease
+            log.info("job %s: attempt %d's trainer lease was not let go (%r); it lapses by itself", job, attempt, e)
+
+    async def _entry(self, job: str):
+        assert self.kv is not None
+        try:
+            return await asyncio.wait_for(self.kv.get(trainer_lease.key(job)), REQUEST_S)
+        except KeyNotFoundError:  # never written, or let go (deleted)
+            return None
+
+    async def _write(self, job: str, holder: Holder, last: int = 0, create: bool = False) -> int:
+        assert self.kv is not None
+        key, value = trainer_lease.key(job), trainer_lease.encode(holder)
+        write = self.kv.create(key, value) if create else self.kv.update(key, value, last=last)
+        return await asyncio.wait_for(write, REQUEST_S)
