@@ -31,7 +31,8 @@ import nats  # noqa: E402
 from schemas import names  # noqa: E402
 from schemas.job_records import decode_status, status_key  # noqa: E402
 from schemas.leadership import LEASE_KEY, decode_lease  # noqa: E402
-from schemas.jobs import Accepted, Error, JobQuery, JobReply  # noqa: E402
+from schemas.jobs import Accepted, Error  # noqa: E402
+from schemas.job_status import JobQuery, JobReply  # noqa: E402
 from services import bus  # noqa: E402
 from tests.conftest import answering, submit  # noqa: E402
 from tests.harness import Stack  # noqa: E402

@@ -32,7 +32,8 @@ from bench.fleet_bench import ENDED, figure, pct, proc_stats, profiled, sim_stac
 from bench.guarantees import Guarantees  # noqa: E402
 from bench.sim_fleet import Fleet  # noqa: E402
 from schemas import names  # noqa: E402
-from schemas.jobs import Accepted, JobStatus, SubmitReply  # noqa: E402
+from schemas.jobs import Accepted, SubmitReply  # noqa: E402
+from schemas.job_status import JobStatus  # noqa: E402
 from services.bus import LEASE_TTL_S  # noqa: E402
 from services.scheduler.lease import RENEWALS_PER_TTL  # noqa: E402
 

@@ -52,7 +52,8 @@ from bench.fleet_bench import pct, sim_stack  # noqa: E402
 from bench.guarantees import Guarantees  # noqa: E402
 from bench.sim_fleet import Fleet  # noqa: E402
 from schemas import names  # noqa: E402
-from schemas.jobs import Accepted, JobQuery, JobReply, SubmitReply  # noqa: E402
+from schemas.jobs import Accepted, SubmitReply  # noqa: E402
+from schemas.job_status import JobQuery, JobReply  # noqa: E402
 from schemas.tenants import TenantList, TenantsQuery  # noqa: E402
 from services import bus  # noqa: E402
 

@@ -20,7 +20,7 @@ sys.path.insert(0, str(ROOT))
 import nats  # noqa: E402
 
 from schemas import names  # noqa: E402
-from schemas.jobs import JobStatus  # noqa: E402
+from schemas.job_status import JobStatus  # noqa: E402
 from services import bus  # noqa: E402
 from services.embedded import EmbeddedNats  # noqa: E402
 from services.scheduler.store import JobStore  # noqa: E402

@@ -25,7 +25,8 @@ import msgspec  # noqa: E402
 import nats  # noqa: E402
 
 from schemas import names  # noqa: E402
-from schemas.jobs import Accepted, JobList, JobListQuery, JobRequest, JobStatus, StoredRequest  # noqa: E402
+from schemas.jobs import Accepted, JobRequest  # noqa: E402
+from schemas.job_status import JobList, JobListQuery, JobStatus, StoredRequest  # noqa: E402
 from services import bus  # noqa: E402
 from services.embedded import EmbeddedNats  # noqa: E402
 from services.scheduler.index import Finished  # noqa: E402

@@ -21,7 +21,7 @@ import nats  # noqa: E402
 from nats.js.errors import NoKeysError  # noqa: E402
 
 from bench.guarantees import Guarantees  # noqa: E402
-from schemas import names  # noqa: E402
+from schemas import names, nats_subjects  # noqa: E402
 from schemas.registry import (  # noqa: E402
     AdapterList,
     AdapterListQuery,
@@ -54,7 +54,7 @@ async def watcher_read(kv, pattern: str) -> int:
     finally:
         consumer = watcher._sub._consumer
         await watcher.stop()
-        await kv._js.delete_consumer(names.kv(names.ADAPTERS_KV).stream, consumer)
+        await kv._js.delete_consumer(nats_subjects.kv(names.ADAPTERS_KV).stream, consumer)
     return found
 
 
@@ -112,7 +112,7 @@ async def measure(count: int, rounds: int) -> int:
         for _ in range(rounds):  # alternate the sides in short rounds
             for label, make in sides.items():
                 times[label].append(await timed(make, list_repeat if label.startswith("list") else 50))
-        info = await nc.jetstream().stream_info(names.kv(names.ADAPTERS_KV).stream)
+        info = await nc.jetstream().stream_info(nats_subjects.kv(names.ADAPTERS_KV).stream)
         med = {k: statistics.median(v) for k, v in times.items()}
         print(
             f"{count:>5} adapters: show {med['show, view']:.2f} ms (view) vs {med['show, watchers']:.2f} ms "

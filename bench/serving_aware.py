@@ -28,7 +28,8 @@ sys.path.insert(0, str(ROOT))
 import nats  # noqa: E402
 
 from schemas import names  # noqa: E402
-from schemas.jobs import Accepted, Error, JobQuery, JobReply, SubmitReply  # noqa: E402
+from schemas.jobs import Accepted, Error, SubmitReply  # noqa: E402
+from schemas.job_status import JobQuery, JobReply  # noqa: E402
 from services import bus  # noqa: E402
 from services.embedded import EmbeddedNats  # noqa: E402
 

@@ -17,9 +17,9 @@ from dataclasses import dataclass
 
 import msgspec
 
-from schemas import names
+from schemas import names, subject_parts
 from schemas.events import StateChange
-from schemas.jobs import CheckpointInfo
+from schemas.job_status import CheckpointInfo
 from schemas.nodes import (
     AssignAccepted,
     AssignRefused,
@@ -153,7 +153,7 @@ class Fleet:
         """A device takes one job, or several of one co-training group (as a real agent's group process does)."""
         now = time.monotonic()
         a = dec_assign.decode(msg.data)
-        node = names.node_of_subject(msg.subject)
+        node = subject_parts.node_of_subject(msg.subject)
         self.assigned_at.setdefault(a.job, now)
         self.assigns[a.job] = self.assigns.get(a.job, 0) + 1
         devices = [self.nodes[node][d] for d in (a.devices or [a.device])]  # all of a multi-device job's
@@ -176,7 +176,7 @@ class Fleet:
         """Pause: stop at the end of the step under way and checkpoint there; cancel, stop, end: gone at once."""
         c = dec_control.decode(msg.data)
         job = self.running.get(c.job)
-        if job is None or job.node != names.node_of_subject(msg.subject) or c.attempt not in (0, job.a.attempt):
+        if job is None or job.node != subject_parts.node_of_subject(msg.subject) or c.attempt not in (0, job.a.attempt):
             await msg.respond(enc.encode(ControlReply(c.job, False, "no such attempt runs here")))
             return
         if c.action == "pause":

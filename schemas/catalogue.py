@@ -32,17 +32,8 @@ from schemas.events import (
     TrainerEvent,
     TrainerSpec,
 )
-from schemas.jobs import (
-    Error,
-    JobList,
-    JobListQuery,
-    JobQuery,
-    JobReply,
-    JobRequest,
-    JobStatus,
-    StoredRequest,
-    SubmitReply,
-)
+from schemas.jobs import Error, JobRequest, SubmitReply
+from schemas.job_status import JobList, JobListQuery, JobQuery, JobReply, JobStatus, StoredRequest
 from schemas.nodes import Assignment, AssignReply, Control, ControlReply, Heartbeat, NodeList, Reclaim, ReclaimReply
 from schemas.registry import (
     AdapterList,

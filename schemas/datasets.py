@@ -11,7 +11,8 @@ from typing import Annotated, Literal
 from msgspec import Meta, Struct, field
 
 from schemas import names
-from schemas.jobs import DatasetName, DatasetRef, JobId, JobState, TenantId  # noqa: F401 (a job names its data with a DatasetRef)
+from schemas.jobs import DatasetName, DatasetRef, JobId, TenantId  # noqa: F401 (a job names its data with a DatasetRef)
+from schemas.job_status import JobState  # noqa: F401 (a job names its data with a DatasetRef)
 
 DatasetFormat = Literal["qa", "chat", "alpaca", "text", "preference", "rft", "evals"]
 FORMATS: dict[str, str] = {  # what each format's rows hold, as error messages show it

@@ -6,7 +6,8 @@ from typing import Annotated, Literal
 
 from msgspec import Meta, Struct, field
 
-from schemas.jobs import ArtifactRef, CheckpointInfo, JobId, JobRequest, JobState, NodeId, Probe
+from schemas.jobs import JobId, JobRequest, NodeId
+from schemas.job_status import ArtifactRef, CheckpointInfo, JobState, Probe
 
 
 class PreferenceMetrics(Struct, kw_only=True):

@@ -10,13 +10,14 @@ import hashlib
 
 import msgspec
 
-from schemas import names
-from schemas.jobs import JobId, JobStatus, StoredRequest
+from schemas import names, nats_subjects
+from schemas.jobs import JobId
+from schemas.job_status import JobStatus, StoredRequest
 
 REQUEST, STATUS, ACTIVE, IDEMPOTENCY = "request", "status", "active", "idem"
 TERM = "term"  # the leaders' fence: each new term is a compare-and-set on it
 LAYOUT = "layout"  # present once the bucket has the active set and the job index
-JOBS = names.kv(names.JOBS_KV)
+JOBS = nats_subjects.kv(names.JOBS_KV)
 
 decode_request = msgspec.json.Decoder(StoredRequest).decode
 decode_status = msgspec.json.Decoder(JobStatus).decode

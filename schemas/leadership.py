@@ -6,7 +6,7 @@ from __future__ import annotations
 import msgspec
 from msgspec import Struct
 
-from schemas import names
+from schemas import names, nats_subjects
 
 LEASE_KEY = "scheduler"  # the lease's one key in names.LEASE_KV
 
@@ -30,5 +30,5 @@ def decode_lease(value: bytes) -> LeaseRecord:
         return LeaseRecord(holder=value.decode(errors="replace"))
 
 
-LEASE_STREAM = names.kv(names.LEASE_KV).stream
-LEASE_SUBJECT = names.kv(names.LEASE_KV).prefix + LEASE_KEY
+LEASE_STREAM = nats_subjects.kv(names.LEASE_KV).stream
+LEASE_SUBJECT = nats_subjects.kv(names.LEASE_KV).prefix + LEASE_KEY

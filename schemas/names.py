@@ -29,9 +29,7 @@ No other module spells a subject: they all call these functions.
 
 from __future__ import annotations
 
-import base64
 import re
-from dataclasses import dataclass
 from typing import NamedTuple
 
 PREFIX = "jetlora"
@@ -120,31 +118,6 @@ def check_tenant(value: str) -> str:
     return value
 
 
-def _checked_tenant_token(token: str, subject: str) -> str:
-    """A tenant token taken from a request's subject: one token, and none of jetlora's own."""
-    if token in RESERVED_TENANTS:
-        raise ValueError(
-            f"tenant {token!r} in {subject} is reserved ({', '.join(sorted(RESERVED_TENANTS))} are jetlora's own "
-            "tokens): a tenant asks on its own subjects, an admin on those without a tenant token"
-        )
-    return check_token(token, "tenant")
-
-
-def tenant_of_subject(subject: str) -> str | None:
-    """The tenant in a jetlora.<group>.<tenant>.<verb> request subject (api, artifacts, datasets); None for
-    jetlora.<group>.<verb> (an admin's). A reserved token (`_`, `upload`) or one that is no tenant raises
-    ValueError: it must never reach what an admin's verb, or jetlora's own subjects, would."""
-    parts = subject.split(".")
-    return _checked_tenant_token(parts[2], subject) if len(parts) == 4 else None
-
-
-def asker_of_subject(subject: str) -> str:
-    """Whose request a jetlora.<group>[.<tenant>].<verb> subject is, unchecked (the token as sent; ADMIN_TENANT
-    for an admin's): what a service shares its turns by, before the request is read."""
-    parts = subject.split(".")
-    return parts[2] if len(parts) == 4 else ADMIN_TENANT
-
-
 # requests served by the artifact service (nats.micro group "jetlora.artifacts")
 ARTIFACTS_GROUP = f"{PREFIX}.artifacts"
 ARTIFACTS_UPLOAD_ALL = f"{ARTIFACTS_GROUP}.upload.*.*"
@@ -168,11 +141,6 @@ def artifact_upload(node_id: str, job: str) -> str:
     """Where a node sends the chunks of a job's artifact: the node is in the subject, so permissions let an agent
     upload only as itself, and the artifact service checks that it holds the job's current attempt."""
     return f"{ARTIFACTS_GROUP}.upload.{node_id}.{job}"
-
-
-def uploader_of_subject(subject: str) -> str:
-    """The node in a jetlora.artifacts.upload.<node>.<job> subject."""
-    return subject.split(".")[3]
 
 
 # datasets, also served by the artifact service (nats.micro group "jetlora.datasets")
@@ -201,13 +169,6 @@ TENANT_DATASETS_UPLOAD_ALL = f"{DATASETS_GROUP}.*.upload.*"
 def dataset_upload(name: str, tenant: str | None = None) -> str:
     """An admin's upload (jetlora.datasets.upload.<name>) or a tenant's (jetlora.datasets.<tenant>.upload.<name>)."""
     return f"{DATASETS_GROUP}.upload.{name}" if tenant is None else f"{DATASETS_GROUP}.{tenant}.upload.{name}"
-
-
-def tenant_of_dataset_upload(subject: str) -> str | None:
-    """The tenant of a jetlora.datasets.<tenant>.upload.<name> subject, checked as tenant_of_subject checks it;
-    None for an admin's jetlora.datasets.upload.<name>."""
-    parts = subject.split(".")
-    return _checked_tenant_token(parts[2], subject) if len(parts) == 5 else None
 
 
 EVALS_GROUP = f"{PREFIX}.evals"  # the evals service (nats.micro group "jetlora.evals", served beside the registry)
@@ -348,23 +309,6 @@ def job_index_finished(tenant: str = "*", state: str = "*") -> str:
     return f"{PREFIX}.jobindex.done.{tenant}.{state}"
 
 
-def node_of_subject(subject: str) -> str:
-    """The node id in a jetlora.node.<node>.* subject."""
-    return subject.split(".")[2]
-
-
-def job_and_node_of_subject(subject: str) -> tuple[str, str]:
-    """The job and node ids in a jetlora.job.<tenant>.<job>.<node>.* subject."""
-    parts = subject.split(".")
-    return parts[3], parts[4]
-
-
-def tenant_of_event_subject(subject: str) -> str | None:
-    """The job's tenant in a jetlora.job.<tenant>.<job>.<node>.* subject; None for an admin's job."""
-    token = subject.split(".")[2]
-    return None if token == ADMIN_TENANT else token
-
-
 def artifact_name(job: str, kind: str, step: int | None = None) -> str:
     """The object-store name of one artifact of a job (checkpoints: one per step)."""
     return f"{job}/{kind}" if step is None else f"{job}/{kind}-{step}"
@@ -373,71 +317,3 @@ def artifact_name(job: str, kind: str, step: int | None = None) -> str:
 def sampler_save_object(job: str, save: str) -> str:
     """The object-store name of a Tinker session's named sampler save (one object per name, kept until deleted)."""
     return f"{job}/sampler-{save}"
-
-
-# JetStream's own API and storage subjects, for the writers and readers that go below nats-py and for permissions
-JS_API_ALL = "$JS.API.>"
-
-
-def inbox(user: str) -> str:
-    """A user's own inbox prefix: the replies to its requests arrive under it, and only it may subscribe there."""
-    return f"_INBOX.{user}"
-
-
-def inbox_all(user: str) -> str:
-    return inbox(user) + ".>"
-
-
-SERVICE_DISCOVERY_ALL = "$SRV.>"
-
-
-def service_discovery(service: str) -> list[str]:
-    """What a nats.micro service of that name listens on to be discovered ($SRV.PING, INFO and STATS: asked of every
-    service, of its name, of one instance), and nothing of another service's: what its user may subscribe to."""
-    return [f"$SRV.{verb}{of}" for verb in ("PING", "INFO", "STATS") for of in ("", f".{service}", f".{service}.*")]
-
-
-def service_stats(service: str) -> str:
-    """nats.micro's statistics of one service (every instance answers): requests and errors per endpoint."""
-    return f"$SRV.STATS.{service}"
-
-
-def js_api(*parts: str) -> str:
-    return ".".join(("$JS.API",) + parts)
-
-
-@dataclass(frozen=True)
-class StoreNames:
-    """The stream behind a KV bucket or an object store, and the subjects its entries live on."""
-
-    stream: str
-    prefix: str  # what precedes a key (KV) or "C.<nuid>" / "M.<name>" (object store) in a subject
-
-    @property
-    def subjects(self) -> str:
-        return self.prefix + ">"
-
-    @property
-    def metas(self) -> str:
-        """An object store's descriptions of all its objects."""
-        return self.prefix + "M.>"
-
-    def chunks(self, nuid: str) -> str:
-        """An object store's chunks of one object."""
-        return f"{self.prefix}C.{nuid}"
-
-    def meta(self, name: str) -> str:
-        """An object store's description of one object (publishing it makes the object visible)."""
-        return f"{self.prefix}M.{base64.urlsafe_b64encode(name.encode()).decode()}"
-
-
-def kv(bucket: str) -> StoreNames:
-    return StoreNames(stream=f"KV_{bucket}", prefix=f"$KV.{bucket}.")
-
-
-def objects(bucket: str) -> StoreNames:
-    return StoreNames(stream=f"OBJ_{bucket}", prefix=f"$O.{bucket}.")
-
-
-def js_acks(stream: str) -> str:
-    return f"$JS.ACK.{stream}.>"

@@ -6,7 +6,8 @@ from typing import Annotated, Literal
 
 from msgspec import Meta, Struct, field
 
-from schemas.jobs import JobId, JobRequest, JobState, NodeId, TenantId
+from schemas.jobs import JobId, JobRequest, NodeId, TenantId
+from schemas.job_status import JobState
 from schemas.memory import ModelShape
 
 CPU_DEVICE = -1  # the index of a node's CPU when it offers it for training

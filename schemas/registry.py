@@ -10,8 +10,9 @@ from typing import Annotated, Literal
 import msgspec
 from msgspec import Meta, Struct, field
 
-from schemas import names
-from schemas.jobs import JobId, NodeId, Probe, TenantId
+from schemas import names, nats_subjects
+from schemas.jobs import JobId, NodeId, TenantId
+from schemas.job_status import Probe
 from schemas.gates import Gate, GateSpec
 from schemas.parity import ParityFigures
 from schemas.served import ServedEval, ServedScore
@@ -236,5 +237,5 @@ def adapter_of(key: str) -> str | None:
 def adapter_subjects(name: str) -> list[str]:
     """The bucket's subjects that hold the keys of an adapter (`adapter_of` is `name`): alias.N, and version.N.x
     and node.N.x."""
-    prefix = names.kv(names.ADAPTERS_KV).prefix
+    prefix = nats_subjects.kv(names.ADAPTERS_KV).prefix
     return [f"{prefix}*.{name}", f"{prefix}*.{name}.*"]

@@ -17,7 +17,7 @@ from nats.js.api import KeyValueConfig, ObjectStoreConfig, RetentionPolicy, Stor
 from nats.js.errors import BadRequestError, NotFoundError
 from nats.micro.service import Group
 
-from schemas import names, trainer_lease
+from schemas import names, subject_parts, trainer_lease
 from schemas.jobs import Error, Rejected
 from schemas.tinker_store import FUTURE_TTL_S
 from schemas.validate import FieldError, InvalidRequest, decoder_for
@@ -159,10 +159,10 @@ async def request(nc: Client, subject: str, message: Any, reply_type: Any, timeo
 
 
 def tenant_of(subject: str) -> str | None:
-    """The tenant a request's subject names (names.tenant_of_subject), checked: a reserved or malformed token is
+    """The tenant a request's subject names (subject_parts.tenant_of_subject), checked: a reserved or malformed token is
     the asker's mistake, refused naming `tenant` before anything is done."""
     try:
-        return names.tenant_of_subject(subject)
+        return subject_parts.tenant_of_subject(subject)
     except ValueError as e:
         raise InvalidRequest([FieldError("tenant", str(e))]) from None
 

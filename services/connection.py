@@ -13,7 +13,7 @@ from typing import Any
 import nats
 from nats.aio.client import Client
 
-from schemas import names
+from schemas import nats_subjects
 
 log = logging.getLogger(__name__)
 
@@ -151,7 +151,7 @@ async def connect(opts: BusOptions, service: bool = True) -> Client:
         kwargs["nkeys_seed"] = opts.nkey
     if opts.user:
         kwargs["user"], kwargs["password"] = opts.user, opts.password
-        kwargs["inbox_prefix"] = names.inbox(opts.user)  # the only replies its permissions let it read
+        kwargs["inbox_prefix"] = nats_subjects.inbox(opts.user)  # the only replies its permissions let it read
     if (tls := opts.tls_context()) is not None:
         kwargs["tls"] = tls
     return await nats.connect(**kwargs)

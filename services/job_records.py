@@ -11,7 +11,8 @@ from nats.js.kv import KeyValue
 
 from schemas import names
 from schemas.job_records import decode_request, decode_status, request_key, status_key, without_data
-from schemas.jobs import JobId, JobStatus, StoredRequest
+from schemas.jobs import JobId
+from schemas.job_status import JobStatus, StoredRequest
 
 
 class JobRecord(NamedTuple):

@@ -9,7 +9,7 @@ from typing import Any
 
 from nats.js.api import ObjectInfo
 
-from schemas import names
+from schemas import nats_subjects
 from services.streamview import Grouping, LatestView, Pace, Slice
 
 KV_OPERATION = "KV-Operation"  # the header a KV delete or purge carries
@@ -35,7 +35,7 @@ def kv_view(
 
 def kv_slice(bucket: str) -> Slice:
     """Every key of a KV bucket, as its stream holds them."""
-    store = names.kv(bucket)
+    store = nats_subjects.kv(bucket)
     return Slice(store.stream, store.subjects, store.prefix)
 
 
@@ -46,5 +46,5 @@ def object_view(js, bucket: str, pace: Pace = Pace()) -> LatestView:
         found = ObjectInfo.from_response(json.loads(msg.data))
         return None if found.deleted else found
 
-    store = names.objects(bucket)
+    store = nats_subjects.objects(bucket)
     return LatestView(js, Slice(store.stream, store.metas), info, pace=pace)

@@ -20,9 +20,10 @@ from nats.js.errors import NoKeysError, NotFoundError, ServerError
 
 from nats.js.api import DeliverPolicy
 
-from schemas import names
+from schemas import names, nats_subjects
 from schemas.events import Progress, StateChange
-from schemas.jobs import JobList, JobListQuery, JobQuery, JobReply, SubmitReply
+from schemas.jobs import SubmitReply
+from schemas.job_status import JobList, JobListQuery, JobQuery, JobReply
 from schemas.nodes import NodeList
 from services import bus
 from services.embedded import EmbeddedNats
@@ -79,20 +80,20 @@ async def reset_resources(nc) -> None:
     js = nc.jetstream()
     for stream in (
         names.JOBS_STREAM,
-        names.kv(names.JOBS_KV).stream,
-        names.kv(names.LEASE_KV).stream,
-        names.kv(names.TRAINER_LEASES_KV).stream,  # one test's trainer leases are none of the next's
-        names.kv(names.ADAPTERS_KV).stream,
+        nats_subjects.kv(names.JOBS_KV).stream,
+        nats_subjects.kv(names.LEASE_KV).stream,
+        nats_subjects.kv(names.TRAINER_LEASES_KV).stream,  # one test's trainer leases are none of the next's
+        nats_subjects.kv(names.ADAPTERS_KV).stream,
         names.JOB_INDEX_STREAM,
-        names.kv(names.IDEMPOTENCY_KV).stream,
-        names.objects(names.ARTIFACTS_BUCKET).stream,
-        names.objects(names.DATASETS_BUCKET).stream,
-        names.kv(names.EVALS_KV).stream,  # one test's evals are none of the next's
-        names.kv(names.GATEWAY_JOBS_KV).stream,
-        names.kv(names.TINKER_KV).stream,  # one test's Tinker sessions are none of the next's
-        names.kv(names.TINKER_FUTURES_KV).stream,
-        names.objects(names.TINKER_RESULTS_BUCKET).stream,
-        names.kv(names.TENANTS_KV).stream,  # one test's tenants' quotas are none of the next's
+        nats_subjects.kv(names.IDEMPOTENCY_KV).stream,
+        nats_subjects.objects(names.ARTIFACTS_BUCKET).stream,
+        nats_subjects.objects(names.DATASETS_BUCKET).stream,
+        nats_subjects.kv(names.EVALS_KV).stream,  # one test's evals are none of the next's
+        nats_subjects.kv(names.GATEWAY_JOBS_KV).stream,
+        nats_subjects.kv(names.TINKER_KV).stream,  # one test's Tinker sessions are none of the next's
+        nats_subjects.kv(names.TINKER_FUTURES_KV).stream,
+        nats_subjects.objects(names.TINKER_RESULTS_BUCKET).stream,
+        nats_subjects.kv(names.TENANTS_KV).stream,  # one test's tenants' quotas are none of the next's
     ):
         try:
             await js.delete_stream(stream)
@@ -508,7 +509,8 @@ def tiny_model(tmp_path_factory):
 async def running_on(nc, job: str, node: str = "n1", attempt: int = 1, tenant: str | None = None) -> None:
     """A job record that says `node` runs the job's attempt `attempt`: what the artifact service checks an
     upload against (written straight into the jobs bucket, as the scheduler would)."""
-    from schemas.jobs import JobRequest, JobStatus, StoredRequest
+    from schemas.jobs import JobRequest
+    from schemas.job_status import JobStatus, StoredRequest
     from services.scheduler.store import JobStore
 
     store = JobStore(nc.jetstream(), await nc.jetstream().key_value(names.JOBS_KV))

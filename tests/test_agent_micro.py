@@ -8,7 +8,7 @@ import asyncio
 
 import msgspec
 
-from schemas import names
+from schemas import names, nats_subjects
 from schemas.nodes import Control, ControlReply
 from services import bus
 from services.agent.config import AgentConfig
@@ -57,7 +57,9 @@ async def test_the_agents_endpoints_are_a_micro_service_under_the_deploy_permiss
 
         bad = await operator.nc.request(names.node("n1").reclaim, b'{"device": "zero"}', timeout=5)
         assert bad.headers and bad.headers.get("Nats-Service-Error-Code") == "400", bad.headers
-        stats = msgspec.json.decode((await monitor.nc.request(names.service_stats(names.AGENT_SERVICE), b"")).data)
+        stats = msgspec.json.decode(
+            (await monitor.nc.request(nats_subjects.service_stats(names.AGENT_SERVICE), b"")).data
+        )
         counts = {e["name"]: (e["num_requests"], e["num_errors"]) for e in stats["endpoints"]}
         assert counts["agent-control"] == (2, 0) and counts["agent-reclaim"] == (1, 1), counts
     finally:

@@ -13,7 +13,7 @@ import time
 import msgspec
 import pytest
 
-from schemas import names
+from schemas import names, nats_subjects
 from schemas.artifacts import ArtifactMeta, Chunk, ChunkAck
 from services.transfer.download import DownloadError, download, safe_extract, sha256_file
 from services.transfer.sender import upload_file
@@ -32,7 +32,7 @@ async def artifact_service(services):
 
 
 async def bucket_messages(nc) -> int:
-    info = await nc.jetstream().stream_info(names.objects(names.ARTIFACTS_BUCKET).stream)
+    info = await nc.jetstream().stream_info(nats_subjects.objects(names.ARTIFACTS_BUCKET).stream)
     return info.state.messages
 
 

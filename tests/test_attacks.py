@@ -12,11 +12,12 @@ import msgspec
 import nats
 import pytest
 
-from schemas import names
+from schemas import names, nats_subjects
 from schemas.artifacts import ArtifactMeta, Chunk, ChunkAck
 from schemas.datasets import DatasetUpload
 from schemas.events import EventPage, EventsQuery, Progress, Samples, StateChange
-from schemas.jobs import Accepted, JobReply, JobQuery, Rejected, SubmitReply, Error
+from schemas.jobs import Accepted, Rejected, SubmitReply, Error
+from schemas.job_status import JobReply, JobQuery
 from schemas.registry import AdapterQuery, AdapterReply
 from services import bus
 from services.transfer.sender import upload_dataset
@@ -129,16 +130,18 @@ async def test_no_tenant_or_node_can_read_replace_or_serve_what_is_anothers(flee
     # 1. replies: nobody reads another's inbox, nobody acks the scheduler's consumer
     for client in (acme, n1):
         before = len(client.violations)
-        await client.nc.subscribe(names.inbox(">"))  # every user's replies at once
+        await client.nc.subscribe(nats_subjects.inbox(">"))  # every user's replies at once
         await refused(client, before)
         before = len(client.violations)
-        await client.nc.subscribe(names.inbox_all("tenant-globex"))
+        await client.nc.subscribe(nats_subjects.inbox_all("tenant-globex"))
         await refused(client, before)
         before = len(client.violations)
         await client.nc.publish(f"$JS.ACK.{names.JOBS_STREAM}.{names.SCHEDULER_CONSUMER}.1.1.1.1.0", b"+ACK")
         await refused(client, before)
     before = len(operator.violations)  # even the operator may not delete the scheduler's consumer
-    await operator.nc.publish(names.js_api("CONSUMER", "DELETE", names.JOBS_STREAM, names.SCHEDULER_CONSUMER), b"")
+    await operator.nc.publish(
+        nats_subjects.js_api("CONSUMER", "DELETE", names.JOBS_STREAM, names.SCHEDULER_CONSUMER), b""
+    )
     await refused(operator, before)
 
     # 2. acme cannot register under globex's adapter name: refused at submit, naming register.name
@@ -288,7 +291,8 @@ async def test_the_reserved_tenant_tokens_reach_nothing_an_admin_holds(stack, nc
     `jetlora.api._.submit` stored a job as tenant `_`."""
     from schemas.artifacts import ArtifactList, ArtifactQuery, Deleted
     from schemas.datasets import DatasetDeleted, DatasetList, DatasetListQuery, DatasetQuery, DatasetReply
-    from schemas.jobs import Error, JobList, JobListQuery
+    from schemas.jobs import Error
+    from schemas.job_status import JobList, JobListQuery
     from services.transfer.sender import Refusal, upload_file
     from tests.conftest import answering, kv_keys, list_jobs, object_names, running_on
 

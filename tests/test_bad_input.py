@@ -17,7 +17,8 @@ from schemas import names
 from schemas.artifacts import ChunkAck
 from schemas.artifacts import ArtifactQuery
 from schemas.job_checks import check_request
-from schemas.jobs import Accepted, JobListQuery, JobQuery, JobRequest, Rejected
+from schemas.jobs import Accepted, JobRequest, Rejected
+from schemas.job_status import JobListQuery, JobQuery
 from services import bus
 from services.embedded import EmbeddedNats
 from tests.conftest import ROOT

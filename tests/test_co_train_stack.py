@@ -13,7 +13,8 @@ import pytest
 
 from schemas import names
 from schemas.events import CheckpointList, Progress
-from schemas.jobs import JobList, JobListQuery, JobQuery, JobReply, SubmitReply
+from schemas.jobs import SubmitReply
+from schemas.job_status import JobList, JobListQuery, JobQuery, JobReply
 from schemas.nodes import NodeList
 from schemas.registry import AdapterReply, AdapterQuery
 from services import bus

@@ -40,7 +40,8 @@ async def test_the_stand_in_group_holds_queued_jobs_of_a_tenant_on_one_device(se
 
 
 async def bus_pause(nc, job: str) -> None:
-    from schemas.jobs import Error, JobQuery, JobReply
+    from schemas.jobs import Error
+    from schemas.job_status import JobQuery, JobReply
     from services import bus
 
     reply = await bus.request(nc, names.PAUSE, JobQuery(job), JobReply | Error)
@@ -48,7 +49,8 @@ async def bus_pause(nc, job: str) -> None:
 
 
 async def bus_resume(nc, job: str) -> None:
-    from schemas.jobs import Error, JobQuery, JobReply
+    from schemas.jobs import Error
+    from schemas.job_status import JobQuery, JobReply
     from services import bus
 
     reply = await bus.request(nc, names.RESUME, JobQuery(job), JobReply | Error)

@@ -17,7 +17,8 @@ import torch
 
 from schemas import names
 from schemas.events import Progress, StateChange, TrainerSpec
-from schemas.jobs import JobQuery, JobReply, JobRequest, SubmitReply
+from schemas.jobs import JobRequest, SubmitReply
+from schemas.job_status import JobQuery, JobReply
 from services.artifacts.service import ArtifactService
 from services.scheduler.core import SchedulerConfig
 from services.scheduler.service import Scheduler

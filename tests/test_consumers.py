@@ -10,11 +10,12 @@ import msgspec
 import nats
 import pytest
 
-from schemas import names
+from schemas import names, nats_subjects
 from schemas.artifacts import ArtifactList, ArtifactQuery
 from schemas.datasets import DatasetList, DatasetListQuery
 from schemas.events import EventPage, EventsQuery
-from schemas.jobs import Accepted, Error, JobList, JobListQuery
+from schemas.jobs import Accepted, Error
+from schemas.job_status import JobList, JobListQuery
 from schemas.nodes import NodeList
 from schemas.registry import AdapterList, AdapterListQuery, AdapterQuery, AdapterReply, AdapterVersion, StoredFile
 from services import bus
@@ -103,7 +104,7 @@ async def test_two_thousand_reads_leave_every_streams_consumers_as_they_were(own
     after = await consumers(js)
     print(f"consumers per stream before and after 2,000 registry reads and 500 list requests: {after}")
     assert after == before, f"consumers before {before}, after {after}"
-    assert before[names.kv(names.ADAPTERS_KV).stream] == 1  # the registry's own view, and nothing per request
+    assert before[nats_subjects.kv(names.ADAPTERS_KV).stream] == 1  # the registry's own view, and nothing per request
 
 
 async def test_a_read_sees_a_change_made_just_before_it(own_stack):

@@ -142,7 +142,7 @@ async def test_cancel_a_running_and_a_queued_job(nc, stack, agents):
     running = (await submit(nc, job())).job
     queued = (await submit(nc, job())).job
     await wait_state(nc, running, "running")
-    from schemas.jobs import JobQuery, JobReply
+    from schemas.job_status import JobQuery, JobReply
     from services import bus
 
     r = await bus.request(nc, names.CANCEL, JobQuery(queued), JobReply)
@@ -157,7 +157,7 @@ async def test_stop_saves_and_ends_as_stopped(nc, stack, agents):
     agents.start("n1", gpus="4096", interval=INTERVAL, hold_s=30)
     jid = (await submit(nc, job())).job
     await wait_state(nc, jid, "running")
-    from schemas.jobs import JobQuery, JobReply
+    from schemas.job_status import JobQuery, JobReply
     from services import bus
 
     await bus.request(nc, names.STOP, JobQuery(jid), JobReply)

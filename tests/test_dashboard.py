@@ -12,7 +12,8 @@ import msgspec
 import pytest
 
 from schemas import names
-from schemas.jobs import Accepted, JobQuery, JobReply
+from schemas.jobs import Accepted
+from schemas.job_status import JobQuery, JobReply
 from services import bus
 from services.artifacts.service import ArtifactService
 from services.dashboard.server import Dashboard

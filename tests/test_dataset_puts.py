@@ -14,7 +14,7 @@ import uuid
 import msgspec
 import pytest
 
-from schemas import names
+from schemas import names, nats_subjects
 from schemas.artifacts import Chunk
 from schemas.datasets import DatasetChunk, DatasetChunkAck, DatasetUpload
 from services.transfer.datasets import find_dataset
@@ -23,7 +23,7 @@ from tests.conftest import ROOT, answering, wait_for
 from tests.qa import QA_PAIRS
 
 _ack = msgspec.json.Decoder(DatasetChunkAck)
-DATASET_CHUNKS = names.objects(names.DATASETS_BUCKET).prefix + "C.>"
+DATASET_CHUNKS = nats_subjects.objects(names.DATASETS_BUCKET).prefix + "C.>"
 
 
 def qa_file(path, rows: int, tag: str = "") -> bytes:
@@ -129,7 +129,9 @@ async def test_of_two_puts_of_one_name_without_replace_exactly_one_is_stored(sta
 
 async def chunk_objects(nc) -> int:
     """How many objects' chunks the datasets bucket holds (each object's chunks share one subject)."""
-    info = await nc.jetstream().stream_info(names.objects(names.DATASETS_BUCKET).stream, subjects_filter=DATASET_CHUNKS)
+    info = await nc.jetstream().stream_info(
+        nats_subjects.objects(names.DATASETS_BUCKET).stream, subjects_filter=DATASET_CHUNKS
+    )
     return len(info.state.subjects or {})
 
 

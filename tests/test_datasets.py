@@ -9,7 +9,7 @@ import json
 import msgspec
 import pytest
 
-from schemas import names
+from schemas import names, nats_subjects
 from schemas.datasets import (
     DatasetDeleted,
     DatasetLimits,
@@ -19,7 +19,8 @@ from schemas.datasets import (
     DatasetReply,
     DatasetUpload,
 )
-from schemas.jobs import Accepted, Error, Rejected, StoredRequest
+from schemas.jobs import Accepted, Error, Rejected
+from schemas.job_status import StoredRequest
 from services import bus
 from schemas.dataset_check import DatasetChecker, DatasetInvalid, check_file
 from services.transfer.sender import Refusal, upload_dataset
@@ -46,7 +47,7 @@ def write_rows(path, rows) -> str:
 
 async def stored_objects(nc) -> int:
     """Messages in the datasets bucket's stream: chunks and entries alike."""
-    info = await nc.jetstream().stream_info(names.objects(names.DATASETS_BUCKET).stream)
+    info = await nc.jetstream().stream_info(nats_subjects.objects(names.DATASETS_BUCKET).stream)
     return info.state.messages
 
 

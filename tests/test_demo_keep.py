@@ -16,7 +16,7 @@ import pytest
 from schemas import names
 from schemas.evals import RunList
 from schemas.events import Sample, Samples
-from schemas.jobs import JobList
+from schemas.job_status import JobList
 from schemas.nodes import NodeList
 from schemas.registry import AdapterList
 from services import bus

@@ -222,7 +222,8 @@ def test_dpo_after_sft_starts_from_the_adapter_and_holds_it_as_the_reference(tin
 async def test_a_job_starting_from_an_adapter_is_pinned_to_its_version_or_refused_naming_the_field(stack, nc, tmp_path):
     from schemas import names
     from schemas.datasets import DatasetUpload
-    from schemas.jobs import Accepted, Rejected, StoredRequest
+    from schemas.jobs import Accepted, Rejected
+    from schemas.job_status import StoredRequest
     from services.transfer.sender import upload_dataset
     from tests.conftest import submit
     from tests.test_dashboard import promoted_with_a_node_status  # capitals@1 on base model tiny, peft j1/peft

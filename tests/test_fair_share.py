@@ -13,7 +13,8 @@ import pytest
 
 from schemas import names
 from schemas.events import StateChange
-from schemas.jobs import Accepted, JobQuery, JobReply, JobWhy
+from schemas.jobs import Accepted
+from schemas.job_status import JobQuery, JobReply, JobWhy
 from schemas.tenants import TenantList, TenantsQuery
 from services import bus
 from services.artifacts.service import ArtifactService
@@ -211,7 +212,8 @@ class NoBus:
 def group_of_three(policy: str):
     """A core whose fleet is one 81,920 MiB device with 10,000 MiB free, held by a co-training group of three of
     acme's jobs (20,000 MiB each), and a queued job of globex's needing 25,000 MiB."""
-    from schemas.jobs import JobRequest, JobStatus, StoredRequest
+    from schemas.jobs import JobRequest
+    from schemas.job_status import JobStatus, StoredRequest
     from schemas.nodes import Device, Heartbeat, RunningAttempt
     from services.scheduler.core import SchedulerCore
 

@@ -124,7 +124,8 @@ def co_trained_fleet():
     a group of acme's m0 and m1 and globex's x0 (20,000 MiB each; x0 the newest, of the lowest priority: the member
     the group would give up first), devices 1-3 (16,384 MiB) one of acme's jobs each; initech's job needing 25,000
     MiB waits. Shares of 4 devices: acme 2 (it holds 4), globex 1 (it holds 1), initech 1 (it holds none)."""
-    from schemas.jobs import JobRequest, JobStatus, StoredRequest
+    from schemas.jobs import JobRequest
+    from schemas.job_status import JobStatus, StoredRequest
     from schemas.nodes import Device, Heartbeat, RunningAttempt
     from services.scheduler.core import SchedulerConfig, SchedulerCore
 
@@ -176,7 +177,7 @@ def test_the_share_watch_times_each_wait_for_a_device_while_another_holds_more()
     longest wait for a device is 5 s (the one past the allowance of --min-run-s 1 s + a 1 s heartbeat window), the
     longest below its share 6.5 s; a tenant below its share with nobody over theirs waits for nothing; a wait under
     way when the scheduler stops leading is not carried into its next term."""
-    from schemas.jobs import JobStatus
+    from schemas.job_status import JobStatus
     from services.scheduler.core import SchedulerConfig, SchedulerCore
     from services.scheduler.share_watch import ShareWatch
     from services.scheduler.sharing import ShareTable

@@ -8,7 +8,7 @@ import time
 import nats
 import pytest
 
-from schemas import names
+from schemas import names, nats_subjects
 from services import bus
 from services.transfer.download import download
 from services.artifacts.service import ArtifactService
@@ -70,7 +70,7 @@ async def test_nats_server_killed_and_restarted_mid_job_loses_nothing(own_server
 
 
 async def _chunks_stored(nc) -> bool:
-    info = await nc.jetstream().stream_info(names.objects(names.ARTIFACTS_BUCKET).stream)
+    info = await nc.jetstream().stream_info(nats_subjects.objects(names.ARTIFACTS_BUCKET).stream)
     return info.state.messages > 0
 
 

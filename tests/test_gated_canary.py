@@ -28,7 +28,8 @@ from schemas.evals import (
     run_key,
 )
 from schemas.gates import GateSpec
-from schemas.jobs import Error, Probe
+from schemas.jobs import Error
+from schemas.job_status import Probe
 from schemas.parity import ParityText
 from schemas.registry import AdapterReply, AdapterVersion, PromoteRequest
 from services import bus

@@ -11,7 +11,7 @@ import json
 import openai
 import pytest
 
-from schemas import names
+from schemas import names, nats_subjects
 from schemas.jobs import Error
 from schemas.registry import AdapterQuery, AdapterReply
 from services import bus
@@ -25,7 +25,7 @@ from tests.qa import QA_PAIRS
 @pytest.fixture
 async def gateway(stack, nc, tiny_model):
     models = {"tiny": BaseModel("tiny", str(tiny_model), accelerator="cpu", served_by="llamacpp", save_steps=2)}
-    await nc.jetstream().purge_stream(names.kv(names.GATEWAY_JOBS_KV).stream)  # no job records of other tests
+    await nc.jetstream().purge_stream(nats_subjects.kv(names.GATEWAY_JOBS_KV).stream)  # no job records of other tests
     gw = Gateway(nc, models, port=0)
     await gw.start()
     yield gw

@@ -14,7 +14,7 @@ import nats
 import openai
 import pytest
 
-from schemas import names
+from schemas import names, nats_subjects
 from schemas.events import EventPage
 from services.gateway.app import Gateway
 from services.gateway.openai_map import BaseModel
@@ -28,7 +28,7 @@ LONG = "m" * 100  # a base model whose name leaves little room in the fine-tuned
 @pytest.fixture
 async def gateway(stack, nc):
     models = {name: BaseModel(name, "/models/tiny", accelerator="cpu", served_by="llamacpp") for name in ("tiny", LONG)}
-    await nc.jetstream().purge_stream(names.kv(names.GATEWAY_JOBS_KV).stream)  # no job records of other tests
+    await nc.jetstream().purge_stream(nats_subjects.kv(names.GATEWAY_JOBS_KV).stream)  # no job records of other tests
     gw = Gateway(nc, models, port=0)
     await gw.start()
     yield gw

@@ -14,7 +14,7 @@ from typing import Any
 import openai
 import pytest
 
-from schemas import names
+from schemas import names, nats_subjects
 from schemas.datasets import DatasetList, DatasetListQuery
 from services import bus
 from services.evals.service import EvalsService
@@ -38,7 +38,7 @@ CONFIG: Any = {"type": "custom", "item_schema": ITEM_SCHEMA, "include_sample_sch
 async def door(stack, nc, services):
     service, *_ = await services.start(lambda c: EvalsService(c))
     await wait_for(service.ready.is_set, timeout=10, what="the evals service")
-    await nc.jetstream().purge_stream(names.kv(names.GATEWAY_JOBS_KV).stream)
+    await nc.jetstream().purge_stream(nats_subjects.kv(names.GATEWAY_JOBS_KV).stream)
     gw = Gateway(nc, {"tiny": BaseModel("tiny", "/models/tiny")}, port=0, graders=GraderContext(wall_s=5.0))
     await gw.start()
     yield gw

@@ -14,7 +14,7 @@ from typing import Any
 import aiohttp
 import pytest
 
-from schemas import names
+from schemas import names, nats_subjects
 from services.evals.service import EvalsService
 from services.gateway.app import Gateway
 from services.gateway.openai_map import BaseModel
@@ -200,7 +200,7 @@ def well_formed(status: int, body: Any) -> bool:
 async def fuzzed(stack, nc, services, tmp_path):
     service, *_ = await services.start(lambda c: EvalsService(c))
     await wait_for(service.ready.is_set, timeout=10, what="the evals service")
-    await nc.jetstream().purge_stream(names.kv(names.GATEWAY_JOBS_KV).stream)
+    await nc.jetstream().purge_stream(nats_subjects.kv(names.GATEWAY_JOBS_KV).stream)
     gw = Gateway(nc, {"tiny": BaseModel("tiny", "/models/tiny")}, port=0, graders=GraderContext(wall_s=2.0))
     await gw.start()
     client = await client_for(nc, gw, "acme")

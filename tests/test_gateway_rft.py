@@ -13,7 +13,7 @@ import time
 import openai
 import pytest
 
-from schemas import names
+from schemas import names, nats_subjects
 from schemas.jobs import Accepted
 from services.gateway.app import Gateway
 from services.gateway.openai_map import BaseModel
@@ -44,7 +44,7 @@ async def gateway(stack, nc, tiny_model):
             "tiny", str(tiny_model), accelerator="cpu", served_by="llamacpp", save_steps=20, reinforcement=RFT_TRAIN
         )
     }
-    await nc.jetstream().purge_stream(names.kv(names.GATEWAY_JOBS_KV).stream)
+    await nc.jetstream().purge_stream(nats_subjects.kv(names.GATEWAY_JOBS_KV).stream)
     gw = Gateway(nc, models, port=0)
     await gw.start()
     yield gw

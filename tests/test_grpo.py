@@ -14,7 +14,8 @@ from schemas.dataset_check import DatasetInvalid, check_file
 from schemas import names
 from schemas.events import CheckpointList, Progress, ReinforcementMetrics, Samples
 from schemas.graders import GradeResult
-from schemas.jobs import Accepted, JobQuery, Rejected
+from schemas.jobs import Accepted, Rejected
+from schemas.job_status import JobQuery
 from services import bus, graders
 from services.cli.watch import follow, progress_line
 from services.transfer.sender import upload_dataset

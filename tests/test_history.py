@@ -12,18 +12,8 @@ from nats.js.errors import KeyNotFoundError
 from schemas import names
 from schemas.artifacts import ArtifactMeta
 from schemas.events import CheckpointList, EventPage, EventsQuery
-from schemas.jobs import (
-    Accepted,
-    Error,
-    JobList,
-    JobListQuery,
-    JobQuery,
-    JobReply,
-    JobRequest,
-    JobStatus,
-    Rejected,
-    StoredRequest,
-)
+from schemas.jobs import Accepted, Error, JobRequest, Rejected
+from schemas.job_status import JobList, JobListQuery, JobQuery, JobReply, JobStatus, StoredRequest
 from services import bus
 from schemas.object_headers import artifact_headers
 from services.scheduler.service import Scheduler, SchedulerConfig

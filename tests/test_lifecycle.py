@@ -11,7 +11,8 @@ import pytest
 
 from schemas import names
 from schemas.events import CheckpointList, EventPage, EventsQuery, JobEvent, Progress, StateChange
-from schemas.jobs import Accepted, Error, JobQuery, JobReply
+from schemas.jobs import Accepted, Error
+from schemas.job_status import JobQuery, JobReply
 from schemas.nodes import Reclaim, ReclaimReply
 from services import bus
 from services.artifacts.service import ArtifactService

@@ -10,7 +10,8 @@ import msgspec
 import nats.errors
 
 from schemas import names
-from schemas.jobs import Error, JobReply, Rejected, SubmitReply
+from schemas.jobs import Error, Rejected, SubmitReply
+from schemas.job_status import JobReply
 from tests.conftest import ROOT, retrying
 
 DEEP = b"[" * 100_000 + b"]" * 100_000

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import msgspec
 
-from schemas import names
-from schemas.jobs import Error, JobQuery, Rejected
+from schemas import names, nats_subjects
+from schemas.jobs import Error, Rejected
+from schemas.job_status import JobQuery
 
 
 async def stats_of(nc, service: str) -> dict[str, dict]:
-    reply = await nc.request(names.service_stats(service), b"", timeout=5)
+    reply = await nc.request(nats_subjects.service_stats(service), b"", timeout=5)
     return {e["name"]: e for e in msgspec.json.decode(reply.data)["endpoints"]}
 
 

@@ -14,7 +14,8 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from schemas import names
-from schemas.jobs import ACTIVE_STATES, Accepted, Error, JobQuery, JobReply, SubmitReply
+from schemas.jobs import Accepted, Error, SubmitReply
+from schemas.job_status import ACTIVE_STATES, JobQuery, JobReply
 from services import bus
 from services.embedded import EmbeddedNats
 from services.scheduler.service import Scheduler, SchedulerConfig

@@ -14,7 +14,8 @@ import pytest
 
 from schemas import names
 from schemas.events import Progress
-from schemas.jobs import Accepted, JobQuery, JobReply, Rejected
+from schemas.jobs import Accepted, Rejected
+from schemas.job_status import JobQuery, JobReply
 from services import bus
 from services.procs import start_time
 from tests.conftest import STACK_CONFIG, at_step, get_job, stream_events, submit, wait_for, wait_nodes, wait_state

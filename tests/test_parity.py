@@ -8,7 +8,7 @@ from __future__ import annotations
 import msgspec
 import torch
 
-from schemas.jobs import ArtifactRef, Probe
+from schemas.job_status import ArtifactRef, Probe
 from schemas.parity import PARITY_TEXTS, ParityFigures, ParityText, deltas, describe, figures
 from schemas.registry import DECODERS, AdapterReply, Alias, AdapterVersion, NodeAdapterStatus, StoredFile
 from services.cli.adapters import describe as describe_adapter

@@ -12,8 +12,9 @@ import msgspec
 import nats
 import pytest
 
-from schemas import names
-from schemas.jobs import Accepted, ActiveState, JobQuery, JobReply
+from schemas import names, nats_subjects
+from schemas.jobs import Accepted
+from schemas.job_status import ActiveState, JobQuery, JobReply
 from schemas.tenants import TenantRecord, tenant_key
 from services.cli.permissions import authorization_block, env_var, roles
 from services import bus
@@ -77,7 +78,7 @@ class Client:
             password=password(user),
             error_cb=on_error,
             max_reconnect_attempts=1,
-            inbox_prefix=inbox or names.inbox(user),
+            inbox_prefix=inbox or nats_subjects.inbox(user),
         )
         return self
 
@@ -163,10 +164,12 @@ async def test_what_each_role_must_not_do(secured):
     assert heard == []
 
     submitter = await as_user(secured.url, "submitter")
-    await submitter.nc.publish(names.objects(names.ARTIFACTS_BUCKET).meta("x/peft"), b"{}")  # writing the object store
+    await submitter.nc.publish(
+        nats_subjects.objects(names.ARTIFACTS_BUCKET).meta("x/peft"), b"{}"
+    )  # writing the object store
     await submitter.nc.flush()
     await wait_for(lambda: bool(submitter.violations), what="the server to refuse the write")
-    info = await sched.nc.jetstream().stream_info(names.objects(names.ARTIFACTS_BUCKET).stream)
+    info = await sched.nc.jetstream().stream_info(nats_subjects.objects(names.ARTIFACTS_BUCKET).stream)
     assert info.state.messages == 0
 
     dashboard = await as_user(secured.url, "dashboard")
@@ -178,7 +181,7 @@ async def test_what_each_role_must_not_do(secured):
         await acme.nc.request(names.jobs_api("acme").submit, b"{}", timeout=1)
     for foreign in (names.jobs_api("globex").jobs, names.LIST_JOBS, names.SUBMIT):  # another's, the admin's
         await acme.nc.publish(foreign, b"{}")
-    await acme.nc.publish(f"{names.kv(names.TENANTS_KV).prefix}tenant.acme", b"{}")  # its own quota: an admin's
+    await acme.nc.publish(f"{nats_subjects.kv(names.TENANTS_KV).prefix}tenant.acme", b"{}")  # its own quota: an admin's
     await acme.nc.flush()
     await wait_for(lambda: len(acme.violations) >= 4, what="the server to refuse all four")
     for c in (sched, agent, submitter, dashboard, acme):
@@ -412,8 +415,10 @@ async def test_the_dashboard_page_reads_what_it_shows_under_the_deploy_permissio
         refused = [line for line in server_log(server) if "Violation" in line]
         assert refused == [] and dash_c.violations == [], (refused, dash_c.violations)
         # still refused: the scheduler's own consumer, and any other stream's consumers
-        scheduler_consumer = names.js_api("CONSUMER", "MSG", "NEXT", names.JOBS_STREAM, names.SCHEDULER_CONSUMER)
-        others = names.js_api("CONSUMER", "MSG", "NEXT", names.kv(names.JOBS_KV).stream, "x")
+        scheduler_consumer = nats_subjects.js_api(
+            "CONSUMER", "MSG", "NEXT", names.JOBS_STREAM, names.SCHEDULER_CONSUMER
+        )
+        others = nats_subjects.js_api("CONSUMER", "MSG", "NEXT", nats_subjects.kv(names.JOBS_KV).stream, "x")
         for subject in (scheduler_consumer, others):
             await dash_c.nc.publish(subject, b"{}", reply=dash_c.nc.new_inbox())
         await dash_c.nc.flush()

@@ -4,7 +4,8 @@ jobs pinned to nodes nobody has seen, once cancelled, leave no per-node heap beh
 from __future__ import annotations
 
 from schemas import names
-from schemas.jobs import Accepted, Error, JobQuery, JobReply
+from schemas.jobs import Accepted, Error
+from schemas.job_status import JobQuery, JobReply
 from services import bus
 from tests.conftest import submit, wait_state
 from tests.qa import pairs

@@ -11,7 +11,8 @@ from nats.js.api import ConsumerConfig, DeliverPolicy
 
 from schemas import names
 from schemas.events import StateChange
-from schemas.jobs import Accepted, Error, JobQuery, JobReply
+from schemas.jobs import Accepted, Error
+from schemas.job_status import JobQuery, JobReply
 from services import bus
 from services.scheduler.idempotency import IdempotencyKeys
 from services.scheduler.store import JobStore

@@ -16,9 +16,10 @@ import msgspec
 import pytest
 from nats.js.api import KeyValueConfig
 
-from schemas import names
+from schemas import names, nats_subjects
 from schemas.events import StateChange
-from schemas.jobs import JobRequest, JobStatus, Rejected, StoredRequest
+from schemas.jobs import JobRequest, Rejected
+from schemas.job_status import JobStatus, StoredRequest
 from services.embedded import EmbeddedNats
 from services.scheduler.lease import Lease
 from services.scheduler.service import Scheduler, SchedulerConfig
@@ -61,7 +62,7 @@ async def test_loading_an_unreadable_bucket_raises_instead_of_reading_as_empty(n
     js = nc.jetstream()
     store = JobStore(js, await js.key_value(names.JOBS_KV))
     assert await store.load() == ({}, {})  # empty, and the server says so
-    await js.delete_stream(names.kv(names.JOBS_KV).stream)
+    await js.delete_stream(nats_subjects.kv(names.JOBS_KV).stream)
     with pytest.raises(LoadError, match="could not be read"):
         await store.load()
 

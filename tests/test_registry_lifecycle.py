@@ -18,9 +18,10 @@ import pytest
 from nats.js.api import ObjectMeta
 from nats.js.errors import KeyNotFoundError
 
-from schemas import names
+from schemas import names, nats_subjects
 from schemas.artifacts import ArtifactMeta
-from schemas.jobs import Error, JobQuery, JobReply
+from schemas.jobs import Error
+from schemas.job_status import JobQuery, JobReply
 from schemas.registry import AdapterReply, AdapterVersion, AliasRequest, NodeAdapterStatus, PromoteRequest, StoredFile
 from services import bus
 from schemas.object_headers import artifact_headers
@@ -238,7 +239,7 @@ async def test_the_statuses_of_a_node_that_left_go(nc, registry):
         with pytest.raises(KeyNotFoundError):
             await registry.kv.get(names.adapter_node_key("b", "leaves"))
         await report(registry, "a", 1, "loaded", "stays")  # the bucket moves on: the purge markers may go too
-        subject = names.kv(names.ADAPTERS_KV).prefix + names.adapter_node_key("*", "leaves")
+        subject = nats_subjects.kv(names.ADAPTERS_KV).prefix + names.adapter_node_key("*", "leaves")
         await wait_for(lambda: no_messages_on(nc, subject), timeout=20, what="its purge markers to go")
         assert [n.node for n in (await show(nc, "a")).nodes] == ["stays"]
 
@@ -249,5 +250,5 @@ async def nodes_of(nc, want: dict[str, list[str]]) -> bool:
 
 async def no_messages_on(nc, subject: str) -> bool:
     """Whether the registry's bucket holds no message on `subject` any more."""
-    info = await nc.jetstream().stream_info(names.kv(names.ADAPTERS_KV).stream, subjects_filter=subject)
+    info = await nc.jetstream().stream_info(nats_subjects.kv(names.ADAPTERS_KV).stream, subjects_filter=subject)
     return not sum((info.state.subjects or {}).values())

@@ -9,7 +9,8 @@ import time
 import nats.micro
 import pytest
 
-from schemas.jobs import Error, JobQuery
+from schemas.jobs import Error
+from schemas.job_status import JobQuery
 from services import bus
 
 SLOW_S = 1.0

@@ -10,7 +10,8 @@ import logging
 
 from schemas import names
 from schemas.datasets import DatasetDeleted, DatasetQuery, Pinning, PinningQuery
-from schemas.jobs import Accepted, Error, JobQuery, Rejected, SubmitReply
+from schemas.jobs import Accepted, Error, Rejected, SubmitReply
+from schemas.job_status import JobQuery
 from schemas.registry import AdapterQuery, AdapterReply
 from services import bus
 from services.transfer.datasets import find_dataset

@@ -119,7 +119,7 @@ async def test_a_job_cancelled_just_before_its_agent_stops_stays_cancelled(stack
     """Cancel, then SIGTERM at once: the agent ends the job as cancelled instead of handing it back to the queue
     (where another node would run it again)."""
     from schemas import names
-    from schemas.jobs import JobQuery, JobReply
+    from schemas.job_status import JobQuery, JobReply
     from services import bus
     from tests.conftest import wait_nodes
 

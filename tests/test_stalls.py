@@ -12,8 +12,9 @@ import msgspec
 import nats
 import pytest
 
-from schemas import names
-from schemas.jobs import Accepted, Error, JobQuery, JobReply, JobRequest, JobStatus, StoredRequest
+from schemas import names, nats_subjects
+from schemas.jobs import Accepted, Error, JobRequest
+from schemas.job_status import JobQuery, JobReply, JobStatus, StoredRequest
 from services import bus
 from services.scheduler.fence import Deposed
 from services.scheduler.service import Scheduler
@@ -186,7 +187,7 @@ async def test_why_a_job_waits_is_worked_out_when_asked_not_written_at_every_hea
         jobs = await asyncio.gather(*(submit(nc, {**JOB, "gpu_mib": 8000}) for _ in range(100)))
         ids = [r.job for r in jobs]
         js = nc.jetstream()
-        stream = names.kv(names.JOBS_KV).stream
+        stream = nats_subjects.kv(names.JOBS_KV).stream
 
         async def writes() -> int:
             return (await js.stream_info(stream)).state.last_seq

@@ -12,7 +12,7 @@ from nats.js.client import JetStreamContext
 from nats.js.errors import NotFoundError, ServerError
 import pytest
 
-from schemas import names
+from schemas import names, nats_subjects
 from schemas.registry import AdapterVersion, Alias, NodeAdapterStatus, StoredFile, adapter_subjects
 from services.aio import sleep_unless_stopped
 from services.registry.store import AdapterRegistry, registry_view
@@ -142,7 +142,7 @@ async def test_a_deleted_consumer_is_followed_again(bucket, monkeypatch, library
     view = make_view(js, catch_up_s=1.0, heartbeat_s=0.5)
     async with following(view):
         await wait_for(has_keys(view, {"a", "b"}), timeout=10, what="the first build")
-        stream = names.kv(BUCKET).stream
+        stream = nats_subjects.kv(BUCKET).stream
         for consumer in await js.consumers_info(stream):
             await js.delete_consumer(stream, consumer.name)
         await put_all(js, ["c"])
@@ -201,6 +201,9 @@ async def test_show_reads_one_adapter_from_its_group(nc):
 
         # a group read waits for the newest message of the group's own subjects: a change made before it is in it
         revision = await kv.put(names.adapter_version_key("a7", 3), enc(_version("a7", 3)))
-        newest = [(await js.get_msg(names.kv(names.ADAPTERS_KV).stream, subject=s)).seq for s in adapter_subjects("a7")]
+        newest = [
+            (await js.get_msg(nats_subjects.kv(names.ADAPTERS_KV).stream, subject=s)).seq
+            for s in adapter_subjects("a7")
+        ]
         assert max(newest) == revision
         assert [v.version for v in (await registry.adapters(only="a7"))["a7"].versions] == [1, 2, 3]

@@ -9,7 +9,8 @@ import pytest
 
 from schemas import names
 from schemas.job_records import idempotency_key
-from schemas.jobs import Accepted, IdempotencyRecord, SubmitReply, Unsure
+from schemas.jobs import Accepted, SubmitReply, Unsure
+from schemas.job_status import IdempotencyRecord
 from services import bus
 from services.scheduler.index import JobIndex
 from tests.conftest import answering, list_jobs

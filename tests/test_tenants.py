@@ -5,7 +5,8 @@ from __future__ import annotations
 import asyncio
 
 from schemas import names
-from schemas.jobs import Accepted, Error, JobList, JobListQuery, JobQuery, JobReply, Rejected, SubmitReply
+from schemas.jobs import Accepted, Error, Rejected, SubmitReply
+from schemas.job_status import JobList, JobListQuery, JobQuery, JobReply
 from services import bus
 from services.scheduler.core import TenantQuota
 from services.scheduler.service import Scheduler, SchedulerConfig

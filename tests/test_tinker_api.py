@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from schemas import names
-from schemas.jobs import JobList, JobListQuery
+from schemas.job_status import JobList, JobListQuery
 from schemas.registry import AdapterQuery, AdapterReply
 from services import bus
 from services.gateway.app import Gateway

@@ -136,7 +136,7 @@ async def test_a_finished_sessions_records_go_after_the_retention_and_unfetched_
 ):
     from nats.js.errors import KeyNotFoundError
 
-    from schemas import names
+    from schemas import names, nats_subjects
     from schemas.tinker_store import FUTURE_TTL_S, model_key, session_key
 
     gw = Gateway(nc, {"tiny": BaseModel("tiny", str(tiny_model), accelerator="cpu")}, port=0,
@@ -167,7 +167,10 @@ async def test_a_finished_sessions_records_go_after_the_retention_and_unfetched_
             assert status == 404, out
     finally:
         await gw.close()
-    for bucket in (names.kv(names.TINKER_FUTURES_KV).stream, names.objects(names.TINKER_RESULTS_BUCKET).stream):
+    for bucket in (
+        nats_subjects.kv(names.TINKER_FUTURES_KV).stream,
+        nats_subjects.objects(names.TINKER_RESULTS_BUCKET).stream,
+    ):
         assert (await js.stream_info(bucket)).config.max_age == FUTURE_TTL_S  # what nobody fetched goes
 
 

@@ -16,8 +16,9 @@ import time
 import msgspec
 import pytest
 
-from schemas import names
-from schemas.jobs import Error, JobQuery, JobReply
+from schemas import names, nats_subjects
+from schemas.jobs import Error
+from schemas.job_status import JobQuery, JobReply
 from schemas.tinker_store import FutureRecord, GatewayRecord, ModelRecord, gateway_key, model_key, token
 from services import bus
 from services.gateway.app import Gateway
@@ -68,7 +69,7 @@ async def _seqs(nc, model: str) -> list[int]:
 
 
 def _outcome_subject(model: str, seq: int) -> str:
-    return names.kv(names.TINKER_FUTURES_KV).prefix + f"call.acme.{token(model)}.{seq}"
+    return nats_subjects.kv(names.TINKER_FUTURES_KV).prefix + f"call.acme.{token(model)}.{seq}"
 
 
 async def test_a_call_whose_gateway_died_before_storing_its_outcome_runs_once_after_a_pause(

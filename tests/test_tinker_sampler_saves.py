@@ -13,7 +13,8 @@ import msgspec
 import pytest
 
 from schemas import names
-from schemas.jobs import Error, JobQuery, JobReply
+from schemas.jobs import Error
+from schemas.job_status import JobQuery, JobReply
 from schemas.object_headers import info_from_object
 from schemas.tinker_store import ModelRecord, model_key
 from services import bus

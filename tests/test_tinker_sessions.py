@@ -11,7 +11,7 @@ import os
 import pytest
 
 from schemas import names
-from schemas.jobs import JobList, JobListQuery
+from schemas.job_status import JobList, JobListQuery
 from services import bus
 from services.gateway.app import Gateway
 from services.gateway.openai_map import BaseModel

@@ -45,7 +45,7 @@ def test_the_loss_falls_clearly(tiny_model, tmp_path, capsys):
     # its fingerprint: what the saved adapter on a freshly loaded base answers, and the base alone does not
     from peft import PeftModel
 
-    from schemas.jobs import PROBE_PROMPT
+    from schemas.job_status import PROBE_PROMPT
     from trainer.samples import probe
 
     assert finished.probe is not None and finished.probe.prompt == PROBE_PROMPT and finished.probe.dtype == "float32"

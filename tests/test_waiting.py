@@ -6,8 +6,9 @@ import asyncio
 import subprocess
 import sys
 
-from schemas import names
-from schemas.jobs import Accepted, JobQuery, JobWhy
+from schemas import names, nats_subjects
+from schemas.jobs import Accepted
+from schemas.job_status import JobQuery, JobWhy
 from services import bus
 from services.scheduler.core import TenantQuota
 from services.scheduler.service import Scheduler, SchedulerConfig
@@ -82,7 +83,7 @@ async def test_a_thousand_queued_jobs_are_not_written_again_on_every_pass(nc, st
     jobs += await asyncio.gather(*(queued(nc, node="ghost") for _ in range(800)))
     await says(nc, jobs[-1], "node ghost")
     js = nc.jetstream()
-    stream = names.kv(names.JOBS_KV).stream
+    stream = nats_subjects.kv(names.JOBS_KV).stream
 
     async def writes() -> int:
         return (await js.stream_info(stream)).state.last_seq

@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from schemas.events import ENGINE_WAIT, RolloutEngine
-from schemas.jobs import PROBE_HEAD_TOKENS, PROBE_PROMPT, PROBE_TOKENS
+from schemas.job_status import PROBE_HEAD_TOKENS, PROBE_PROMPT, PROBE_TOKENS
 from trainer.errors import JobError
 from trainer.grpo import token_logps
 from trainer.rft import Prompts

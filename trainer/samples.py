@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from schemas.events import Sample, Samples
-from schemas.jobs import PROBE_HEAD_TOKENS, PROBE_PROMPT, PROBE_TOKENS, Probe
+from schemas.job_status import PROBE_HEAD_TOKENS, PROBE_PROMPT, PROBE_TOKENS, Probe
 from trainer.data import Examples
 from trainer.formats import IGNORE, prompt_text
 from trainer.model import decoded, pad_id

@@ -11,7 +11,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from schemas.events import RolloutEngine
-from schemas.jobs import PROBE_PROMPT, PROBE_TOKENS, JobRequest
+from schemas.jobs import JobRequest
+from schemas.job_status import PROBE_PROMPT, PROBE_TOKENS
 from schemas.parity import PARITY_EPSILON, PARITY_FACTOR
 from schemas.registry import AdapterVersion, NodeState, Smoke
 from schemas.training import MUTATING_INITS

@@ -30,7 +30,8 @@ from schemas.events import (
     StateChange,
     TrainerSpec,
 )
-from schemas.jobs import ArtifactRef, CheckpointInfo, DatasetRef, JobState
+from schemas.jobs import DatasetRef
+from schemas.job_status import ArtifactRef, CheckpointInfo, JobState
 from schemas.nodes import CPU_DEVICE, Assignment, on_devices
 from schemas.trainer_lease import Holder
 from services import bus

@@ -13,7 +13,7 @@ from nats.aio.client import Client
 
 from schemas.artifacts import ArtifactKind, ArtifactMeta
 from schemas.events import Checkpoint, Finished, Progress
-from schemas.jobs import ArtifactRef, CheckpointInfo
+from schemas.job_status import ArtifactRef, CheckpointInfo
 from schemas.nodes import Assignment
 from services import __version__
 from services.transfer.download import download_named, safe_extract

@@ -9,7 +9,7 @@ import logging
 import msgspec
 from nats.js.api import DeliverPolicy
 
-from schemas import names
+from schemas import names, nats_subjects
 from schemas.registry import AdapterVersion
 from services.aio import cancel_and_wait
 
@@ -29,7 +29,7 @@ class Stager:
 
     async def follow(self, stop: asyncio.Event) -> None:
         """Until `stop`: take each version registered from now on (an error ends it, for the caller to retry)."""
-        subject = names.kv(names.ADAPTERS_KV).prefix + names.adapter_version_key("*", "*")
+        subject = nats_subjects.kv(names.ADAPTERS_KV).prefix + names.adapter_version_key("*", "*")
         sub = await self.deployment.js.subscribe(subject, ordered_consumer=True, deliver_policy=DeliverPolicy.NEW)
         fetching = asyncio.create_task(self._fetch_each(stop))
         try:

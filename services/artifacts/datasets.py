@@ -9,7 +9,7 @@ import msgspec
 
 from nats.aio.client import Client
 
-from schemas import names
+from schemas import names, subject_parts
 from schemas.dataset_check import DatasetChecker, DatasetInvalid
 from schemas.datasets import (
     DatasetChunk,
@@ -120,7 +120,7 @@ class DatasetStore:
         """A tenant's upload (its subject says whose) is stored under the tenant's prefix and shared with nobody."""
         upload = chunk.meta or DatasetUpload()
         try:
-            owner = names.tenant_of_dataset_upload(subject)
+            owner = subject_parts.tenant_of_dataset_upload(subject)
             check_new_name(chunk.name)
         except ValueError as e:
             raise Refused(str(e)) from None

@@ -21,7 +21,7 @@ from nats.js.errors import BadRequestError, NotFoundError
 from nats.js.kv import MSG_ROLLUP_SUBJECT
 from nats.nuid import NUID
 
-from schemas import names
+from schemas import nats_subjects
 from services.jetstream_writer import EXPECTED_SEQUENCE, WRONG_LAST_SEQUENCE, JetStreamWriter
 
 _nuid = NUID()
@@ -58,7 +58,7 @@ class ObjectWriter:
             headers=self.headers,
             options=api.ObjectMetaOptions(max_chunk_size=0),
         )
-        self.store = names.objects(bucket)
+        self.store = nats_subjects.objects(bucket)
         self.subject = self.store.chunks(self.nuid)
         self.window = window
         self.pending: deque[asyncio.Future] = deque()

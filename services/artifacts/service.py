@@ -12,7 +12,7 @@ import msgspec
 import nats.micro
 from nats.aio.client import Client
 
-from schemas import names
+from schemas import names, subject_parts
 from schemas.artifacts import (
     KEEP_CHECKPOINTS,
     ArtifactInfo,
@@ -123,7 +123,7 @@ class ArtifactService:
             await self.writer.close()
 
     async def _open_sink(self, chunk: Chunk, subject: str) -> ArtifactSink:
-        meta = await self._checked_meta(chunk, names.uploader_of_subject(subject))
+        meta = await self._checked_meta(chunk, subject_parts.uploader_of_subject(subject))
         if chunk.kind == "sampler":
             name = names.sampler_save_object(chunk.job, meta.save)
         else:
@@ -137,7 +137,7 @@ class ArtifactService:
             f"jetlora {chunk.kind} artifact of job {chunk.job}",
             headers,
         )
-        node = names.uploader_of_subject(subject)
+        node = subject_parts.uploader_of_subject(subject)
 
         async def still_current() -> None:  # an attempt superseded while it uploaded must not commit over the next
             await self._checked_meta(msgspec.structs.replace(chunk, meta=meta), node)

@@ -19,7 +19,7 @@ from schemas.served import describe as served_line
 from schemas.served import trainer_side
 from services.cli import args as args_
 from services.cli import gate
-from schemas.jobs import JobList, JobListQuery
+from schemas.job_status import JobList, JobListQuery
 from services.cli.client import EXIT_OK, CommandFailed, ask, run_client, show
 
 

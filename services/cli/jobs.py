@@ -9,7 +9,8 @@ from pathlib import Path
 import msgspec
 
 from schemas import names
-from schemas.jobs import Accepted, JobList, JobListQuery, JobQuery, JobReply, SubmitReply, Unsure
+from schemas.jobs import Accepted, SubmitReply, Unsure
+from schemas.job_status import JobList, JobListQuery, JobQuery, JobReply
 from schemas.nodes import NodeList
 from services.cli.printable import cell, printable
 from services import bus
@@ -151,7 +152,7 @@ def cmd_control(args) -> int:
 
 def cmd_why(args) -> int:
     """Why a job waits, node by node."""
-    from schemas.jobs import JobWhy
+    from schemas.job_status import JobWhy
 
     async def go(nc):
         reply = await ask(nc, api(args)["why"], JobQuery(args.job), JobWhy)

@@ -10,29 +10,29 @@ from __future__ import annotations
 import json
 from collections.abc import Sequence
 
-from schemas import names
+from schemas import names, nats_subjects
 from schemas.leadership import LEASE_STREAM
 
-JOBS, OBJ = names.JOBS_STREAM, names.objects(names.ARTIFACTS_BUCKET).stream
-DATA = names.objects(names.DATASETS_BUCKET).stream
+JOBS, OBJ = names.JOBS_STREAM, nats_subjects.objects(names.ARTIFACTS_BUCKET).stream
+DATA = nats_subjects.objects(names.DATASETS_BUCKET).stream
 RESPONSES_PER_REQUEST = 8  # replies one user may send to one request (micro services in one process each answer)
-ADAPTERS = names.kv(names.ADAPTERS_KV)
-TRAINER_LEASES = names.kv(names.TRAINER_LEASES_KV)  # any node's agent may take a job's over from another's
+ADAPTERS = nats_subjects.kv(names.ADAPTERS_KV)
+TRAINER_LEASES = nats_subjects.kv(names.TRAINER_LEASES_KV)  # any node's agent may take a job's over from another's
 
 
 def _read_stream(stream: str) -> list[str]:
     """What a client needs to read a stream with an ordered consumer (and info and direct gets)."""
     return [
-        names.js_api("INFO"),
-        names.js_api("STREAM", "INFO", stream),
-        names.js_api("CONSUMER", "CREATE", stream, ">"),
-        names.js_api("CONSUMER", "CREATE", stream),
-        names.js_api("CONSUMER", "DELETE", stream, ">"),
-        names.js_api("CONSUMER", "INFO", stream, ">"),
-        names.js_api("DIRECT", "GET", stream, ">"),
-        names.js_api("DIRECT", "GET", stream),
-        names.js_api("STREAM", "MSG", "GET", stream),
-        names.js_api("STREAM", "NAMES"),
+        nats_subjects.js_api("INFO"),
+        nats_subjects.js_api("STREAM", "INFO", stream),
+        nats_subjects.js_api("CONSUMER", "CREATE", stream, ">"),
+        nats_subjects.js_api("CONSUMER", "CREATE", stream),
+        nats_subjects.js_api("CONSUMER", "DELETE", stream, ">"),
+        nats_subjects.js_api("CONSUMER", "INFO", stream, ">"),
+        nats_subjects.js_api("DIRECT", "GET", stream, ">"),
+        nats_subjects.js_api("DIRECT", "GET", stream),
+        nats_subjects.js_api("STREAM", "MSG", "GET", stream),
+        nats_subjects.js_api("STREAM", "NAMES"),
     ]
 
 
@@ -40,7 +40,7 @@ def _pulled(stream: str) -> list[str]:
     """What a pull consumer of the stream asks for beyond _read_stream: its next messages. The dashboard's page reads
     the JOBS stream so (nats.js's ordered consumer pulls `$JS.API.CONSUMER.MSG.NEXT.<stream>.<its name>`, where
     nats-py's is pushed); the scheduler's durable consumer stays denied to it (_scheduler_consumer)."""
-    return [names.js_api("CONSUMER", "MSG", "NEXT", stream, "*")]
+    return [nats_subjects.js_api("CONSUMER", "MSG", "NEXT", stream, "*")]
 
 
 def _object_read() -> list[str]:
@@ -55,7 +55,7 @@ def roles(nodes: list[str], tenants: Sequence[str] = ()) -> dict[str, dict]:
     for node in nodes:
         users[f"agent-{node}"] = _agent(node)
     for user, perms in users.items():  # replies come to each user's own inbox, which no other user may read
-        perms["subscribe"].append(names.inbox_all(user))
+        perms["subscribe"].append(nats_subjects.inbox_all(user))
         if user != "scheduler":
             perms["deny_publish"] = _scheduler_consumer()
         if user == "gateway" or user.startswith("tenant-"):  # they act for tenants: never under a reserved token
@@ -64,47 +64,56 @@ def roles(nodes: list[str], tenants: Sequence[str] = ()) -> dict[str, dict]:
 
 
 def _service_users() -> dict[str, dict]:
-    scheduler_publishes = [names.node("*").assign, names.node("*").control, names.JS_API_ALL]
+    scheduler_publishes = [names.node("*").assign, names.node("*").control, nats_subjects.JS_API_ALL]
     scheduler_publishes += [
-        names.kv(kv).subjects for kv in (names.JOBS_KV, names.LEASE_KV, names.IDEMPOTENCY_KV, names.TENANTS_KV)
+        nats_subjects.kv(kv).subjects for kv in (names.JOBS_KV, names.LEASE_KV, names.IDEMPOTENCY_KV, names.TENANTS_KV)
     ]  # the tenants bucket: seeded from its --quota flags at its first start
-    scheduler_publishes += [ADAPTERS.subjects, names.js_acks(JOBS), *names.JOB_INDEX_SUBJECTS]
-    scheduler_publishes += [names.ARTIFACTS_DELETE, names.SERVICE_DISCOVERY_ALL]
+    scheduler_publishes += [ADAPTERS.subjects, nats_subjects.js_acks(JOBS), *names.JOB_INDEX_SUBJECTS]
+    scheduler_publishes += [names.ARTIFACTS_DELETE, nats_subjects.SERVICE_DISCOVERY_ALL]
     scheduler_publishes += [names.ADAPTERS.references]  # retention asks the registry what its versions reference
     scheduler_publishes += [names.ADAPTERS.show, names.ADAPTERS.register]  # submit's checks; a job's registration
     # the evals service (beside it): its bucket, and a run's job submitted, shown and cancelled as its tenant's
-    scheduler_publishes += [names.kv(names.EVALS_KV).subjects, names.SUBMIT, names.CANCEL, names.DATASETS.show]
+    scheduler_publishes += [nats_subjects.kv(names.EVALS_KV).subjects, names.SUBMIT, names.CANCEL, names.DATASETS.show]
     scheduler_publishes += [names.jobs_api("*").submit, names.jobs_api("*").cancel, names.datasets_api("*").show]
     scheduler_publishes += [names.EVALS_GROUP + ".>"]  # the registry's gates ask the evals service, as the tenant
     # an eval run through the engine that serves its name: the evals service asks that node, and stores the results
-    scheduler_publishes += [names.node("*").evaluate, names.objects(names.ARTIFACTS_BUCKET).subjects]
+    scheduler_publishes += [names.node("*").evaluate, nats_subjects.objects(names.ARTIFACTS_BUCKET).subjects]
     any_tenant = "*"  # the gateway acts for the tenant of each request's key: a tenant's verbs, never an admin's
     # (roles() denies it the reserved tokens, `_` and `upload`, that this wildcard would match)
     gateway_publishes = list(names.jobs_api(any_tenant)) + list(names.datasets_api(any_tenant))
-    gateway_publishes += [names.dataset_upload("*", any_tenant), names.kv(names.GATEWAY_JOBS_KV).subjects]
-    gateway_publishes += _read_stream(names.kv(names.KEYS_KV).stream) + _read_stream(
-        names.kv(names.GATEWAY_JOBS_KV).stream
+    gateway_publishes += [names.dataset_upload("*", any_tenant), nats_subjects.kv(names.GATEWAY_JOBS_KV).subjects]
+    gateway_publishes += _read_stream(nats_subjects.kv(names.KEYS_KV).stream) + _read_stream(
+        nats_subjects.kv(names.GATEWAY_JOBS_KV).stream
     )
-    gateway_publishes += [names.js_api("STREAM", "INFO", "*"), names.ADAPTERS.show]  # a fine-tuned model's base
+    gateway_publishes += [nats_subjects.js_api("STREAM", "INFO", "*"), names.ADAPTERS.show]  # a fine-tuned model's base
     gateway_publishes += [names.ADAPTERS.list, names.ADAPTERS.retire]  # /v1/models: a tenant's, and DELETE (retire)
     gateway_publishes += list(names.evals_api(any_tenant))  # /v1/evals
     gateway_publishes += _read_stream(DATA)  # an eval run's items from a file of the tenant's (it checks whose first)
     gateway_publishes += [names.node("*").session]  # the Tinker API's calls, for sessions of the key's tenant
     gateway_publishes += _tinker_store()  # what the Tinker API's clients were told, shared by every gateway
     gateway_publishes += [names.artifacts_api(any_tenant).delete]  # a Tinker sampler save deleted, as its tenant's
-    gateway_publishes += _read_stream(names.objects(names.ARTIFACTS_BUCKET).stream)  # a Tinker export's files, read
+    gateway_publishes += _read_stream(
+        nats_subjects.objects(names.ARTIFACTS_BUCKET).stream
+    )  # a Tinker export's files, read
     # for the URL its tenant's key signed (services/gateway/tinker/exports.py)
     scheduler_hears = [names.API_GROUP + ".>", names.ADAPTERS_GROUP + ".>", names.EVALS_GROUP + ".>"]
     scheduler_hears += [names.HEARTBEATS_ALL]
-    stores = [names.objects(names.ARTIFACTS_BUCKET).subjects, names.objects(names.DATASETS_BUCKET).subjects]
+    stores = [
+        nats_subjects.objects(names.ARTIFACTS_BUCKET).subjects,
+        nats_subjects.objects(names.DATASETS_BUCKET).subjects,
+    ]
     return {
         "scheduler": {
             "publish": scheduler_publishes,
-            "subscribe": scheduler_hears + [names.JOB_PROGRESS_ALL, names.SERVICE_DISCOVERY_ALL],
+            "subscribe": scheduler_hears + [names.JOB_PROGRESS_ALL, nats_subjects.SERVICE_DISCOVERY_ALL],
         },
         "artifacts": {
-            "publish": stores + [names.JS_API_ALL, names.SERVICE_DISCOVERY_ALL, names.DATASET_PINNING],
-            "subscribe": [names.ARTIFACTS_GROUP + ".>", names.DATASETS_GROUP + ".>", names.SERVICE_DISCOVERY_ALL],
+            "publish": stores + [nats_subjects.JS_API_ALL, nats_subjects.SERVICE_DISCOVERY_ALL, names.DATASET_PINNING],
+            "subscribe": [
+                names.ARTIFACTS_GROUP + ".>",
+                names.DATASETS_GROUP + ".>",
+                nats_subjects.SERVICE_DISCOVERY_ALL,
+            ],
         },
         "gateway": {"publish": gateway_publishes, "subscribe": []},
     }
@@ -112,10 +121,14 @@ def _service_users() -> dict[str, dict]:
 
 def _tinker_store() -> list[str]:
     """The Tinker API's buckets: written, followed, and a finished session's records purged."""
-    stores = [names.kv(names.TINKER_KV), names.kv(names.TINKER_FUTURES_KV), names.objects(names.TINKER_RESULTS_BUCKET)]
+    stores = [
+        nats_subjects.kv(names.TINKER_KV),
+        nats_subjects.kv(names.TINKER_FUTURES_KV),
+        nats_subjects.objects(names.TINKER_RESULTS_BUCKET),
+    ]
     out = []
     for store in stores:
-        out += [store.subjects, names.js_api("STREAM", "PURGE", store.stream)] + _read_stream(store.stream)
+        out += [store.subjects, nats_subjects.js_api("STREAM", "PURGE", store.stream)] + _read_stream(store.stream)
     return out
 
 
@@ -131,11 +144,13 @@ def _people() -> dict[str, dict]:
     )
     operates += [
         names.ARTIFACTS_DELETE,
-        names.js_api("STREAM", "PURGE", OBJ),
-        names.objects(names.ARTIFACTS_BUCKET).subjects,
+        nats_subjects.js_api("STREAM", "PURGE", OBJ),
+        nats_subjects.objects(names.ARTIFACTS_BUCKET).subjects,
     ]
-    operates += [names.kv(names.KEYS_KV).subjects] + _read_stream(names.kv(names.KEYS_KV).stream)  # the gateway's keys
-    tenants = names.kv(names.TENANTS_KV)  # the tenants' quotas: `jetlora tenants set|rm` writes them
+    operates += [nats_subjects.kv(names.KEYS_KV).subjects] + _read_stream(
+        nats_subjects.kv(names.KEYS_KV).stream
+    )  # the gateway's keys
+    tenants = nats_subjects.kv(names.TENANTS_KV)  # the tenants' quotas: `jetlora tenants set|rm` writes them
     operates += [tenants.subjects] + _read_stream(tenants.stream)
     shown = [names.LIST_JOBS, names.LIST_NODES, names.ARTIFACTS_LIST, names.ADAPTERS.list, names.TENANTS]
     return {
@@ -144,21 +159,21 @@ def _people() -> dict[str, dict]:
             "subscribe": [],
         },
         "operator": {
-            "publish": api + watch + datasets + operates + _object_read() + [names.SERVICE_DISCOVERY_ALL],
+            "publish": api + watch + datasets + operates + _object_read() + [nats_subjects.SERVICE_DISCOVERY_ALL],
             "subscribe": [names.HEARTBEATS_ALL],
         },
         "dashboard": {
             "publish": shown + watch + _pulled(JOBS) + _object_read() + _dashboard_reads(),
             "subscribe": [names.HEARTBEATS_ALL],
         },
-        "monitor": {"publish": [names.SERVICE_DISCOVERY_ALL], "subscribe": []},  # $SRV.PING, INFO, STATS only
+        "monitor": {"publish": [nats_subjects.SERVICE_DISCOVERY_ALL], "subscribe": []},  # $SRV.PING, INFO, STATS only
     }
 
 
 def _dashboard_reads() -> list[str]:
     """What the dashboard shows besides jobs, nodes, adapters and tenants: eval runs, and the Tinker sessions as
     stored."""
-    stores = [names.kv(names.TINKER_KV).stream, names.kv(names.TINKER_FUTURES_KV).stream]
+    stores = [nats_subjects.kv(names.TINKER_KV).stream, nats_subjects.kv(names.TINKER_FUTURES_KV).stream]
     return [names.evals_api().runs] + [s for store in stores for s in _read_stream(store)]
 
 
@@ -176,10 +191,16 @@ def _agent(node: str) -> dict:
     names.check_token(node, "node id")
     job = names.job("*", node)
     publishes = [names.node(node).heartbeat, job.state, job.progress, job.preparing, job.samples]
-    publishes += [names.artifact_upload(node, "*"), names.js_api("INFO"), names.js_api("STREAM", "INFO", JOBS)]
+    publishes += [
+        names.artifact_upload(node, "*"),
+        nats_subjects.js_api("INFO"),
+        nats_subjects.js_api("STREAM", "INFO", JOBS),
+    ]
     publishes += [f"{ADAPTERS.prefix}node.*.{node}", names.adapter_status(node)]  # what its engines loaded
     publishes += _object_read() + _read_stream(DATA) + _read_stream(ADAPTERS.stream)
-    publishes += [names.js_api("STREAM", "MSG", "GET", LEASE_STREAM)]  # the leading term: older ones are refused
+    publishes += [
+        nats_subjects.js_api("STREAM", "MSG", "GET", LEASE_STREAM)
+    ]  # the leading term: older ones are refused
     publishes += [TRAINER_LEASES.subjects, *_read_stream(TRAINER_LEASES.stream)]  # which attempt of a job computes
     return {
         "publish": publishes,
@@ -189,7 +210,7 @@ def _agent(node: str) -> dict:
             names.node(node).reclaim,
             names.node(node).session,
             names.node(node).evaluate,
-            *names.service_discovery(names.AGENT_SERVICE),  # its endpoints are a nats.micro service's
+            *nats_subjects.service_discovery(names.AGENT_SERVICE),  # its endpoints are a nats.micro service's
         ],
     }
 
@@ -198,11 +219,11 @@ def _scheduler_consumer() -> list[str]:
     """The scheduler's durable consumer of job states: nobody else may create, change, delete, read or ack it."""
     consumer = names.SCHEDULER_CONSUMER
     return [
-        names.js_api("CONSUMER", "*", JOBS, consumer),
-        names.js_api("CONSUMER", "*", JOBS, consumer, ">"),
-        names.js_api("CONSUMER", "*", "*", JOBS, consumer),
-        names.js_api("CONSUMER", "MSG", "NEXT", JOBS, consumer),
-        names.js_acks(JOBS),
+        nats_subjects.js_api("CONSUMER", "*", JOBS, consumer),
+        nats_subjects.js_api("CONSUMER", "*", JOBS, consumer, ">"),
+        nats_subjects.js_api("CONSUMER", "*", "*", JOBS, consumer),
+        nats_subjects.js_api("CONSUMER", "MSG", "NEXT", JOBS, consumer),
+        nats_subjects.js_acks(JOBS),
     ]
 
 

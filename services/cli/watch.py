@@ -9,7 +9,7 @@ import msgspec
 from nats.aio.client import Client
 from nats.js.api import DeliverPolicy
 
-from schemas import names
+from schemas import names, subject_parts
 from schemas.events import (
     EventPage,
     EventsQuery,
@@ -20,7 +20,8 @@ from schemas.events import (
     Samples,
     StateChange,
 )
-from schemas.jobs import TERMINAL_STATES, Error, JobQuery, JobReply
+from schemas.jobs import Error
+from schemas.job_status import TERMINAL_STATES, JobQuery, JobReply
 from services import bus
 from services.aio import cancel_and_wait
 from services.cli.client import CommandFailed
@@ -141,7 +142,7 @@ async def _follow_as_tenant(nc: Client, job: str, tenant: str):
                 ev = _dec.decode(msg.data)
             except msgspec.DecodeError:
                 continue
-            node = names.job_and_node_of_subject(msg.subject)[1]
+            node = subject_parts.job_and_node_of_subject(msg.subject)[1]
             if _enc.encode(ev) in seen or not await _holds(nc, api, job, node, holders):
                 continue
             yield ev

@@ -20,7 +20,7 @@ from aiohttp import web
 from nats.aio.client import Client
 from nats.js.errors import NotFoundError
 
-from schemas import names
+from schemas import names, nats_subjects
 from services.dashboard.tinker_view import TinkerView
 from services.aio import cancel_and_wait
 from services.runtime import StartupError
@@ -37,7 +37,7 @@ def page_config(ws_url: str) -> dict:
     return {
         "ws_url": ws_url,
         "stream": names.JOBS_STREAM,
-        "inbox_prefix": names.inbox("dashboard"),
+        "inbox_prefix": nats_subjects.inbox("dashboard"),
         "subjects": {
             "heartbeats": names.HEARTBEATS_ALL,
             "list_jobs": names.LIST_JOBS,

@@ -18,7 +18,8 @@ from nats.aio.client import Client
 from schemas import names
 from schemas.engine_evals import TRAINER, EngineEvalRequest, engine_via
 from schemas.evals import EvalDef, EvalJob, EvalRun, RunRequest, RunState
-from schemas.jobs import Error, JobQuery, JobReply, Rejected, SubmitReply, Unsure
+from schemas.jobs import Error, Rejected, SubmitReply, Unsure
+from schemas.job_status import JobQuery, JobReply
 from schemas.registry import AdapterQuery, AdapterReply
 from services import bus
 from services.evals import engine_path

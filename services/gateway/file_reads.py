@@ -11,7 +11,7 @@ from typing import Any
 import msgspec
 from nats.js.errors import NotFoundError
 
-from schemas import names
+from schemas import names, nats_subjects
 from schemas.dataset_check import UTF8_BOM
 from schemas.datasets import DatasetInfo
 from services.gateway.errors import bad_request
@@ -24,7 +24,7 @@ _decode_row = msgspec.json.Decoder().decode
 async def first_rows(nc, info: DatasetInfo, count: int) -> list[Any]:
     """Up to `count` of the file's first rows, decoded, read from the start of the stored object only."""
     js = nc.jetstream()
-    store = names.objects(names.DATASETS_BUCKET)
+    store = nats_subjects.objects(names.DATASETS_BUCKET)
     try:
         obj = await (await js.object_store(names.DATASETS_BUCKET)).get_info(names.dataset_object(info.name, info.owner))
     except NotFoundError:

@@ -15,7 +15,8 @@ from schemas import names
 from schemas.datasets import DatasetInfo
 from schemas.events import CheckpointList
 from schemas.gateway import CreateJob, FineTuningJob, GatewayJob, Hyperparameters
-from schemas.jobs import Accepted, Error, InitAdapter, JobQuery, JobReply, JobSummary, Rejected, SubmitReply
+from schemas.jobs import Accepted, Error, InitAdapter, Rejected, SubmitReply
+from schemas.job_status import JobQuery, JobReply, JobSummary
 from services import bus
 from services.gateway import file_reads, grader_door
 from services.gateway.errors import TENANT, OpenAIError, bad_request, json_response, not_found, read_json

@@ -9,7 +9,8 @@ from typing import TypeVar
 
 from schemas import names
 from schemas.datasets import DatasetInfo, DatasetQuery, DatasetReply
-from schemas.jobs import Error, JobQuery, JobReply, JobSummary
+from schemas.jobs import Error
+from schemas.job_status import JobQuery, JobReply, JobSummary
 from schemas.registry import AdapterQuery, AdapterReply, AdapterVersion
 from services import bus
 from services.gateway.errors import OpenAIError, is_token, not_found

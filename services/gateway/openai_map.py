@@ -11,7 +11,8 @@ from schemas.events import EventEntry, Preparing, Progress, Samples, StateChange
 from schemas.gateway import CheckpointObject, CreateJob, FineTuningJob, GatewayJob, Hyperparameters, JobEventObject
 from schemas.gateway import ApiError, ReinforcementHyperparameters
 from schemas.graders import Grader
-from schemas.jobs import CheckpointInfo, DatasetRef, JobRequest, JobSummary, RegisterSpec
+from schemas.jobs import DatasetRef, JobRequest, RegisterSpec
+from schemas.job_status import CheckpointInfo, JobSummary
 from schemas.training import TrainConfig
 from services.gateway.reinforcement import grpo_settings, reinforcement_event, shown_reinforcement
 

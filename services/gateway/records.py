@@ -10,7 +10,7 @@ from collections.abc import Callable
 import msgspec
 from nats.js.errors import KeyNotFoundError, NotFoundError
 
-from schemas import names
+from schemas import names, nats_subjects
 from schemas.gateway import GatewayJob
 from services.gateway.errors import bad_request, is_token
 from services.gateway.paging import newest_before
@@ -25,7 +25,7 @@ def record_key(tenant: str, job: str) -> str:
 class JobRecords:
     def __init__(self, js, kv) -> None:
         self.js, self.kv = js, kv
-        self.stream = names.kv(names.GATEWAY_JOBS_KV).stream
+        self.stream = nats_subjects.kv(names.GATEWAY_JOBS_KV).stream
         self._decode = msgspec.json.Decoder(GatewayJob).decode
 
     async def put(self, record: GatewayJob) -> None:
@@ -46,7 +46,7 @@ class JobRecords:
     ) -> tuple[list[GatewayJob], bool]:
         """Up to `want` of the tenant's records placed below `before` (None: from the newest) that `keep` takes,
         newest first; and whether the scan stopped at SCAN_LIMIT with more possibly left."""
-        subject = f"{names.kv(names.GATEWAY_JOBS_KV).prefix}{tenant}.*"
+        subject = f"{nats_subjects.kv(names.GATEWAY_JOBS_KV).prefix}{tenant}.*"
         hi = before if before is not None else (await self.js.stream_info(self.stream)).state.last_seq + 1
         budget = [SCAN_LIMIT]
 

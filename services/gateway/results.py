@@ -9,7 +9,7 @@ import io
 
 from schemas.events import Progress
 from schemas.gateway import FileObject, GatewayJob
-from schemas.jobs import JobSummary
+from schemas.job_status import JobSummary
 from services.gateway.errors import not_found
 from services.gateway.events import JobEvents
 from services.gateway.lookups import job_summary_or_none

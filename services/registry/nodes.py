@@ -17,7 +17,7 @@ import time
 import msgspec
 from nats.aio.client import Client
 
-from schemas import names
+from schemas import names, subject_parts
 from services.aio import sleep_unless_stopped
 from services.registry.store import AdapterRegistry
 
@@ -67,7 +67,10 @@ class NodeLiveness:
             interval = _beat.decode(msg.data).interval_s
         except msgspec.DecodeError:
             interval = 1.0  # a heartbeat all the same: the node is there
-        self.heard[names.node_of_subject(msg.subject)] = (time.monotonic(), min(max(interval, 0.01), MAX_INTERVAL_S))
+        self.heard[subject_parts.node_of_subject(msg.subject)] = (
+            time.monotonic(),
+            min(max(interval, 0.01), MAX_INTERVAL_S),
+        )
 
     def live(self, node: str) -> bool:
         """Heard within LIVE_MISSES of its heartbeat intervals."""

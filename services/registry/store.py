@@ -11,7 +11,7 @@ import time
 import msgspec
 from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError, NotFoundError
 
-from schemas import names
+from schemas import names, nats_subjects
 from schemas.registry import (
     DECODERS,
     AdapterReply,
@@ -135,7 +135,7 @@ class AdapterRegistry:
 
     async def newest_seq(self) -> int:
         """The bucket's newest stream sequence (0: empty): what a canary counts reports after."""
-        store = names.kv(names.ADAPTERS_KV)
+        store = nats_subjects.kv(names.ADAPTERS_KV)
         try:
             return (await self.js.get_msg(store.stream, subject=store.subjects)).seq or 0
         except NotFoundError:
@@ -222,14 +222,14 @@ class AdapterRegistry:
     async def forget_node_status(self, key: str) -> int:
         """Remove a node status with every revision of it (a purge: views drop the key); returns the sequence of
         the purge marker the bucket keeps in its place, for drop_marker."""
-        store = names.kv(names.ADAPTERS_KV)
+        store = nats_subjects.kv(names.ADAPTERS_KV)
         ack = await self.js.publish(store.prefix + key, b"", headers={KV_OPERATION: "PURGE", "Nats-Rollup": "sub"})
         return ack.seq
 
     async def drop_marker(self, key: str, seq: int) -> bool:
         """Remove the purge marker at `seq` (and nothing written to the key after it), once the bucket holds a newer
         message: a view checks that the stream's newest message never goes back. False: not yet."""
-        store = names.kv(names.ADAPTERS_KV)
+        store = nats_subjects.kv(names.ADAPTERS_KV)
         if await self.newest_seq() <= seq:
             return False
         await self.js.purge_stream(store.stream, subject=store.prefix + key, seq=seq + 1)

@@ -11,19 +11,9 @@ from typing import Any
 
 import msgspec
 
-from schemas import names
-from schemas.jobs import (
-    ACTIVE_STATES,
-    TERMINAL_STATES,
-    Error,
-    FieldError,
-    JobList,
-    JobListQuery,
-    JobQuery,
-    JobReply,
-    JobWhy,
-    Rejected,
-)
+from schemas import subject_parts
+from schemas.jobs import Error, FieldError, Rejected
+from schemas.job_status import ACTIVE_STATES, TERMINAL_STATES, JobList, JobListQuery, JobQuery, JobReply, JobWhy
 from schemas.datasets import PinningQuery
 from schemas.events import CheckpointList, EventPage, EventsQuery
 from schemas.nodes import Control, ControlReply, NodeInfo, NodeList
@@ -54,7 +44,7 @@ class SchedulerApi:
             per_key=cfg.requests_per_tenant,
             queued_per_key=cfg.queued_requests_per_tenant,
             queued_bytes_per_key=cfg.queued_request_bytes_per_tenant,
-            key=names.asker_of_subject,
+            key=subject_parts.asker_of_subject,
         )
         self._submitting = bus.Concurrently(core.spawn, cfg.max_concurrent_submits, **per_tenant)
         self._answering = bus.Concurrently(core.spawn, cfg.max_concurrent_submits, **per_tenant)

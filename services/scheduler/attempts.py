@@ -8,7 +8,7 @@ from __future__ import annotations
 import logging
 import time
 
-from schemas.jobs import ACTIVE_STATES, TERMINAL_STATES, JobState
+from schemas.job_status import ACTIVE_STATES, TERMINAL_STATES, JobState
 from schemas.nodes import Control, ControlReply, Heartbeat, RunningAttempt
 from services import bus
 from services.scheduler import commands

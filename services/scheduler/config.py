@@ -6,7 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from schemas.co_train import CoTrainPolicy
-from schemas.jobs import PRIORITY_MAX, PRIORITY_MIN, StoredRequest
+from schemas.jobs import PRIORITY_MAX, PRIORITY_MIN
+from schemas.job_status import StoredRequest
 from schemas.tenants import QUEUED_DEFAULT, WEIGHT_MAX, AdminClass, Sharing, TenantRecord, record_errors
 from schemas.validate import FieldError
 

@@ -13,7 +13,8 @@ from dataclasses import dataclass, field
 import msgspec
 from nats.aio.client import Client
 
-from schemas.jobs import TERMINAL_STATES, JobId, JobRequest, JobState, JobStatus, NodeId, StoredRequest
+from schemas.jobs import JobId, JobRequest, NodeId
+from schemas.job_status import TERMINAL_STATES, JobState, JobStatus, StoredRequest
 from services.scheduler.fleet import Fleet, SlotKey
 from services.scheduler.queue import TenantQueues
 from services.scheduler.request_cache import RequestCache

@@ -10,9 +10,9 @@ from collections import defaultdict
 import msgspec
 from nats.errors import TimeoutError as NatsTimeout
 
-from schemas import names
+from schemas import subject_parts
 from schemas.events import Progress, StateChange
-from schemas.jobs import ACTIVE_STATES, TERMINAL_STATES, JobStatus
+from schemas.job_status import ACTIVE_STATES, TERMINAL_STATES, JobStatus
 from services.aio import sleep_unless_stopped
 from schemas.artifacts import KEEP_CHECKPOINTS
 from services.scheduler import registry_asks
@@ -35,13 +35,13 @@ class JobEvents:
             p = _progress.decode(msg.data)
         except msgspec.DecodeError:
             return
-        job_id, node = names.job_and_node_of_subject(msg.subject)
+        job_id, node = subject_parts.job_and_node_of_subject(msg.subject)
         job = self.core.jobs.get(job_id)
         if (
             job
             and job.status.state in ACTIVE_STATES
             and job.status.node == node  # only from the node that holds it
-            and names.tenant_of_event_subject(msg.subject) == job.stored.tenant
+            and subject_parts.tenant_of_event_subject(msg.subject) == job.stored.tenant
         ):  # under the job's own tenant
             job.status = msgspec.structs.replace(
                 job.status,
@@ -65,7 +65,7 @@ class JobEvents:
             # one job's events in order; different jobs' at once
             by_job = defaultdict(list)
             for msg in msgs:
-                by_job[names.job_and_node_of_subject(msg.subject)[0]].append(msg)
+                by_job[subject_parts.job_and_node_of_subject(msg.subject)[0]].append(msg)
             await asyncio.gather(*(self._apply_in_order(batch) for batch in by_job.values()))
 
     async def _apply_in_order(self, batch) -> None:
@@ -76,7 +76,7 @@ class JobEvents:
             except Exception as e:  # not acked: JetStream delivers it again (ack_wait), after the ones before it
                 log.warning(
                     "could not apply a state of job %s yet (%s: %s); it will be redelivered",
-                    names.job_and_node_of_subject(m.subject)[0],
+                    subject_parts.job_and_node_of_subject(m.subject)[0],
                     type(e).__name__,
                     e,
                 )
@@ -89,7 +89,7 @@ class JobEvents:
         except msgspec.DecodeError as e:
             log.warning("ignored a job state on %s that did not decode: %s", msg.subject, e)
             return
-        job_id, node = names.job_and_node_of_subject(msg.subject)
+        job_id, node = subject_parts.job_and_node_of_subject(msg.subject)
         if (ev.job, ev.node) != (job_id, node):
             log.warning("ignored a state of job %s from node %s sent on %s", ev.job, ev.node, msg.subject)
             return
@@ -163,7 +163,7 @@ class JobEvents:
 def _for_this_attempt(job: Job, ev: StateChange, node: str, subject: str) -> bool:
     """Whether a state event is the job's own: sent under its tenant, by the node of its current attempt (an ended
     job's last word from any node is looked at: it is refused later if it would change anything)."""
-    if names.tenant_of_event_subject(subject) != job.stored.tenant:
+    if subject_parts.tenant_of_event_subject(subject) != job.stored.tenant:
         log.warning(
             "ignored a state of job %s from node %s sent on %s: not under the job's tenant", ev.job, node, subject
         )

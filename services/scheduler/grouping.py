@@ -21,7 +21,8 @@ from collections.abc import Container
 from dataclasses import dataclass, field
 
 from schemas.co_train import DIR_KEY, GroupKey, group_key, group_process, own_mib, shared_mib, why_alone, why_alone_now
-from schemas.jobs import JobRequest, JobStatus
+from schemas.jobs import JobRequest
+from schemas.job_status import JobStatus
 from schemas.memory import Estimate, estimate
 from services.scheduler.config import SchedulerConfig
 from services.scheduler.fleet import Fleet, SlotKey

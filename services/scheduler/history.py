@@ -5,9 +5,9 @@ from __future__ import annotations
 import msgspec
 from nats.js.errors import NotFoundError
 
-from schemas import names
+from schemas import names, subject_parts
 from schemas.events import EventEntry, EventPage, EventsQuery, JobEvent, Preparing, StateChange
-from schemas.jobs import JobStatus
+from schemas.job_status import JobStatus
 
 _event = msgspec.json.Decoder(JobEvent)
 
@@ -24,7 +24,7 @@ async def events_page(js, q: EventsQuery, status: JobStatus, tenant: str | None)
         if msg is None:
             return EventPage(job=q.job, events=entries, next=seq, more=False)
         seq = msg.seq
-        node = names.job_and_node_of_subject(msg.subject)[1]
+        node = subject_parts.job_and_node_of_subject(msg.subject)[1]
         try:
             event = _event.decode(msg.data)
         except msgspec.DecodeError:

@@ -10,7 +10,8 @@ from dataclasses import dataclass
 
 import msgspec
 
-from schemas.jobs import FieldError, IdempotencyRecord, JobId, JobRequest
+from schemas.jobs import FieldError, JobId, JobRequest
+from schemas.job_status import IdempotencyRecord
 from schemas.validate import InvalidRequest
 from services.scheduler.store import JobStore
 

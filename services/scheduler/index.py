@@ -8,7 +8,7 @@ import json
 import msgspec
 from nats.js.errors import NotFoundError
 
-from schemas import names
+from schemas import names, nats_subjects
 from services.jetstream_writer import JetStreamWriter, ViaJsPublish
 
 STREAM = names.JOB_INDEX_STREAM
@@ -117,7 +117,7 @@ class JobIndex:
         sub = await self.nc.subscribe(inbox)
         try:
             body = json.dumps(request).encode()
-            await self.nc.publish(names.js_api("DIRECT", "GET", STREAM), body, reply=inbox)
+            await self.nc.publish(nats_subjects.js_api("DIRECT", "GET", STREAM), body, reply=inbox)
             out: list[Entry] = []
             while True:
                 msg = await sub.next_msg(timeout=timeout)

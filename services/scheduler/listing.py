@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 
 from schemas import names
-from schemas.jobs import TERMINAL_STATES, JobList, JobListQuery, JobStatus, JobSummary, summarize
+from schemas.job_status import TERMINAL_STATES, JobList, JobListQuery, JobStatus, JobSummary, summarize
 from services.scheduler.index import Entry, JobIndex, decode_finished
 from services.scheduler.store import JobStore
 

@@ -12,9 +12,9 @@ import time
 
 import msgspec
 
-from schemas import names
+from schemas import names, subject_parts
 from schemas.events import StateChange
-from schemas.jobs import ACTIVE_STATES
+from schemas.job_status import ACTIVE_STATES
 from schemas.nodes import Heartbeat
 from schemas.validate import InvalidRequest, decoder_for
 from services.aio import sleep_unless_stopped
@@ -43,7 +43,7 @@ class Liveness:
         except InvalidRequest as e:
             log.warning("dropped a heartbeat on %s that did not decode: %s", msg.subject, e)
             return
-        if hb.node != names.node_of_subject(msg.subject):
+        if hb.node != subject_parts.node_of_subject(msg.subject):
             log.warning("dropped a heartbeat for node %s sent on %s", hb.node, msg.subject)
             return
         if not core.may_act():  # a heartbeat buffered while this scheduler stalled past its lease: not ours to judge

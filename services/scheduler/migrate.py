@@ -8,7 +8,7 @@ import time
 
 import msgspec
 
-from schemas.jobs import TERMINAL_STATES
+from schemas.job_status import TERMINAL_STATES
 from services.scheduler.index import Finished, JobIndex
 from services.scheduler.store import JobStore
 

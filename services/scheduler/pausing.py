@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import logging
 
-from schemas.jobs import ACTIVE_STATES, Error
+from schemas.jobs import Error
+from schemas.job_status import ACTIVE_STATES
 from schemas.nodes import Control, ControlReply, Heartbeat
 from services import bus
 from services.scheduler.config import engine_priority

@@ -23,7 +23,7 @@ from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
-from schemas.jobs import ACTIVE_STATES
+from schemas.job_status import ACTIVE_STATES
 from services.aio import sleep_unless_stopped
 from services.scheduler import grouping, sharing
 from services.scheduler.core import Job, SchedulerCore

@@ -9,7 +9,7 @@ import logging
 import time
 
 from services.aio import wait_first
-from schemas.jobs import TERMINAL_STATES
+from schemas.job_status import TERMINAL_STATES
 from services.scheduler.core import Job, SchedulerCore, held
 from services.scheduler.grouping import holder
 

@@ -11,7 +11,8 @@ import msgspec
 
 from schemas import names
 from schemas.datasets import PinnedJob, Pinning, PinningQuery
-from schemas.jobs import TERMINAL_STATES, FieldError, JobRequest
+from schemas.jobs import FieldError, JobRequest
+from schemas.job_status import TERMINAL_STATES
 from services.scheduler import registry_asks
 from services.scheduler.core import SchedulerCore
 from services.scheduler.registry_asks import RegistryUnanswered

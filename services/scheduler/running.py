@@ -12,7 +12,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from schemas.jobs import JobStatus
+from schemas.job_status import JobStatus
 
 
 @dataclass

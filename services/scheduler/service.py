@@ -12,8 +12,8 @@ from nats.js.errors import NotFoundError
 from nats.aio.client import Client
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
-from schemas import names
-from schemas.jobs import TERMINAL_STATES
+from schemas import names, nats_subjects
+from schemas.job_status import TERMINAL_STATES
 from services import __version__, bus
 from services.jetstream_writer import JetStreamWriter
 from services.aio import cancel_and_wait, sleep_unless_stopped, wait_first
@@ -114,7 +114,7 @@ class Scheduler:
     async def _idempotency_bucket(self):
         """The bucket whose max age is this scheduler's idempotency window: a key expires when its window ends."""
         kv = await self.js.key_value(names.IDEMPOTENCY_KV)
-        config = (await self.js.stream_info(names.kv(names.IDEMPOTENCY_KV).stream)).config
+        config = (await self.js.stream_info(nats_subjects.kv(names.IDEMPOTENCY_KV).stream)).config
         if config.max_age != self.cfg.idempotency_window_s:
             window = self.cfg.idempotency_window_s  # JetStream wants a duplicate window no longer than the max age
             await self.js.update_stream(

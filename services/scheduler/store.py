@@ -26,7 +26,8 @@ from schemas.job_records import (
     status_key,
     without_data,
 )
-from schemas.jobs import IdempotencyRecord, JobId, JobStatus, StoredRequest
+from schemas.jobs import JobId
+from schemas.job_status import IdempotencyRecord, JobStatus, StoredRequest
 from services.jetstream_writer import JetStreamWriter, ViaJsPublish
 from services.scheduler.fence import Fence
 

@@ -15,7 +15,8 @@ from collections.abc import Awaitable
 import msgspec
 
 from schemas.job_checks import parse_job_request
-from schemas.jobs import Accepted, FieldError, JobRequest, JobStatus, Rejected, StoredRequest, Unsure
+from schemas.jobs import Accepted, FieldError, JobRequest, Rejected, Unsure
+from schemas.job_status import JobStatus, StoredRequest
 from services import bus, graders
 from services.scheduler import references, sizing
 from services.scheduler.submission_checks import capacity_errors, held_mib, quota_errors

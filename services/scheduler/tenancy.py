@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections import Counter
 from typing import Any
 
-from schemas.jobs import ACTIVE_STATES, JobStatus
+from schemas.job_status import ACTIVE_STATES, JobStatus
 from services.scheduler.grouping import FounderKey
 from services.scheduler.running import RunningIndex
 

@@ -7,7 +7,8 @@ from collections import Counter
 
 import msgspec
 
-from schemas.jobs import JobRequest, JobSummary, NodeWhy, summarize
+from schemas.jobs import JobRequest
+from schemas.job_status import JobSummary, NodeWhy, summarize
 from services.scheduler import sharing
 from services.scheduler.core import Job, SchedulerCore
 from services.scheduler.sharing import ShareTable

@@ -13,7 +13,7 @@ from pathlib import Path
 from nats.aio.client import Client
 from nats.js.errors import NotFoundError
 
-from schemas import names
+from schemas import names, nats_subjects
 from schemas.artifacts import ArtifactInfo
 from schemas.object_headers import info_from_object
 
@@ -112,7 +112,7 @@ async def fetch_small(js, bucket: str, name: str, sha256: str) -> bytes | None:
 async def _read_chunks(js, bucket: str, info, f) -> str:
     """Write the object's chunks into f in order; returns their sha256 (hex)."""
     digest = hashlib.sha256()
-    store = names.objects(bucket)
+    store = nats_subjects.objects(bucket)
     subject, seq = store.chunks(info.nuid), 0
     for n in range(info.chunks or 0):
         try:

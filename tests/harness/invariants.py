@@ -21,7 +21,7 @@ import msgspec
 from nats.js.api import DeliverPolicy
 
 from schemas import names
-from schemas.jobs import ACTIVE_STATES, TERMINAL_STATES, JobStatus
+from schemas.job_status import ACTIVE_STATES, TERMINAL_STATES, JobStatus
 from schemas.job_records import JOBS, STATUS
 
 _status = msgspec.json.Decoder(JobStatus)

@@ -13,7 +13,7 @@ import msgspec
 
 from schemas import names
 from schemas.events import StateChange
-from schemas.jobs import JobState
+from schemas.job_status import JobState
 from schemas.nodes import AssignAccepted, Assignment, Control, ControlReply, Device, Heartbeat, RunningAttempt
 from services import bus
 

@@ -12,7 +12,7 @@ from collections.abc import Callable
 
 from nats.js.api import DeliverPolicy
 
-from schemas import names
+from schemas import names, nats_subjects
 from schemas.tinker_store import LIVE_S, GatewayRecord, SessionRecord, gateway_key, ident
 from services.gateway.tinker.store import Store
 
@@ -37,7 +37,7 @@ class Mirror:
         self._subs: list = []
 
     async def start(self) -> None:
-        kv, futures = names.kv(names.TINKER_KV), names.kv(names.TINKER_FUTURES_KV)
+        kv, futures = nats_subjects.kv(names.TINKER_KV), nats_subjects.kv(names.TINKER_FUTURES_KV)
         ready = [asyncio.Event(), asyncio.Event()]
         for n, (subject, handle) in enumerate(
             ((kv.prefix + gateway_key(), self._gateway), (kv.prefix + "session.>", self._session))
@@ -58,7 +58,7 @@ class Mirror:
     async def _follow(self, stream: str, subject: str, handle, ready: asyncio.Event):
         async def cb(msg) -> None:
             try:
-                handle(msg.subject.removeprefix(names.kv(names.TINKER_KV).prefix), msg)
+                handle(msg.subject.removeprefix(nats_subjects.kv(names.TINKER_KV).prefix), msg)
             except Exception:  # one record that does not decode: said, and the mirror goes on
                 log.exception("a Tinker record on %s did not decode", msg.subject)
             if msg.metadata.num_pending == 0:
@@ -87,7 +87,7 @@ class Mirror:
             self.sessions[session] = (self.store.decode(SessionRecord, msg.data), msg.metadata.sequence.stream)
 
     async def _call(self, msg) -> None:
-        parts = msg.subject.removeprefix(names.kv(names.TINKER_FUTURES_KV).prefix).split(".", 2)
+        parts = msg.subject.removeprefix(nats_subjects.kv(names.TINKER_FUTURES_KV).prefix).split(".", 2)
         if len(parts) == 3 and _operation(msg) not in GONE_OPS:
             self.on_call(parts[1], ident(parts[2]))
 

@@ -13,7 +13,8 @@ import time
 
 import msgspec
 
-from schemas.jobs import Error, JobReply
+from schemas.jobs import Error
+from schemas.job_status import JobReply
 from schemas.sessions import SessionSpec
 from schemas.tinker_store import ModelRecord, SamplerSave, model_key
 from services.gateway.openai_map import BaseModel

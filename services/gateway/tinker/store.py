@@ -14,7 +14,7 @@ from typing import TypeVar
 import msgspec
 from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError, NotFoundError
 
-from schemas import names
+from schemas import names, nats_subjects
 from schemas.tinker_store import session_records
 from services.runtime import StartupError
 
@@ -131,8 +131,9 @@ class Store:
         await self.kv.purge(main[0])  # a marker, so every gateway's mirror of sessions drops it
         for pattern in main[1:]:
             await self.js.purge_stream(
-                names.kv(names.TINKER_KV).stream, subject=names.kv(names.TINKER_KV).prefix + pattern
+                nats_subjects.kv(names.TINKER_KV).stream, subject=nats_subjects.kv(names.TINKER_KV).prefix + pattern
             )
         await self.js.purge_stream(
-            names.kv(names.TINKER_FUTURES_KV).stream, subject=names.kv(names.TINKER_FUTURES_KV).prefix + calls
+            nats_subjects.kv(names.TINKER_FUTURES_KV).stream,
+            subject=nats_subjects.kv(names.TINKER_FUTURES_KV).prefix + calls,
         )

@@ -14,7 +14,8 @@ from dataclasses import dataclass
 
 from schemas import names
 from schemas.events import CheckpointList
-from schemas.jobs import Error, JobQuery, JobReply, JobRequest, Rejected, SubmitReply
+from schemas.jobs import Error, JobRequest, Rejected, SubmitReply
+from schemas.job_status import JobQuery, JobReply
 from schemas.sessions import CallError, SessionCall, SessionReply, SessionRequest
 from schemas.tinker_store import ModelRecord, model_key
 from services import bus
