@@ -64,6 +64,7 @@ WATCHED = re.compile(
     r"fair share: the longest wait of a tenant below its share for a device while another held more: ([\d.]+) s "
     r"\(tenant (\S+)\); (\d+) past the allowance of [\d.]+ s; the longest below its share: ([\d.]+) s \(tenant (\S+)\)"
 )
+GC_CPU = re.compile(r"the longest of each generation took ([\d.]+), ([\d.]+), ([\d.]+) ms of CPU")
 OWN = re.compile(r"placement passes without it: the longest ([\d.]+) ms, (\d+) past their budget \((\d+) passes")
 enc = msgspec.json.Encoder()
 dec_reply = msgspec.json.Decoder(SubmitReply)
@@ -96,6 +97,8 @@ async def run_once(args, side: str) -> dict:
     text = Path(log).read_text()
     if m := re.search(r"preemptions: (.*)", text):
         out["preempt_log"] = m[1]
+    if m := GC_CPU.search(text):
+        out.update(gc_young_cpu_ms=max(float(m[2]), float(m[3])))
     if m := OWN.search(text):
         out.update(own_pass_ms=float(m[1]), own_cut_short=int(m[2]), gc_in_pass=int(m[3]))
     if m := WATCHED.search(text):
@@ -279,7 +282,8 @@ def report(args, results: dict[str, list[dict]], promises: Guarantees) -> None:
         print(
             f"  garbage collection while leading: {fig(side, 'gc_full', count)} full, the longest "
             f"{fig(side, 'gc_full_ms', lambda v: f'{v:.1f}')} ms; younger ones the longest "
-            f"{fig(side, 'gc_young_ms', lambda v: f'{v:.1f}')} ms; passes without its pauses: longest "
+            f"{fig(side, 'gc_young_ms', lambda v: f'{v:.1f}')} ms (of CPU {fig(side, 'gc_young_cpu_ms', lambda v: f'{v:.1f}')} "
+            f"ms); passes without its pauses: longest "
             f"{fig(side, 'own_pass_ms', lambda v: f'{v:.1f}')} ms, past their budget {fig(side, 'own_cut_short', count)} "
             f"({fig(side, 'gc_in_pass', count)} passes a collection landed in)"
         )

@@ -57,16 +57,19 @@ class GcPauses:
     def __init__(self) -> None:
         self.count: Counter[int] = Counter()
         self.longest_s: dict[int, float] = {0: 0.0, 1: 0.0, 2: 0.0}
+        self.longest_cpu_s: dict[int, float] = {0: 0.0, 1: 0.0, 2: 0.0}  # the CPU time of each generation's longest
         self.unreachable = 0  # objects full collections found in reference cycles (what freezing would keep)
-        self._began = 0.0
+        self._began = self._began_cpu = 0.0
 
     def __call__(self, phase: str, info: dict) -> None:
         if phase == "start":
-            self._began = time.perf_counter()
+            self._began, self._began_cpu = time.perf_counter(), time.thread_time()
             return
         took, generation = time.perf_counter() - self._began, info.get("generation", 2)
         self.count[generation] += 1
-        self.longest_s[generation] = max(self.longest_s.get(generation, 0.0), took)
+        if took > self.longest_s.get(generation, 0.0):
+            self.longest_s[generation] = took
+            self.longest_cpu_s[generation] = time.thread_time() - self._began_cpu
         if generation == 2:
             self.unreachable += info.get("collected", 0) + info.get("uncollectable", 0)
         if generation >= 1:  # what survived two collections lives long: no full collection need walk it
@@ -86,7 +89,9 @@ class GcPauses:
         return (
             f"{self.count[2]} full collections (the longest {self.longest_s[2] * 1000:.1f} ms), {self.count[1]} of "
             f"generation 1 (the longest {self.longest_s[1] * 1000:.1f} ms), {self.count[0]} young (the longest "
-            f"{self.longest_s[0] * 1000:.1f} ms); {self.unreachable} objects found in cycles by full collections"
+            f"{self.longest_s[0] * 1000:.1f} ms); {self.unreachable} objects found in cycles by full collections; the "
+            f"longest of each generation took {', '.join(f'{self.longest_cpu_s[g] * 1000:.1f}' for g in (2, 1, 0))} "
+            "ms of CPU (the rest: the process waited for a core)"
         )
 
 
