@@ -36,6 +36,7 @@ class StatusWatch:
         self.assigned_since: dict[str, float] = {}
         self.holders: dict[tuple[str, int], dict[str, str | None]] = defaultdict(dict)  # slot -> job -> its group
         self.violations: list[str] = []
+        self.placements: dict[str, list[tuple[int, str, float]]] = defaultdict(list)  # job -> (attempt, node, when)
         self.writes = 0
         self._sub = None
 
@@ -71,6 +72,9 @@ class StatusWatch:
                 held[job] = status.group
         if status.state == "assigned":
             self.assigned_since.setdefault(job, time.monotonic())
+            placed = self.placements[job]
+            if status.node is not None and (not placed or placed[-1][0] != status.attempt):
+                placed.append((status.attempt, status.node, status.updated))
         else:
             self.assigned_since.pop(job, None)
 
