@@ -282,3 +282,26 @@ def test_what_a_grader_prints_costs_the_service_nothing():
     spent = after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime
     assert result.error == "" and result.score > 0, result
     assert spent < 0.2 * took, f"the service spent {spent:.2f} CPU-s over a {took:.2f} s call the grader flooded"
+
+
+# A socket of each family a grader may reach: AF_VSOCK (the hypervisor's channel on a VM, which no network namespace
+# holds on this kernel) and, taken as usual, the families its empty network namespace covers.
+SOCKETS = r"""
+import errno, socket
+def grade(sample, item):
+    [s.close() for s in socket.socketpair(socket.AF_UNIX)]
+    socket.socket(socket.AF_INET).close()
+    socket.socket(socket.AF_INET6).close()
+    socket.socket(socket.AF_NETLINK, socket.SOCK_DGRAM).close()
+    try:
+        socket.socket(socket.AF_VSOCK, socket.SOCK_STREAM).close()
+    except OSError as e:
+        return 1.0 if e.errno == errno.EAFNOSUPPORT else float(e.errno)
+    return 0.0
+"""
+
+
+@pytest.mark.skipif(not hasattr(__import__("socket"), "AF_VSOCK"), reason="this Python has no AF_VSOCK")
+def test_a_socket_family_no_namespace_holds_is_refused():
+    [result] = graded(SOCKETS)
+    assert result.score == 1.0 and result.error == "", f"AF_VSOCK: {result}"

@@ -7,20 +7,25 @@ Refused (by family): the kernel keyrings, io_uring, bpf, perf_event_open, userfa
 tracing (ptrace, process_vm_*, kcmp, pidfd_getfd), mounts, namespaces (unshare, setns, clone with a namespace flag;
 clone3 answers ENOSYS, whose flags a filter cannot read, so the C library falls back to clone), and the machine's
 own settings (modules, kexec, reboot, swap, clock, quota, accounting, the kernel log, file handles, port I/O,
-personality, NUMA moves). A call of another ABI (i386's int 0x80, x32) is refused whatever it is."""
+personality, NUMA moves). A call of another ABI (i386's int 0x80, x32) is refused whatever it is. A socket (or
+socket pair) of a family other than those the sandbox's network namespace holds (unix, inet, inet6, netlink) answers
+EAFNOSUPPORT, as a kernel without that family would: AF_VSOCK, the channel to the hypervisor on a VM, belongs to no
+network namespace here, nor do several others (AF_ALG, AF_BLUETOOTH, AF_RDS, ...) a grader has no use for."""
 
 from __future__ import annotations
 
 import ctypes
 import os
 
-EPERM, ENOSYS = 1, 38
+EPERM, ENOSYS, EAFNOSUPPORT = 1, 38, 97
 NEW_PRIVS, SET_SECCOMP, MODE_FILTER = 38, 22, 2  # prctl's options
 AUDIT_ARCH = {"x86_64": 0xC000003E, "aarch64": 0xC00000B7}
 X32_BIT = 0x40000000
 NAMESPACE_FLAGS = 0x7E020080  # CLONE_NEWNS, NEWCGROUP, NEWUTS, NEWIPC, NEWUSER, NEWPID, NEWNET, NEWTIME
 CLONE = {"x86_64": 56, "aarch64": 220}
 CLONE3 = 435
+SOCKET = {"x86_64": (41, 53), "aarch64": (198, 199)}  # socket, socketpair
+FAMILIES = (1, 2, 10, 16)  # AF_UNIX, AF_INET, AF_INET6, AF_NETLINK: what a network namespace of its own holds
 
 # name: (x86_64, aarch64); None where the architecture has no such call
 DENIED: dict[str, dict[str, tuple[int | None, int | None]]] = {
@@ -104,7 +109,7 @@ def denied(machine: str) -> list[int]:
 
 def program(machine: str) -> list[tuple[int, int, int, int]]:
     """The filter for `machine` as (code, jt, jf, k) instructions: arch checked, then each refused number, then
-    clone's flags; the verdicts at the end, jumped to."""
+    clone's flags and sockets' families; the verdicts at the end, jumped to."""
     body: list[tuple[int | str, int | str, int | str, int]] = [
         (LD_ABS_W, 0, 0, ARCH_AT),
         (JEQ, 0, "refuse", AUDIT_ARCH[machine]),
@@ -113,12 +118,19 @@ def program(machine: str) -> list[tuple[int, int, int, int]]:
     if machine == "x86_64":
         body.append((JGE, "refuse", 0, X32_BIT))
     body += [(JEQ, "clone", 0, CLONE[machine]), (JEQ, "enosys", 0, CLONE3)]
+    body += [(JEQ, "socket", 0, nr) for nr in SOCKET[machine]]
     body += [(JEQ, "refuse", 0, nr) for nr in denied(machine)]
     body += [
         (RET, 0, 0, ALLOW),
         ("clone", 0, 0, 0),  # a label: the next instruction's
         (LD_ABS_W, 0, 0, ARG0_AT),
         (JSET, "refuse", 0, NAMESPACE_FLAGS),
+        (RET, 0, 0, ALLOW),
+        ("socket", 0, 0, 0),
+        (LD_ABS_W, 0, 0, ARG0_AT),
+        *[(JEQ, "allow", 0, family) for family in FAMILIES],
+        (RET, 0, 0, ERRNO | EAFNOSUPPORT),
+        ("allow", 0, 0, 0),
         (RET, 0, 0, ALLOW),
         ("refuse", 0, 0, 0),
         (RET, 0, 0, ERRNO | EPERM),
