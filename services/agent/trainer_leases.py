@@ -10,7 +10,7 @@ import logging
 import time
 from collections.abc import Awaitable, Callable
 
-from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError, NotFoundError
+from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError
 from nats.js.kv import KeyValue
 
 from schemas import names, trainer_lease
@@ -33,18 +33,32 @@ class TrainerLeases:
 
     def __init__(self, js, node: str) -> None:
         self.js, self.node = js, node
-        self.kv: KeyValue | None = None  # the bucket, once open; None: the fence is off (see open)
+        self.kv: KeyValue | None = None  # the bucket, once open; None: not open yet (see open)
         self.held: dict[Key, int] = {}
+        self.unfenced: set[Key] = set()  # attempts whose trainer started while the bucket could not be opened
+        self.said = False  # that the bucket cannot be opened (said once, loudly)
 
     async def open(self) -> None:
-        """The bucket, made by the scheduler (ensure_resources). Without it (a scheduler of a release before it),
-        trainers are held by the heartbeat alone, as they were then: said loudly."""
+        """The bucket, made by the scheduler (ensure_resources). Without it (a scheduler of a release before it,
+        or one that has not made it yet: agents may start first), an attempt's trainer is held by the heartbeat
+        alone, as it was then, said loudly; each attempt that starts tries to open it again, so an agent started
+        before the scheduler, or while JetStream did not answer, is not left without the fence for good."""
+        if self.kv is not None:
+            return
         try:
             self.kv = await asyncio.wait_for(self.js.key_value(names.TRAINER_LEASES_KV), REQUEST_S)
-        except (NotFoundError, asyncio.TimeoutError) as e:
+            if self.said:
+                log.warning(
+                    "the trainer lease bucket %s is open: attempts started from now on hold it", names.TRAINER_LEASES_KV
+                )
+        except Exception as e:  # not made yet (NotFoundError), JetStream not answering (a timeout, no responders)
+            if self.said:
+                return
+            self.said = True
             log.warning(
                 "the trainer lease bucket %s cannot be opened (%s): a job moved off this node while it was silent may "
-                "be trained here and on its next node at once; upgrade the scheduler, which makes the bucket",
+                "be trained here and on its next node at once; start (or upgrade) the scheduler, which makes the bucket: "
+                "each attempt that starts here tries to open it again",
                 names.TRAINER_LEASES_KV,
                 type(e).__name__,
             )
@@ -58,8 +72,11 @@ class TrainerLeases:
         """Hold the job's lease for this attempt: at once when nobody holds it, else once its holder's lease has
         lapsed (the entry unchanged for the holder's lease_s since we first saw it so) or it let go. `waiting` is
         told once who it waits for. The monotonic time the taking write was sent (the trainer may compute lease_s
-        from it); None when the fence is off. Superseded when a newer attempt holds it."""
+        from it); None when the fence is off (the bucket still cannot be opened). Superseded when a newer attempt
+        holds it."""
+        await self.open()
         if self.kv is None:
+            self.unfenced.add((job, attempt))
             return None
         mine, told = self.holder(job, attempt, lease_s), False
         seen: tuple[int, float] | None = None  # the holder's revision, and when we first saw it
@@ -102,14 +119,14 @@ class TrainerLeases:
     def holds(self, job: str, attempt: int) -> bool:
         """Whether this attempt's trainer may compute as far as the bucket goes: the entry is ours (or the fence is
         off); False while it waits for another attempt's lease, and once it lost it."""
-        return self.kv is None or (job, attempt) in self.held
+        return self.kv is None or (job, attempt) in self.held or (job, attempt) in self.unfenced
 
     async def renew(self, job: str, attempt: int, lease_s: float) -> bool | None:
         """Write our entry again over the revision we hold: True when it was (the trainer may go on lease_s from
         the moment the caller sent its heartbeat), False when another attempt took it over (ours must end now),
         None when it is not known now (the bus away, or not held yet)."""
-        if self.kv is None:
-            return True  # no fence: the heartbeat alone decides
+        if self.kv is None or (job, attempt) in self.unfenced:
+            return True  # no fence (it started without the bucket): the heartbeat alone decides
         last = self.held.get((job, attempt))
         if last is None:
             return None
@@ -136,6 +153,7 @@ class TrainerLeases:
     async def release(self, job: str, attempt: int) -> None:
         """Let go of the entry (the attempt's trainer is gone): the job's next attempt starts without waiting. One
         that cannot be let go now lapses by itself."""
+        self.unfenced.discard((job, attempt))
         last = self.held.pop((job, attempt), None)
         if self.kv is None or last is None:
             return
