@@ -305,3 +305,26 @@ def grade(sample, item):
 def test_a_socket_family_no_namespace_holds_is_refused():
     [result] = graded(SOCKETS)
     assert result.score == 1.0 and result.error == "", f"AF_VSOCK: {result}"
+
+
+# Sets the runner's (pid 1's, its own uid's) CPU limit to nothing, then gives it lines to read.
+LIMIT_RUNNER = r"""
+import os, resource
+def grade(sample, item):
+    try:
+        resource.prlimit(1, resource.RLIMIT_CPU, (0, 0))
+    except PermissionError:
+        return 1.0
+    for _ in range(100000):
+        for fd in range(3, 64):
+            try:
+                os.write(fd, b'{"noise": 1}\n')
+            except OSError:
+                pass
+    return 0.0
+"""
+
+
+def test_the_runner_s_limits_are_out_of_the_grader_s_reach():
+    [result] = graded(LIMIT_RUNNER)
+    assert result.score == 1.0 and result.error == "", result  # killed by its new limit: the server's error, before

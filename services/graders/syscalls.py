@@ -10,7 +10,9 @@ own settings (modules, kexec, reboot, swap, clock, quota, accounting, the kernel
 personality, NUMA moves). A call of another ABI (i386's int 0x80, x32) is refused whatever it is. A socket (or
 socket pair) of a family other than those the sandbox's network namespace holds (unix, inet, inet6, netlink) answers
 EAFNOSUPPORT, as a kernel without that family would: AF_VSOCK, the channel to the hypervisor on a VM, belongs to no
-network namespace here, nor do several others (AF_ALG, AF_BLUETOOTH, AF_RDS, ...) a grader has no use for."""
+network namespace here, nor do several others (AF_ALG, AF_BLUETOOTH, AF_RDS, ...) a grader has no use for.
+prlimit64 on another process than the caller (pid 0) is refused: the runner has the grader's uid, and a grader that
+set the runner's CPU limit to nothing had it killed, its sample read as the server's fault."""
 
 from __future__ import annotations
 
@@ -25,6 +27,7 @@ NAMESPACE_FLAGS = 0x7E020080  # CLONE_NEWNS, NEWCGROUP, NEWUTS, NEWIPC, NEWUSER,
 CLONE = {"x86_64": 56, "aarch64": 220}
 CLONE3 = 435
 SOCKET = {"x86_64": (41, 53), "aarch64": (198, 199)}  # socket, socketpair
+PRLIMIT = {"x86_64": 302, "aarch64": 261}
 FAMILIES = (1, 2, 10, 16)  # AF_UNIX, AF_INET, AF_INET6, AF_NETLINK: what a network namespace of its own holds
 
 # name: (x86_64, aarch64); None where the architecture has no such call
@@ -109,7 +112,7 @@ def denied(machine: str) -> list[int]:
 
 def program(machine: str) -> list[tuple[int, int, int, int]]:
     """The filter for `machine` as (code, jt, jf, k) instructions: arch checked, then each refused number, then
-    clone's flags and sockets' families; the verdicts at the end, jumped to."""
+    clone's flags, sockets' families and prlimit's pid; the verdicts at the end, jumped to."""
     body: list[tuple[int | str, int | str, int | str, int]] = [
         (LD_ABS_W, 0, 0, ARCH_AT),
         (JEQ, 0, "refuse", AUDIT_ARCH[machine]),
@@ -119,6 +122,7 @@ def program(machine: str) -> list[tuple[int, int, int, int]]:
         body.append((JGE, "refuse", 0, X32_BIT))
     body += [(JEQ, "clone", 0, CLONE[machine]), (JEQ, "enosys", 0, CLONE3)]
     body += [(JEQ, "socket", 0, nr) for nr in SOCKET[machine]]
+    body.append((JEQ, "prlimit", 0, PRLIMIT[machine]))
     body += [(JEQ, "refuse", 0, nr) for nr in denied(machine)]
     body += [
         (RET, 0, 0, ALLOW),
@@ -130,6 +134,9 @@ def program(machine: str) -> list[tuple[int, int, int, int]]:
         (LD_ABS_W, 0, 0, ARG0_AT),
         *[(JEQ, "allow", 0, family) for family in FAMILIES],
         (RET, 0, 0, ERRNO | EAFNOSUPPORT),
+        ("prlimit", 0, 0, 0),
+        (LD_ABS_W, 0, 0, ARG0_AT),
+        (JEQ, "allow", "refuse", 0),  # pid 0: the caller's own limits
         ("allow", 0, 0, 0),
         (RET, 0, 0, ALLOW),
         ("refuse", 0, 0, 0),
