@@ -65,6 +65,7 @@ WATCHED = re.compile(
     r"\(tenant (\S+)\); (\d+) past the allowance of [\d.]+ s; the longest below its share: ([\d.]+) s \(tenant (\S+)\)"
 )
 GC_CPU = re.compile(r"the longest of each generation took ([\d.]+), ([\d.]+), ([\d.]+) ms of CPU")
+PASS_CPU = re.compile(r"of CPU: the longest pass ([\d.]+) ms, (\d+) passes past the budget")
 OWN = re.compile(r"placement passes without it: the longest ([\d.]+) ms, (\d+) past their budget \((\d+) passes")
 enc = msgspec.json.Encoder()
 dec_reply = msgspec.json.Decoder(SubmitReply)
@@ -99,6 +100,8 @@ async def run_once(args, side: str) -> dict:
         out["preempt_log"] = m[1]
     if m := GC_CPU.search(text):
         out.update(gc_young_cpu_ms=max(float(m[2]), float(m[3])))
+    if m := PASS_CPU.search(text):
+        out.update(pass_cpu_ms=float(m[1]), cpu_cut_short=int(m[2]))
     if m := OWN.search(text):
         out.update(own_pass_ms=float(m[1]), own_cut_short=int(m[2]), gc_in_pass=int(m[3]))
     if m := WATCHED.search(text):
@@ -285,7 +288,9 @@ def report(args, results: dict[str, list[dict]], promises: Guarantees) -> None:
             f"{fig(side, 'gc_young_ms', lambda v: f'{v:.1f}')} ms (of CPU {fig(side, 'gc_young_cpu_ms', lambda v: f'{v:.1f}')} "
             f"ms); passes without its pauses: longest "
             f"{fig(side, 'own_pass_ms', lambda v: f'{v:.1f}')} ms, past their budget {fig(side, 'own_cut_short', count)} "
-            f"({fig(side, 'gc_in_pass', count)} passes a collection landed in)"
+            f"({fig(side, 'gc_in_pass', count)} passes a collection landed in); the longest pass's CPU "
+            f"{fig(side, 'pass_cpu_ms', lambda v: f'{v:.1f}')} ms, passes past the budget on CPU alone "
+            f"{fig(side, 'cpu_cut_short', count)}"
         )
         for r in runs:
             print(f"  the slowest bursts to their share: {r['reach_slowest']}")

@@ -18,3 +18,16 @@ def test_each_generations_longest_pause_is_told_with_the_cpu_it_took():
         assert "ms of CPU" in pauses.line()
     assert gc.get_freeze_count() == 0  # leading ended: everything is the collector's again
     assert len(kept) == 10_000
+
+
+def test_a_pass_past_its_budget_is_told_apart_from_one_that_waited_for_a_core():
+    """A pass of 30 ms wall time that took 4 ms of CPU went past its budget waiting for a core, not working; one of
+    12 ms of CPU went past it on its own work."""
+    from services.scheduler.placer import PassStats
+
+    stats = PassStats()
+    stats.passed(0.030, 0.0, 0.004)
+    stats.passed(0.012, 0.0, 0.012)
+    stats.passed(0.002, 0.0, 0.002)
+    assert (stats.passes, stats.cut_short, stats.cpu_cut_short) == (3, 2, 1)
+    assert (stats.longest_s, stats.longest_cpu_s) == (0.030, 0.004)

@@ -210,11 +210,13 @@ class Scheduler:
         )
         log.info(
             "garbage collection while leading: %s; placement passes without it: the longest %.1f ms, %d past their "
-            "budget (%d passes a collection landed in)",
+            "budget (%d passes a collection landed in); of CPU: the longest pass %.1f ms, %d passes past the budget",
             self.gc.line(),
             passes.longest_own_s * 1000,
             passes.own_cut_short,
             passes.collected_in,
+            passes.longest_cpu_s * 1000,
+            passes.cpu_cut_short,
         )
         if self.preemption.stats:
             log.info("preemptions: %s", ", ".join(f"{k} {v}" for k, v in sorted(self.preemption.stats.items())))
