@@ -10,7 +10,12 @@ def test_each_generations_longest_pause_is_told_with_the_cpu_it_took():
     collection took 18 ms of CPU); the closing line says both, and what survived is frozen until leading ends."""
     kept = [[i] for i in range(10_000)]  # something for the collection to walk
     with GcPauses() as pauses:
+        for _ in range(100):  # a cycle of two for the collection to find and free
+            a: list = []
+            a.append([a])
+        del a
         gc.collect(1)
+        assert pauses.longest_found[1] >= 200
         assert pauses.count[1] == 1
         assert 0.0 < pauses.longest_s[1]
         assert 0.0 <= pauses.longest_cpu_s[1] <= pauses.longest_s[1] + 0.002  # thread_time's resolution

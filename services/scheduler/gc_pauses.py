@@ -58,6 +58,7 @@ class GcPauses:
         self.count: Counter[int] = Counter()
         self.longest_s: dict[int, float] = {0: 0.0, 1: 0.0, 2: 0.0}
         self.longest_cpu_s: dict[int, float] = {0: 0.0, 1: 0.0, 2: 0.0}  # the CPU time of each generation's longest
+        self.longest_found: dict[int, int] = {0: 0, 1: 0, 2: 0}  # and the objects it found in cycles (and freed)
         self.unreachable = 0  # objects full collections found in reference cycles (what freezing would keep)
         self._began = self._began_cpu = 0.0
 
@@ -70,6 +71,7 @@ class GcPauses:
         if took > self.longest_s.get(generation, 0.0):
             self.longest_s[generation] = took
             self.longest_cpu_s[generation] = time.thread_time() - self._began_cpu
+            self.longest_found[generation] = info.get("collected", 0) + info.get("uncollectable", 0)
         if generation == 2:
             self.unreachable += info.get("collected", 0) + info.get("uncollectable", 0)
         if generation >= 1:  # what survived two collections lives long: no full collection need walk it
@@ -91,7 +93,8 @@ class GcPauses:
             f"generation 1 (the longest {self.longest_s[1] * 1000:.1f} ms), {self.count[0]} young (the longest "
             f"{self.longest_s[0] * 1000:.1f} ms); {self.unreachable} objects found in cycles by full collections; the "
             f"longest of each generation took {', '.join(f'{self.longest_cpu_s[g] * 1000:.1f}' for g in (2, 1, 0))} "
-            "ms of CPU (the rest: the process waited for a core)"
+            f"ms of CPU (the rest: the process waited for a core) and found "
+            f"{', '.join(str(self.longest_found[g]) for g in (2, 1, 0))} objects in cycles"
         )
 
 
