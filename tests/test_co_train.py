@@ -246,6 +246,47 @@ def test_rows_of_any_order_get_their_own_adapters_delta():
         torch.testing.assert_close(out[i], expected)
 
 
+@pytest.mark.parametrize("tokens", [True, False])
+@pytest.mark.parametrize("dropout", [0.0, 0.5])
+def test_spans_of_alike_adapters_batched_get_each_its_own_delta_and_gradient(tokens, dropout):
+    """Spans laid end to end (trainer/co_train/layer.py's runs: adjacent spans of one size and rank go through one
+    batched matmul; other ranks, sizes, a dropout and gaps of no adapter beside them), as token positions of one row
+    (the group's flat layout) or as rows (a session group's batch); without dropout the base and the adapters go as
+    one autograd step (trainer/co_train/fused.py): each row gets its own adapter's delta, and each adapter's
+    gradient (and the input's) is what its rows alone give."""
+    from trainer.co_train import fused
+    from trainer.co_train.layer import LoraWeights
+
+    torch.manual_seed(0)
+    routing = RoutingHolder()
+    layer = MultiLoraLinear(torch.nn.Linear(6, 5).requires_grad_(False), routing)  # frozen, as a group's base
+    spans = [("a", 0, 4, 2), ("b", 4, 8, 2), ("c", 8, 12, 2), ("d", 12, 16, 3), ("e", 18, 21, 2), ("f", 21, 25, 2)]
+    for name, _, _, r in spans:
+        A, B = torch.randn(r, 6, requires_grad=True), torch.randn(5, r, requires_grad=True)
+        layer.adapters[name] = LoraWeights(A, B, {"c": 0.25}.get(name, 0.5), dropout if name == "f" else 0.0)
+    layer.adapters["f"].generator = torch.Generator().manual_seed(1)
+    routing.now = Routing([(name, slice(start, stop)) for name, start, stop, _ in spans], tokens=tokens)
+    x = (torch.randn(1, 27, 6) if tokens else torch.randn(27, 3, 6)).requires_grad_()
+    mine = (lambda t, a, b: t[0, a:b]) if tokens else (lambda t, a, b: t[a:b])  # noqa: E731
+    layer.train()
+    assert fused.takes(layer.base_layer, x, list(layer.adapters.values()), True) == (not dropout)  # the path tested
+    out = layer(x)
+    out.square().sum().backward()
+    grad_x, x.grad = x.grad.clone(), None
+    layer.adapters["f"].generator.manual_seed(1)
+    for name, start, stop, _ in spans:
+        w = layer.adapters[name]
+        got = [w.A.grad.clone(), w.B.grad.clone()]
+        w.A.grad = w.B.grad = None
+        alone = layer.base_layer(mine(x, start, stop)) + w.delta(mine(x, start, stop), training=True)
+        torch.testing.assert_close(mine(out, start, stop), alone)
+        alone.square().sum().backward()
+        torch.testing.assert_close(got, [w.A.grad, w.B.grad])
+        torch.testing.assert_close(mine(grad_x, start, stop), mine(x.grad, start, stop))
+    for gap in ((16, 18), (25, 27)):
+        torch.testing.assert_close(mine(out, *gap), layer.base_layer(mine(x, *gap)))
+
+
 def test_a_job_evaluates_its_own_adapter_as_peft_would(base, tiny_model, tmp_path):
     """Between steps a job's held-out loss is its adapter's alone, whoever shares the base: equal to the saved
     adapter's loaded in peft, through the same evaluate()."""

@@ -60,6 +60,14 @@ def positions_of(batch: Batch) -> torch.Tensor:
     return torch.where(mask, real, tail)
 
 
+def alike_together(micro: dict[str, Batch], ranks: dict[str, int]) -> dict[str, Batch]:
+    """The micro-batches in the order that lays alike jobs side by side: by width, then rows, then LoRA rank (ties
+    as given). Adjacent jobs of one width attend in one kernel call (varlen.py); of one shape and rank, their LoRAs
+    go through one batched matmul (layer.py). No job's result depends on where its rows are."""
+    order = sorted(micro, key=lambda job: (micro[job].input_ids.shape[1], micro[job].input_ids.shape[0], ranks[job]))
+    return {job: micro[job] for job in order}
+
+
 def combine(micro: dict[str, Batch], pad_id: int, model=None) -> Combined:
     """Each job's micro-batch (in the order given) as one batch: flat when `model`'s attention allows it."""
     if model is not None and varlen.supported(model):

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from schemas.events import TrainerSpec
-from trainer.co_train.combine import combine
+from trainer.co_train.combine import alike_together, combine
 from trainer.co_train.job import CoJob, StepResult, job_from_spec
 from trainer.co_train.job_losses import job_loss, reference_outputs
 from trainer.co_train.shared_base import SharedBase
@@ -97,7 +97,7 @@ class CoTrainer:
         jobs = self.running
         if not jobs:
             return []
-        micro = {j.name: j.next_micro_batch(self.device) for j in jobs}
+        micro = alike_together({j.name: j.next_micro_batch(self.device) for j in jobs}, self._ranks(jobs))
         combined = combine(micro, self.pad_id, self.base.model if self.flat else None)
         self.last_positions = combined.batch.input_ids.numel()
         failed = ""
@@ -112,6 +112,10 @@ class CoTrainer:
                 torch.cuda.empty_cache()
             raise StepOutOfMemory({j.name: combined.positions(j.name) for j in jobs}, failed)
         return [j for j in jobs if j.running and j.step_complete]
+
+    @staticmethod
+    def _ranks(jobs: list[CoJob]) -> dict[str, int]:
+        return {j.name: j.spec.request.lora.r for j in jobs}
 
     def _forward_backward(self, jobs: list[CoJob], micro: dict, combined) -> None:
         dpo = [j.name for j in jobs if isinstance(j.objective, Dpo)]

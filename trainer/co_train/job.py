@@ -125,7 +125,8 @@ class CoJob:
     def optimizer_step(self) -> StepResult:
         """Clip its gradients by its own norm, step its optimizer and schedule, and move its data on."""
         t = self.train
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(self.params, t.max_grad_norm or float("inf")))
+        norm = torch.nn.utils.clip_grad_norm_(self.params, t.max_grad_norm or float("inf"), foreach=True)
+        grad_norm = float(norm)
         lr = self.scheduler.get_last_lr()[0]
         self.optimizer.step()
         self.scheduler.step()
@@ -180,6 +181,9 @@ def job_from_spec(spec: TrainerSpec, base: SharedBase, tokenizer, device: str) -
     weights = base.attach(spec.job, spec.request.lora, t.seed)
     params = [p for w in weights.values() for p in (w.A, w.B)]
     optimizer = make_optimizer(params, t, device)
+    for group in optimizer.param_groups:  # torch's own: one call over the adapter's tensors, on the CPU too
+        if "foreach" in group:
+            group["foreach"] = True
     return CoJob(
         spec=spec,
         train_set=train_set,
