@@ -328,3 +328,35 @@ def grade(sample, item):
 def test_the_runner_s_limits_are_out_of_the_grader_s_reach():
     [result] = graded(LIMIT_RUNNER)
     assert result.score == 1.0 and result.error == "", result  # killed by its new limit: the server's error, before
+
+
+# Lines the runner must read and parse (JSON it ignores), as fast as it takes them, its own timers ignored, until the
+# runner has spent the CPU given (or the time runs out: -1).
+NOISE = r"""
+import os, signal, time
+LINE = b'[' + b'{"a": [1, 2.5, "x"]}, ' * 2500 + b'0]\n'
+def runner_cpu():
+    fields = open('/proc/1/stat').read().rsplit(')', 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf('SC_CLK_TCK')
+def grade(sample, item):
+    signal.signal(signal.SIGPROF, signal.SIG_IGN)
+    started = time.monotonic()
+    while runner_cpu() < item['runner_cpu_s']:
+        if time.monotonic() - started > 25:
+            return -1.0
+        for fd in range(3, 64):
+            try:
+                os.write(fd, LINE)
+            except OSError:
+                pass
+    return 1.0
+"""
+
+
+def test_the_runner_outlasts_any_cpu_the_grader_makes_it_spend():
+    """The runner was under the sandbox's per-process CPU limit (cpu_s a sample + 5 s), so a grader sending it noise
+    to parse had the kernel end it: the server's error, 'the sandbox ended early'. Only the grader's processes are."""
+    ctx = GraderContext(wall_s=30.0, cpu_s=0.01, memory_mib=256, max_processes=8)
+    source = PythonGrader(name="p", source=NOISE)
+    [result] = grade_many(source, [Sample.from_model_sample("x")], [{"runner_cpu_s": 5.5}], ctx)
+    assert result.score == 1.0 and result.error == "", result

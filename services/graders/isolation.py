@@ -125,14 +125,13 @@ def _binds() -> list[str]:
     return out
 
 
-def limits_prefix(prlimit: str, ctx: GraderContext, cases: int, nproc: bool) -> list[str]:
-    """prlimit's arguments: memory, CPU for the whole process (a backstop to the runner's per-sample timer),
-    processes (only where the uid is the sandbox's own), file size, open files, no core dumps."""
-    cpu = int(ctx.cpu_s * max(cases, 1) + 5)
+def limits_prefix(prlimit: str, ctx: GraderContext, nproc: bool) -> list[str]:
+    """prlimit's arguments: memory, processes (only where the uid is the sandbox's own), file size, open files, no
+    core dumps. No CPU limit: the runner's CPU is what the grader makes it spend reading, and a limit on it was the
+    grader's way to have it killed (the worker sets its own, worker.py)."""
     args = [
         prlimit,
         f"--as={ctx.memory_mib * 2**20}",
-        f"--cpu={cpu}",
         f"--fsize={FILE_MIB * 2**20}",
         f"--nofile={OPEN_FILES}",
         "--core=0",
@@ -148,7 +147,7 @@ def _unprivileged(setpriv: str) -> list[str]:
     return [setpriv, "--inh-caps=-all", "--ambient-caps=-all", "--bounding-set=-all", "--no-new-privs", "--"]
 
 
-def isolated_command(root: str, home: str, uid: int | None, ctx: GraderContext, cases: int) -> list[str]:
+def isolated_command(root: str, home: str, uid: int | None, ctx: GraderContext) -> list[str]:
     """The full command: namespaces, the chroot built by SETUP_SH, the uid (`uid`, as root) or a user namespace
     with no capability (None), the limits, the runner."""
     t = tools() or {}
@@ -162,7 +161,7 @@ def isolated_command(root: str, home: str, uid: int | None, ctx: GraderContext, 
         t["env"],
         "-i",  # nothing of the shell's (PWD) either
         *who,
-        *limits_prefix(t["prlimit"], ctx, cases, nproc=uid is not None),
+        *limits_prefix(t["prlimit"], ctx, nproc=uid is not None),
         python_binary(),
         "-I",
         "-S",
@@ -190,13 +189,13 @@ def hide_service() -> bool:
         return False
 
 
-def unisolated_command(home: str, ctx: GraderContext, cases: int, pid_namespace: bool) -> list[str]:
+def unisolated_command(home: str, ctx: GraderContext, pid_namespace: bool) -> list[str]:
     """Unisolated, for an operator who turned python graders on where isolation fails: the service's own uid,
     its own files readable, the network reachable; an empty environment, the scratch dir, the limits, and where
     `pid_namespace`, a pid namespace and /proc of its own (no capability left in it where it is a user namespace's)."""
     t = tools() or {}
     prlimit = t.get("prlimit") or shutil.which("prlimit")
-    prefix = limits_prefix(prlimit, ctx, cases, nproc=False) if prlimit else []
+    prefix = limits_prefix(prlimit, ctx, nproc=False) if prlimit else []
     runner = [*prefix, python_binary(), "-I", "-S", os.path.join(home, "runner.py")]
     if not pid_namespace:
         return runner

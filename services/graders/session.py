@@ -78,11 +78,11 @@ async def run(
         if plan.isolated:
             root = os.path.join(work, "root")
             os.mkdir(root, 0o755)
-            command = isolation.isolated_command(root, home, uid, ctx, len(cases))
+            command = isolation.isolated_command(root, home, uid, ctx)
         else:
             if not plan.pid_namespace:  # the grader sees this service's /proc: close its files there
                 isolation.hide_service()
-            command = isolation.unisolated_command(home, ctx, len(cases), plan.pid_namespace)
+            command = isolation.unisolated_command(home, ctx, plan.pid_namespace)
         if plan.pool is not None:
             # one more process than the grader's: unshare's, waiting outside the namespaces
             group = plan.pool.make(cgroups.Limits(ctx.memory_mib, ctx.max_processes + 1, ctx.cpus))

@@ -7,6 +7,7 @@ raises."""
 
 import json
 import os
+import resource
 import signal
 import sys
 import traceback
@@ -106,6 +107,15 @@ def _load(source: str, limits: dict):
     return grade, ""
 
 
+def _cpu_limit(limits: dict, cases: int) -> None:
+    """The worker's CPU for all its cases (and each process the grader forks, for its own), a backstop to the
+    per-case timers; the runner has none (what the grader makes it spend reading must not end it)."""
+    cpu = int(limits["cpu_s"] * max(cases, 1) + 5)
+    hard = resource.getrlimit(resource.RLIMIT_CPU)[1]
+    cpu = cpu if hard == resource.RLIM_INFINITY else min(cpu, hard)
+    resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu))
+
+
 def work(request: dict, channel: int) -> None:
     """The worker's life: nothing of the supervisor's but `channel` left open, then the grader. Its stdin, stdout
     and stderr are /dev/null: what the grader prints reaches no one (on the sandbox's stderr it made the service's
@@ -118,6 +128,7 @@ def work(request: dict, channel: int) -> None:
     os.closerange(3, channel)
     os.closerange(channel + 1, 1 << 16)
     limits = request["limits"]
+    _cpu_limit(limits, len(request["cases"]))
     signal.signal(signal.SIGALRM, _on_timer)
     signal.signal(signal.SIGPROF, _on_timer)
 
