@@ -89,3 +89,13 @@ async def test_an_export_downloads_by_signed_urls_and_loads_in_peft(nc, gateway,
             logits = model(input_ids=torch.tensor([tokens])).logits.float()
         got = torch.log_softmax(logits, -1)[0].gather(-1, torch.tensor(targets).unsqueeze(-1)).squeeze(-1)
         assert torch.allclose(got, torch.tensor(expected), atol=1e-4), (got, expected)
+
+
+def test_a_signed_urls_expiry_is_ascii_digits_of_a_plausible_time():
+    import time
+
+    from services.gateway.tinker.exports import _timestamp
+
+    assert _timestamp(str(int(time.time()) + 3600))
+    for bad in ("\u00b2", "9" * 5000, "-1", "", "1e9", " 12"):  # int() of these raises, or is no time: a 403
+        assert not _timestamp(bad), bad

@@ -207,3 +207,11 @@ async def test_every_loss_through_the_official_client_is_its_formula(nc, gateway
     assert "sampled tokens only" in refused["prompt advantage"], refused
     assert "forward_backward_custom" in refused["custom"], refused
     assert math.isfinite(out["after"])
+
+
+def test_a_sequence_id_no_sample_gave_out_is_none_never_a_key_or_an_int_that_raises():
+    from services.gateway.tinker.provenance import parse_sequence_id, sequence_id
+
+    assert parse_sequence_id(sequence_id("sess-1:train:0:s:ab12", 3, 1796650000)) == ("sess-1:train:0:s:ab12", 3)
+    for ident in ("not an id-0-1", "sess-1:s:ab-\u00b2-1", "a.b*-0-1", "x-" + "9" * 5000 + "-1", "-0-1", ""):
+        assert parse_sequence_id(ident) is None, ident  # a 400 naming sequence_id, not a 500

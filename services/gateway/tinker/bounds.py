@@ -95,10 +95,13 @@ class Bounds:
         while True:
             found = await self.store.get(self.store.kv, key, Holds)
             holds, revision = found if found is not None else (Holds(), None)
-            if any(h.id == held.id for h in holds.held):
-                return
             now = time.time()
             live = [h for h in holds.held if (h.expires is None or h.expires > now) and h.id not in ended]
+            same = next((h for h in live if h.id == held.id), None)
+            if same is not None and same.expires == held.expires:
+                return  # its place already
+            if same is not None:  # saved again with another TTL: its place follows (counted already)
+                live.remove(same)
             if len(live) >= bound and not checked:
                 checked = True
                 ended |= {h.id for h, out in zip(live, await asyncio.gather(*(gone(tenant, h) for h in live))) if out}

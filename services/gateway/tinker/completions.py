@@ -95,6 +95,12 @@ class Completions:
         for name, why in REFUSED.items():
             if data.get(name) not in (None, False, 0, {}, []):
                 raise bad_request(why, name)
+        options = data.get("stream_options")
+        if options is not None and (
+            not isinstance(options, dict) or not isinstance(options.get("include_usage", False), bool)
+        ):
+            raise bad_request("stream_options: give an object, {\"include_usage\": true or false}, or leave it out",
+                              "stream_options")  # fmt: skip
         if data.get("response_format") not in (None, {"type": "text"}):
             raise bad_request("response_format: only text is served", "response_format")
         path = data.get("model")

@@ -78,7 +78,7 @@ class Exports:
         ident, sig, expires = q.get("key", ""), q.get("sig", ""), q.get("expires", "")
         record = await ctx.keys.record(ident) if ident.isalnum() else None
         refused = TinkerRefusal(403, "this URL is not signed, or no longer opens: ask get_external_weights_urls again")
-        if record is None or not expires.isdigit() or int(expires) < time.time():
+        if record is None or not _timestamp(expires) or int(expires) < time.time():
             raise refused
         save = await ctx.saves.find(record.tenant, tinker_path(model, "external_weights", name.removeprefix(EXPORTED)))
         if save is None or save.name != name:
@@ -101,6 +101,11 @@ class Exports:
             while len(self.listed) > 256:
                 del self.listed[next(iter(self.listed))]
         return files
+
+
+def _timestamp(value: str) -> bool:
+    """A whole number of seconds as a signed URL carries one (ASCII digits, a date before the year 33658)."""
+    return value.isascii() and value.isdigit() and len(value) <= 12
 
 
 def _members(archive: Path) -> list[str]:

@@ -7,7 +7,7 @@ that its targets are the tokens the sequence sampled and that only sampled token
 from __future__ import annotations
 
 from schemas.sessions import RECORDED_LOGPROBS, SAMPLED_MASK, ForwardBackward
-from schemas.tinker_store import FutureRecord
+from schemas.tinker_store import FutureRecord, valid_id
 from services.gateway.tinker import proto
 from services.gateway.tinker.futures import Book
 from services.gateway.tinker.http import TinkerRefusal
@@ -25,9 +25,13 @@ def sequence_id(request: str, index: int, at: int) -> str:
 
 
 def parse_sequence_id(ident: str) -> tuple[str, int] | None:
+    """(request id, index) of an id sequence_id made; None for anything else (a request id no call could have is
+    never a key to look up, and only ASCII digits are an index: '²'.isdigit() is true but int('²') raises)."""
     request, _, rest = ident.rpartition("-")
     request, _, index = request.rpartition("-")
-    return (request, int(index)) if request and index.isdigit() else None
+    if not valid_id(request) or not index.isascii() or not index.isdigit() or len(index) > 9:
+        return None
+    return request, int(index)
 
 
 def check_inputs(fb: ForwardBackward) -> None:
