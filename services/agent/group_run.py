@@ -272,6 +272,13 @@ class GroupMember:
                 self.group.settle()
             self.events.put_nowait(Cancelled())
 
+    @property
+    def left_unconfirmed(self) -> bool:
+        """Cancelled out of a group whose process still runs: the process drops the job at its next step boundary
+        (a step under way goes on computing it), and does not say when it did."""
+        proc = self.group.proc
+        return self.cancelled and self.joined and proc is not None and proc.returncode is None
+
     def stop(self) -> None:
         self._ask("stop")
 

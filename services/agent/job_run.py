@@ -195,7 +195,10 @@ class JobLifecycle:
             log.exception("job %s failed in the agent", a.job)
             await self._report(run, "failed", f"the agent failed running the job: {e!r}")
         finally:
-            await self.leases.release(*run.key)  # its trainer is gone: the job's next attempt need not wait
+            if isinstance(run.trainer, GroupMember) and run.trainer.left_unconfirmed:
+                self.leases.forget(*run.key)  # its group may still compute it: the job's next attempt waits it out
+            else:
+                await self.leases.release(*run.key)  # its trainer is gone: the job's next attempt need not wait
             for local in run.datasets:
                 self.datasets.release(local)
             if not run.superseded:

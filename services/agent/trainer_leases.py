@@ -162,6 +162,12 @@ class TrainerLeases:
         except Exception as e:  # taken over, or the bus away: the next attempt waits out our lease
             log.info("job %s: attempt %d's trainer lease was not let go (%r); it lapses by itself", job, attempt, e)
 
+    def forget(self, job: str, attempt: int) -> None:
+        """Stop holding the entry without letting it go: its trainer may still compute (a co-training group's
+        process drops a cancelled job at its next step boundary), so the job's next attempt waits out our lease."""
+        self.unfenced.discard((job, attempt))
+        self.held.pop((job, attempt), None)
+
     async def _entry(self, job: str):
         assert self.kv is not None
         try:
