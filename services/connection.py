@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
 import logging
 import os
 import ssl
@@ -11,11 +12,17 @@ from dataclasses import dataclass
 from typing import Any
 
 import nats
+import nats.errors
 from nats.aio.client import Client
 
 from schemas import nats_subjects
 
 log = logging.getLogger(__name__)
+PING_INTERVAL_S = 5  # a service's connection pings the server this often (nats-py's default is 120 s) ...
+MAX_OUTSTANDING_PINGS = 3  # ... and, with this many unanswered, takes it for stale and reconnects: a connection
+# whose reading stopped (the server or a link silent, or nats-py's read loop ended) is replaced within ~20 s, not ~4 min
+ROUND_TRIP_KEPT_S = 60  # how long a round trip's PONG is waited for in the background after its caller gave up: past
+# the stale window above, so the connection is replaced (its PONGs forgotten) before nats-py would cancel the wait
 
 
 @dataclass
@@ -114,6 +121,20 @@ def redacted(url: str | None) -> str:
     return ",".join(shown)
 
 
+async def round_trip(nc: Client, timeout: float) -> None:
+    """Return once the server has everything this connection sent before (a PING answered by its PONG), or raise
+    nats.errors.FlushTimeoutError after `timeout`. Not nc.flush(timeout): on its timeout nats-py 2.16 cancels the
+    PONG's future but leaves it queued, and the PONG arriving later raises InvalidStateError in the read loop, which
+    ends: the connection goes on sending (heartbeats) but hears nothing (assignments, replies) until it is found
+    stale. Here the flush itself waits ROUND_TRIP_KEPT_S in the background, so a late PONG resolves a live future."""
+    flush = asyncio.ensure_future(nc.flush(timeout=ROUND_TRIP_KEPT_S))
+    try:
+        await asyncio.wait_for(asyncio.shield(flush), timeout)
+    except asyncio.TimeoutError:
+        flush.add_done_callback(lambda f: f.cancelled() or f.exception())  # its end is nobody's concern now
+        raise nats.errors.FlushTimeoutError from None
+
+
 async def _quiet(_error) -> None:
     pass
 
@@ -140,6 +161,8 @@ async def connect(opts: BusOptions, service: bool = True) -> Client:
         disconnected_cb=on_disconnect,
         reconnected_cb=on_reconnect,
         connect_timeout=5,
+        ping_interval=PING_INTERVAL_S,
+        max_outstanding_pings=MAX_OUTSTANDING_PINGS,
     )
     if not service:
         kwargs.update(allow_reconnect=False, connect_timeout=3, max_reconnect_attempts=1)  # 0 means forever in nats-py

@@ -25,6 +25,7 @@ from services.agent.job_run import RunningJob
 from services.agent.runner import TrainerRun
 from services.agent.trainer_leases import TrainerLeases
 from services.agent.yielding import Yielder
+from services.connection import round_trip
 from services.aio import sleep_unless_stopped
 
 log = logging.getLogger(__name__)
@@ -114,7 +115,7 @@ async def _renew_when_confirmed(agent: Agent, sent: float) -> None:
     a silence longer than the lease (the node was frozen or cut off) they go on only from the next heartbeat: the
     scheduler has then had one heartbeat to end the attempts it gave away meanwhile, before they compute again."""
     try:
-        await agent.nc.flush(timeout=FLUSH_TIMEOUT_S)
+        await round_trip(agent.nc, FLUSH_TIMEOUT_S)
     except Exception as e:  # cut off or stalled: the leases run out and the trainers wait before their next step
         log.warning("heartbeat not confirmed by the server (%s); trainers go on only until their lease ends", e)
         return
