@@ -1,7 +1,7 @@
 """Many adapters, one base (trainer/co_train): K jobs on the same base trained as one group in one process,
 against K separate trainer processes running at once (each with its share of the cores, or sharing the GPU with
 --device cuda), and against K trainer processes one after another (each with all of them). The separate processes
-are jetlora's own single-job trainer (trainer.setup.prepare and loop.optimizer_step: peft); every side trains the
+are jetlora's own single-job trainer (trainer.job.setup.prepare and loop.optimizer_step: peft); every side trains the
 same K jobs (their own seeds, data orders and ranks) for the same steps. Each process loads the model, takes one
 warm-up step, then waits until every process of its side is ready; the clock runs from then on. The sides rotate
 round by round (FACTS: a benchmark that runs its baseline and then its own side measures the machine's load, not
@@ -129,8 +129,8 @@ def worker(args) -> dict:
 
 
 def single_job(spec, steps: int) -> dict:
-    from trainer.loop import optimizer_step
-    from trainer.setup import prepare
+    from trainer.job.loop import optimizer_step
+    from trainer.job.setup import prepare
 
     run = prepare(spec)
     optimizer_step(run, run.batches[0:1])  # warm-up

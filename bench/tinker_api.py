@@ -1,7 +1,7 @@
 """What the Tinker API costs on top of the training it drives: a forward_backward + optim_step of the same batch on
 the tests' tiny model, through the official `tinker` client, the gateway, NATS, the agent and the session trainer
 (`jetlora up` and `jetlora gateway` as processes), against the same two calls made in this process on a session's
-own Session object (trainer/session.py: the same code the session trainer runs). The sides alternate in rounds of
+own Session object (trainer/session/serve.py: the same code the session trainer runs). The sides alternate in rounds of
 `--steps`; reported: each side's p50 and p99 per step, and the API's overhead (API minus in-process) at p50 and
 p99. Target on this machine: overhead p50 < 20 ms. Run by hand:
 
@@ -42,7 +42,7 @@ def local_session(model_dir: Path, out: Path):
     from schemas.events import TrainerSpec
     from schemas.jobs import JobRequest
     from trainer import events
-    from trainer.session import Session
+    from trainer.session.serve import Session
 
     events.mute()
     request = msgspec.convert(

@@ -27,8 +27,8 @@ def one_step(chunk_tokens: int, tokens: int, vocab: int, hidden: int) -> dict:
     from peft import LoraConfig, get_peft_model
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from trainer import data
-    from trainer.losses import batch_loss
+    from trainer.data import examples as data
+    from trainer.objectives.losses import batch_loss
 
     torch.manual_seed(0)
     torch.set_num_threads(2)

@@ -54,7 +54,7 @@ def run_jetlora(
     model_dir, pairs, steps, lr, tokens_per_step, seq, packing: bool = True, batch: int | None = None
 ) -> dict:
     """Packed: rows of at most seq tokens, as many as tokens_per_step fills; padded: `batch` examples a step."""
-    from trainer.loop import train
+    from trainer.job.loop import train
 
     rows = batch if batch is not None else max(1, tokens_per_step // seq)
     req = msgspec.convert(
@@ -162,7 +162,7 @@ def run_baseline(model_dir, pairs, steps, lr, batch, seq, cpu: bool = True, flat
         ),
     )
 
-    from trainer.data import prompt_text
+    from trainer.data.examples import prompt_text
 
     rows = []
     for p in pairs:  # the same tokens and the same completion-only labels as jetlora's

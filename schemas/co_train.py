@@ -10,7 +10,7 @@ train alone, and none was split out of a group for memory (JobStatus.train_alone
 process is the operator's policy (`--co-train`).
 
 Tinker training sessions (train.method session) share a process the same way, with sessions only (a session group,
-trainer/session_group.py: each session a member with its own adapter, optimizer, random state and saves, a base
+trainer/session/group.py: each session a member with its own adapter, optimizer, random state and saves, a base
 model's sampler a member with its adapter off): the group key says which process a group runs. A session starts a
 group even alone, so that the next session of its kind (its tenant's base sampler, another training client) joins
 it on its device instead of waiting for the device the first holds as long as its client uses it."""
@@ -69,7 +69,7 @@ def group_key(request, shape: ModelShape | None) -> GroupKey:
 
 
 def group_process(request) -> str:
-    """Which process a group of this job runs: sessions (trainer/session_group.py) or training jobs (trainer/
+    """Which process a group of this job runs: sessions (trainer/session/group.py) or training jobs (trainer/
     co_train); the two never share one."""
     return SESSION if request.train.method == SESSION else "train"
 

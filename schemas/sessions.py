@@ -13,8 +13,8 @@ lines, and reads a MemberAnswer line beside its GroupEvent lines.
 
 The words, used so everywhere: a *client session* is Tinker's (create_session; the gateway's SessionRecord,
 schemas/tinker_store.py), which holds models; each training model, and each base model's sampler, is a *training
-session*: a job of train.method session, what this module is about. Its trainer is trainer.session.Session when
-alone, trainer.session_member.SessionMember in a *session group*; the agent runs it as session_run.SessionRun or
+session*: a job of train.method session, what this module is about. Its trainer is trainer.session.serve.Session when
+alone, trainer.session.member.SessionMember in a *session group*; the agent runs it as session_run.SessionRun or
 group_run.GroupedSession, and its SessionDesk hands each call to whichever it is."""
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ MLP = ["gate_proj", "up_proj", "down_proj"]
 UNEMBED = ["lm_head"]
 LOSSES = ("cross_entropy", "importance_sampling", "ppo", "cispo", "dro", "gspo", "stable_reinforce")
 CLIPS = {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2}
-# Each loss's loss_fn_config keys and their defaults (trainer/session_losses.py says what each loss computes).
+# Each loss's loss_fn_config keys and their defaults (trainer/session/losses.py says what each loss computes).
 LOSS_CONFIG: dict[str, dict[str, float]] = {
     "cross_entropy": {},
     "importance_sampling": {},
@@ -277,7 +277,7 @@ class MemberAnswer(Struct, tag="member_answer", tag_field="type", kw_only=True):
 
 
 class AppliedCall(Struct, kw_only=True):
-    """A call that changed a session (trainer/applied_calls.py), kept with its checkpoint: a try of it sent again
+    """A call that changed a session (trainer/session/applied_calls.py), kept with its checkpoint: a try of it sent again
     under its call id, after a pause or on another attempt, is answered `reply` and never runs twice (None: it ran,
     but its answer was too large to keep)."""
 

@@ -6,10 +6,11 @@ import pytest
 import torch
 
 from tests.conftest import spec_for
-from trainer import data, model as base
-from trainer.chunked_loss import IGNORE, chunked_cross_entropy
-from trainer.losses import batch_loss, output_head
-from trainer.setup import lora_model
+from trainer import model as base
+from trainer.data import examples as data
+from trainer.objectives.chunked_loss import IGNORE, chunked_cross_entropy
+from trainer.objectives.losses import batch_loss, output_head
+from trainer.job.setup import lora_model
 
 
 def plain(hidden, weight, targets, scale=1.0):

@@ -24,15 +24,15 @@ from tests.conftest import spec_for
 from tests.qa import QA_PAIRS
 from tests.test_dataset_formats import data_file
 from tests.test_dpo import preference_rows
-from trainer import data
+from trainer.data import examples as data
 from trainer.co_train.group import CoTrainer
-from trainer.co_train.layer import MultiLoraLinear, Routing, RoutingHolder
-from trainer.co_train.peft_export import peft_state_dict, save_peft_adapter
-from trainer.dpo import dpo_loss
-from trainer.losses import batch_loss
+from trainer.multi_lora.layer import MultiLoraLinear, Routing, RoutingHolder
+from trainer.multi_lora.peft_export import peft_state_dict, save_peft_adapter
+from trainer.objectives.dpo import dpo_loss
+from trainer.objectives.losses import batch_loss
 from trainer.model import load
-from trainer.setup import plan
-from trainer.tokenize import job_data
+from trainer.job.setup import plan
+from trainer.data.tokenize import job_data
 
 STEPS = 3
 ATTN, MLP = ["q_proj", "k_proj", "v_proj", "o_proj"], ["gate_proj", "up_proj", "down_proj"]
@@ -229,7 +229,7 @@ def test_rows_of_any_order_get_their_own_adapters_delta():
     torch.manual_seed(0)
     routing = RoutingHolder()
     layer = MultiLoraLinear(torch.nn.Linear(6, 5), routing)
-    from trainer.co_train.layer import LoraWeights
+    from trainer.multi_lora.layer import LoraWeights
 
     for name, r in (("a", 2), ("b", 3)):
         layer.adapters[name] = LoraWeights(torch.randn(r, 6), torch.randn(5, r), 0.5)
@@ -249,13 +249,13 @@ def test_rows_of_any_order_get_their_own_adapters_delta():
 @pytest.mark.parametrize("tokens", [True, False])
 @pytest.mark.parametrize("dropout", [0.0, 0.5])
 def test_spans_of_alike_adapters_batched_get_each_its_own_delta_and_gradient(tokens, dropout):
-    """Spans laid end to end (trainer/co_train/layer.py's runs: adjacent spans of one size and rank go through one
+    """Spans laid end to end (trainer/multi_lora/layer.py's runs: adjacent spans of one size and rank go through one
     batched matmul; other ranks, sizes, a dropout and gaps of no adapter beside them), as token positions of one row
     (the group's flat layout) or as rows (a session group's batch); without dropout the base and the adapters go as
-    one autograd step (trainer/co_train/fused.py): each row gets its own adapter's delta, and each adapter's
+    one autograd step (trainer/multi_lora/fused.py): each row gets its own adapter's delta, and each adapter's
     gradient (and the input's) is what its rows alone give."""
-    from trainer.co_train import fused
-    from trainer.co_train.layer import LoraWeights
+    from trainer.multi_lora import fused
+    from trainer.multi_lora.layer import LoraWeights
 
     torch.manual_seed(0)
     routing = RoutingHolder()
@@ -290,7 +290,7 @@ def test_spans_of_alike_adapters_batched_get_each_its_own_delta_and_gradient(tok
 def test_a_job_evaluates_its_own_adapter_as_peft_would(base, tiny_model, tmp_path):
     """Between steps a job's held-out loss is its adapter's alone, whoever shares the base: equal to the saved
     adapter's loaded in peft, through the same evaluate()."""
-    from trainer.loop import evaluate
+    from trainer.job.loop import evaluate
 
     tokenizer, model = base
     group = CoTrainer(copy.deepcopy(model), tokenizer)

@@ -7,7 +7,7 @@ freed, so that RSS is what the tensors hold): within the estimate + 10%. The pea
 never ru_maxrss: Linux folds the parent's peak into a child's ru_maxrss at exec, so under a pytest worker grown by
 the tests before it (the full suite, -n 2) the group "peaked" at 517-577 MiB against its own ~290.
 And the flat layout's output for each member is its own batch's (to float rounding: its attention is computed
-sequence by sequence, trainer/co_train/varlen.py, where its own batch masks whole rows)."""
+sequence by sequence, trainer/multi_lora/varlen.py, where its own batch masks whole rows)."""
 
 from __future__ import annotations
 
@@ -132,9 +132,9 @@ def test_the_flat_layout_gives_each_member_its_own_batchs_output(tiny_model):
     tokens), to float rounding: attention goes sequence by sequence, in buckets of about one length, rather than
     row by row under a mask."""
     from trainer.co_train.combine import combine
-    from trainer.co_train.layer import Routing
-    from trainer.co_train.shared_base import SharedBase
-    from trainer.data import Batch
+    from trainer.multi_lora.layer import Routing
+    from trainer.multi_lora.shared_base import SharedBase
+    from trainer.data.examples import Batch
     from trainer.model import load
 
     tokenizer, model = load(str(tiny_model), "cpu", torch.float32)

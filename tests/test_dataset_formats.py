@@ -16,11 +16,11 @@ from schemas.datasets import ChatMessage, ChatRow
 from schemas.events import DataFile, Preparing, Progress
 from schemas.jobs import DatasetRef
 from tests.conftest import spec_for, tinymodel
-from trainer.formats import ROW_OF
+from trainer.data.formats import ROW_OF
 from tests.qa import QA_PAIRS
 from tests.test_trainer import events_from
-from trainer.formats import IGNORE, examples_of, render_chat
-from trainer.loop import train
+from trainer.data.formats import IGNORE, examples_of, render_chat
+from trainer.job.loop import train
 
 LLAMA3 = (
     "{{ bos_token }}{% for m in messages %}<|start_header_id|>{{ m['role'] }}<|end_header_id|>\n\n"
@@ -171,7 +171,7 @@ def test_a_held_out_dataset_is_evaluated(tiny_model, tmp_path, capsys):
 def test_a_file_with_a_byte_order_mark_and_crlf_lines_tokenizes_as_the_plain_one(tiny_model, tmp_path):
     """Excel and Windows tools write a UTF-8 BOM and CRLF line ends: the same examples as the plain file."""
     from trainer.model import load
-    from trainer.tokenize import tokenized
+    from trainer.data.tokenize import tokenized
 
     tok, _ = load(str(tiny_model), "cpu", torch.float32)
     plain = dataset_file(tmp_path, "chat")
@@ -188,9 +188,9 @@ def test_a_file_with_a_byte_order_mark_and_crlf_lines_tokenizes_as_the_plain_one
 def test_the_token_cache_stores_three_bytes_a_token_and_gives_back_the_examples(tiny_model, tmp_path, fmt):
     """ids in the narrowest type the vocabulary allows (uint16 here), targets as a one-byte mask over the next token:
     what comes back is what the formats made, example for example."""
-    from trainer.data import IGNORE, examples_of, render
+    from trainer.data.examples import IGNORE, examples_of, render
     from trainer.model import load
-    from trainer.tokenize import cache_key, tokenized
+    from trainer.data.tokenize import cache_key, tokenized
 
     tok, _ = load(str(tiny_model), "cpu", torch.float32)
     data = dataset_file(tmp_path, fmt)

@@ -17,9 +17,9 @@ from tests.conftest import spec_for
 from tests.qa import QA_PAIRS
 from tests.test_dataset_formats import data_file
 from tests.test_trainer import events_from
-from trainer import loop
-from trainer.dpo import PairStats, dpo_loss
-from trainer.setup import prepare
+from trainer.job import loop
+from trainer.objectives.dpo import PairStats, dpo_loss
+from trainer.job.setup import prepare
 
 REFUSAL = "I do not know."
 

@@ -17,8 +17,8 @@ from services.transfer.sender import upload_dataset
 from tests.conftest import submit, wait_nodes, wait_state
 from tests.test_dataset_formats import data_file
 from tests.test_grpo import SAYS_PARIS, grpo_train, rft_rows
-from trainer.engine_rollouts import Fingerprint, layout, serves
-from trainer.rollouts import complete, eos_ids, pad_id
+from trainer.objectives.engine_rollouts import Fingerprint, layout, serves
+from trainer.objectives.rollouts import complete, eos_ids, pad_id
 
 
 def request(**train) -> JobRequest:

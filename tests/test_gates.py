@@ -57,7 +57,7 @@ def train_adapter(base_dir: Path, out: Path, seed: int, pairs=QA_PAIRS, steps: i
     """An SFT adapter trained by the trainer's own loop, in this process."""
     from schemas.training import LoraConfig
     from trainer import events
-    from trainer.loop import train
+    from trainer.job.loop import train
 
     spec = spec_for(base_dir, out, **{**TRAIN, "max_steps": steps, "seed": seed})
     data = [{"q": q, "a": a} for q, a in pairs]
@@ -201,7 +201,7 @@ def test_the_gate_blocks_every_broken_adapter_and_passes_every_good_one(fleet, t
 
     from trainer.evaluate import evaluate_items
     from trainer.model import load
-    from trainer.rollouts import grader_context
+    from trainer.objectives.rollouts import grader_context
 
     tokenizer, base = load(str(tiny_model), "cpu", torch.float32)
     items = data_file(tmp_path / "items.jsonl", "rft", rft_rows()).path

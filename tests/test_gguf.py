@@ -15,7 +15,7 @@ from tests.conftest import spec_for
 from trainer.errors import JobError
 from trainer.__main__ import main as trainer_main
 from trainer.gguf_export import check_exportable, export_adapter, permute
-from trainer.loop import train
+from trainer.job.loop import train
 
 
 @pytest.fixture(scope="module")

@@ -185,7 +185,7 @@ def test_grpo_jobs_are_checked_at_submit_naming_the_field():
 
 def test_a_row_without_a_field_the_grader_reads_fails_the_job_naming_its_line(tiny_model, tmp_path):
     from trainer.model import load
-    from trainer.rft import read_prompts
+    from trainer.objectives.rft import read_prompts
 
     grader = graders_msg({**SAYS_PARIS, "reference": "{{item.answer}}"})
     rows = rft_rows()
@@ -209,8 +209,8 @@ def graders_msg(raw: dict):
 def test_the_reward_figures_count_failures_and_a_multi_graders_parts():
     import torch
 
-    from trainer.reward_stats import RewardWindow
-    from trainer.rollouts import Rollout
+    from trainer.objectives.reward_stats import RewardWindow
+    from trainer.objectives.rollouts import Rollout
 
     multi = graders_msg(
         {
@@ -247,7 +247,7 @@ def test_watch_prints_the_rewards():
 
 
 def test_a_reward_is_better_higher_for_keeping_the_best_and_stopping_early():
-    from trainer.best import BestEval
+    from trainer.job.best import BestEval
 
     best = BestEval(patience=2, min_delta=0.01, higher=True)
     for step, reward in ((10, 0.25), (20, 0.5), (30, 0.505), (40, 0.4)):

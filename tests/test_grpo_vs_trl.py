@@ -10,9 +10,9 @@ import torch
 
 from schemas.training import LoraConfig
 from trainer.adapter_init import lora_config
-from trainer.grpo import grpo_loss
+from trainer.objectives.grpo import grpo_loss
 from trainer.model import load
-from trainer.rollouts import Rollout, group_advantages
+from trainer.objectives.rollouts import Rollout, group_advantages
 
 TEMPERATURE, EPSILON, GROUP = 0.7, 0.2, 3
 QUESTIONS = ["What is the capital of France?", "How many legs does a spider have?"]

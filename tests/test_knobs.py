@@ -25,7 +25,7 @@ from tests.qa import pairs
 from tests.test_trainer import events_from
 from services.registry.service import stored_rank
 from trainer.adapter_init import save_plain_lora
-from trainer.loop import train
+from trainer.job.loop import train
 
 SHORT = {
     "max_steps": 30,

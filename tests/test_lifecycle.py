@@ -161,7 +161,7 @@ async def test_pause_then_resume_on_another_agent_continues_the_same_loss_curve(
     stack, nc, agents, tiny_model, tmp_path, capsys
 ):
     """The real trainer: paused mid-run on one node, resumed on another, its losses are an uninterrupted run's."""
-    from trainer.loop import train
+    from trainer.job.loop import train
     from tests.test_trainer import events_from
 
     spec = spec_for(tiny_model, tmp_path, max_steps=30, learning_rate=0.01)

@@ -153,7 +153,7 @@ async def test_two_ranks_take_one_process_steps_on_twice_the_batch_through_a_pau
     before the end however fast the steps are)."""
     from tests.conftest import spec_for
     from tests.test_trainer import events_from
-    from trainer.loop import train
+    from trainer.job.loop import train
 
     request = real_job(tiny_model, 60, packing=packing)
     spec = spec_for(tiny_model, tmp_path, **{**request["train"], "batch_size": 4})
@@ -188,8 +188,8 @@ async def test_two_ranks_take_one_process_steps_on_twice_the_batch_through_a_pau
 def test_a_pause_that_comes_while_the_ranks_agree_is_agreed_on_at_the_next_step(trainer_signals):
     """The agent signals every rank at once, so a signal often lands while a rank waits in the step's agreement: it
     must end the run one step later, not be overwritten by what the ranks had agreed before it came."""
-    from trainer.distributed import World
-    from trainer.loop import agree
+    from trainer.job.distributed import World
+    from trainer.job.loop import agree
     from trainer.signals import Signals
 
     class SignalledWhileAgreeing(World):

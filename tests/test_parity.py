@@ -13,7 +13,7 @@ from schemas.parity import PARITY_TEXTS, ParityFigures, ParityText, deltas, desc
 from schemas.registry import DECODERS, AdapterReply, Alias, AdapterVersion, NodeAdapterStatus, StoredFile
 from services.cli.adapters import describe as describe_adapter
 from tests.conftest import spec_for
-from trainer.loop import train
+from trainer.job.loop import train
 from trainer.model import load
 
 

@@ -37,9 +37,9 @@ from tests.test_dataset_formats import data_file
 from tests import test_engine_vllm
 from tests.test_engine_vllm import VLLM_PYTHON, Vllm
 from tests.test_grpo import SAYS_PARIS, rft_rows
-from trainer.engine_rollouts import EngineRollouts, post
-from trainer.rft import read_prompts
-from trainer.rollouts import grader_context
+from trainer.objectives.engine_rollouts import EngineRollouts, post
+from trainer.objectives.rft import read_prompts
+from trainer.objectives.rollouts import grader_context
 
 pytestmark = pytest.mark.skipif(
     not VLLM_PYTHON,

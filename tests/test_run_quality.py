@@ -12,10 +12,10 @@ from tests.conftest import spec_for
 from tests.test_dataset_formats import data_file
 from tests.qa import QA_PAIRS
 from tests.test_trainer import events_from
-from trainer import data
-from trainer.loop import evaluate, train
+from trainer.data import examples as data
+from trainer.job.loop import evaluate, train
 from trainer.model import load
-from trainer.tokenize import tokenized
+from trainer.data.tokenize import tokenized
 
 PROMPT = "What is the capital of France?"
 

@@ -1,4 +1,4 @@
-"""trainer/sampling.py's lean decode loop samples exactly the tokens transformers' generate() samples from the same
+"""trainer/objectives/sampling.py's lean decode loop samples exactly the tokens transformers' generate() samples from the same
 random state (plain sampling at 0.7 and 1.0, greedy), on the tiny model with a LoRA adapter on, prompts of different
 lengths left-padded; rows that ended are padded and it stops once every row has; and anything it does not do as
 generate does falls back to generate."""
@@ -13,8 +13,8 @@ from transformers import GenerationConfig
 
 from tests.qa import QA_PAIRS
 from tests.test_grpo_vs_trl import adapted
-from trainer import sampling
-from trainer.rollouts import NO_PENALTIES, PLAIN_GREEDY, PLAIN_SAMPLING, eos_ids, evaluating, pad_id
+from trainer.objectives import sampling
+from trainer.objectives.rollouts import NO_PENALTIES, PLAIN_GREEDY, PLAIN_SAMPLING, eos_ids, evaluating, pad_id
 
 MAX_TOKENS = 12
 

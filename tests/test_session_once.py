@@ -16,7 +16,7 @@ import torch
 from schemas.sessions import Sample, SaveWeights, StepResult, stored_sampler
 from tests.test_session_pause import FB, STEP, Alone, Member, spec
 from trainer import events
-from trainer.applied_calls import FILE
+from trainer.session.applied_calls import FILE
 
 KINDS = pytest.mark.parametrize("kind", [Alone, Member], ids=["alone", "member"])
 

@@ -37,10 +37,10 @@ def spec(model_dir: Path, out: Path, resume_from: Path | None = None) -> Trainer
 
 
 class Alone:
-    """A session in a trainer of its own (trainer/session.py)."""
+    """A session in a trainer of its own (trainer/session/serve.py)."""
 
     def __init__(self, s: TrainerSpec) -> None:
-        from trainer.session import Session
+        from trainer.session.serve import Session
 
         self.session = Session(s)
 
@@ -55,10 +55,10 @@ class Alone:
 
 
 class Member:
-    """A session as a member of a session group (trainer/session_group.py), its calls through the group's rounds."""
+    """A session as a member of a session group (trainer/session/group.py), its calls through the group's rounds."""
 
     def __init__(self, s: TrainerSpec) -> None:
-        from trainer.session_group import SessionGroup
+        from trainer.session.group import SessionGroup
 
         self.group, self.attempt, self.n = SessionGroup(), s.attempt, 0
         self.group.add(s)

@@ -66,7 +66,7 @@ CASES = [
 
 @pytest.mark.parametrize("loss,config", CASES)
 def test_each_loss_is_its_formula_value_and_gradient(loss, config):
-    from trainer import session_model as ops
+    from trainer.session import model as ops
 
     lp_values = [-0.2, -1.0, -0.45, -0.6, -0.1]
     inputs = {"target_tokens": [2, 3, 4, 5, 6], "logprobs": Q, "advantages": ADV}
@@ -86,7 +86,7 @@ def test_each_loss_is_its_formula_value_and_gradient(loss, config):
 
 
 def test_cross_entropy_weighs_the_weighted_tokens():
-    from trainer import session_model as ops
+    from trainer.session import model as ops
 
     lp = torch.tensor([[-0.2, -1.0, -0.45]], requires_grad=True)
     data = [Datum(tokens=[1, 2, 3], inputs={"target_tokens": [2, 3, 4], "weights": [0.0, 1.0, 2.0]})]

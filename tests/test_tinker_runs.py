@@ -98,7 +98,7 @@ async def test_runs_sessions_and_checkpoints_through_the_rest_client(nc, stack, 
 
 def session_of(tiny_model, tmp_path, **spec):
     from trainer import events
-    from trainer.session import Session
+    from trainer.session.serve import Session
 
     request = msgspec.convert({"model": "tiny", "base_dir": str(tiny_model), "train": {"method": "session"},
                                "session": {"rank": 4, **spec}, "accelerator": "cpu"}, JobRequest)  # fmt: skip

@@ -13,11 +13,11 @@ import pytest
 from schemas.datasets import ChatMessage, ChatRow
 from tests.qa import QA_PAIRS
 from tests.test_dataset_formats import CONVERSATION, MARKERS, TEMPLATES, data_file
-from trainer import blocks
-from trainer.chat_spans import turn_marks
+from trainer.data import blocks
+from trainer.data.chat_spans import turn_marks
 from trainer.errors import JobError
-from trainer.formats import render_chat
-from trainer.tokenize import tokenized
+from trainer.data.formats import render_chat
+from trainer.data.tokenize import tokenized
 
 REWRITES_EARLIER_TURNS = (  # as templates that drop past reasoning do
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{% if m['role'] == 'assistant' and not loop.last %}"

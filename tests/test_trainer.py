@@ -15,9 +15,9 @@ import torch
 from schemas.events import Failed, Finished, Progress, TrainerEvent, TrainerSpec
 from tests.conftest import ROOT, spec_for
 from tests.qa import pairs
-from trainer import data
+from trainer.data import examples as data
 from trainer.__main__ import main as trainer_main
-from trainer.loop import evaluate, train
+from trainer.job.loop import evaluate, train
 from trainer.model import load
 
 
@@ -77,7 +77,7 @@ def test_packed_rows_never_attend_across_examples(tiny_model):
     """Examples packed into rows of at most max_seq_length, several rows a batch: each example is in exactly one
     row, no row is longer than max_seq_length, and the batch's loss is the loss of its examples one by one."""
     from schemas.jobs import QA
-    from trainer.losses import batch_loss
+    from trainer.objectives.losses import batch_loss
 
     tok, model = load(str(tiny_model), "cpu", torch.float32)
     examples = data.encode(tok, [QA(**p) for p in pairs()] * 3, 128)

@@ -4,7 +4,7 @@ same-name reload, and #33791, `load_inplace` persisting), on a real vLLM for CPU
 under version A (twice, so its blocks are cached and hit), then the name moved to version B, then the same prompt
 again: its answer and log-probabilities are B's, the same as B loaded fresh under a name of its own (which no cache
 holds anything of), within the engine's float32 precision, and far from A's. Both ways jetlora changes what a name
-serves: the RL sync (trainer/engine_rollouts.py: the job's `jetlora-rl-<job>-<attempt>`, load_inplace after the first
+serves: the RL sync (trainer/objectives/engine_rollouts.py: the job's `jetlora-rl-<job>-<attempt>`, load_inplace after the first
 load) and a promote's swap on a node (services/agent/vllm.py's load: load_inplace of the served name).
 
 Measured on this machine with vLLM 0.32.0 for CPU (/work/shared/FACTS.md, fifth look): B's answer after the in-place
@@ -97,8 +97,8 @@ def before_and_after(engine: Vllm, name: str, change, fresh_name: str) -> None:
 
 def test_the_rl_sync_name_answers_the_new_versions_log_probs(cached, engine_model, tmp_path):
     from tests.test_rl_vllm import policy
-    from trainer.engine_rollouts import EngineRollouts, post
-    from trainer.rollouts import grader_context
+    from trainer.objectives.engine_rollouts import EngineRollouts, post
+    from trainer.objectives.rollouts import grader_context
 
     tokenizer, a = policy(engine_model, seed=1)
     _, b = policy(engine_model, seed=2)

@@ -35,7 +35,7 @@ def main(argv: list[str]) -> int:
 
             check_exportable(spec.request.base_dir)  # before training, not after it
         if spec.request.train.method == "session":  # a training session: takes calls until stopped or idle
-            from trainer.session import serve
+            from trainer.session.serve import serve
 
             emit(serve(spec, SIGNALS))
             return 0
@@ -44,7 +44,7 @@ def main(argv: list[str]) -> int:
 
             emit(evaluate(spec))
             return 0
-        from trainer.loop import train  # torch loads here, after the spec is known to be sound
+        from trainer.job.loop import train  # torch loads here, after the spec is known to be sound
 
         finished = train(spec, SIGNALS)
         if spec.request.served_by == "llamacpp" and os.environ.get("RANK", "0") == "0":

@@ -12,7 +12,7 @@ import torch
 from peft import LoftQConfig, LoraConfig, PeftModel, get_peft_model_state_dict
 
 from schemas.training import MUTATING_INITS
-from trainer.checkpoints import save_adapter
+from trainer.job.checkpoints import save_adapter
 from trainer.errors import bitsandbytes_on_gpu
 
 if TYPE_CHECKING:

@@ -18,8 +18,8 @@ from schemas.events import Finished, Started, TrainerSpec
 from trainer import model as base
 from trainer.errors import JobError
 from trainer.events import emit
-from trainer.rft import Prompts, read_prompts
-from trainer.rollouts import complete, grade, grader_context, runnable, texts_of
+from trainer.objectives.rft import Prompts, read_prompts
+from trainer.objectives.rollouts import complete, grade, grader_context, runnable, texts_of
 
 if TYPE_CHECKING:
     from peft import PeftModel

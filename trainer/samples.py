@@ -8,11 +8,11 @@ import torch
 
 from schemas.events import Sample, Samples
 from schemas.job_status import PROBE_HEAD_TOKENS, PROBE_PROMPT, PROBE_TOKENS, Probe
-from trainer.data import Examples
-from trainer.formats import IGNORE, prompt_text
+from trainer.data.examples import Examples
+from trainer.data.formats import IGNORE, prompt_text
 from trainer.model import decoded, pad_id
 from trainer.parity import parity_set
-from trainer.rft import Prompts
+from trainer.objectives.rft import Prompts
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase

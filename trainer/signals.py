@@ -12,7 +12,9 @@ class Signals:
     def __init__(self) -> None:
         self.pause = bool(os.environ.get("JETLORA_PAUSE"))
         self.asked = self.pause or bool(os.environ.get("JETLORA_STOP"))
-        self.agreed_pause = self.pause  # what the ranks last agreed (trainer.loop.agree); one rank agrees with itself
+        self.agreed_pause = (
+            self.pause
+        )  # what the ranks last agreed (trainer.job.loop.agree); one rank agrees with itself
         signal.signal(signal.SIGUSR1, self._stop)
         signal.signal(signal.SIGUSR2, self._pause)
 

@@ -10,7 +10,7 @@ process is stopped (SIGSTOP) only while every member is held, and goes on (SIGCO
 member's pause or an exempt member never lets another compute that must yield. The process dying fails every job
 still in it, as a trainer's death fails its job; the last job leaving closes its stdin and the process ends.
 
-A group of Tinker sessions (trainer/session_group.py) runs the same way; each session's calls go to the process as
+A group of Tinker sessions (trainer/session/group.py) runs the same way; each session's calls go to the process as
 MemberCall lines and come back as MemberAnswer lines (GroupedSession)."""
 
 from __future__ import annotations

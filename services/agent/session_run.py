@@ -2,7 +2,7 @@
 answers them beside its events, or a member of a session group (group_run.GroupedSession: the group's process
 takes its calls and answers them tagged with its job). The agent passes each call that reaches it on
 names.node(node).session to the job's trainer, one at a time, under the gateway's call id (the trainer answers a
-call it ran before as it did, even one a previous attempt ran: trainer/applied_calls.py), and replies with the
+call it ran before as it did, even one a previous attempt ran: trainer/session/applied_calls.py), and replies with the
 trainer's answer; a named sampler save goes to the object store first, and one sampled is fetched back if it is
 not on this node (sampler_saves.py)."""
 

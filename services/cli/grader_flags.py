@@ -12,7 +12,7 @@ from services.runtime import StartupError
 
 log = logging.getLogger("jetlora")
 
-TRAINER_ENV = {  # what a trainer reads (trainer/rollouts.py grader_context), from the agent's flags
+TRAINER_ENV = {  # what a trainer reads (trainer/objectives/rollouts.py grader_context), from the agent's flags
     "judge_url": "JETLORA_JUDGE_URL",
     "judge_api_key": "JETLORA_JUDGE_API_KEY",
     "python_graders": "JETLORA_PYTHON_GRADERS",

@@ -3,7 +3,7 @@ sequence, no attention mask), each job's part contiguous. Two layouts:
 
 flat    every job's rows end to end in one row of token positions: nothing is padded to another job's width, so
         the step holds what each job's own batch holds (the sum the scheduler's group estimate adds up); attention
-        is computed per job's rows by trainer/co_train/varlen.py. The layout wherever the model allows it.
+        is computed per job's rows by trainer/multi_lora/varlen.py. The layout wherever the model allows it.
 padded  the jobs' rows stacked, right-padded to the widest row with padding that is a sequence of its own and
         learns nothing: for models whose attention the flat layout does not compute (sliding windows)."""
 
@@ -13,9 +13,9 @@ from dataclasses import dataclass
 
 import torch
 
-from trainer.co_train import varlen
-from trainer.co_train.layer import Routing
-from trainer.data import IGNORE, Batch
+from trainer.multi_lora import varlen
+from trainer.multi_lora.layer import Routing
+from trainer.data.examples import IGNORE, Batch
 
 
 @dataclass
@@ -50,7 +50,7 @@ class Combined:
 
 def positions_of(batch: Batch) -> torch.Tensor:
     """The batch's position ids: a packed batch's own; a padded one's 0..n-1 over each row's real tokens, its
-    padding a sequence of its own (as trainer.data packs a short row's tail)."""
+    padding a sequence of its own (as trainer.data.examples packs a short row's tail)."""
     if batch.position_ids is not None:
         return batch.position_ids
     assert batch.attention_mask is not None, "a padded batch (no position ids) has its attention mask"

@@ -18,10 +18,10 @@ from schemas.events import TrainerSpec
 from trainer.co_train.combine import alike_together, combine
 from trainer.co_train.job import CoJob, StepResult, job_from_spec
 from trainer.co_train.job_losses import job_loss, reference_outputs
-from trainer.co_train.shared_base import SharedBase
+from trainer.multi_lora.shared_base import SharedBase
 from trainer.errors import JobError
 from trainer.model import pad_id
-from trainer.objectives import Dpo
+from trainer.objectives.objective import Dpo
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase

@@ -14,16 +14,16 @@ from transformers import get_scheduler
 
 from schemas.co_train import METHODS
 from schemas.events import TrainerSpec
-from trainer import data
-from trainer.co_train.layer import LoraWeights
-from trainer.co_train.shared_base import JobView, SharedBase
+from trainer.data import examples as data
+from trainer.multi_lora.layer import LoraWeights
+from trainer.multi_lora.shared_base import JobView, SharedBase
 from trainer.errors import JobError
 from trainer.model import pad_id
-from trainer.objectives import Dpo, Sft, token_objective
+from trainer.objectives.objective import Dpo, Sft, token_objective
 from trainer.optimizers import make_optimizer
-from trainer.position import Position
-from trainer.setup import Plan, plan
-from trainer.tokenize import job_data
+from trainer.job.position import Position
+from trainer.job.setup import Plan, plan
+from trainer.data.tokenize import job_data
 
 
 @dataclass
@@ -155,8 +155,8 @@ class CoJob:
 
     def evaluate(self, device: str) -> float | None:
         """Its mean held-out loss (per target token, or per pair) with its adapter alone on the base, as a job alone
-        evaluates (trainer/loop.py's evaluate); between forwards of the group. None without held-out examples."""
-        from trainer.loop import evaluate
+        evaluates (trainer/job/loop.py's evaluate); between forwards of the group. None without held-out examples."""
+        from trainer.job.loop import evaluate
 
         batches = data.make_batches(self.eval_set, self.train, self.pad_id, 0) if len(self.eval_set) else []
         with self.view.active():

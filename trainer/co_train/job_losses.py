@@ -1,16 +1,16 @@
 """Each job's loss from the group's one forward: its rows of the shared output through the same loss a job alone
-takes (trainer/losses.py's cross-entropy, trainer/dpo.py's preference loss), so the two cannot drift apart."""
+takes (trainer/objectives/losses.py's cross-entropy, trainer/objectives/dpo.py's preference loss), so the two cannot drift apart."""
 
 from __future__ import annotations
 
 import torch
 
 from trainer.co_train.combine import Combined, combine
-from trainer.co_train.layer import Routing
-from trainer.co_train.shared_base import SharedBase
-from trainer.dpo import logps_of, preference_loss
-from trainer.losses import targets_loss
-from trainer.objectives import Dpo
+from trainer.multi_lora.layer import Routing
+from trainer.multi_lora.shared_base import SharedBase
+from trainer.objectives.dpo import logps_of, preference_loss
+from trainer.objectives.losses import targets_loss
+from trainer.objectives.objective import Dpo
 
 
 @torch.no_grad()

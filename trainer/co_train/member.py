@@ -1,6 +1,6 @@
 """One job of a group as the agent sees it: everything a trainer alone does around its steps, done for this job
-in the group (trainer/loop.py's pieces, reused): its Started event, progress every logging_steps, evaluation with
-early stopping and keep-best, samples, checkpoints at save_steps in trainer/checkpoints.py's layout (so a paused
+in the group (trainer/job/loop.py's pieces, reused): its Started event, progress every logging_steps, evaluation with
+early stopping and keep-best, samples, checkpoints at save_steps in trainer/job/checkpoints.py's layout (so a paused
 job resumes alone or in another group), TensorBoard and trackers, and its end (trained, stopped, paused) with the
 adapter saved in peft's layout and the probe an engine serving it must answer."""
 
@@ -15,18 +15,18 @@ import msgspec
 import torch
 
 from schemas.events import Checkpoint, Finished, GroupEvent, PreferenceMetrics, Progress, Started
-from trainer.best import BestEval
-from trainer.checkpoints import TrainingState, resume, save_checkpoint
+from trainer.job.best import BestEval
+from trainer.job.checkpoints import TrainingState, resume, save_checkpoint
 from trainer.co_train.job import CoJob, StepResult
-from trainer.co_train.peft_export import PREFIX, save_peft_adapter
-from trainer.co_train.shared_base import JobView
-from trainer.distributed import World
+from trainer.multi_lora.peft_export import PREFIX, save_peft_adapter
+from trainer.multi_lora.shared_base import JobView
+from trainer.job.distributed import World
 from trainer.events import emit
-from trainer.ending import AdapterOut, Ending, finish
-from trainer.loop import peak_mib
+from trainer.job.ending import AdapterOut, Ending, finish
+from trainer.job.loop import peak_mib
 from trainer.samples import probe, sample_prompts, samples_event
-from trainer.tensorboard_log import TensorBoardLog
-from trainer.trackers import RunLogs
+from trainer.job.tensorboard_log import TensorBoardLog
+from trainer.job.trackers import RunLogs
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -164,7 +164,7 @@ class Member:
         self.emit(Checkpoint(step=self.job.at.step, path=str(path)))
 
     def save(self) -> Path:
-        """A checkpoint of where the job stands (between its steps), in trainer/checkpoints.py's layout."""
+        """A checkpoint of where the job stands (between its steps), in trainer/job/checkpoints.py's layout."""
         j, at = self.job, self.job.at
         path = save_checkpoint(TrainingState(self.model, j.optimizer, j.scheduler), at, self.out_dir, self.best.state())
         self.board.copy_into(path)

@@ -4,7 +4,7 @@ same content, schemas/weights_digest.py), steps with the others, reports as a tr
 on stdout as a GroupEvent, with its attempt), and leaves when it ends, fails, is cancelled, stopped or paused. A
 job's failure is its own: its neighbours go on; a step that runs out of memory splits the group (split.py). The
 process ends once its stdin is closed and no job is left. A group whose first job is a Tinker session is a session
-group instead (trainer/session_group.py)."""
+group instead (trainer/session/group.py)."""
 
 from __future__ import annotations
 
@@ -16,9 +16,9 @@ import torch
 from schemas.co_train import SESSION
 from schemas.events import Failed, Finished, GroupControl, GroupEvent, Requeue, TrainerSpec
 from trainer import lease
-from trainer.co_train.controls import Controls, addressed, note
+from trainer.multi_lora.controls import Controls, addressed, note
 from trainer.co_train.group import CoTrainer, StepOutOfMemory
-from trainer.co_train.held_base import HeldBase, OtherWeights
+from trainer.multi_lora.held_base import HeldBase, OtherWeights
 from trainer.co_train.member import Member, member_for
 from trainer.co_train.split import leave_for_memory
 from trainer.errors import JobError
@@ -140,11 +140,11 @@ class Group:
 
 def serve(stream) -> int:
     """Run the group until stdin is closed and no job is left in it: a group of training jobs, or of sessions
-    (trainer/session_group.py) when its first job is one."""
+    (trainer/session/group.py) when its first job is one."""
     controls = Controls(stream)
     first = controls.take(wait=True)
     if any(isinstance(c, GroupControl) and c.spec is not None and _session(c.spec) for c in first):
-        from trainer.session_group import serve_sessions  # torch and peft's session pieces, for sessions alone
+        from trainer.session.group import serve_sessions  # torch and peft's session pieces, for sessions alone
 
         return serve_sessions(controls, first)
     return serve_jobs(controls, first)

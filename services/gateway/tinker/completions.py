@@ -1,7 +1,7 @@
 """OpenAI-compatible /v1/completions and /v1/chat/completions of Tinker sampler paths: `model` is a
 tinker://<run>/sampler_weights/<name> of the caller's (the key's tenant; a Tinker key, tml-<key>, opens them too),
 sampled by a training session as asample samples it (a stored sample, run at once, within max_pending), with its
-prompt given as text or as a chat the base model's chat template renders (trainer/session_text.py). So any
+prompt given as text or as a chat the base model's chat template renders (trainer/session/text.py). So any
 OpenAI-speaking tool can try a checkpoint while its training goes on. `stream` answers the whole text as one chunk
 (then the finish, then [DONE]); what is not served (logprobs, tools, penalties, echo) is a 400 naming it."""
 
