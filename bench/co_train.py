@@ -2,21 +2,29 @@
 against K separate trainer processes running at once (each with its share of the cores, or sharing the GPU with
 --device cuda), and against K trainer processes one after another (each with all of them). The separate processes
 are jetlora's own single-job trainer (trainer.job.setup.prepare and loop.optimizer_step: peft); every side trains the
-same K jobs (their own seeds, data orders and ranks) for the same steps. Each process loads the model, takes one
-warm-up step, then waits until every process of its side is ready; the clock runs from then on. The sides rotate
-round by round (FACTS: a benchmark that runs its baseline and then its own side measures the machine's load, not
-itself). Reported: aggregate real tokens/s (median and spread over rounds), the ratios group / separate and
-group / serial measured in the same rounds, and peak memory: the group's against base + each job's own state
-+ 10% (`base`: a process that only loads the model; a job's own state: its single-job trainer's peak less that)
-and against the scheduler's group estimate (schemas/co_train.py group_estimate).
+same K jobs (their own seeds, data orders and ranks) for the same steps (bench/co_train_worker.py: one process of
+a side). Each process loads the model, takes one warm-up step, then waits until every process of its side is
+ready; the clock runs from then on. The sides rotate round by round (FACTS: a benchmark that runs its baseline and
+then its own side measures the machine's load, not itself). Reported: aggregate real tokens/s (median and spread
+over rounds), the ratios group / separate and group / serial measured in the same rounds, and peak memory: the
+group's against base + each job's own state + 10% (`base`: a process that only loads the model; a job's own state:
+its single-job trainer's peak less that) and against the scheduler's group estimate (schemas/co_train.py
+group_estimate) + 10%. Those two bounds are the guarantees it prints: it exits 1 when a peak is over either.
 
---mixed-lengths: job 0 of each side takes one row of 8 x --seq tokens a step, the others --rows rows of --seq (one
-long job beside short ones, issue #54); the group's peak is also measured with its rows padded to the widest
-member's (CoTrainer(flat=False), as groups were before), for the difference. On the CPU, workers run with glibc's
-MALLOC_MMAP_THRESHOLD_ at 128 KiB, so that a process's peak RSS is what its tensors held, not what the allocator
-kept after freeing them. Run by hand:
+Cases (--cases, each a row per K):
+  equal          every job --rows rows of --seq tokens a step, ranks --ranks in turn (8 and 16)
+  mixed-lengths  job 0 one row of 8 x --seq tokens a step beside the short ones (issue #54); the group's peak is
+                 also measured with its rows padded to the widest member's (CoTrainer(flat=False)), for the difference
+  mixed-ranks    as equal, ranks --mixed-ranks in turn (8, 16, 32, 64 in one group)
 
-    python bench/co_train.py [--ks 1,2,4,8 --rounds 3 --steps 5] [--mixed-lengths]
+On the CPU, workers run with glibc's MALLOC_MMAP_THRESHOLD_ at 128 KiB, so that a process's peak RSS is what its
+tensors held, not what the allocator kept after freeing them. Run by hand:
+
+    python bench/co_train.py [--ks 2,4,8 --rounds 3 --steps 5 --cases equal,mixed-lengths,mixed-ranks]
+
+Each process times a few steps after one warm-up step, so on a shared 2-core machine its ratios spread widely (one
+run, K = 4: group / serial 1.8-3.4x): bench/co_train_profile.py times the same jobs' steps in one process, the
+sides taking turns step by step, and holds group / serial to its target.
 """
 
 from __future__ import annotations
@@ -24,157 +32,26 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import random
-import resource
 import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-WORDS = "the model learns short answers about rivers cities mountains languages and the history of places".split()
-TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+from bench.co_train_worker import CASES, LONG, job_request, make_pairs, rank_of, shape_of, worker  # noqa: E402
 
-
-def make_pairs(n: int, seed: int = 0) -> list[dict]:
-    rng = random.Random(seed)
-    return [
-        {
-            "q": " ".join(rng.choices(WORDS, k=rng.randint(4, 16))) + "?",
-            "a": " ".join(rng.choices(WORDS, k=rng.randint(8, 60))),
-        }
-        for _ in range(n)
-    ]
-
-
-LONG = 8  # --mixed-lengths: job 0's row is this many times --seq
-
-
-def shape_of(index: int, args) -> tuple[int, int]:
-    """(rows, max_seq_length) of job `index`'s steps."""
-    return (1, LONG * args.seq) if args.mixed_lengths and index == 0 else (args.rows, args.seq)
-
-
-def job_request(model_dir: str, index: int, args) -> dict:
-    rows, seq = shape_of(index, args)
-    return {
-        "model": "bench",
-        "base_dir": model_dir,
-        "data": make_pairs(args.pairs),
-        "lora": {"r": (8, 16)[index % 2], "alpha": 32, "target_modules": TARGETS},
-        "train": {
-            "max_steps": args.steps + 1,
-            "learning_rate": 1e-3,
-            "batch_size": rows,
-            "max_seq_length": seq,
-            "precision": args.precision,
-            "warmup_steps": 0,
-            "seed": 100 + index,
-        },
-    }
-
-
-def job_spec(model_dir: str, out: str, index: int, args):
-    """Job `index` of a side: its own seed (data order, adapter start) and rank; the rest as every job's."""
-    import msgspec
-
-    from schemas.events import TrainerSpec
-    from schemas.jobs import JobRequest
-
-    request = job_request(model_dir, index, args)
-    return TrainerSpec(
-        job=f"job{index}", attempt=1, request=msgspec.convert(request, JobRequest), out_dir=out, device=args.device
-    )
-
-
-def peak_mib(device: str = "cpu") -> float:
-    """The process's peak: resident memory on the CPU; on a GPU, what torch allocated at most (the CUDA context,
-    the same for every process, left out)."""
-    if device == "cuda":
-        import torch
-
-        return torch.cuda.max_memory_allocated() / 2**20
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-
-
-def wait_for_go() -> None:
-    print("READY", flush=True)
-    sys.stdin.readline()
-
-
-def worker(args) -> dict:
-    """One process of a side: `base` loads the model only; `single` trains job args.index with the single-job
-    trainer; `group` trains jobs 0..k-1 as one group."""
-    import torch
-
-    from trainer.model import pick_dtype
-
-    torch.set_num_threads(max(1, args.threads))
-    dtype = pick_dtype(args.precision, args.device)
-    with tempfile.TemporaryDirectory() as tmp:
-        if args.worker == "base":
-            from trainer.model import load
-
-            load(args.model, args.device, dtype)
-            wait_for_go()
-            return {"peak_mib": peak_mib(args.device)}
-        if args.worker == "single":
-            return single_job(job_spec(args.model, tmp, args.index, args), args.steps)
-        specs = [job_spec(args.model, f"{tmp}/{i}", i, args) for i in range(args.k)]
-        return group_of(args.model, specs, args.steps, args.device, dtype, args.worker == "group")
-
-
-def single_job(spec, steps: int) -> dict:
-    from trainer.job.loop import optimizer_step
-    from trainer.job.setup import prepare
-
-    run = prepare(spec)
-    optimizer_step(run, run.batches[0:1])  # warm-up
-    tokens = run.at.tokens
-    wait_for_go()
-    start = time.time()
-    for i in range(1, steps + 1):
-        optimizer_step(run, run.batches[i : i + 1])
-    sync(spec.device)
-    return {"tokens": run.at.tokens - tokens, "start": start, "end": time.time(), "peak_mib": peak_mib(spec.device)}
-
-
-def sync(device: str) -> None:
-    if device == "cuda":
-        import torch
-
-        torch.cuda.synchronize()
-
-
-def group_of(model_dir: str, specs: list, steps: int, device: str, dtype, flat: bool = True) -> dict:
-    import torch
-
-    from trainer.co_train.group import CoTrainer
-    from trainer.model import load
-
-    tokenizer, model = load(model_dir, device, dtype)
-    group = CoTrainer(model, tokenizer, device, dtype if device == "cuda" else torch.float32, flat=flat)
-    for spec in specs:
-        group.add_job(spec)
-    group.step()  # warm-up
-    wait_for_go()
-    start = time.time()
-    results = [group.step() for _ in range(steps)]
-    sync(device)
-    tokens = sum(r.tokens for step in results for r in step.values())
-    return {"tokens": tokens, "start": start, "end": time.time(), "peak_mib": peak_mib(device)}
+SIDES = ("group", "separate", "serial")
+ALLOWANCE = 1.10  # a peak may be this much over its bound before the bench calls it broken
 
 
 def launch(args, model_dir: str, kind: str, threads: int, **extra) -> subprocess.Popen:
     cmd = [sys.executable, __file__, "--worker", kind, "--model", model_dir, "--threads", str(threads)]
     cmd += ["--steps", str(args.steps), "--rows", str(args.rows), "--seq", str(args.seq), "--pairs", str(args.pairs)]
-    cmd += ["--device", args.device, "--precision", args.precision] + (
-        ["--mixed-lengths"] if args.mixed_lengths else []
-    )
+    cmd += ["--device", args.device, "--precision", args.precision, "--case", args.case]
+    cmd += ["--ranks", args.ranks, "--mixed-ranks", args.mixed_ranks]
     for key, value in extra.items():
         cmd += [f"--{key}", str(value)]
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MALLOC_MMAP_THRESHOLD_": str(128 * 1024)}
@@ -198,9 +75,13 @@ def together(procs: list[subprocess.Popen]) -> list[dict]:
     return out
 
 
+def cores_of(args) -> int:
+    return args.threads or os.cpu_count() or 1
+
+
 def side(args, model_dir: str, name: str, k: int) -> dict:
     """One side's run: aggregate tokens/s over its clock, and its largest process's peak memory."""
-    cores = args.threads or os.cpu_count() or 1
+    cores = cores_of(args)
     if name == "group":
         runs = together([launch(args, model_dir, "group", cores, k=k)])
         seconds = runs[0]["end"] - runs[0]["start"]
@@ -217,47 +98,78 @@ def side(args, model_dir: str, name: str, k: int) -> dict:
     }
 
 
-def compare(args, model_dir: str, k: int, base_mib: float, own_mib: dict[int, float]) -> None:
-    sides = ["group", "separate", "serial"]
+def kind_of(index: int, args) -> tuple:
+    """What a job's own state depends on here: its shape and rank."""
+    return (*shape_of(index, args), rank_of(index, args))
+
+
+def own_states(args, model_dir: str, base_mib: float, k: int) -> dict[tuple, float]:
+    """Each kind of job among the first k: its single-job trainer's peak less a process that only loads the model."""
+    first = {}
+    for i in range(k):
+        first.setdefault(kind_of(i, args), i)
+    return {
+        kind: together([launch(args, model_dir, "single", cores_of(args), index=i)])[0]["peak_mib"] - base_mib
+        for kind, i in first.items()
+    }
+
+
+def ratios(rounds: list[dict], other: str) -> tuple[float, float, float] | None:
+    """group / other over the rounds: median, lowest, highest (None: that side was not run)."""
+    if other not in rounds[0]:
+        return None
+    got = sorted(x["group"]["tokens_per_s"] / x[other]["tokens_per_s"] for x in rounds)
+    return statistics.median(got), got[0], got[-1]
+
+
+def compare(args, model_dir: str, k: int, base_mib: float, own: dict[tuple, float]) -> dict:
+    """The sides (--sides) at K, round by round; the row of the summary, with the guarantees it checked."""
+    sides = args.sides.split(",")
     rounds = []
     for r in range(args.rounds):
-        order = sides[r % 3 :] + sides[: r % 3]
+        order = sides[r % len(sides) :] + sides[: r % len(sides)]
         rounds.append({name: side(args, model_dir, name, k) for name in order})
         print(
-            f"  K={k} round {r + 1} ({' '.join(order)}): "
+            f"  {args.case} K={k} round {r + 1} ({' '.join(order)}): "
             + ", ".join(f"{n} {rounds[-1][n]['tokens_per_s']:6.0f} tok/s" for n in sides),
             flush=True,
         )
-    what = "mixed lengths" if args.mixed_lengths else "equal lengths"
-    for other in ("separate", "serial"):
-        ratios = sorted(x["group"]["tokens_per_s"] / x[other]["tokens_per_s"] for x in rounds)
-        print(
-            f"K={k}, {what}: group / {other}: median {statistics.median(ratios):.2f}x "
-            f"({ratios[0]:.2f}-{ratios[-1]:.2f})"
-        )
-    tps = {n: statistics.median(x[n]["tokens_per_s"] for x in rounds) for n in sides}
+    row = {"case": args.case, "k": k} | {other: ratios(rounds, other) for other in ("serial", "separate")}
+    tps = {n: statistics.median(x[n]["tokens_per_s"] for x in rounds) if n in sides else 0.0 for n in SIDES}
     group_peak = max(x["group"]["peak_mib"] for x in rounds)
-    owns = [own_mib[min(i, 1) if args.mixed_lengths else 1] for i in range(k)]
-    separate_sum = statistics.median(x["separate"]["sum_peak_mib"] for x in rounds)
+    owns = sum(own[kind_of(i, args)] for i in range(k))
     estimated = sum(group_estimate(args, model_dir, k).own_mib)
-    kind = "allocated" if args.device == "cuda" else "RSS"
     grew = group_peak - base_mib  # the jobs' part: what a process that only loads the model does not hold
+    row |= {"grew": grew, "owns": owns, "estimated": estimated, "separate_sum": 0.0, "padded": None}
+    if "separate" in sides:
+        row["separate_sum"] = statistics.median(x["separate"]["sum_peak_mib"] for x in rounds)
+    kind = "allocated" if args.device == "cuda" else "RSS"
     print(
-        f"K={k}, {what}: median tok/s group {tps['group']:.0f}, separate {tps['separate']:.0f}, serial "
-        f"{tps['serial']:.0f}; group peak {kind} {group_peak:.0f} MiB, {grew:.0f} MiB over the base's, against the "
-        f"jobs' own states alone + 10% = {1.1 * sum(owns):.0f} MiB ({'within' if grew <= 1.1 * sum(owns) else 'OVER'})"
-        f" and the group estimate's own parts + 10% = {1.1 * estimated:.0f} MiB "
-        f"({'within' if grew <= 1.1 * estimated else 'OVER'}); separate processes' peaks add up to "
-        f"{separate_sum:.0f} MiB",
+        f"{args.case} K={k}: group / serial {fmt(row['serial'])}, group / separate {fmt(row['separate'])}; median tok/s"
+        f" group {tps['group']:.0f}, separate {tps['separate']:.0f}, serial {tps['serial']:.0f}; group peak {kind} "
+        f"{group_peak:.0f} MiB, {grew:.0f} over the base's, against the jobs' own states alone + 10% = "
+        f"{ALLOWANCE * owns:.0f} MiB ({within(grew, owns)}) and the group estimate's own parts + 10% = "
+        f"{ALLOWANCE * estimated:.0f} MiB ({within(grew, estimated)}); separate processes' peaks add up to "
+        f"{row['separate_sum']:.0f} MiB",
         flush=True,
     )
-    if args.mixed_lengths:
-        padded = together([launch(args, model_dir, "padded", args.threads or os.cpu_count() or 1, k=k)])[0]
+    if args.case == "mixed-lengths":
+        padded = together([launch(args, model_dir, "padded", cores_of(args), k=k)])[0]
+        row["padded"] = padded["peak_mib"] - base_mib
         print(
-            f"K={k}, mixed lengths, rows padded to the widest member (as before #54): peak {padded['peak_mib']:.0f} "
-            f"MiB, {padded['peak_mib'] - base_mib:.0f} over the base's",
-            flush=True,
+            f"{args.case} K={k}, rows padded to the widest member (as before #54): {row['padded']:.0f} MiB over the base's"
         )
+    return row
+
+
+def fmt(ratio: tuple[float, float, float] | None) -> str:
+    if ratio is None:
+        return "-"
+    return f"{ratio[0]:.2f}x ({ratio[1]:.2f}-{ratio[2]:.2f})"
+
+
+def within(grew: float, bound: float) -> str:
+    return "within" if grew <= ALLOWANCE * bound else "OVER"
 
 
 def group_estimate(args, model_dir: str, k: int):
@@ -272,9 +184,31 @@ def group_estimate(args, model_dir: str, k: int):
     return estimate(read_shape(model_dir), requests, args.device)
 
 
-def main() -> None:
+def summary(rows: list[dict]) -> bool:
+    """The rows as one table; whether every peak was within both bounds."""
+    print("\n| case | K | group / serial | group / separate | group's own MiB | own states + 10% | estimate + 10% |")
+    print("|---|---|---|---|---|---|---|")
+    ok = True
+    for r in rows:
+        held = within(r["grew"], r["owns"]) == within(r["grew"], r["estimated"]) == "within"
+        ok = ok and held
+        print(
+            f"| {r['case']} | {r['k']} | {fmt(r['serial'])} | {fmt(r['separate'])} | {r['grew']:.0f} | "
+            f"{ALLOWANCE * r['owns']:.0f} ({within(r['grew'], r['owns'])}) | "
+            f"{ALLOWANCE * r['estimated']:.0f} ({within(r['grew'], r['estimated'])}) |"
+        )
+    if not ok:
+        print("BROKEN: a group's peak is over its bound (the jobs' own states alone, or the scheduler's estimate)")
+    return ok
+
+
+def parse() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--ks", default="1,2,4,8", help="group sizes to compare")
+    ap.add_argument("--ks", default="2,4,8", help="group sizes to compare")
+    ap.add_argument("--cases", default=",".join(CASES), help=f"rows per K, of {', '.join(CASES)}")
+    ap.add_argument("--ranks", default="8,16", help="LoRA ranks of the equal and mixed-lengths cases, in turn")
+    ap.add_argument("--mixed-ranks", default="8,16,32,64", help="LoRA ranks of the mixed-ranks case, in turn")
+    ap.add_argument("--sides", default=",".join(SIDES), help="sides to run: group and which baselines")
     ap.add_argument("--rounds", type=int, default=3, help="rounds per K; the sides' order rotates each round")
     ap.add_argument("--steps", type=int, default=5, help="timed steps per job (after one warm-up step)")
     ap.add_argument("--rows", type=int, default=2, help="packed rows per job per step")
@@ -284,9 +218,6 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=6)
     ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="cuda: on a GPU (bench/gpu_check.py)")
     ap.add_argument("--precision", choices=["fp32", "bf16"], default="fp32")
-    ap.add_argument("--mixed-lengths", action="store_true", help="job 0 of each side: 1 row of 8 x --seq a step")
-    ap.add_argument("--worker", choices=["base", "single", "group", "padded"], help=argparse.SUPPRESS)
-    ap.add_argument("--model", help=argparse.SUPPRESS)
     ap.add_argument(
         "--threads",
         type=int,
@@ -294,37 +225,51 @@ def main() -> None:
         help="threads a side may use (0: the cores): the group and each serial process use them all, each of K "
         "separate processes its K-th share (at least 1)",
     )
+    ap.add_argument("--worker", choices=["base", "single", "group", "padded"], help=argparse.SUPPRESS)
+    ap.add_argument("--case", choices=CASES, default="equal", help=argparse.SUPPRESS)
+    ap.add_argument("--model", help=argparse.SUPPRESS)
     ap.add_argument("--index", type=int, default=0, help=argparse.SUPPRESS)
     ap.add_argument("--k", type=int, default=1, help=argparse.SUPPRESS)
     args = ap.parse_args()
+    unknown = set(args.cases.split(",")) - set(CASES)
+    if unknown:
+        ap.error(f"--cases {','.join(sorted(unknown))}: choose among {', '.join(CASES)}")
+    sides = args.sides.split(",")
+    if "group" not in sides or set(sides) - set(SIDES) or len(sides) < 2:
+        ap.error(f"--sides {args.sides}: group and at least one of separate, serial")
+    return args
+
+
+def main() -> None:
+    args = parse()
     if args.worker:
         print("RESULT " + json.dumps(worker(args)), flush=True)
         return
     sys.path.insert(0, str(ROOT / "deploy" / "demo"))
     from tinymodel import build
 
+    ks = [int(x) for x in args.ks.split(",")]
+    rows = []
     with tempfile.TemporaryDirectory() as tmp:
         texts = [f"{p['q']} {p['a']}" for p in make_pairs(500)]
         model_dir = str(build(Path(tmp) / "m", texts, hidden=args.hidden, layers=args.layers, heads=4, kv_heads=2,
                               intermediate=3 * args.hidden, vocab_size=8000, init_range=0.02))  # fmt: skip
         size = sum(f.stat().st_size for f in Path(model_dir).glob("*.safetensors")) / 2**20
-        cores = args.threads or os.cpu_count() or 1
-        base_mib = together([launch(args, model_dir, "base", cores)])[0]["peak_mib"]
-        singles = (0, 1) if args.mixed_lengths else (1,)  # job 0 (the long one) and one short one
-        own = {
-            i: together([launch(args, model_dir, "single", cores, index=i)])[0]["peak_mib"] - base_mib for i in singles
-        }
-        long = f"; job 0: 1 row of {LONG * args.seq} tokens" if args.mixed_lengths else ""
+        base_mib = together([launch(args, model_dir, "base", cores_of(args))])[0]["peak_mib"]
         print(
-            f"model {size:.0f} MiB of weights (hidden {args.hidden}, {args.layers} layers); {cores} threads a side, load "
-            f"{os.getloadavg()[0]:.1f}; each job {args.rows} packed rows of {args.seq} tokens a step{long}, r 8 or 16 "
-            f"on every linear layer; {args.steps} timed steps; a process that loads the model peaks at "
-            f"{base_mib:.0f} MiB; a job's own state (its single-job trainer's peak less that): "
-            + ", ".join(f"job {i} {mib:.0f} MiB" for i, mib in own.items()),
+            f"model {size:.0f} MiB of weights (hidden {args.hidden}, {args.layers} layers); {cores_of(args)} threads a "
+            f"side, load {os.getloadavg()[0]:.1f}; each job {args.rows} packed rows of {args.seq} tokens a step (the "
+            f"mixed-lengths case: job 0 one row of {LONG * args.seq}), LoRA on every linear layer; {args.steps} timed "
+            f"steps; a process that loads the model peaks at {base_mib:.0f} MiB",
             flush=True,
         )
-        for k in (int(x) for x in args.ks.split(",")):
-            compare(args, model_dir, k, base_mib, own)
+        for case in args.cases.split(","):
+            args.case = case
+            own = own_states(args, model_dir, base_mib, max(ks))
+            print(f"{case}: each kind of job's own state (rows, seq, rank: MiB): {own}", flush=True)
+            rows += [compare(args, model_dir, k, base_mib, own) for k in ks]
+    if not summary(rows):
+        sys.exit(1)
 
 
 if __name__ == "__main__":
