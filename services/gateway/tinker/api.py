@@ -31,6 +31,7 @@ from services.gateway.tinker.reaper import Reaper
 from services.gateway.tinker.runs import Runs
 from services.gateway.tinker.sampling import Sampling
 from services.gateway.tinker.saves import Saves
+from services.gateway.tinker.serving import job_running
 from services.gateway.tinker.settings import TinkerSettings
 from services.gateway.tinker.store import Store
 from services.gateway.tinker.trainers import Trainers
@@ -48,7 +49,7 @@ class TinkerApi:
         self.settings = settings or TinkerSettings()
         store = Store(nc)
         book, trainers, mirror = Book(store), Trainers(nc, store), Mirror(store)
-        bounds = Bounds(store, self.settings)
+        bounds = Bounds(store, self.settings, job_running(trainers))  # serving samplers' places: while their jobs run
         saves = Saves(store, bounds)
         self.order = Order(store, mirror, book, Runner(store, book, trainers, saves), self.gateway, self.settings)
         mirror.on_call = self.order.written

@@ -32,12 +32,15 @@ from services.gateway.tinker.store import CONTENDED_S, Store
 
 GRACE_S = 60.0  # a place younger than this whose holder is not written yet is being made: it is not taken back
 MODELS_FIX = "finish sessions you no longer use (ServiceClient.close(), or end the script)"
+SERVING = ""  # the session of a serving sampler's place (serving.py): it belongs to no client session
 Stale = Callable[[str, Held], Awaitable[bool]]  # (tenant, place): has its holder ended?
+Running = Callable[[str, str], Awaitable[bool]]  # (tenant, job): does it hold a device, or wait for one?
 
 
 class Bounds:
-    def __init__(self, store: Store, settings: TinkerSettings) -> None:
+    def __init__(self, store: Store, settings: TinkerSettings, running: Running | None = None) -> None:
         self.store, self.settings = store, settings
+        self.running = running  # None: every serving sampler's job taken as running
 
     # --- each bound -----------------------------------------------------------------------------------------------
     async def session(self, tenant: str, session: str) -> None:
@@ -132,6 +135,9 @@ class Bounds:
     async def _model_gone(self, tenant: str, held: Held) -> bool:
         if time.time() - held.since < GRACE_S:
             return False
+        if held.session == SERVING:  # a serving sampler's: its job paused (idle) or ended; its next sample asks again
+            found = await self.store.get(self.store.kv, model_key(tenant, held.id), ModelRecord)
+            return found is None or (self.running is not None and not await self.running(tenant, found[0].job))
         if await self._session_ended(tenant, held.session):
             return True
         return await self.store.get(self.store.kv, model_key(tenant, held.id), ModelRecord) is None

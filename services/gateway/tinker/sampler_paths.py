@@ -41,7 +41,7 @@ async def target(ctx: Ctx, tenant: str, owner: str, weights: str | None, stored:
     if save is not None:
         model = await _model(ctx, tenant, owner)
         if model is None or _ended(ctx, model):
-            serving = await Serving(ctx.store, ctx.trainers, ctx.models, ctx.settings).model(save)
+            serving = await Serving(ctx.store, ctx.trainers, ctx.models, ctx.settings, ctx.bounds).model(save)
             return Target(serving, local_name(save), True, save.object)
         return Target(model, weights, True)
     if stored:

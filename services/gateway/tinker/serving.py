@@ -3,7 +3,9 @@ tenant, base model and LoRA layout (rank and target modules: a save loads only i
 it is a session job like a base model's sampler (placed like any, in the tenant's session group on a device with
 the base, paused when idle and resumed by its next call), whose samples name the stored save to fetch on demand
 (Sample.object). It belongs to no client session: it is made the first time it is needed and made again if its job
-has ended (failed, cancelled), under its model record's revision, so concurrent gateways make one."""
+has ended (failed, cancelled), under its model record's revision, so concurrent gateways make one. It holds a
+place in the tenant's max_models as a training model does (each sample through it makes sure of it: a 400 naming
+the bound when it is full); the place is taken back, when the bound is full, once its job is paused or ended."""
 
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ from schemas.job_status import JobReply
 from schemas.sessions import SessionSpec
 from schemas.tinker_store import ModelRecord, SamplerSave, model_key
 from services.gateway.openai_map import BaseModel
+from services.gateway.tinker.bounds import SERVING, Bounds, Running
 from services.gateway.tinker.common import session_job
 from services.gateway.tinker.futures import CallFailed
 from services.gateway.tinker.http import TinkerRefusal
@@ -38,14 +41,26 @@ def serving_id(base_model: str, spec: SessionSpec) -> str:
     return f"serve-{hashlib.sha256(shape.encode()).hexdigest()[:16]}:base:0"
 
 
+def job_running(trainers: Trainers) -> Running:
+    """Whether a serving sampler's job holds a device or waits for one (not paused, not ended): while it does, its
+    place in max_models is not taken back (bounds.py)."""
+
+    async def running(tenant: str, job: str) -> bool:
+        reply = await trainers.watch.job(tenant, job)
+        return isinstance(reply, JobReply) and reply.job.state not in (*TERMINAL, "paused")
+
+    return running
+
+
 def local_name(save: SamplerSave) -> str:
     """The save's name on a serving sampler's node (saves of several jobs share its directory)."""
     return f"{save.job}--{save.name}"
 
 
 class Serving:
-    def __init__(self, store: Store, trainers: Trainers, models: dict[str, BaseModel], settings: TinkerSettings):
-        self.store, self.trainers, self.models, self.settings = store, trainers, models, settings
+    def __init__(self, store: Store, trainers: Trainers, models: dict[str, BaseModel], settings: TinkerSettings,
+                 bounds: Bounds) -> None:  # fmt: skip
+        self.store, self.trainers, self.models, self.settings, self.bounds = store, trainers, models, settings, bounds
 
     async def model(self, save: SamplerSave) -> ModelRecord:
         """The tenant's serving sampler for the save's base and layout, made (or made again) if need be."""
@@ -54,6 +69,7 @@ class Serving:
             raise TinkerRefusal(400, f"{save.path}: its base model {save.base_model!r} is no longer served here")
         spec = layout(save, self.settings.idle_s)
         model_id, tenant = serving_id(save.base_model, spec), save.tenant
+        await self.bounds.model(tenant, SERVING, model_id)  # a job on a device: a place of max_models (a 400 if full)
         found = await self.store.get(self.store.kv, model_key(tenant, model_id), ModelRecord)
         if found is not None and not await self._ended(found[0]):
             return found[0]
