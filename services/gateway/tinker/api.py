@@ -8,6 +8,7 @@ answers any client, and one that restarts loses nothing."""
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 import secrets
 import time
@@ -149,11 +150,16 @@ class TinkerApi:
             if isinstance(metadata, dict)
             else None
         )
-        now = time.time()
-        session = SessionRecord(id="sess-" + secrets.token_hex(8), tenant=tenant, created=now, heard=now,
+        now, retried = time.time(), request.headers.get("X-Idempotency-Key", "")
+        ident = _session_id(tenant, retried)
+        if retried and await ctx.store.get(ctx.store.kv, session_key(tenant, ident), SessionRecord) is not None:
+            return reply({"session_id": ident})  # a retry whose first try's answer was lost: the same session
+        session = SessionRecord(id=ident, tenant=tenant, created=now, heard=now,
                                 user_metadata=dict(list(kept.items())[:32]) if kept else None)  # fmt: skip
         await ctx.bounds.session(tenant, session.id)  # its place first: a bound that holds on every gateway
         revision = await ctx.store.create(ctx.store.kv, session_key(tenant, session.id), session)
+        if revision is None and retried:
+            return reply({"session_id": ident})  # its first try, on another gateway, wrote it just now
         if revision is None:
             raise TinkerRefusal(409, "that session id was just taken; create the session again")
         ctx.mirror.learn(session, revision)
@@ -238,3 +244,11 @@ class TinkerApi:
         for written in ended:
             await self.reaper.end(written, "its client finished it")  # each stores its adapter, to register
         return reply({})
+
+
+def _session_id(tenant: str, retried: str) -> str:
+    """A new session's id: of the client's X-Idempotency-Key where it sent one (the official client keeps it across
+    its retries of one request, on whichever gateway they reach), else random."""
+    if not retried:
+        return "sess-" + secrets.token_hex(8)
+    return "sess-" + hashlib.sha256(f"{tenant}\n{retried}".encode()).hexdigest()[:16]
