@@ -69,7 +69,7 @@ class Agent(JobLifecycle):
         self.models = read_shapes(config.models)
         self.yielder = Yielder(self, engine_yields(config))
         self.terms = TermFence(self.js)  # the newest scheduler term seen: an older one's commands are refused
-        self.leases = TrainerLeases(self.js, config.node)  # which of its jobs' attempts may compute
+        self.leases = TrainerLeases(self.js, config.node, lambda: nc.is_connected)  # which attempts may compute
 
     async def run(self, stop: asyncio.Event) -> None:
         ended = await asyncio.to_thread(end_leftovers, self.cfg.work_dir / "jobs")

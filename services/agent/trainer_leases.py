@@ -31,8 +31,9 @@ class Superseded(Exception):
 class TrainerLeases:
     """The entries this agent holds, by (job, attempt), with the revision each was last written at."""
 
-    def __init__(self, js, node: str) -> None:
+    def __init__(self, js, node: str, connected: Callable[[], bool] = lambda: True) -> None:
         self.js, self.node = js, node
+        self.connected = connected  # whether the bus is reachable now: a release does not wait on one that is not
         self.kv: KeyValue | None = None  # the bucket, once open; None: not open yet (see open)
         self.held: dict[Key, int] = {}
         self.unfenced: set[Key] = set()  # attempts whose trainer started while the bucket could not be opened
@@ -156,6 +157,9 @@ class TrainerLeases:
         self.unfenced.discard((job, attempt))
         last = self.held.pop((job, attempt), None)
         if self.kv is None or last is None:
+            return
+        if not self.connected():  # the bus away (a shutdown may be under way): the entry lapses by itself
+            log.info("job %s: attempt %d's trainer lease lapses by itself (NATS not connected)", job, attempt)
             return
         try:
             await asyncio.wait_for(self.kv.delete(trainer_lease.key(job), last=last), REQUEST_S)
