@@ -46,9 +46,19 @@ if TYPE_CHECKING:
 
 
 def peak_mib(device: str) -> float:
+    """This process's peak memory: on CUDA what torch allocated; else its own peak resident set (VmHWM). Not
+    ru_maxrss: Linux carries the parent's peak into a child across exec, so a trainer started by a large agent
+    reported the agent's peak as its own."""
     if device == "cuda":
         return torch.cuda.max_memory_allocated() / 2**20
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) / 1024  # kB
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # not Linux: the best there is (KiB on Linux)
 
 
 @torch.no_grad()
