@@ -12,9 +12,8 @@ import signal
 
 import msgspec
 import pytest
-from nats.js.errors import KeyNotFoundError
 
-from schemas import names, trainer_lease
+from schemas import names
 from schemas.job_status import JobQuery, JobReply
 from schemas.jobs import SubmitReply
 from schemas.nodes import Heartbeat
@@ -22,19 +21,11 @@ from services import bus
 from services.procs import PID_FILE
 from services.scheduler.core import SchedulerConfig
 from tests.conftest import get_job, start_stack, submit, wait_for, wait_state
+from tests.harness.trainers import holder
 from tests.qa import pairs
 
 pytestmark = pytest.mark.timeout(300)
 TRAIN = {"learning_rate": 0.005, "batch_size": 1, "max_seq_length": 64, "logging_steps": 1, "max_steps": 100000}
-
-
-async def holder(nc, job: str) -> trainer_lease.Holder | None:
-    kv = await nc.jetstream().key_value(names.TRAINER_LEASES_KV)
-    try:
-        entry = await kv.get(trainer_lease.key(job))
-    except KeyNotFoundError:
-        return None
-    return trainer_lease.decode(entry.value or b"")
 
 
 async def test_a_job_cancelled_out_of_a_running_group_keeps_its_entry_while_the_process_may_compute_it(

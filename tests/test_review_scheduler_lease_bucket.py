@@ -9,24 +9,14 @@ from __future__ import annotations
 import asyncio
 import signal
 
-from nats.js.errors import KeyNotFoundError
-
-from schemas import names, trainer_lease
+from schemas import names
 from schemas.jobs import Accepted
 from services import bus
 from services.scheduler.core import SchedulerConfig
 from tests.conftest import start_stack, submit, wait_for, wait_nodes, wait_state
 from tests.qa import pairs
-from tests.test_stalled_agent_trainer import (
-    FROZEN_S,
-    INTERVAL,
-    LONG_LEASE_S,
-    STRAY_CPU_S,
-    TRAIN,
-    Trainers,
-    _checkpointed,
-    cpu_s,
-)
+from tests.test_stalled_agent_trainer import FROZEN_S, INTERVAL, LONG_LEASE_S, STRAY_CPU_S, TRAIN, _checkpointed
+from tests.harness.trainers import Trainers, cpu_s, holder
 
 NOT_OPENED = "trainer lease bucket"  # the agent's warning that it could not open it
 
@@ -56,7 +46,7 @@ async def test_agents_started_before_the_bucket_fence_their_trainers_once_it_exi
     try:
         first = (await wait_for(lambda: _checkpointed(nc, reply.job), timeout=120, what="a stored checkpoint")).node
         assert cpu_s(trainers.pids[1]) is not None, "attempt 1's trainer is not running"
-        held = await _holder(nc, reply.job)
+        held = await holder(nc, reply.job)
         agents.procs[first].send_signal(signal.SIGSTOP)
         try:
             await asyncio.sleep(FROZEN_S)  # the fault itself
@@ -73,12 +63,3 @@ async def test_agents_started_before_the_bucket_fence_their_trainers_once_it_exi
     assert stray < STRAY_CPU_S, f"attempt 1's trainer computed {stray:.2f} s of CPU after attempt 2's had started"
     assert gap > 0, f"attempt 1's trainer computed {-gap:.2f} s after attempt 2's had started"
     assert held is not None and (held.node, held.attempt) == (first, 1), f"attempt 1 on {first} did not hold: {held}"
-
-
-async def _holder(nc, job: str) -> trainer_lease.Holder | None:
-    kv = await nc.jetstream().key_value(names.TRAINER_LEASES_KV)
-    try:
-        entry = await kv.get(trainer_lease.key(job))
-    except KeyNotFoundError:
-        return None
-    return trainer_lease.decode(entry.value or b"")

@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import signal
 import time
-from pathlib import Path
 
 import msgspec
 import pytest
@@ -19,9 +18,9 @@ import pytest
 from schemas import names
 from schemas.events import Progress
 from schemas.jobs import Accepted
-from services.procs import PID_FILE
 from services.scheduler.core import SchedulerConfig
 from tests.conftest import get_job, start_stack, submit, wait_for, wait_nodes, wait_state
+from tests.harness.trainers import Trainers, cpu_s
 from tests.qa import pairs
 
 INTERVAL = 0.25  # the scheduler's and the agents' heartbeats; 3 missed: the node is gone (0.75 s)
@@ -31,61 +30,7 @@ SETTLED_S = 0.5  # beyond its lease, what a trainer of a frozen agent may take t
 # a progress event every 10 steps: the frozen agent's pipe from its trainer does not fill in the freeze, so a trainer
 # with a long lease computes all through it (with one each step, it blocks writing its events after ~1.5 s)
 TRAIN = {"max_steps": 800, "batch_size": 1, "max_seq_length": 64, "logging_steps": 10, "save_steps": 100}
-TICK_S = 0.02  # how often each trainer's CPU time is read
-TICKS_PER_S = 100  # /proc's clock ticks (USER_HZ)
 STRAY_CPU_S = 0.1  # what a trainer that waits on its lease may use meanwhile (a few tiny-model steps' worth)
-COMPUTING_CPU_S = 2 / TICKS_PER_S  # a tick's CPU this large or more: it computed then (one that waits polls a file)
-
-
-def cpu_s(pid: int) -> float | None:
-    """The process's CPU time so far (user + system), or None once it is gone."""
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except OSError:
-        return None
-    return None if fields[0] in ("Z", "X") else (int(fields[11]) + int(fields[12])) / TICKS_PER_S
-
-
-class Trainers:
-    """The job's trainers on the agents' work dirs, by attempt: when each started, and when its CPU time moved."""
-
-    def __init__(self, roots: list[Path], job: str) -> None:
-        self.roots, self.job = roots, job
-        self.pids: dict[int, int] = {}
-        self.started: dict[int, float] = {}
-        self.last: dict[int, float] = {}
-        self.moved: dict[int, list[tuple[float, float]]] = {}  # attempt -> (wall time, CPU seconds since the last)
-
-    def tick(self) -> None:
-        now = time.time()
-        for root in self.roots:
-            for path in root.glob(f"jobs/{self.job}-*/{PID_FILE}"):
-                attempt = int(path.parent.name.rsplit("-", 1)[1])
-                try:
-                    self.pids.setdefault(attempt, int(path.read_text().split()[0]))
-                except (OSError, ValueError, IndexError):  # being written
-                    continue
-                self.started.setdefault(attempt, now)
-        for attempt, pid in self.pids.items():
-            cpu = cpu_s(pid)
-            before = self.last.get(attempt)
-            if cpu is not None:
-                self.last[attempt] = cpu
-                if before is not None and cpu > before:
-                    self.moved.setdefault(attempt, []).append((now, cpu - before))
-
-    async def watch(self, stop: asyncio.Event) -> None:
-        while not stop.is_set():
-            self.tick()
-            await asyncio.sleep(TICK_S)
-
-    def computed(self, attempt: int, since: float, until: float = float("inf")) -> float:
-        """CPU seconds the attempt's trainer used between `since` and `until` (wall time)."""
-        return sum(cpu for at, cpu in self.moved.get(attempt, []) if since < at <= until)
-
-    def last_computed(self, attempt: int) -> float:
-        """When the attempt's trainer last computed (wall time): a tick in which it used CPU as a step does."""
-        return max((at for at, cpu in self.moved.get(attempt, []) if cpu >= COMPUTING_CPU_S), default=float("-inf"))
 
 
 @pytest.mark.parametrize("lease_s", [None, LONG_LEASE_S], ids=["default-lease", "lease-past-the-window"])
