@@ -4,8 +4,11 @@ Two parts. In the bucket TRAINER_LEASES_KV (schemas/names.py), one entry per job
 job's trainer lease (Holder): the agent running that attempt writes it before its trainer starts and renews it at
 each heartbeat by compare-and-set on the entry's revision, so a renewal after another attempt took the entry over
 fails, and that attempt is ended there. An attempt on another node takes the entry over only once it has seen it
-unchanged for the holder's lease_s (its holder stopped renewing: it is frozen, cut off or dead) or deleted (its
-holder ended); a newer attempt's entry is never taken by an older one.
+unchanged for the holder's lease_s (its holder stopped renewing: it is frozen, cut off or dead) or released (its
+holder ended: the entry then says "released by attempt N", not deleted, so an older attempt that comes late, an
+assignment delayed in a frozen agent's socket, finds that it is older and never starts); a newer attempt's entry,
+released or not, is never taken by an older one. Released entries are not deleted: each goes with the bucket's max
+age (KEPT_S after its last write), as the delete markers of the entries let go before did.
 
 The other part is local: the file through which the agent lets its trainer go on. Its path is in the trainer's
 environment (ENV), and in it a deadline on CLOCK_MONOTONIC (which every process of the machine shares) as
@@ -26,17 +29,19 @@ from schemas.jobs import JobId
 
 ENV = "JETLORA_LEASE"
 RECORD = 32  # bytes
-KEPT_S = 7 * 24 * 3600  # an entry nobody renewed or deleted (its node died) goes from the bucket after this
+KEPT_S = 7 * 24 * 3600  # an entry goes from the bucket this long after its last write (released, or its node died)
 
 
 class Holder(Struct, frozen=True, kw_only=True):
     """The entry of a job: the attempt whose trainer may compute, the node running it, and how long its trainer
-    goes on after a renewal (the time another node waits, from when it saw the entry last change)."""
+    goes on after a renewal (the time another node waits, from when it saw the entry last change). `released`: that
+    attempt ended and its trainer is gone; a later attempt takes the entry at once, this one and older ones never."""
 
     job: JobId
     attempt: Annotated[int, Meta(ge=1)]
     node: str
     lease_s: Annotated[float, Meta(ge=0)]
+    released: bool = False
 
 
 _encode = msgspec.json.Encoder()

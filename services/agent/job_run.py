@@ -1,5 +1,6 @@
-"""One job on this node, from its assignment to its last state: what it needs fetched, its trainer, its events
-and reports, its checkpoints and artifacts shipped."""
+"""One job on this node, from its assignment to its last state: its trainer (once what it needs is fetched:
+job_inputs.py, and its trainer lease is held: trainer_leases.py), its events and reports, its checkpoints and
+artifacts shipped."""
 
 from __future__ import annotations
 
@@ -19,7 +20,6 @@ from schemas import names
 from schemas.events import (
     Cancelled,
     Checkpoint,
-    DataFile,
     Failed,
     Finished,
     Preparing,
@@ -28,21 +28,19 @@ from schemas.events import (
     Samples,
     Started,
     StateChange,
-    TrainerSpec,
 )
-from schemas.jobs import DatasetRef
 from schemas.job_status import ArtifactRef, CheckpointInfo, JobState
-from schemas.nodes import CPU_DEVICE, Assignment, on_devices
+from schemas.nodes import Assignment, on_devices
 from schemas.trainer_lease import Holder
 from services import bus
 from services.agent.config import AgentConfig
 from services.agent.datasets import DatasetCache, DatasetUnavailable, LocalDataset
-from services.agent.engines import rollout_engine
+from services.agent.job_inputs import JobInputs
 from services.agent.group_run import GroupMember, GroupProcess
 from services.agent.session_run import SessionLost, SessionRun, TakesCalls
 from services.agent.runner import TrainerRun, trainer_env
-from services.agent.trainer_leases import Superseded, TrainerLeases
-from services.agent.shipping import fetch_adapter, fetch_checkpoint, fetch_session_start, ship_checkpoint, ship_results
+from services.agent.trainer_leases import Superseded, TrainerLeases, waiting_words
+from services.agent.shipping import ship_checkpoint, ship_results
 from services.agent.yielding import Yielded, Yielder
 from services.transfer.sender import UploadError
 
@@ -210,7 +208,8 @@ class JobLifecycle:
     async def _train(self, run: RunningJob, job_dir: Path) -> Finished | Failed | Cancelled | Requeue:
         """Fetch what the job needs, run its trainer to its end (what was asked of the job meanwhile passed on to
         it), its events reported as they come."""
-        spec = await self._trainer_spec(run, job_dir)
+        say = functools.partial(self._report, run, "preparing")
+        spec = await JobInputs(self.nc, self.cfg, self.datasets, run.assignment, job_dir, say, run.datasets).spec()
         if run.assignment.group:  # co-trained: it joins its group's process (started for the first job)
             run.trainer = self._group_of(run).member(spec)
         else:
@@ -224,29 +223,28 @@ class JobLifecycle:
                 niceness=self.yielder.niceness(run.devices),
                 lease_s=self.cfg.lease_s,
             )
-        if run.cancel_asked:  # asked while this task was cancelled at an await that can swallow it (3.11's wait_for)
-            run.trainer.cancel()
         if run.stop_asked:
             run.trainer.stop()
-        if run.paused_by:
-            run.trainer.pause()
-        try:
-            run.trainer.lease_from = await self.leases.acquire(
+        try:  # a cancel or pause meanwhile gives the wait up (Agent._on_control): CancelledError
+            if run.cancel_asked or run.paused_by:  # asked before its trainer was made: ended now, nothing waited for
+                raise asyncio.CancelledError  # (or a cancel swallowed by an await: 3.11's wait_for)
+            run.trainer.lease_from = await self.leases.take(
                 run.assignment.job, run.attempt, self.cfg.lease_s, functools.partial(self._waiting_for, run)
             )
-        except Superseded as e:  # the scheduler ends this attempt too: nothing to report
-            run.superseded = str(e)
+        except BaseException as e:  # its trainer never runs: a co-trained job leaves the group it was put in
+            if isinstance(run.trainer, GroupMember):
+                await run.trainer.group.leave(run.trainer)
+            if not isinstance(e, Superseded):
+                raise  # reported as asked (_run_job)
+            log.warning("job %s attempt %d does not start: %s", run.assignment.job, run.attempt, e)
+            run.superseded = str(e)  # the scheduler ends this attempt too: nothing to report
             return Cancelled(message=str(e))
         return await run.trainer.run(functools.partial(self._on_trainer_event, run))
 
     async def _waiting_for(self, run: RunningJob, other: Holder) -> None:
         """The job's trainer lease is another attempt's: its trainer may still compute, so this one waits."""
-        why = (
-            f"waiting for attempt {other.attempt} of the job on {other.node} to stop before this one trains: its "
-            f"trainer lease ends within {other.lease_s:.1f}s once not renewed, or when that attempt ends"
-        )
-        log.warning("job %s attempt %d: %s", run.assignment.job, run.attempt, why)
-        await self._report(run, "preparing", why)
+        log.warning("job %s attempt %d: %s", run.assignment.job, run.attempt, waiting_words(other))
+        await self._report(run, "preparing", waiting_words(other))
 
     def _group_of(self, run: RunningJob) -> GroupProcess:
         """The co-training group the job joins: the one running here, or a new one it starts."""
@@ -270,26 +268,6 @@ class JobLifecycle:
             )
             self.groups[name] = group
         return group
-
-    async def _trainer_spec(self, run: RunningJob, job_dir: Path) -> TrainerSpec:
-        """What the trainer is told: the job, and where what it starts from (a checkpoint, datasets, an adapter) is
-        on this node, fetched here first."""
-        a = run.assignment
-        engine, no_engine = rollout_engine(self.cfg.engines, a.request, self.cfg.rollout_priority)
-        return TrainerSpec(
-            job=a.job,
-            attempt=a.attempt,
-            request=a.request,
-            out_dir=str(job_dir / "out"),
-            device="cuda" if a.device != CPU_DEVICE else "cpu",
-            resume_from=await self._fetch_checkpoint(run, job_dir),
-            dataset=await self._fetch_dataset(run, a.request.dataset),
-            validation=await self._fetch_dataset(run, a.request.validation_dataset),
-            token_cache=str(self.datasets.tokens),
-            init_adapter=await self._fetch_init_adapter(run, job_dir),
-            rollout_engine=engine,
-            no_rollout_engine=no_engine,
-        )
 
     async def _on_trainer_event(self, run: RunningJob, ev) -> None:
         """One event of the trainer's: reported as the job's state, progress, preparation or samples; a checkpoint
@@ -318,50 +296,6 @@ class JobLifecycle:
                 log.info("job %s: checkpoint at step %d skipped, the previous one is still uploading", a.job, ev.step)
             else:
                 run.checkpoint_upload = asyncio.create_task(self._ship_checkpoint(run, ev))
-
-    async def _fetch_dataset(self, run: RunningJob, ref: DatasetRef | None) -> DataFile | None:
-        """The job's dataset on local disk, from this node's cache or fetched into it."""
-        if ref is None:
-            return None
-        await self._report(run, "preparing", f"fetching dataset {ref.name}")
-        local = await self.datasets.acquire(ref)
-        run.datasets.append(local)
-        return DataFile(
-            path=str(local.path), sha256=local.info.sha256, format=local.info.stats.format, rows=local.info.stats.rows
-        )
-
-    async def _fetch_checkpoint(self, run: RunningJob, job_dir: Path) -> str | None:
-        """A re-queued or resumed job goes on from the checkpoint its last node stored; None: from step 0."""
-        a = run.assignment
-        if not a.resume_from:
-            return None
-        try:
-            where = await fetch_checkpoint(self.nc, a, job_dir)
-        except Exception as e:
-            if a.request.session is not None:  # a session's client was told its saves are kept: never step 0
-                raise SessionLost(
-                    f"the session's checkpoint {a.resume_from} could not be fetched ({e}): it fails rather than go on from step 0; its saves stay stored (create_training_client_from_state starts from one)"
-                ) from e
-            log.warning(
-                "job %s: checkpoint %s could not be fetched (%s); starting from step 0", a.job, a.resume_from, e
-            )
-            await self._report(
-                run, "preparing", f"checkpoint {a.resume_from} could not be fetched ({e}); starting from step 0"
-            )
-            return None
-        await self._report(run, "preparing", f"resuming from checkpoint {a.resume_from}")
-        return str(where)
-
-    async def _fetch_init_adapter(self, run: RunningJob, job_dir: Path) -> str | None:
-        """The registered adapter the job starts from (a session: the saved state it starts from), unpacked into its
-        directory."""
-        if (start := await fetch_session_start(self.nc, run.assignment, job_dir)) is not None:
-            return str(start)
-        ref = run.assignment.request.init_adapter
-        if ref is None or ref.peft is None:
-            return None
-        await self._report(run, "preparing", f"starting from adapter {ref.name}@{ref.version}")
-        return str(await fetch_adapter(self.nc, ref.peft, job_dir))
 
     async def _ship_checkpoint(self, run: RunningJob, ev: Checkpoint) -> None:
         """Checkpoints go to the object store as they come, so another node can resume if this one goes."""

@@ -245,11 +245,13 @@ class Agent(JobLifecycle):
                 run.trainer.cancel()
             elif run.task:
                 run.task.cancel()
+            self.leases.give_up(*run.key)  # waiting for another attempt's trainer lease: cancelled now, not then
         elif c.action == "pause":
             await self.yielder.release(run)  # a stopped trainer must compute to reach its checkpoint
             run.paused_by = c.by or "user"
             if run.trainer:
                 run.trainer.pause()
+            self.leases.give_up(*run.key)  # waiting for another attempt's trainer lease: paused now, not then
         else:
             await self.yielder.release(run)
             run.stop_asked = True

@@ -33,6 +33,8 @@ class ScriptedNode:
         self.states: dict[str, JobState] = {}
         self.finished: list[str] = []  # jobs that ended here, listed in heartbeats as agents list them
         self.answer_controls = True
+        self.answer_assignments = True  # False: an assignment is kept (assignments) but never answered nor run
+        self.assigned_at: list[float] = []  # when each assignment came (monotonic)
         self.controls: list[Control] = []
         self.assignments: list[Assignment] = []
         self._tasks: list[asyncio.Task] = []
@@ -86,6 +88,9 @@ class ScriptedNode:
     async def _on_assign(self, msg) -> None:
         a = _assignment.decode(msg.data)
         self.assignments.append(a)
+        self.assigned_at.append(time.monotonic())
+        if not self.answer_assignments:
+            return
         self.running[a.job] = a
         await msg.respond(_enc.encode(AssignAccepted(a.job)))
 
