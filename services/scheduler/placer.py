@@ -19,6 +19,7 @@ from services.scheduler.core import Job, SchedulerCore
 from services.scheduler.queue import JobQueue
 from services.scheduler.sharing import ShareTable
 from services.scheduler.tenancy import Tenant
+from services.scheduler.unanswered import Unanswered
 
 log = logging.getLogger(__name__)
 PASS_BUDGET_S = 0.010  # one placement pass holds the loop at most this long (then the next one goes on)
@@ -61,6 +62,7 @@ class Placer:
     def __init__(self, core: SchedulerCore) -> None:
         self.core = core
         self.stats = PassStats()
+        self.unanswered = Unanswered(core.cfg.assign_timeout, wake=core.wake.set)  # nodes resting: no answer came
 
     async def run(self, lost: asyncio.Event, stop: asyncio.Event) -> None:
         core = self.core
@@ -196,7 +198,7 @@ class Placer:
     async def _hand_over(
         self, job: Job, node: str, device: int, devices: list[int], attempt: int, need_mib: int | None
     ) -> None:
-        core = self.core
+        core, sent = self.core, time.monotonic()
         try:
             request = core.requests.take(job.id) or (await core.store.request(job.id)).request
             reply = await commands.send(
@@ -217,8 +219,11 @@ class Placer:
                 ),
                 AssignReply,
             )
-        except bus.RequestError as e:
-            reply = AssignRefused(job.id, str(e))
+        except bus.RequestError as e:  # sent and not answered: the node rests a while (unanswered.py)
+            why = self.unanswered.no_answer(job.id, node, e, sent) if core.may_act() else str(e)
+            reply = AssignRefused(job.id, why)
+        else:
+            self.unanswered.answered(node)
         if isinstance(reply, AssignRefused) and not core.may_act():
             return  # not sent, or refused as a deposed leader's: the next leader places the job
         if isinstance(reply, AssignRefused):
@@ -254,13 +259,15 @@ class PlacementPass:
         self.kept_for = {j: n for n, j in self.kept_nodes.items()}  # the same, by the job each node is kept for
         self.homeless: set[tuple] = set()  # shapes of gangs no node could be kept for in this pass
         self.needs: dict[str, int | None] = {}  # job -> what its device must have free when it joins a running group
+        self.resting = placer.unanswered.resting()  # nodes that left assignments unanswered: none go there for now
 
     def kept_from(self, job: Job) -> frozenset[str]:
         """Nodes kept for a waiting multi-device job this one may not pass (sharing.KeptNodes: it has no higher
         priority, and its tenant is not owed the devices)."""
         tenant = job.stored.tenant
         share = self.table.share.get(tenant, 0) if self.table is not None else None
-        return self.kept.from_job(job, self.holding.get(tenant, 0), share)
+        kept = self.kept.from_job(job, self.holding.get(tenant, 0), share)
+        return kept | self.resting if self.resting else kept
 
     def rounds(self) -> list[tuple[Tenant, JobQueue, bool]]:
         """The queues in the order they take their turns, each with whether it may only reach its fair share in that
