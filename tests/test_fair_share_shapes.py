@@ -198,3 +198,26 @@ def test_the_share_watch_times_each_wait_for_a_device_while_another_holds_more()
     watch.observe(shares(0, 4), now=110.0)
     watch.observe(shares(1, 3), now=111.0)
     assert (watch.longest, watch.logged) == ((5.0, "globex"), 1)  # 1 s of this term, not 101 s
+
+
+def test_a_wait_for_a_device_is_not_made_longer_by_the_tenants_own_jobs_ending():
+    """initech (share 8, holding 4) has two of its short jobs end and is given two devices back: a gain (the mark
+    went down with its own ends), where the old rule (more than it held when the wait began) saw one wait of 9 s; a tenant whose ends are only ever
+    replaced one for one, while acme holds more than its share, still waits; the log line says what the wait held."""
+    from schemas.job_status import JobStatus
+    from services.scheduler.core import SchedulerConfig, SchedulerCore
+    from services.scheduler.share_watch import ShareWatch
+    from services.scheduler.sharing import ShareTable
+
+    core = SchedulerCore(NoBus(), SchedulerConfig(min_run_s=1.0, heartbeat_interval=0.25, misses=4))  # type: ignore[arg-type]
+    core.book.count("w", "initech", 1, None, JobStatus(), 1)
+    watch = ShareWatch(core)
+
+    def shares(initech: int) -> ShareTable:
+        return ShareTable(16, {"acme": 8, "initech": 8}, {"acme": 16 - initech, "initech": initech}, {})
+
+    for now, initech in ((0.0, 4), (1.5, 2), (3.0, 4), (6.0, 3), (9.0, 4)):
+        watch.observe(shares(initech), now=now)
+    assert watch.longest == (6.0, "initech") and watch.logged == 2  # 0-3 s (the old rule: 0-9 s, no gain past 4), 3-9 s
+    watch.observe(shares(4), now=30.0)  # held 4 throughout: ends replaced one for one, nothing more
+    assert watch.longest_now(now=30.0)[0] == (21.0, "initech")

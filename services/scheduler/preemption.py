@@ -291,6 +291,7 @@ class Preemption:
         for t, n in plan.frees.items():
             held[t] = held.get(t, 0) - n
         held[tenant] = held.get(tenant, 0) + need
+        self.watch.planned[tenant] += need
         self.stats["preemptions"] += 1
         self.stats["victims"] += len(plan.victims)
         log.info(

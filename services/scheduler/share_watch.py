@@ -1,16 +1,26 @@
-"""Whether the fair share holds, watched at every preemption check: how long a tenant below its share, with a waiting
-job it is owed (one asking for no more devices than its share less what it holds), goes without gaining a device
-while another tenant holds more than its share. Preemption should end such a wait within --min-run-s (the least a
-borrower runs before its device may be taken back) and the time a pause takes to land; a wait longer than that and
-the scheduler's heartbeat window is logged, and the longest is in the leader's closing line (bench/fair_share.py
-and bench/chaos.py check it against their bound). Beside it, how long a tenant stayed below its share at all,
-gaining or not: a large burst takes as long as its devices take to be freed one by one. O(tenants) a check: it
-looks at no job."""
+"""Whether the fair share holds, watched at every preemption check (the invariant bench/fair_share.py and
+bench/chaos.py check against their bound):
+
+  A tenant is *starved* while it holds fewer devices than its fair share, one of its waiting jobs asks for no more
+  than it is owed (held + the smallest waiting job's devices <= share), and another tenant holds more than its own
+  share. Its *wait* is the time it stays starved without gaining a device: it begins when it becomes starved, and
+  begins afresh each time the tenant holds more than the fewest it held since the wait began. So the tenant's own
+  jobs ending (what no scheduler can prevent: a 1 s job ends in 1 s) lower the mark rather than count against the
+  scheduler, and a device given back in their place counts as gained; a tenant whose ends are only ever replaced
+  one for one, while another holds more than its share, still waits (preemption should have added to it).
+
+Preemption should end such a wait within --min-run-s (the least a borrower runs before its device may be taken
+back) and the time a pause takes to land; a wait longer than that and the scheduler's heartbeat window is logged
+with what happened in it (the devices the tenant was given and let go, and the devices preemption planned for it:
+none planned means the scheduler found nothing to take), and the longest is in the leader's closing line. Beside
+it, how long a tenant stayed below its share at all, gaining or not: a large burst takes as long as its devices
+take to be freed one by one. O(tenants) a check: it looks at no job."""
 
 from __future__ import annotations
 
 import logging
 import time
+from collections import Counter
 from dataclasses import dataclass
 
 from services.scheduler.core import SchedulerCore
@@ -26,10 +36,13 @@ class Stretch:
     it held then), since when it is below its share, and a tenant over its share when the wait began."""
 
     since: float  # monotonic
-    held: int
+    held: int  # the fewest it held since the wait began (a gain: more than this)
     share: int
     over: Tenant
     below_since: float
+    given: int = 0  # the tenant's book.given, let_go and the watch's planned as the wait began
+    let_go: int = 0
+    planned: int = 0
 
 
 class ShareWatch:
@@ -41,6 +54,7 @@ class ShareWatch:
         self.longest: tuple[float, Tenant] = (0.0, None)  # a wait without a device gained, ended
         self.longest_below: tuple[float, Tenant] = (0.0, None)  # below its share at all, ended
         self.logged = 0  # waits past the allowance
+        self.planned: Counter[Tenant] = Counter()  # devices preemption planned for each tenant, ever (preemption.py)
 
     def allowance(self) -> float:
         """How long a tenant may wait for a device below its share while another holds more: --min-run-s and a
@@ -57,14 +71,22 @@ class ShareWatch:
             starved = smallest is not None and held + smallest <= share and any(o != t for o in over)
             stretch = self.waiting.get(t)
             if starved and stretch is None:
-                self.waiting[t] = Stretch(now, held, share, next(o for o in over if o != t), now)
+                over_t = next(o for o in over if o != t)
+                self.waiting[t] = Stretch(now, held, share, over_t, now, *self._marks(t))
             elif starved and stretch is not None and held > stretch.held:  # it gained: a new wait begins
                 self._waited(t, stretch, now)
                 stretch.since, stretch.held, stretch.share = now, held, share
+                stretch.given, stretch.let_go, stretch.planned = self._marks(t)
+            elif starved and stretch is not None:
+                stretch.held = held  # its own jobs ended: the mark goes down with them
             elif not starved and stretch is not None:
                 self._ended(t, self.waiting.pop(t), now)
         for t in [t for t in self.waiting if t not in table.share]:  # no job of it left
             self._ended(t, self.waiting.pop(t), now)
+
+    def _marks(self, tenant: Tenant) -> tuple[int, int, int]:
+        book = self.core.book
+        return book.given[tenant], book.let_go[tenant], self.planned[tenant]
 
     def restart(self) -> None:
         """A new term of leading: the stretches under way when the last one ended are forgotten, not carried on. A
@@ -87,16 +109,23 @@ class ShareWatch:
         took = now - stretch.since
         self.longest = max(self.longest, (took, tenant), key=lambda lt: lt[0])
         if took > self.allowance():
+            given, let_go, planned = (
+                m - s for m, s in zip(self._marks(tenant), (stretch.given, stretch.let_go, stretch.planned))
+            )
             self.logged += 1
             log.info(
                 "fair share: tenant %s waited %.1fs below its share without a device gained (%d of %d devices) while "
-                "%s held more than its own (allowed: %.1fs, --min-run-s and a heartbeat window)",
+                "%s held more than its own (allowed: %.1fs, --min-run-s and a heartbeat window); in the wait it was "
+                "given %d devices and let go %d, and preemption planned %d for it",
                 tenant,
                 took,
                 stretch.held,
                 stretch.share,
                 stretch.over,
                 self.allowance(),
+                given,
+                let_go,
+                planned,
             )
 
     def longest_now(self, now: float | None = None) -> tuple[tuple[float, Tenant], tuple[float, Tenant]]:

@@ -29,6 +29,8 @@ class TenantBook:
         self.wanted: Counter[Tenant] = Counter()  # devices the waiting jobs ask for
         self.sizes: dict[Tenant, Counter[int]] = {}  # its waiting jobs by the devices each asks for
         self.devices: Counter[Tenant] = Counter()  # distinct devices its active jobs hold
+        self.given: Counter[Tenant] = Counter()  # devices it came to hold, ever (share_watch: what a wait gained)
+        self.let_go: Counter[Tenant] = Counter()  # devices it stopped holding, ever (its jobs ended, paused, moved)
         self.slots: Counter[tuple[Tenant, Any]] = Counter()  # (tenant, slot) -> its jobs there
         self.groupable: Counter[FounderKey] = Counter()  # queued jobs that could start a group together, by kind
         self.running = RunningIndex()
@@ -56,6 +58,7 @@ class TenantBook:
                 self.slots[key] += sign
                 if self.slots[key] == (1 if sign > 0 else 0):
                     self.devices[tenant] += sign
+                    (self.given if sign > 0 else self.let_go)[tenant] += 1
                 if self.slots[key] <= 0:
                     del self.slots[key]
 
