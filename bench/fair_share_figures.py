@@ -5,6 +5,7 @@ and the simulated fleet's counts."""
 
 from __future__ import annotations
 
+import re
 import statistics
 
 from bench.fair_share_trace import TENANTS as WEIGHTS
@@ -12,6 +13,17 @@ from bench.fleet_bench import pct
 from bench.sim_fleet import Fleet
 
 SAMPLE_S = 0.25  # how often the bench samples the tenants' figures
+WATCHED = re.compile(
+    r"fair share: the longest wait of a tenant below its share for a device while another held more: ([\d.]+) s "
+    r"\(tenant (\S+)\); (\d+) past the allowance of [\d.]+ s; the longest below its share: ([\d.]+) s \(tenant (\S+)\)"
+)
+GC_CPU = re.compile(r"the longest of each generation took ([\d.]+), ([\d.]+), ([\d.]+) ms of CPU")
+PASS_CPU = re.compile(r"of CPU: the longest pass ([\d.]+) ms, (\d+) passes past the budget")
+WAIT = re.compile(
+    r"fair share: tenant (\S+) waited ([\d.]+)s below its share without a device gained \((\d+) of (\d+) devices\)"
+    r".*it was given (\d+) devices and let go (\d+), and preemption planned (\d+) for it"
+)
+OWN = re.compile(r"placement passes without it: the longest ([\d.]+) ms, (\d+) past their budget \((\d+) passes")
 
 
 def measure(args, bursts, submitted, samples, fleet: Fleet, t0: float) -> dict:
@@ -51,7 +63,30 @@ def measure(args, bursts, submitted, samples, fleet: Fleet, t0: float) -> dict:
         lost=fleet.lost_s / max(fleet.work_s + fleet.lost_s, 1e-9),
         preempted=sum(fleet.paused.values()),
         makespan=max(fleet.done_at.values(), default=t0) - t0,
+        sampled_wait=sampled_wait(samples, own_ends_lower_the_mark=True),
+        sampled_wait_old=sampled_wait(samples, own_ends_lower_the_mark=False),
     )
+
+
+def sampled_wait(samples, own_ends_lower_the_mark: bool) -> tuple[float, str]:
+    """The invariant's longest wait (services/scheduler/share_watch.py), worked out again from the samples: a tenant
+    starved (below its share, its smallest waiting job within what it is owed, another over its share) without a
+    gain. own_ends_lower_the_mark: a gain is more than the fewest it held since the wait began (the scheduler's
+    rule); else more than it held when the wait began (the rule before, which counted the tenant's own jobs ending
+    against the scheduler: a 1 s job's end, replaced, was no gain)."""
+    longest, since, mark = (0.0, "-"), {}, {}
+    for t, rows in samples:
+        over = {name for name, r in rows.items() if r.in_use > r.fair_share}
+        for name, r in rows.items():
+            starved = r.smallest_wanted is not None and r.in_use + r.smallest_wanted <= r.fair_share and over - {name}
+            if starved and name in since and r.in_use <= mark[name]:
+                mark[name] = min(mark[name], r.in_use) if own_ends_lower_the_mark else mark[name]
+                continue
+            if name in since:
+                longest = max(longest, (t - since.pop(name), name))
+            if starved:
+                since[name], mark[name] = t, r.in_use
+    return longest
 
 
 def time_to_share(burst, samples, devices: int, placed_all: bool = False) -> float | None:
@@ -74,3 +109,22 @@ def time_to_share(burst, samples, devices: int, placed_all: bool = False) -> flo
             return t - when if below else 0.0
         below = True
     return None
+
+
+def from_log(text: str, bound: float) -> dict:
+    """What the scheduler's log says: preemptions, the collector's and the passes' CPU, the share watch's longest
+    wait and each wait past `bound` with what it held (devices given, let go, planned for it)."""
+    out: dict = {}
+    if m := re.search(r"preemptions: (.*)", text):
+        out["preempt_log"] = m[1]
+    if m := GC_CPU.search(text):
+        out.update(gc_young_cpu_ms=max(float(m[2]), float(m[3])))
+    if m := PASS_CPU.search(text):
+        out.update(pass_cpu_ms=float(m[1]), cpu_cut_short=int(m[2]))
+    if m := OWN.search(text):
+        out.update(own_pass_ms=float(m[1]), own_cut_short=int(m[2]), gc_in_pass=int(m[3]))
+    if m := WATCHED.search(text):
+        out.update(longest_wait_s=float(m[1]), longest_wait_of=m[2], past_allowance=int(m[3]))
+        out.update(longest_below_s=float(m[4]), longest_below_of=m[5])
+    out["waits_past"] = [w.groups() for w in WAIT.finditer(text) if float(w[2]) > bound]
+    return out
