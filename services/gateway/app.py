@@ -25,6 +25,8 @@ from services.gateway.tinker.api import TinkerApi
 from services.gateway.tinker.settings import TinkerSettings
 from services.graders import GraderContext
 
+REQUESTS_GRACE_S = 5.0  # what requests under way have to finish once the gateway stops
+
 
 def make_app(
     nc,
@@ -106,7 +108,9 @@ class Gateway:
             self.uploads,
             self.tinker_settings,
         )
-        self._runner = web.AppRunner(app, access_log=None)
+        # at a stop, requests under way (a long poll, an upload) get REQUESTS_GRACE_S, not aiohttp's 60 s: the
+        # service's whole shutdown has --shutdown-timeout, and a client retries a cut request on the next gateway
+        self._runner = web.AppRunner(app, access_log=None, shutdown_timeout=REQUESTS_GRACE_S)
         await self._runner.setup()
         site = web.TCPSite(self._runner, self.host, self.port)
         await site.start()

@@ -39,6 +39,7 @@ from services.gateway.tinker.trainers import Trainers
 from services.gateway.tinker.training import Training
 
 log = logging.getLogger(__name__)
+CLOSE_WRITE_S = 2.0  # the liveness record's delete at close, at most
 CHUNK_BYTES = 150_000  # a forward_backward request's protobuf at most: its JSON on the bus is a few times larger
 
 
@@ -73,9 +74,11 @@ class TinkerApi:
         await asyncio.gather(*self._tasks, return_exceptions=True)
         await self.order.close()
         try:
-            await self.liveness.end()  # its models are taken over at once by the next gateway a client calls
+            if self.nc.is_connected:  # the bus away: nothing to wait on (a shutdown must not wait for it)
+                # its models are taken over at once by the next gateway a client calls
+                await asyncio.wait_for(self.liveness.end(), CLOSE_WRITE_S)
         except Exception as e:  # the server gone first: they are taken over LIVE_S from now
-            log.info("the gateway's liveness record was not deleted (%s)", e)
+            log.info("the gateway's liveness record was not deleted (%s)", type(e).__name__ if not str(e) else e)
         await self.ctx.mirror.close()
 
     def routes(self) -> list[web.RouteDef]:

@@ -25,6 +25,7 @@ from services.gateway.tinker.store import Store
 log = logging.getLogger(__name__)
 LINGER_S = 60.0  # a model with no call this long is given back (any gateway takes it at its next call)
 RESCAN_S = 5.0  # meanwhile its next call is looked for in the store this often (a write not heard of)
+GIVE_BACK_S = 3.0  # a model's give-back at close, at most (they run at once)
 WRITE_EVERY = 8  # a model's next seq_id is written at least this often while its calls run (and when they pause)
 
 
@@ -89,7 +90,9 @@ class Order:
         self.book.written(request)
         model_id, _, seq = request.rpartition(":")
         owned = self.owned.get(model_id)
-        if owned is not None and seq.isdigit() and int(seq) >= owned.record.next_seq and int(seq) not in owned.arrived:
+        if owned is None or not seq.isdigit() or int(seq) < owned.record.next_seq:
+            return
+        if int(seq) not in owned.arrived and int(seq) != owned.running:  # not its own write's echo
             self._aside(self._fetch(owned, tenant, request))  # short: one read; _fetch catches all
 
     async def _fetch(self, owned: Owned, tenant: str, request: str) -> None:
@@ -265,20 +268,29 @@ class Order:
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+        if self.store.nc.is_connected:  # the bus away: each goes to another gateway LIVE_S after this one's beat
+            await asyncio.gather(*(self._give_back_at_close(o) for o in self.owned.values()))
         for owned in list(self.owned.values()):
-            try:
-                await asyncio.gather(*owned.finishing.values(), return_exceptions=True)  # outcomes computed: stored
-                if owned.background is not None:
-                    await asyncio.gather(owned.background, return_exceptions=True)
-                owned.record.pump = ""
-                await self.store.update(
-                    self.store.kv, model_key(owned.record.tenant, owned.record.id), owned.record, owned.revision
-                )
-            except Exception as e:  # it goes to another gateway LIVE_S after this one's liveness record
-                log.info("model %s not given back (%s)", owned.record.id, e)
             self._drop(owned)
         for request in list(self.book.local):
             self.book.abandon(request)
+
+    async def _give_back_at_close(self, owned: Owned) -> None:
+        """Its outcomes computed stored, then its record says no gateway runs it; all models at once, each within
+        GIVE_BACK_S (a bus that goes away meanwhile must not hold the gateway's exit)."""
+
+        async def give_back() -> None:
+            await asyncio.gather(*owned.finishing.values(), return_exceptions=True)
+            if owned.background is not None:
+                await asyncio.gather(owned.background, return_exceptions=True)
+            owned.record.pump = ""
+            key = model_key(owned.record.tenant, owned.record.id)
+            await self.store.update(self.store.kv, key, owned.record, owned.revision)
+
+        try:
+            await asyncio.wait_for(give_back(), GIVE_BACK_S)
+        except Exception as e:  # it goes to another gateway LIVE_S after this one's liveness record
+            log.info("model %s not given back (%s)", owned.record.id, type(e).__name__ if not str(e) else e)
 
 
 def _forget_past(owned: Owned) -> None:
