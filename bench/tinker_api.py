@@ -3,7 +3,7 @@ the tests' tiny model, through the official `tinker` client, the gateway, NATS, 
 (`jetlora up` and `jetlora gateway` as processes), against the same two calls made in this process on a session's
 own Session object (trainer/session/serve.py: the same code the session trainer runs). The sides alternate in rounds of
 `--steps`; reported: each side's p50 and p99 per step, and the API's overhead (API minus in-process) at p50 and
-p99. Target on this machine: overhead p50 < 20 ms. Run by hand:
+p99. Target (--target-ms): overhead p50 < 5 ms. Where the overhead goes: bench/tinker_breakdown.py. Run by hand:
 
     .venv/bin/python bench/tinker_api.py [--rounds 6 --steps 20 --threads 1]
 
@@ -33,7 +33,17 @@ sys.path.insert(0, str(ROOT / "deploy" / "demo"))
 sys.path.insert(0, str(ROOT / "bench"))
 
 from guarantees import Guarantees  # noqa: E402
-from tinker_stack import PAIRS, api_client, api_key, batch_of, pct, start_stack, stop_stack, timed_api  # noqa: E402
+from tinker_stack import (  # noqa: E402
+    PAIRS,
+    api_client,
+    api_key,
+    batch_of,
+    pct,
+    settle_gc,
+    start_stack,
+    stop_stack,
+    timed_api,
+)
 
 
 def local_session(model_dir: Path, out: Path):
@@ -96,6 +106,7 @@ def main() -> None:
                       for d in batch], loss_fn="cross_entropy")  # fmt: skip
             opt_call = OptimStep(learning_rate=1e-3)
             timed_api(tc, types, batch, 3), timed_local(local, fb_call, opt_call, 3)  # warm-up
+            settle_gc()
             api, inproc, overheads = [], [], []
             for r in range(args.rounds):
                 sides = [("api", lambda: timed_api(tc, types, batch, args.steps)),

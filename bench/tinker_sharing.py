@@ -15,7 +15,7 @@ from pathlib import Path
 
 from session_procs import Sessions
 from guarantees import Guarantees
-from tinker_stack import PAIRS, api_client, api_key, batch_of, pct, start_stack, stop_stack, timed_api
+from tinker_stack import PAIRS, api_client, api_key, batch_of, pct, settle_gc, start_stack, stop_stack, timed_api
 
 SIDES = ("api", "group", "group-in-turn", "separate")
 
@@ -35,6 +35,7 @@ def sharing(ks: list[int], rounds: int, steps: int, threads: int, targets: tuple
         try:
             key = api_key(url)
             clients = [api_client(port, key, seed=i) for i in range(max(ks))]
+            settle_gc()
             batch = batch_of(clients[0][1].get_tokenizer(), types)
             fb = ForwardBackward(
                 data=[Datum(tokens=d.model_input.to_ints(), inputs={k: v.tolist() for k, v in d.loss_fn_inputs.items()})

@@ -5,6 +5,7 @@ tinker_sharing.py's comparison for --sessions: one direction, no import circle).
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import socket
@@ -104,6 +105,14 @@ def timed_api(tc, types, batch, steps: int) -> list[float]:
         fb.result(), opt.result()
         times.append(time.perf_counter() - start)
     return times
+
+
+def settle_gc() -> None:
+    """What the bench holds from here on (torch, the model, the clients) moved out of the collector's reach: a full
+    collection walked all of it, 40-160 ms in the bench's own process with 4 clients (gc.callbacks), which was
+    the p99 of every side that ran then, however fast the stack answered."""
+    gc.collect()
+    gc.freeze()
 
 
 def pct(xs: list[float], q: float) -> float:
