@@ -73,6 +73,7 @@ class SessionCalls:
             self.params, lr=1e-4, betas=(0.9, 0.95), eps=1e-12, weight_decay=0.0, foreach=True
         )  # foreach: one call over the adapter's tensors, not a Python loop over them (on CPU too)
         self.last_loss: float | None = None  # the latest training forward's mean loss
+        self.unsaid: Progress | None = None  # the last optim_step's, until its answer is out (said)
         self.step, self.tokens = 0, 0
         self.out = Path(spec.out_dir)
         self.store = SessionStore(self.out / "session")
@@ -105,6 +106,7 @@ class SessionCalls:
     def take(self, call, call_id: str = "") -> SessionReply:
         """The answer to a call sent under `call_id`: the one it gave if it ran already (before a pause, or an
         attempt ago), else it runs now; a save_state then stores the whole state, with the calls it holds."""
+        self.said()
         known = self.applied.answer(call_id)
         if known is not None:
             return known
@@ -113,6 +115,14 @@ class SessionCalls:
         if isinstance(call, SaveWeights) and call.kind == "state" and not isinstance(reply, CallError):
             self.checkpoint()
         return reply
+
+    def said(self) -> None:
+        """The Progress of the last optim_step, said once its answer is out: the agent reads a trainer's lines in
+        order and stores each Progress (a JetStream round trip) before it reads the next line, so a Progress said
+        first held every step's answer back by that round trip."""
+        progress, self.unsaid = self.unsaid, None
+        if progress is not None:
+            self.emit(progress)
 
     def checkpoint(self) -> None:
         """current/ (the state to go on from) completed with the gradients not yet stepped and the calls applied,
@@ -130,8 +140,15 @@ class SessionCalls:
         if isinstance(call, OptimStep):
             norm = ops.optim_step(self.optimizer, self.params, call)
             self.step += 1
-            self.emit(Progress(step=self.step, steps=0, loss=self.last_loss, lr=call.learning_rate, grad_norm=norm,
-                               tokens=self.tokens, ts=time.time()))  # fmt: skip
+            self.unsaid = Progress(
+                step=self.step,
+                steps=0,
+                loss=self.last_loss,
+                lr=call.learning_rate,
+                grad_norm=norm,
+                tokens=self.tokens,
+                ts=time.time(),
+            )  # said after its answer
             return StepResult(step=self.step, grad_norm=norm, learning_rate=call.learning_rate)
         if isinstance(call, SaveWeights):
             return self.save(call)

@@ -155,11 +155,13 @@ class SessionGroup:
         self.turns += 1
         if self.batch:
             heads = self._together(heads)
-        for line in heads:
-            member = self.members[line.job]
+        ran = [self.members[line.job] for line in heads]
+        for line, member in zip(heads, ran):
             with member.own_random_state():
                 reply = member.take(line.call, line.call_id)
             self.answer(line, reply)
+        for member in ran:  # every answer of the round out before any Progress (the agent stores each as it reads)
+            member.said()
         return True
 
     def _together(self, heads: list[MemberCall]) -> list[MemberCall]:

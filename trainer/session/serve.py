@@ -74,6 +74,7 @@ def answer(session: Session, raw: bytes) -> None:
         print(f"a call that does not decode: {e}", file=sys.stderr, flush=True)
         return
     emit(SessionAnswer(id=line.id, reply=session.take(line.call, line.call_id)))
+    session.said()
 
 
 def serve(spec: TrainerSpec, signals: Signals) -> Finished:
