@@ -58,6 +58,7 @@ class TinkerApi:
         self.ctx = Ctx(self.gateway, keys, models, self.settings, store, mirror, book, self.order, trainers, bounds,
                        saves)  # fmt: skip
         self.reaper = Reaper(store, mirror, book, trainers, self.settings, bounds, saves)
+        bounds.yields = self.reaper.yield_silent  # a silent session's places go to its tenant's next need
         self.liveness = Liveness(store, self.gateway)
         self._tasks: list[asyncio.Task] = []
 

@@ -2,7 +2,8 @@
 saves), taken before the thing is made and given back when it ends: one record per tenant and bound
 (schemas/tinker_store.py Holds) written only at the revision it was read at, so concurrent requests on any number of
 gateways never take more places than the bound has. A place whose holder never came to be (its gateway died between
-the hold and the record) or has ended is found out when the bound is full, and given back then."""
+the hold and the record) or has ended is found out when the bound is full, and given back then; so are the places
+of a session paused for silence, which is finished then (reaper.py's yield_silent)."""
 
 from __future__ import annotations
 
@@ -35,12 +36,14 @@ MODELS_FIX = "finish sessions you no longer use (ServiceClient.close(), or end t
 SERVING = ""  # the session of a serving sampler's place (serving.py): it belongs to no client session
 Stale = Callable[[str, Held], Awaitable[bool]]  # (tenant, place): has its holder ended?
 Running = Callable[[str, str], Awaitable[bool]]  # (tenant, job): does it hold a device, or wait for one?
+Yields = Callable[[str, str], Awaitable[bool]]  # (tenant, session): its record says ended, or silent: finished now?
 
 
 class Bounds:
     def __init__(self, store: Store, settings: TinkerSettings, running: Running | None = None) -> None:
         self.store, self.settings = store, settings
         self.running = running  # None: every serving sampler's job taken as running
+        self.yields: Yields | None = None  # a session paused for silence gives its places up (reaper.py); None: not
 
     # --- each bound -----------------------------------------------------------------------------------------------
     async def session(self, tenant: str, session: str) -> None:
@@ -129,18 +132,25 @@ class Bounds:
         return found is None or found[0].finished is not None
 
     async def _session_gone(self, tenant: str, held: Held) -> bool:
-        young = time.time() - held.since < GRACE_S
-        return not young and await self._session_ended(tenant, held.session)
+        return await self._ended(tenant, held.session, time.time() - held.since < GRACE_S)
+
+    async def _ended(self, tenant: str, session: str, young: bool) -> bool:
+        """The session finished, or was paused for silence and so is finished now (the bound is full: it needs the
+        place); a `young` place with no record yet is one being made."""
+        if self.yields is not None and await self.yields(tenant, session):
+            return True
+        return not young and await self._session_ended(tenant, session)
 
     async def _model_gone(self, tenant: str, held: Held) -> bool:
-        if time.time() - held.since < GRACE_S:
-            return False
+        young = time.time() - held.since < GRACE_S
         if held.session == SERVING:  # a serving sampler's: its job paused (idle) or ended; its next sample asks again
+            if young:
+                return False
             found = await self.store.get(self.store.kv, model_key(tenant, held.id), ModelRecord)
             return found is None or (self.running is not None and not await self.running(tenant, found[0].job))
-        if await self._session_ended(tenant, held.session):
+        if await self._ended(tenant, held.session, young):
             return True
-        return await self.store.get(self.store.kv, model_key(tenant, held.id), ModelRecord) is None
+        return not young and await self.store.get(self.store.kv, model_key(tenant, held.id), ModelRecord) is None
 
     async def _save_gone(self, tenant: str, held: Held) -> bool:
         if time.time() - held.since < GRACE_S:

@@ -2,7 +2,10 @@
 record's revision makes one gateway act, never two): a session with no heartbeat for the silence window is paused
 (its jobs checkpoint and free their devices; the next call resumes them, as after an idle pause), one silent for
 `end_s` is finished (its places in the tenant's bounds given back), and a finished one's records are deleted
-`retention_s` after it finished. Named sampler saves whose TTL passed are deleted too (saves.py)."""
+`retention_s` after it finished. A session paused for silence keeps its places (its client may come back and go on)
+until its tenant's bound needs one (bounds.py asks yield_silent): then it is finished at once, as at `end_s`. Named
+sampler saves whose TTL passed are deleted too (saves.py), and serving samplers whose jobs paused are finished
+(serving.py's sweep)."""
 
 from __future__ import annotations
 
@@ -17,6 +20,7 @@ from services.gateway.tinker.bounds import Bounds
 from services.gateway.tinker.futures import Book
 from services.gateway.tinker.mirror import Mirror
 from services.gateway.tinker.saves import Saves
+from services.gateway.tinker.serving import SWEEP_S, sweep
 from services.gateway.tinker.settings import TinkerSettings
 from services.gateway.tinker.store import Store
 from services.gateway.tinker.trainers import Trainers
@@ -38,6 +42,7 @@ class Reaper:
     ) -> None:
         self.store, self.mirror, self.book, self.trainers, self.settings = store, mirror, book, trainers, settings
         self.bounds, self.saves = bounds, saves
+        self._swept = time.monotonic()  # the serving samplers' last sweep
 
     async def run(self) -> None:
         while True:
@@ -66,6 +71,27 @@ class Reaper:
                     await self._each_model(session, self.trainers.pause)
         self.book.sweep()
         await self.saves.sweep()
+        if time.monotonic() - self._swept > min(SWEEP_S, settings.idle_s):  # a pause comes idle_s after a sample
+            self._swept = time.monotonic()
+            await sweep(self.store, self.trainers, self.bounds)
+
+    async def yield_silent(self, tenant: str, session_id: str) -> bool:
+        """Whether the session's record says it has ended, or it is paused for silence and so finished now: its
+        tenant's bound needs its places (a client that comes back after this finds its session finished, as after
+        end_s). False with no record (one being made, or long gone: bounds.py tells which)."""
+        found = await self.store.get(self.store.kv, session_key(tenant, session_id), SessionRecord)
+        if found is None:
+            return False
+        if found[0].finished is not None:
+            return True
+        session, revision = found
+        silent = time.time() - session.heard
+        if not session.paused or silent <= self.settings.silence_s:
+            return False
+        if not await self._claim(session, revision, finished=time.time()):
+            return False  # a heartbeat came (or another gateway finished it first: the bound's next read sees it)
+        await self.end(session, f"no heartbeat for {silent:.0f} s, and its tenant's bound needed its places")
+        return True
 
     async def _claim(self, session: SessionRecord, revision: int, **changes) -> bool:
         """Whether this gateway's write of the change won (another gateway, or a heartbeat, may have come first)."""
@@ -76,10 +102,12 @@ class Reaper:
         return written is not None
 
     async def end(self, session: SessionRecord, why: str) -> None:
-        """Its running jobs stop and store their adapters (a paused one stays paused, its checkpoint stored)."""
+        """Its running jobs stop and store their adapters; those of a session paused for silence (paused, or still
+        pausing) are cancelled, their checkpoints staying in the store: a paused job cannot stop, and one stopped
+        while its pause is under way could end paused, for ever."""
         log.info("session %s of %s finished: %s", session.id, session.tenant, why)
         await self.bounds.end_session(session.tenant, session.id)
-        await self._each_model(session, self.trainers.stop)
+        await self._each_model(session, self.trainers.cancel_model if session.paused else self.trainers.stop)
 
     async def _each_model(self, session: SessionRecord, act) -> None:
         for model_id in session.models:

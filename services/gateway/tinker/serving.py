@@ -5,22 +5,27 @@ the base, paused when idle and resumed by its next call), whose samples name the
 (Sample.object). It belongs to no client session: it is made the first time it is needed and made again if its job
 has ended (failed, cancelled), under its model record's revision, so concurrent gateways make one. It holds a
 place in the tenant's max_models as a training model does (each sample through it makes sure of it: a 400 naming
-the bound when it is full); the place is taken back, when the bound is full, once its job is paused or ended."""
+the bound when it is full). A serving sampler holds nothing worth keeping (its saves are in the object store), so
+one whose job paused (idle for idle_s) is finished, its job cancelled and its place given back, by the reaper's
+sweep every SWEEP_S (on every gateway: the record is deleted at the revision read, so two gateways finish it once);
+one whose job ended has its place given back the same way. Its next sample makes it again."""
 
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Callable
 import logging
 import time
 
 import msgspec
+from nats.js.errors import KeyWrongLastSequenceError
 
 from schemas.jobs import Error
 from schemas.job_status import JobReply
 from schemas.sessions import SessionSpec
-from schemas.tinker_store import ModelRecord, SamplerSave, model_key
+from schemas.tinker_store import Held, Holds, ModelRecord, SamplerSave, holds_key, model_key
 from services.gateway.openai_map import BaseModel
-from services.gateway.tinker.bounds import SERVING, Bounds, Running
+from services.gateway.tinker.bounds import GRACE_S, SERVING, Bounds, Running
 from services.gateway.tinker.common import session_job
 from services.gateway.tinker.futures import CallFailed
 from services.gateway.tinker.http import TinkerRefusal
@@ -29,6 +34,7 @@ from services.gateway.tinker.store import Store
 from services.gateway.tinker.trainers import TERMINAL, Trainers
 
 log = logging.getLogger(__name__)
+SWEEP_S = 30.0  # how often the serving samplers of every tenant are looked at
 
 
 def layout(save: SamplerSave, idle_s: float) -> SessionSpec:
@@ -100,3 +106,43 @@ class Serving:
     async def _ended(self, model: ModelRecord) -> bool:
         reply = await self.trainers.watch.job(model.tenant, model.job)
         return isinstance(reply, Error) or (isinstance(reply, JobReply) and reply.job.state in TERMINAL)
+
+
+async def sweep(store: Store, trainers: Trainers, bounds: Bounds) -> int:
+    """Every tenant's serving samplers whose jobs are paused are finished (the record deleted at the revision read,
+    so a sample that made it again meanwhile keeps its own; then the job cancelled), and the places of those paused
+    or ended given back. How many places went back."""
+    given = 0
+    for key, holds, _ in await store.scan_keyed(store.kv, holds_key("*", "models"), Holds):
+        tenant = key.split(".")[1]
+        for held in [h for h in holds.held if h.session == SERVING]:
+            if await _finished(store, trainers, tenant, held.id, time.time() - held.since > GRACE_S):
+                await bounds.give_back(tenant, "models", _the(held.id))
+                given += 1
+    return given
+
+
+def _the(model_id: str) -> Callable[[Held], bool]:
+    return lambda h: h.session == SERVING and h.id == model_id
+
+
+async def _finished(store: Store, trainers: Trainers, tenant: str, model_id: str, old: bool) -> bool:
+    """Whether the serving sampler holds no device any more: paused (finished now) or ended, or never made (`old`:
+    its place older than a record takes to be written)."""
+    found = await store.get(store.kv, model_key(tenant, model_id), ModelRecord)
+    if found is None:
+        return old
+    record, revision = found
+    reply = await trainers.watch.job(tenant, record.job)
+    if isinstance(reply, Error) or (isinstance(reply, JobReply) and reply.job.state in TERMINAL):
+        return True
+    if not isinstance(reply, JobReply) or reply.job.state != "paused":
+        return False
+    try:
+        await store.kv.delete(model_key(tenant, model_id), last=revision)
+    except KeyWrongLastSequenceError:  # a sample made it again just now: that one serves
+        return False
+    await trainers.cancel(tenant, record.job)
+    trainers.watch.forget(record.job)
+    log.info("tenant %s: serving sampler %s (job %s) finished: its job was paused, idle", tenant, model_id, record.job)
+    return True

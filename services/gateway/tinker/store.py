@@ -111,6 +111,18 @@ class Store:
             await watcher.stop()
         return out
 
+    async def scan_keyed(self, kv, keys: str, kind: type[T]) -> list[tuple[str, T, int]]:
+        """scan's records with their keys and revisions."""
+        watcher = await kv.watch(keys, ignore_deletes=True)
+        out = []
+        try:
+            while (entry := await watcher.updates(timeout=10.0)) is not None:
+                if entry.value:
+                    out.append((entry.key, self.decode(kind, entry.value), entry.revision))
+        finally:
+            await watcher.stop()
+        return out
+
     async def delete(self, kv, key: str) -> None:
         await kv.purge(key)
 

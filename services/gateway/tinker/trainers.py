@@ -208,14 +208,28 @@ class Trainers:
         raise CallFailed(f"the state at step {step} of job {job} was not stored within {timeout:.0f} s", "server")
 
     async def stop(self, model: ModelRecord) -> None:
-        """The client finished: the session stops and stores its adapter (the job's artifact)."""
-        if model.job:
+        """The client finished: the session stops and stores its adapter (the job's artifact). One paused (idle, or
+        its client silent) holds no device and cannot stop: it is cancelled, its checkpoints (the pause's has its
+        adapter) staying in the store, rather than left paused for ever."""
+        if not model.job:
+            return
+        self.watch.forget(model.job)
+        now = await self.watch.job(model.tenant, model.job)
+        if isinstance(now, JobReply) and now.job.state == "paused":
+            await self.cancel(model.tenant, model.job)
+        else:
             await self._job_verb(model, "stop")
+        self.watch.forget(model.job)
 
     async def pause(self, model: ModelRecord) -> None:
         """Its client went silent: checkpointed and its device freed; the next call resumes it."""
         if model.job:
             await self._job_verb(model, "pause")
+            self.watch.forget(model.job)
+
+    async def cancel_model(self, model: ModelRecord) -> None:
+        if model.job:
+            await self.cancel(model.tenant, model.job)
             self.watch.forget(model.job)
 
     async def cancel(self, tenant: str, job: str) -> None:
