@@ -178,6 +178,7 @@ class SamplerSave(Struct, kw_only=True):
     train_attn: bool = True  # its LoRA layout (with rank): a sampler that loads it has the same
     train_mlp: bool = True
     train_unembed: bool = False
+    age_recipients: list[str] = field(default_factory=list)  # an export's files are served age-encrypted to these
 
 
 class Held(Struct, kw_only=True):

@@ -4,7 +4,8 @@ sampler saves), and RestClient.get_external_weights_urls answers one URL per fil
 weights.download fetches them (plain GETs, no header). A URL opens only with the signature it carries: an HMAC, made
 with the stored digest of the very key that asked for it, of that key's id, the export's path, the file and when
 the URL expires (EXPIRES_S); a key deleted, or another tenant's export, opens nothing. Each GET streams the one file
-from the stored archive."""
+from the stored archive; an export saved with age_encryption_recipients lists each file as NAME.age and streams it
+encrypted to them (age.py), as the cookbook's weights.download of a weights/ path asks and decrypts."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from urllib.parse import quote
 from aiohttp import web
 
 from schemas.tinker_store import EXPORTED, SamplerSave
+from services.gateway.tinker import age
 from services.gateway.tinker.common import PREFIX, Ctx
 from services.gateway.tinker.http import TINKER_PREFIX, TinkerRefusal, reply
 from services.gateway.tinker.paths import tinker_path
@@ -27,10 +29,16 @@ from services.transfer.download import download_named
 
 EXPIRES_S = 3600  # how long a signed URL opens its file
 CHUNK = 1 << 20
-NO_AGE = (
-    "age_encryption_recipients: exports are not age-encrypted here; leave it out (each file's URL opens only with "
-    "the signature made for your key, and only until it expires)"
-)
+
+
+def age_recipients(value: object) -> list[str]:
+    """save_weights_external's age_encryption_recipients, checked (none: the files are served as they are)."""
+    if value is None or value == []:
+        return []
+    try:
+        return age.recipients(value)
+    except ValueError as e:
+        raise TinkerRefusal(400, f"age_encryption_recipients: {e}") from None
 
 
 def signature(digest: str, ident: str, path: str, file: str, expires: int) -> str:
@@ -64,10 +72,11 @@ class Exports:
             raise TinkerRefusal(401, "the URLs are signed for the key that asks: give your own TINKER_API_KEY")
         expires = int(time.time()) + EXPIRES_S
         base = f"{request.scheme}://{request.host}{PREFIX}/external_weights/{quote(save.model)}/{quote(save.name)}"
+        suffix = age.SUFFIX if save.age_recipients else ""  # served encrypted: named as age names them
         urls = {
             file: f"{base}/{quote(file)}?key={ident}&expires={expires}&sig="
             + signature(record.secret_sha256, ident, save.path, file, expires)
-            for file in await self._files(save)
+            for file in [name + suffix for name in await self._files(save)]
         }
         return reply({"urls": urls, "expires": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(expires))})
 
@@ -85,10 +94,14 @@ class Exports:
             raise refused
         if not hmac.compare_digest(sig, signature(record.secret_sha256, ident, save.path, file, int(expires))):
             raise refused
+        recipients = save.age_recipients
+        if recipients and not file.endswith(age.SUFFIX):
+            raise refused
         with tempfile.TemporaryDirectory() as tmp:
             archive = Path(tmp) / "export.tar.gz"
             await download_named(ctx.store.nc, save.object, archive)
-            return await _stream(request, archive, file, refused)
+            return await _stream(request, archive, file.removesuffix(age.SUFFIX) if recipients else file, refused,
+                                 recipients)  # fmt: skip
 
     async def _files(self, save: SamplerSave) -> list[str]:
         files = self.listed.get(save.sha256)
@@ -113,7 +126,9 @@ def _members(archive: Path) -> list[str]:
         return sorted(m.name.removeprefix("./") for m in tar.getmembers() if m.isfile())
 
 
-async def _stream(request: web.Request, archive: Path, file: str, refused: TinkerRefusal) -> web.StreamResponse:
+async def _stream(request: web.Request, archive: Path, file: str, refused: TinkerRefusal,
+                  recipients: list[str]) -> web.StreamResponse:  # fmt: skip
+    """The archive's one file, as it is or age-encrypted to `recipients` (its length then not known ahead)."""
     tar = await asyncio.to_thread(tarfile.open, archive)
     try:
         member = next((m for m in tar.getmembers() if m.isfile() and m.name.removeprefix("./") == file), None)
@@ -121,9 +136,13 @@ async def _stream(request: web.Request, archive: Path, file: str, refused: Tinke
         if member is None or source is None:
             raise refused
         response = web.StreamResponse(headers={"Content-Type": "application/octet-stream"})
-        response.content_length = member.size
+        pieces = iter(lambda: source.read(CHUNK), b"")
+        if recipients:
+            pieces = age.encrypt(recipients, pieces)
+        else:
+            response.content_length = member.size
         await response.prepare(request)
-        while chunk := await asyncio.to_thread(source.read, CHUNK):
+        while (chunk := await asyncio.to_thread(next, pieces, b"")) != b"":
             await response.write(chunk)
         await response.write_eof()
         return response

@@ -118,7 +118,9 @@ class Runner:
         """An export (save_weights_external): stored by the node as a sampler save is, listed as external weights."""
         saved = answered(reply, SavedResult)
         path = future.args["path"]
-        save = await self.saves.record(model, saved, future.args.get("expires"), path)
+        save = await self.saves.record(
+            model, saved, future.args.get("expires"), path, tuple(future.args.get("age") or ())
+        )
         return Outcome(json={"path": path, "size_bytes": save.size, "type": "save_weights_external"})
 
     async def _load(self, future, model, reply, changes) -> Outcome:

@@ -35,9 +35,10 @@ class Saves:
         self.swept = 0.0
 
     async def record(
-        self, model: ModelRecord, saved: SavedResult, expires: float | None, path: str = ""
+        self, model: ModelRecord, saved: SavedResult, expires: float | None, path: str = "", age: tuple[str, ...] = ()
     ) -> SamplerSave:
-        """What the node stored, under the save's name (a name saved again: the latest); `path`: an export's."""
+        """What the node stored, under the save's name (a name saved again: the latest); `path`: an export's, and
+        `age` the recipients its files are encrypted to when served."""
         save = SamplerSave(path=path or tinker_path(model.id, "sampler_weights", saved.name), tenant=model.tenant,
                            model=model.id, session=model.session, name=saved.name, job=model.job,
                            base_model=model.base_model, rank=model.spec.rank if model.spec else 0,
@@ -45,7 +46,7 @@ class Saves:
                            train_mlp=model.spec.train_mlp if model.spec else True,
                            train_unembed=model.spec.train_unembed if model.spec else False,
                            object=saved.object, sha256=saved.sha256, size=saved.size, step=saved.step,
-                           time=time.time(), expires=expires)  # fmt: skip
+                           time=time.time(), expires=expires, age_recipients=list(age))  # fmt: skip
         await self.store.put(self.store.kv, save_key(model.tenant, model.id, saved.name), save)
         return save
 

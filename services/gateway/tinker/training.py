@@ -36,7 +36,7 @@ from schemas.tinker_store import (
 )
 from services.gateway.tinker import loss_calls, proto
 from services.gateway.tinker.common import PREFIX, Ctx, checked, session_job
-from services.gateway.tinker.exports import NO_AGE
+from services.gateway.tinker.exports import age_recipients
 from services.gateway.tinker.futures import failed
 from services.gateway.tinker.http import TinkerRefusal, body, field, logged_fault, reply, user_metadata
 from services.gateway.tinker.paths import parse_path, tinker_path
@@ -270,12 +270,11 @@ class Training:
         tenant, data = await self.ctx.tenant(request), await body(request)
 
         def build(model: ModelRecord) -> Built:
-            if data.get("age_encryption_recipients"):
-                raise TinkerRefusal(400, NO_AGE)
+            age = age_recipients(data.get("age_encryption_recipients"))
             name = _save(field(data, "path"), "sampler").name
             call = SaveWeights(name=stored_name("external_weights", name), kind="sampler", stored=True)
             path = tinker_path(model.id, "external_weights", name)
-            return "save_external", call, {"path": path, "expires": _expires(data)}
+            return "save_external", call, {"path": path, "expires": _expires(data), "age": age}
 
         async def admit(model: ModelRecord, request_id: str, built: Built) -> None:
             args = built[2]
