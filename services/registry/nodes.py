@@ -18,6 +18,7 @@ import msgspec
 from nats.aio.client import Client
 
 from schemas import names, subject_parts
+from services import fanout
 from services.aio import sleep_unless_stopped
 from services.registry.store import AdapterRegistry
 
@@ -51,7 +52,7 @@ class NodeLiveness:
 
     async def run(self, stop: asyncio.Event) -> None:
         """Hear heartbeats, and sweep departed nodes' statuses every sweep_s, until `stop`."""
-        sub = await self.nc.subscribe(names.HEARTBEATS_ALL, cb=self._heard)
+        sub = await fanout.listen(self.nc, names.HEARTBEATS_ALL, self._heard)  # the scheduler beside it hears them too
         self.since = time.monotonic()
         try:
             while not await sleep_unless_stopped(stop, self.sweep_s):

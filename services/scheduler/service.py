@@ -10,11 +10,12 @@ import uuid
 import nats.micro
 from nats.js.errors import NotFoundError
 from nats.aio.client import Client
+from nats.aio.subscription import Subscription
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
 from schemas import names, nats_subjects
 from schemas.job_status import TERMINAL_STATES
-from services import __version__, bus
+from services import __version__, bus, fanout
 from services.jetstream_writer import JetStreamWriter
 from services.aio import cancel_and_wait, sleep_unless_stopped, wait_first
 from services.scheduler.api import SchedulerApi
@@ -142,8 +143,9 @@ class Scheduler:
         await self._recover()
         settle_after_start()  # what the store's jobs made in memory stays out of later collections' walk
         lost = self.core.lost
-        subs = [
-            await self.nc.subscribe(names.HEARTBEATS_ALL, cb=self.liveness.on_heartbeat),
+        subs: list[Subscription | fanout.Listening] = [
+            await fanout.listen(self.nc, names.HEARTBEATS_ALL, self.liveness.on_heartbeat),  # one subscription
+            # with the registry's, which runs in this process
             await self.nc.subscribe(names.JOB_PROGRESS_ALL, cb=self.events.on_progress),
         ]
         await self._drop_old_consumers()
