@@ -248,12 +248,14 @@ def test_rows_of_any_order_get_their_own_adapters_delta():
 
 @pytest.mark.parametrize("tokens", [True, False])
 @pytest.mark.parametrize("dropout", [0.0, 0.5])
-def test_spans_of_alike_adapters_batched_get_each_its_own_delta_and_gradient(tokens, dropout):
+@pytest.mark.parametrize("wide", [False, True])
+def test_spans_of_alike_adapters_batched_get_each_its_own_delta_and_gradient(tokens, dropout, wide):
     """Spans laid end to end (trainer/multi_lora/layer.py's runs: adjacent spans of one size and rank go through one
     batched matmul; other ranks, sizes, a dropout and gaps of no adapter beside them), as token positions of one row
     (the group's flat layout) or as rows (a session group's batch); without dropout the base and the adapters go as
     one autograd step (trainer/multi_lora/fused.py): each row gets its own adapter's delta, and each adapter's
-    gradient (and the input's) is what its rows alone give."""
+    gradient (and the input's) is what its rows alone give. Ranks below fused.NARROW and (wide) from it: the
+    backward computes the r-wide products transposed below it."""
     from trainer.multi_lora import fused
     from trainer.multi_lora.layer import LoraWeights
 
@@ -262,6 +264,7 @@ def test_spans_of_alike_adapters_batched_get_each_its_own_delta_and_gradient(tok
     layer = MultiLoraLinear(torch.nn.Linear(6, 5).requires_grad_(False), routing)  # frozen, as a group's base
     spans = [("a", 0, 4, 2), ("b", 4, 8, 2), ("c", 8, 12, 2), ("d", 12, 16, 3), ("e", 18, 21, 2), ("f", 21, 25, 2)]
     for name, _, _, r in spans:
+        r += fused.NARROW if wide else 0
         A, B = torch.randn(r, 6, requires_grad=True), torch.randn(5, r, requires_grad=True)
         layer.adapters[name] = LoraWeights(A, B, {"c": 0.25}.get(name, 0.5), dropout if name == "f" else 0.0)
     layer.adapters["f"].generator = torch.Generator().manual_seed(1)
