@@ -33,8 +33,8 @@ KEPT_PER_NODES = 16  # one node of this many at most is kept for waiting multi-d
 @dataclass
 class PassStats:
     """How long placement passes held the loop: the count, the longest, and how many ran out of their time; and the
-    same without the garbage collector's pauses that landed in them (gc_pauses.spent_s); and the CPU time the
-    longest took (on a busy machine much of a pass can be the process waiting for a core)."""
+    same without the garbage collector's pauses that landed in them (gc_pauses.spent_s); and the most CPU time any
+    took, its own work (on a busy machine much of a pass can be the process waiting for a core)."""
 
     passes: int = 0
     longest_s: float = 0.0
@@ -42,13 +42,12 @@ class PassStats:
     longest_own_s: float = 0.0  # the longest, less the collections inside it
     own_cut_short: int = 0
     collected_in: int = 0  # passes a collection landed in
-    longest_cpu_s: float = 0.0  # the CPU time (the loop's thread) of the longest pass
+    longest_cpu_s: float = 0.0  # the most CPU time (the loop's thread) any pass took: its own work
     cpu_cut_short: int = 0  # passes whose CPU time alone was past the budget
 
     def passed(self, seconds: float, collecting_s: float = 0.0, cpu_s: float = 0.0) -> None:
         self.passes += 1
-        if seconds > self.longest_s:
-            self.longest_s, self.longest_cpu_s = seconds, cpu_s
+        self.longest_s, self.longest_cpu_s = max(self.longest_s, seconds), max(self.longest_cpu_s, cpu_s)
         self.cpu_cut_short += cpu_s > PASS_BUDGET_S
         self.cut_short += seconds > PASS_BUDGET_S
         self.longest_own_s = max(self.longest_own_s, seconds - collecting_s)
@@ -88,6 +87,7 @@ class Placer:
         queues take turns in the order of their shares (PlacementPass.rounds)."""
         core, placing = self.core, PlacementPass(self)
         started, collected, cpu = time.perf_counter(), gc_pauses.spent_s(), time.thread_time()
+        collecting = gc_pauses.hold_off()  # no collection lands in the pass: it comes after it
         try:
             # jobs pinned to a node that has no free device and no co-training group wait, costing nothing (as
             # do those pinned to a node nobody has heard of)
@@ -102,6 +102,7 @@ class Placer:
                         return
         finally:
             self.stats.passed(time.perf_counter() - started, gc_pauses.spent_s() - collected, time.thread_time() - cpu)
+            gc_pauses.let_go(collecting)
 
     def _place(
         self,
