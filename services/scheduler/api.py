@@ -145,7 +145,10 @@ class SchedulerApi:
                 job=job.id, state=job.status.state, summary=f"{job.status.state}{where}: {job.status.message}"
             )
         summary, nodes = explain(
-            core.fleet, job.stored.request, {n: j for n, j in core.gang_holds.items() if j != job.id}
+            core.fleet,
+            job.stored.request,
+            {n: j for n, j in core.gang_holds.items() if j != job.id},
+            core.unanswered.resting_words(),
         )
         reasons = WaitingReasons(core)
         reason = reasons.reason(job)

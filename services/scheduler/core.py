@@ -25,6 +25,7 @@ from services.scheduler.fence import Deposed
 from services.scheduler.grouping import FounderKey, Groups, founder_key, holder
 from services.scheduler.store import JobStore
 from services.scheduler.tenancy import TenantBook, held
+from services.scheduler.unanswered import Unanswered
 
 __all__ = ["SchedulerConfig", "SchedulerCore", "TenantQuota", "Job", "UNPLACED", "held"]
 log = logging.getLogger(__name__)
@@ -96,6 +97,7 @@ class SchedulerCore:
         self.seq = 0
         self.requests = RequestCache()  # queued jobs' full requests, so placing one reads nothing
         self.wake = asyncio.Event()
+        self.unanswered = Unanswered(self.cfg.assign_timeout, wake=self.wake.set)  # nodes resting: no answer came
         self.recheck = asyncio.Event()  # the reconcile loop has jobs to read back
         self.finished: dict[JobId, float] = {}  # finished jobs still in memory -> when they ended (monotonic), in order
         self.book = TenantBook()  # each tenant's waiting jobs, devices held and running jobs, counted as they change

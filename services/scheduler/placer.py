@@ -19,7 +19,6 @@ from services.scheduler.core import Job, SchedulerCore
 from services.scheduler.queue import JobQueue
 from services.scheduler.sharing import ShareTable
 from services.scheduler.tenancy import Tenant
-from services.scheduler.unanswered import Unanswered
 
 log = logging.getLogger(__name__)
 PASS_BUDGET_S = 0.010  # one placement pass holds the loop at most this long (then the next one goes on)
@@ -61,7 +60,7 @@ class Placer:
     def __init__(self, core: SchedulerCore) -> None:
         self.core = core
         self.stats = PassStats()
-        self.unanswered = Unanswered(core.cfg.assign_timeout, wake=core.wake.set)  # nodes resting: no answer came
+        self.unanswered = core.unanswered  # nodes resting after unanswered assignments (`why` says it too)
 
     async def run(self, lost: asyncio.Event, stop: asyncio.Event) -> None:
         core = self.core

@@ -69,6 +69,10 @@ class Unanswered:
         now = time.monotonic() if now is None else now
         return frozenset(n for n, s in self.nodes.items() if s.until > now)
 
+    def resting_words(self) -> dict[str, str]:
+        """The nodes resting now, each with why (`jetlora why`: a job that may only go there waits for the rest)."""
+        return {n: self.words(n) for n in self.resting()}
+
     def words(self, node: str) -> str:
         """Why no job goes to the node now, for a re-queued job's message and the scheduler's log."""
         s = self.nodes.get(node)

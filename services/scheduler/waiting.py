@@ -15,15 +15,20 @@ from services.scheduler.sharing import ShareTable
 from services.scheduler.fleet import Fleet, NodeView
 
 FITS = "fits"
+RESTING = "did not answer its last assignments (resting)"  # services/scheduler/unanswered.py
 KIND_NAMES = {"gpu": "GPU", "cpu": "offered CPU", "any": "device"}
 
 
-def node_reason(fleet: Fleet, name: str, view: NodeView, req: JobRequest, kept_for: str | None) -> str:
+def node_reason(
+    fleet: Fleet, name: str, view: NodeView, req: JobRequest, kept_for: str | None, resting: bool = False
+) -> str:
     """Why `req` cannot start on this node now, or FITS."""
     if view.heartbeat.draining:
         return "draining"
     if kept_for:
         return f"kept for multi-device job {kept_for}"
+    if resting:
+        return RESTING
     kinds = fleet.kinds(req.accelerator)
     devices = [d for d in view.devices.values() if d.kind in kinds]
     if not devices:
@@ -44,8 +49,12 @@ def node_reason(fleet: Fleet, name: str, view: NodeView, req: JobRequest, kept_f
     return FITS
 
 
-def explain(fleet: Fleet, req: JobRequest, kept: dict[str, str]) -> tuple[str, list[NodeWhy]]:
-    """(one line, each node's reason) for a queued job; kept: node -> the multi-device job it is kept for."""
+def explain(
+    fleet: Fleet, req: JobRequest, kept: dict[str, str], resting: dict[str, str] | None = None
+) -> tuple[str, list[NodeWhy]]:
+    """(one line, each node's reason) for a queued job; kept: node -> the multi-device job it is kept for; resting:
+    node -> why no assignment goes there for now (Unanswered.resting_words)."""
+    resting = resting or {}
     if req.node is not None and req.node not in fleet.nodes:
         return (
             f"waiting: node {req.node}, which the job is pinned to, is not known (no heartbeat from it); it "
@@ -57,7 +66,10 @@ def explain(fleet: Fleet, req: JobRequest, kept: dict[str, str]) -> tuple[str, l
             "waiting: no node is known yet; start `jetlora agent` on a GPU node (or with --offer-cpu to train "
             "on its CPU)"
         ), []
-    why = [NodeWhy(node=name, reason=node_reason(fleet, name, view, req, kept.get(name))) for name, view in views]
+    why = [
+        NodeWhy(node=name, reason=node_reason(fleet, name, view, req, kept.get(name), name in resting))
+        for name, view in views
+    ]
     counts = Counter(w.reason for w in why)
     if counts[FITS]:
         fitting = ", ".join(w.node for w in why if w.reason == FITS)
@@ -71,6 +83,8 @@ def explain(fleet: Fleet, req: JobRequest, kept: dict[str, str]) -> tuple[str, l
             )
         parts.append(f"{count} {reason}")
     summary = f"waiting: 0/{len(why)} nodes are available: {', '.join(parts)}"
+    if counts[RESTING]:  # which node, how long, and until when
+        summary += "; " + next(resting[w.node] for w in why if w.reason == RESTING)
     return summary + _fix(fleet, req, counts), why
 
 
@@ -151,7 +165,7 @@ class WaitingReasons:
             req.priority,
         )
         if shape not in self._reasons:  # a multi-device job's own kept node is not a reason for it to wait
-            self._reasons[shape] = explain(core.fleet, req, self._kept_from(job))[0]
+            self._reasons[shape] = explain(core.fleet, req, self._kept_from(job), core.unanswered.resting_words())[0]
         return self._reasons[shape] + self.share_note(tenant)
 
     def _kept_from(self, job: Job) -> dict[str, str]:
