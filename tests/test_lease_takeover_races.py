@@ -2,8 +2,10 @@
 and controls sent straight to the nodes): a cancel that comes while the attempt's taking write is on its way (the
 write lands after the cancel is done) still leaves the entry released, not held by an attempt that is gone; two
 attempts that both waited out a frozen node's lease never run their trainers at once, the newer ending with the
-entry; and a co-trained job cancelled while it waits for its lease leaves its group, so the group's process ends
-with its last job that trained (before, the job stayed a member that never ran, and the process never ended)."""
+entry; a co-trained job cancelled while it waits for its lease (it never joined its group) keeps nothing of the
+group going: the group's process ends with its last job that trained; and an attempt that ends while a heartbeat's
+renewal of its entry is on its way still leaves the entry released (before, the release's write was refused behind
+the renewal, and the entry lapsed unreleased)."""
 
 from __future__ import annotations
 
@@ -15,7 +17,7 @@ import pytest
 
 from schemas import names, trainer_lease
 from schemas.jobs import JobRequest
-from schemas.nodes import AssignAccepted, Assignment, AssignReply, Control, ControlReply
+from schemas.nodes import AssignAccepted, Assignment, AssignReply, Control, ControlReply, Heartbeat
 from services import bus
 from services.procs import PID_FILE
 from tests.conftest import wait_for
@@ -25,6 +27,7 @@ from tests.qa import pairs
 
 pytestmark = pytest.mark.timeout(180)
 LANDS_S = 1.5  # how late the node's writes to the trainer lease bucket land (below the agent's 2 s request)
+RENEWAL_LANDS_S = 0.24  # just below the heartbeat interval (0.25 s): a renewal is on its way nearly all the time
 
 
 def _request() -> JobRequest:
@@ -111,6 +114,41 @@ async def test_a_co_trained_job_cancelled_while_it_waits_for_its_lease_leaves_it
     await wait_for(
         lambda: not list(pid_files.glob(f"group-g1-*/{PID_FILE}")), timeout=30, what="the group's process ended"
     )
+
+
+async def test_an_attempt_ending_while_its_renewal_is_on_its_way_leaves_the_entry_released(tmp_path):
+    async with Stack(tmp_path) as stack:
+        stack.start_artifacts("arts")
+        stack.start_agent("n1", hold_s=1.0)
+        nc = await nats.connect(stack.client_url)
+        beats: list[Heartbeat] = []
+
+        async def heard(msg) -> None:
+            beats.append(msgspec.json.decode(msg.data, type=Heartbeat))
+
+        sub = await nc.subscribe(names.node("n1").heartbeat, cb=heard)
+        try:
+            await wait_for(lambda: "agent n1 up" in stack.log("n1"), timeout=60, what="the agent up")
+            prefixes = (f"$KV.{names.TRAINER_LEASES_KV}.",)
+            stack.hold_writes("n1", prefixes=prefixes, mode="delay", delay_s=RENEWAL_LANDS_S)
+            await _assign(nc, "n1", "j5", 1)
+            await wait_for(lambda: _lists(beats, "j5"), timeout=30, what="n1 running j5")
+            seen = len(beats)
+            await wait_for(  # its last state reported: the agent no longer lists the attempt
+                lambda: len(beats) > seen and not _lists(beats[-1:], "j5"), timeout=60, what="n1 done with j5"
+            )
+            try:  # its release lands RENEWAL_LANDS_S late; one refused behind a renewal never does
+                left = await wait_for(lambda: _released(nc, "j5"), timeout=10, what="j5's entry released")
+            except AssertionError:
+                left = await holder(nc, "j5")
+        finally:
+            await sub.unsubscribe()
+            await nc.close()
+    assert left is not None and left.released and (left.node, left.attempt) == ("n1", 1), f"left unreleased: {left}"
+
+
+def _lists(beats: list[Heartbeat], job: str) -> bool:
+    return any(a.job == job for b in beats for a in b.attempts)
 
 
 async def _released(nc, job: str, attempt: int = 1):

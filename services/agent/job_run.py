@@ -225,19 +225,15 @@ class JobLifecycle:
             )
         if run.stop_asked:
             run.trainer.stop()
-        try:  # a cancel or pause meanwhile gives the wait up (Agent._on_control): CancelledError
+        try:  # a cancel or pause meanwhile gives the wait up (Agent._on_control): CancelledError, reported as asked
             if run.cancel_asked or run.paused_by:  # asked before its trainer was made: ended now, nothing waited for
                 raise asyncio.CancelledError  # (or a cancel swallowed by an await: 3.11's wait_for)
             run.trainer.lease_from = await self.leases.take(
                 run.assignment.job, run.attempt, self.cfg.lease_s, functools.partial(self._waiting_for, run)
             )
-        except BaseException as e:  # its trainer never runs: a co-trained job leaves the group it was put in
-            if isinstance(run.trainer, GroupMember):
-                await run.trainer.group.leave(run.trainer)
-            if not isinstance(e, Superseded):
-                raise  # reported as asked (_run_job)
+        except Superseded as e:  # the scheduler ends this attempt too: nothing to report
             log.warning("job %s attempt %d does not start: %s", run.assignment.job, run.attempt, e)
-            run.superseded = str(e)  # the scheduler ends this attempt too: nothing to report
+            run.superseded = str(e)
             return Cancelled(message=str(e))
         return await run.trainer.run(functools.partial(self._on_trainer_event, run))
 

@@ -175,7 +175,9 @@ class TrainerLeases:
             return None
         mine = self.holder(job, attempt, lease_s)
         try:
-            self.held[(job, attempt)] = await self._write(job, mine, last=last)
+            written = await self._write(job, mine, last=last)
+            if (job, attempt) in self.held:  # not released while this write was on its way (release() follows it)
+                self.held[(job, attempt)] = written
             return True
         except KeyWrongLastSequenceError:
             pass
@@ -223,13 +225,19 @@ class TrainerLeases:
             return
         done = Holder(job=job, attempt=attempt, node=self.node, lease_s=0.0, released=True)
         try:
-            if last is None:  # its taking write went unanswered (the attempt was given up meanwhile): ours if stored
-                entry = await self._entry(job)
-                other = None if entry is None else trainer_lease.decode(entry.value)
-                if other is None or other.released or (other.node, other.attempt) != (self.node, attempt):
+            for _ in range(3):  # a renewal on its way (a heartbeat's) or a taking write unanswered: read, write again
+                if last is None:
+                    entry = await self._entry(job)
+                    other = None if entry is None else trainer_lease.decode(entry.value)
+                    if other is None or other.released or (other.node, other.attempt) != (self.node, attempt):
+                        return  # not ours: nothing to let go
+                    last = entry.revision
+                try:
+                    await self._write(job, done, last=last)
                     return
-                last = entry.revision
-            await self._write(job, done, last=last)
+                except KeyWrongLastSequenceError:
+                    last = None
+            raise RuntimeError("the entry kept changing")
         except Exception as e:  # taken over, or the bus away: the next attempt waits out our lease
             log.info("job %s: attempt %d's trainer lease was not let go (%r); it lapses by itself", job, attempt, e)
 
