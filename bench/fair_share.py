@@ -18,9 +18,10 @@ Printed per side (median of the rounds, then their range):
   burst of every tenant; and the same counting those waits too;
 - the fair-share invariant, which the scheduler checks at every preemption check (services/scheduler/
   share_watch.py): a tenant is starved while it holds less than its share, a waiting job of it asks for no more than
-  it is owed, and another tenant holds more than its share; its wait runs while it stays starved without gaining a
-  device, a gain being more than the fewest it held since the wait began (its own jobs ending, which no scheduler
-  can prevent, lower that mark: they are not counted against the scheduler); no wait may pass --min-run-s + the
+  it is owed, and another tenant holds more than its share; its wait runs while it stays starved and the scheduler does nothing
+  for it: it begins afresh when the tenant holds more than the most it held in the wait, or when preemption plans
+  devices for it (its own short jobs ended and replaced one for one are no progress: preemption must act within the
+  bound); no wait may pass --min-run-s + the
   settle time (--settle-s). Each wait past it is printed with what happened in it: the devices the tenant was given
   and let go, and those preemption planned for it (none: the scheduler found nothing to take). Beside it, the
   longest a tenant stayed below its share at all, gaining devices or not;
@@ -274,8 +275,9 @@ def fair_promises(args, runs: list[dict], promises: Guarantees) -> None:
             f"another held more: {'-' if longest is None else f'{longest:.1f}'} s (tenant {r.get('longest_wait_of')}); "
             f"bound {bound:g} s (--min-run-s {args.min_run_s:g} + --settle-s {args.settle_s:g}); below its share at "
             f"all, gaining or not: {r.get('longest_below_s', '-')} s (tenant {r.get('longest_below_of')}); from the "
-            f"samples: {r['sampled_wait'][0]:.1f} s ({r['sampled_wait'][1]}), counting its own jobs' ends against it "
-            f"(the rule before): {r['sampled_wait_old'][0]:.1f} s ({r['sampled_wait_old'][1]})"
+            f"samples, a gain past the most it held (no preemption seen there): {r['sampled_wait_old'][0]:.1f} s "
+            f"({r['sampled_wait_old'][1]}), past the fewest (the rule of a5da896, which a review showed passed a "
+            f"scheduler that never preempted): {r['sampled_wait'][0]:.1f} s ({r['sampled_wait'][1]})"
         )
         for tenant, took, held, share, given, let_go, planned in r.get("waits_past", []):
             print(

@@ -71,9 +71,9 @@ def measure(args, bursts, submitted, samples, fleet: Fleet, t0: float) -> dict:
 def sampled_wait(samples, own_ends_lower_the_mark: bool) -> tuple[float, str]:
     """The invariant's longest wait (services/scheduler/share_watch.py), worked out again from the samples: a tenant
     starved (below its share, its smallest waiting job within what it is owed, another over its share) without a
-    gain. own_ends_lower_the_mark: a gain is more than the fewest it held since the wait began (the scheduler's
-    rule); else more than it held when the wait began (the rule before, which counted the tenant's own jobs ending
-    against the scheduler: a 1 s job's end, replaced, was no gain)."""
+    gain. own_ends_lower_the_mark: a gain is more than the fewest it held since the wait began (a5da896's rule,
+    which took a replaced end for a gain); else more than it held when the wait began (the scheduler's rule without
+    the preemptions it planned, which the samples do not show: a 1 s job's end, replaced, is no gain)."""
     longest, since, mark = (0.0, "-"), {}, {}
     for t, rows in samples:
         over = {name for name, r in rows.items() if r.in_use > r.fair_share}

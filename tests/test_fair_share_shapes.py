@@ -200,10 +200,12 @@ def test_the_share_watch_times_each_wait_for_a_device_while_another_holds_more()
     assert (watch.longest, watch.logged) == ((5.0, "globex"), 1)  # 1 s of this term, not 101 s
 
 
-def test_a_wait_for_a_device_is_not_made_longer_by_the_tenants_own_jobs_ending():
-    """initech (share 8, holding 4) has two of its short jobs end and is given two devices back: a gain (the mark
-    went down with its own ends), where the old rule (more than it held when the wait began) saw one wait of 9 s; a tenant whose ends are only ever
-    replaced one for one, while acme holds more than its share, still waits; the log line says what the wait held."""
+def test_a_wait_for_a_device_ends_only_when_the_scheduler_acts_for_the_tenant():
+    """initech (share 8, holding 4) has its short jobs end and replaced one for one, a look falling between each end
+    and its replacement, while acme holds more than its share and nothing is preempted: one wait, however the looks
+    fall (the rule before, "more than the fewest it held since", took each replacement for a gain, so a scheduler
+    that never preempted passed: a review's finding); preemption planning devices for it begins a new wait, and so
+    does holding more than it ever held in the wait; the log line says what the wait held."""
     from schemas.job_status import JobStatus
     from services.scheduler.core import SchedulerConfig, SchedulerCore
     from services.scheduler.share_watch import ShareWatch
@@ -214,10 +216,14 @@ def test_a_wait_for_a_device_is_not_made_longer_by_the_tenants_own_jobs_ending()
     watch = ShareWatch(core)
 
     def shares(initech: int) -> ShareTable:
-        return ShareTable(16, {"acme": 8, "initech": 8}, {"acme": 16 - initech, "initech": initech}, {})
+        return ShareTable(16, {"acme": 8, "initech": 8}, {"acme": 12, "initech": initech}, {})
 
-    for now, initech in ((0.0, 4), (1.5, 2), (3.0, 4), (6.0, 3), (9.0, 4)):
+    for now, initech in ((0.0, 4), (1.5, 2), (3.0, 4), (6.0, 3), (9.0, 4), (10.0, 3), (11.0, 4)):
         watch.observe(shares(initech), now=now)
-    assert watch.longest == (6.0, "initech") and watch.logged == 2  # 0-3 s (the old rule: 0-9 s, no gain past 4), 3-9 s
-    watch.observe(shares(4), now=30.0)  # held 4 throughout: ends replaced one for one, nothing more
-    assert watch.longest_now(now=30.0)[0] == (21.0, "initech")
+    assert watch.longest_now(now=11.0)[0] == (11.0, "initech") and watch.logged == 0  # one wait, under way
+    watch.planned["initech"] += 2  # preemption plans two devices for it (preemption.py counts them here)
+    watch.observe(shares(4), now=11.5)
+    assert watch.longest == (11.5, "initech") and watch.logged == 1  # the wait past the allowance (2 s), logged
+    watch.observe(shares(5), now=12.0)  # more than it held in the wait: a gain
+    watch.observe(shares(5), now=13.0)
+    assert watch.longest_now(now=13.0)[0] == (11.5, "initech") and watch.waiting["initech"].since == 12.0

@@ -3,11 +3,14 @@ bench/chaos.py check against their bound):
 
   A tenant is *starved* while it holds fewer devices than its fair share, one of its waiting jobs asks for no more
   than it is owed (held + the smallest waiting job's devices <= share), and another tenant holds more than its own
-  share. Its *wait* is the time it stays starved without gaining a device: it begins when it becomes starved, and
-  begins afresh each time the tenant holds more than the fewest it held since the wait began. So the tenant's own
-  jobs ending (what no scheduler can prevent: a 1 s job ends in 1 s) lower the mark rather than count against the
-  scheduler, and a device given back in their place counts as gained; a tenant whose ends are only ever replaced
-  one for one, while another holds more than its share, still waits (preemption should have added to it).
+  share. Its *wait* is the time it stays starved while the scheduler does nothing that brings it nearer its share: it
+  begins when the tenant becomes starved, and begins afresh each time the tenant holds more than the most it held
+  since the wait began, or preemption plans devices for it (the scheduler acted: what it takes back lands within
+  the allowance). The tenant's own jobs ending and being replaced one for one, while another holds more than its
+  share, is no progress, however the looks fall between the ends and the replacements (the rule before, "more than
+  the fewest it held", took each replacement a look had seen missing for a gain, so a scheduler that never
+  preempted passed while the starved tenant's jobs were short); a tenant whose short jobs end faster than
+  preemption is planned for it is starved, and the allowance is what preemption has to act in.
 
 Preemption should end such a wait within --min-run-s (the least a borrower runs before its device may be taken
 back) and the time a pause takes to land; a wait longer than that and the scheduler's heartbeat window is logged
@@ -36,7 +39,7 @@ class Stretch:
     it held then), since when it is below its share, and a tenant over its share when the wait began."""
 
     since: float  # monotonic
-    held: int  # the fewest it held since the wait began (a gain: more than this)
+    held: int  # the most it held since the wait began (a gain: more than this)
     share: int
     over: Tenant
     below_since: float
@@ -73,12 +76,10 @@ class ShareWatch:
             if starved and stretch is None:
                 over_t = next(o for o in over if o != t)
                 self.waiting[t] = Stretch(now, held, share, over_t, now, *self._marks(t))
-            elif starved and stretch is not None and held > stretch.held:  # it gained: a new wait begins
-                self._waited(t, stretch, now)
+            elif starved and stretch is not None and (held > stretch.held or self.planned[t] > stretch.planned):
+                self._waited(t, stretch, now)  # it gained, or preemption acted for it: a new wait begins
                 stretch.since, stretch.held, stretch.share = now, held, share
                 stretch.given, stretch.let_go, stretch.planned = self._marks(t)
-            elif starved and stretch is not None:
-                stretch.held = held  # its own jobs ended: the mark goes down with them
             elif not starved and stretch is not None:
                 self._ended(t, self.waiting.pop(t), now)
         for t in [t for t in self.waiting if t not in table.share]:  # no job of it left
@@ -114,7 +115,7 @@ class ShareWatch:
             )
             self.logged += 1
             log.info(
-                "fair share: tenant %s waited %.1fs below its share without a device gained (%d of %d devices) while "
+                "fair share: tenant %s waited %.1fs below its share with no device gained nor planned for it (at most %d of %d) while "
                 "%s held more than its own (allowed: %.1fs, --min-run-s and a heartbeat window); in the wait it was "
                 "given %d devices and let go %d, and preemption planned %d for it",
                 tenant,
