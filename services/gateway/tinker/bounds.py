@@ -111,6 +111,7 @@ class Bounds:
             if len(live) >= bound and not checked:
                 checked = True
                 ended |= {h.id for h, out in zip(live, await asyncio.gather(*(gone(tenant, h) for h in live))) if out}
+                ended |= await self._yield(tenant, [h for h in live if h.id not in ended], bound, held.session)
                 live = [h for h in live if h.id not in ended]
             if len(live) >= bound:
                 raise TinkerRefusal(400, limit(len(live), bound, what, flag, fix) or what)
@@ -126,6 +127,17 @@ class Bounds:
                 raise RuntimeError(f"{key} changed {tries} times in {CONTENDED_S:.0f} s: the store is overloaded")
             await asyncio.sleep(random.uniform(0, min(0.05, 0.001 * 2 ** min(tries, 6))))
 
+    async def _yield(self, tenant: str, live: list[Held], bound: int, asking: str) -> set[str]:
+        """The places of sessions paused for silence, finished one at a time (yields) until the bound has one free:
+        as many as are needed, never every silent session at once, and never the asking session's own."""
+        freed: set[str] = set()
+        for session in dict.fromkeys(h.session for h in live if h.session not in (SERVING, asking)):
+            if len(live) - len(freed) < bound or self.yields is None:
+                break
+            if await self.yields(tenant, session):
+                freed |= {h.id for h in live if h.session == session}
+        return freed
+
     # --- has a place's holder ended? ------------------------------------------------------------------------------
     async def _session_ended(self, tenant: str, session: str) -> bool:
         found = await self.store.get(self.store.kv, session_key(tenant, session), SessionRecord)
@@ -135,10 +147,8 @@ class Bounds:
         return await self._ended(tenant, held.session, time.time() - held.since < GRACE_S)
 
     async def _ended(self, tenant: str, session: str, young: bool) -> bool:
-        """The session finished, or was paused for silence and so is finished now (the bound is full: it needs the
-        place); a `young` place with no record yet is one being made."""
-        if self.yields is not None and await self.yields(tenant, session):
-            return True
+        """The session finished (a `young` place with no record yet is one being made). One paused for silence is
+        not asked here: _yield finishes only as many as the bound needs."""
         return not young and await self._session_ended(tenant, session)
 
     async def _model_gone(self, tenant: str, held: Held) -> bool:
