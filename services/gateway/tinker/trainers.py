@@ -17,7 +17,7 @@ from schemas.events import CheckpointList
 from schemas.jobs import Error, JobRequest, Rejected, SubmitReply
 from schemas.job_status import JobQuery, JobReply
 from schemas.sessions import CallError, SessionCall, SessionReply, SessionRequest
-from schemas.tinker_store import ModelRecord, model_key
+from schemas.tinker_store import ModelRecord, SessionRecord, model_key, session_key
 from services import bus
 from services.gateway.tinker.futures import CallFailed
 from services.gateway.tinker.store import Store
@@ -162,6 +162,7 @@ class Trainers:
         if job.state in TERMINAL:
             raise CallFailed(f"model {model.id}'s session has ended ({job.state}: {job.message})")
         if job.state == "paused":  # idle, silent, or a serving engine took its device: it goes on from its checkpoint
+            await self._client_back(model)
             await self._paused_at(model, job.attempt)
             await bus.request(self.nc, names.jobs_api(model.tenant).resume, JobQuery(model.job), JobReply | Error)
             self.watch.forget(model.job)
@@ -175,6 +176,22 @@ class Trainers:
                 f"(attempt {job.attempt}): calls since that save_state were lost; load_state it, or redo them"
             )
         return job.node
+
+    async def _client_back(self, model: ModelRecord) -> None:
+        """A call resumes a paused job, so its client is back: its session is heard now, before the job resumes. A
+        session paused for silence gives its places up to its tenant's bound (reaper.yield_silent) by a write at the
+        revision it read, which this write makes lose: a client back after silence_s, before its next heartbeat,
+        is not finished under its own calls. A session finished first fails the call (its jobs are cancelled)."""
+
+        def heard(s: SessionRecord) -> bool:
+            s.heard, s.paused = time.time(), False
+            return s.finished is None
+
+        if not model.session:  # a serving sampler belongs to no client session
+            return
+        written = await self.store.modify(self.store.kv, session_key(model.tenant, model.session), SessionRecord, heard)
+        if written is not None and written.finished is not None:
+            raise CallFailed(f"model {model.id}'s session has ended: create a new one")
 
     async def _paused_at(self, model: ModelRecord, attempt: int) -> None:
         """Every gateway learns that this attempt ended in a pause (so its next one is no move)."""
