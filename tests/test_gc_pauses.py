@@ -29,7 +29,7 @@ def test_each_generations_longest_pause_is_told_with_the_cpu_it_took():
 def test_a_pass_past_its_budget_is_told_apart_from_one_that_waited_for_a_core():
     """A pass of 30 ms wall time that took 4 ms of CPU went past its budget waiting for a core, not working; one of
     12 ms of CPU went past it on its own work."""
-    from services.scheduler.placer import PassStats
+    from services.scheduler.pass_stats import PassStats
 
     stats = PassStats()
     stats.passed(0.030, 0.0, 0.004)

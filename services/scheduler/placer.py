@@ -6,9 +6,6 @@ import asyncio
 import contextlib
 import logging
 import time
-from dataclasses import dataclass
-
-
 from schemas.co_train import founds_alone
 from schemas.nodes import Assignment, AssignRefused, AssignReply, on_devices
 from services import bus
@@ -16,42 +13,17 @@ from services.aio import wait_first
 from services.scheduler import commands, gc_pauses, grouping, sharing
 from services.scheduler.config import engine_priority
 from services.scheduler.core import Job, SchedulerCore
+from services.scheduler.pass_stats import PassStats
 from services.scheduler.queue import JobQueue
 from services.scheduler.sharing import ShareTable
 from services.scheduler.tenancy import Tenant
 
 log = logging.getLogger(__name__)
-PASS_BUDGET_S = 0.010  # one placement pass holds the loop at most this long (then the next one goes on)
 PASS_STOP_S = 0.008  # it stops placing once past this: the job it tries then (a gang's best fit, up to a ms at
 # 1,000 nodes) still ends within the budget
 KEPT_PER_NODES = 16  # one node of this many at most is kept for waiting multi-device jobs at once: with a node kept
 # for each of 500 waiting gangs (bench/fair_share.py's mix), a third of the fleet stood draining and utilisation while
 # jobs waited fell to 78%; a kept node serves a gang each time it drains
-
-
-@dataclass
-class PassStats:
-    """How long placement passes held the loop: the count, the longest, and how many ran out of their time; and the
-    same without the garbage collector's pauses that landed in them (gc_pauses.spent_s); and the most CPU time any
-    took, its own work (on a busy machine much of a pass can be the process waiting for a core)."""
-
-    passes: int = 0
-    longest_s: float = 0.0
-    cut_short: int = 0
-    longest_own_s: float = 0.0  # the longest, less the collections inside it
-    own_cut_short: int = 0
-    collected_in: int = 0  # passes a collection landed in
-    longest_cpu_s: float = 0.0  # the most CPU time (the loop's thread) any pass took: its own work
-    cpu_cut_short: int = 0  # passes whose CPU time alone was past the budget
-
-    def passed(self, seconds: float, collecting_s: float = 0.0, cpu_s: float = 0.0) -> None:
-        self.passes += 1
-        self.longest_s, self.longest_cpu_s = max(self.longest_s, seconds), max(self.longest_cpu_s, cpu_s)
-        self.cpu_cut_short += cpu_s > PASS_BUDGET_S
-        self.cut_short += seconds > PASS_BUDGET_S
-        self.longest_own_s = max(self.longest_own_s, seconds - collecting_s)
-        self.own_cut_short += seconds - collecting_s > PASS_BUDGET_S
-        self.collected_in += collecting_s > 0
 
 
 class Placer:
