@@ -27,26 +27,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "deploy" / "demo"))
 
-from tinker_stack import ROOT, api_key, free_port, jetlora  # noqa: E402
+from tinker_stack import ROOT, api_key, start_stack  # noqa: E402
 
 GATEWAY_EXIT_S = 10.0  # a gateway whose NATS is gone exits within this of SIGTERM
-
-
-def start(tmp: Path, model_dir: Path) -> tuple[subprocess.Popen, subprocess.Popen, str, int]:
-    env = {**os.environ, "XDG_STATE_HOME": str(tmp / "state"), "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    up = jetlora("up", "--port", "0", "--offer-cpu", "--node", "cookbook", "--co-train", "same-tenant", env=env,
-                 stdout=subprocess.PIPE, stderr=open(tmp / "up.log", "w"))  # fmt: skip
-    url, deadline = "", time.monotonic() + 120
-    while not url and time.monotonic() < deadline:
-        line = up.stdout.readline()
-        if line.startswith("NATS at "):
-            url = line.split()[2]
-    if not url:
-        raise SystemExit(f"jetlora up did not come up; see {tmp / 'up.log'}")
-    port = free_port()
-    gateway = jetlora("gateway", "--nats", url, "--port", str(port), "--base-model", f"{model_dir}={model_dir}",
-                      "--accelerator", "cpu", env=env, stderr=open(tmp / "gateway.log", "w"))  # fmt: skip
-    return up, gateway, url, port
 
 
 def gateway_exit_s(up: subprocess.Popen, gateway: subprocess.Popen) -> float:
@@ -74,7 +57,7 @@ def main() -> int:
     tmp.mkdir(parents=True, exist_ok=True)
     texts = ["User: What is 4 + 5?\n\nAssistant: 9", "User: What is the capital of France?\n\nAssistant: Paris."]
     model_dir = build(tmp / "tiny", texts * 8, hidden=64, layers=2, vocab_size=512)
-    up, gateway, url, port = start(tmp, model_dir)
+    (up, gateway), url, port = start_stack(tmp, model_dir, 1, "same-tenant", "cookbook", str(model_dir))
     env = {**os.environ, "TINKER_API_KEY": api_key(url), "OMP_NUM_THREADS": "1", "TINKER_TELEMETRY": "0"}
     env.pop("PYTHONPATH", None)
     command = [args.cookbook_python, str(ROOT / "bench" / "cookbook_loops.py"), "--base-url",

@@ -35,12 +35,12 @@ def free_port() -> int:
 
 
 def start_stack(
-    tmp: Path, model_dir: Path, threads: int, co_train: str = "off"
+    tmp: Path, model_dir: Path, threads: int, co_train: str = "off", node: str = "bench", base: str = "tiny"
 ) -> tuple[list[subprocess.Popen], str, int]:
     """`jetlora up` (scheduler, artifacts, an agent offering its CPU) and `jetlora gateway`; their NATS URL and the
     gateway's port."""
     env = {**os.environ, "XDG_STATE_HOME": str(tmp / "state"), "OMP_NUM_THREADS": str(threads), "PYTHONPATH": str(ROOT)}
-    up = jetlora("up", "--port", "0", "--offer-cpu", "--node", "bench", "--co-train", co_train, env=env,
+    up = jetlora("up", "--port", "0", "--offer-cpu", "--node", node, "--co-train", co_train, env=env,
                  stdout=subprocess.PIPE, stderr=open(tmp / "up.log", "w"))  # fmt: skip
     url, deadline = "", time.monotonic() + 120
     while not url and time.monotonic() < deadline:
@@ -50,7 +50,7 @@ def start_stack(
     if not url:
         raise SystemExit(f"jetlora up did not come up; see {tmp / 'up.log'}")
     port = free_port()
-    gateway = jetlora("gateway", "--nats", url, "--port", str(port), "--base-model", f"tiny={model_dir}",
+    gateway = jetlora("gateway", "--nats", url, "--port", str(port), "--base-model", f"{base}={model_dir}",
                       "--accelerator", "cpu", env=env, stderr=open(tmp / "gateway.log", "w"))  # fmt: skip
     return [up, gateway], url, port
 
