@@ -74,7 +74,9 @@ async def version_scores(nc, tenant: str | None, adapter: str) -> list[str]:
         reply = await bus.request(nc, names.evals_api(tenant).runs, RunListQuery(adapter=adapter), RunList | Error)
     except bus.RequestError:
         return []
-    if isinstance(reply, Error) or not reply.runs:
+    if isinstance(reply, Error):
+        return [f"  eval scores: not read ({reply.error})"]
+    if not reply.runs:
         return []
     lines = ["  eval scores:"]
     for r in sorted(reply.runs, key=lambda r: (r.version or 0, r.created)):

@@ -9,10 +9,11 @@ from collections.abc import Callable
 from pathlib import Path
 
 import msgspec
-from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError, NoKeysError
+from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError
 
 from schemas import names
 from schemas.evals import ADMIN, DECODERS, RESULT_LINE, EvalDef, EvalRun, EvalSummary, ItemResult, eval_key, run_key
+from services.kv_keys import kv_keys
 from services.transfer.download import fetch_object, fetch_small
 
 _enc = msgspec.json.Encoder()
@@ -39,10 +40,7 @@ class EvalStore:
     async def _all(self, kind: str, tenant: str | None, everyone: bool):
         """Every eval (or run) of the tenant; an admin's own (`_`), or every tenant's with `everyone`."""
         prefix = f"{kind}." if everyone else f"{kind}.{tenant or ADMIN}."
-        try:
-            keys = [k for k in await self.kv.keys() if k.startswith(prefix)]
-        except NoKeysError:
-            return []
+        keys = await kv_keys(self.kv, prefix)
         found = [await self._get(k) for k in sorted(keys)]
         return sorted((v for v in found if v is not None), key=lambda v: v.created)
 

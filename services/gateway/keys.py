@@ -12,6 +12,7 @@ from nats.js.errors import KeyNotFoundError
 
 from schemas import names
 from schemas.gateway import KeyRecord
+from services.kv_keys import kv_keys
 
 PREFIX = "jl"
 
@@ -44,10 +45,7 @@ class KeyStore:
         await self.kv.put(record.id, msgspec.json.encode(record))
 
     async def records(self) -> list[KeyRecord]:
-        try:
-            keys = await self.kv.keys()
-        except Exception:  # nats-py raises NoKeysError on an empty bucket
-            return []
+        keys = await kv_keys(self.kv)
         return [r for r in [await self._get(k) for k in keys] if r is not None]
 
     async def delete(self, ident: str) -> bool:
