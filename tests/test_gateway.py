@@ -19,6 +19,7 @@ from services.gateway.app import Gateway
 from services.gateway.keys import KeyStore, new_key
 from services.gateway.openai_map import BaseModel
 from tests.conftest import wait_for, wait_nodes
+from tests.harness.hang_dump import bounded
 from tests.qa import QA_PAIRS
 
 
@@ -29,7 +30,7 @@ async def gateway(stack, nc, tiny_model):
     gw = Gateway(nc, models, port=0)
     await gw.start()
     yield gw
-    await gw.close()
+    await bounded(gw.close(), 60, "the gateway's close")
 
 
 async def client_for(nc, gateway: Gateway, tenant: str) -> openai.AsyncOpenAI:

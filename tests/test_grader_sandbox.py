@@ -4,6 +4,7 @@ Skipped, saying why, where this machine cannot isolate a grader (not root on Lin
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import resource
 import socket
@@ -139,11 +140,12 @@ def test_check_loads_the_source_in_the_sandbox():
     assert error.field == "grader.source" and "grade(sample, item)" in error.reason
 
 
-def test_the_test_process_stays_healthy():
+def test_the_test_process_stays_healthy(tmp_path):
+    ctx = dataclasses.replace(CTX, scratch_dir=str(tmp_path))  # its own: other workers' graders run meanwhile
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    run_python("def grade(sample, item):\n    return 1.0\n", [{"output_text": "x"}], [{}], CTX)
+    run_python("def grade(sample, item):\n    return 1.0\n", [{"output_text": "x"}], [{}], ctx)
     assert os.getpid() > 0 and resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before < 50_000
-    leftovers = [d for d in os.listdir(CTX.scratch()) if d.startswith("jetlora-grader-")]
+    leftovers = [d for d in os.listdir(ctx.scratch()) if d.startswith("jetlora-grader-")]
     assert leftovers == [], leftovers
 
 
