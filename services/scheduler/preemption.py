@@ -20,7 +20,6 @@ import contextlib
 import logging
 import time
 from collections import Counter
-from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from schemas.job_status import ACTIVE_STATES
@@ -31,7 +30,7 @@ from services.scheduler.pausing import PREEMPTED, Pausing
 from services.scheduler.share_watch import ShareWatch
 from services.scheduler.sharing import ShareTable
 from services.scheduler.tenancy import Tenant
-from services.scheduler.victims import Plan, VictimSearch
+from services.scheduler.victims import Cursors, Plan, VictimSearch
 
 log = logging.getLogger(__name__)
 CHECK_S = 0.25  # how often waiting jobs are compared with the shares
@@ -39,49 +38,6 @@ AGAIN_S = 0.02  # the next check, when one ran out of its time
 BUDGET_S = 0.005  # one check holds the loop at most about this long
 MISSES = 32  # waiting jobs of one tenant in a row for which no victim was found: the check goes on to the next
 REFUSED_S = 5.0  # a victim whose pause failed (its node does not run it, say) is not chosen again within this
-SETTLING = 64  # of each priority's jobs started or checkpointed within --min-run-s, those looked at at most
-
-
-class Cursors:
-    """Each victim tenant's running jobs in preemption's order, read on across one check's waiting jobs: one that
-    may not be preempted now (a victim already, too young, preempted lately) is passed over once per check; one that
-    may, but did not fit a waiting job, is offered to the next again."""
-
-    def __init__(self, core: SchedulerCore, settled: float, eligible: Callable[[str], bool]) -> None:
-        self.core, self.settled, self.eligible = core, settled, eligible
-        self._read: dict[Tenant, Iterator[str]] = {}
-        self._kept: dict[Tenant, list[str]] = {}
-
-    def of(self, tenant: Tenant) -> Iterator[str]:
-        if tenant not in self._read:
-            self._read[tenant] = self.core.book.running.of(tenant, settled=self.settled, scan=SETTLING)
-            self._kept[tenant] = []
-        kept = self._kept[tenant]
-        kept[:] = [j for j in kept if self.eligible(j)]
-        yield from list(kept)
-        for job in self._read[tenant]:
-            if self.eligible(job):
-                kept.append(job)
-                yield job
-
-    def own(self, tenant: Tenant, below: int, node: str | None = None) -> Iterator[str]:
-        """The tenant's own running jobs of a priority below `below` (on `node` alone, when given), afresh: a swap
-        is rare."""
-        if node is not None:
-            return self.on_node(tenant, node, below)
-        return self.core.book.running.of(tenant, below=below, settled=self.settled, scan=SETTLING)
-
-    def on_node(self, tenant: Tenant, node: str, below: int | None = None) -> Iterator[str]:
-        """The tenant's running jobs on one node (of a priority below `below`, when given), in preemption's order:
-        for a job pinned there, as many as the node's devices hold, never the tenant's whole list."""
-        running = self.core.book.running.jobs
-        here = [
-            j
-            for j in self.core.by_node.get(node, ())
-            if (e := running.get(j)) is not None and e.tenant == tenant and (below is None or e.priority < below)
-        ]
-        here.sort(key=lambda j: (running[j].priority, -running[j].anchor))
-        return iter(here)
 
 
 @dataclass
@@ -102,9 +58,12 @@ class Preemption:
         self.core, self.pausing = core, pausing
         self.in_flight: dict[str, InFlight] = {}  # victim -> why it is being paused
         self.awaited: Counter[str] = Counter()  # waiting job -> its victims being paused
+        self.freed_at: dict[str, float] = {}  # waiting job -> when its last victim's pause landed (monotonic)
+        self.no_victims: dict[tuple, float] = {}  # a multi-device job's shape -> when the search found none for it
         self.stats: Counter[str] = Counter()
         self.watch = ShareWatch(core)  # whether the shares hold: how long a tenant below its share waits
         self._kept = sharing.KeptNodes(core, {})  # the nodes kept for gangs, for the check under way
+        self._homes: dict[str, str] = {}  # the same, by the job each is kept for
         self.refused: dict[str, float] = {}  # victims whose pause failed -> when (monotonic)
 
     async def run(self, lost: asyncio.Event, stop: asyncio.Event) -> None:
@@ -132,6 +91,7 @@ class Preemption:
         now = time.monotonic()
         cursors = Cursors(core, time.time() - core.cfg.min_run_s, lambda j: self._eligible(core.jobs.get(j), now))
         self._kept = sharing.KeptNodes(core, core.gang_holds)  # as they stand for this check
+        self._homes = {j: n for n, j in core.gang_holds.items()}
         waiting = {t for t, _ in core.queue.waiting()}
         for tenant in sorted(waiting, key=lambda t: held.get(t, 0) / max(table.share.get(t, 0), 1e-9)):
             if not (self._own(tenant) or self._over(tenant, table, held)):
@@ -159,6 +119,8 @@ class Preemption:
                         if misses >= MISSES or not (self._own(tenant) or self._owed(tenant, 1, table, held)):
                             break  # enough misses; or the tenant is owed nothing more (and swaps nothing)
                         job = core.jobs[job_id]
+                        if self._served(job_id) or self._none_lately(job):
+                            continue  # its victims are on their way, or its shape's search found none lately
                         plan = self._plan(job, table, held, cursors) if self._wants(job, table, held) else None
                         if plan is None:
                             misses += 1
@@ -172,20 +134,53 @@ class Preemption:
     def _prune(self) -> None:
         """Pauses that landed (or whose victim ended, or moved on) no longer count as under way; refusals older
         than REFUSED_S are forgotten."""
+        now = time.monotonic()
         if self.refused:
-            now = time.monotonic()
             self.refused = {j: at for j, at in self.refused.items() if now - at < REFUSED_S}
+        interval = self.core.cfg.heartbeat_interval
+        if self.freed_at:
+            self.freed_at = {j: at for j, at in self.freed_at.items() if now - at < interval}
+        if self.no_victims:
+            self.no_victims = {k: at for k, at in self.no_victims.items() if now - at < interval}
         for victim, f in list(self.in_flight.items()):
             job = self.core.jobs.get(victim)
             if job is None or job.status.state not in ACTIVE_STATES or job.status.attempt != f.attempt:
-                self._landed(victim)
+                self._landed(victim, now)
 
-    def _landed(self, victim: str) -> None:
+    def _landed(self, victim: str, now: float | None = None) -> None:
+        """The victim's pause landed (at `now`), or failed (None: it frees nothing, its job may have others)."""
         f = self.in_flight.pop(victim, None)
         if f is not None:
             self.awaited[f.waiting] -= 1
             if self.awaited[f.waiting] <= 0:
                 del self.awaited[f.waiting]
+                if now is not None:
+                    self.freed_at[f.waiting] = now
+
+    def _served(self, job_id: str) -> bool:
+        """Whether victims were chosen for the waiting job and what they free is not yet seen free: their pauses
+        are under way, or the last landed less than a heartbeat ago (a device shows free in its node's next
+        heartbeat). Choosing more for it then took one more of another tenant's jobs at every check."""
+        if self.awaited[job_id]:
+            return True
+        at = self.freed_at.get(job_id)
+        return at is not None and time.monotonic() - at < self.core.cfg.heartbeat_interval
+
+    def _shape(self, job: Job) -> tuple:
+        """What a gang's search depends on: its tenant, memory, devices, priority, node, and its own kept node."""
+        req = job.stored.request
+        home = self._homes.get(job.id)
+        return (job.stored.tenant, req.gpu_mib, req.accelerator, req.devices, req.priority, req.node, home)
+
+    def _none_lately(self, job: Job) -> bool:
+        """Whether a multi-device job of its shape (tenant, memory, devices, priority, node) found no victims within
+        a heartbeat interval (what may be taken changes as heartbeats come and jobs pass --min-run-s). Such a search
+        reads up to victims.SCAN running jobs (4-5 ms at 1,000 nodes); every check began again at the tenant's head,
+        so two such jobs there took each check's whole time, and nothing was preempted for the jobs behind them."""
+        if job.stored.request.devices <= 1 or not self.no_victims:
+            return False
+        at = self.no_victims.get(self._shape(job))
+        return at is not None and time.monotonic() - at < self.core.cfg.heartbeat_interval
 
     def _wants(self, job: Job, table: ShareTable, held: dict[Tenant, int]) -> bool:
         """Whether the tenant's job may take a device by preemption at all: owed what it asks for (below its share,
@@ -222,9 +217,14 @@ class Preemption:
                 plan = search.first(candidates, over_share)
                 if plan is not None:
                     return plan
-        if self._own(tenant) and not self.awaited[job.id]:  # a swap: the job's own victims under way suffice
-            return search.first(cursors.own(tenant, req.priority, req.node), lambda t, n: t == tenant)
-        return None
+        plan = None
+        if self._own(tenant):  # a swap (a job with victims under way is not looked at: _served)
+            plan = search.first(cursors.own(tenant, req.priority, req.node), lambda t, n: t == tenant)
+        if plan is None:
+            self.stats["unfound"] += 1  # searches that found no victims
+            if req.devices > 1:
+                self.no_victims[self._shape(job)] = now
+        return plan
 
     def _over(self, tenant: Tenant, table: ShareTable, held: dict[Tenant, int]) -> list[Tenant]:
         """Tenants over their share, the borrowers first, then the furthest over (by weight)."""

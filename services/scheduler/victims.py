@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import time
 from collections import Counter
-from collections.abc import Callable, Container, Iterable
+from collections.abc import Callable, Container, Iterable, Iterator
 from dataclasses import dataclass, field
 
 from schemas.co_train import group_key
@@ -29,6 +29,7 @@ from services.scheduler.fleet import SlotKey
 from services.scheduler.tenancy import Tenant
 
 SCAN = 256  # running jobs looked at for one waiting job at most
+SETTLING = 64  # of each priority's jobs started or checkpointed within --min-run-s, those looked at at most
 
 
 @dataclass
@@ -184,3 +185,45 @@ class VictimSearch:
         if dev.kind not in self.kinds:
             return -1
         return min(dev.total_mib, dev.free_mib + freed_mib)
+
+
+class Cursors:
+    """Each victim tenant's running jobs in preemption's order, read on across one check's waiting jobs: one that
+    may not be preempted now (a victim already, too young, preempted lately) is passed over once per check; one that
+    may, but did not fit a waiting job, is offered to the next again."""
+
+    def __init__(self, core: SchedulerCore, settled: float, eligible: Callable[[str], bool]) -> None:
+        self.core, self.settled, self.eligible = core, settled, eligible
+        self._read: dict[Tenant, Iterator[str]] = {}
+        self._kept: dict[Tenant, list[str]] = {}
+
+    def of(self, tenant: Tenant) -> Iterator[str]:
+        if tenant not in self._read:
+            self._read[tenant] = self.core.book.running.of(tenant, settled=self.settled, scan=SETTLING)
+            self._kept[tenant] = []
+        kept = self._kept[tenant]
+        kept[:] = [j for j in kept if self.eligible(j)]
+        yield from list(kept)
+        for job in self._read[tenant]:
+            if self.eligible(job):
+                kept.append(job)
+                yield job
+
+    def own(self, tenant: Tenant, below: int, node: str | None = None) -> Iterator[str]:
+        """The tenant's own running jobs of a priority below `below` (on `node` alone, when given), afresh: a swap
+        is rare."""
+        if node is not None:
+            return self.on_node(tenant, node, below)
+        return self.core.book.running.of(tenant, below=below, settled=self.settled, scan=SETTLING)
+
+    def on_node(self, tenant: Tenant, node: str, below: int | None = None) -> Iterator[str]:
+        """The tenant's running jobs on one node (of a priority below `below`, when given), in preemption's order:
+        for a job pinned there, as many as the node's devices hold, never the tenant's whole list."""
+        running = self.core.book.running.jobs
+        here = [
+            j
+            for j in self.core.by_node.get(node, ())
+            if (e := running.get(j)) is not None and e.tenant == tenant and (below is None or e.priority < below)
+        ]
+        here.sort(key=lambda j: (running[j].priority, -running[j].anchor))
+        return iter(here)
