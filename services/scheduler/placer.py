@@ -230,6 +230,7 @@ class PlacementPass:
         self.kept = sharing.KeptNodes(core, self.kept_nodes)
         self.kept_for = {j: n for n, j in self.kept_nodes.items()}  # the same, by the job each node is kept for
         self.homeless: set[tuple] = set()  # shapes of gangs no node could be kept for in this pass
+        self.no_room: set[tuple] = set()  # shapes of gangs (and the nodes kept from them) no node had room for
         self.needs: dict[str, int | None] = {}  # job -> what its device must have free when it joins a running group
         self.resting = placer.unanswered.resting()  # nodes that left assignments unanswered: none go there for now
 
@@ -280,7 +281,9 @@ class PlacementPass:
     def fits(self, node: str | None = None):
         return lambda job_id: self.try_place(job_id, node)
 
-    def try_place(self, job_id: str, node: str | None) -> bool:
+    def try_place(self, job_id: str, node: str | None) -> bool | None:
+        """Whether the job was placed; None: not, at no cost (a gang of its shape found no room in this pass, and a
+        pass frees nothing), which the queue's backfill window does not count."""
         core = self.core
         job = core.jobs[job_id]
         if job.lock.locked() or job_id in core.unsure or job.placing:  # being written, or read back
@@ -298,8 +301,14 @@ class PlacementPass:
             slot = core.fleet.find(req.gpu_mib, req.accelerator, node, kept)
             slots = [slot] if slot else None
         else:
+            shape = (req.gpu_mib, req.accelerator, req.devices, kept)
+            if node is None and shape in self.no_room:
+                self.placer._keep_for_gang(self, job_id, node, kept)
+                return None
             slots = core.fleet.find_gang(req.gpu_mib, req.accelerator, req.devices, node, kept)
             if slots is None:
+                if node is None:
+                    self.no_room.add(shape)
                 self.placer._keep_for_gang(self, job_id, node, kept)
         if not slots:
             return False

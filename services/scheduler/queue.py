@@ -9,6 +9,7 @@ from collections.abc import Callable, Collection, Generator, Iterator
 from typing import Any
 
 REBUILD_SLACK = 64  # a heap is rebuilt once its entries of jobs gone outnumber its jobs by this and more
+PASSED_OVER = 16  # jobs a walk may pass over at no cost (fits() said None), per job of its window
 
 
 class JobQueue:
@@ -100,7 +101,7 @@ class JobQueue:
 
     def take(
         self,
-        fits: Callable[[str], bool],
+        fits: Callable[[str], bool | None],
         node: str | None = None,
         window: int = 64,
         until: Callable[[], bool] | None = None,
@@ -109,21 +110,30 @@ class JobQueue:
         or once `until()` says the queue has had enough for now.
 
         Jobs that did not fit keep their place. Scanning stops at `window` misses so a queue
-        full of jobs too big for today's fleet costs a bounded amount per pass (backfill window).
+        full of jobs too big for today's fleet costs a bounded amount per pass (backfill window). A job fits() passed
+        over at no cost (None: one of its shape found no room in this pass already) counts not as a miss, up to
+        PASSED_OVER x window of them: 100 multi-device jobs at a tenant's head no longer hid its 1-device jobs from
+        idle devices.
         """
         heap = self._heap(node or "")
-        missed: list[tuple[int, int, str]] = []
+        missed: list[tuple[int, int, str]] = []  # every job that did not fit (each keeps its place)
+        misses, passed = 0, 0  # those that counted against the window; those passed over at no cost
         try:
-            while heap and len(missed) < window and not (until is not None and until()):
+            while heap and misses < window and not (until is not None and until()):
                 entry = heapq.heappop(heap)
                 job = entry[2]
                 if job not in self._queued:
                     continue
-                if fits(job):
+                placed = fits(job)
+                if placed:
                     self.discard(job)
                     yield job
+                    continue
+                missed.append(entry)
+                if placed is None and passed < PASSED_OVER * window:
+                    passed += 1
                 else:
-                    missed.append(entry)
+                    misses += 1
         finally:
             self._put_back(node or "", missed)
 
