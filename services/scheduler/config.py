@@ -3,6 +3,7 @@ the fleet, history, and the bounds on its requests."""
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 from schemas.co_train import CoTrainPolicy
@@ -108,6 +109,12 @@ class TenantQuota:
         ]
 
 
+@functools.lru_cache(maxsize=16)
+def _admin_quota(weight: float) -> TenantQuota:
+    """An admin's quota (no limit, no ceiling), made once per weight: asked at every placement try."""
+    return TenantQuota(queued=None, priority=None, weight=weight)
+
+
 def _form_error(text: str) -> str:
     return (
         f"quota {text!r}: write {QUOTA_FORM} (N, M, B >= 0; P from {PRIORITY_MIN} to {PRIORITY_MAX}; W a number above "
@@ -160,7 +167,7 @@ class SchedulerConfig:
         """A tenant's own quota, else the default; an admin's (tenant None) has no limit and no ceiling (and, among
         the tenants, --admin-weight)."""
         if tenant is None:
-            return TenantQuota(queued=None, priority=None, weight=self.admin_weight)
+            return _admin_quota(self.admin_weight)
         return self.quotas.get(tenant, self.default_quota)
 
     def cap(self, tenant: str | None) -> int | None:

@@ -205,14 +205,15 @@ class SchedulerCore:
         for slot in slots:
             self.fleet.release(slot, holder(job.id, group))
 
-    def hold_for(self, job: Job, slots: list[SlotKey], group: str | None = None) -> None:
+    def hold_for(self, job: Job, slots: list[SlotKey], group: str | None = None, need: int | None = None) -> None:
         """Hold devices for a job while a write that gives them to it is under way (a placement, a node's attempt
         taken back): no other job is placed there, and the job leaves the queue until the write is answered. A job
-        placed into a co-training group holds the group's device with the group."""
+        placed into a co-training group holds the group's device with the group (`need`: the MiB it adds there,
+        when known)."""
         for slot in slots:
             self.fleet.reserve(slot, holder(job.id, group))
             if group is not None:
-                self.groups.join(group, slot, job.id, job.stored.request, job.stored.tenant)
+                self.groups.join(group, slot, job.id, job.stored.request, job.stored.tenant, need)
         job.placing, job.placing_group = slots, group
         self.queue.discard(job.id)
 

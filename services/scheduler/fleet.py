@@ -67,7 +67,8 @@ class Fleet:
             if i < len(lst) and lst[i] == item:
                 del lst[i]
 
-    def _reindex(self, node: str, dev: Device) -> None:
+    def _reindex(self, node: str, dev: Device) -> bool:
+        """Index the device as it stands; True when it went into the index (as free, or with other free MiB)."""
         key = (node, dev.index)
         item = (dev.free_mib, node, dev.index)
         want = (
@@ -84,6 +85,8 @@ class Fleet:
             bisect.insort(self._free[dev.kind], item)
             self._indexed[key] = (dev.kind, item)
             self._count_free(node, 1)
+            return True
+        return False
 
     def _count_free(self, node: str, change: int) -> None:
         before = self._free_on.get(node, 0)
@@ -108,24 +111,27 @@ class Fleet:
         """Record a heartbeat; True when it may have made room for a queued job."""
         now = time.monotonic() if now is None else now
         view = self.nodes.get(hb.node)
-        before = self._free_items(hb.node)
         if view is None:
             view = NodeView(hb, now, time.time())
             self.nodes[hb.node] = view
+            was_draining = True  # nothing of it is indexed yet
         else:
+            was_draining = view.heartbeat.draining
             view.heartbeat, view.last_seen, view.last_seen_wall, view._running = hb, now, time.time(), None
             self.nodes.move_to_end(hb.node)
-        seen, counted = set(), len(view.devices)
+        seen, counted, room = set(), len(view.devices), False
         for dev in hb.devices:
             old = view.devices.get(dev.index)
+            seen.add(dev.index)
+            if old == dev and not (was_draining or hb.draining):
+                continue  # indexed as it stands: reserve and release keep the index of a device they change
             if old is None or old.total_mib != dev.total_mib or old.kind != dev.kind:
                 self._largest.clear()
             view.devices[dev.index] = dev
-            seen.add(dev.index)
             if hb.draining:
                 self._unindex((hb.node, dev.index))
             else:
-                self._reindex(hb.node, dev)
+                room = self._reindex(hb.node, dev) or room
         for gone in set(view.devices) - seen:
             self._largest.clear()
             del view.devices[gone]
@@ -133,7 +139,7 @@ class Fleet:
         self.device_count += len(view.devices) - counted
         self._note_engines(hb, seen)
         self._note_models(hb.node, hb.models)
-        return not self._free_items(hb.node) <= before
+        return room  # a device indexed anew (free, or with other free MiB) may take a queued job
 
     def _note_models(self, node: str, models: list[ModelShape]) -> None:
         """Index which nodes advertise which base models, so a job's model is looked up without a scan."""
@@ -147,18 +153,17 @@ class Fleet:
             self._shapes.setdefault(directory, {})[node] = shape
 
     def _note_engines(self, hb: Heartbeat, devices: set[int]) -> None:
+        if not hb.engines:  # most nodes serve nothing: no max over no engines for each device of each heartbeat
+            if self.busy:
+                for index in devices:
+                    self.busy.pop((hb.node, index), None)
+            return
         for index in devices:
             busy = max((e.busy_fraction for e in hb.engines if not e.devices or index in e.devices), default=0.0)
             if busy > 0:
                 self.busy[(hb.node, index)] = busy
             else:
                 self.busy.pop((hb.node, index), None)
-
-    def _free_items(self, node: str) -> set:
-        view = self.nodes.get(node)
-        if not view:
-            return set()
-        return {self._indexed[(node, i)][1] for i in view.devices if (node, i) in self._indexed}
 
     def forget(self, node: str) -> None:
         view = self.nodes.pop(node, None)
@@ -199,7 +204,8 @@ class Fleet:
         for kind in kinds:
             lst = self._free[kind]
             i = bisect.bisect_left(lst, (need_mib, "", -10))
-            for item in itertools.islice(lst, i, i + BUSY_SCAN if self.busy else None):
+            for j in range(i, min(len(lst), i + BUSY_SCAN) if self.busy else len(lst)):  # islice would step over
+                item = lst[j]  # the i devices too small, one by one
                 if item[1] in held:
                     continue
                 key = (self._busy_bucket((item[1], item[2])), item)  # idle engines first, then best fit

@@ -62,7 +62,7 @@ class Placer:
         try:
             # jobs pinned to a node that has no free device and no co-training group wait, costing nothing (as
             # do those pinned to a node nobody has heard of)
-            open_nodes = core.fleet.free_nodes() | core.groups.on_node.keys()
+            open_nodes = grouping.EitherNodes(core.fleet.free_nodes(), core.groups.on_node.keys())
             for tenant, queue, within_share in placing.rounds():
                 if not (core.fleet.any_free() or core.groups.by_id):
                     return
@@ -329,7 +329,7 @@ class PlacementPass:
         adds = 0 if (tenant, group.slot) in self.core.tenant_slots else 1
         if self.quota_full(tenant, adds):
             return False
-        self.core.hold_for(job, [group.slot], group.id)
+        self.core.hold_for(job, [group.slot], group.id, need)
         self.needs[job.id] = need
         self.holding[tenant] = self.holding.get(tenant, 0) + adds
         return True

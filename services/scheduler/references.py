@@ -37,6 +37,9 @@ def pinned_in_flight(core: SchedulerCore, req: JobRequest):
     """While a submission that pinned datasets is being stored, `pinning` counts it: a delete asked meanwhile is
     refused as for a job in memory."""
     named = _datasets_named(req)
+    if not named:  # most jobs name no stored dataset: nothing to count in and out
+        yield
+        return
     core.pins_in_flight.update(named)
     try:
         yield

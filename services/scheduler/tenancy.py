@@ -43,7 +43,9 @@ class TenantBook:
         if status.state == "queued":
             self.queued[tenant] += sign
             self.wanted[tenant] += sign * devices
-            sizes = self.sizes.setdefault(tenant, Counter())
+            sizes = self.sizes.get(tenant)
+            if sizes is None:  # not setdefault: a Counter made and dropped at every count
+                sizes = self.sizes[tenant] = Counter()
             sizes[devices] += sign
             if sizes[devices] <= 0:
                 del sizes[devices]
