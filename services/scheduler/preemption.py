@@ -37,6 +37,7 @@ CHECK_S = 0.25  # how often waiting jobs are compared with the shares
 AGAIN_S = 0.02  # the next check, when one ran out of its time
 BUDGET_S = 0.005  # one check holds the loop at most about this long
 MISSES = 32  # waiting jobs of one tenant in a row for which no victim was found: the check goes on to the next
+PASSED = 16 * MISSES  # jobs asking more than their tenant is owed (never searched) passed over before they count
 REFUSED_S = 5.0  # a victim whose pause failed (its node does not run it, say) is not chosen again within this
 
 
@@ -110,7 +111,7 @@ class Preemption:
         if queue is None:
             return False
         for nodes in ([None], queue.pinned_nodes(among=core.fleet.nodes)):
-            misses = 0
+            misses, passed = 0, 0
             for node in nodes:
                 with contextlib.closing(queue.peek(node)) as heads:
                     for job_id in heads:
@@ -121,8 +122,11 @@ class Preemption:
                         job = core.jobs[job_id]
                         if self._served(job_id) or self._none_lately(job):
                             continue  # its victims are on their way, or its shape's search found none lately
-                        plan = self._plan(job, table, held, cursors) if self._wants(job, table, held) else None
-                        if plan is None:
+                        wanted = self._wants(job, table, held)
+                        plan = self._plan(job, table, held, cursors) if wanted else None
+                        if plan is None and not wanted and passed < PASSED:
+                            passed += 1  # not searched: 32 8-device jobs at the head hid the 1-device ones for good
+                        elif plan is None:
                             misses += 1
                         else:
                             misses = 0  # in a row: a job served counts the next ones afresh
