@@ -66,6 +66,8 @@ class Preemption:
         self._kept = sharing.KeptNodes(core, {})  # the nodes kept for gangs, for the check under way
         self._homes: dict[str, str] = {}  # the same, by the job each is kept for
         self.refused: dict[str, float] = {}  # victims whose pause failed -> when (monotonic)
+        self.claims: dict[str, tuple[str, int]] = {}  # a served gang -> its node, the free devices its plan counted
+        self._claimed: Counter[str] = Counter()  # the same by node, for the check under way
 
     async def run(self, lost: asyncio.Event, stop: asyncio.Event) -> None:
         core, more = self.core, False
@@ -93,6 +95,9 @@ class Preemption:
         cursors = Cursors(core, time.time() - core.cfg.min_run_s, lambda j: self._eligible(core.jobs.get(j), now))
         self._kept = sharing.KeptNodes(core, core.gang_holds)  # as they stand for this check
         self._homes = {j: n for n, j in core.gang_holds.items()}
+        self._claimed = Counter()
+        for node, n in self.claims.values():
+            self._claimed[node] += n
         waiting = {t for t, _ in core.queue.waiting()}
         for tenant in sorted(waiting, key=lambda t: held.get(t, 0) / max(table.share.get(t, 0), 1e-9)):
             if not (self._own(tenant) or self._over(tenant, table, held)):
@@ -150,6 +155,7 @@ class Preemption:
             job = self.core.jobs.get(victim)
             if job is None or job.status.state not in ACTIVE_STATES or job.status.attempt != f.attempt:
                 self._landed(victim, now)
+        self.claims = {w: c for w, c in self.claims.items() if self._served(w)}  # two gangs counted one node's
 
     def _landed(self, victim: str, now: float | None = None) -> None:
         """The victim's pause landed (at `now`), or failed (None: it frees nothing, its job may have others)."""
@@ -209,7 +215,7 @@ class Preemption:
         if job.lock.locked() or job.placing or job.id in core.unsure or self._fits_now(job, kept):
             return None  # being written, or the next placement pass places it
         now = time.monotonic()
-        search = VictimSearch(core, job, lambda v: self._eligible(v, now), kept)
+        search = VictimSearch(core, job, lambda v: self._eligible(v, now), kept, self._claimed)
         if self._owed(tenant, req.devices, table, held):  # devices in flight to it count: never more than owed
 
             def over_share(t: Tenant, n: int) -> bool:  # t is over its share, and giving up n leaves it at it at least
@@ -285,6 +291,9 @@ class Preemption:
         tenant, need = waiting.stored.tenant, waiting.stored.request.devices
         why = self._why(waiting, table, held)
         charged: set[Tenant] = set()
+        if plan.claims is not None:  # its node's free devices are its own until its victims' devices show free
+            self.claims[waiting.id] = plan.claims
+            self._claimed[plan.claims[0]] += plan.claims[1]
         for victim in plan.victims:
             frm = victim.stored.tenant
             devices = 0 if frm in charged else plan.frees.get(frm, 0)  # each victim tenant's devices counted once

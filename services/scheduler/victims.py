@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import time
 from collections import Counter
-from collections.abc import Callable, Container, Iterable, Iterator
+from collections.abc import Callable, Container, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 
 from schemas.co_train import group_key
@@ -39,6 +39,7 @@ class Plan:
     waiting: Job
     victims: list[Job] = field(default_factory=list)
     frees: dict[Tenant, int] = field(default_factory=dict)
+    claims: tuple[str, int] | None = None  # a multi-device job's node, and how many of its free devices it counts
 
     def add(self, victim: Job, devices: int) -> None:
         """One more victim, whose stopping takes `devices` from what its tenant holds."""
@@ -61,9 +62,15 @@ class VictimSearch:
     tenant's are checked together: `may_free(t, n)` is asked with all that t would give up for this job."""
 
     def __init__(
-        self, core: SchedulerCore, waiting: Job, eligible: Callable[[Job], bool], kept: Container[str] = ()
+        self,
+        core: SchedulerCore,
+        waiting: Job,
+        eligible: Callable[[Job], bool],
+        kept: Container[str] = (),
+        claimed: Mapping[str, int] | None = None,
     ) -> None:
         self.core, self.job, self.eligible = core, waiting, eligible
+        self.claimed = claimed or {}  # node -> its free devices counted already for other waiting jobs' victims
         self.req = waiting.stored.request
         self.kinds = core.fleet.kinds(self.req.accelerator)
         self.kept = kept  # nodes kept for a multi-device job from this one: what frees there is not for it
@@ -115,10 +122,10 @@ class VictimSearch:
         here.victims.append(v)
         here.slots |= fitting
         here.gives[tenant] += len(v.slots)
-        free = len(self.core.fleet._fitting(node, self.req.gpu_mib, self.kinds))
+        free = len(self.core.fleet._fitting(node, self.req.gpu_mib, self.kinds)) - self.claimed.get(node, 0)
         if free + len(here.slots) < self.req.devices:
             return None
-        plan = Plan(self.job)
+        plan = Plan(self.job, claims=(node, max(0, self.req.devices - len(here.slots))))
         for each in here.victims:
             plan.add(each, len(each.slots))
         return plan
