@@ -7,8 +7,7 @@ and each piece of a call's path timed alone, sides interleaved, medians over `--
   and through a bare httpx client;
 - NATS: a request/reply round trip, a KV create and a KV put on a scratch bucket configured as the futures' one;
 - the agent and the trainer: a Ping, and the step's two calls, sent as the gateway sends them
-  (names.node(node).session) to the session's agent, which hands them to the trainer's stdin and answers its line:
-  one after the other, and the optim_step sent while the forward_backward runs (`after` it, as the gateway does).
+  (names.node(node).session) to the session's agent, which hands them to the trainer's stdin and answers its line.
 
 Run by hand: `.venv/bin/python bench/tinker_breakdown.py [--n 60 --threads 1]`."""
 
@@ -57,8 +56,7 @@ async def bus_side(url: str, tenant: str, model_id: str, fb, opt, n: int) -> dic
     main = await js.key_value(names.TINKER_KV)
     model = msgspec_decode(ModelRecord, (await main.get(model_key(tenant, model_id))).value)
     subject = names.node("bench").session
-    rows = ("nats request", "kv create", "kv put", "agent ping", "agent fb+opt", "agent fb+opt ahead")
-    out: dict[str, list[float]] = {k: [] for k in rows}
+    out: dict[str, list[float]] = {k: [] for k in ("nats request", "kv create", "kv put", "agent ping", "agent fb+opt")}
     payload = b"x" * 600  # about a future's record
     for i in range(n):
         t = time.perf_counter()
@@ -77,14 +75,6 @@ async def bus_side(url: str, tenant: str, model_id: str, fb, opt, n: int) -> dic
         for call in (fb, opt):
             await bus.request(nc, subject, SessionRequest(job=model.job, tenant=tenant, call=call), SessionReply)
         out["agent fb+opt"].append(time.perf_counter() - t)
-        ids = (f"breakdown-fb-{i}-{time.monotonic_ns()}", f"breakdown-opt-{i}-{time.monotonic_ns()}")
-        t = time.perf_counter()
-        await asyncio.gather(  # the optim_step sent while its forward_backward runs, as the gateway sends it
-            bus.request(nc, subject, SessionRequest(job=model.job, tenant=tenant, call=fb, call_id=ids[0]), SessionReply),
-            bus.request(nc, subject, SessionRequest(job=model.job, tenant=tenant, call=opt, call_id=ids[1], after=ids[0]),
-                        SessionReply),
-        )  # fmt: skip
-        out["agent fb+opt ahead"].append(time.perf_counter() - t)
     await sub.unsubscribe()
     await js.delete_key_value("probe_breakdown")
     await nc.close()

@@ -174,9 +174,6 @@ class SessionRequest(Struct, kw_only=True):
     tenant: str | None
     call: SessionCall
     call_id: str = ""  # the same for every try of one call: a try that arrives twice is answered, not run, twice
-    # sent ahead while the call before it runs (its call id): the node runs it only once that one has run there, else
-    # answers retry (the gateway then sends it again in its turn); "" for a call sent in its turn
-    after: str = ""
 
 
 # A number that is not finite (a diverged loss, log 0) travels as null (JSON has no NaN): the gateway sends NaN.

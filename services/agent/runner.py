@@ -36,7 +36,6 @@ class TrainerRun:
 
     decoder: msgspec.json.Decoder = _decode  # what its stdout's lines are
     stdin: int = asyncio.subprocess.DEVNULL  # a session's trainer reads its calls there
-    events_aside = False  # its events passed on beside the reading of its stdout (a session's: its answers first)
 
     def took(self, line: object) -> bool:
         """Whether a line that is not an event was this run's own to handle (a session's answers)."""
@@ -167,29 +166,7 @@ class TrainerRun:
                 await p.wait()
 
     async def _read_events(self, on_event) -> Finished | Failed | None:
-        """Pass the trainer's events on as they come; the final one (Finished or Failed) is returned. A run that
-        takes calls (a session's) passes them on beside its reading, in order: an answer the trainer prints after an
-        event is read at once, not after that event's store (a JetStream round trip for each Progress)."""
-        if not self.events_aside:
-            return await self._read_lines(on_event)
-        events: asyncio.Queue = asyncio.Queue()
-        passing = asyncio.create_task(_pass_on(events, on_event))
-
-        async def queued(event: object) -> None:
-            if passing.done():  # it failed passing one on: the run ends as when the reading awaited it
-                passing.result()
-            events.put_nowait(event)
-
-        try:
-            final = await self._read_lines(queued)
-            events.put_nowait(None)
-            await passing  # every event passed on before the final one is returned
-            return final
-        finally:
-            if not passing.done():  # the reading failed or was cancelled
-                await cancel_and_wait([passing])
-
-    async def _read_lines(self, on_event) -> Finished | Failed | None:
+        """Pass the trainer's events on as they come; the final one (Finished or Failed) is returned."""
         final = None
         assert self._lead.stdout is not None  # rank 0's is a pipe
         async for line in self._lead.stdout:
@@ -260,12 +237,6 @@ class TrainerRun:
                 os.killpg(self._lead.pid, sig)
             except ProcessLookupError:
                 pass
-
-
-async def _pass_on(events: asyncio.Queue, on_event) -> None:
-    """Each event queued, in order, until None."""
-    while (event := await events.get()) is not None:
-        await on_event(event)
 
 
 def rank_env(ranks: int, workdir: Path) -> dict[str, str]:

@@ -73,18 +73,9 @@ class TakesCalls:
                 waiter.set_result(CallError(message="the session's trainer ended; ask again", retry=True))
 
     async def call(
-        self,
-        call: SessionCall,
-        call_id: str = "",
-        timeout: float = CALL_TIMEOUT_S,
-        then: Then | None = None,
-        after: str = "",
+        self, call: SessionCall, call_id: str = "", timeout: float = CALL_TIMEOUT_S, then: Then | None = None
     ) -> SessionReply:
-        """The trainer's answer to `call` (and what `then` made of it, once for every try), or why there is none.
-        A call sent `after` another (the gateway sends a model's next call while the one before it runs) runs only
-        once that one has run here; else it is answered retry, and the gateway sends it again in its turn."""
-        if after and not await self._ran(after):
-            return CallError(message=f"the call before it ({after}) did not run here; send it in its turn", retry=True)
+        """The trainer's answer to `call` (and what `then` made of it, once for every try), or why there is none."""
         if not call_id:
             return await self._call(call, call_id, timeout, then)
         if call_id not in self.calls:
@@ -95,14 +86,6 @@ class TakesCalls:
         if isinstance(reply, CallError) and reply.retry:
             self.calls.pop(call_id, None)  # it never ran: a later try runs it
         return reply
-
-    async def _ran(self, call_id: str) -> bool:
-        """Whether the call `call_id`, taken here (now or lately), ran: answered, not told to ask again."""
-        prior = self.calls.get(call_id)
-        if prior is None:
-            return False
-        reply = await asyncio.shield(prior)
-        return not (isinstance(reply, CallError) and reply.retry)
 
     async def _call(self, call: SessionCall, call_id: str, timeout: float, then: Then | None) -> SessionReply:
         reply = await self._turn(call, call_id, timeout)
@@ -133,7 +116,6 @@ class SessionRun(TrainerRun, TakesCalls):
 
     decoder = _decode
     stdin = asyncio.subprocess.PIPE
-    events_aside = True  # its answers are read while its Progress is stored
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
@@ -199,14 +181,14 @@ class SessionDesk:
             if stored(request.call):
                 return CallError(message="this node's agent stores no named sampler saves (its SessionDesk was made "
                                  "without SamplerSaves); save unnamed, or run the call on an agent of this version")  # fmt: skip
-            return await run.trainer.call(request.call, request.call_id, after=request.after)
+            return await run.trainer.call(request.call, request.call_id)
         if (missing := await saves.before(run, request.call)) is not None:
             return missing
 
         async def then(reply: SessionReply) -> SessionReply:
             return await saves.after(run, request.call, reply)
 
-        return await run.trainer.call(request.call, request.call_id, then=then, after=request.after)
+        return await run.trainer.call(request.call, request.call_id, then=then)
 
     async def close(self) -> None:
         await cancel_and_wait(list(self.tasks))

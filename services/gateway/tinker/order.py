@@ -27,7 +27,6 @@ LINGER_S = 60.0  # a model with no call this long is given back (any gateway tak
 RESCAN_S = 5.0  # meanwhile its next call is looked for in the store this often (a write not heard of)
 GIVE_BACK_S = 3.0  # a model's give-back at close, at most (they run at once)
 WRITE_EVERY = 8  # a model's next seq_id is written at least this often while its calls run (and when they pause)
-AHEAD = ("forward", "optim")  # the calls sent to the node while the call before them runs (both of these kinds)
 
 
 class Order:
@@ -85,21 +84,6 @@ class Order:
                 self.book.expect(future)
             owned.arrived[future.seq] = future
             owned.wake.set()
-            if owned.current is not None:
-                self._send_ahead(owned, owned.current)
-
-    def _send_ahead(self, owned: Owned, running: FutureRecord) -> None:
-        """The call after `running`, if it came, sent to the node while `running` runs (Trainers.ahead): a step's
-        optim_step is there when its forward_backward's answer leaves the trainer. Only a training call after a
-        training call, neither changing the model's record (a save's or a load's turn waits for the one before)."""
-        assert running.seq is not None
-        after = owned.arrived.get(running.seq + 1)
-        if (after is None or after.seq in owned.ahead or after.outcome is not None or after.call is None
-                or running.kind not in AHEAD or after.kind not in AHEAD):  # fmt: skip
-            return
-        task = self.runner.trainers.ahead(owned.record, after.call, after.call_id, running.call_id)
-        if task is not None:
-            owned.ahead[running.seq + 1] = task
 
     def written(self, tenant: str, request: str) -> None:
         """A call's key was written by some gateway: one for a model run here is fetched if it is not here yet."""
@@ -167,10 +151,9 @@ class Order:
                 if future is not None:
                     gap_since = None
                     if future.outcome is None:
-                        owned.running, owned.current = future.seq, future
-                        self._send_ahead(owned, future)
+                        owned.running = future.seq
                         await self._run(owned, future)
-                        owned.running = owned.current = None
+                        owned.running = None
                     else:
                         self.book.resolve(future.id, future.outcome)
                     record.next_seq += 1
@@ -216,8 +199,7 @@ class Order:
     async def _run(self, owned: Owned, future: FutureRecord) -> None:
         """Run the call; its outcome is stored while the next call runs (a gateway that dies meanwhile leaves both
         to the next, which sends them again under their call ids: a node answers a repeat, never runs it twice)."""
-        assert future.seq is not None
-        outcome, changes = await self.runner.run(future, owned.record, owned.ahead.pop(future.seq, None))
+        outcome, changes = await self.runner.run(future, owned.record)
         if changes:  # what a save changed is seen by every gateway before the client hears of it
             owned.changes += changes
             await self.writer.write(owned)
@@ -263,8 +245,6 @@ class Order:
         self.owned.pop(owned.record.id, None)
         if owned.background is not None:
             owned.background.cancel()
-        for task in owned.ahead.values():  # sent again in their turn by the next gateway, under their call ids
-            task.cancel()
         for request, task in list(owned.finishing.items()):  # never stored: the next gateway runs them again
             task.cancel()
             self.book.abandon(request)

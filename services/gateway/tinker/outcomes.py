@@ -5,7 +5,6 @@ nobody foresaw is logged with its traceback and answered as the gateway's fault,
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 from collections.abc import Callable
@@ -41,11 +40,8 @@ class Runner:
     def __init__(self, store: Store, book: Book, trainers: Trainers, saves: Saves) -> None:
         self.store, self.book, self.trainers, self.saves = store, book, trainers, saves
 
-    async def run(
-        self, future: FutureRecord, model: ModelRecord, ahead: asyncio.Task | None = None
-    ) -> tuple[Outcome, list[Change]]:
-        """The call's outcome, and the changes it made to `model` (already made to this copy of it); `ahead`: the
-        call already sent while the one before it ran (Trainers.ahead)."""
+    async def run(self, future: FutureRecord, model: ModelRecord) -> tuple[Outcome, list[Change]]:
+        """The call's outcome, and the changes it made to `model` (already made to this copy of it)."""
         changes: list[Change] = []
         try:
             if future.kind in ("create", "create_from_state"):
@@ -53,7 +49,7 @@ class Runner:
             call = await self.book.call_of(future)
             if call is None:
                 raise CallFailed("this call's body is no longer kept (calls are kept a day); send it again", "server")
-            reply = await self.trainers.send(model, call, future.call_id, future.seq is not None, ahead)
+            reply = await self.trainers.send(model, call, future.call_id, training=future.seq is not None)
             return await CONVERT[future.kind](self, future, model, reply, changes), changes
         except CallFailed as e:
             return failed(str(e), e.category), changes

@@ -27,8 +27,6 @@ class Owned:
     written_seq: int = 0
     finishing: dict[str, asyncio.Task] = field(default_factory=dict)  # outcomes stored while the next call runs
     running: int | None = None  # the seq_id running now
-    current: FutureRecord | None = None  # and its call
-    ahead: dict[int, asyncio.Task] = field(default_factory=dict)  # the next call, sent while `current` runs
     writing: asyncio.Lock = field(default_factory=asyncio.Lock)  # one write of the record at a time
     background: asyncio.Task | None = None  # a write while the calls go on
     task: asyncio.Task | None = None

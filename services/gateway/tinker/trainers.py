@@ -96,45 +96,9 @@ class Trainers:
             raise CallFailed(f"the scheduler answered {type(reply).__name__} to the session's submission", "server")
         return job
 
-    def ahead(self, model: ModelRecord, call: SessionCall, call_id: str, after: str) -> asyncio.Task | None:
-        """The model's next call sent while the one before it (`after`) runs, to the node that one went to: it is in
-        the node's hands when that one's answer leaves the trainer, not a round trip through this gateway later. The
-        node runs it only once `after` ran there (else it answers retry). None: not sent (no node known yet, or the
-        session moved: its next training call is told so first)."""
-        route = self.route(model)
-        if route.node is None or route.lost:
-            return None
-        request = SessionRequest(job=model.job, tenant=model.tenant, call=call, call_id=call_id, after=after)
-        return asyncio.create_task(self._ask_ahead(model, route, route.node, route.attempt, request))
-
-    async def _ask_ahead(
-        self, model: ModelRecord, route: Route, node: str, attempt: int, request: SessionRequest
-    ) -> tuple[str, int, SessionReply]:
-        """The node's answer, and where the session was (node, attempt) when the call was sent."""
-        return node, attempt, await self._ask(model, route, node, request)
-
-    async def send(
-        self,
-        model: ModelRecord,
-        call: SessionCall,
-        call_id: str,
-        training: bool = False,
-        ahead: asyncio.Task | None = None,
-    ) -> SessionReply:
+    async def send(self, model: ModelRecord, call: SessionCall, call_id: str, training: bool = False) -> SessionReply:
         """The session's answer, waiting through its job's placement, start, pause or move to another node. After a
-        move, the next training call fails once, saying so (a sample does not: it carries no state). `ahead`: this
-        call sent ahead (Trainers.ahead); its answer stands unless it says to ask again, then it is sent as any."""
-        if ahead is not None:
-            route = self.route(model)
-            await asyncio.wait([ahead])
-            if ahead.cancelled() or ahead.exception() is not None:  # sent in its turn, which says what is wrong
-                log.info("model %s: a call sent ahead got no answer; sending it in its turn", model.id)
-            else:
-                node, attempt, reply = ahead.result()
-                # the session still where the call before it ran: else its answer is of a state that did not go on
-                if (node, attempt) == (route.node, route.attempt) and not route.lost:
-                    if not (isinstance(reply, CallError) and reply.retry):
-                        return reply
+        move, the next training call fails once, saying so (a sample does not: it carries no state)."""
         route, deadline = self.route(model), time.monotonic() + CALL_WAIT_S
         request = SessionRequest(job=model.job, tenant=model.tenant, call=call, call_id=call_id)
         while time.monotonic() < deadline:
