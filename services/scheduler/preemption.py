@@ -155,7 +155,10 @@ class Preemption:
             job = self.core.jobs.get(victim)
             if job is None or job.status.state not in ACTIVE_STATES or job.status.attempt != f.attempt:
                 self._landed(victim, now)
-        self.claims = {w: c for w, c in self.claims.items() if self._served(w)}  # two gangs counted one node's
+        jobs = self.core.jobs  # a gang placed holds what it claimed: the claim goes
+        self.claims = {
+            w: c for w, c in self.claims.items() if self._served(w) and w in jobs and not jobs[w].status.node
+        }
 
     def _landed(self, victim: str, now: float | None = None) -> None:
         """The victim's pause landed (at `now`), or failed (None: it frees nothing, its job may have others)."""
