@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
@@ -19,6 +20,24 @@ def die_with_parent(command: list[str], sig: int = signal.SIGKILL) -> list[str]:
     if setpriv is None:
         return list(command)
     return [setpriv, f"--pdeathsig={signal.Signals(sig).name.removeprefix('SIG')}", "--", *command]
+
+
+ASKS = frozenset({signal.SIGUSR1, signal.SIGUSR2})  # stop and pause (trainer/signals.py)
+
+
+@contextlib.contextmanager
+def asks_held():
+    """A trainer started inside holds the stop and pause signals (blocked: pending, not acted on) until it has
+    installed its handlers, which unblock them (trainer/signals.py). A pause asked in a rank's first milliseconds,
+    before Python ran a line of it, otherwise ended it by the signal's default action: the job failed, its other
+    ranks ended with it (bench/chaos.py, a 2-device job preempted as it started). The mask is the calling thread's,
+    which the forked child inherits across exec; the agent's own is as it was once the process is started. A trainer
+    command that never unblocks them never sees a stop or pause."""
+    before = signal.pthread_sigmask(signal.SIG_BLOCK, ASKS)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, before)
 
 
 def niced(command: list[str], niceness: int) -> list[str]:

@@ -17,6 +17,8 @@ class Signals:
         )  # what the ranks last agreed (trainer.job.loop.agree); one rank agrees with itself
         signal.signal(signal.SIGUSR1, self._stop)
         signal.signal(signal.SIGUSR2, self._pause)
+        # the agent starts a trainer with both blocked (services/procs.asks_held): one asked meanwhile comes now
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGUSR1, signal.SIGUSR2})
 
     def _stop(self, *_):
         self.asked = True

@@ -19,7 +19,7 @@ from schemas import trainer_lease
 from schemas.nodes import CPU_DEVICE
 from schemas.events import RENDEZVOUS_ENV, Cancelled, Failed, Finished, TrainerEvent, TrainerSpec
 from services.aio import cancel_and_wait
-from services.procs import die_with_parent, niced, write_pid_file
+from services.procs import asks_held, die_with_parent, niced, write_pid_file
 
 log = logging.getLogger(__name__)
 STDERR_LINES = 3  # the last lines of stderr become the error when the trainer dies
@@ -122,16 +122,17 @@ class TrainerRun:
     async def _start(self, spec_path: Path, env: dict[str, str], rank: int) -> asyncio.subprocess.Process:
         """Rank 0 leads a new process group; the other ranks join it, so one signal reaches them all."""
         group = 0 if rank == 0 else self._lead.pid
-        return await asyncio.create_subprocess_exec(
-            *die_with_parent([*self.command, str(spec_path)], signal.SIGKILL),
-            stdout=asyncio.subprocess.PIPE if rank == 0 else asyncio.subprocess.DEVNULL,
-            stderr=asyncio.subprocess.PIPE,
-            stdin=self.stdin if rank == 0 else asyncio.subprocess.DEVNULL,
-            cwd=self.workdir,
-            env={**env, "RANK": str(rank), "LOCAL_RANK": str(rank)} if self.ranks > 1 else env,
-            limit=2**24,
-            process_group=group,
-        )
+        with asks_held():  # a pause before its handlers are in waits for them (it would end the rank)
+            return await asyncio.create_subprocess_exec(
+                *die_with_parent([*self.command, str(spec_path)], signal.SIGKILL),
+                stdout=asyncio.subprocess.PIPE if rank == 0 else asyncio.subprocess.DEVNULL,
+                stderr=asyncio.subprocess.PIPE,
+                stdin=self.stdin if rank == 0 else asyncio.subprocess.DEVNULL,
+                cwd=self.workdir,
+                env={**env, "RANK": str(rank), "LOCAL_RANK": str(rank)} if self.ranks > 1 else env,
+                limit=2**24,
+                process_group=group,
+            )
 
     async def _watch(self, proc: asyncio.subprocess.Process, stderr: asyncio.Task, rank: int) -> None:
         """A rank that dies takes the job with it: the rest would wait for it in their next collective."""
