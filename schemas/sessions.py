@@ -174,6 +174,8 @@ class SessionRequest(Struct, kw_only=True):
     tenant: str | None
     call: SessionCall
     call_id: str = ""  # the same for every try of one call: a try that arrives twice is answered, not run, twice
+    attempt: int = 0  # the job's attempt the gateway's calls went to (0: any): another attempt answers retry, so the
+    # gateway looks where the session is and tells its client when a node went away, even one back under its name
 
 
 # A number that is not finite (a diverged loss, log 0) travels as null (JSON has no NaN): the gateway sends NaN.

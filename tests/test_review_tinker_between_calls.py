@@ -110,12 +110,6 @@ async def _running_again(nc, job: str):
     return j if j.state == "running" and j.attempt >= 2 else None
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="not fenced by attempt (at f55d2bf and at 4b9d75d alike): SessionRequest names the node, not "
-    "the attempt, so a gateway whose calls reach the session's next attempt on the same node never asks where it is "
-    "(Trainers._where) and never tells the client",
-)
 async def test_a_session_that_moved_back_to_its_restarted_node_tells_the_next_training_call(
     nc,
     gateway,  # noqa: F811

@@ -174,6 +174,9 @@ class SessionDesk:
         run = self.jobs().get(request.job)
         if run is None or run.assignment.tenant != request.tenant:  # another tenant's session is none of its own
             return CallError(message=f"session {request.job} does not run on this node", retry=True)
+        if request.attempt and run.attempt != request.attempt:  # a new attempt here: the gateway decides what it was
+            return CallError(message=f"session {request.job} runs attempt {run.attempt} here, not {request.attempt}",
+                             retry=True)  # fmt: skip
         if not isinstance(run.trainer, TakesCalls):
             return CallError(message="the session is starting; ask again", retry=True)
         saves = self.saves

@@ -38,6 +38,7 @@ class Route:
 
     node: str | None = None
     attempt: int = 0  # the job's attempt its calls went to: another one means the session moved or came back
+    retries: int = -1  # the job's retries_used when this gateway last looked (-1: not yet)
     lost: str = ""  # it moved after its node went away: what its next training call is told
 
 
@@ -106,6 +107,7 @@ class Trainers:
                 lost, route.lost = route.lost, ""
                 raise CallFailed(lost)
             if route.node is not None:
+                request.attempt = route.attempt
                 reply = await self._ask(model, route, route.node, request)
                 if not (isinstance(reply, CallError) and reply.retry):
                     return reply
@@ -168,8 +170,9 @@ class Trainers:
             self.watch.forget(model.job)
         if job.state != "running":
             return None
-        moved = route.attempt not in (0, job.attempt) and route.attempt not in await self._pauses(model)
-        route.attempt = job.attempt
+        requeued = route.retries < 0 or job.retries_used > route.retries  # its node went away (not a pause)
+        moved = route.attempt not in (0, job.attempt) and requeued and route.attempt not in await self._pauses(model)
+        route.attempt, route.retries = job.attempt, job.retries_used
         if moved:  # a pause (idle, silent, an engine's) goes on exactly where it was; a node that went away does not  # told to the next training call (send)
             route.lost = (
                 f"model {model.id}'s node went away; its session goes on on {job.node} from its last saved state "
