@@ -6,6 +6,7 @@ queued again at once and go on from the step they stopped at; a job that no devi
 from __future__ import annotations
 
 import asyncio
+import re
 import time
 from collections import defaultdict
 
@@ -127,13 +128,14 @@ async def test_a_tenant_below_its_share_takes_two_devices_back_by_checkpoint(nc,
     assert await shares_of(nc) == {"acme": (2, 2), "globex": (2, 2)}
     preempted = [j for j in acme if (await get_job(nc, j)).preempted]
     assert len(preempted) == 2, [await get_job(nc, j) for j in acme]
-    why = "preempted: tenant globex below its fair share (0 of 2 devices)"
+    # the second victim, chosen once the first's device is on its way to globex, counts it: 0 or 1 of 2
+    why = re.compile(r"preempted: tenant globex below its fair share \([01] of 2 devices\)")
     for job in preempted:  # queued again at once, saying who took its device and why
         summary = await get_job(nc, job)
-        assert summary.state == "queued" and summary.message.startswith(why), summary
+        assert summary.state == "queued" and why.match(summary.message), summary
         assert fine_tuning_job(summary, None).status == "paused"  # as OpenAI's clients see a pause
         told = await bus.request(nc, names.WHY, JobQuery(job), JobWhy)
-        assert told.summary.startswith(why) and "holds 2 devices, its fair share is 2" in told.summary, told
+        assert why.match(told.summary) and "holds 2 devices, its fair share is 2" in told.summary, told
 
     for job in globex:
         assert (await wait_state(nc, job, "succeeded", timeout=30)).attempt == 1
@@ -146,8 +148,8 @@ async def test_a_tenant_below_its_share_takes_two_devices_back_by_checkpoint(nc,
         if job in preempted:  # attempt 1 stopped at its checkpoint, attempt 2 took the next step
             events = await states_of(nc, job)
             paused = [e for e in events if e.state == "paused"]
-            assert [e.paused_by for e in paused] == [why], paused  # preempted once, not again within the backoff
-            assert describe(paused[0]).endswith(f"(by {why})")  # as `jetlora events` and `watch` show it
+            assert len(paused) == 1 and why.fullmatch(paused[0].paused_by or ""), paused  # once, not again
+            assert describe(paused[0]).endswith(f"(by {paused[0].paused_by})")  # as `jetlora events` shows it
             [saved] = [e.checkpoint.step for e in events if e.checkpoint is not None and e.attempt == 1]
             assert ran[1][-1] == saved and ran[2][0] == saved + 1, (saved, ran)
         else:

@@ -145,6 +145,12 @@ async def test_a_new_training_client_starts_from_a_saved_state_of_another(nc, ga
 
     model_id, after = await asyncio.to_thread(resumed)
     assert model_id != loop.tc.model_id and after == before
-    job = await job_of(nc, model_id)
+    # the step's answer goes out before its Progress is stored (762e4de): the job's step follows it
+    job = await wait_for(lambda: _at_least_step(nc, model_id, 2), timeout=30, what="the job's step 2 stored")
     assert job.step == 2, job  # the optimizer's state came with it: step 1 was the first session's
     loop.sc.close("success")
+
+
+async def _at_least_step(nc, model_id: str, step: int):
+    job = await job_of(nc, model_id)
+    return job if job.step >= step else None
