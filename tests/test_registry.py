@@ -44,14 +44,14 @@ async def show(nc, name: str) -> AdapterReply:
     return await bus.request(nc, names.ADAPTERS.show, AdapterQuery(name=name), AdapterReply)
 
 
-async def serving(nc, name: str, expected: dict[str, tuple[int, str]]) -> None:
-    """Until each node in `expected` reports (version, state) for the adapter."""
+async def serving(nc, name: str, expected: dict[str, tuple[int, str]], saying: str = "") -> None:
+    """Until each node in `expected` reports (version, state) for the adapter, its message `saying` that."""
 
     async def check():
         reply = await bus.request(nc, names.ADAPTERS.show, AdapterQuery(name=name), AdapterReply | Error)
         if isinstance(reply, Error):
             return False
-        seen = {n.node: (n.version, n.state) for n in reply.nodes}
+        seen = {n.node: (n.version, n.state) for n in reply.nodes if saying in n.message}
         return all(seen.get(node) == want for node, want in expected.items())
 
     await wait_for(check, timeout=60, what=f"{name} on {expected}")
@@ -243,7 +243,8 @@ async def test_a_llama_cpp_engine_serves_one_name_and_a_retire_asks_for_its_rest
     assert sorted(p.name for p in (tmp_path / "gguf").iterdir()) == ["capitals.gguf"]  # rivers was never placed
 
     await bus.request(nc, names.ADAPTERS.retire, AliasRequest(name="capitals"), AdapterReply)
-    await serving(nc, "capitals", {"edge": (1, "needs-restart")})
+    # the state stays needs-restart across the retire: what tells the node's new report is its message
+    await serving(nc, "capitals", {"edge": (1, "needs-restart")}, saying="removed")
     [retired] = (await show(nc, "capitals")).nodes
     assert "removed" in retired.message and "serves it until restarted" in retired.message, retired.message
     assert not (tmp_path / "gguf" / "capitals.gguf").exists()

@@ -15,6 +15,7 @@ from schemas.job_status import JobList, JobListQuery
 from services import bus
 from services.gateway.app import Gateway
 from services.gateway.openai_map import BaseModel
+from services.gateway.tinker.settings import TinkerSettings
 from tests.conftest import STACK_CONFIG, get_job, list_nodes, start_stack, wait_for, wait_nodes
 from tests.test_tinker_api import client, datums, key_for
 
@@ -29,7 +30,10 @@ async def gateway(request, services, nc, tiny_model):
     (the default policy: a session founds a group that its tenant's next sessions join)."""
     co_train = "off" if request.param == "alone" else "same-tenant"
     await start_stack(services, dataclasses.replace(STACK_CONFIG, co_train=co_train))
-    gw = Gateway(nc, {"tiny": BaseModel("tiny", str(tiny_model), accelerator="cpu")}, port=0, tinker_idle_s=IDLE_S)
+    # a pause for a silent client (no heartbeat for silence_s) is another test's: on a busy machine the client's
+    # heartbeats, answered by this process's loop, can lapse for 30 s and pause the session before its idle pause
+    settings = TinkerSettings(idle_s=IDLE_S, silence_s=600)
+    gw = Gateway(nc, {"tiny": BaseModel("tiny", str(tiny_model), accelerator="cpu")}, port=0, tinker_settings=settings)
     await gw.start()
     yield gw
     await gw.close()
