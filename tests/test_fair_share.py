@@ -25,6 +25,7 @@ from services.scheduler.config import TenantQuota
 from services.scheduler.service import Scheduler, SchedulerConfig
 from services.scheduler.shares import Claim, fair_shares
 from tests.conftest import at_step, get_job, states_of, wait_for, wait_nodes, wait_state
+from tests.harness.projected import NoBus
 from tests.qa import pairs
 
 JOB = {"model": "tiny", "base_dir": "/models/tiny", "data": pairs(2), "gpu_mib": 1000}
@@ -202,13 +203,6 @@ async def test_a_tenant_may_let_its_urgent_jobs_preempt_its_own(nc, services, ag
     assert (await get_job(nc, other)).attempt == 1  # another tenant's job is not its to take
     states = [e for e in await states_of(nc, low) if isinstance(e, StateChange) and e.state == "paused"]
     assert len(states) == 1 and sched.preemption.stats["victims"] == 1
-
-
-class NoBus:
-    """What SchedulerCore asks of its connection when it is only projected into (nothing is written here)."""
-
-    def jetstream(self):
-        return None
 
 
 def group_of_three(policy: str):

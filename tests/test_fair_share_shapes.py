@@ -14,7 +14,8 @@ import time
 from services.scheduler.config import TenantQuota
 from services.scheduler.service import Scheduler
 from tests.conftest import at_step, get_job, wait_for, wait_nodes, wait_state
-from tests.test_fair_share import NoBus, past_min_run, shares_of, start, submit_as
+from tests.harness.projected import NoBus
+from tests.test_fair_share import past_min_run, shares_of, start, submit_as
 
 HOLD = {"HOLD_STEPS": "600"}  # 60 s jobs (the stand-in's default hold_s below) in steps of 0.1 s
 

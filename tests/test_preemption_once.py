@@ -6,50 +6,24 @@ memory projected from statuses and heartbeats (nothing is sent: the check's choi
 
 from __future__ import annotations
 
-import asyncio
-import time
-
-from schemas.job_status import JobStatus, StoredRequest
-from schemas.jobs import JobRequest
-from schemas.nodes import Device, Heartbeat, RunningAttempt
-from services.scheduler.config import TenantQuota
-from services.scheduler.core import SchedulerConfig, SchedulerCore
-from services.scheduler.pausing import Pausing
-from services.scheduler.preemption import Preemption
 from services.scheduler import sharing
-from tests.test_fair_share import NoBus
-
-MIB = 16384
+from services.scheduler.core import SchedulerCore
+from tests.harness.projected import checking, projected_core, queued, running
 
 
 def fleet_with_a_gang_waiting() -> SchedulerCore:
     """n1 and n2 (4 devices each) have three free and one of acme's jobs each; n3's four devices hold four more of
     acme's. globex (weight 3) waits with a 4-device job and six 1-device ones: its share is 9 of 12, acme's 3 (it
     holds 6, and waits with six more). Either of n1's or n2's acme job, stopped, makes room for the 4-device job."""
-    core = SchedulerCore(
-        NoBus(),  # type: ignore[arg-type]
-        SchedulerConfig(min_run_s=0.0, quotas={"globex": TenantQuota(weight=3)}),
-    )
+    core = projected_core({"globex": 3})
     layout = {"n1": ["a1"], "n2": ["a2"], "n3": ["a3", "a4", "a5", "a6"]}
     for node, jobs in layout.items():
-        devices = [Device(index=i, total_mib=MIB, free_mib=0 if i < len(jobs) else MIB) for i in range(4)]
-        for i, job in enumerate(jobs):
-            devices[i].jobs = [job]
-        attempts = [RunningAttempt(job=j, attempt=1, devices=[i], state="running") for i, j in enumerate(jobs)]
-        core.fleet.heard(Heartbeat(node=node, agent_version="t", devices=devices, attempts=attempts))
-
-    def adopt(job: str, tenant: str, status: JobStatus, devices: int = 1) -> None:
-        request = JobRequest(model="m", base_dir="/models/m", gpu_mib=8000, devices=devices)
-        core.adopt(StoredRequest(id=job, request=request, created=time.time(), tenant=tenant), status, 1)
-
-    for node, jobs in layout.items():
-        for i, job in enumerate(jobs):
-            adopt(job, "acme", JobStatus(state="running", node=node, device=i, attempt=1))
+        running(core, node, [(job, "acme") for job in jobs])
     for i in range(6):
-        adopt(f"q{i}", "acme", JobStatus())
-    adopt("gang", "globex", JobStatus(), devices=4)
+        queued(core, f"q{i}", "acme")
+    queued(core, "gang", "globex", devices=4)
     for i in range(6):
-        adopt(f"g{i}", "globex", JobStatus())
+        queued(core, f"g{i}", "globex")
     return core
 
 
@@ -60,8 +34,7 @@ async def test_a_waiting_job_is_given_victims_once_while_they_are_paused():
     core = fleet_with_a_gang_waiting()
     table = sharing.shares(core)
     assert (table.share, table.held) == ({"acme": 3, "globex": 9}, {"acme": 6, "globex": 0})
-    preemption = Preemption(core, Pausing(core))
-    try:
+    async with checking(core) as preemption:
         preemption.check()
         first = dict(preemption.in_flight)
         assert len(first) == 1 and next(iter(first)) in ("a1", "a2"), first
@@ -70,37 +43,18 @@ async def test_a_waiting_job_is_given_victims_once_while_they_are_paused():
             preemption.check()
         assert preemption.in_flight.keys() == first.keys(), preemption.in_flight
         assert preemption.stats["victims"] == 1
-    finally:  # the pauses it sent have no node to go to here
-        for task in list(core.tasks):
-            task.cancel()
-        await asyncio.gather(*core.tasks, return_exceptions=True)
 
 
 def fleet_of_mixed_nodes() -> SchedulerCore:
     """n1-n3 (4 devices each) hold two of acme's jobs and two of initech's each. Weights acme 1, globex 5, initech 6:
     shares acme 1 (it holds 6), globex 5 (it waits with two 4-device jobs, then a 1-device one), initech 6 (it
     holds 6: none of its jobs may be taken). No node can be freed for a 4-device job without initech's."""
-    quotas = {"globex": TenantQuota(weight=5), "initech": TenantQuota(weight=6)}
-    core = SchedulerCore(NoBus(), SchedulerConfig(min_run_s=0.0, quotas=quotas))  # type: ignore[arg-type]
-    jobs_at: dict[str, list[tuple[str, str]]] = {}
+    core = projected_core({"globex": 5, "initech": 6})
     for n in ("n1", "n2", "n3"):
-        jobs_at[n] = [(f"{t}-{n}-{i}", t) for t, i in (("acme", 0), ("acme", 1), ("initech", 2), ("initech", 3))]
-        devices = [Device(index=i, total_mib=MIB, free_mib=0, jobs=[j]) for i, (j, _) in enumerate(jobs_at[n])]
-        attempts = [
-            RunningAttempt(job=j, attempt=1, devices=[i], state="running") for i, (j, _) in enumerate(jobs_at[n])
-        ]
-        core.fleet.heard(Heartbeat(node=n, agent_version="t", devices=devices, attempts=attempts))
-
-    def adopt(job: str, tenant: str, status: JobStatus, devices: int = 1) -> None:
-        request = JobRequest(model="m", base_dir="/models/m", gpu_mib=8000, devices=devices)
-        core.adopt(StoredRequest(id=job, request=request, created=time.time(), tenant=tenant), status, 1)
-
-    for n, jobs in jobs_at.items():
-        for i, (job, tenant) in enumerate(jobs):
-            adopt(job, tenant, JobStatus(state="running", node=n, device=i, attempt=1))
-    adopt("gang-a", "globex", JobStatus(), devices=4)
-    adopt("gang-b", "globex", JobStatus(), devices=4)
-    adopt("single", "globex", JobStatus())
+        running(core, n, [(f"{t}-{n}-{i}", t) for t, i in (("acme", 0), ("acme", 1), ("initech", 2), ("initech", 3))])
+    queued(core, "gang-a", "globex", devices=4)
+    queued(core, "gang-b", "globex", devices=4)
+    queued(core, "single", "globex")
     return core
 
 
@@ -112,14 +66,9 @@ async def test_a_gang_shape_that_found_no_victims_is_not_searched_again_within_a
     core = fleet_of_mixed_nodes()
     table = sharing.shares(core)
     assert table.share == {"acme": 1, "globex": 5, "initech": 6}, table.share
-    preemption = Preemption(core, Pausing(core))
-    try:
+    async with checking(core) as preemption:
         for _ in range(3):
             preemption.check()
         assert preemption.stats["unfound"] == 1, preemption.stats
         chosen = [(f.waiting, f.frm) for f in preemption.in_flight.values()]
         assert chosen == [("single", "acme")], preemption.in_flight
-    finally:
-        for task in list(core.tasks):
-            task.cancel()
-        await asyncio.gather(*core.tasks, return_exceptions=True)

@@ -22,6 +22,7 @@ from schemas.job_status import JobQuery, JobReply
 from schemas.sessions import CallError, ForwardResult, OptimStep, SessionReply, SessionRequest, StepResult
 from schemas.tinker_store import ModelRecord, model_key
 from services import bus
+from services.kv_keys import kv_keys
 from tests.conftest import get_job, wait_for
 from tests.test_session_pause import FB
 from tests.test_tinker_api import client, datums, gateway, key_for  # noqa: F401  (gateway: a fixture)
@@ -141,24 +142,6 @@ async def test_a_session_that_moved_back_to_its_restarted_node_tells_the_next_tr
     loop.sc.close("success")
 
 
-def _loop(port: int, key: str, n: int) -> list[tuple[float, float, float]]:
-    """fb and optim_step sent together (as the cookbook's loop does), n times: (step, loss, grad norm) each."""
-    import tinker
-    from tinker import types
-
-    from services.gateway.tinker.outcomes import NORM_METRIC, STEP_METRIC
-
-    with tinker.ServiceClient(base_url=f"http://127.0.0.1:{port}", api_key=key) as sc:
-        tc = sc.create_lora_training_client(base_model="tiny", rank=4, seed=0, train_unembed=False).result()
-        batch, weighed = datums(tc.get_tokenizer(), types)
-        out = []
-        for _ in range(n):
-            fb = tc.forward_backward(batch, "cross_entropy")
-            opt = tc.optim_step(types.AdamParams(learning_rate=1e-2)).result().metrics
-            out.append((opt[STEP_METRIC], fb.result().metrics["loss:sum"] / weighed, opt[NORM_METRIC]))
-        return out
-
-
 async def _take_overs(nc) -> None:
     """Again and again, the gateway that runs the model's calls looks gone to the other (the gateways' liveness
     records deleted, as when one was not heard of for LIVE_S): the other takes the model at its next call while the
@@ -166,32 +149,16 @@ async def _take_overs(nc) -> None:
     kv = await nc.jetstream().key_value(names.TINKER_KV)
     while True:
         await asyncio.sleep(0.3)
-        for key in await _keys(kv):
-            if key.startswith("gateway."):
-                await kv.delete(key)
-
-
-async def _keys(kv) -> list[str]:
-    try:
-        return list(await kv.keys())
-    except Exception:  # none yet
-        return []
+        for key in await kv_keys(kv, "gateway."):  # one already deleted is deleted again: no matter
+            await kv.delete(key)
 
 
 async def test_two_gateways_that_both_run_a_models_calls_step_once_in_order(nc, stack, tiny_model, agents):
-    from services.gateway.app import Gateway
-    from tests.conftest import wait_nodes
-    from tests.test_tinker_store import RoundRobin, models
+    from tests.test_tinker_store import train, two_gateways
 
-    agents.start("box", gpus=None, offer_cpu=True, trainer=None, interval=0.25)
-    await wait_nodes(nc, 1)
-    gateways = [Gateway(nc, models(tiny_model), port=0), Gateway(nc, models(tiny_model), port=0)]
-    for gw in gateways:
-        await gw.start()
-    front = RoundRobin([gw.port for gw in gateways])
-    key, n = await key_for(nc, "acme"), 12
-    try:
-        reference = await asyncio.to_thread(_loop, gateways[0].port, key, n)  # one gateway, nothing between
+    async with two_gateways(nc, tiny_model, agents) as (gateways, front):
+        key, n = await key_for(nc, "acme"), 12
+        reference = await asyncio.to_thread(train, gateways[0].port, key, None, n)  # one gateway, nothing between
         port = await front.start()
         seen: list[SessionRequest] = []
 
@@ -201,15 +168,11 @@ async def test_two_gateways_that_both_run_a_models_calls_step_once_in_order(nc, 
         sub = await nc.subscribe(names.node("box").session, cb=watch)  # beside the agent's: every call sent to it
         churn = asyncio.create_task(_take_overs(nc))
         try:
-            both = await asyncio.wait_for(asyncio.to_thread(_loop, port, key, n), 300)
+            both = await asyncio.wait_for(asyncio.to_thread(train, port, key, None, n), 300)
         finally:
             churn.cancel()
             await asyncio.gather(churn, return_exceptions=True)
             await sub.unsubscribe()
-    finally:
-        await front.close()
-        for gw in gateways:
-            await gw.close()
     assert [s for s, _, _ in both] == [float(i) for i in range(1, n + 1)], both
     ids = [r.call_id for r in seen if r.call_id]
     assert len(ids) - len(set(ids)) >= n, ids  # both ran the model's calls, each sending them (not for 1 gateway)

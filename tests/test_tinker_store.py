@@ -5,6 +5,7 @@ a client whose every request lands on the other of two gateways trains as if the
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import os
 import signal
@@ -12,6 +13,7 @@ import socket
 import subprocess
 import sys
 import threading
+from collections.abc import AsyncIterator
 
 import aiohttp
 import pytest
@@ -19,7 +21,7 @@ from aiohttp import web
 
 from services.gateway.app import Gateway
 from services.gateway.openai_map import BaseModel
-from services.gateway.tinker.outcomes import STEP_METRIC
+from services.gateway.tinker.outcomes import NORM_METRIC, STEP_METRIC
 from tests.conftest import ROOT, wait_for, wait_nodes
 from tests.test_tinker_api import datums, key_for
 
@@ -32,8 +34,11 @@ def models(tiny_model) -> dict:
     return {"tiny": BaseModel("tiny", str(tiny_model), accelerator="cpu")}
 
 
-def train(port: int, key: str, halfway: threading.Event | None = None) -> list[tuple[float, float]]:
-    """The cookbook's loop through the official client: (optimizer step, loss per token) of each step."""
+def train(
+    port: int, key: str, halfway: threading.Event | None = None, steps: int = STEPS
+) -> list[tuple[float, float, float]]:
+    """The cookbook's loop through the official client (forward_backward and optim_step sent together): the
+    optimizer step, loss per token and gradient norm of each step."""
     import tinker
     from tinker import types
 
@@ -41,11 +46,11 @@ def train(port: int, key: str, halfway: threading.Event | None = None) -> list[t
         tc = sc.create_lora_training_client(base_model="tiny", rank=4, seed=0, train_unembed=False).result()
         batch, weighed = datums(tc.get_tokenizer(), types)
         out = []
-        for n in range(STEPS):
+        for n in range(steps):
             fb = tc.forward_backward(batch, "cross_entropy")
-            opt = tc.optim_step(types.AdamParams(learning_rate=1e-2))
-            out.append((opt.result().metrics[STEP_METRIC], fb.result().metrics["loss:sum"] / weighed))
-            if halfway is not None and n == STEPS // 2 - 1:
+            opt = tc.optim_step(types.AdamParams(learning_rate=1e-2)).result().metrics
+            out.append((opt[STEP_METRIC], fb.result().metrics["loss:sum"] / weighed, opt[NORM_METRIC]))
+            if halfway is not None and n == steps // 2 - 1:
                 halfway.set()
         return out
 
@@ -67,7 +72,7 @@ async def test_a_clients_loop_goes_on_across_a_restart_of_its_gateway(nc, stack,
     finally:
         await gw.close()
     print("steps and losses:", steps)
-    assert [s for s, _ in steps] == [float(n) for n in range(1, STEPS + 1)]  # none lost, none run twice
+    assert [s for s, _, _ in steps] == [float(n) for n in range(1, STEPS + 1)]  # none lost, none run twice
     assert steps[-1][1] < 0.8 * steps[0][1]
 
 
@@ -109,7 +114,7 @@ async def test_a_clients_loop_goes_on_after_its_gateway_is_killed(nc, stack, tin
                 proc.terminate()
                 proc.wait(30)
     print("steps and losses:", steps)
-    assert [s for s, _ in steps] == [float(n) for n in range(1, STEPS + 1)]
+    assert [s for s, _, _ in steps] == [float(n) for n in range(1, STEPS + 1)]
     assert steps[-1][1] < 0.8 * steps[0][1]
 
 
@@ -138,25 +143,33 @@ class RoundRobin:
             return web.Response(body=await r.read(), status=r.status, content_type=r.content_type)
 
     async def close(self) -> None:
-        await self.runner.cleanup()
-        await self.http.close()
+        if hasattr(self, "runner"):  # started
+            await self.runner.cleanup()
+            await self.http.close()
 
 
-async def test_a_client_whose_requests_alternate_between_two_gateways_trains_as_with_one(nc, stack, tiny_model, agents):
+@contextlib.asynccontextmanager
+async def two_gateways(nc, tiny_model, agents) -> AsyncIterator[tuple[list[Gateway], RoundRobin]]:
+    """A CPU node "box", two gateways, and a front that sends a client's requests to each in turn (not started)."""
     agents.start("box", gpus=None, offer_cpu=True, trainer=None, interval=0.25)
     await wait_nodes(nc, 1)
     gateways = [Gateway(nc, models(tiny_model), port=0), Gateway(nc, models(tiny_model), port=0)]
     for gw in gateways:
         await gw.start()
-    proxy = RoundRobin([gw.port for gw in gateways])
+    front = RoundRobin([gw.port for gw in gateways])
     try:
-        port = await proxy.start()
-        steps = await asyncio.wait_for(asyncio.to_thread(train, port, await key_for(nc, "acme")), 240)
+        yield gateways, front
     finally:
-        await proxy.close()
+        await front.close()
         for gw in gateways:
             await gw.close()
+
+
+async def test_a_client_whose_requests_alternate_between_two_gateways_trains_as_with_one(nc, stack, tiny_model, agents):
+    async with two_gateways(nc, tiny_model, agents) as (_, proxy):
+        port = await proxy.start()
+        steps = await asyncio.wait_for(asyncio.to_thread(train, port, await key_for(nc, "acme")), 240)
     print("steps and losses:", steps, "requests per gateway:", proxy.served)
-    assert [s for s, _ in steps] == [float(n) for n in range(1, STEPS + 1)]
+    assert [s for s, _, _ in steps] == [float(n) for n in range(1, STEPS + 1)]
     assert steps[-1][1] < 0.8 * steps[0][1]
     assert min(proxy.served) > 2 * STEPS  # each gateway took calls, fetches and heartbeats
