@@ -81,7 +81,7 @@ class Trainers:
     def route(self, model: ModelRecord) -> Route:
         route = self.routes.get(model.id)
         if route is None:
-            route = self.routes[model.id] = Route(attempt=model.attempt, lost=model.lost)
+            route = self.routes[model.id] = Route(attempt=model.attempt, retries=model.retries, lost=model.lost)
             while len(self.routes) > ROUTES_KEPT:
                 self.routes.popitem(last=False)
         return route

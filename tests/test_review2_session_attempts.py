@@ -1,0 +1,149 @@
+"""Review of 10c94aa (#63): a session's calls name the attempt they went to, and the gateway tells its client a loss
+only when the job was queued again because its node went away (JobSummary.retries_used). A pause is not a loss:
+its checkpoint holds every call answered before it. Here the session is paused and resumed by someone other than
+the gateway that runs its calls (a user's `jetlora pause` and `resume`, as the scheduler resumes a session paused
+for a serving engine), while the client is between calls: the gateway never saw it paused, so only retries_used
+tells it this new attempt is no move. The client's next step must go on as the step after its last, with no
+notice, whether the same gateway runs its calls or one started since (a gateway restarted, or another taking the
+model over, knows only what the model's record says). Real stack: nats-server, the scheduler, an agent as a
+process with the real session trainer, the official client; alone and in a session group."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import os
+
+import msgspec
+import pytest
+
+from schemas import names
+from schemas.jobs import Error
+from schemas.job_status import JobQuery, JobReply
+from schemas.tinker_store import ModelRecord, model_key
+from services import bus
+from services.gateway.app import Gateway
+from services.gateway.openai_map import BaseModel
+from services.gateway.tinker.outcomes import STEP_METRIC
+from services.gateway.tinker.settings import TinkerSettings
+from tests.conftest import STACK_CONFIG, get_job, start_stack, wait_for, wait_nodes
+from tests.test_tinker_api import client, datums, key_for
+
+pytestmark = pytest.mark.timeout(600)
+os.environ.setdefault("TINKER_TELEMETRY", "0")
+SETTINGS = TinkerSettings(silence_s=600)  # the client's heartbeats may lapse on a busy machine: not this test's
+
+
+class Steps:
+    """A training client in a thread of its own (the tinker client blocks): each step's optimizer_step metric."""
+
+    def __init__(self, port: int, key: str) -> None:
+        from tinker import types
+
+        self.types, self.sc = types, client(_Port(port), key)
+        self.tc = self.sc.create_lora_training_client(base_model="tiny", rank=4, seed=0, train_unembed=False).result()
+        self.batch, _ = datums(self.tc.get_tokenizer(), types)
+
+    def step(self) -> float:
+        self.tc.forward_backward(self.batch, "cross_entropy").result()
+        metrics = self.tc.optim_step(self.types.AdamParams(learning_rate=1e-2)).result().metrics
+        return metrics[STEP_METRIC]
+
+
+@dataclasses.dataclass
+class _Port:
+    port: int
+
+
+def _gateway(nc, tiny_model, port: int = 0) -> Gateway:
+    models = {"tiny": BaseModel("tiny", str(tiny_model), accelerator="cpu")}
+    return Gateway(nc, models, port=port, tinker_settings=SETTINGS)
+
+
+async def _record(nc, model_id: str) -> ModelRecord:
+    found = await (await nc.jetstream().key_value(names.TINKER_KV)).get(model_key("acme", model_id))
+    return msgspec.json.decode(found.value, type=ModelRecord)
+
+
+async def _state(nc, job: str, state: str, attempt: int):
+    j = await get_job(nc, job)
+    return j if j.state == state and j.attempt == attempt else None
+
+
+async def _paused_and_resumed_elsewhere(nc, job: str) -> None:
+    """Paused and resumed through the jobs API, not by the gateway: a new attempt from the pause's checkpoint."""
+    api = names.jobs_api("acme")
+    assert isinstance(await bus.request(nc, api.pause, JobQuery(job), JobReply | Error), JobReply)
+    await wait_for(lambda: _state(nc, job, "paused", 1), timeout=120, what="the session paused, its state saved")
+    assert isinstance(await bus.request(nc, api.resume, JobQuery(job), JobReply | Error), JobReply)
+    await wait_for(lambda: _state(nc, job, "running", 2), timeout=120, what="attempt 2 running")
+
+
+@pytest.mark.parametrize("grouped", [False, True], ids=["alone", "in a session group"])
+@pytest.mark.parametrize("restarted", [False, True], ids=["same gateway", "gateway restarted"])
+async def test_a_pause_its_gateway_did_not_see_is_not_told_as_a_loss(
+    nc, services, tiny_model, agents, grouped, restarted
+):
+    await start_stack(services, dataclasses.replace(STACK_CONFIG, co_train="same-tenant" if grouped else "off"))
+    agents.start("box", gpus=None, offer_cpu=True, trainer=None, interval=0.25)
+    await wait_nodes(nc, 1)
+    gw = _gateway(nc, tiny_model)
+    await gw.start()
+    try:
+        steps = await asyncio.to_thread(Steps, gw.port, await key_for(nc, "acme"))
+        assert [await asyncio.to_thread(steps.step) for _ in range(2)] == [1.0, 2.0]
+        model = steps.tc.model_id
+        await wait_for(lambda: _attempt_recorded(nc, model), timeout=60, what="the model's record at attempt 1")
+        job = (await _record(nc, model)).job
+        if restarted:  # what the next gateway knows of the model is its record
+            port = gw.port
+            await gw.close()
+            gw = _gateway(nc, tiny_model, port)
+        await _paused_and_resumed_elsewhere(nc, job)
+        if restarted:
+            await gw.start()
+        # nothing was lost: the pause saved every call answered before it, so the next step is step 3, untold
+        assert await asyncio.to_thread(steps.step) == 3.0
+        await asyncio.to_thread(steps.sc.close, "success")
+    finally:
+        await gw.close()
+
+
+async def _attempt_recorded(nc, model_id: str) -> bool:
+    return (await _record(nc, model_id)).attempt == 1
+
+
+async def test_a_node_lost_while_its_gateway_was_away_is_told_once_by_the_next(nc, stack, tiny_model, agents):
+    """The other side of the above: the model's record carries what the last gateway knew, so one started after
+    the session's node went away (killed, back under its name: a new attempt from the last save) still tells the
+    next training call that the calls since the save were lost, once; the step after goes on from the save."""
+    agents.start("box", gpus=None, offer_cpu=True, trainer=None, interval=0.25)
+    await wait_nodes(nc, 1)
+    gw = _gateway(nc, tiny_model)
+    await gw.start()
+    try:
+        steps = await asyncio.to_thread(Steps, gw.port, await key_for(nc, "acme"))
+        assert await asyncio.to_thread(steps.step) == 1.0
+        await asyncio.to_thread(lambda: steps.tc.save_state("kept").result())
+        model = steps.tc.model_id
+        job = (await _record(nc, model)).job
+        await wait_for(lambda: _checkpointed(nc, job), timeout=60, what="the save stored as the job's checkpoint")
+        assert await asyncio.to_thread(steps.step) == 2.0  # lost with the node
+        await wait_for(lambda: _attempt_recorded(nc, model), timeout=60, what="the model's record at attempt 1")
+        port = gw.port
+        await gw.close()
+        agents.kill("box")
+        agents.start("box", gpus=None, offer_cpu=True, trainer=None, interval=0.25)
+        await wait_for(lambda: _state(nc, job, "running", 2), timeout=120, what="attempt 2 running from the save")
+        gw = _gateway(nc, tiny_model, port)
+        await gw.start()
+        with pytest.raises(Exception, match="went away"):
+            await asyncio.to_thread(steps.step)
+        assert await asyncio.to_thread(steps.step) == 2.0  # from the save at step 1, told once
+        await asyncio.to_thread(steps.sc.close, "success")
+    finally:
+        await gw.close()
+
+
+async def _checkpointed(nc, job: str) -> bool:
+    return "checkpoint at step" in (await get_job(nc, job)).message
