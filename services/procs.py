@@ -7,6 +7,7 @@ import os
 import shutil
 import signal
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -23,6 +24,7 @@ def die_with_parent(command: list[str], sig: int = signal.SIGKILL) -> list[str]:
 
 
 ASKS = frozenset({signal.SIGUSR1, signal.SIGUSR2})  # stop and pause (trainer/signals.py)
+_holds = threading.local()  # asks_held's holds under way in a thread, and its mask before the first
 
 
 @contextlib.contextmanager
@@ -32,12 +34,21 @@ def asks_held():
     before Python ran a line of it, otherwise ended it by the signal's default action: the job failed, its other
     ranks ended with it (bench/chaos.py, a 2-device job preempted as it started). The mask is the calling thread's,
     which the forked child inherits across exec; the agent's own is as it was once the process is started. A trainer
-    command that never unblocks them never sees a stop or pause."""
-    before = signal.pthread_sigmask(signal.SIG_BLOCK, ASKS)
+    command that never unblocks them never sees a stop or pause.
+
+    Holds overlap: the spawn is awaited inside (asyncio connects the pipes after the fork), so another job's
+    trainer can start meanwhile on the same loop. The mask is restored by the last hold out, to what it was before
+    the first; each restoring its own `before` left it blocked whenever the first in was the first out."""
+    depth = getattr(_holds, "depth", 0)
+    if depth == 0:
+        _holds.before = signal.pthread_sigmask(signal.SIG_BLOCK, ASKS)
+    _holds.depth = depth + 1
     try:
         yield
     finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, before)
+        _holds.depth -= 1
+        if _holds.depth == 0:
+            signal.pthread_sigmask(signal.SIG_SETMASK, _holds.before)
 
 
 def niced(command: list[str], niceness: int) -> list[str]:
