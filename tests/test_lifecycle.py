@@ -145,7 +145,8 @@ async def test_an_engine_wanting_its_memory_back_pauses_low_priority_jobs_and_th
         assert reply.ok, reply.message
     paused = await wait_state(nc, low, "paused", timeout=30)
     assert paused.paused_by == f"engine n1/{devices[low]}"
-    assert (await get_job(nc, high)).state == "running"  # priority 5 is above the pause threshold (0)
+    # priority 5 is above the pause threshold (0): never paused. Read from its history: its 8 s may be over by now
+    assert "paused" not in {e.state for e in await states_of(nc, high)}
 
     await bus.request(nc, names.node("n1").reclaim, Reclaim(device=devices[low], mib=0), ReclaimReply)
     resumed = await wait_state(nc, low, ("running", "succeeded"), timeout=30)
