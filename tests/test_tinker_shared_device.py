@@ -13,6 +13,7 @@ import pytest
 
 from services.gateway.app import Gateway
 from services.gateway.openai_map import BaseModel
+from services.gateway.tinker.settings import TinkerSettings
 from tests.conftest import STACK_CONFIG, get_job, list_nodes, start_stack, wait_for, wait_nodes
 from tests.test_tinker_api import client, datums, key_for
 from tests.test_tinker_sessions import job_of
@@ -25,7 +26,10 @@ os.environ.setdefault("TINKER_TELEMETRY", "0")
 async def gateway(services, nc, tiny_model):
     """The stack with the default co-training policy (same-tenant): a tenant's sessions share a process."""
     await start_stack(services, dataclasses.replace(STACK_CONFIG, co_train="same-tenant", misses=8))
-    gw = Gateway(nc, {"tiny": BaseModel("tiny", str(tiny_model), accelerator="cpu")}, port=0)
+    # not paused for a silent client (test_tinker_silence's): on a busy machine the client's heartbeats, answered by
+    # this process's loop, can lapse for 30 s, and the test reads its sessions running
+    settings = TinkerSettings(silence_s=600)
+    gw = Gateway(nc, {"tiny": BaseModel("tiny", str(tiny_model), accelerator="cpu")}, port=0, tinker_settings=settings)
     await gw.start()
     yield gw
     await gw.close()
