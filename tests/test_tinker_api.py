@@ -21,6 +21,7 @@ from services import bus
 from services.gateway.app import Gateway
 from services.gateway.keys import KeyStore, new_key
 from services.gateway.openai_map import BaseModel
+from services.gateway.tinker.settings import TinkerSettings
 from services.transfer.download import download, safe_extract
 from tests.conftest import ROOT, wait_nodes, wait_state
 from tests.qa import QA_PAIRS
@@ -31,7 +32,11 @@ os.environ.setdefault("TINKER_TELEMETRY", "0")
 
 @pytest.fixture
 async def gateway(stack, nc, tiny_model, agents):
-    gw = Gateway(nc, {"tiny": BaseModel("tiny", str(tiny_model), accelerator="cpu")}, port=0)
+    # a pause for a silent client is test_tinker_silence's: on a busy machine the client's heartbeats, answered by
+    # this process's loop, can lapse for 30 s, and a pause then ends a closed session cancelled, not stopped, and
+    # takes an explicit pause's place (test_review_tinker_between_calls)
+    settings = TinkerSettings(silence_s=600)
+    gw = Gateway(nc, {"tiny": BaseModel("tiny", str(tiny_model), accelerator="cpu")}, port=0, tinker_settings=settings)
     await gw.start()
     agents.start("box", gpus=None, offer_cpu=True, trainer=None, interval=0.25)
     await wait_nodes(nc, 1)
