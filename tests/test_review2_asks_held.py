@@ -12,10 +12,11 @@ from __future__ import annotations
 import asyncio
 import shlex
 import signal
+import threading
 
 import pytest
 
-from schemas.events import Finished, Started
+from schemas.events import Finished, Progress, Started
 from services.agent.runner import TrainerRun
 from services.procs import ASKS
 from tests.conftest import HOLD_TRAINER, spec_for, wait_for
@@ -71,3 +72,39 @@ async def test_two_trainers_started_at_once_leave_the_agents_mask_as_it_was(tmp_
     assert all(isinstance(e, Finished) for e in ended)
     assert after == mask, f"the agent's mask after two trainer starts at once: {sorted(after)}, before {sorted(mask)}"
     assert not later & set(ASKS), f"a process started after them holds {sorted(later & set(ASKS))} blocked"
+
+
+def _children() -> set[int]:
+    """This thread's child processes (the loop's: asyncio forks its subprocesses in the loop's thread)."""
+    with open(f"/proc/self/task/{threading.get_native_id()}/children") as f:
+        return {int(p) for p in f.read().split()}
+
+
+@pytest.mark.parametrize("ask", ["pause", "stop"])
+async def test_a_pause_or_stop_asked_while_the_trainer_starts_is_not_lost(tmp_path, ask):
+    """The agent asks for a pause (a preemption, a serving engine, a silent client) or a stop in the turns of its loop
+    between the trainer's fork and the end of its spawn (its pipes being connected): the process exists, its
+    handlers are not in, and TrainerRun.proc is not set yet. Before, the ask went to the environment of a process
+    already started (it never saw it) and no signal was sent: the trainer trained on to its end, as if not asked."""
+    before = _children()
+    run = TrainerRun(spec_for("/models/tiny", tmp_path), tmp_path / "job", shlex.split(HOLD_TRAINER),
+                     {"HOLD_S": "20", "HOLD_STEPS": "200"})  # fmt: skip
+    events: list[object] = []
+
+    async def on_event(ev: object) -> None:
+        events.append(ev)
+
+    ran = asyncio.create_task(run.run(on_event))
+    try:
+        for _ in range(100):  # the loop's turns, one at a time, until the fork: the spawn is still awaited then
+            await asyncio.sleep(0)
+            if _children() - before:
+                break
+        assert _children() - before and run.proc is None, "the trainer's spawn was not caught between fork and end"
+        getattr(run, ask)()  # as the agent's control handler asks it (services/agent/service.py)
+        final = await asyncio.wait_for(ran, 60)
+    finally:
+        run.cancel()
+        await asyncio.gather(ran, return_exceptions=True)
+    assert isinstance(final, Finished) and final.state == {"pause": "paused", "stop": "stopped"}[ask], final
+    assert final.step < 200 and all(e.step < 200 for e in events if isinstance(e, Progress)), "trained to its end"

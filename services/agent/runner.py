@@ -83,6 +83,9 @@ class TrainerRun:
         self.proc = await self._start(spec_path, env, 0)
         if self.cancelled:  # while it was starting: the signal found no process
             self._signal(signal.SIGKILL)
+        for sig, name in ((signal.SIGUSR1, "JETLORA_STOP"), (signal.SIGUSR2, "JETLORA_PAUSE")):
+            if self.env.get(name) and name not in env:  # asked while it started: too late for its environment
+                self._ask(sig, name)  # held until its handlers are in (asks_held)
         pid_file = write_pid_file(self.workdir, self.proc.pid)
         readers = [asyncio.create_task(self._read_stderr(self.proc, 0))]
         tasks = list(readers)
