@@ -26,7 +26,9 @@ async def test_the_stand_in_group_holds_queued_jobs_of_a_tenant_on_one_device(se
         reply = await submit(nc, body)
         assert isinstance(reply, Accepted), reply
         jobs.append(reply.job)
-    agents.start("n1", gpus="8192", hold_s=3.0, interval=0.25)
+    # 30 steps of 0.33 s: the pause asked at step 3 lands well before the job's end even when this process (the
+    # scheduler's too) stalls for seconds on a busy machine; it had 2 s at 10 steps in 3 s
+    agents.start("n1", gpus="8192", hold_s=10.0, interval=0.25, env={"HOLD_STEPS": "30"})
     running = [await wait_state(nc, j, "running", timeout=30) for j in jobs]
     assert len({(r.node, r.device, r.group) for r in running}) == 1 and running[0].group, running
     await wait_for(lambda: at_step(nc, jobs[0], 3), timeout=30, what="the first job at step 3")
