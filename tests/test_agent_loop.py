@@ -10,14 +10,17 @@ import socket
 import threading
 import time
 
+import msgspec
 import pytest
 from aiohttp import web
 
+from schemas import names
+from schemas.nodes import Heartbeat
 from services.agent.devices import DeviceProbe
 from services.agent.engine_http import EngineHttp
 from services.agent.engine_load import LoadWatch, fetch_in_flight, fetch_text
 from services.agent.engines import get_json, post_json
-from tests.conftest import list_nodes, wait_for, wait_nodes
+from tests.conftest import wait_for, wait_nodes
 
 
 class Hanging:
@@ -166,19 +169,20 @@ async def test_heartbeats_keep_their_interval_while_an_engine_never_answers(stac
         )
         await wait_nodes(nc, 1)
         await wait_for(lambda: len(engine.conns) >= 2, timeout=20, what="the agent's calls to the hanging engine")
+        # the heartbeats as the agent sent them (its own sent_at), not as this process's scheduler heard them: on a
+        # busy machine this process can stall past the 0.75 s window, which the agent's loop is not what broke
         seen: list[float] = []
-        began = time.monotonic()
 
-        async def watched_for_3s() -> bool:
-            node = next(n for n in await list_nodes(nc) if n.node == "n1")
-            assert node.alive, f"n1 taken for gone while its engine hangs: {node}"
-            seen.append(node.last_seen)
-            return time.monotonic() - began >= 3.0
+        async def heard(msg) -> None:
+            seen.append(msgspec.json.decode(msg.data, type=Heartbeat).sent_at)
 
-        await wait_for(watched_for_3s, timeout=10, what="3 s of heartbeats")
-        beats = sorted(set(seen))
-        gaps = [b - a for a, b in zip(beats, beats[1:])]
-        assert len(beats) >= 6 and max(gaps) < 0.75, (len(beats), gaps)  # every 0.25 s; gone after 3 missed
+        sub = await nc.subscribe(names.node("n1").heartbeat, cb=heard)
+        try:
+            await wait_for(lambda: seen and seen[-1] - seen[0] >= 3.0, timeout=10, what="3 s of heartbeats")
+        finally:
+            await sub.unsubscribe()
+        gaps = [b - a for a, b in zip(seen, seen[1:])]
+        assert len(seen) >= 6 and max(gaps) < 0.75, (len(seen), gaps)  # every 0.25 s; gone after 3 missed
         assert agents.terminate("n1") == 0
         assert "Unclosed client session" not in agents.log("n1"), agents.log("n1")[-2000:]
     finally:
