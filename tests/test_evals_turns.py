@@ -22,7 +22,10 @@ from tests.conftest import wait_for
 from tests.test_grader_deadline import CALL_STALL, sandbox_processes, sandboxes
 
 pytestmark = pytest.mark.skipif(not status().isolated, reason=f"no sandbox here: {status().why_not}")
-FAST = GraderContext(wall_s=2.0, cpu_s=2.0, memory_mib=256, command="jetlora scheduler")
+# acme's stalling grades must outlast globex's quick run and the look at them after it: a wall-clock limit of 2 s
+# (the sandbox's own clock) ended them first when this process (the evals service's too) stalled that long on a
+# busy machine; they are cancelled at the end
+SLOW_ENOUGH = GraderContext(wall_s=60.0, cpu_s=2.0, memory_mib=256, command="jetlora scheduler")
 
 
 async def create(nc, tenant: str, name: str, criteria: list[Criterion]) -> None:
@@ -45,7 +48,7 @@ async def state(nc, tenant: str, run: str) -> str:
 
 
 async def test_the_evals_service_grades_each_tenants_runs_on_its_own_turns(nc, services):
-    service, *_ = await services.start(lambda c: EvalsService(c, FAST))
+    service, *_ = await services.start(lambda c: EvalsService(c, SLOW_ENOUGH))
     await wait_for(service.ready.is_set, timeout=10, what="the evals service")
     await create(nc, "acme", "slow", [Criterion(grader=PythonGrader(name="p", source=CALL_STALL))])
     exact = StringCheckGrader(name="s", input="{{sample.output_text}}", reference="{{item.answer}}", operation="eq")
