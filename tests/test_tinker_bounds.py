@@ -124,11 +124,14 @@ async def test_calls_waiting_on_a_queued_job_ask_the_scheduler_once_per_model_no
             before, since = len(asked), time.monotonic()
             await asyncio.sleep(2.0)  # the window the asking rate is measured over, not a wait for a condition
             per_s = (len(asked) - before) / (time.monotonic() - since)
+            # and it still asks: waited for, not read from the window, which a stall of this process (the watcher's
+            # loop too) as long as the window can leave without a query on a busy machine
+            await wait_for(lambda: len(asked) > before, timeout=30, what="the watcher asking on")
     finally:
         await watch.unsubscribe()
         await gw.close()
     print(f"60 samples waiting: {per_s:.1f} job queries a second")
-    assert 0 < per_s <= 8, per_s  # one watcher: about 1 / 0.25 s; one per sample would be 240 a second
+    assert per_s <= 8, per_s  # one watcher: about 1 / 0.25 s; one per sample would be 240 a second
 
 
 async def test_a_finished_sessions_records_go_after_the_retention_and_unfetched_results_after_a_day(
