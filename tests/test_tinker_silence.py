@@ -13,6 +13,7 @@ import time
 
 import pytest
 
+from schemas.job_status import TERMINAL_STATES
 from services.gateway.app import Gateway
 from services.gateway.openai_map import BaseModel
 from tests.conftest import ROOT, get_job, list_nodes, wait_for, wait_nodes
@@ -57,7 +58,13 @@ async def test_a_killed_clients_device_is_free_within_a_minute_and_a_new_client_
         await holder.wait()
         await wait_for(lambda: _device_free(nc), timeout=60, interval=0.5, what="the killed client's device free")
         print(f"device free {time.monotonic() - killed:.1f} s after the client was killed")
-        job = await get_job(nc, (await job_of(nc, model_id)).id)
+        job_id = (await job_of(nc, model_id)).id
+
+        async def settled():  # the device is free by the node's heartbeat, its job's state comes by another way
+            j = await get_job(nc, job_id)
+            return j if j.state == "paused" or j.state in TERMINAL_STATES else None
+
+        job = await wait_for(settled, timeout=30, what="the killed client's job paused")
         assert job.state == "paused", job  # checkpointed: resumable at its next call
 
         def new_client() -> float:
