@@ -72,8 +72,12 @@ async def test_training_clients_and_a_base_sampler_share_one_device(nc, gateway,
     assert all(j.state == "running" and j.node == "box" for j in running), running
     groups = {j.group for j in running}
     assert len(groups) == 1 and None not in groups, f"one session group holds all three: {groups}"
-    (node,) = [n for n in await list_nodes(nc) if n.node == "box"]
-    assert sorted(j for d in node.devices for j in d.jobs) == sorted(j.id for j in jobs), node.devices
+
+    async def on_box():  # as box's heartbeats say: the one after the second client's start may be on its way
+        (node,) = [n for n in await list_nodes(nc) if n.node == "box"]
+        return sorted(j for d in node.devices for j in d.jobs) == sorted(j.id for j in jobs)
+
+    await wait_for(on_box, timeout=10, what="box's heartbeat listing the three on its devices")
 
     def logprobs(c):
         return [o["logprobs"].tolist() for o in c.forward(batch, "cross_entropy").result().loss_fn_outputs]
