@@ -20,7 +20,7 @@ import pytest
 from schemas import names
 from schemas.jobs import Error
 from schemas.job_status import JobQuery, JobReply
-from schemas.tinker_store import ModelRecord, model_key
+from schemas.tinker_store import ModelRecord, gateway_key, model_key
 from services import bus
 from services.gateway.app import Gateway
 from services.gateway.openai_map import BaseModel
@@ -28,6 +28,7 @@ from services.gateway.tinker.outcomes import STEP_METRIC
 from services.gateway.tinker.settings import TinkerSettings
 from tests.conftest import STACK_CONFIG, get_job, start_stack, wait_for, wait_nodes
 from tests.test_tinker_api import client, datums, key_for
+from tests.test_tinker_store import RoundRobin
 
 pytestmark = pytest.mark.timeout(600)
 os.environ.setdefault("TINKER_TELEMETRY", "0")
@@ -109,8 +110,8 @@ async def test_a_pause_its_gateway_did_not_see_is_not_told_as_a_loss(
         await gw.close()
 
 
-async def _attempt_recorded(nc, model_id: str) -> bool:
-    return (await _record(nc, model_id)).attempt == 1
+async def _attempt_recorded(nc, model_id: str, attempt: int = 1) -> bool:
+    return (await _record(nc, model_id)).attempt == attempt
 
 
 async def test_a_node_lost_while_its_gateway_was_away_is_told_once_by_the_next(nc, stack, tiny_model, agents):
@@ -147,3 +148,57 @@ async def test_a_node_lost_while_its_gateway_was_away_is_told_once_by_the_next(n
 
 async def _checkpointed(nc, job: str) -> bool:
     return "checkpoint at step" in (await get_job(nc, job)).message
+
+
+async def _taken_over(nc, steps: Steps, model_id: str, by_other_than: str) -> str:
+    """The model's calls taken over by the gateway the client's requests now reach: the one that ran them looks gone
+    (its liveness record deleted, as LIVE_S after its last beat) until the other takes the model at a call of the
+    client's (a sample: it changes nothing), or runs it as before."""
+    kv = await nc.jetstream().key_value(names.TINKER_KV)
+
+    async def taken() -> str | None:
+        await kv.delete(gateway_key(by_other_than))  # it writes it again every LIVE_S / 3: deleted each look
+        await asyncio.to_thread(lambda: steps.tc.forward(steps.batch, "cross_entropy").result())
+        pump = (await _record(nc, model_id)).pump
+        return pump if pump != by_other_than else None
+
+    return await wait_for(taken, timeout=120, interval=0.3, what=f"a gateway other than {by_other_than} running it")
+
+
+async def test_a_move_told_by_one_gateway_is_not_told_again_by_the_other(nc, stack, tiny_model, agents):
+    """Two gateways behind a balancer that sends the client to one, then the other. The first ran the model's
+    calls, then the second took it over, saw the session's node go away and told the client once; the client went
+    on from its save. When the first takes the model back, its own route is what it knew before the move: it must
+    not tell the client the same move a second time (the steps since were not lost)."""
+    agents.start("box", gpus=None, offer_cpu=True, trainer=None, interval=0.25)
+    await wait_nodes(nc, 1)
+    gateways = [_gateway(nc, tiny_model), _gateway(nc, tiny_model)]
+    for gw in gateways:
+        await gw.start()
+    front = RoundRobin([gateways[0].port])
+    try:
+        steps = await asyncio.to_thread(Steps, await front.start(), await key_for(nc, "acme"))
+        model = steps.tc.model_id
+        assert await asyncio.to_thread(steps.step) == 1.0
+        await asyncio.to_thread(lambda: steps.tc.save_state("kept").result())
+        job = (await _record(nc, model)).job
+        await wait_for(lambda: _checkpointed(nc, job), timeout=60, what="the save stored as the job's checkpoint")
+        first = (await _record(nc, model)).pump  # it knows the session at attempt 1
+        front.ports[0] = gateways[1].port
+        second = await _taken_over(nc, steps, model, first)
+        agents.kill("box")
+        agents.start("box", gpus=None, offer_cpu=True, trainer=None, interval=0.25)
+        await wait_for(lambda: _state(nc, job, "running", 2), timeout=120, what="attempt 2 running from the save")
+        with pytest.raises(Exception, match="went away"):  # told once, by the second
+            await asyncio.to_thread(steps.step)
+        assert await asyncio.to_thread(steps.step) == 2.0  # from the save
+        # the second's record says attempt 2 (as a gateway writes it after its calls, long before it could look gone)
+        await wait_for(lambda: _attempt_recorded(nc, model, 2), timeout=60, what="the model's record at attempt 2")
+        front.ports[0] = gateways[0].port
+        assert await _taken_over(nc, steps, model, second) == first
+        assert await asyncio.to_thread(steps.step) == 3.0  # nothing lost since the notice: not told again
+        await asyncio.to_thread(steps.sc.close, "success")
+    finally:
+        await front.close()
+        for gw in gateways:
+            await gw.close()

@@ -79,8 +79,10 @@ class Trainers:
         self.routes: collections.OrderedDict[str, Route] = collections.OrderedDict()
 
     def route(self, model: ModelRecord) -> Route:
+        """Where this gateway last sent the model's calls; the record's word when it knows a later attempt (another
+        gateway ran the calls since, and told its client of any move then: not to be told again from here)."""
         route = self.routes.get(model.id)
-        if route is None:
+        if route is None or model.attempt > route.attempt:
             route = self.routes[model.id] = Route(attempt=model.attempt, retries=model.retries, lost=model.lost)
             while len(self.routes) > ROUTES_KEPT:
                 self.routes.popitem(last=False)
