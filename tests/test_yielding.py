@@ -98,11 +98,18 @@ def engine():
     m.close()
 
 
-def agent_with(agents, node: str, metrics: Metrics, policy: str, gpus: str = "4096", hold_s: float = 6.0) -> None:
+# the stand-in trainer's 20 steps of 0.6 s: a job seen at step 2 still has 10 s to run when the engine's load is
+# set, so a stall of this process (the scheduler's too) on a busy machine does not let it end before it yields
+# (at 10 steps in 6 s it had under 5 s)
+STEPS = 20
+
+
+def agent_with(agents, node: str, metrics: Metrics, policy: str, gpus: str = "4096", hold_s: float = 12.0) -> None:
     agents.start(
         node,
         gpus=gpus,
         hold_s=hold_s,
+        env={"HOLD_STEPS": str(STEPS)},
         extra=("--engine", f"vllm={metrics.url}", "--engine-model", "tiny", "--engine-yield", policy),
     )
 
@@ -195,7 +202,7 @@ async def test_training_stops_while_the_engine_serves_and_goes_on_when_it_is_idl
     engine.set(running=0, waiting=0)
     await says(nc, job, "training again", "idle for 0.3s")
     done = await wait_state(nc, job, "succeeded", timeout=60)
-    assert "yielded" in done.message and done.step == 10
+    assert "yielded" in done.message and done.step == STEPS
 
 
 async def test_a_trainer_stopped_for_an_engine_that_stops_answering_goes_on(stack, nc, agents, engine):
@@ -213,7 +220,7 @@ async def test_a_trainer_stopped_for_an_engine_that_stops_answering_goes_on(stac
     node = next(n for n in await list_nodes(nc) if n.node == "n1")  # this engine has no /load: /metrics is read
     assert node.alive and node.engines[0].error == "connection refused at /metrics", node.engines
     done = await wait_state(nc, job, "succeeded", timeout=30)
-    assert done.step == 10 and "yielded" in done.message
+    assert done.step == STEPS and "yielded" in done.message
 
 
 async def test_a_full_kv_cache_pauses_the_job_and_it_resumes_from_its_checkpoint(stack, nc, agents, engine):
@@ -229,7 +236,9 @@ async def test_a_full_kv_cache_pauses_the_job_and_it_resumes_from_its_checkpoint
     assert done.attempt == 2
     page = await bus.request(nc, names.EVENTS, EventsQuery(job=job, limit=1000), EventPage)
     steps = {e.event.step: e.event.loss for e in page.events if isinstance(e.event, Progress)}
-    assert sorted(steps) == list(range(1, 11)) and all(abs(steps[s] - 1.0 / s) < 1e-9 for s in steps)  # one curve
+    assert sorted(steps) == list(range(1, STEPS + 1)) and all(
+        abs(steps[s] - 1.0 / s) < 1e-9 for s in steps
+    )  # one curve
 
 
 async def test_placement_prefers_the_device_beside_an_idle_engine(stack, nc, agents, engine):
