@@ -34,6 +34,7 @@ from tests.conftest import (
 from tests.qa import pairs
 
 CFG = SchedulerConfig(co_train="off", heartbeat_interval=0.25, misses=4)
+STEPS = 20  # the stand-in trainer's steps in the paused job's test
 
 
 async def ask(nc, subject, query, reply_type=JobReply):
@@ -60,7 +61,9 @@ async def test_a_paused_job_keeps_its_place_through_restarts_and_goes_on_from_it
     try:
         sched, stop, task = await services.start(lambda c: Scheduler(c, CFG))
         await services.start(lambda c: ArtifactService(c))
-        agents.start("n1", gpus="4096", hold_s=6.0)
+        # 20 steps of 0.6 s: the pause asked at step 3 lands long before the job's end even when this process (the
+        # scheduler's too) stalls for seconds on a busy machine (at 10 steps in 6 s it had about 4 s)
+        agents.start("n1", gpus="4096", hold_s=12.0, env={"HOLD_STEPS": str(STEPS)})
         await wait_nodes(nc, 1)
         reply = await submit(nc, {"model": "tiny", "base_dir": "/models/tiny", "data": pairs(2)})
         job_id = reply.job
@@ -83,12 +86,12 @@ async def test_a_paused_job_keeps_its_place_through_restarts_and_goes_on_from_it
         assert (await wait_state(nc, job_id, "paused", timeout=30)).paused_by == "user"
 
         agents.terminate("n1")  # resumed, it can only go on elsewhere
-        agents.start("n2", gpus="4096", hold_s=2.0)
+        agents.start("n2", gpus="4096", hold_s=4.0, env={"HOLD_STEPS": str(STEPS)})
         resumed = await ask(nc, names.RESUME, JobQuery(job_id))
         assert isinstance(resumed, JobReply) and resumed.job.state == "queued"
         done = await wait_state(nc, job_id, ("succeeded", "failed"), timeout=60)
         assert done.state == "succeeded" and done.node == "n2", done.message
-        assert await progress_steps(nc, job_id) == list(range(1, 11))  # on from the checkpoint: no step twice
+        assert await progress_steps(nc, job_id) == list(range(1, STEPS + 1))  # on from the checkpoint: no step twice
         attempts = [(e.state, e.node) for e in await states_of(nc, job_id) if e.state in ("paused", "succeeded")]
         assert attempts == [("paused", "n1"), ("succeeded", "n2")]
         await pages_hold_every_event_once(nc, job_id)
@@ -110,9 +113,9 @@ async def pages_hold_every_event_once(nc, job_id: str) -> None:
             break
     assert [e.event for e in paged] == replayed and pages == -(-len(replayed) // 3)
     assert len({e.seq for e in paged}) == len(paged) and [e.seq for e in paged] == sorted(e.seq for e in paged)
-    late = await ask(nc, names.EVENTS, EventsQuery(job=job_id, after_step=8), EventPage)
+    late = await ask(nc, names.EVENTS, EventsQuery(job=job_id, after_step=STEPS - 2), EventPage)
     steps = [e.event.step for e in late.events if isinstance(e.event, Progress)]
-    assert steps == [9, 10] and any(isinstance(e.event, StateChange) for e in late.events)
+    assert steps == [STEPS - 1, STEPS] and any(isinstance(e.event, StateChange) for e in late.events)
 
 
 async def test_a_queued_job_pauses_at_once_and_a_paused_one_resumes_or_cancels(stack, nc):
