@@ -29,7 +29,10 @@ from tests.harness.projected import NoBus
 from tests.qa import pairs
 
 JOB = {"model": "tiny", "base_dir": "/models/tiny", "data": pairs(2), "gpu_mib": 1000}
-STEPS = 30
+# the stand-in's steps of 0.2 s: 60 (12 s) leave acme's jobs running well past the checks made after globex's start
+# even when this process (the scheduler's) stalls for seconds on a busy machine; 30 (6 s) left about 3 s, after
+# which acme's victims could be placed again and the shares read changed
+STEPS = 60
 
 
 def claim(demand: int, weight: float = 1, nominal: int = 0, cap: int | None = None, held: int = 0) -> Claim:
@@ -116,7 +119,7 @@ async def test_a_tenant_below_its_share_takes_two_devices_back_by_checkpoint(nc,
     sched = await start(services)
     log = tmp_path / "steps.log"
     for node in ("n1", "n2"):  # four devices on two nodes: a preempted job may go on on the other node
-        agents.start(node, gpus="4096,4096", hold_s=6.0, env={"HOLD_LOG": str(log), "HOLD_STEPS": str(STEPS)})
+        agents.start(node, gpus="4096,4096", hold_s=STEPS * 0.2, env={"HOLD_LOG": str(log), "HOLD_STEPS": str(STEPS)})
     await wait_nodes(nc, 2)
     acme = [await submit_as(nc, "acme", label=f"acme-{i}") for i in range(4)]
     for job in acme:  # acme alone: it borrows the whole fleet
