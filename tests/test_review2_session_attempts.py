@@ -265,3 +265,37 @@ async def test_a_node_lost_after_a_pause_before_any_call_is_not_told_as_a_loss(n
         await asyncio.to_thread(steps.sc.close, "success")
     finally:
         await gw.close()
+
+
+@pytest.mark.parametrize("grouped", [False, True], ids=["alone", "in a session group"])
+async def test_a_pause_landing_on_a_steps_calls_in_flight_runs_each_once(nc, services, tiny_model, agents, grouped):
+    """A step's forward_backward and optim_step sent at once through the gateway, and the session paused through
+    the jobs API as they run (before, between or after them, as it falls): the gateway's calls went to attempt n,
+    the node answers 'ask again' or 'runs attempt n+1 here', the gateway resumes the session and sends them again
+    under their call ids. Each step is counted once, in order, alone and in a session group."""
+    await start_stack(services, dataclasses.replace(STACK_CONFIG, co_train="same-tenant" if grouped else "off"))
+    agents.start("box", gpus=None, offer_cpu=True, trainer=None, interval=0.25)
+    await wait_nodes(nc, 1)
+    gw = _gateway(nc, tiny_model)
+    await gw.start()
+    try:
+        steps = await asyncio.to_thread(Steps, gw.port, await key_for(nc, "acme"))
+        assert await asyncio.to_thread(steps.step) == 1.0
+        job = (await _record(nc, steps.tc.model_id)).job
+        api, counted = names.jobs_api("acme"), []
+        for i in range(3):
+
+            def sent():
+                fb = steps.tc.forward_backward(steps.batch, "cross_entropy")
+                return fb, steps.tc.optim_step(steps.types.AdamParams(learning_rate=1e-2))
+
+            fb, opt = await asyncio.to_thread(sent)
+            await bus.request(nc, api.pause, JobQuery(job), JobReply | Error)  # the gateway resumes it for the calls
+            await asyncio.to_thread(fb.result)
+            counted.append((await asyncio.to_thread(opt.result)).metrics[STEP_METRIC])
+        counted.append(await asyncio.to_thread(steps.step))
+        assert counted == [2.0, 3.0, 4.0, 5.0], counted
+        assert (await get_job(nc, job)).attempt >= 2  # at least one pause landed
+        await asyncio.to_thread(steps.sc.close, "success")
+    finally:
+        await gw.close()
