@@ -108,3 +108,30 @@ async def test_a_pause_or_stop_asked_while_the_trainer_starts_is_not_lost(tmp_pa
         await asyncio.gather(ran, return_exceptions=True)
     assert isinstance(final, Finished) and final.state == {"pause": "paused", "stop": "stopped"}[ask], final
     assert final.step < 200 and all(e.step < 200 for e in events if isinstance(e, Progress)), "trained to its end"
+
+
+async def test_a_spawn_that_fails_or_is_cancelled_inside_the_hold_leaves_the_mask_as_it_was(tmp_path):
+    """A trainer command that cannot be started (raises at the fork) and a start cancelled while its pipes are
+    connected (the job cancelled as it starts), each beside a hold of another start under way."""
+    from services.procs import asks_held
+
+    mask = signal.pthread_sigmask(signal.SIG_BLOCK, [])
+
+    async def spawn(command: list[str]) -> asyncio.subprocess.Process:
+        with asks_held():
+            return await asyncio.create_subprocess_exec(*command, stdout=asyncio.subprocess.PIPE)
+
+    try:
+        ok = asyncio.create_task(spawn(["true"]))
+        await asyncio.sleep(0)  # forked; its pipes not yet connected: its hold is under way
+        with pytest.raises(FileNotFoundError):
+            await spawn([str(tmp_path / "no-such-trainer")])
+        cancelled = asyncio.create_task(spawn(["true"]))
+        await asyncio.sleep(0)
+        cancelled.cancel()
+        await asyncio.gather(cancelled, return_exceptions=True)
+        proc = await ok
+        await proc.communicate()
+        assert signal.pthread_sigmask(signal.SIG_BLOCK, []) == mask
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
