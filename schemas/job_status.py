@@ -66,6 +66,9 @@ class CheckpointInfo(Struct, kw_only=True):
     eval_reward: float | None = None  # grpo: the latest evaluation's mean reward
 
 
+PAUSES_KEPT = 16  # JobStatus.paused_attempts: the latest this many
+
+
 class JobStatus(Struct, kw_only=True):
     """Where a job stands, kept under `status.<id>`; no key yet means queued since submission."""
 
@@ -80,6 +83,8 @@ class JobStatus(Struct, kw_only=True):
     held_by: list[NodeId] = field(default_factory=list)  # the node of each attempt, oldest first: whose events count
     event_seq: int = 0  # the JOBS stream sequence of the last state event applied: an older one redelivered is stale
     retries_used: int = 0  # times the job was re-queued because its node went away
+    paused_attempts: list[int] = field(default_factory=list)  # its attempts that ended in a pause (the latest few):
+    # each saved all it had done (a Tinker session: every call answered), so the next attempt lost nothing of it
     train_alone: str = ""  # why it trains alone from now on (split out of a co-training group); "": as it asks
     artifacts: list[ArtifactRef] = field(default_factory=list)
     checkpoint: str | None = None  # object-store name of the latest checkpoint: a re-queued job resumes from it
@@ -119,6 +124,7 @@ class JobSummary(Struct, kw_only=True):
     group: str | None = None  # the co-training group it trains (or trained) in
     preempted: str = ""  # queued again after a preemption: who preempted it and why (it goes on from its checkpoint)
     retries_used: int = 0  # times it was queued again because its node went away (a pause or preemption is not one)
+    paused_attempts: list[int] = field(default_factory=list)  # its attempts that ended in a pause (the latest few)
 
 
 def summarize(stored: StoredRequest, status: JobStatus) -> "JobSummary":
@@ -145,6 +151,7 @@ def summarize(stored: StoredRequest, status: JobStatus) -> "JobSummary":
         devices=status.devices,
         group=status.group,
         retries_used=status.retries_used,
+        paused_attempts=status.paused_attempts,
         preempted=status.preempted,
     )
 

@@ -144,9 +144,7 @@ class ModelRecord(Struct, kw_only=True):
     info: PingResult | None = None  # what its trainer said when it started
     next_seq: int = 0  # the seq_id whose turn it is (0: its create); at most a burst behind while a pump runs
     pump: str = ""  # the gateway that runs its calls in order, while one does
-    attempt: int = 0  # its job's attempt its calls last went to (another, not after a pause: its node went away)
-    retries: int = -1  # its job's retries_used then (-1: not known): grown since, its node went away
-    paused: list[int] = field(default_factory=list)  # its job's attempts that ended in a pause (the latest few)
+    attempt: int = 0  # its job's attempt its calls last went to (another, not one that ended paused: calls lost)
     lost: str = ""  # it moved after its node went away: what its next training call is told
     saves: dict[str, SaveRecord] = field(default_factory=dict)  # save_state names
     samplers: dict[str, SaveRecord] = field(default_factory=dict)  # unnamed sampler saves (named: SamplerSave)

@@ -1,8 +1,8 @@
 """Review of 10c94aa (#63): a session's calls name the attempt they went to, and the gateway tells its client a loss
-only when the job was queued again because its node went away (JobSummary.retries_used). A pause is not a loss:
+only when the attempt they went to did not end in a pause (JobSummary.paused_attempts). A pause is not a loss:
 its checkpoint holds every call answered before it. Here the session is paused and resumed by someone other than
 the gateway that runs its calls (a user's `jetlora pause` and `resume`, as the scheduler resumes a session paused
-for a serving engine), while the client is between calls: the gateway never saw it paused, so only retries_used
+for a serving engine), while the client is between calls: the gateway never saw it paused, so only paused_attempts
 tells it this new attempt is no move. The client's next step must go on as the step after its last, with no
 notice, whether the same gateway runs its calls or one started since (a gateway restarted, or another taking the
 model over, knows only what the model's record says). Real stack: nats-server, the scheduler, an agent as a
@@ -204,13 +204,6 @@ async def test_a_move_told_by_one_gateway_is_not_told_again_by_the_other(nc, sta
             await gw.close()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="10c94aa tells a move only when retries_used grew; an agent's SIGTERM shutdown kills the session's "
-    "trainer (no pause checkpoint) and hands the job back as queued without counting a retry, so the calls since "
-    "the last save are lost in silence, on its node back (silent before 10c94aa too: no attempt in the call) and "
-    "on another node (told before 10c94aa: any new attempt not after a pause was a move)",
-)
 @pytest.mark.parametrize("back_on", ["box", "other"])
 async def test_a_session_whose_agent_shut_down_tells_the_next_training_call(nc, stack, tiny_model, agents, back_on):
     """The session's agent is stopped (SIGTERM: a deploy, a restart of the service) while the client is between
@@ -239,13 +232,6 @@ async def test_a_session_whose_agent_shut_down_tells_the_next_training_call(nc, 
         await gw.close()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="10c94aa tells a move whenever retries_used grew since the gateway's last look; a pause it did not see "
-    "(resumed by the scheduler or a user) then a node lost before any call reached the resumed attempt loses "
-    "nothing (the next attempt goes on from the pause's checkpoint), yet the client is told its calls since its "
-    "save_state were lost and to load_state it (which would throw away the steps the pause kept)",
-)
 async def test_a_node_lost_after_a_pause_before_any_call_is_not_told_as_a_loss(nc, stack, tiny_model, agents):
     agents.start("box", gpus=None, offer_cpu=True, trainer=None, interval=0.25)
     await wait_nodes(nc, 1)

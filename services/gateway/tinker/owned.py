@@ -57,7 +57,7 @@ class RecordWriter:
             record.pump = self.gateway
             route = self.trainers.routes.get(record.id)
             if route is not None:
-                record.attempt, record.retries, record.lost = route.attempt, route.retries, route.lost
+                record.attempt, record.lost = route.attempt, route.lost
             snapshot = msgspec.structs.replace(record, next_seq=seq)
             revision = await self.store.update(self.store.kv, key, snapshot, owned.revision)
             if revision is None:
@@ -75,7 +75,7 @@ class RecordWriter:
                 raise TakenOver(record.id)
             stored.next_seq, stored.last_request = max(stored.next_seq, seq), max(stored.last_request, last)
             stored.job, stored.info = stored.job or record.job, stored.info or record.info
-            stored.attempt, stored.retries, stored.lost = record.attempt, record.retries, record.lost
+            stored.attempt, stored.lost = record.attempt, record.lost
             for change in changes:
                 change(stored)
             return True
@@ -85,7 +85,6 @@ class RecordWriter:
         if merged is None or found is None:
             raise TakenOver(record.id)
         stored, revision = found
-        record.paused = stored.paused
         for name in set(record.saves) - set(stored.saves):
             record.saves.pop(name)
         for name in set(record.samplers) - set(stored.samplers):

@@ -17,7 +17,7 @@ from schemas.events import CheckpointList
 from schemas.jobs import Error, JobRequest, Rejected, SubmitReply
 from schemas.job_status import JobQuery, JobReply
 from schemas.sessions import CallError, SessionCall, SessionReply, SessionRequest
-from schemas.tinker_store import ModelRecord, SessionRecord, model_key, session_key
+from schemas.tinker_store import ModelRecord, SessionRecord, session_key
 from services import bus
 from services.gateway.tinker.futures import CallFailed
 from services.gateway.tinker.store import Store
@@ -29,7 +29,6 @@ CALL_S = 900.0  # one call at most (a large batch on a slow device)
 WATCH_S = 5.0  # while a call runs longer than this, its job is checked this often
 TERMINAL = ("succeeded", "failed", "cancelled", "stopped")
 ROUTES_KEPT = 4096
-PAUSES_KEPT = 8
 
 
 @dataclass
@@ -38,7 +37,6 @@ class Route:
 
     node: str | None = None
     attempt: int = 0  # the job's attempt its calls went to: another one means the session moved or came back
-    retries: int = -1  # the job's retries_used when this gateway last looked (-1: not yet)
     lost: str = ""  # it moved after its node went away: what its next training call is told
 
 
@@ -83,7 +81,7 @@ class Trainers:
         gateway ran the calls since, and told its client of any move then: not to be told again from here)."""
         route = self.routes.get(model.id)
         if route is None or model.attempt > route.attempt:
-            route = self.routes[model.id] = Route(attempt=model.attempt, retries=model.retries, lost=model.lost)
+            route = self.routes[model.id] = Route(attempt=model.attempt, lost=model.lost)
             while len(self.routes) > ROUTES_KEPT:
                 self.routes.popitem(last=False)
         return route
@@ -167,15 +165,17 @@ class Trainers:
             raise CallFailed(f"model {model.id}'s session has ended ({job.state}: {job.message})")
         if job.state == "paused":  # idle, silent, or a serving engine took its device: it goes on from its checkpoint
             await self._client_back(model)
-            await self._paused_at(model, job.attempt)
             await bus.request(self.nc, names.jobs_api(model.tenant).resume, JobQuery(model.job), JobReply | Error)
             self.watch.forget(model.job)
         if job.state != "running":
             return None
-        requeued = route.retries < 0 or job.retries_used > route.retries  # its node went away (not a pause)
-        moved = route.attempt not in (0, job.attempt) and requeued and route.attempt not in await self._pauses(model)
-        route.attempt, route.retries = job.attempt, job.retries_used
-        if moved:  # a pause (idle, silent, an engine's) goes on exactly where it was; a node that went away does not  # told to the next training call (send)
+        # the attempt its calls went to ended in a pause (idle, silent, an engine's, a user's, preempted; seen by
+        # this gateway or not): its checkpoint holds every call answered, and the attempts after it ran none of
+        # its calls. Any other end (its node went away, its agent shut down and handed it back) lost the calls
+        # since the last save_state: told to the next training call (send)
+        moved = route.attempt not in (0, job.attempt) and route.attempt not in job.paused_attempts
+        route.attempt = job.attempt
+        if moved:
             route.lost = (
                 f"model {model.id}'s node went away; its session goes on on {job.node} from its last saved state "
                 f"(attempt {job.attempt}): calls since that save_state were lost; load_state it, or redo them"
@@ -197,20 +197,6 @@ class Trainers:
         written = await self.store.modify(self.store.kv, session_key(model.tenant, model.session), SessionRecord, heard)
         if written is not None and written.finished is not None:
             raise CallFailed(f"model {model.id}'s session has ended: create a new one")
-
-    async def _paused_at(self, model: ModelRecord, attempt: int) -> None:
-        """Every gateway learns that this attempt ended in a pause (so its next one is no move)."""
-
-        def add(m: ModelRecord) -> bool:
-            m.paused = [*m.paused, attempt][-PAUSES_KEPT:] if attempt not in m.paused else m.paused
-            return True
-
-        model.paused = [*model.paused, attempt][-PAUSES_KEPT:]
-        await self.store.modify(self.store.kv, model_key(model.tenant, model.id), ModelRecord, add)
-
-    async def _pauses(self, model: ModelRecord) -> list[int]:
-        found = await self.store.get(self.store.kv, model_key(model.tenant, model.id), ModelRecord)
-        return model.paused + (found[0].paused if found is not None else [])
 
     async def running_on(self, model: ModelRecord) -> str | None:
         """The node its job runs on now, if it runs (nothing resumed)."""
