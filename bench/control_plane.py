@@ -27,6 +27,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import msgspec  # noqa: E402
+import nats  # noqa: E402
 
 from bench.fleet_bench import ENDED, figure, pct, proc_stats, profiled, sim_stack, until_all_alive  # noqa: E402, F401
 from bench.guarantees import Guarantees  # noqa: E402
@@ -65,9 +66,15 @@ async def run_once(args, side: str) -> dict:
     flags = ["--heartbeat-interval", str(args.interval), "--misses", str(args.misses), "--co-train", side]
     log = SCHED_LOG.format(side=side)
     async with sim_stack(flags, log, args.nodes, 8, args.doomed, args.interval) as run:
-        await run.nc.subscribe("bench.echo", cb=echo)
-        await run.nc.flush()  # the server knows the echo's subscription before the first round trip asks for it
-        out = await _measure(args, rng, run.client, run.fleet, run.sched, side)
+        # the echo on a connection of its own: on the fleet's, which carries a thousand agents' traffic, a round
+        # trip now and then found no responder (NoRespondersError ended the run before it measured anything)
+        echoer = await nats.connect(run.nc.connected_url.geturl())
+        try:
+            await echoer.subscribe("bench.echo", cb=echo)
+            await echoer.flush()  # the server knows the echo's subscription before the first round trip asks for it
+            out = await _measure(args, rng, run.client, run.fleet, run.sched, side)
+        finally:
+            await echoer.close()
     out.update(run.figures())
     out["refused_by_sim"] = run.fleet.refused
     log_lines = Path(log).read_text().splitlines()
