@@ -57,7 +57,7 @@ class RecordWriter:
             record.pump = self.gateway
             route = self.trainers.routes.get(record.id)
             if route is not None:
-                record.attempt, record.lost = route.attempt, route.lost
+                record.attempt, record.lost = route.trained, route.lost
             snapshot = msgspec.structs.replace(record, next_seq=seq)
             revision = await self.store.update(self.store.kv, key, snapshot, owned.revision)
             if revision is None:

@@ -36,7 +36,9 @@ class Route:
     """Where a model's calls went lately, as this gateway knows it."""
 
     node: str | None = None
-    attempt: int = 0  # the job's attempt its calls went to: another one means the session moved or came back
+    attempt: int = 0  # the job's attempt its calls go to (the node answers 'ask again' if it runs another)
+    trained: int = 0  # the attempt its training calls went to (0: none yet): how it ended says whether they were
+    # lost. A sample changes nothing: one that resumed a pause puts nothing at risk on the attempt it ran on
     lost: str = ""  # it moved after its node went away: what its next training call is told
 
 
@@ -80,8 +82,8 @@ class Trainers:
         """Where this gateway last sent the model's calls; the record's word when it knows a later attempt (another
         gateway ran the calls since, and told its client of any move then: not to be told again from here)."""
         route = self.routes.get(model.id)
-        if route is None or model.attempt > route.attempt:
-            route = self.routes[model.id] = Route(attempt=model.attempt, lost=model.lost)
+        if route is None or model.attempt > route.trained:
+            route = self.routes[model.id] = Route(attempt=model.attempt, trained=model.attempt, lost=model.lost)
             while len(self.routes) > ROUTES_KEPT:
                 self.routes.popitem(last=False)
         return route
@@ -102,16 +104,19 @@ class Trainers:
         move, the next training call fails once, saying so (a sample does not: it carries no state)."""
         route, deadline = self.route(model), time.monotonic() + CALL_WAIT_S
         request = SessionRequest(job=model.job, tenant=model.tenant, call=call, call_id=call_id)
+        looked = False  # its job looked at during this call: the first training call to an attempt goes where it runs
         while time.monotonic() < deadline:
             if training and route.lost:
                 lost, route.lost = route.lost, ""
                 raise CallFailed(lost)
-            if route.node is not None:
+            if route.node is not None and (not training or looked or route.trained == route.attempt):
                 request.attempt = route.attempt
+                if training:  # its fate is that attempt's: one that ends other than in a pause may lose it
+                    route.trained = route.attempt
                 reply = await self._ask(model, route, route.node, request)
                 if not (isinstance(reply, CallError) and reply.retry):
                     return reply
-            route.node = await self._where(model, route)
+            route.node, looked = await self._where(model, route), True
             if route.node is None or (training and route.lost):
                 await asyncio.sleep(POLL_S)
         raise CallFailed(f"model {model.id}'s session did not start within {CALL_WAIT_S:.0f} s", "server")
@@ -169,13 +174,17 @@ class Trainers:
             self.watch.forget(model.job)
         if job.state != "running":
             return None
-        # the attempt its calls went to ended in a pause (idle, silent, an engine's, a user's, preempted; seen by
-        # this gateway or not): its checkpoint holds every call answered, and the attempts after it ran none of
-        # its calls. Any other end (its node went away, its agent shut down and handed it back) lost the calls
-        # since the last save_state: told to the next training call (send)
-        moved = route.attempt not in (0, job.attempt) and route.attempt not in job.paused_attempts
+        # the attempt its training calls went to ended in a pause (idle, silent, an engine's, a user's, preempted;
+        # seen by this gateway or not): its checkpoint holds every call answered, and the attempts after it ran
+        # none of them (a sample changes nothing): nothing is at risk until the next training call. Any other end
+        # (its node went away, its agent shut down and handed it back) lost the calls since the last save_state:
+        # told to the next training call (send)
+        moved = route.trained not in (0, job.attempt) and route.trained not in job.paused_attempts
+        if route.trained in job.paused_attempts:  # the latest pause holds the same (kept among the latest few)
+            route.trained = max(job.paused_attempts)
         route.attempt = job.attempt
         if moved:
+            route.trained = job.attempt  # told once
             route.lost = (
                 f"model {model.id}'s node went away; its session goes on on {job.node} from its last saved state "
                 f"(attempt {job.attempt}): calls since that save_state were lost; load_state it, or redo them"
