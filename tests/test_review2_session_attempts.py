@@ -11,8 +11,10 @@ process with the real session trainer, the official client; alone and in a sessi
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import os
+from collections.abc import AsyncIterator
 
 import msgspec
 import pytest
@@ -61,6 +63,37 @@ def _gateway(nc, tiny_model, port: int = 0) -> Gateway:
     return Gateway(nc, models, port=port, tinker_settings=SETTINGS)
 
 
+@dataclasses.dataclass
+class Held:
+    """A training client of acme's and the gateway it goes through (a test may close it and start another)."""
+
+    steps: Steps
+    gw: Gateway
+
+
+@contextlib.asynccontextmanager
+async def a_session(nc, tiny_model, agents) -> AsyncIterator[Held]:
+    """Node box (one CPU device), a gateway, and a training client through it; the client closed after."""
+    agents.start("box", gpus=None, offer_cpu=True, trainer=None, interval=0.25)
+    await wait_nodes(nc, 1)
+    held = Held(None, _gateway(nc, tiny_model))  # type: ignore[arg-type]
+    await held.gw.start()
+    try:
+        held.steps = await asyncio.to_thread(Steps, held.gw.port, await key_for(nc, "acme"))
+        yield held
+        await asyncio.to_thread(held.steps.sc.close, "success")
+    finally:
+        await held.gw.close()
+
+
+async def saved_then_stepped(nc, steps: Steps) -> str:
+    """Step 1, saved as "kept", then step 2 (which only a pause keeps): the session's job."""
+    assert await asyncio.to_thread(steps.step) == 1.0
+    await asyncio.to_thread(lambda: steps.tc.save_state("kept").result())
+    assert await asyncio.to_thread(steps.step) == 2.0
+    return (await _record(nc, steps.tc.model_id)).job
+
+
 async def _record(nc, model_id: str) -> ModelRecord:
     found = await (await nc.jetstream().key_value(names.TINKER_KV)).get(model_key("acme", model_id))
     return msgspec.json.decode(found.value, type=ModelRecord)
@@ -86,28 +119,21 @@ async def test_a_pause_its_gateway_did_not_see_is_not_told_as_a_loss(
     nc, services, tiny_model, agents, grouped, restarted
 ):
     await start_stack(services, dataclasses.replace(STACK_CONFIG, co_train="same-tenant" if grouped else "off"))
-    agents.start("box", gpus=None, offer_cpu=True, trainer=None, interval=0.25)
-    await wait_nodes(nc, 1)
-    gw = _gateway(nc, tiny_model)
-    await gw.start()
-    try:
-        steps = await asyncio.to_thread(Steps, gw.port, await key_for(nc, "acme"))
+    async with a_session(nc, tiny_model, agents) as held:
+        steps = held.steps
         assert [await asyncio.to_thread(steps.step) for _ in range(2)] == [1.0, 2.0]
         model = steps.tc.model_id
         await wait_for(lambda: _attempt_recorded(nc, model), timeout=60, what="the model's record at attempt 1")
         job = (await _record(nc, model)).job
         if restarted:  # what the next gateway knows of the model is its record
-            port = gw.port
-            await gw.close()
-            gw = _gateway(nc, tiny_model, port)
+            port = held.gw.port
+            await held.gw.close()
+            held.gw = _gateway(nc, tiny_model, port)
         await _paused_and_resumed_elsewhere(nc, job)
         if restarted:
-            await gw.start()
+            await held.gw.start()
         # nothing was lost: the pause saved every call answered before it, so the next step is step 3, untold
         assert await asyncio.to_thread(steps.step) == 3.0
-        await asyncio.to_thread(steps.sc.close, "success")
-    finally:
-        await gw.close()
 
 
 async def _attempt_recorded(nc, model_id: str, attempt: int = 1) -> bool:
@@ -118,12 +144,8 @@ async def test_a_node_lost_while_its_gateway_was_away_is_told_once_by_the_next(n
     """The other side of the above: the model's record carries what the last gateway knew, so one started after
     the session's node went away (killed, back under its name: a new attempt from the last save) still tells the
     next training call that the calls since the save were lost, once; the step after goes on from the save."""
-    agents.start("box", gpus=None, offer_cpu=True, trainer=None, interval=0.25)
-    await wait_nodes(nc, 1)
-    gw = _gateway(nc, tiny_model)
-    await gw.start()
-    try:
-        steps = await asyncio.to_thread(Steps, gw.port, await key_for(nc, "acme"))
+    async with a_session(nc, tiny_model, agents) as held:
+        steps = held.steps
         assert await asyncio.to_thread(steps.step) == 1.0
         await asyncio.to_thread(lambda: steps.tc.save_state("kept").result())
         model = steps.tc.model_id
@@ -131,19 +153,16 @@ async def test_a_node_lost_while_its_gateway_was_away_is_told_once_by_the_next(n
         await wait_for(lambda: _checkpointed(nc, job), timeout=60, what="the save stored as the job's checkpoint")
         assert await asyncio.to_thread(steps.step) == 2.0  # lost with the node
         await wait_for(lambda: _attempt_recorded(nc, model), timeout=60, what="the model's record at attempt 1")
-        port = gw.port
-        await gw.close()
+        port = held.gw.port
+        await held.gw.close()
         agents.kill("box")
         agents.start("box", gpus=None, offer_cpu=True, trainer=None, interval=0.25)
         await wait_for(lambda: _state(nc, job, "running", 2), timeout=120, what="attempt 2 running from the save")
-        gw = _gateway(nc, tiny_model, port)
-        await gw.start()
+        held.gw = _gateway(nc, tiny_model, port)
+        await held.gw.start()
         with pytest.raises(Exception, match="went away"):
             await asyncio.to_thread(steps.step)
         assert await asyncio.to_thread(steps.step) == 2.0  # from the save at step 1, told once
-        await asyncio.to_thread(steps.sc.close, "success")
-    finally:
-        await gw.close()
 
 
 async def _checkpointed(nc, job: str) -> bool:
@@ -210,12 +229,8 @@ async def test_a_session_whose_agent_shut_down_tells_the_next_training_call(nc, 
     calls: its trainer is killed, the job handed back to the queue, and the session goes on from its last save as a
     new attempt, on the node come back or on another. The step after the save is lost: the next training call must
     say so."""
-    agents.start("box", gpus=None, offer_cpu=True, trainer=None, interval=0.25)
-    await wait_nodes(nc, 1)
-    gw = _gateway(nc, tiny_model)
-    await gw.start()
-    try:
-        steps = await asyncio.to_thread(Steps, gw.port, await key_for(nc, "acme"))
+    async with a_session(nc, tiny_model, agents) as held:
+        steps = held.steps
         assert await asyncio.to_thread(steps.step) == 1.0
         await asyncio.to_thread(lambda: steps.tc.save_state("kept").result())
         job = (await _record(nc, steps.tc.model_id)).job
@@ -227,30 +242,17 @@ async def test_a_session_whose_agent_shut_down_tells_the_next_training_call(nc, 
         assert running.node == back_on, running
         with pytest.raises(Exception, match="went away"):  # found: step 2 again, from the save at step 1, untold
             await asyncio.to_thread(steps.step)
-        await asyncio.to_thread(steps.sc.close, "success")
-    finally:
-        await gw.close()
 
 
 async def test_a_node_lost_after_a_pause_before_any_call_is_not_told_as_a_loss(nc, stack, tiny_model, agents):
-    agents.start("box", gpus=None, offer_cpu=True, trainer=None, interval=0.25)
-    await wait_nodes(nc, 1)
-    gw = _gateway(nc, tiny_model)
-    await gw.start()
-    try:
-        steps = await asyncio.to_thread(Steps, gw.port, await key_for(nc, "acme"))
-        assert await asyncio.to_thread(steps.step) == 1.0
-        await asyncio.to_thread(lambda: steps.tc.save_state("kept").result())
-        assert await asyncio.to_thread(steps.step) == 2.0  # kept by the pause below
-        job = (await _record(nc, steps.tc.model_id)).job
+    async with a_session(nc, tiny_model, agents) as held:
+        steps = held.steps
+        job = await saved_then_stepped(nc, steps)
         await _paused_and_resumed_elsewhere(nc, job)  # attempt 2, from the pause's checkpoint at step 2
         agents.kill("box")  # before any call reached attempt 2: it ran nothing, lost nothing
         agents.start("box", gpus=None, offer_cpu=True, trainer=None, interval=0.25)
         await wait_for(lambda: _state(nc, job, "running", 3), timeout=120, what="attempt 3 running")
         assert await asyncio.to_thread(steps.step) == 3.0  # found: 'went away ... load_state it'
-        await asyncio.to_thread(steps.sc.close, "success")
-    finally:
-        await gw.close()
 
 
 @pytest.mark.parametrize("grouped", [False, True], ids=["alone", "in a session group"])
@@ -260,12 +262,8 @@ async def test_a_pause_landing_on_a_steps_calls_in_flight_runs_each_once(nc, ser
     the node answers 'ask again' or 'runs attempt n+1 here', the gateway resumes the session and sends them again
     under their call ids. Each step is counted once, in order, alone and in a session group."""
     await start_stack(services, dataclasses.replace(STACK_CONFIG, co_train="same-tenant" if grouped else "off"))
-    agents.start("box", gpus=None, offer_cpu=True, trainer=None, interval=0.25)
-    await wait_nodes(nc, 1)
-    gw = _gateway(nc, tiny_model)
-    await gw.start()
-    try:
-        steps = await asyncio.to_thread(Steps, gw.port, await key_for(nc, "acme"))
+    async with a_session(nc, tiny_model, agents) as held:
+        steps = held.steps
         assert await asyncio.to_thread(steps.step) == 1.0
         job = (await _record(nc, steps.tc.model_id)).job
         api, counted = names.jobs_api("acme"), []
@@ -282,6 +280,3 @@ async def test_a_pause_landing_on_a_steps_calls_in_flight_runs_each_once(nc, ser
         counted.append(await asyncio.to_thread(steps.step))
         assert counted == [2.0, 3.0, 4.0, 5.0], counted
         assert (await get_job(nc, job)).attempt >= 2  # at least one pause landed
-        await asyncio.to_thread(steps.sc.close, "success")
-    finally:
-        await gw.close()

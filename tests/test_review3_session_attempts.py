@@ -17,27 +17,19 @@ from schemas import names
 from schemas.jobs import Error
 from schemas.job_status import JobQuery, JobReply
 from services import bus
-from tests.conftest import wait_for, wait_nodes
-from tests.test_review2_session_attempts import Steps, _gateway, _record, _state
-from tests.test_tinker_api import key_for
+from tests.conftest import wait_for
+from tests.test_review2_session_attempts import _state, a_session, saved_then_stepped
 
 pytestmark = pytest.mark.timeout(600)
 os.environ.setdefault("TINKER_TELEMETRY", "0")
 
 
 async def test_a_sample_resuming_a_pause_then_a_node_lost_is_not_told_as_a_loss(nc, stack, tiny_model, agents):
-    agents.start("box", gpus=None, offer_cpu=True, trainer=None, interval=0.25)
-    await wait_nodes(nc, 1)
-    gw = _gateway(nc, tiny_model)
-    await gw.start()
-    try:
-        steps = await asyncio.to_thread(Steps, gw.port, await key_for(nc, "acme"))
-        assert await asyncio.to_thread(steps.step) == 1.0
-        await asyncio.to_thread(lambda: steps.tc.save_state("kept").result())
-        assert await asyncio.to_thread(steps.step) == 2.0  # kept by the pause below
+    async with a_session(nc, tiny_model, agents) as held:
+        steps = held.steps
+        job = await saved_then_stepped(nc, steps)
         path = await asyncio.to_thread(lambda: steps.tc.save_weights_for_sampler("s2").result().path)
         sampling = await asyncio.to_thread(lambda: steps.sc.create_sampling_client(model_path=path).result())
-        job = (await _record(nc, steps.tc.model_id)).job
         api = names.jobs_api("acme")
         assert isinstance(await bus.request(nc, api.pause, JobQuery(job), JobReply | Error), JobReply)
         await wait_for(lambda: _state(nc, job, "paused", 1), timeout=120, what="the session paused, its state saved")
@@ -53,6 +45,3 @@ async def test_a_sample_resuming_a_pause_then_a_node_lost_is_not_told_as_a_loss(
         agents.start("box", gpus=None, offer_cpu=True, trainer=None, interval=0.25)
         await wait_for(lambda: _state(nc, job, "running", 3), timeout=120, what="attempt 3 running")
         assert await asyncio.to_thread(steps.step) == 3.0  # found: 'went away ... load_state it'
-        await asyncio.to_thread(steps.sc.close, "success")
-    finally:
-        await gw.close()
