@@ -123,7 +123,6 @@ class JobSummary(Struct, kw_only=True):
     devices: list[int] = field(default_factory=list)  # a job on several devices: all of them
     group: str | None = None  # the co-training group it trains (or trained) in
     preempted: str = ""  # queued again after a preemption: who preempted it and why (it goes on from its checkpoint)
-    retries_used: int = 0  # times it was queued again because its node went away (a pause or preemption is not one)
     paused_attempts: list[int] = field(default_factory=list)  # its attempts that ended in a pause (the latest few)
 
 
@@ -150,7 +149,6 @@ def summarize(stored: StoredRequest, status: JobStatus) -> "JobSummary":
         paused_by=status.paused_by,
         devices=status.devices,
         group=status.group,
-        retries_used=status.retries_used,
         paused_attempts=status.paused_attempts,
         preempted=status.preempted,
     )
