@@ -59,6 +59,10 @@ def state_dir() -> Path:
     return Path(base) / "jetlora"
 
 
+MAX_PENDING = 512 * 1024 * 1024  # bytes the server holds for one slow reader before it cuts it off (64 MiB by
+# default: 128 artifact chunks, one burst of uploads from a fleet while the artifact service is busy for a moment)
+
+
 class EmbeddedNats:
     """A nats-server with JetStream (and a websocket listener) on free loopback ports."""
 
@@ -91,6 +95,7 @@ class EmbeddedNats:
             "host: 127.0.0.1",
             f"port: {self.port}",
             f"max_payload: {self.max_payload}",
+            f"max_pending: {MAX_PENDING}",
             f'jetstream {{ store_dir: "{self.store_dir}" }}',
         ]
         if self.ws_port:

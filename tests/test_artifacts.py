@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import os
+import signal
 import subprocess
 import sys
 import tarfile
@@ -206,7 +207,9 @@ def _rss_mib(pid: int, field: str = "VmRSS") -> float:
 
 async def test_chunks_flooded_ahead_of_a_gap_are_refused_and_their_memory_given_back(nc, nats_server):
     """Two uploads send 24 chunks of 4 MiB each after a chunk that never comes: the service holds at most its
-    per-upload limit out of order, refuses the rest naming the limit, and its memory falls back afterwards."""
+    per-upload limit out of order, refuses the rest naming the limit, and its memory falls back afterwards. The
+    service is stalled through most of the first flood, as a busy machine stalls it: 72 MiB wait for it at the
+    server, which keeps it connected (it had cut it off as a slow consumer at its default 64 MiB)."""
     proc = subprocess.Popen(
         [sys.executable, "-m", "services.cli", "artifacts", "--nats", nats_server.url],
         cwd=ROOT,
@@ -222,7 +225,11 @@ async def test_chunks_flooded_ahead_of_a_gap_are_refused_and_their_memory_given_
             await running_on(nc, upload)
             first = Chunk(upload=upload, job=upload, kind="peft", seq=0, data=b"x", meta=ArtifactMeta(attempt=1))
             assert (await send_as(nc, "n1", first)).ok
+            if upload == "f1":
+                os.kill(proc.pid, signal.SIGSTOP)
             for seq in range(2, 26):  # chunk 1 never comes; each sent as soon as the server has the one before
+                if upload == "f1" and seq == 20:
+                    os.kill(proc.pid, signal.SIGCONT)
                 chunk = Chunk(upload=upload, job=upload, kind="peft", seq=seq, data=piece)
                 await nc.publish(
                     names.artifact_upload("n1", upload), msgspec.msgpack.encode(chunk), reply=replies.subject
@@ -243,6 +250,7 @@ async def test_chunks_flooded_ahead_of_a_gap_are_refused_and_their_memory_given_
         assert during < before + 150, (before, during)  # 192 MiB were sent: at most the limit was held
         assert await object_names(nc) == []
     finally:
+        os.kill(proc.pid, signal.SIGCONT)
         proc.terminate()
         proc.wait(10)
 
