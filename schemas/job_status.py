@@ -67,6 +67,24 @@ class CheckpointInfo(Struct, kw_only=True):
 
 
 PAUSES_KEPT = 16  # JobStatus.paused_attempts: the latest this many
+PAUSED_RUNS_KEPT = 64  # JobStatus.paused_runs: the latest this many (a run ends at an attempt not ended in a pause)
+PausedRun = tuple[int, int]  # the first and last of consecutive attempts that each ended in a pause
+
+
+def with_pause(runs: list[PausedRun], attempt: int) -> list[PausedRun]:
+    """`runs` with `attempt` ended in a pause: the last run grows when `attempt` follows it (pauses with nothing else
+    between take one run however many), else `attempt` starts a run of its own."""
+    if runs and runs[-1][0] <= attempt <= runs[-1][1]:
+        return runs  # told again
+    if runs and runs[-1][1] == attempt - 1:
+        return [*runs[:-1], (runs[-1][0], attempt)]
+    return [*runs, (attempt, attempt)][-PAUSED_RUNS_KEPT:]
+
+
+def ended_in_pause(runs: list[PausedRun], attempt: int) -> bool:
+    """Whether `attempt` ended in a pause. One the runs do not cover did not, or ended before the oldest run kept:
+    not known to have kept its calls, so taken as lost (a loss told falsely costs a redo; one kept silent, the run)."""
+    return any(first <= attempt <= last for first, last in runs)
 
 
 class JobStatus(Struct, kw_only=True):
@@ -85,6 +103,9 @@ class JobStatus(Struct, kw_only=True):
     retries_used: int = 0  # times the job was re-queued because its node went away
     paused_attempts: list[int] = field(default_factory=list)  # its attempts that ended in a pause (the latest few):
     # each saved all it had done (a Tinker session: every call answered), so the next attempt lost nothing of it
+    paused_runs: list[PausedRun] = field(default_factory=list)  # the same as runs (with_pause): any number of pauses
+    # in a row take one, so only an attempt that ended otherwise (a node lost, an agent shut down) starts the next;
+    # what a Tinker gateway judges a session's loss by (ended_in_pause)
     train_alone: str = ""  # why it trains alone from now on (split out of a co-training group); "": as it asks
     artifacts: list[ArtifactRef] = field(default_factory=list)
     checkpoint: str | None = None  # object-store name of the latest checkpoint: a re-queued job resumes from it
@@ -124,6 +145,7 @@ class JobSummary(Struct, kw_only=True):
     group: str | None = None  # the co-training group it trains (or trained) in
     preempted: str = ""  # queued again after a preemption: who preempted it and why (it goes on from its checkpoint)
     paused_attempts: list[int] = field(default_factory=list)  # its attempts that ended in a pause (the latest few)
+    paused_runs: list[PausedRun] = field(default_factory=list)  # the same, as runs (JobStatus.paused_runs)
 
 
 def summarize(stored: StoredRequest, status: JobStatus) -> "JobSummary":
@@ -150,6 +172,7 @@ def summarize(stored: StoredRequest, status: JobStatus) -> "JobSummary":
         devices=status.devices,
         group=status.group,
         paused_attempts=status.paused_attempts,
+        paused_runs=status.paused_runs,
         preempted=status.preempted,
     )
 

@@ -12,7 +12,7 @@ from nats.errors import TimeoutError as NatsTimeout
 
 from schemas import subject_parts
 from schemas.events import Progress, StateChange
-from schemas.job_status import ACTIVE_STATES, PAUSES_KEPT, TERMINAL_STATES, JobStatus
+from schemas.job_status import ACTIVE_STATES, PAUSES_KEPT, TERMINAL_STATES, JobStatus, with_pause
 from services.aio import sleep_unless_stopped
 from schemas.artifacts import KEEP_CHECKPOINTS
 from services.scheduler import registry_asks
@@ -123,6 +123,7 @@ class JobEvents:
         if ev.state == "paused":
             changes["paused_by"] = ev.paused_by or "user"
             changes["paused_attempts"] = [*job.status.paused_attempts, ev.attempt][-PAUSES_KEPT:]
+            changes["paused_runs"] = with_pause(job.status.paused_runs, ev.attempt)
             if is_preemption(ev.paused_by):
                 await self._preempted(job, ev, current, changes)
                 return
