@@ -233,6 +233,7 @@ class GroupMember:
         self.held = False  # yielding to a serving engine: it sits out the group's steps
         self.asked: list[str] = []  # stop, pause or hold asked before it joined
         self.lease_from: float | None = None  # when the job's trainer lease was taken (monotonic)
+        self.final_read: Finished | Failed | Cancelled | Requeue | None = None  # its end, once read
 
     @property
     def proc(self) -> asyncio.subprocess.Process | None:
@@ -252,6 +253,7 @@ class GroupMember:
             while True:
                 ev = await self.events.get()
                 if isinstance(ev, (Finished, Failed, Cancelled, Requeue)):
+                    self.final_read = ev
                     return ev
                 await on_event(ev)
         except BaseException:

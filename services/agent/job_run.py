@@ -29,7 +29,7 @@ from schemas.events import (
     Started,
     StateChange,
 )
-from schemas.job_status import ArtifactRef, CheckpointInfo, JobState
+from schemas.job_status import ACTIVE_STATES, ArtifactRef, CheckpointInfo, JobState
 from schemas.nodes import Assignment, on_devices
 from schemas.trainer_lease import Holder
 from services import bus
@@ -37,6 +37,7 @@ from services.agent.config import AgentConfig
 from services.agent.datasets import DatasetCache, DatasetUnavailable, LocalDataset
 from services.agent.job_inputs import JobInputs
 from services.agent.group_run import GroupMember, GroupProcess
+from services.agent.pause_ending import Shipped, lost_pause, read_pause
 from services.agent.session_run import SessionLost, SessionRun, TakesCalls
 from services.agent.runner import TrainerRun, trainer_env
 from services.agent.trainer_leases import Superseded, TrainerLeases, waiting_words
@@ -67,6 +68,10 @@ class RunningJob:
     state: JobState = "preparing"  # as last reported: what heartbeats say of this attempt
     final: bool = False  # its last state is reported: heartbeats no longer list it as running
     superseded: str = ""  # why the scheduler ended this attempt: it reports and stores nothing more
+    shipped: Shipped | None = None  # the trainer's latest checkpoint, and how its trip to the object store went
+    newest: CheckpointInfo | None = None  # the newest checkpoint this attempt stored
+    ended: Finished | Failed | Cancelled | Requeue | None = None  # what its trainer ended with
+    closing: tuple[str, bytes, str] | None = None  # its last state on its way: (subject, event, JetStream msg id)
 
     @property
     def key(self) -> tuple[str, int]:
@@ -76,6 +81,11 @@ class RunningJob:
     @property
     def attempt(self) -> int:
         return self.assignment.attempt
+
+    @property
+    def pausing(self) -> bool:
+        """Its trainer ended in a pause whose checkpoint and report are still on their way: no longer running."""
+        return isinstance(self.ended, Finished) and self.ended.state == "paused" and not self.final
 
 
 class JobLifecycle:
@@ -127,13 +137,10 @@ class JobLifecycle:
             train_alone=train_alone,
         )
         run.reports += 1
-        await bus.publish_durably(
-            self.js,
-            self._subjects(a).state,
-            _enc.encode(ev),
-            f"{a.job}.{a.attempt}.s{run.reports}",
-            give_up_after=give_up_after,
-        )
+        sending = (self._subjects(a).state, _enc.encode(ev), f"{a.job}.{a.attempt}.s{run.reports}")
+        if state not in ACTIVE_STATES:  # a shutdown meanwhile sends these words again, never others (Agent)
+            run.closing = sending
+        await bus.publish_durably(self.js, *sending, give_up_after=give_up_after)
         if state in ("preparing", "running", "uploading"):
             run.state = state
         else:
@@ -152,13 +159,15 @@ class JobLifecycle:
         job_dir = self.cfg.work_dir / "jobs" / f"{a.job}-{a.attempt}"
         try:
             await self._report(run, "preparing", f"starting the trainer on {self.cfg.node} {on_devices(run.devices)}")
-            result = await self._train(run, job_dir)
+            result = await self._trained(run, job_dir)
             if run.checkpoint_upload:  # its state event must not come after the job's end
                 await run.checkpoint_upload
-            if isinstance(result, Requeue):  # split out of its co-training group: its checkpoint first
+            if isinstance(result, Requeue):  # split out of its co-training group: its checkpoint in the same write
+                shipped = Shipped(result.step)
                 if result.checkpoint:
-                    await self._ship_checkpoint(run, Checkpoint(step=result.step, path=result.checkpoint))
-                await self._report(run, "queued", result.message + run.yielded.summary(), train_alone=result.message)
+                    await self._store_checkpoint(run, Checkpoint(step=result.step, path=result.checkpoint), shipped)
+                words = result.message + run.yielded.summary()
+                await self._report(run, "queued", words, train_alone=result.message, checkpoint=shipped.info)
                 return
             if isinstance(result, (Failed, Cancelled)):
                 await self._report(
@@ -168,12 +177,7 @@ class JobLifecycle:
                 )
                 return
             if result.state == "paused":
-                await self._report(
-                    run,
-                    "paused",
-                    (result.message or f"paused at step {result.step}") + run.yielded.summary(),
-                    paused_by=run.paused_by or "user",
-                )
+                await self._end_paused(run, result)
                 return
             await self._report(run, "uploading", f"{result.message or 'trained'}; storing the artifacts")
             artifacts = await ship_results(self.nc, self.cfg.node, a, result, job_dir / "out")
@@ -204,6 +208,26 @@ class JobLifecycle:
             self.runs.pop(run.key, None)
             if not self.cfg.keep_job_dirs:  # a job's directory may be large: not on the loop heartbeats share
                 await asyncio.shield(asyncio.to_thread(shutil.rmtree, job_dir, ignore_errors=True))
+
+    async def _trained(self, run: RunningJob, job_dir: Path) -> Finished | Failed | Cancelled | Requeue:
+        """_train, and what it ended with kept: the trainer says nothing more after it."""
+        try:
+            run.ended = await self._train(run, job_dir)
+            return run.ended
+        finally:
+            if run.shipped:
+                run.shipped.followed.set()
+
+    async def _end_paused(self, run: RunningJob, result: Finished) -> None:
+        """Paused, naming its checkpoint, once the checkpoint the trainer took as it paused is stored whole; else
+        handed back as a loss, saying why (pause_ending.py)."""
+        kept = run.shipped.kept(result) if run.shipped else None
+        if kept is None:
+            words = lost_pause(run.assignment, result, run.shipped, run.newest)
+            await self._report(run, "queued", words + run.yielded.summary())
+            return
+        words = (result.message or f"paused at step {result.step}") + run.yielded.summary()
+        await self._report(run, "paused", words, paused_by=run.paused_by or "user", checkpoint=kept)
 
     async def _train(self, run: RunningJob, job_dir: Path) -> Finished | Failed | Cancelled | Requeue:
         """Fetch what the job needs, run its trainer to its end (what was asked of the job meanwhile passed on to
@@ -269,6 +293,8 @@ class JobLifecycle:
         """One event of the trainer's: reported as the job's state, progress, preparation or samples; a checkpoint
         shipped (one at a time: a newer one while one uploads is skipped, but a pause's is waited for)."""
         a = run.assignment
+        if run.shipped:  # the trainer went on after its latest checkpoint: that one was no pause's
+            run.shipped.followed.set()
         if isinstance(ev, Started):
             await self._report(run, "running", ev.message or f"training {ev.steps} steps on {ev.device}")
             if isinstance(run.trainer, TakesCalls):  # a session, alone or in a session group
@@ -288,15 +314,35 @@ class JobLifecycle:
         elif isinstance(ev, Checkpoint):
             if (run.paused_by or isinstance(run.trainer, TakesCalls)) and run.checkpoint_upload:
                 await run.checkpoint_upload  # what a resume needs; a session's client was told each save is kept
+            run.shipped = Shipped(ev.step)
             if run.checkpoint_upload and not run.checkpoint_upload.done():
                 log.info("job %s: checkpoint at step %d skipped, the previous one is still uploading", a.job, ev.step)
+                run.shipped.error = "skipped: the checkpoint before it was still uploading"
             else:
-                run.checkpoint_upload = asyncio.create_task(self._ship_checkpoint(run, ev))
+                run.checkpoint_upload = asyncio.create_task(self._ship_checkpoint(run, ev, run.shipped))
 
-    async def _ship_checkpoint(self, run: RunningJob, ev: Checkpoint) -> None:
-        """Checkpoints go to the object store as they come, so another node can resume if this one goes."""
+    async def _ship_checkpoint(self, run: RunningJob, ev: Checkpoint, shipped: Shipped) -> None:
+        """Checkpoints go to the object store as they come, so another node can resume if this one goes; each is
+        reported stored, except the one the trainer took as it paused: the paused report names it (_end_paused)."""
+        if await self._store_checkpoint(run, ev, shipped) is None:
+            return
+        ending = run.paused_by or read_pause(run.trainer)  # the trainer ends after this step: is this the pause's?
+        if ending:
+            await shipped.followed.wait()
+            if run.shipped is shipped and isinstance(run.ended, Finished) and run.ended.state == "paused":
+                return
         try:
-            info = await ship_checkpoint(self.nc, self.cfg.node, run.assignment, ev, run.last_progress)
-            await self._report(run, "running", f"checkpoint at step {ev.step} stored", checkpoint=info)
+            await self._report(run, "running", f"checkpoint at step {ev.step} stored", checkpoint=shipped.info)
         except Exception as e:
-            log.warning("job %s: checkpoint at step %d not stored: %s", run.assignment.job, ev.step, e)
+            log.warning("job %s: checkpoint at step %d stored, not reported: %s", run.assignment.job, ev.step, e)
+
+    async def _store_checkpoint(self, run: RunningJob, ev: Checkpoint, shipped: Shipped) -> CheckpointInfo | None:
+        """The checkpoint stored whole (what its record names), or None, why noted in `shipped`."""
+        try:
+            shipped.info = await ship_checkpoint(self.nc, self.cfg.node, run.assignment, ev, run.last_progress)
+        except Exception as e:
+            shipped.error = str(e) or type(e).__name__
+            log.warning("job %s: checkpoint at step %d not stored: %s", run.assignment.job, ev.step, shipped.error)
+            return None
+        run.newest = shipped.info
+        return shipped.info

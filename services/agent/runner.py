@@ -60,6 +60,7 @@ class TrainerRun:
         self.others: list[asyncio.subprocess.Process] = []  # ranks 1..N-1
         self.cancelled = False
         self.rank_died: str | None = None
+        self.final_read: Finished | Failed | None = None  # its end, once read (before its process has exited)
         self.stderr_tail: collections.deque[str] = collections.deque(maxlen=STDERR_LINES)
 
     async def run(self, on_event: Callable[[object], Awaitable[None]]) -> Finished | Failed | Cancelled:
@@ -183,7 +184,7 @@ class TrainerRun:
                 log.debug("trainer printed a line that is not an event: %r", line[:200])
                 continue
             if isinstance(event, (Finished, Failed)):
-                final = event
+                final = self.final_read = event
             elif not self.took(event):
                 await on_event(event)
         return final

@@ -44,6 +44,7 @@ from services.procs import end_leftovers
 
 log = logging.getLogger(__name__)
 SHUTDOWN_PUBLISH_S = 5.0  # how long a state published while shutting down is retried (NATS may be gone)
+PAUSE_END_S = 8.0  # how long a shutdown waits for paused runs' checkpoints (within the service's 15 s to stop)
 ATTEMPT_END_S = 10.0  # how long an assignment waits for the attempt it replaces to be gone
 
 
@@ -133,8 +134,10 @@ class Agent(JobLifecycle):
         except Exception as e:
             log.warning("shutting down: the agent's endpoints could not be closed (%s: %s)", type(e).__name__, e)
         await self.sessions.close()
+        await self._let_pauses_end()  # before the kills: a killed run given an await would report itself cancelled
         runs = [run for run in self.runs.values() if not run.superseded]
-        for run in runs:
+        ending = [run for run in runs if not run.final]  # one that said how it ended stays so
+        for run in ending:
             log.warning(
                 "shutting down: %s job %s",
                 "ending the cancelled" if run.cancel_asked else "handing back to the scheduler",
@@ -143,27 +146,44 @@ class Agent(JobLifecycle):
             if run.trainer:
                 run.trainer.cancel()
         await cancel_and_wait([run.task for run in runs] + [run.checkpoint_upload for run in runs])
-        for run in runs:
-            try:
-                if run.cancel_asked:  # cancelled a moment before: it stays cancelled
-                    await self._report(run, "cancelled", "cancelled", give_up_after=SHUTDOWN_PUBLISH_S)
-                    continue
-                await self._report(
-                    run,
-                    "queued",
-                    f"node {self.cfg.node} shut down while the job ran; handed back to the queue",
-                    give_up_after=SHUTDOWN_PUBLISH_S,
-                )
-            except Exception as e:  # NATS is gone: the scheduler re-queues it once this node's heartbeats stop
-                log.warning(
-                    "job %s: could not say it was handed back (%s); the scheduler will re-queue it when this "
-                    "node's heartbeats stop",
-                    run.assignment.job,
-                    type(e).__name__,
-                )
+        await asyncio.gather(*(self._hand_back(run) for run in ending))  # each within SHUTDOWN_PUBLISH_S
         await self._beat()  # one last heartbeat that says we are draining
         await cancel_and_wait([beat, self.confirming])
         self.probe.close()
+
+    async def _let_pauses_end(self) -> None:
+        """Runs whose trainers ended in a pause are no longer running: their checkpoints are given PAUSE_END_S to
+        be stored and the pause reported, rather than handed back as lost."""
+        pausing = [run.task for run in self.runs.values() if run.pausing and not run.superseded and run.task]
+        if pausing:
+            log.warning(
+                "shutting down: %d job(s) paused here; up to %.0f s for their checkpoints to be stored and said",
+                len(pausing),
+                PAUSE_END_S,
+            )
+            await asyncio.wait(pausing, timeout=PAUSE_END_S)
+
+    async def _hand_back(self, run: RunningJob) -> None:
+        """What a shutdown says of a run that had not said how it ended: the ending it was saying (a pause whose
+        checkpoint is stored), sent again under the same id so JetStream keeps one; else cancelled or queued."""
+        node, closing = self.cfg.node, run.closing
+        try:
+            if closing is not None:
+                await bus.publish_durably(self.js, *closing, give_up_after=SHUTDOWN_PUBLISH_S)
+            elif run.cancel_asked:  # cancelled a moment before: it stays cancelled
+                await self._report(run, "cancelled", "cancelled", give_up_after=SHUTDOWN_PUBLISH_S)
+            else:
+                words = f"node {node} shut down while the job ran; handed back to the queue"
+                if run.pausing:
+                    words = f"node {node} shut down before the job's pause stored its checkpoint; handed back as a loss"
+                await self._report(run, "queued", words, give_up_after=SHUTDOWN_PUBLISH_S)
+        except Exception as e:  # NATS is gone: the scheduler re-queues it once this node's heartbeats stop
+            log.warning(
+                "job %s: could not say %s (%s); the scheduler will re-queue it when this node's heartbeats stop",
+                run.assignment.job,
+                "how its attempt ended" if closing is not None else "it was handed back",
+                type(e).__name__,
+            )
 
     # --- heartbeats (services/agent/heartbeats.py) ---------------------------------------------------
     def heartbeat(self, read: tuple[list[Device], str] | None = None) -> Heartbeat:
