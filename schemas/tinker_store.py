@@ -144,7 +144,7 @@ class ModelRecord(Struct, kw_only=True):
     info: PingResult | None = None  # what its trainer said when it started
     next_seq: int = 0  # the seq_id whose turn it is (0: its create); at most a burst behind while a pump runs
     pump: str = ""  # the gateway that runs its calls in order, while one does
-    attempt: int = 0  # its job's attempt its training calls went to (trainers.Route.trained; 0: none yet)
+    attempt: int = 0  # the job's attempt that answered its last call changing the session (0: none at risk)
     lost: str = ""  # it moved after its node went away: what its next training call is told
     saves: dict[str, SaveRecord] = field(default_factory=dict)  # save_state names
     samplers: dict[str, SaveRecord] = field(default_factory=dict)  # unnamed sampler saves (named: SamplerSave)

@@ -18,7 +18,7 @@ from services.gateway.tinker.at_once import AtOnce
 from services.gateway.tinker.futures import Book, failed
 from services.gateway.tinker.mirror import Mirror
 from services.gateway.tinker.outcomes import Change, Runner
-from services.gateway.tinker.owned import Owned, RecordWriter
+from services.gateway.tinker.owned import Owned, RecordWriter, TakenOver
 from services.gateway.tinker.settings import TinkerSettings
 from services.gateway.tinker.store import Store
 
@@ -38,6 +38,7 @@ class Order:
         self.owned: dict[str, Owned] = {}
         self.at_once = AtOnce(store, mirror, book, runner, gateway)
         self.writer = RecordWriter(store, gateway, runner.trainers)
+        runner.trainers.keep = self._keep
         self._locks: dict[str, asyncio.Lock] = {}
         self._side: set[asyncio.Task] = set()  # short tasks beside the pumps (a fetch, a take-over)
 
@@ -65,6 +66,7 @@ class Order:
     def start_new(self, record: ModelRecord, revision: int, first: FutureRecord) -> None:
         """A model this gateway just made (its record names this gateway), and its create (seq 0)."""
         owned = self.owned[record.id] = Owned(record, revision, written_seq=record.next_seq)
+        self.runner.trainers.took(record)
         self._arrive(owned, first)
         owned.task = asyncio.create_task(self._pump(owned))
 
@@ -122,6 +124,7 @@ class Order:
                 if written is None:  # another gateway took it at the same moment
                     return
                 owned = self.owned[model_id] = Owned(record, written, written_seq=record.next_seq)
+                self.runner.trainers.took(record)
                 await self._scan(owned)
                 owned.task = asyncio.create_task(self._pump(owned))
         finally:
@@ -229,6 +232,7 @@ class Order:
         """Nobody called for LINGER_S: the model is no longer run here (False: a call came meanwhile)."""
         async with owned.writing:
             await self.writer.settle(owned)
+            self.writer.refresh(owned.record, owned.record.next_seq)
             owned.record.pump = ""
             key = model_key(owned.record.tenant, owned.record.id)
             given = await self.store.update(self.store.kv, key, owned.record, owned.revision) is not None
@@ -241,8 +245,17 @@ class Order:
             self._aside(self.ensure(owned.record.tenant, owned.record.id))
         return True
 
+    async def _keep(self, model: ModelRecord) -> None:
+        """The record of a model whose calls run here, written now with its route (Trainers.keep)."""
+        owned = self.owned.get(model.id)
+        if owned is None or owned.record is not model:
+            raise TakenOver(model.id)
+        await self.writer.write(owned)
+
     def _drop(self, owned: Owned) -> None:
         self.owned.pop(owned.record.id, None)
+        if owned.running is not None:  # stopped in the middle (its record not written): the next gateway runs it
+            self.book.abandon(ordered_request(owned.record.id, owned.running))
         if owned.background is not None:
             owned.background.cancel()
         for request, task in list(owned.finishing.items()):  # never stored: the next gateway runs them again
@@ -283,6 +296,7 @@ class Order:
             await asyncio.gather(*owned.finishing.values(), return_exceptions=True)
             if owned.background is not None:
                 await asyncio.gather(owned.background, return_exceptions=True)
+            self.writer.refresh(owned.record, owned.record.next_seq)  # what the route knows since the last write
             owned.record.pump = ""
             key = model_key(owned.record.tenant, owned.record.id)
             await self.store.update(self.store.kv, key, owned.record, owned.revision)

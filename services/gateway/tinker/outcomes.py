@@ -27,7 +27,7 @@ from services.gateway.tinker.futures import Book, CallFailed, failed
 from services.gateway.tinker.paths import answered, tinker_path
 from services.gateway.tinker.saves import Saves
 from services.gateway.tinker.store import Store
-from services.gateway.tinker.trainers import Trainers
+from services.gateway.tinker.trainers import NotKept, Trainers
 
 log = logging.getLogger(__name__)
 # optim_step's metrics, named as Tinker names metrics (name:how chunks combine), never a bare `step`: a loop merges
@@ -49,10 +49,12 @@ class Runner:
             call = await self.book.call_of(future)
             if call is None:
                 raise CallFailed("this call's body is no longer kept (calls are kept a day); send it again", "server")
-            reply = await self.trainers.send(model, call, future.call_id, training=future.seq is not None)
+            reply = await self.trainers.send(model, call, future.call_id, future.seq)
             return await CONVERT[future.kind](self, future, model, reply, changes), changes
         except CallFailed as e:
             return failed(str(e), e.category), changes
+        except NotKept:  # its answer must not be kept either: the next gateway sends it again
+            raise
         except Exception as e:  # a fault of the gateway's own: the client is told which request, the log says why
             log.exception("Tinker call %s (%s) of model %s failed in the gateway", future.id, future.kind, model.id)
             return failed(

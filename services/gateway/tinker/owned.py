@@ -55,15 +55,27 @@ class RecordWriter:
             await self.settle(owned)  # the calls before `seq` (those after it are not counted as done)
             key = model_key(record.tenant, record.id)
             record.pump = self.gateway
-            route = self.trainers.routes.get(record.id)
-            if route is not None:
-                record.attempt, record.lost = route.trained, route.lost
+            self.refresh(record, seq)
             snapshot = msgspec.structs.replace(record, next_seq=seq)
             revision = await self.store.update(self.store.kv, key, snapshot, owned.revision)
             if revision is None:
                 revision = await self._merge(record, seq, changes)
             owned.revision, owned.written_seq = revision, seq
             del owned.changes[: len(changes)]
+
+    def refresh(self, record: ModelRecord, seq: int) -> None:
+        """The record takes what this gateway's route knows of the session's attempts, as of the calls before `seq`
+        (their outcomes stored): the attempt trained on (ahead of them, as it is set before an answer is kept: a
+        gateway after this one tells the loss of a call whose answer was never kept, and sends it again), and a
+        loss to tell, kept until the call told it has its outcome stored (else the next gateway sends that call
+        again, untold)."""
+        route = self.trainers.routes.get(record.id)
+        if route is None:
+            return
+        if route.telling is not None and route.telling[0] < seq:
+            route.telling = None
+        record.attempt = route.trained
+        record.lost = route.lost or (route.telling[1] if route.telling is not None else "")
 
     async def _merge(self, record: ModelRecord, seq: int, changes: list[Change]) -> int:
         """Another gateway changed the stored record: this one's changes go on top of it, and this copy loses what

@@ -10,13 +10,22 @@ import asyncio
 import collections
 import logging
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 from schemas import names
 from schemas.events import CheckpointList
 from schemas.jobs import Error, JobRequest, Rejected, SubmitReply
-from schemas.job_status import JobQuery, JobReply
-from schemas.sessions import CallError, SessionCall, SessionReply, SessionRequest
+from schemas.job_status import JobQuery, JobReply, ended_in_pause
+from schemas.sessions import (
+    CallError,
+    ForwardBackward,
+    LoadWeights,
+    OptimStep,
+    SessionCall,
+    SessionReply,
+    SessionRequest,
+)
 from schemas.tinker_store import ModelRecord, SessionRecord, session_key
 from services import bus
 from services.gateway.tinker.futures import CallFailed
@@ -37,9 +46,11 @@ class Route:
 
     node: str | None = None
     attempt: int = 0  # the job's attempt its calls go to (the node answers 'ask again' if it runs another)
-    trained: int = 0  # the attempt its training calls went to (0: none yet): how it ended says whether they were
-    # lost. A sample changes nothing: one that resumed a pause puts nothing at risk on the attempt it ran on
-    lost: str = ""  # it moved after its node went away: what its next training call is told
+    trained: int = 0  # the attempt that answered its latest call that changed the session (changes()): how that
+    # attempt ends says whether calls answered were lost. 0: none at risk (none yet, or since a pause was seen to
+    # keep them, or since a loss was told). A sample or a save changes nothing: the attempt it ran on risks nothing
+    lost: str = ""  # it moved after its node went away: what its next ordered call is told
+    telling: tuple[int, str] | None = None  # the seq_id told `lost` and what, until its outcome is surely stored
 
 
 class JobWatch:
@@ -73,19 +84,35 @@ class JobWatch:
         self._answers.pop(job, None)
 
 
+def changes(call: SessionCall) -> bool:
+    """Whether a call changes the session's state (its adapter, optimizer or gradients): what a node lost loses."""
+    return isinstance(call, (OptimStep, LoadWeights)) or (isinstance(call, ForwardBackward) and not call.forward_only)
+
+
+class NotKept(Exception):
+    """The model's record could not be written before an answer it must precede: the answer is not kept either
+    (the gateway gives the model up; the next sends the call again under its call id)."""
+
+
 class Trainers:
     def __init__(self, nc, store: Store) -> None:
         self.nc, self.store, self.watch = nc, store, JobWatch(nc)
         self.routes: collections.OrderedDict[str, Route] = collections.OrderedDict()
+        # writes the record of a model whose calls run here with its route (order.py): the attempt trained on is
+        # in the store before any answer of that attempt is
+        self.keep: Callable[[ModelRecord], Awaitable[None]] | None = None
 
     def route(self, model: ModelRecord) -> Route:
-        """Where this gateway last sent the model's calls; the record's word when it knows a later attempt (another
-        gateway ran the calls since, and told its client of any move then: not to be told again from here)."""
+        """Where this gateway last sent the model's calls (the record's word when it has none)."""
         route = self.routes.get(model.id)
-        if route is None or model.attempt > route.trained:
-            route = self.routes[model.id] = Route(attempt=model.attempt, trained=model.attempt, lost=model.lost)
-            while len(self.routes) > ROUTES_KEPT:
-                self.routes.popitem(last=False)
+        return route if route is not None else self.took(model)
+
+    def took(self, model: ModelRecord) -> Route:
+        """The model's calls run here from now: what this gateway knew of them is forgotten for the record's (another
+        gateway may have run them since, seen the session move, and told the client)."""
+        route = self.routes[model.id] = Route(trained=model.attempt, lost=model.lost)
+        while len(self.routes) > ROUTES_KEPT:
+            self.routes.popitem(last=False)
         return route
 
     async def submit(self, tenant: str, request: JobRequest) -> str:
@@ -99,27 +126,41 @@ class Trainers:
             raise CallFailed(f"the scheduler answered {type(reply).__name__} to the session's submission", "server")
         return job
 
-    async def send(self, model: ModelRecord, call: SessionCall, call_id: str, training: bool = False) -> SessionReply:
+    async def send(self, model: ModelRecord, call: SessionCall, call_id: str, seq: int | None = None) -> SessionReply:
         """The session's answer, waiting through its job's placement, start, pause or move to another node. After a
-        move, the next training call fails once, saying so (a sample does not: it carries no state)."""
+        move, the model's next ordered call (`seq`, its seq_id) fails once, saying so (a sample does not: it has
+        no state to lose); an ordered call that changes the session makes the attempt that answers it the one
+        trained on, in the model's record before the answer is kept."""
         route, deadline = self.route(model), time.monotonic() + CALL_WAIT_S
         request = SessionRequest(job=model.job, tenant=model.tenant, call=call, call_id=call_id)
-        looked = False  # its job looked at during this call: the first training call to an attempt goes where it runs
+        ordered, looked = seq is not None, False  # looked: its job seen during this call
         while time.monotonic() < deadline:
-            if training and route.lost:
-                lost, route.lost = route.lost, ""
-                raise CallFailed(lost)
-            if route.node is not None and (not training or looked or route.trained == route.attempt):
+            if seq is not None and route.lost:
+                route.telling, route.lost = (seq, route.lost), ""
+                raise CallFailed(route.telling[1])
+            # an ordered call goes to an attempt other than the one trained on only once the loss is judged
+            if route.node is not None and (not ordered or looked or route.trained in (0, route.attempt)):
                 request.attempt = route.attempt
-                if training:  # its fate is that attempt's: one that ends other than in a pause may lose it
-                    route.trained = route.attempt
                 reply = await self._ask(model, route, route.node, request)
                 if not (isinstance(reply, CallError) and reply.retry):
+                    if ordered and changes(call) and route.trained != request.attempt:
+                        await self._trained_on(model, route, request.attempt)
                     return reply
-            route.node, looked = await self._where(model, route), True
-            if route.node is None or (training and route.lost):
+            route.node, looked = await self._where(model, route, ordered), True
+            if route.node is None or (ordered and route.lost):
                 await asyncio.sleep(POLL_S)
         raise CallFailed(f"model {model.id}'s session did not start within {CALL_WAIT_S:.0f} s", "server")
+
+    async def _trained_on(self, model: ModelRecord, route: Route, attempt: int) -> None:
+        """`attempt` answered a call that changed the session: how it ends now says whether that was lost. Written to
+        the model's record first (a gateway that stops before its next write, or dies, leaves the next one the
+        attempt to judge by: not one whose pause kept less than the client saw)."""
+        route.trained = attempt
+        if self.keep is not None:
+            try:
+                await self.keep(model)
+            except Exception as e:
+                raise NotKept(f"model {model.id}'s record was not written ({type(e).__name__}: {e})") from e
 
     async def _ask(self, model: ModelRecord, route: Route, node: str, request: SessionRequest) -> SessionReply:
         """The node's answer; while a long call runs, the job is watched, so a node that died mid-call (its job
@@ -159,9 +200,10 @@ class Trainers:
             and reply.job.state == "running"
         )
 
-    async def _where(self, model: ModelRecord, route: Route) -> str | None:
+    async def _where(self, model: ModelRecord, route: Route, ordered: bool = False) -> str | None:
         """The node that runs the model's job now; a paused job is resumed, an ended one fails the call, and one
-        that moved after its node went away fails the next training call, saying where it goes on from."""
+        that moved after its node went away fails the next ordered call, saying where it goes on from (judged
+        for an ordered call alone: a sample may go through a gateway that does not run the model's calls)."""
         reply = await self.watch.job(model.tenant, model.job)
         if isinstance(reply, Error):
             raise CallFailed(f"model {model.id}: {reply.error}")
@@ -174,17 +216,15 @@ class Trainers:
             self.watch.forget(model.job)
         if job.state != "running":
             return None
-        # the attempt its training calls went to ended in a pause (idle, silent, an engine's, a user's, preempted;
-        # seen by this gateway or not): its checkpoint holds every call answered, and the attempts after it ran
-        # none of them (a sample changes nothing): nothing is at risk until the next training call. Any other end
-        # (its node went away, its agent shut down and handed it back) lost the calls since the last save_state:
-        # told to the next training call (send)
-        moved = route.trained not in (0, job.attempt) and route.trained not in job.paused_attempts
-        if route.trained in job.paused_attempts:  # the latest pause holds the same (kept among the latest few)
-            route.trained = max(job.paused_attempts)
-        route.attempt = job.attempt
-        if moved:
-            route.trained = job.attempt  # told once
+        # the attempt that answered its calls ended in a pause (idle, silent, an engine's, a user's, preempted; seen
+        # by this gateway or not): its checkpoint holds every call answered, and the attempts after it ran none
+        # that changed the session: nothing is at risk until the next does. Any other end (its node went away,
+        # its agent shut down and handed it back) lost the calls since the last save_state: told to the next
+        # ordered call (send), once: nothing is at risk after it either
+        moved = ordered and route.trained not in (0, job.attempt)
+        lost = moved and not ended_in_pause(job.paused_runs, route.trained)
+        route.attempt, route.trained = job.attempt, 0 if moved else route.trained
+        if lost:
             route.lost = (
                 f"model {model.id}'s node went away; its session goes on on {job.node} from its last saved state "
                 f"(attempt {job.attempt}): calls since that save_state were lost; load_state it, or redo them"
