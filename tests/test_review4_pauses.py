@@ -150,6 +150,32 @@ async def test_a_pause_being_reported_when_the_agent_shuts_down_is_reported_paus
             await nc.close()
 
 
+async def test_a_pause_still_storing_its_checkpoint_when_the_agent_shuts_down_is_given_the_time_to(tmp_path):
+    """The paused trainer has exited; its checkpoint is on its way to an artifact service that answers a moment
+    later, after the agent was told to shut down. That run no longer runs: the shutdown waits for its checkpoint
+    (within its own deadline) and the attempt ends paused (it was killed in the upload and handed back queued)."""
+    async with Stack(tmp_path) as stack:
+        start(stack)
+        nc = await nats.connect(stack.client_url)
+        try:
+            job = await running_job(stack, nc)
+            arts = stack.stall("arts", 120.0)
+            try:
+                await pause(nc, job)
+                await wait_for(lambda: trainer_gone(stack, job), timeout=60, what="the paused trainer gone")
+                os.kill(stack.pid("n1"), signal.SIGTERM)
+                await wait_for(lambda: "stopping:" in stack.log("n1"), timeout=30, what="the agent shutting down")
+            finally:
+                arts.resume()
+            await wait_for(lambda: not stack.service("n1").alive, timeout=60, what="the agent gone")
+            events = await states_of(nc, job)
+            assert [(e.attempt, e.state) for e in events][-1] == (1, "paused"), [(e.state, e.message) for e in events]
+            one_write(events)
+            assert (await get_job(nc, job)).state == "paused"
+        finally:
+            await nc.close()
+
+
 def one_write(events: list[StateChange]) -> None:
     """The pause's checkpoint is named by the paused event itself, never by a write before it: killed between two
     writes, the agent would leave the checkpoint recorded and the pause not (a loss told where none was), or the
