@@ -41,6 +41,7 @@ class Order:
         runner.trainers.keep = self._keep
         self._locks: dict[str, asyncio.Lock] = {}
         self._side: set[asyncio.Task] = set()  # short tasks beside the pumps (a fetch, a take-over)
+        self.closing = False  # a pump ends at its next turn: a cancel alone may be swallowed on its way
 
     def _aside(self, work) -> None:
         task = asyncio.create_task(work)
@@ -143,7 +144,7 @@ class Order:
     async def _pump(self, owned: Owned) -> None:
         record, gap_since = owned.record, None
         try:
-            while True:
+            while not self.closing:
                 owned.wake.clear()
                 _forget_past(owned)
                 written = owned.background
@@ -187,6 +188,8 @@ class Order:
         for one whose key's write this gateway did not hear of."""
         deadline = time.monotonic() + LINGER_S
         while (left := deadline - time.monotonic()) > 0:
+            if self.closing:  # its pump ends at its next turn, and the close gives the model back
+                return True
             if await _wait(owned.wake, min(left, RESCAN_S if owned.record.next_seq == owned.written_seq else 0.2)):
                 return True
             record = owned.record
@@ -276,6 +279,9 @@ class Order:
 
     async def close(self) -> None:
         """Stop running calls here, and give every model back at once (the next gateway goes on with them)."""
+        self.closing = True  # (Python 3.11's wait_for returns a result that came with the cancel, dropping it)
+        for owned in self.owned.values():
+            owned.wake.set()
         await self.at_once.close()
         tasks = [o.task for o in self.owned.values() if o.task is not None] + list(self._side)
         for task in tasks:
