@@ -69,13 +69,19 @@ def pytest_unconfigure(config) -> None:
     import threading
     import traceback
 
+    worker = hasattr(config, "workerinput")  # an xdist worker's main thread serves the controller until it says end
+
     def watchdog() -> None:
         time.sleep(30)  # a normal exit ends this thread long before
         frames, me = sys._current_frames(), threading.current_thread()
-        for t in threading.enumerate():
-            if t is not me and not t.daemon and t.ident in frames:
-                stack = "".join(traceback.format_stack(frames[t.ident]))
-                print(f"\nthread {t.name!r} kept the tests' process from exiting:\n{stack}", file=sys.stderr)
+        left = [t for t in threading.enumerate() if t is not me and not t.daemon and t.ident in frames]
+        if worker:
+            left = [t for t in left if t is not threading.main_thread()]
+            if not left:
+                return  # waiting for the controller's word, as it should
+        for t in left:
+            stack = "".join(traceback.format_stack(frames[t.ident]))
+            print(f"\nthread {t.name!r} kept the tests' process from exiting:\n{stack}", file=sys.stderr)
         sys.stderr.flush()
         os._exit(_SESSION.get("status", 1))
 
