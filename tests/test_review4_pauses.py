@@ -45,7 +45,7 @@ async def pause(nc, job: str) -> None:
     assert reply.job.id == job, reply
 
 
-async def attempt_ended(nc, job: str, attempt: int = 1) -> StateChange:
+async def attempt_ended(nc, job: str, attempt: int = 1, timeout: float = 60) -> StateChange:
     """The last state the attempt's node reported, once it is an ending (not preparing, running or uploading)."""
 
     async def ended() -> StateChange | None:
@@ -53,7 +53,7 @@ async def attempt_ended(nc, job: str, attempt: int = 1) -> StateChange:
         last = mine[-1] if mine else None
         return last if last and last.state not in ("preparing", "running", "uploading") else None
 
-    return await wait_for(ended, timeout=60, interval=0.3, what=f"attempt {attempt} of {job} ending")
+    return await wait_for(ended, timeout=timeout, interval=0.3, what=f"attempt {attempt} of {job} ending")
 
 
 def trainer_gone(stack: Stack, job: str) -> bool:
@@ -172,6 +172,33 @@ async def test_a_pause_still_storing_its_checkpoint_when_the_agent_shuts_down_is
             assert [(e.attempt, e.state) for e in events][-1] == (1, "paused"), [(e.state, e.message) for e in events]
             one_write(events)
             assert (await get_job(nc, job)).state == "paused"
+        finally:
+            await nc.close()
+
+
+async def test_a_session_paused_for_idleness_names_its_checkpoint_in_the_paused_report(tmp_path, tiny_model):
+    """A training session nobody calls pauses by itself (no pause was asked of it: its trainer checkpoints and ends
+    after idle_s); on the real session trainer, its paused report names the checkpoint, in one write, as an asked
+    pause's does."""
+    async with Stack(tmp_path) as stack:
+        stack.start_scheduler("sched")
+        stack.start_artifacts("arts")
+        stack.start_agent("n1", "--offer-cpu", gpus=None, trainer=None)
+        nc = await nats.connect(stack.client_url)
+        try:
+            await answering(nc, names.LIST_JOBS)
+            await wait_nodes(nc, 1)
+            request = {
+                "model": "tiny",
+                "base_dir": str(tiny_model),
+                "train": {"method": "session"},
+                "accelerator": "cpu",
+                "session": {"rank": 4, "seed": 3, "idle_s": 10},
+            }
+            job = (await submit(nc, request)).job
+            end = await attempt_ended(nc, job, timeout=120)
+            assert end.state == "paused", end
+            one_write(await states_of(nc, job))
         finally:
             await nc.close()
 

@@ -37,7 +37,7 @@ from services.agent.config import AgentConfig
 from services.agent.datasets import DatasetCache, DatasetUnavailable, LocalDataset
 from services.agent.job_inputs import JobInputs
 from services.agent.group_run import GroupMember, GroupProcess
-from services.agent.pause_ending import Shipped, lost_pause, read_pause
+from services.agent.pause_ending import Shipped, is_pause, lost_pause, read_pause
 from services.agent.session_run import SessionLost, SessionRun, TakesCalls
 from services.agent.runner import TrainerRun, trainer_env
 from services.agent.trainer_leases import Superseded, TrainerLeases, waiting_words
@@ -85,7 +85,7 @@ class RunningJob:
     @property
     def pausing(self) -> bool:
         """Its trainer ended in a pause whose checkpoint and report are still on their way: no longer running."""
-        return isinstance(self.ended, Finished) and self.ended.state == "paused" and not self.final
+        return is_pause(self.ended) and not self.final
 
 
 class JobLifecycle:
@@ -247,6 +247,8 @@ class JobLifecycle:
                 niceness=self.yielder.niceness(run.devices),
                 lease_s=self.cfg.lease_s,
             )
+        if isinstance(run.trainer, TrainerRun):  # each line it prints after a checkpoint settles what that one was
+            run.trainer.said_more = lambda: run.shipped.followed.set() if run.shipped else None
         if run.stop_asked:
             run.trainer.stop()
         try:  # a cancel or pause meanwhile gives the wait up (Agent._on_control): CancelledError, reported as asked
@@ -326,10 +328,9 @@ class JobLifecycle:
         reported stored, except the one the trainer took as it paused: the paused report names it (_end_paused)."""
         if await self._store_checkpoint(run, ev, shipped) is None:
             return
-        ending = run.paused_by or read_pause(run.trainer)  # the trainer ends after this step: is this the pause's?
-        if ending:
-            await shipped.followed.wait()
-            if run.shipped is shipped and isinstance(run.ended, Finished) and run.ended.state == "paused":
+        if run.paused_by or isinstance(run.trainer, SessionRun) or read_pause(run.trainer):  # maybe the pause's:
+            await shipped.followed.wait()  # the trainer's next line (or its end) says
+            if run.shipped is shipped and (read_pause(run.trainer) or is_pause(run.ended)):
                 return
         try:
             await self._report(run, "running", f"checkpoint at step {ev.step} stored", checkpoint=shipped.info)

@@ -49,8 +49,12 @@ def lost_pause(a: Assignment, paused: Finished, shipped: Shipped | None, newest:
     return words
 
 
+def is_pause(end: object) -> bool:
+    """Whether a trainer's end (Finished, Failed, Cancelled, Requeue; None: not yet) is a pause."""
+    return isinstance(end, Finished) and end.state == "paused"
+
+
 def read_pause(trainer: object) -> bool:
-    """Whether the last line read from the trainer was its end in a pause (a session paused for idleness: no pause
-    was asked of it)."""
-    final = getattr(trainer, "final_read", None)
-    return isinstance(final, Finished) and final.state == "paused"
+    """Whether the trainer's end, read already (a trainer's or a group member's `final_read`), is a pause (a
+    session's for idleness, say: no pause was asked of it)."""
+    return is_pause(getattr(trainer, "final_read", None))

@@ -61,6 +61,7 @@ class TrainerRun:
         self.cancelled = False
         self.rank_died: str | None = None
         self.final_read: Finished | Failed | None = None  # its end, once read (before its process has exited)
+        self.said_more: Callable[[], None] = lambda: None  # told at each line it prints, its end's included
         self.stderr_tail: collections.deque[str] = collections.deque(maxlen=STDERR_LINES)
 
     async def run(self, on_event: Callable[[object], Awaitable[None]]) -> Finished | Failed | Cancelled:
@@ -183,9 +184,11 @@ class TrainerRun:
             except msgspec.DecodeError:
                 log.debug("trainer printed a line that is not an event: %r", line[:200])
                 continue
-            if isinstance(event, (Finished, Failed)):
+            ends = isinstance(event, (Finished, Failed))
+            if ends:
                 final = self.final_read = event
-            elif not self.took(event):
+            self.said_more()  # before the line is passed on: a checkpoint's own line says nothing of it
+            if not ends and not self.took(event):
                 await on_event(event)
         return final
 
