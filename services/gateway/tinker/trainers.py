@@ -89,6 +89,12 @@ def changes(call: SessionCall) -> bool:
     return isinstance(call, (OptimStep, LoadWeights)) or (isinstance(call, ForwardBackward) and not call.forward_only)
 
 
+def refused(reply: SessionReply) -> bool:
+    """Whether the session refused the call, naming the field to change: it changed nothing (a call that failed as
+    it ran, with no field named, may have: counted as a change, its loss told rather than kept silent)."""
+    return isinstance(reply, CallError) and bool(reply.field)
+
+
 class NotKept(Exception):
     """The model's record could not be written before an answer it must precede: the answer is not kept either
     (the gateway gives the model up; the next sends the call again under its call id)."""
@@ -143,7 +149,7 @@ class Trainers:
                 request.attempt = route.attempt
                 reply = await self._ask(model, route, route.node, request)
                 if not (isinstance(reply, CallError) and reply.retry):
-                    if ordered and changes(call) and route.trained != request.attempt:
+                    if ordered and changes(call) and not refused(reply) and route.trained != request.attempt:
                         await self._trained_on(model, route, request.attempt)
                     return reply
             route.node, looked = await self._where(model, route, ordered), True
