@@ -44,7 +44,7 @@ from services.procs import end_leftovers
 
 log = logging.getLogger(__name__)
 SHUTDOWN_PUBLISH_S = 5.0  # how long a state published while shutting down is retried (NATS may be gone)
-PAUSE_END_S = 8.0  # how long a shutdown waits for paused runs' checkpoints (within the service's 15 s to stop)
+PAUSE_END_S = 6.0  # how long a shutdown waits for paused runs' checkpoints: with the hand-backs (5 s), within 15 s
 ATTEMPT_END_S = 10.0  # how long an assignment waits for the attempt it replaces to be gone
 
 
