@@ -146,6 +146,8 @@ class ModelRecord(Struct, kw_only=True):
     pump: str = ""  # the gateway that runs its calls in order, while one does
     attempt: int = 0  # the job's attempt that answered its last call changing the session (0: none at risk)
     lost: str = ""  # it moved after its node went away: what its next training call is told
+    lost_at: int | None = None  # the seq_id `lost` was told to (its answer may not be stored): told again to that
+    # call alone, the calls after it not (the client heard it); None: not told yet, the next ordered call is
     saves: dict[str, SaveRecord] = field(default_factory=dict)  # save_state names
     samplers: dict[str, SaveRecord] = field(default_factory=dict)  # unnamed sampler saves (named: SamplerSave)
     created: float = 0.0

@@ -75,7 +75,10 @@ class RecordWriter:
         if route.telling is not None and route.telling[0] < seq:
             route.telling = None
         record.attempt = route.trained
-        record.lost = route.lost or (route.telling[1] if route.telling is not None else "")
+        if route.telling is not None and not route.lost:  # told: the call told, alone, is told again
+            record.lost_at, record.lost = route.telling
+        else:
+            record.lost_at, record.lost = None, route.lost
 
     async def _merge(self, record: ModelRecord, seq: int, changes: list[Change]) -> int:
         """Another gateway changed the stored record: this one's changes go on top of it, and this copy loses what
@@ -87,7 +90,7 @@ class RecordWriter:
                 raise TakenOver(record.id)
             stored.next_seq, stored.last_request = max(stored.next_seq, seq), max(stored.last_request, last)
             stored.job, stored.info = stored.job or record.job, stored.info or record.info
-            stored.attempt, stored.lost = record.attempt, record.lost
+            stored.attempt, stored.lost, stored.lost_at = record.attempt, record.lost, record.lost_at
             for change in changes:
                 change(stored)
             return True

@@ -116,7 +116,8 @@ class Trainers:
     def took(self, model: ModelRecord) -> Route:
         """The model's calls run here from now: what this gateway knew of them is forgotten for the record's (another
         gateway may have run them since, seen the session move, and told the client)."""
-        route = self.routes[model.id] = Route(trained=model.attempt, lost=model.lost)
+        told = (model.lost_at, model.lost) if model.lost and model.lost_at is not None else None
+        route = self.routes[model.id] = Route(trained=model.attempt, lost="" if told else model.lost, telling=told)
         while len(self.routes) > ROUTES_KEPT:
             self.routes.popitem(last=False)
         return route
@@ -141,9 +142,10 @@ class Trainers:
         request = SessionRequest(job=model.job, tenant=model.tenant, call=call, call_id=call_id)
         ordered, looked = seq is not None, False  # looked: its job seen during this call
         while time.monotonic() < deadline:
+            if seq is not None and route.telling is not None and route.telling[0] == seq:
+                raise CallFailed(route.telling[1])  # the call told, sent again: its told answer was not stored
             if seq is not None and route.lost:
-                route.telling, route.lost = (seq, route.lost), ""
-                raise CallFailed(route.telling[1])
+                await self._told(model, route, seq)
             # an ordered call goes to an attempt other than the one trained on only once the loss is judged
             if route.node is not None and (not ordered or looked or route.trained in (0, route.attempt)):
                 request.attempt = route.attempt
@@ -157,11 +159,23 @@ class Trainers:
                 await asyncio.sleep(POLL_S)
         raise CallFailed(f"model {model.id}'s session did not start within {CALL_WAIT_S:.0f} s", "server")
 
+    async def _told(self, model: ModelRecord, route: Route, seq: int) -> None:
+        """The loss is told to the ordered call `seq`: written to the model's record first, naming that call (a
+        gateway that dies after storing the told answer, before its next write, leaves the next one the calls
+        after it to send untold: the client heard it), then the call fails with it."""
+        route.telling, route.lost = (seq, route.lost), ""
+        await self._kept(model)
+        raise CallFailed(route.telling[1])
+
     async def _trained_on(self, model: ModelRecord, route: Route, attempt: int) -> None:
         """`attempt` answered a call that changed the session: how it ends now says whether that was lost. Written to
         the model's record first (a gateway that stops before its next write, or dies, leaves the next one the
         attempt to judge by: not one whose pause kept less than the client saw)."""
         route.trained = attempt
+        await self._kept(model)
+
+    async def _kept(self, model: ModelRecord) -> None:
+        """The model's record written with its route before an answer is kept (NotKept: the answer is not either)."""
         if self.keep is not None:
             try:
                 await self.keep(model)
