@@ -8,7 +8,9 @@ for one member) on stdin; each member's events go out as GroupEvent lines and it
 Members' calls interleave fairly: each round takes the oldest waiting call of every member, in turn, so one
 member's long call holds up another's by one call at most; where several members' next calls are forward_backwards
 that train, they run in one pass of the base (session_batch.py: on this 2-core CPU that pass cost about 40% of
-running them one by one, bench/tinker_api.py; JETLORA_SESSION_BATCH=off runs every call in its own pass).
+running them one by one, bench/tinker_api.py; JETLORA_SESSION_BATCH=off runs every call in its own pass). A
+forward_backward waits up to JETLORA_SESSION_BATCH_WAIT_MS (5) for the members due to send theirs within that time
+(SessionGroup.short): several sessions stepped together send them a moment apart, and each came alone.
 
 A member ends as a session alone does: stopped (its adapter saved), paused when asked or after idle_s with no call
 (checkpointed: its next call resumes it wherever its job goes), cancelled (dropped at once). A member's failure is
@@ -26,7 +28,7 @@ import traceback
 import msgspec
 
 from schemas.events import Failed, Finished, GroupControl, GroupEvent, Requeue, Started, TrainerSpec
-from schemas.sessions import CallError, MemberAnswer, MemberCall, SessionReply
+from schemas.sessions import CallError, ForwardBackward, MemberAnswer, MemberCall, SessionReply
 from trainer.session import model as ops
 from trainer.multi_lora.controls import Controls, addressed, note
 from trainer.multi_lora.held_base import HeldBase, OtherWeights
@@ -38,17 +40,21 @@ from trainer.session.member import SessionMember
 
 POLL_S = 0.2
 BATCH_ENV = "JETLORA_SESSION_BATCH"  # "off": every call in its own pass
+WAIT_ENV = "JETLORA_SESSION_BATCH_WAIT_MS"  # how long a forward_backward waits for the members due to join its pass
+WAIT_MS = 5.0
 
 
 class SessionGroup:
-    def __init__(self, batch: bool = True) -> None:
+    def __init__(self, batch: bool = True, wait_s: float = WAIT_MS / 1000) -> None:
         self.held = HeldBase()
         self.base: SharedBase | None = None
         self.vocab = 0
-        self.batch = batch
+        self.batch, self.wait_s = batch, wait_s
         self.members: dict[str, SessionMember] = {}
         self.waiting: dict[str, collections.deque[MemberCall]] = {}  # each member's calls not answered yet
         self.last: dict[str, float] = {}  # when each member was last called
+        self.kind: dict[str, type] = {}  # the kind of each member's last call
+        self.back: dict[str, float] = {}  # how soon each member's forward_backward came after its step's answer
         self.turns = 0  # which member goes first in the next round
 
     # --- joining and leaving --------------------------------------------------------------------------------------
@@ -100,6 +106,8 @@ class SessionGroup:
         """The member leaves now: its LoRA comes off the base; calls it had waiting are told to ask again."""
         member = self.members.pop(job)
         self.last.pop(job, None)
+        self.kind.pop(job, None)
+        self.back.pop(job, None)
         if self.base is not None:
             self.base.detach(job)
         for line in self.waiting.pop(job, ()):
@@ -138,12 +146,35 @@ class SessionGroup:
         if (known := member.applied.answer(line.call_id)) is not None:  # it ran already: answered as it was
             self.answer(line, known)
             return
+        if batchable(line.call) and self.kind.get(line.job) not in (None, ForwardBackward):
+            back = _now() - self.last[line.job]  # since the answer before it
+            self.back[line.job] = back if line.job not in self.back else 0.5 * (self.back[line.job] + back)
         self.waiting[line.job].append(line)
+        self.kind[line.job] = type(line.call)
 
     def answer(self, line: MemberCall, reply: SessionReply) -> None:
         emit(MemberAnswer(job=line.job, attempt=line.attempt, id=line.id, reply=reply))
         if line.job in self.last:
             self.last[line.job] = _now()
+
+    def short(self) -> bool:
+        """A member's forward_backward that trains is next, and another member is due to send one within wait_s:
+        it stepped (its last call was not a forward_backward), nothing of it waits, and its forward_backwards
+        lately came within wait_s of the answer before them, which was less than wait_s ago. Clients that step
+        together (one program driving several sessions) send their forward_backwards a moment apart: waiting for
+        them puts them in one pass of the base. A member whose calls come further apart is not waited for."""
+        if not self.batch or len(self.members) < 2:
+            return False
+        if not any(q and batchable(q[0].call) for q in self.waiting.values()):
+            return False
+        now = _now()
+        return any(
+            not self.waiting[job]
+            and self.kind.get(job) not in (None, ForwardBackward)
+            and self.back.get(job, self.wait_s) < self.wait_s
+            and now - self.last[job] < self.wait_s
+            for job in self.members
+        )
 
     def round(self) -> bool:
         """One call of every member that has one waiting, the first member taking turns; False: none was waiting."""
@@ -191,18 +222,13 @@ class SessionGroup:
 
 def serve_sessions(controls: Controls, lines: list) -> int:
     """Run the group until its stdin is closed and no member is left."""
-    group = SessionGroup(batch=os.environ.get(BATCH_ENV, "on") != "off")
+    wait_s = float(os.environ.get(WAIT_ENV, WAIT_MS)) / 1000
+    group = SessionGroup(batch=os.environ.get(BATCH_ENV, "on") != "off", wait_s=wait_s)
     while True:
-        for line in lines:
-            try:
-                group.handle(line)
-            except Exception as e:  # one session's line: the others go on
-                traceback.print_exc()
-                if isinstance(line, MemberCall):
-                    group.answer(line, CallError(message=f"the call failed: {type(e).__name__}: {e}"))
-                else:
-                    attempt = line.spec.attempt if line.spec else line.attempt
-                    emit(GroupEvent(job=line.job, attempt=attempt, event=Failed(message=f"the trainer failed: {e!r}")))
+        handle_all(group, lines)
+        deadline = _now() + wait_s
+        while group.short() and not controls.closed and (left := deadline - _now()) > 0:
+            handle_all(group, controls.take(wait=True, timeout=left))  # the members due, for one pass
         busy = group.round()
         group.idle_out()
         if controls.closed:
@@ -210,6 +236,19 @@ def serve_sessions(controls: Controls, lines: list) -> int:
                 group.end(job, pause=True, why="the agent closed the session group's input")
             return 0
         lines = controls.take(wait=not busy, timeout=POLL_S)
+
+
+def handle_all(group: SessionGroup, lines: list) -> None:
+    for line in lines:
+        try:
+            group.handle(line)
+        except Exception as e:  # one session's line: the others go on
+            traceback.print_exc()
+            if isinstance(line, MemberCall):
+                group.answer(line, CallError(message=f"the call failed: {type(e).__name__}: {e}"))
+            else:
+                attempt = line.spec.attempt if line.spec else line.attempt
+                emit(GroupEvent(job=line.job, attempt=attempt, event=Failed(message=f"the trainer failed: {e!r}")))
 
 
 def _now() -> float:
