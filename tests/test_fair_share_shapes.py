@@ -8,7 +8,6 @@ tenants over their shares only."""
 
 from __future__ import annotations
 
-import asyncio
 import time
 
 from services.scheduler.config import TenantQuota
@@ -155,22 +154,16 @@ async def test_a_groups_members_given_up_come_from_tenants_over_their_share():
     """initech's job may join the group (--co-train any): a member's memory makes its room there. The member given
     up is acme's (over its share), not globex's (at its share), although globex's would lose least."""
     from services.scheduler import sharing
-    from services.scheduler.pausing import Pausing
-    from services.scheduler.preemption import Preemption
+    from tests.harness.projected import checking
 
     core = co_trained_fleet()
     table = sharing.shares(core)
     assert (table.share, table.held) == ({"acme": 2, "globex": 1, "initech": 1}, {"acme": 4, "globex": 1, "initech": 0})
-    preemption = Preemption(core, Pausing(core))
-    try:
+    async with checking(core) as preemption:  # the pauses it sends have no node to go to here
         preemption.check()
         chosen = {victim: f.frm for victim, f in preemption.in_flight.items()}
         assert len(chosen) == 1 and set(chosen.values()) == {"acme"}, chosen
         assert next(iter(chosen)) in ("m0", "m1"), chosen
-    finally:  # the pauses it sent have no node to go to here
-        for task in list(core.tasks):
-            task.cancel()
-        await asyncio.gather(*core.tasks, return_exceptions=True)
 
 
 def test_the_share_watch_times_each_wait_for_a_device_while_another_holds_more():

@@ -58,7 +58,9 @@ def adopt(core: SchedulerCore, job: str, tenant: str, status: JobStatus, devices
 async def checking(core: SchedulerCore) -> AsyncIterator[Preemption]:
     """The core's preemption check; the pauses it sends, which have no node to go to here, cancelled after."""
     try:
-        yield Preemption(core, Pausing(core))
+        preemption = Preemption(core, Pausing(core))
+        preemption.budget_s = 10.0  # not cut short at 5 ms on a busy machine: its choice is what is looked at
+        yield preemption
     finally:
         for task in list(core.tasks):
             task.cancel()
