@@ -12,31 +12,17 @@ import time
 import pytest
 
 from services.gateway.tinker.order import LINGER_S
-from tests.test_tinker_api import client, datums, gateway, key_for  # noqa: F401  (gateway: the fixture)
+from tests.test_tinker_api import gateway, key_for  # noqa: F401  (gateway: the fixture)
+from tests.test_tinker_exports import export
 
 pytestmark = pytest.mark.timeout(300)
 os.environ.setdefault("TINKER_TELEMETRY", "0")
 
 
-def steps_then_left_open(gw, key: str) -> str:
-    """Three steps and a save, as a loop does; the client's session is then closed, its model still the gateway's."""
-    import tinker
-    from tinker import types
-
-    with client(gw, key) as sc:
-        tc = sc.create_lora_training_client(base_model="tiny", rank=4, seed=0, train_unembed=False).result()
-        batch, _ = datums(tc.get_tokenizer(), types)
-        for _ in range(3):
-            tc.forward_backward(batch, "cross_entropy")
-            tc.optim_step(types.AdamParams(learning_rate=2e-2)).result()
-        tc.save_weights_for_sampler("s").result()
-        tinker.RestClient(base_url=f"http://127.0.0.1:{gw.port}", api_key=key).list_checkpoints(tc.model_id).result()
-        return tc.model_id
-
-
-async def test_a_gateway_with_a_session_on_it_closes_in_seconds(nc, gateway):  # noqa: F811
-    model = await asyncio.to_thread(steps_then_left_open, gateway, await key_for(nc, "acme"))
-    assert model
+async def test_a_gateway_with_a_session_on_it_closes_in_seconds(nc, gateway, tmp_path):  # noqa: F811
+    """Steps, an export and its downloads, as test_tinker_exports does (whose teardown took 60 s every run)."""
+    out = await asyncio.to_thread(export, gateway, await key_for(nc, "acme"), await key_for(nc, "globex"), tmp_path)
+    assert out["model"]
     started = time.monotonic()
     await gateway.close()
     took = time.monotonic() - started
