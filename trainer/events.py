@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import contextlib
 import sys
+import threading
 
 import msgspec
 
 _enc = msgspec.json.Encoder()
 _muted = False
+_writing = threading.Lock()  # one line at a time, whole, from whichever thread
 
 
 def mute() -> None:
@@ -31,5 +33,9 @@ def muted():
 def emit(event) -> None:
     if _muted:
         return
-    sys.stdout.buffer.write(_enc.encode(event) + b"\n")
-    sys.stdout.buffer.flush()
+    line = memoryview(_enc.encode(event) + b"\n")
+    out = sys.stdout.buffer  # the raw pipe under PYTHONUNBUFFERED (the agent's): a write may take part of a line
+    with _writing:
+        while line:  # (a signal, a pause's, that comes while the pipe is full cuts a write short)
+            line = line[out.write(line) or 0 :]
+        out.flush()
