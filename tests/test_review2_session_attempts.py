@@ -86,6 +86,43 @@ async def a_session(nc, tiny_model, agents) -> AsyncIterator[Held]:
         await held.gw.close()
 
 
+@dataclasses.dataclass
+class Balanced:
+    """A training client behind a balancer in front of two gateways, step 1 saved as "kept" through the first."""
+
+    steps: Steps
+    gateways: list[Gateway]
+    front: RoundRobin
+    model: str
+    job: str
+    first: str  # the gateway that runs the model's calls
+
+
+@contextlib.asynccontextmanager
+async def behind_a_balancer(nc, tiny_model, agents) -> AsyncIterator[Balanced]:
+    """Node box (one CPU device), two gateways and a balancer that sends the client to the first (a test moves it
+    with front.ports[0]); the client closed after."""
+    agents.start("box", gpus=None, offer_cpu=True, trainer=None, interval=0.25)
+    await wait_nodes(nc, 1)
+    gateways = [_gateway(nc, tiny_model), _gateway(nc, tiny_model)]
+    for gw in gateways:
+        await gw.start()
+    front = RoundRobin([gateways[0].port])
+    try:
+        steps = await asyncio.to_thread(Steps, await front.start(), await key_for(nc, "acme"))
+        model = steps.tc.model_id
+        assert await asyncio.to_thread(steps.step) == 1.0
+        await asyncio.to_thread(lambda: steps.tc.save_state("kept").result())
+        job = (await _record(nc, model)).job
+        await wait_for(lambda: _checkpointed(nc, job), timeout=60, what="the save stored as the job's checkpoint")
+        yield Balanced(steps, gateways, front, model, job, (await _record(nc, model)).pump)
+        await asyncio.to_thread(steps.sc.close, "success")
+    finally:
+        await front.close()
+        for gw in gateways:
+            await gw.close()
+
+
 async def saved_then_stepped(nc, steps: Steps) -> str:
     """Step 1, saved as "kept", then step 2 (which only a pause keeps): the session's job."""
     assert await asyncio.to_thread(steps.step) == 1.0
@@ -189,22 +226,10 @@ async def test_a_move_told_by_one_gateway_is_not_told_again_by_the_other(nc, sta
     calls, then the second took it over, saw the session's node go away and told the client once; the client went
     on from its save. When the first takes the model back, its own route is what it knew before the move: it must
     not tell the client the same move a second time (the steps since were not lost)."""
-    agents.start("box", gpus=None, offer_cpu=True, trainer=None, interval=0.25)
-    await wait_nodes(nc, 1)
-    gateways = [_gateway(nc, tiny_model), _gateway(nc, tiny_model)]
-    for gw in gateways:
-        await gw.start()
-    front = RoundRobin([gateways[0].port])
-    try:
-        steps = await asyncio.to_thread(Steps, await front.start(), await key_for(nc, "acme"))
-        model = steps.tc.model_id
-        assert await asyncio.to_thread(steps.step) == 1.0
-        await asyncio.to_thread(lambda: steps.tc.save_state("kept").result())
-        job = (await _record(nc, model)).job
-        await wait_for(lambda: _checkpointed(nc, job), timeout=60, what="the save stored as the job's checkpoint")
-        first = (await _record(nc, model)).pump  # it knows the session at attempt 1
-        front.ports[0] = gateways[1].port
-        second = await _taken_over(nc, steps, model, first)
+    async with behind_a_balancer(nc, tiny_model, agents) as b:
+        steps, model, job, front = b.steps, b.model, b.job, b.front
+        front.ports[0] = b.gateways[1].port
+        second = await _taken_over(nc, steps, model, b.first)
         agents.kill("box")
         agents.start("box", gpus=None, offer_cpu=True, trainer=None, interval=0.25)
         await wait_for(lambda: _state(nc, job, "running", 2), timeout=120, what="attempt 2 running from the save")
@@ -213,14 +238,9 @@ async def test_a_move_told_by_one_gateway_is_not_told_again_by_the_other(nc, sta
         assert await asyncio.to_thread(steps.step) == 2.0  # from the save
         # the second's record says attempt 2 (as a gateway writes it after its calls, long before it could look gone)
         await wait_for(lambda: _attempt_recorded(nc, model, 2), timeout=60, what="the model's record at attempt 2")
-        front.ports[0] = gateways[0].port
-        assert await _taken_over(nc, steps, model, second) == first
+        front.ports[0] = b.gateways[0].port
+        assert await _taken_over(nc, steps, model, second) == b.first
         assert await asyncio.to_thread(steps.step) == 3.0  # nothing lost since the notice: not told again
-        await asyncio.to_thread(steps.sc.close, "success")
-    finally:
-        await front.close()
-        for gw in gateways:
-            await gw.close()
 
 
 @pytest.mark.parametrize("back_on", ["box", "other"])

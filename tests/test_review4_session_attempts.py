@@ -20,9 +20,8 @@ from schemas.jobs import Error
 from schemas.job_status import PAUSED_RUNS_KEPT, JobQuery, JobReply, ended_in_pause, with_pause
 from schemas.sessions import ForwardBackward, SessionRequest
 from services import bus
-from tests.conftest import wait_for, wait_nodes
+from tests.conftest import wait_for
 from tests.test_review2_session_attempts import (
-    Steps,
     _checkpointed,
     _gateway,
     _paused_and_resumed_elsewhere,
@@ -30,10 +29,10 @@ from tests.test_review2_session_attempts import (
     _state,
     _taken_over,
     a_session,
+    behind_a_balancer,
     saved_then_stepped,
 )
 from tests.test_tinker_api import key_for
-from tests.test_tinker_store import RoundRobin
 
 pytestmark = pytest.mark.timeout(900)
 os.environ.setdefault("TINKER_TELEMETRY", "0")
@@ -56,27 +55,15 @@ async def test_a_sample_through_the_gateway_that_ran_the_calls_before_a_take_ove
     still holds its route from before the take-over. The second tells the client the loss once; when the first
     takes the model back, its route must not tell it again (2600249: the sample set the first's `lost`, and the
     record's attempt, equal to its route's, did not replace it)."""
-    agents.start("box", **BOX)
-    await wait_nodes(nc, 1)
-    gateways = [_gateway(nc, tiny_model), _gateway(nc, tiny_model)]
-    for gw in gateways:
-        await gw.start()
-    front = RoundRobin([gateways[0].port])
-    try:
-        steps = await asyncio.to_thread(Steps, await front.start(), await key_for(nc, "acme"))
-        model = steps.tc.model_id
-        assert await asyncio.to_thread(steps.step) == 1.0
-        await asyncio.to_thread(lambda: steps.tc.save_state("kept").result())
-        job = (await _record(nc, model)).job
-        await wait_for(lambda: _checkpointed(nc, job), timeout=60, what="the save stored as the job's checkpoint")
+    async with behind_a_balancer(nc, tiny_model, agents) as b:
+        steps, model, job, front = b.steps, b.model, b.job, b.front
         path = await asyncio.to_thread(lambda: steps.tc.save_weights_for_sampler("s1").result().path)
         sampling = await asyncio.to_thread(lambda: steps.sc.create_sampling_client(model_path=path).result())
-        first = (await _record(nc, model)).pump
-        front.ports[0] = gateways[1].port
-        second = await _taken_over(nc, steps, model, first)
+        front.ports[0] = b.gateways[1].port
+        second = await _taken_over(nc, steps, model, b.first)
         assert await asyncio.to_thread(steps.step) == 2.0  # through the second: lost with the node
         await _node_lost_and_back(nc, agents, job, 2)
-        front.ports[0] = gateways[0].port  # a sample through the first, its route from before the take-over
+        front.ports[0] = b.gateways[0].port  # a sample through the first, its route from before the take-over
 
         def sample():
             prompt = steps.types.ModelInput.from_ints([1, 2, 3])
@@ -84,18 +71,13 @@ async def test_a_sample_through_the_gateway_that_ran_the_calls_before_a_take_ove
             return sampling.sample(prompt, 1, params).result()
 
         assert (await asyncio.to_thread(sample)).sequences
-        front.ports[0] = gateways[1].port
+        front.ports[0] = b.gateways[1].port
         with pytest.raises(Exception, match="went away"):  # told once, by the second
             await asyncio.to_thread(steps.step)
         assert await asyncio.to_thread(steps.step) == 2.0  # from the save
-        front.ports[0] = gateways[0].port
-        assert await _taken_over(nc, steps, model, second) == first  # found: 'went away' again, from the sample
+        front.ports[0] = b.gateways[0].port
+        assert await _taken_over(nc, steps, model, second) == b.first  # found: 'went away' again, from the sample
         assert await asyncio.to_thread(steps.step) == 3.0
-        await asyncio.to_thread(steps.sc.close, "success")
-    finally:
-        await front.close()
-        for gw in gateways:
-            await gw.close()
 
 
 async def _a_call_ahead(nc, port: int, key: str, model: str) -> None:
