@@ -43,36 +43,6 @@ HOLD_GROUP = f"{sys.executable} {ROOT / 'tests' / 'programs' / 'hold_group.py'}"
 
 _SESSION: dict[str, int] = {}
 
-# The files that take a worker longest (each test a whole stack: nodes, trainers, gateways), heaviest first, from a
-# full run's --durations. A file's tests go to one worker (--dist loadfile), in the order collected: alphabetical
-# order gave these out last (review_*, tinker_*), and the run ended on one or two workers still in them.
-HEAVY_FILES_FIRST = (
-    "test_review4_session_attempts.py",
-    "test_review2_session_attempts.py",
-    "test_tinker_sessions.py",
-    "test_tinker_serving_idle.py",
-    "test_stalled_agent_trainer.py",
-    "test_co_train_tenants.py",
-    "test_review5_session_attempts.py",
-    "test_demo_job.py",
-    "test_gates.py",
-    "test_review_tinker_between_calls.py",
-    "test_tinker_silence.py",
-    "test_review_scheduler_lease_bucket.py",
-    "test_review4_pauses.py",
-    "test_tinker_store.py",
-    "test_end_to_end.py",
-    "test_multi_device.py",
-    "test_dashboard_panels.py",
-    "test_demo_keep.py",
-)
-
-
-def pytest_collection_modifyitems(config, items) -> None:
-    """The heaviest files first (a stable sort: every other file, and each file's own tests, keep their order)."""
-    rank = {name: i for i, name in enumerate(HEAVY_FILES_FIRST)}
-    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))
-
 
 def pytest_xdist_auto_num_workers(config) -> int:
     """`-n auto`: two workers per core (at most 16). A test mostly waits on the processes it starts and on windows
