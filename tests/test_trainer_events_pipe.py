@@ -9,10 +9,9 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
-from tests.conftest import ROOT
+from tests.conftest import ROOT, wait_for
 
 CHILD = """
 import signal, sys
@@ -29,7 +28,7 @@ def _blocked_writing(pid: int) -> bool:
         return False
 
 
-def test_a_long_event_written_through_signals_arrives_whole():
+async def test_a_long_event_written_through_signals_arrives_whole():
     child = subprocess.Popen(
         [sys.executable, "-c", CHILD],
         cwd=ROOT,
@@ -38,11 +37,13 @@ def test_a_long_event_written_through_signals_arrives_whole():
     )
     got = b""
     try:
-        deadline = time.monotonic() + 60
-        for _ in range(3):  # each while the child waits for room in the pipe
-            while not _blocked_writing(child.pid) and child.poll() is None:
-                assert time.monotonic() < deadline, "the child never filled the pipe"
-                time.sleep(0.01)  # polling /proc for the condition, under the deadline above
+        for _ in range(3):  # each while the child waits for room in the pipe (or once it has ended)
+            await wait_for(
+                lambda: _blocked_writing(child.pid) or child.poll() is not None,
+                timeout=60,
+                interval=0.01,
+                what="the child blocked writing into a full pipe",
+            )
             if child.poll() is not None:
                 break  # it ended: what it wrote is all there is
             child.send_signal(signal.SIGUSR1)
